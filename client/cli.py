@@ -1,0 +1,245 @@
+"""The `blink` command line: serve, engine, frontend, generate, info, stats."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEMO_NOTE = ("serving the built-in demo model: random weights, so its text is meaningless. "
+             "Serve a real checkpoint with `blink serve --model DIR` (a Hugging Face folder with "
+             "config.json, *.safetensors and tokenizer.json; Llama, Qwen2 or Qwen3).")
+
+
+def _model_dir(arg: str | None) -> Path:
+    if arg:
+        path = Path(arg).expanduser()
+        if not (path / "config.json").is_file():
+            sys.exit(f"blink: {path} is not a Hugging Face checkpoint folder (no config.json)")
+        return path
+    from blink.gpu_engine.demo_model import ensure_demo_model
+    print(f"blink: {DEMO_NOTE}", file=sys.stderr)
+    return ensure_demo_model()
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=["auto", "cpu"], default="auto",
+                   help="engine backend; auto = the CPU reference engine until the CUDA engine "
+                        "lands")
+    p.add_argument("--slots", type=int, default=128, help="request slots in the ring")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache size in MiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks (overrides --kv-cache-mb)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most")
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")
+
+
+def _add_frontend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free)")
+    p.add_argument("--queue-timeout", type=float, default=30.0,
+                   help="seconds a request may wait for a free ring slot")
+    p.add_argument("--max-queued", type=int, default=1024,
+                   help="requests allowed to wait for a slot")
+    p.add_argument("--engine-timeout", type=float, default=3.0,
+                   help="seconds without an engine heartbeat before streams fail UNAVAILABLE")
+    p.add_argument("--max-request-mb", type=float, default=4.0, help="largest request accepted")
+    p.add_argument("--ready-file", type=Path, default=None,
+                   help="write the bound port here once listening")
+
+
+def _engine_config(args, model_dir: Path):
+    from blink.gpu_engine.reference_engine import EngineConfig
+    return EngineConfig(model_dir=model_dir, ring_name=args.ring_name, num_slots=args.slots,
+                        block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
+                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_batched_tokens,
+                        max_model_len=args.max_model_len)
+
+
+def _frontend_config(args, model_dir: Path):
+    from blink.nic_service.server import FrontendConfig
+    return FrontendConfig(model_dir=model_dir, ring_name=args.ring_name, host=args.host,
+                          port=args.port, queue_timeout_s=args.queue_timeout,
+                          max_queued=args.max_queued, engine_timeout_s=args.engine_timeout,
+                          max_request_bytes=int(args.max_request_mb * (1 << 20)))
+
+
+def cmd_engine(args) -> None:
+    from blink.gpu_engine.reference_engine import run_engine
+    run_engine(_engine_config(args, _model_dir(args.model)))
+
+
+def cmd_frontend(args) -> None:
+    from blink.nic_service.server import serve
+    asyncio.run(serve(_frontend_config(args, _model_dir(args.model)), args.ready_file))
+
+
+def _engine_argv(args, model_dir: Path) -> list[str]:
+    argv = [sys.executable, "-m", "blink.client.cli", "engine", "--model", str(model_dir),
+            "--ring-name", args.ring_name, "--slots", str(args.slots),
+            "--block-size", str(args.block_size), "--kv-cache-mb", str(args.kv_cache_mb),
+            "--max-num-seqs", str(args.max_num_seqs),
+            "--max-batched-tokens", str(args.max_batched_tokens)]
+    if args.num_kv_blocks:
+        argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    return argv
+
+
+async def _supervise_engine(argv: list[str], stop: asyncio.Event) -> None:
+    """Runs the engine process and restarts it when it dies (the front end keeps serving and
+    reattaches on its own)."""
+    backoff = 0.5
+    while not stop.is_set():
+        proc = await asyncio.create_subprocess_exec(*argv)
+        started = time.monotonic()
+        waiter = asyncio.ensure_future(proc.wait())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(waiter, 10)
+                except asyncio.TimeoutError:
+                    proc.kill()
+            return
+        stopper.cancel()
+        logging.getLogger("blink.serve").warning("engine exited with %s; restarting",
+                                                 proc.returncode)
+        backoff = 0.5 if time.monotonic() - started > 30 else min(backoff * 2, 10)
+        await asyncio.sleep(backoff)
+
+
+def cmd_serve(args) -> None:
+    model_dir = _model_dir(args.model)
+
+    async def main():
+        from blink.nic_service.server import Frontend
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        engine = asyncio.ensure_future(_supervise_engine(_engine_argv(args, model_dir), stop))
+        frontend = Frontend(_frontend_config(args, model_dir))
+        port = await frontend.start()
+        if args.ready_file:
+            args.ready_file.write_text(str(port))
+        print(f"blink: serving {model_dir.name} on {args.host}:{port} (ring /dev/shm/"
+              f"{args.ring_name}); try: blink generate --target {args.host}:{port} \"Hello\"",
+              flush=True)
+        await stop.wait()
+        await frontend.stop()
+        await engine
+
+    asyncio.run(main())
+
+
+def _sampling(args):
+    from blink.client.sdk import Sampling
+    return Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+                    ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args) -> None:
+    from blink.client.sdk import BlinkClient, BlinkError
+    with BlinkClient(args.target) as client:
+        try:
+            client.wait_ready(args.wait)
+            stream = client.stream(args.prompt, _sampling(args), timeout=args.timeout)
+            for delta in stream:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            done = stream.result
+        except BlinkError as e:
+            sys.exit(f"\nblink: {e}")
+    sys.stdout.write("\n")
+    print(f"[{done.finish_reason}; {done.prompt_tokens} prompt + {done.completion_tokens} "
+          f"generated tokens; first token {done.time_to_first_token_s * 1e3:.1f} ms, "
+          f"total {done.total_s * 1e3:.1f} ms]", file=sys.stderr)
+
+
+def cmd_info(args) -> None:
+    from blink.client.sdk import BlinkClient
+    with BlinkClient(args.target) as client:
+        print(client.model_info())
+
+
+def cmd_stats(args) -> None:
+    from blink.client.sdk import BlinkClient
+    with BlinkClient(args.target) as client:
+        print(json.dumps(client.stats(), indent=2, default=str))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from blink.ring.shm import default_ring_name
+    parser = argparse.ArgumentParser(prog="blink", description="Blink: CPU-free LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p):
+        p.add_argument("--model", default=None,
+                       help="Hugging Face checkpoint folder (default: the built-in demo model)")
+        p.add_argument("--ring-name", default=default_ring_name(),
+                       help="name of the shared-memory ring under /dev/shm")
+
+    p = sub.add_parser("serve", help="engine and front end on this host")
+    model_args(p)
+    _add_engine_args(p)
+    _add_frontend_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("engine", help="the engine alone (creates the ring)")
+    model_args(p)
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_engine)
+
+    p = sub.add_parser("frontend", help="the gRPC front end alone (attaches to the ring)")
+    model_args(p)
+    _add_frontend_args(p)
+    p.set_defaults(func=cmd_frontend)
+
+    p = sub.add_parser("generate", help="stream a completion to the terminal")
+    p.add_argument("prompt")
+    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--wait", type=float, default=60.0,
+                   help="seconds to wait for the server to become ready")
+    p.set_defaults(func=cmd_generate)
+
+    for name, func, text in (("info", cmd_info, "describe the served model"),
+                             ("stats", cmd_stats, "engine and ring counters")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--target", default="127.0.0.1:50051")
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

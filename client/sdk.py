@@ -1,0 +1,488 @@
+"""Python client for the Blink gRPC API (blink.v1), blocking and asyncio.
+
+    with BlinkClient("localhost:50051") as client:
+        for delta in client.stream("Once upon a time", Sampling(max_tokens=32)):
+            print(delta.text, end="", flush=True)
+
+    async with AsyncBlinkClient("localhost:50051") as client:
+        completion = await client.generate([{"role": "user", "content": "Hi"}])
+
+Both clients share `build_request` (prompt + sampling -> GenerateRequest) and `_Folder`
+(GenerateResponse messages -> Deltas, then one Completion); they differ only in how they wait.
+Every failed call raises BlinkError; its codes are documented at the top of blink.proto.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import numbers
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from blink.v1 import blink_pb2, blink_pb2_grpc
+
+# The name the server registers with grpc.health.v1 (SERVING only while the engine answers).
+HEALTH_SERVICE = "blink.v1.Blink"
+
+# Long token-id prompts and chat transcripts exceed gRPC's 4 MiB default.
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+)
+_READY_POLL_S = 0.1
+
+# Text, token ids, or chat messages ({"role": ..., "content": ...}).
+Prompt = Union[str, Sequence[int], Sequence[Mapping[str, str]]]
+
+
+class BlinkError(Exception):
+    """A failed Blink call. `code` is the grpc.StatusCode, `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(code, details)  # both in args, so the error pickles
+        self.code = code
+        self.details = details
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}"
+
+
+def _blink_error(error: grpc.RpcError) -> BlinkError:
+    # Errors raised by calls are also grpc.Call objects; a bare RpcError carries no status.
+    if not callable(getattr(error, "code", None)):
+        return BlinkError(grpc.StatusCode.UNKNOWN, str(error))
+    return BlinkError(error.code(), error.details() or "")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters; a None field leaves the server's default (see SamplingParams)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None  # 0.0 is greedy
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def to_proto(self) -> blink_pb2.SamplingParams:
+        msg = blink_pb2.SamplingParams(
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos
+        )
+        # The scalars are proto3 `optional`: assigning one marks it present even when it is 0,
+        # so only the caller's choices are assigned and temperature=0.0 still reaches the server.
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(msg, name, value)
+        return msg
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed piece of generated text (whole characters)."""
+
+    text: str
+    token_ids: tuple[int, ...]  # empty unless return_token_ids was set
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished generation: the concatenated deltas plus the final message's fields."""
+
+    text: str
+    token_ids: tuple[int, ...]  # empty unless return_token_ids was set
+    finish_reason: str  # "eos" | "length" | "stop"
+    matched_stop: str  # the stop string, or stop token id as decimal text; "" if none
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_s: float
+    total_s: float
+    preemptions: int
+    request_id: str  # the server's id, as in its logs
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    context_length: int  # prompt plus generation, in tokens
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+    engine: str  # "cpu-reference" | "cuda"
+
+    @classmethod
+    def from_proto(cls, msg: blink_pb2.ModelInfo) -> ModelInfo:
+        return cls(
+            name=msg.name,
+            architecture=msg.architecture,
+            context_length=msg.context_length,
+            vocab_size=msg.vocab_size,
+            eos_token_ids=tuple(msg.eos_token_ids),
+            has_chat_template=msg.has_chat_template,
+            engine=msg.engine,
+        )
+
+
+def _stats_dict(msg: blink_pb2.ServerStats) -> dict[str, Any]:
+    # Not MessageToDict: it follows JSON rules and turns the uint64 counters into strings.
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+
+
+def build_request(
+    prompt: Prompt,
+    sampling: Sampling | None = None,
+    *,
+    return_token_ids: bool = False,
+    model: str = "",
+) -> blink_pb2.GenerateRequest:
+    """The GenerateRequest for a prompt: str -> text, ints -> token_ids, dicts -> messages."""
+    request = blink_pb2.GenerateRequest(model=model, return_token_ids=return_token_ids)
+    if sampling is not None:
+        request.sampling.CopyFrom(sampling.to_proto())
+    if isinstance(prompt, str):
+        request.text = prompt
+        return request
+    if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Iterable):
+        raise TypeError(f"prompt must be str, token ids or chat messages, not {type(prompt).__name__}")
+    items = list(prompt)
+    if items and all(isinstance(m, Mapping) for m in items):
+        request.messages.SetInParent()
+        for i, m in enumerate(items):
+            if "role" not in m or "content" not in m:
+                raise ValueError(f"chat message {i} needs 'role' and 'content', got {sorted(m)}")
+            request.messages.messages.add(role=m["role"], content=m["content"])
+    elif all(isinstance(t, numbers.Integral) for t in items):
+        # SetInParent selects the oneof even for [], so the server reports the empty prompt.
+        request.token_ids.SetInParent()
+        request.token_ids.ids.extend(int(t) for t in items)
+    else:
+        raise TypeError("a prompt sequence must hold only token ids (int) or only chat messages (dict)")
+    return request
+
+
+class _Folder:
+    """Folds one call's GenerateResponse messages into Deltas and, at `final`, a Completion."""
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._token_ids: list[int] = []
+        self.result: Completion | None = None
+
+    def fold(self, response: blink_pb2.GenerateResponse) -> Delta | None:
+        """The Delta a chunk carries; None for the final (which sets `result`)."""
+        kind = response.WhichOneof("kind")
+        if kind == "chunk":
+            delta = Delta(response.chunk.text, tuple(response.chunk.token_ids))
+            self._text.append(delta.text)
+            self._token_ids.extend(delta.token_ids)
+            return delta
+        if kind == "final":
+            f = response.final
+            reason = blink_pb2.FinishReason.Name(f.finish_reason)
+            self.result = Completion(
+                text="".join(self._text),
+                token_ids=tuple(self._token_ids),
+                finish_reason=reason.removeprefix("FINISH_REASON_").lower(),
+                matched_stop=f.matched_stop,
+                prompt_tokens=f.usage.prompt_tokens,
+                completion_tokens=f.usage.completion_tokens,
+                time_to_first_token_s=f.timings.time_to_first_token_s,
+                total_s=f.timings.total_s,
+                preemptions=f.timings.preemptions,
+                request_id=f.request_id,
+            )
+        # Anything else is a kind added by a newer server: skipped.
+        return None
+
+    def end(self) -> None:
+        """Called when the stream ends with OK status: the contract promises a final by then."""
+        if self.result is None:
+            raise BlinkError(grpc.StatusCode.UNKNOWN, "stream ended without a final message")
+
+
+def _not_ready(timeout: float, last: str) -> BlinkError:
+    return BlinkError(
+        grpc.StatusCode.DEADLINE_EXCEEDED, f"{HEALTH_SERVICE} not SERVING after {timeout:g}s (last: {last})"
+    )
+
+
+def _health_request() -> health_pb2.HealthCheckRequest:
+    return health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)
+
+
+def _status_name(response: health_pb2.HealthCheckResponse) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+class GenerationStream:
+    """Iterator of Deltas for one Generate call; `result` is the Completion once the final arrived.
+
+    `cancel()` (or `close()`, leaving a `with` block, or dropping the stream) cancels the call in
+    the server; iteration then just stops.
+    """
+
+    def __init__(self, call: Any):  # call: grpc's response iterator, also a grpc.Call
+        self._call = call
+        self._folder = _Folder()
+        self._cancelled = False
+
+    @property
+    def result(self) -> Completion | None:
+        return self._folder.result
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> Delta:
+        while True:
+            try:
+                response = next(self._call)
+            except StopIteration:
+                break
+            except grpc.RpcError as e:
+                if self._cancelled:
+                    raise StopIteration from None
+                raise _blink_error(e) from e
+            delta = self._folder.fold(response)
+            if delta is not None:
+                return delta
+        self._folder.end()
+        raise StopIteration
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()  # a no-op once the call has finished
+
+    close = cancel
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_call"):  # __init__ may not have run to the end
+            self._call.cancel()
+
+
+class AsyncGenerationStream:
+    """Async iterator of Deltas for one Generate call; see GenerationStream.
+
+    Cancelling the task that awaits the next delta cancels the call as well.
+    """
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall):
+        self._call = call
+        self._folder = _Folder()
+        self._cancelled = False
+
+    @property
+    def result(self) -> Completion | None:
+        return self._folder.result
+
+    def __aiter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        while True:
+            try:
+                response = await self._call.read()
+            except asyncio.CancelledError:
+                if self._cancelled:  # our own cancel() surfaces as CancelledError in grpc.aio
+                    raise StopAsyncIteration from None
+                self._call.cancel()  # the awaiting task was cancelled: end the call too
+                raise
+            except grpc.RpcError as e:
+                if self._cancelled:
+                    raise StopAsyncIteration from None
+                raise _blink_error(e) from e
+            if response is grpc.aio.EOF:
+                break
+            delta = self._folder.fold(response)
+            if delta is not None:
+                return delta
+        self._folder.end()
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+    close = cancel
+
+    async def aclose(self) -> None:  # for contextlib.aclosing
+        self.cancel()
+
+    async def __aenter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
+
+    # No __del__: a grpc.aio call cancels itself when collected, and cancelling from a finalizer
+    # could run after its event loop is gone.
+
+
+class BlinkClient:
+    """Blocking client over one channel. Use as a context manager or call close()."""
+
+    def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = ()):
+        self._channel = grpc.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *options])
+        self._stub = blink_pb2_grpc.BlinkStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> BlinkClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling: Sampling | None = None,
+        *,
+        timeout: float | None = None,
+        return_token_ids: bool = False,
+        model: str = "",
+    ) -> GenerationStream:
+        request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model)
+        return GenerationStream(self._stub.Generate(request, timeout=timeout))
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling: Sampling | None = None,
+        *,
+        timeout: float | None = None,
+        return_token_ids: bool = False,
+        model: str = "",
+    ) -> Completion:
+        with self.stream(
+            prompt, sampling, timeout=timeout, return_token_ids=return_token_ids, model=model
+        ) as stream:
+            for _ in stream:
+                pass
+            return stream.result
+
+    def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise _blink_error(e) from e
+
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        msg = self._unary(self._stub.GetModelInfo, blink_pb2.GetModelInfoRequest(), timeout)
+        return ModelInfo.from_proto(msg)
+
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        return _stats_dict(self._unary(self._stub.GetServerStats, blink_pb2.GetServerStatsRequest(), timeout))
+
+    def health(self, *, timeout: float | None = None) -> str:
+        """"SERVING", "NOT_SERVING", ... as grpc.health.v1 reports it for blink.v1.Blink."""
+        return _status_name(self._unary(self._health.Check, _health_request(), timeout))
+
+    def wait_ready(self, timeout: float) -> None:
+        """Polls health until SERVING; BlinkError(DEADLINE_EXCEEDED) after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                last = self.health(timeout=max(deadline - time.monotonic(), 0.001))
+            except BlinkError as e:  # e.g. UNAVAILABLE while the server is still starting
+                last = str(e)
+            if last == "SERVING":
+                return
+            if time.monotonic() + _READY_POLL_S > deadline:
+                raise _not_ready(timeout, last)
+            time.sleep(_READY_POLL_S)
+
+
+class AsyncBlinkClient:
+    """BlinkClient on grpc.aio: the same methods, awaited. Use `async with` or `await close()`."""
+
+    def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = ()):
+        self._channel = grpc.aio.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *options])
+        self._stub = blink_pb2_grpc.BlinkStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncBlinkClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling: Sampling | None = None,
+        *,
+        timeout: float | None = None,
+        return_token_ids: bool = False,
+        model: str = "",
+    ) -> AsyncGenerationStream:
+        request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model)
+        return AsyncGenerationStream(self._stub.Generate(request, timeout=timeout))
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling: Sampling | None = None,
+        *,
+        timeout: float | None = None,
+        return_token_ids: bool = False,
+        model: str = "",
+    ) -> Completion:
+        async with self.stream(
+            prompt, sampling, timeout=timeout, return_token_ids=return_token_ids, model=model
+        ) as stream:
+            async for _ in stream:
+                pass
+            return stream.result
+
+    async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return await method(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise _blink_error(e) from e
+
+    async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        msg = await self._unary(self._stub.GetModelInfo, blink_pb2.GetModelInfoRequest(), timeout)
+        return ModelInfo.from_proto(msg)
+
+    async def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        msg = await self._unary(self._stub.GetServerStats, blink_pb2.GetServerStatsRequest(), timeout)
+        return _stats_dict(msg)
+
+    async def health(self, *, timeout: float | None = None) -> str:
+        return _status_name(await self._unary(self._health.Check, _health_request(), timeout))
+
+    async def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                last = await self.health(timeout=max(deadline - time.monotonic(), 0.001))
+            except BlinkError as e:
+                last = str(e)
+            if last == "SERVING":
+                return
+            if time.monotonic() + _READY_POLL_S > deadline:
+                raise _not_ready(timeout, last)
+            await asyncio.sleep(_READY_POLL_S)

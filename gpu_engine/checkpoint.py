@@ -1,0 +1,384 @@
+"""Load a Hugging Face checkpoint directory: config, weights (float32 NumPy) and RoPE frequencies.
+
+Supported: LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases), Qwen3ForCausalLM (per-head RMSNorm
+on q and k). The directory holds config.json, optionally generation_config.json, one or more
+*.safetensors files (sharded through model.safetensors.index.json) and tokenizer.json.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be served, with a message saying why."""
+
+
+# HF `architectures` entry -> our short name.
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str  # the checkpoint directory's name
+    architecture: str  # 'llama' | 'qwen2' | 'qwen3'
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE, else {'rope_type': 'llama3', 'factor', 'low_freq_factor',
+    # 'high_freq_factor', 'original_max_position_embeddings'}.
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections have biases (always for qwen2)
+    o_proj_bias: bool  # o_proj has a bias (llama/qwen3 with attention_bias; never qwen2)
+    qk_norm: bool  # qwen3: RMSNorm over head_dim on q and k before RoPE
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # union of config.json and generation_config.json
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path.name} not found in checkpoint directory {path.parent}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
+
+
+def _int_list(value, what: str) -> list[int]:
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise CheckpointError(f"{what} must be an int or a list of ints, got {value!r}")
+    return values
+
+
+def _parse_rope(raw: dict, max_pos: int) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either the legacy `rope_theta` + `rope_scaling` keys that
+    hub checkpoints carry or the `rope_parameters` dict that transformers 5 writes."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"rope_scaling/rope_parameters must be an object, got {params!r}")
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise CheckpointError("partial_rotary_factor != 1 is not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise CheckpointError(
+            f"RoPE type {rope_type!r} is not supported (supported: 'default', 'llama3')")
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+    if missing:
+        raise CheckpointError(f"llama3 RoPE scaling lacks {', '.join(missing)}")
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(params["factor"]),
+        "low_freq_factor": float(params["low_freq_factor"]),
+        "high_freq_factor": float(params["high_freq_factor"]),
+        "original_max_position_embeddings": int(
+            params.get("original_max_position_embeddings", max_pos)),
+    }
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise CheckpointError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor")
+    return theta, scaling
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
+    raw = _read_json(model_dir / "config.json")
+
+    archs = raw.get("architectures") or []
+    arch = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
+    if arch is None:
+        raise CheckpointError(
+            f"unsupported architecture {archs or raw.get('model_type')!r} in "
+            f"{model_dir}/config.json "
+            f"(supported: {', '.join(_ARCHITECTURES)})")
+
+    def need_int(key: str) -> int:
+        v = raw.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise CheckpointError(f"config.json: {key} must be a positive int, got {v!r}")
+        return v
+
+    hidden = need_int("hidden_size")
+    heads = need_int("num_attention_heads")
+    kv_heads = need_int("num_key_value_heads") if raw.get("num_key_value_heads") else heads
+    # transformers' defaults when head_dim is absent: hidden/heads, except Qwen3Config's 128.
+    head_dim = need_int("head_dim") if raw.get("head_dim") else (
+        128 if arch == "qwen3" else hidden // heads)
+    if heads % kv_heads:
+        raise CheckpointError(f"num_attention_heads {heads} is not a multiple of "
+                              f"num_key_value_heads {kv_heads}")
+    if head_dim % 2:
+        raise CheckpointError(f"head_dim {head_dim} must be even for RoPE")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
+    if raw.get("mlp_bias"):
+        raise CheckpointError("mlp_bias=true is not supported")
+    if arch in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
+
+    max_pos = (need_int("max_position_embeddings") if "max_position_embeddings" in raw
+               else 2048 if arch == "llama" else 32768)  # transformers' defaults
+    rope_theta, rope_scaling = _parse_rope(raw, max_pos)
+    vocab = need_int("vocab_size")
+
+    # eos ids: config.json first, then generation_config.json extras (Llama-3 instruct models
+    # list <|eot_id|> only in the latter).
+    eos = _int_list(raw.get("eos_token_id"), "config.json eos_token_id")
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos += _int_list(_read_json(gen_path).get("eos_token_id"), "generation_config eos_token_id")
+    eos_ids = tuple(dict.fromkeys(eos))
+    bos = raw.get("bos_token_id")
+    if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool)):
+        raise CheckpointError(f"config.json bos_token_id must be an int, got {bos!r}")
+    for tok in (*eos_ids, *([bos] if bos is not None else [])):
+        if not 0 <= tok < vocab:
+            raise CheckpointError(f"special token id {tok} is outside the vocabulary ({vocab})")
+
+    bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        name=model_dir.resolve().name,
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=need_int("intermediate_size"),
+        num_layers=need_int("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=True if arch == "qwen2" else bias,
+        o_proj_bias=False if arch == "qwen2" else bias,
+        qk_norm=arch == "qwen3",
+        bos_token_id=bos,
+        eos_token_ids=eos_ids,
+    )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies, step by step in float32 as transformers does."""
+    dim = cfg.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    # The power in float64 rounded to float32 reproduces torch's float32 pow (numpy's float32 pow
+    # differs from it in the last bit for about a tenth of the entries).
+    inv_freq = np.float32(1.0) / (cfg.rope_theta ** exponents.astype(np.float64)).astype(np.float32)
+    if cfg.rope_scaling is None:
+        return inv_freq
+    s = cfg.rope_scaling
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between
+    # interpolated smoothly.
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq)
+    smooth = (np.float32(old_len) / wavelen - np.float32(low)) / np.float32(high - low)
+    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+# --- safetensors -------------------------------------------------------------------------------
+
+# The safetensors NumPy backend cannot return bf16, so the format is read directly:
+# 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, raw data.
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+def _read_safetensors_header(path: Path) -> dict[str, _TensorRef]:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CheckpointError(f"{path} is too short to be a safetensors file")
+        n = int.from_bytes(head, "little")
+        if n > 100_000_000:
+            raise CheckpointError(f"{path}: implausible safetensors header length {n}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
+    size = path.stat().st_size
+    refs = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = e["data_offsets"]
+        ref = _TensorRef(path, e["dtype"], tuple(e["shape"]), 8 + n + begin, 8 + n + end)
+        if ref.end > size:
+            raise CheckpointError(
+                f"{path}: tensor {name} runs past the end of the file (truncated?)")
+        refs[name] = ref
+    return refs
+
+
+def _read_tensor(ref: _TensorRef, mm: np.memmap, name: str) -> np.ndarray:
+    """The tensor as a fresh float32 array."""
+    if ref.dtype not in _DTYPES:
+        raise CheckpointError(f"{ref.path.name}: tensor {name} has dtype {ref.dtype}; "
+                              f"only F32, F16 and BF16 are supported")
+    dt = _DTYPES[ref.dtype]
+    count = math.prod(ref.shape)
+    if ref.end - ref.start != count * dt.itemsize:
+        raise CheckpointError(f"{ref.path.name}: tensor {name} byte size does not match its shape")
+    raw = mm[ref.start:ref.end].view(dt).reshape(ref.shape)
+    if ref.dtype == "BF16":
+        # bf16 is the top half of a float32: shift the 16 bits up and reinterpret.
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map")
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"shard {f.name} listed in {index.name} is missing")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weight files in {model_dir}")
+    return files
+
+
+@dataclass
+class LayerWeights:
+    # HF layout: every projection is [out_features, in_features]; y = x @ w.T
+    q_proj: np.ndarray  # [num_heads * head_dim, H]
+    k_proj: np.ndarray  # [num_kv_heads * head_dim, H]
+    v_proj: np.ndarray  # [num_kv_heads * head_dim, H]
+    o_proj: np.ndarray  # [H, num_heads * head_dim]
+    q_bias: np.ndarray | None  # [num_heads * head_dim] when cfg.attention_bias
+    k_bias: np.ndarray | None  # [num_kv_heads * head_dim]
+    v_bias: np.ndarray | None  # [num_kv_heads * head_dim]
+    o_bias: np.ndarray | None  # [H] when cfg.o_proj_bias
+    q_norm: np.ndarray | None  # [head_dim] when cfg.qk_norm
+    k_norm: np.ndarray | None  # [head_dim]
+    input_norm: np.ndarray  # [H]
+    post_attention_norm: np.ndarray  # [H]
+    gate_proj: np.ndarray  # [I, H]
+    up_proj: np.ndarray  # [I, H]
+    down_proj: np.ndarray  # [H, I]
+
+
+@dataclass
+class ModelWeights:
+    embed: np.ndarray  # [V, H]
+    layers: list[LayerWeights]
+    final_norm: np.ndarray  # [H]
+    lm_head: np.ndarray  # [V, H]; the same array as `embed` when tied
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
+    """All weights as float32 NumPy arrays, shapes checked against `cfg`."""
+    model_dir = Path(model_dir)
+    refs: dict[str, _TensorRef] = {}
+    for f in _weight_files(model_dir):
+        for name, ref in _read_safetensors_header(f).items():
+            if name in refs:
+                raise CheckpointError(f"tensor {name} appears in both {refs[name].path.name} "
+                                      f"and {f.name}")
+            refs[name] = ref
+    maps: dict[Path, np.memmap] = {}
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        ref = refs.get(name)
+        if ref is None:
+            raise CheckpointError(f"tensor {name} not found in the weights of {model_dir}")
+        if ref.shape != shape:
+            raise CheckpointError(f"tensor {name} has shape {list(ref.shape)}, "
+                                  f"config.json implies {list(shape)}")
+        if ref.path not in maps:
+            maps[ref.path] = np.memmap(ref.path, dtype=np.uint8, mode="r")
+        return _read_tensor(ref, maps[ref.path], name)
+
+    H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    Q, KV = cfg.q_size, cfg.kv_size
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        bias = cfg.attention_bias
+        layers.append(LayerWeights(
+            q_proj=get(a + "q_proj.weight", (Q, H)),
+            k_proj=get(a + "k_proj.weight", (KV, H)),
+            v_proj=get(a + "v_proj.weight", (KV, H)),
+            o_proj=get(a + "o_proj.weight", (H, Q)),
+            q_bias=get(a + "q_proj.bias", (Q,)) if bias else None,
+            k_bias=get(a + "k_proj.bias", (KV,)) if bias else None,
+            v_bias=get(a + "v_proj.bias", (KV,)) if bias else None,
+            o_bias=get(a + "o_proj.bias", (H,)) if cfg.o_proj_bias else None,
+            q_norm=get(a + "q_norm.weight", (D,)) if cfg.qk_norm else None,
+            k_norm=get(a + "k_norm.weight", (D,)) if cfg.qk_norm else None,
+            input_norm=get(p + "input_layernorm.weight", (H,)),
+            post_attention_norm=get(p + "post_attention_layernorm.weight", (H,)),
+            gate_proj=get(p + "mlp.gate_proj.weight", (I, H)),
+            up_proj=get(p + "mlp.up_proj.weight", (I, H)),
+            down_proj=get(p + "mlp.down_proj.weight", (H, I)),
+        ))
+    embed = get("model.embed_tokens.weight", (V, H))
+    lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight", (V, H))
+    return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (H,)),
+                        lm_head=lm_head)
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's `tokenizers.Tokenizer` (tokenizer.json)."""
+    from tokenizers import Tokenizer  # only callers that tokenize pay for the import
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"tokenizer.json not found in checkpoint directory {model_dir}")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        raise CheckpointError(f"{path} could not be loaded: {e}") from None

@@ -1,0 +1,211 @@
+"""The CPU reference engine: serves the ring exactly as the GPU engine does, in NumPy.
+
+Its loop is the scheduler kernel's loop written in Python: consume slots, honour cancels,
+schedule a step, run the forward pass, sample, publish tokens, retire finished sequences.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from blink.gpu_engine.block_manager import KvBlockPool
+from blink.gpu_engine.checkpoint import ModelConfig, load_config, load_weights
+from blink.gpu_engine.forward_batch import ForwardBatch
+from blink.gpu_engine.reference_model import ReferenceModel
+from blink.gpu_engine.ring_server import ModelLimits, RingServer
+from blink.gpu_engine.sampling import sample_token
+from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from blink.gpu_engine.sequence import Sequence
+from blink.ring.layout import EngineState, FinishReason, RingGeometry
+
+log = logging.getLogger("blink.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    ring_name: str
+    num_slots: int = 128              # request slots in the ring: concurrent requests at most
+    block_size: int = 16              # tokens per KV block
+    kv_cache_bytes: int = 256 << 20   # KV cache size; num_kv_blocks overrides it
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    idle_sleep_s: float = 0.0002      # poll interval while no sequence is running
+
+    def __post_init__(self):
+        if self.num_slots < 1 or self.block_size < 1:
+            raise ValueError("num_slots and block_size must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, f32
+
+
+def eos_finish(seq: Sequence, token: int, eos_ids: frozenset[int],
+               context_length: int) -> tuple[FinishReason, int]:
+    """The stop check after a token is appended: (NONE, 0) while the sequence goes on."""
+    p = seq.params
+    if token in eos_ids and not p.ignore_eos:
+        return FinishReason.EOS, token
+    if token in p.stop_ids:
+        return FinishReason.STOP_TOKEN, token
+    if len(seq.output) >= p.max_tokens:
+        return FinishReason.LENGTH, 0
+    if seq.num_tokens >= context_length:
+        return FinishReason.CONTEXT_FULL, 0
+    return FinishReason.NONE, 0
+
+
+class ReferenceEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_cfg = cfg = load_config(config.model_dir)
+        self.context_length = min(config.max_model_len or cfg.max_position_embeddings,
+                                  cfg.max_position_embeddings)
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_bytes // kv_bytes_per_block(cfg, config.block_size))
+        self.pool = KvBlockPool(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            self.context_length), self.pool)
+        self.model = ReferenceModel(cfg, load_weights(config.model_dir, cfg), num_blocks,
+                                    config.block_size)
+        self.limits = ModelLimits(cfg.vocab_size, self.context_length,
+                                  num_blocks * config.block_size)
+        self.eos_ids = frozenset(cfg.eos_token_ids)
+        geom = RingGeometry(config.num_slots, max_prompt_tokens=self.context_length - 1,
+                            max_output_tokens=self.context_length)
+        self.ring = RingServer(config.ring_name, geom, model_name=cfg.name,
+                               vocab_size=cfg.vocab_size, context_length=self.context_length,
+                               eos_ids=cfg.eos_token_ids)
+        self.active: dict[int, Sequence] = {}  # slot -> its sequence
+        self.stop_event = threading.Event()
+        self.counters = dict(requests_admitted=0, requests_finished=0, requests_cancelled=0,
+                             requests_rejected=0, preemptions=0, tokens_generated=0,
+                             engine_steps=0)
+        self._publish_stats()
+        log.info("engine ready: model %s (%s), context %d, %d KV blocks of %d tokens, %d slots, "
+                 "ring /dev/shm/%s", cfg.name, cfg.architecture, self.context_length, num_blocks,
+                 config.block_size, config.num_slots, config.ring_name)
+
+    # -- one iteration of the loop ------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Runs one scheduler iteration; returns whether any forward pass ran."""
+        self.ring.beat()
+        self._admit()
+        self._honour_cancels()
+        plan = self.scheduler.schedule_step()
+        for seq in plan.preempted:
+            self.counters["preemptions"] += 1
+            self.ring.set_preemptions(seq.slot, seq.preemptions)
+        if not plan.scheduled:
+            self._publish_stats()
+            return False
+        batch, samplers = self._build_batch(plan)
+        logits = self.model.forward(batch)
+        for (seq, n) in plan.scheduled:
+            seq.num_computed += n
+        for row, seq in zip(logits, samplers):
+            token = sample_token(row, seq.params, len(seq.output))
+            self.ring.append_token(seq.slot, len(seq.output), token)
+            seq.output.append(token)
+            self.counters["tokens_generated"] += 1
+            reason, detail = eos_finish(seq, token, self.eos_ids, self.context_length)
+            if reason is not FinishReason.NONE:
+                self._retire(seq, reason, detail)
+        self.counters["engine_steps"] += 1
+        self._publish_stats()
+        return True
+
+    def _admit(self) -> None:
+        new, rejected = self.ring.poll(self.limits)
+        for r in rejected:
+            log.warning("slot %d gen %d rejected: %s", r.slot, r.gen, r.reason.describe())
+            self.counters["requests_rejected"] += 1
+            self.ring.finish(r.slot, r.gen, FinishReason.REJECTED, r.reason)
+        for r in new:
+            stale = self.active.pop(r.slot, None)
+            if stale is not None:  # the front end reused the slot: it gave up on the old one
+                self.scheduler.finish(stale)
+            seq = Sequence(r.slot, r.gen, r.request_id, r.prompt, r.params)
+            self.ring.open_record(r.slot, r.gen, len(r.prompt))
+            self.scheduler.add(seq)
+            self.active[r.slot] = seq
+            self.counters["requests_admitted"] += 1
+
+    def _honour_cancels(self) -> None:
+        for seq in list(self.active.values()):
+            if self.ring.cancel_requested(seq.slot, seq.gen):
+                self.counters["requests_cancelled"] += 1
+                self._retire(seq, FinishReason.CANCELLED, 0)
+
+    def _retire(self, seq: Sequence, reason: FinishReason, detail: int) -> None:
+        self.scheduler.finish(seq)
+        del self.active[seq.slot]
+        self.ring.finish(seq.slot, seq.gen, reason, detail)
+        if reason is not FinishReason.CANCELLED:
+            self.counters["requests_finished"] += 1
+
+    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[Sequence]]:
+        tokens, positions, starts, ctx, logit_seqs, samplers = [], [], [0], [], [], []
+        width = max(len(seq.block_table) for seq, _ in plan.scheduled)
+        tables = np.full((len(plan.scheduled), width), -1, np.int32)
+        for s, (seq, n) in enumerate(plan.scheduled):
+            lo = seq.num_computed
+            tokens += seq.token_range(lo, lo + n)
+            positions += range(lo, lo + n)
+            starts.append(starts[-1] + n)
+            ctx.append(lo + n)
+            tables[s, :len(seq.block_table)] = seq.block_table
+            if lo + n == seq.num_tokens:
+                logit_seqs.append(s)
+                samplers.append(seq)
+        batch = ForwardBatch(np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
+                             np.asarray(starts, np.int32), np.asarray(ctx, np.int32), tables,
+                             np.asarray(logit_seqs, np.int32))
+        return batch, samplers
+
+    def _publish_stats(self) -> None:
+        h = self.ring.header
+        h["kv_blocks_total"] = self.pool.num_blocks
+        h["kv_blocks_free"] = self.pool.num_free
+        h["kv_block_size"] = self.pool.block_size
+        h["sequences_running"] = len(self.scheduler.running)
+        h["sequences_waiting"] = len(self.scheduler.waiting)
+        for key, value in self.counters.items():
+            h[key] = value
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        self.ring.set_state(EngineState.SERVING)
+        log.info("engine serving")
+        try:
+            while not self.stop_event.is_set():
+                if not self.step():
+                    time.sleep(self.config.idle_sleep_s)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.ring.header is not None:
+            self.ring.close()
+            log.info("engine stopped")
+
+
+def run_engine(config: EngineConfig) -> None:
+    engine = ReferenceEngine(config)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: engine.stop_event.set())
+    engine.serve_forever()

@@ -1,0 +1,144 @@
+"""The NumPy float32 reference forward pass over a paged KV cache.
+
+It is the oracle the GPU engine is tested against, and is itself tested against Hugging Face
+transformers. Written for reading, not speed: batched matmuls over all tokens of a step, attention
+one sequence at a time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .checkpoint import ModelConfig, ModelWeights, rope_inv_freq
+from .forward_batch import ForwardBatch
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    # x: [..., D], weight: [D] -> [..., D]
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return weight * (x / np.sqrt(variance + np.float32(eps)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x < -88: silu -> -0, correct
+        return x / (np.float32(1) + np.exp(-x))
+
+
+def rotate_half(x: np.ndarray) -> np.ndarray:
+    # x: [..., D] -> [..., D]; the HF Llama convention pairs dimension i with i + D/2.
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    # x: [T, heads, D], cos/sin: [T, D]
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+class ReferenceModel:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
+        self.cfg = cfg
+        self.w = weights
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.k_cache = np.zeros(shape, np.float32)
+        self.v_cache = np.zeros(shape, np.float32)
+        self.inv_freq = rope_inv_freq(cfg)  # [head_dim // 2]
+
+    def _check(self, b: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Validates the batch; returns each token's (kv block, row in block), both [T]."""
+        T, S = b.num_tokens, b.num_seqs
+        starts = np.asarray(b.seq_starts, np.int64)
+        if S < 1 or starts[0] != 0 or starts[-1] != T or np.any(np.diff(starts) <= 0):
+            raise ValueError(f"seq_starts {starts.tolist()} must rise strictly from 0 to {T}")
+        if b.positions.shape != (T,) or b.context_lens.shape != (S,) or b.block_tables.ndim != 2 \
+                or b.block_tables.shape[0] != S:
+            raise ValueError("positions, context_lens or block_tables have the wrong shape")
+        if np.any((b.token_ids < 0) | (b.token_ids >= self.cfg.vocab_size)):
+            raise ValueError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
+        if np.any((b.logit_seqs < 0) | (b.logit_seqs >= S)):
+            raise ValueError(f"logit_seqs {b.logit_seqs.tolist()} outside [0, {S})")
+        seq_of_token = np.repeat(np.arange(S), np.diff(starts))  # [T]
+        pos = b.positions.astype(np.int64)
+        for s in range(S):
+            p = pos[starts[s]:starts[s + 1]]
+            if p[0] < 0 or np.any(np.diff(p) != 1) or b.context_lens[s] != p[-1] + 1:
+                raise ValueError(f"sequence {s}: positions must be consecutive from >= 0 and "
+                                 f"context_lens[s] = last position + 1")
+            needed = (int(b.context_lens[s]) + self.block_size - 1) // self.block_size
+            if needed > b.block_tables.shape[1]:
+                raise ValueError(f"sequence {s} needs {needed} blocks, block table holds "
+                                 f"{b.block_tables.shape[1]}")
+            used = b.block_tables[s, :needed]
+            if np.any((used < 0) | (used >= self.num_blocks)):
+                raise ValueError(f"sequence {s}: block table entries {used.tolist()} outside "
+                                 f"[0, {self.num_blocks})")
+        blocks = b.block_tables[seq_of_token, pos // self.block_size].astype(np.int64)
+        return blocks, pos % self.block_size
+
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        """Runs one step; returns logits [len(batch.logit_seqs), vocab] float32."""
+        cfg, w = self.cfg, self.w
+        blocks, rows = self._check(batch)
+        T, D = batch.num_tokens, cfg.head_dim
+        starts = batch.seq_starts
+
+        # RoPE angles in float32, as transformers computes them.
+        freqs = batch.positions.astype(np.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = np.concatenate([freqs, freqs], axis=-1)  # [T, D]
+        cos, sin = np.cos(emb), np.sin(emb)
+
+        x = w.embed[batch.token_ids]  # [T, H]
+        for li, lw in enumerate(w.layers):
+            h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
+            q, k, v = h @ lw.q_proj.T, h @ lw.k_proj.T, h @ lw.v_proj.T
+            if lw.q_bias is not None:
+                q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
+            q = q.reshape(T, cfg.num_heads, D)
+            k = k.reshape(T, cfg.num_kv_heads, D)
+            v = v.reshape(T, cfg.num_kv_heads, D)
+            if cfg.qk_norm:
+                q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+            # Write this step's keys and values first: attention then reads only the cache.
+            self.k_cache[li, blocks, rows] = k
+            self.v_cache[li, blocks, rows] = v
+
+            attn = np.empty((T, cfg.num_heads, D), np.float32)
+            for s in range(batch.num_seqs):
+                a, b = starts[s], starts[s + 1]
+                attn[a:b] = self._attend(li, q[a:b], batch.positions[a:b],
+                                         batch.block_tables[s], int(batch.context_lens[s]))
+            o = attn.reshape(T, cfg.q_size) @ lw.o_proj.T
+            x = x + (o + lw.o_bias if lw.o_bias is not None else o)
+
+            h = rms_norm(x, lw.post_attention_norm, cfg.rms_norm_eps)
+            x = x + (silu(h @ lw.gate_proj.T) * (h @ lw.up_proj.T)) @ lw.down_proj.T
+
+        last = starts[batch.logit_seqs + 1] - 1  # [L] each wanted sequence's last token
+        return rms_norm(x[last], w.final_norm, cfg.rms_norm_eps) @ w.lm_head.T  # [L, V]
+
+    def _attend(self, layer: int, q: np.ndarray, positions: np.ndarray, block_table: np.ndarray,
+                context_len: int) -> np.ndarray:
+        # q: [n, num_heads, D] one sequence's queries at `positions` [n]; block_table: [max_blocks]
+        # -> [n, num_heads, D]. Causal: the query at position p reads cache positions 0..p.
+        cfg = self.cfg
+        kv_pos = np.arange(context_len)
+        blk, row = block_table[kv_pos // self.block_size], kv_pos % self.block_size
+        k = self.k_cache[layer, blk, row]  # [C, kv_heads, D]
+        v = self.v_cache[layer, blk, row]
+        n, group = q.shape[0], cfg.num_heads // cfg.num_kv_heads
+        # GQA: query head h uses kv head h // group (transformers' repeat_kv order).
+        qg = q.reshape(n, cfg.num_kv_heads, group, cfg.head_dim)
+        scores = np.einsum("nkgd,ckd->kgnc", qg, k) * np.float32(cfg.head_dim ** -0.5)
+        scores = np.where(kv_pos[None, :] <= positions[:, None], scores, -np.inf)  # [.., n, C]
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        out = np.einsum("kgnc,ckd->nkgd", p, v)
+        return out.reshape(n, cfg.num_heads, cfg.head_dim)

@@ -1,0 +1,196 @@
+"""The engine's side of the ring: creates the segment, consumes request slots, publishes output.
+
+The CPU reference engine calls these methods from its loop; the CUDA engine's scheduler kernel
+does the same reads and writes on the GPU through the registered mapping of the same segment.
+"""
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from blink.ring.layout import (
+    FLAG_IGNORE_EOS, HEADER_DTYPE, LAYOUT_VERSION, MAX_EOS_IDS, MAX_STOP_IDS, MODEL_NAME_BYTES,
+    RECORD_DTYPE, RING_MAGIC, SLOT_DTYPE, EngineState, FinishReason, RejectReason, RingGeometry,
+    payload_crc,
+)
+from blink.ring.shm import ShmSegment
+from blink.gpu_engine.sequence import SamplingParams
+
+# How long a slot whose sequence words agree but whose CRC does not may stay unconsumed before
+# it is rejected as corrupt (a transport may still be landing bytes of a completed write).
+CORRUPT_GRACE_S = 0.2
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    context_length: int
+    kv_capacity_tokens: int   # the whole KV cache, in tokens: no sequence can grow past it
+
+
+@dataclass
+class NewRequest:
+    slot: int
+    gen: int
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Rejection:
+    slot: int
+    gen: int
+    reason: RejectReason
+
+
+def validate_slot(fixed: np.void, prompt: np.ndarray, limits: ModelLimits) -> RejectReason:
+    """Bounds-checks every field of a consumed slot; the first failing check wins."""
+    plen = int(fixed["prompt_len"])
+    if plen == 0 or plen != prompt.size:
+        return RejectReason.BAD_PROMPT_LEN
+    if prompt.min() < 0 or prompt.max() >= limits.vocab_size:
+        return RejectReason.TOKEN_OUT_OF_RANGE
+    max_tokens = int(fixed["max_tokens"])
+    if max_tokens < 1:
+        return RejectReason.BAD_MAX_TOKENS
+    temperature = float(fixed["temperature"])
+    if not math.isfinite(temperature) or temperature < 0:
+        return RejectReason.BAD_TEMPERATURE
+    top_p = float(fixed["top_p"])
+    if not (0.0 < top_p <= 1.0):
+        return RejectReason.BAD_TOP_P
+    if int(fixed["top_k"]) < 0:
+        return RejectReason.BAD_TOP_K
+    nstop = int(fixed["num_stop_ids"])
+    if nstop > MAX_STOP_IDS or any(not 0 <= s < limits.vocab_size
+                                   for s in fixed["stop_ids"][:nstop]):
+        return RejectReason.BAD_STOP_IDS
+    if plen + max_tokens > limits.context_length:
+        return RejectReason.EXCEEDS_CONTEXT
+    if plen + max_tokens > limits.kv_capacity_tokens:
+        return RejectReason.EXCEEDS_KV_CAPACITY
+    return RejectReason.NONE
+
+
+class RingServer:
+    def __init__(self, name: str, geom: RingGeometry, *, model_name: str, vocab_size: int,
+                 context_length: int, eos_ids: tuple[int, ...]):
+        self.geom = geom
+        self.segment = ShmSegment.create(name, geom.total_bytes)
+        mem = self.segment.array()
+        self.header = mem[:HEADER_DTYPE.itemsize].view(HEADER_DTYPE)[0]
+        # slots: [num_slots, slot_bytes] u8; records: [num_slots, record_bytes] u8
+        self.slots = mem[geom.slots_offset:geom.slots_offset + geom.num_slots * geom.slot_bytes] \
+            .reshape(geom.num_slots, geom.slot_bytes)
+        self.records = mem[geom.records_offset:geom.records_offset
+                           + geom.num_slots * geom.record_bytes].reshape(geom.num_slots,
+                                                                          geom.record_bytes)
+        self.slot_fixed = [s[:SLOT_DTYPE.itemsize].view(SLOT_DTYPE)[0] for s in self.slots]
+        self.seq_end = [s[geom.seq_end_offset:].view("<u4") for s in self.slots]
+        self.rec_fixed = [r[:RECORD_DTYPE.itemsize].view(RECORD_DTYPE)[0] for r in self.records]
+        self.rec_tokens = [r[RECORD_DTYPE.itemsize:].view("<i4") for r in self.records]
+        self.consumed_gen = np.zeros(geom.num_slots, np.uint32)
+        self._corrupt_since: dict[int, float] = {}
+
+        h = self.header
+        h["magic"] = RING_MAGIC
+        h["layout_version"] = LAYOUT_VERSION
+        h["header_bytes"] = geom.slots_offset
+        h["num_slots"] = geom.num_slots
+        h["max_prompt_tokens"] = geom.max_prompt_tokens
+        h["max_output_tokens"] = geom.max_output_tokens
+        h["slot_bytes"] = geom.slot_bytes
+        h["record_bytes"] = geom.record_bytes
+        h["slots_offset"] = geom.slots_offset
+        h["records_offset"] = geom.records_offset
+        h["total_bytes"] = geom.total_bytes
+        h["engine_pid"] = os.getpid()
+        h["vocab_size"] = vocab_size
+        h["context_length"] = context_length
+        eos = list(eos_ids)[:MAX_EOS_IDS]
+        h["num_eos_ids"] = len(eos)
+        h["eos_ids"][: len(eos)] = eos
+        h["model_name"] = model_name.encode()[:MODEL_NAME_BYTES]
+        h["engine_instance"] = secrets.randbits(63) | 1
+        h["engine_state"] = EngineState.STARTING
+        self.segment.publish()
+
+    def set_state(self, state: EngineState) -> None:
+        self.header["engine_state"] = state
+
+    def beat(self) -> None:
+        self.header["heartbeat"] += 1
+
+    def poll(self, limits: ModelLimits) -> tuple[list[NewRequest], list[Rejection]]:
+        """Consumes every slot holding a complete new generation; FCFS by request id."""
+        new, rejected = [], []
+        now = None
+        for i, fixed in enumerate(self.slot_fixed):
+            gen = int(fixed["seq_begin"])
+            if gen == self.consumed_gen[i] or gen != int(self.seq_end[i][0]):
+                continue  # nothing new, or a write still landing
+            plen = min(int(fixed["prompt_len"]), self.geom.max_prompt_tokens)
+            if payload_crc(self.slots[i].data, plen, gen) != int(fixed["payload_crc"]):
+                now = now or time.monotonic()
+                first = self._corrupt_since.setdefault(i, now)
+                if now - first < CORRUPT_GRACE_S:
+                    continue
+                reason = RejectReason.CORRUPT
+            else:
+                prompt = self.slots[i][SLOT_DTYPE.itemsize:SLOT_DTYPE.itemsize + 4 * plen] \
+                    .view("<i4").copy()
+                reason = validate_slot(fixed, prompt, limits)
+            self._corrupt_since.pop(i, None)
+            self.consumed_gen[i] = gen
+            if reason is not RejectReason.NONE:
+                rejected.append(Rejection(i, gen, reason))
+                continue
+            nstop = int(fixed["num_stop_ids"])
+            params = SamplingParams(
+                max_tokens=int(fixed["max_tokens"]), temperature=float(fixed["temperature"]),
+                top_p=float(fixed["top_p"]), top_k=int(fixed["top_k"]), seed=int(fixed["seed"]),
+                ignore_eos=bool(int(fixed["flags"]) & FLAG_IGNORE_EOS),
+                stop_ids=frozenset(int(s) for s in fixed["stop_ids"][:nstop]))
+            new.append(NewRequest(i, gen, int(fixed["request_id"]), prompt.tolist(), params))
+        new.sort(key=lambda r: r.request_id)
+        return new, rejected
+
+    def open_record(self, slot: int, gen: int, prompt_len: int) -> None:
+        rec = self.rec_fixed[slot]
+        rec["num_tokens"] = 0
+        rec["finish_reason"] = FinishReason.NONE
+        rec["detail"] = 0
+        rec["preemptions"] = 0
+        rec["prompt_len"] = prompt_len
+        rec["gen"] = gen  # published last: the record now belongs to this generation
+
+    def append_token(self, slot: int, index: int, token: int) -> None:
+        self.rec_tokens[slot][index] = token
+        self.rec_fixed[slot]["num_tokens"] = index + 1  # after the token (x86 store order)
+
+    def set_preemptions(self, slot: int, count: int) -> None:
+        self.rec_fixed[slot]["preemptions"] = count
+
+    def finish(self, slot: int, gen: int, reason: FinishReason, detail: int = 0) -> None:
+        rec = self.rec_fixed[slot]
+        if int(rec["gen"]) != gen:
+            self.open_record(slot, gen, 0)
+        rec["detail"] = detail
+        rec["finish_reason"] = reason  # last: the front end may free the slot after this
+
+    def cancel_requested(self, slot: int, gen: int) -> bool:
+        return int(self.slot_fixed[slot]["cancel_gen"]) == gen
+
+    def close(self) -> None:
+        self.set_state(EngineState.STOPPED)
+        self.segment.unlink()
+        # views into the mapping stay referenced; drop them before closing
+        self.slot_fixed = self.rec_fixed = self.rec_tokens = self.seq_end = []
+        self.header = self.slots = self.records = None
+        self.segment.close()

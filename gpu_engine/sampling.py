@@ -1,0 +1,45 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with a per-request counter-based RNG.
+
+The random number for a request's n-th generated token depends only on (seed, n), never on
+which other requests share the batch, so the same seed gives the same text under any load, and
+the GPU kernel can draw the same number with the same 64-bit integer mix.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from blink.gpu_engine.sequence import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, step: int) -> float:
+    """A float in [0, 1) from the top 53 bits of splitmix64(seed mixed with step)."""
+    return (splitmix64(splitmix64(seed & _MASK64) ^ step) >> 11) * (1.0 / (1 << 53))
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, step: int) -> int:
+    """logits: [vocab] float32. `step` is the index of the token being generated (0-based)."""
+    if params.temperature == 0.0 or params.top_k == 1:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / params.temperature
+    order = np.argsort(-scaled, kind="stable")  # descending; ties keep the lower id first
+    if params.top_k > 0:
+        order = order[: params.top_k]
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        keep = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
+        probs = probs[:keep] / probs[:keep].sum()
+        order = order[:keep]
+    u = uniform(params.seed, step)
+    idx = int(np.searchsorted(np.cumsum(probs), u, side="right"))
+    return int(order[min(idx, len(order) - 1)])

@@ -1,0 +1,356 @@
+"""The gRPC front end: validates, tokenizes, submits through the ring, streams text back.
+
+It never calls into the engine process: everything goes through `EngineLink`, i.e. one-sided
+reads and writes on the engine's ring. Health (grpc.health.v1) follows the link's view of the
+engine; reflection lets grpcurl and SDK generators discover the API.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from tokenizers import Tokenizer
+
+from blink.nic_service.chat_template import load_chat_template, render_chat
+from blink.nic_service.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from blink.nic_service.engine_link import (
+    EngineLink, EngineUnavailable, Finished, RequestHandle, SlotsExhausted, Tokens,
+)
+from blink.ring.layout import MAX_STOP_IDS, FinishReason, RejectReason
+from blink.v1 import blink_pb2 as pb
+from blink.v1 import blink_pb2_grpc as pb_grpc
+
+log = logging.getLogger("blink.frontend")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Blink"].full_name
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    model_dir: Path                    # for tokenizer.json, tokenizer_config.json, config.json
+    ring_name: str
+    host: str = "127.0.0.1"
+    port: int = 50051                  # 0 picks a free port
+    queue_timeout_s: float = 30.0      # how long a request may wait for a free ring slot
+    max_queued: int = 1024             # requests waiting for a slot at most; then RESOURCE_EXHAUSTED
+    engine_timeout_s: float = 3.0      # no heartbeat for this long: the engine is dead
+    max_request_bytes: int = 4 << 20   # larger requests get INVALID_ARGUMENT
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    slot_fields: dict
+    stops: list[str]
+    terminal_ids: frozenset[int]       # tokens that end generation and are never shown as text
+    return_token_ids: bool
+    received: float = field(default_factory=time.monotonic)
+
+
+class PromptCodec:
+    """The model's tokenizer and chat template, loaded once."""
+
+    def __init__(self, model_dir: Path):
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: the front end needs the model's tokenizer")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.chat_template = load_chat_template(model_dir)
+        cfg_path = Path(model_dir) / "tokenizer_config.json"
+        tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_text(tcfg.get("bos_token"))
+        self.eos_token = _token_text(tcfg.get("eos_token"))
+        config_path = Path(model_dir) / "config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.architecture = (config.get("architectures") or ["unknown"])[0]
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        if self.chat_template is None:
+            raise InvalidRequest("this model has no chat template; send `text` or `token_ids`")
+        try:
+            return render_chat(self.chat_template, messages, bos_token=self.bos_token,
+                               eos_token=self.eos_token, add_generation_prompt=True)
+        except ValueError as e:
+            raise InvalidRequest(f"chat template failed: {e}") from None
+
+
+def _token_text(tok) -> str:
+    if isinstance(tok, dict):
+        return tok.get("content", "")
+    return tok or ""
+
+
+def _check_float(name: str, value: float, ok: bool, want: str) -> None:
+    if not math.isfinite(value) or not ok:
+        raise InvalidRequest(f"{name} must be {want}, got {value}")
+
+
+class BlinkServicer(pb_grpc.BlinkServicer):
+    def __init__(self, config: FrontendConfig, codec: PromptCodec, link: EngineLink):
+        self.config = config
+        self.codec = codec
+        self.link = link
+
+    # -- validation (everything the engine would reject, with a message a person reads) -------
+
+    async def _prepare(self, req: pb.GenerateRequest) -> Prepared:
+        info = self.link.info
+        if req.ByteSize() > self.config.max_request_bytes:
+            raise InvalidRequest(f"request is {req.ByteSize()} bytes; the limit is "
+                                 f"{self.config.max_request_bytes}")
+        if req.model and req.model != info.model_name:
+            raise InvalidRequest(f"unknown model {req.model!r}; this server serves "
+                                 f"{info.model_name!r}")
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            if not req.text:
+                raise InvalidRequest("prompt is empty")
+            ids = await asyncio.to_thread(self.codec.encode, req.text,
+                                          not req.skip_special_tokens_in_prompt)
+        elif kind == "token_ids":
+            ids = list(req.token_ids.ids)
+            bad = [t for t in ids if t >= info.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary "
+                                     f"(size {info.vocab_size})")
+        elif kind == "messages":
+            messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+            if not messages:
+                raise InvalidRequest("messages is empty")
+            text = await asyncio.to_thread(self.codec.render, messages)
+            ids = await asyncio.to_thread(self.codec.encode, text, False)
+        else:
+            raise InvalidRequest("prompt is empty: set text, token_ids or messages")
+        if not ids:
+            raise InvalidRequest("prompt is empty after tokenization")
+        ctx = info.context_length
+        if len(ids) >= ctx:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; the context length is {ctx} "
+                                 f"and at least one token must be generated")
+
+        s = req.sampling
+        max_tokens = s.max_tokens if s.HasField("max_tokens") else ctx - len(ids)
+        if max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1")
+        if len(ids) + max_tokens > ctx:
+            raise InvalidRequest(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) "
+                                 f"exceeds the context length {ctx}")
+        temperature = s.temperature if s.HasField("temperature") else 1.0
+        _check_float("temperature", temperature, temperature >= 0, ">= 0")
+        top_p = s.top_p if s.HasField("top_p") else 1.0
+        _check_float("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
+        top_k = s.top_k
+        if top_k > info.vocab_size:
+            raise InvalidRequest(f"top_k must be at most the vocabulary size {info.vocab_size}")
+        if len(s.stop_token_ids) > MAX_STOP_IDS:
+            raise InvalidRequest(f"at most {MAX_STOP_IDS} stop_token_ids")
+        bad = [t for t in s.stop_token_ids if t >= info.vocab_size]
+        if bad:
+            raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary "
+                                 f"(size {info.vocab_size})")
+        stops = list(s.stop)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not x or len(x) > MAX_STOP_STRING_CHARS for x in stops):
+            raise InvalidRequest(f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters")
+        seed = s.seed if s.HasField("seed") else int.from_bytes(np.random.bytes(8), "little")
+        terminal = set(s.stop_token_ids)
+        if not s.ignore_eos:
+            terminal |= set(info.eos_ids)
+        return Prepared(
+            prompt_ids=ids,
+            slot_fields=dict(prompt=np.asarray(ids, np.int32), max_tokens=max_tokens,
+                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                             ignore_eos=s.ignore_eos, stop_ids=tuple(s.stop_token_ids)),
+            stops=stops, terminal_ids=frozenset(terminal),
+            return_token_ids=req.return_token_ids)
+
+    # -- RPCs -----------------------------------------------------------------------------------
+
+    async def Generate(self, request, context):
+        received = time.monotonic()
+        if not self.link.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not available")
+        try:
+            prep = await self._prepare(request)
+            handle = await self.link.submit(prep.slot_fields)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except SlotsExhausted as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        try:
+            async for response in self._stream(prep, handle, received, context):
+                yield response
+        finally:
+            self.link.cancel(handle)  # no-op when the engine already finished it
+
+    async def _stream(self, prep: Prepared, handle: RequestHandle, received: float, context):
+        detok = IncrementalDetokenizer(self.codec.tokenizer, prep.prompt_ids)
+        stopper = StopStringMatcher(prep.stops) if prep.stops else None
+        generated, first_token_at = 0, None
+
+        def final(reason, matched: str, preemptions: int) -> pb.GenerateResponse:
+            now = time.monotonic()
+            return pb.GenerateResponse(final=pb.Final(
+                finish_reason=reason, matched_stop=matched,
+                usage=pb.Usage(prompt_tokens=len(prep.prompt_ids), completion_tokens=generated),
+                timings=pb.Timings(time_to_first_token_s=(first_token_at or now) - received,
+                                   total_s=now - received, preemptions=preemptions),
+                request_id=str(handle.request_id)))
+
+        while True:
+            event = await handle.events.get()
+            if isinstance(event, Exception):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(event))
+            if isinstance(event, Tokens):
+                generated += len(event.ids)
+                first_token_at = first_token_at or time.monotonic()
+                shown = [t for t in event.ids if t not in prep.terminal_ids]
+                text = detok.push(shown)
+                matched = None
+                if stopper is not None:
+                    text, matched = stopper.feed(text)
+                if text or (prep.return_token_ids and shown):
+                    yield pb.GenerateResponse(chunk=pb.Chunk(
+                        text=text, token_ids=shown if prep.return_token_ids else ()))
+                if matched is not None:
+                    self.link.cancel(handle)
+                    yield final(pb.FINISH_REASON_STOP, matched, 0)
+                    return
+                continue
+            assert isinstance(event, Finished)
+            if event.reason is FinishReason.REJECTED:
+                code = (grpc.StatusCode.INTERNAL if event.detail == RejectReason.CORRUPT
+                        else grpc.StatusCode.INVALID_ARGUMENT)
+                await context.abort(code, f"engine rejected the request: "
+                                          f"{RejectReason(event.detail).describe()}")
+            if event.reason is FinishReason.CANCELLED:
+                await context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
+            text = detok.flush()
+            matched = None
+            if stopper is not None:
+                text, matched = stopper.feed(text)
+                if matched is None:
+                    text += stopper.flush()  # may still settle a pending match
+                    matched = stopper.matched
+            if text:
+                yield pb.GenerateResponse(chunk=pb.Chunk(text=text))
+            if matched is not None:
+                yield final(pb.FINISH_REASON_STOP, matched, event.preemptions)
+            elif event.reason is FinishReason.EOS:
+                yield final(pb.FINISH_REASON_EOS, "", event.preemptions)
+            elif event.reason is FinishReason.STOP_TOKEN:
+                yield final(pb.FINISH_REASON_STOP, str(event.detail), event.preemptions)
+            else:  # LENGTH, CONTEXT_FULL
+                yield final(pb.FINISH_REASON_LENGTH, "", event.preemptions)
+            return
+
+    async def GetModelInfo(self, request, context):
+        info = self.link.info
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not available")
+        return pb.ModelInfo(name=info.model_name, architecture=self.codec.architecture,
+                            context_length=info.context_length, vocab_size=info.vocab_size,
+                            eos_token_ids=info.eos_ids,
+                            has_chat_template=self.codec.chat_template is not None,
+                            engine="cpu-reference")
+
+    async def GetServerStats(self, request, context):
+        link = self.link
+        stats = pb.ServerStats(engine_alive=link.alive, ring_slots_in_use=link.slots_in_use,
+                               requests_waiting_for_slot=link.waiting_for_slot,
+                               engine_attachments=link.attachments)
+        h = link.header_snapshot()
+        if h is not None and link.info is not None:
+            stats.ring_slots = link.info.geometry.num_slots
+            for name in ("kv_blocks_total", "kv_blocks_free", "kv_block_size",
+                         "sequences_running", "sequences_waiting", "requests_admitted",
+                         "requests_finished", "requests_cancelled", "requests_rejected",
+                         "preemptions", "tokens_generated", "engine_steps"):
+                setattr(stats, name, int(h[name]))
+        return stats
+
+
+class Frontend:
+    """The running front end: gRPC server, health, reflection and the engine link."""
+
+    def __init__(self, config: FrontendConfig):
+        self.config = config
+        self.codec = PromptCodec(config.model_dir)
+        self.health = health.aio.HealthServicer()
+        self.link = EngineLink(config.ring_name, queue_timeout_s=config.queue_timeout_s,
+                               max_queued=config.max_queued,
+                               engine_timeout_s=config.engine_timeout_s,
+                               on_alive_change=self._on_alive_change)
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    def _on_alive_change(self, alive: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if alive
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            asyncio.ensure_future(self.health.set(name, status))
+
+    async def start(self) -> int:
+        limit = self.config.max_request_bytes
+        # gRPC's own limit sits above ours so an oversized prompt gets our INVALID_ARGUMENT
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", 2 * limit + (1 << 20)),
+            ("grpc.max_send_message_length", 64 << 20),
+        ])
+        pb_grpc.add_BlinkServicer_to_server(BlinkServicer(self.config, self.codec, self.link),
+                                            self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.link.start()
+        await self.server.start()
+        log.info("front end listening on %s:%d (ring /dev/shm/%s)", self.config.host, self.port,
+                 self.config.ring_name)
+        return self.port
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace)
+        await self.link.stop()
+
+
+async def serve(config: FrontendConfig, ready_file: Path | None = None) -> None:
+    frontend = Frontend(config)
+    port = await frontend.start()
+    if ready_file is not None:
+        ready_file.write_text(str(port))
+    print(f"blink front end listening on {config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await frontend.stop()

@@ -1,0 +1,138 @@
+"""Ring transports: how bytes reach the other side's memory.
+
+The front end only ever does one-sided operations on the engine's ring: `write` a byte range,
+`read` a byte range. `RingTransport` is that interface; the RDMA transport (pyverbs, a later
+issue) implements it with RDMA WRITE/READ, and `ShmTransport` implements it on one host over a
+POSIX shared-memory segment that the engine creates with owner-only permissions.
+
+Ordering: on x86 (TSO) stores from one thread become visible in program order, so writing the
+payload and then the doorbell word is enough for the shared-memory case. A transport without
+that guarantee (RDMA) must complete the payload write before it issues the doorbell write.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+SHM_DIR = Path("/dev/shm")
+
+
+class RingTransport(Protocol):
+    def read(self, offset: int, length: int) -> bytes: ...
+    def write(self, offset: int, data: bytes) -> None: ...
+    # `count` ranges of `length` bytes, `stride` apart, concatenated (RDMA: one batch of READs)
+    def read_strided(self, offset: int, stride: int, count: int, length: int) -> bytes: ...
+    # False once the memory behind the transport is known to be gone (e.g. replaced segment)
+    def is_current(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+def shm_path(name: str) -> Path:
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"invalid shared-memory name {name!r}")
+    return SHM_DIR / name
+
+
+def default_ring_name() -> str:
+    return f"blink-ring-{os.getuid()}"
+
+
+class ShmSegment:
+    """A mapped /dev/shm file. The engine `create`s it (replacing a stale one from a previous
+    engine: a new inode, so front ends still mapping the old one see its heartbeat stop);
+    front ends `attach`."""
+
+    def __init__(self, path: Path, fd: int, size: int):
+        self.path = path
+        self.size = size
+        self._fd = fd
+        self.mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.inode = os.fstat(fd).st_ino
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "ShmSegment":
+        path = shm_path(name)
+        # Build under a private temporary name, then rename over the public one, so an
+        # attaching front end never maps a half-initialised or half-sized file.
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            seg = cls(path, fd, size)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        seg._tmp_path = tmp
+        return seg
+
+    def publish(self) -> None:
+        """Makes a created segment visible under its public name (after its header is set)."""
+        os.replace(self._tmp_path, self.path)
+
+    @classmethod
+    def attach(cls, name: str) -> "ShmSegment":
+        path = shm_path(name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise FileNotFoundError(f"{path} is empty")
+            return cls(path, fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def is_current(self) -> bool:
+        """False once another engine has replaced the public file (or it was removed)."""
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.mmap, dtype=np.uint8)
+
+    def unlink(self) -> None:
+        if self.is_current():
+            self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        try:
+            self.mmap.close()
+        except BufferError:
+            pass  # numpy views still alive; the mapping goes with the process
+        os.close(self._fd)
+
+
+class ShmTransport:
+    """RingTransport over an attached shared-memory segment (single-host mode)."""
+
+    def __init__(self, segment: ShmSegment):
+        self.segment = segment
+        self._mem = memoryview(segment.mmap)
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(self._mem[offset:offset + length])
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._mem[offset:offset + len(data)] = data
+
+    def is_current(self) -> bool:
+        return self.segment.is_current()
+
+    def read_strided(self, offset: int, stride: int, count: int, length: int) -> bytes:
+        if count and offset + (count - 1) * stride + length > self.segment.size:
+            raise ValueError("strided read past the end of the segment")
+        rows = np.lib.stride_tricks.as_strided(self.segment.array()[offset:],
+                                               shape=(count, length), strides=(stride, 1))
+        return rows.tobytes()
+
+    def close(self) -> None:
+        self._mem.release()
+        self.segment.close()

@@ -1,0 +1,196 @@
+"""render_chat and load_chat_template: exact prompts for known templates, transformers as the oracle for
+whitespace handling, and templates that fail or misbehave."""
+
+import json
+
+import pytest
+
+from blink.nic_service.chat_template import load_chat_template, render_chat
+
+# Meta-Llama-3-8B-Instruct's template.
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+    "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+
+# Qwen2-Instruct's ChatML template (adds a default system prompt).
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Mistral-Instruct-style: refuses conversations whose roles do not alternate.
+ALTERNATING = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+# Written over several lines, as most newer templates are: trim_blocks and lstrip_blocks decide the output.
+MULTILINE = """{%- if messages[0].role == 'system' %}
+    {%- set system = messages[0].content %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system = 'Be brief.' %}
+{%- endif %}
+{{ bos_token }}<<SYS>>{{ system }}<</SYS>>
+{% for message in messages %}
+    {% if message.role == 'user' %}
+U: {{ message.content | trim }}
+    {% else %}
+A: {{ message.content }}{{ eos_token }}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+A:{% endif %}
+{% set meta = namespace(n=0) %}{% for m in messages %}{% set meta.n = meta.n + 1 %}{% if loop.index > 5 %}{% break %}{% endif %}{% endfor %}
+{{ {'turns': meta.n, 'note': '<ünïcode> & "quotes"'} | tojson }}"""
+
+# Marks the assistant's turns with {% generation %}, which transformers uses for training masks.
+GENERATION_TAG = (
+    "{% for message in messages %}{% if message.role == 'assistant' %}{% generation %}"
+    "{{ message.content }}{{ eos_token }}{% endgeneration %}{% else %}{{ message.role }}: {{ message.content }}\n"
+    "{% endif %}{% endfor %}"
+)
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "  Hi there!  "},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "你好 👋"},
+]
+
+
+def test_llama3_renders_exactly():
+    prompt = render_chat(LLAMA3, CONVERSATION, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    assert prompt == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi there!<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\n你好 👋<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+
+
+def test_chatml_renders_exactly_with_and_without_generation_prompt():
+    messages = CONVERSATION[1:]
+    without = render_chat(CHATML, messages, bos_token="", eos_token="<|im_end|>", add_generation_prompt=False)
+    assert without == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\n  Hi there!  <|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n"
+        "<|im_start|>user\n你好 👋<|im_end|>\n"
+    )
+    with_prompt = render_chat(CHATML, messages, bos_token="", eos_token="<|im_end|>")
+    assert with_prompt == without + "<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("template", [LLAMA3, CHATML, ALTERNATING, MULTILINE, GENERATION_TAG])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_same_prompt_as_transformers(template, add_generation_prompt):
+    chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    messages = CONVERSATION[1:] if template is ALTERNATING else CONVERSATION
+    tokens = {"bos_token": "<s>", "eos_token": "</s>"}
+    expected = chat_template_utils.render_jinja_template(
+        conversations=[messages], chat_template=template, add_generation_prompt=add_generation_prompt, **tokens
+    )[0][0]
+    got = render_chat(template, messages, add_generation_prompt=add_generation_prompt, **tokens)
+    assert got == expected
+
+
+def test_multiline_template_whitespace_and_tojson():
+    prompt = render_chat(MULTILINE, CONVERSATION[1:], bos_token="<s>", eos_token="</s>")
+    assert prompt == (
+        "<s><<SYS>>Be brief.<</SYS>>\n"
+        "U: Hi there!\n"
+        "A: Hello.</s>\n"
+        "U: 你好 👋\n"
+        'A:{"turns": 3, "note": "<ünïcode> & \\"quotes\\""}'
+    )
+
+
+def test_raise_exception_becomes_value_error():
+    bad = [{"role": "assistant", "content": "I speak first"}]
+    with pytest.raises(ValueError, match="roles must alternate"):
+        render_chat(ALTERNATING, bad, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ messages.__class__.__mro__ }}",
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ raise_exception.__globals__['__builtins__'] }}",
+        "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+        "{% set _ = messages.append({'role': 'user', 'content': 'injected'}) %}",
+    ],
+)
+def test_sandbox_escapes_fail(template):
+    with pytest.raises(ValueError, match="sandbox"):
+        render_chat(template, CONVERSATION, bos_token="", eos_token="")
+
+
+def test_unsafe_attribute_renders_nothing():
+    # As in transformers (default Undefined): a lone unsafe attribute is empty; using it raises (above).
+    assert render_chat("[{{ raise_exception.__globals__ }}]", [], bos_token="", eos_token="") == "[]"
+
+
+def test_messages_are_not_modified():
+    messages = [dict(m) for m in CONVERSATION]
+    render_chat("{% set m = messages[0] %}{{ m.role }}", messages, bos_token="", eos_token="")
+    assert messages == CONVERSATION
+
+
+def test_syntax_error_names_the_line():
+    with pytest.raises(ValueError, match="syntax error on line 2"):
+        render_chat("ok\n{% for m in messages %}{{ m.content }}", CONVERSATION, bos_token="", eos_token="")
+
+
+def test_runtime_error_in_template_becomes_value_error():
+    with pytest.raises(ValueError, match="failed to render"):
+        render_chat("{{ messages[0].content + 1 }}", CONVERSATION, bos_token="", eos_token="")
+    with pytest.raises(ValueError, match="failed to render"):
+        render_chat("{{ nothing.here }}", CONVERSATION, bos_token="", eos_token="")
+
+
+def test_load_from_tokenizer_config_string(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "x"}))
+    assert load_chat_template(tmp_path) == CHATML
+
+
+def test_load_from_named_templates_takes_default(tmp_path):
+    config = {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": LLAMA3}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_chat_template(str(tmp_path)) == LLAMA3
+
+
+def test_named_templates_without_default_is_an_error(tmp_path):
+    config = {"chat_template": [{"name": "tool_use", "template": "T"}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="default"):
+        load_chat_template(tmp_path)
+
+
+def test_jinja_file_wins_over_tokenizer_config(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    (tmp_path / "chat_template.jinja").write_text(LLAMA3, encoding="utf-8")
+    assert load_chat_template(tmp_path) == LLAMA3
+
+
+def test_no_template_is_none(tmp_path):
+    assert load_chat_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert load_chat_template(tmp_path) is None
+
+
+def test_broken_tokenizer_config_is_an_error(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_chat_template(tmp_path)

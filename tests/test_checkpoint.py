@@ -1,0 +1,205 @@
+"""Checkpoint loading: config parsing, safetensors dtypes and sharding, errors, RoPE frequencies."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from blink.gpu_engine.checkpoint import (CheckpointError, load_config, load_tokenizer, load_weights,
+                                         rope_inv_freq)
+from blink.gpu_engine.demo_model import float32_to_bf16_bits, write_random_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module")
+def f32_ckpt(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("f32"), dtype="float32", **TINY)
+
+
+def _rewrite_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    for k in [k for k, v in changes.items() if v is None]:
+        del cfg[k]
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_config_matches_transformers(tmp_path, arch):
+    kw = dict(TINY, head_dim=32) if arch == "qwen3" else TINY  # qwen3: head_dim != hidden/heads
+    rope = LLAMA3_ROPE if arch == "llama" else None
+    path = write_random_checkpoint(tmp_path / arch, architecture=arch, rope_scaling=rope,
+                                   tie_word_embeddings=arch == "qwen3", **kw)
+    cfg = load_config(path)
+    hf = transformers.AutoConfig.from_pretrained(path)
+    assert cfg.architecture == arch and cfg.name == arch
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (
+        hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps) == (
+        hf.num_attention_heads, hf.num_key_value_heads, hf.rms_norm_eps)
+    assert cfg.head_dim == getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert cfg.head_dim == (32 if arch == "qwen3" else 16)
+    assert cfg.attention_bias == (arch == "qwen2") and not cfg.o_proj_bias
+    assert cfg.qk_norm == (arch == "qwen3")
+    assert cfg.tie_word_embeddings == hf.tie_word_embeddings == (arch == "qwen3")
+    assert cfg.rope_theta == 10000.0
+    assert cfg.rope_scaling == (LLAMA3_ROPE if arch == "llama" else None)
+    # config.json says <|end_of_text|> (1); generation_config.json adds <|eot|> (2).
+    assert cfg.bos_token_id == 0 and cfg.eos_token_ids == (1, 2)
+
+
+def test_config_defaults_and_new_rope_format(tmp_path, f32_ckpt):
+    path = shutil.copytree(f32_ckpt, tmp_path / "m")
+    # transformers 5 writes rope_parameters (with rope_theta inside) instead of rope_scaling.
+    _rewrite_config(path, rope_scaling=None, rope_theta=None, head_dim=None, eos_token_id=[2, 1],
+                    rope_parameters=dict(LLAMA3_ROPE, rope_theta=500000.0))
+    (path / "generation_config.json").unlink()
+    cfg = load_config(path)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == LLAMA3_ROPE
+    assert cfg.head_dim == 16 and cfg.eos_token_ids == (2, 1)
+    # Qwen3Config's head_dim default is 128, not hidden/heads.
+    _rewrite_config(path, architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    assert load_config(path).head_dim == 128
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_weights_load_bit_exact(tmp_path, f32_ckpt, dtype):
+    """Weights written by the safetensors library in each dtype load to exactly torch's float32
+    upcast of them; our bf16 writer rounds exactly as torch does."""
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(f32_ckpt, tmp_path / dtype)
+    f32 = load_file(path / "model.safetensors")
+    tensors = {k: v.to(getattr(torch, dtype)) for k, v in f32.items()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = load_config(path)
+    w = load_weights(path, cfg)
+    expect = {k: v.float().numpy() for k, v in tensors.items()}
+    assert w.embed.dtype == np.float32
+    np.testing.assert_array_equal(w.embed, expect["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(w.lm_head, expect["lm_head.weight"])
+    np.testing.assert_array_equal(w.final_norm, expect["model.norm.weight"])
+    layer = w.layers[1]
+    np.testing.assert_array_equal(layer.k_proj, expect["model.layers.1.self_attn.k_proj.weight"])
+    np.testing.assert_array_equal(layer.down_proj, expect["model.layers.1.mlp.down_proj.weight"])
+    np.testing.assert_array_equal(layer.input_norm, expect["model.layers.1.input_layernorm.weight"])
+    if dtype == "bfloat16":
+        ours = write_random_checkpoint(tmp_path / "ours", dtype="bfloat16", **TINY)
+        ours_w = load_weights(ours, load_config(ours))
+        np.testing.assert_array_equal(ours_w.layers[1].k_proj, layer.k_proj)
+        np.testing.assert_array_equal(ours_w.embed, w.embed)
+
+
+def test_bf16_rounding_matches_torch():
+    x = np.random.default_rng(0).standard_normal(10_000).astype(np.float32) * 100
+    x[:4] = [1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -0.0, 65504.0]  # ties to even, both directions
+    torch_bits = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(float32_to_bf16_bits(x), torch_bits)
+
+
+def test_sharded_equals_single(tmp_path, f32_ckpt):
+    sharded = write_random_checkpoint(tmp_path / "sharded", dtype="float32",
+                                      max_shard_bytes=40_000, **TINY)
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
+    assert (sharded / "model.safetensors.index.json").is_file()
+    cfg = load_config(sharded)
+    a, b = load_weights(sharded, cfg), load_weights(f32_ckpt, cfg)
+    np.testing.assert_array_equal(a.embed, b.embed)
+    np.testing.assert_array_equal(a.lm_head, b.lm_head)
+    for la, lb in zip(a.layers, b.layers):
+        for f in dataclasses.fields(la):
+            np.testing.assert_array_equal(getattr(la, f.name), getattr(lb, f.name))
+    # transformers reads our index and shards too.
+    model = transformers.AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32)
+    np.testing.assert_array_equal(model.model.embed_tokens.weight.detach().numpy(), a.embed)
+
+
+def test_tied_embeddings_share_the_array(tmp_path):
+    path = write_random_checkpoint(tmp_path / "t", tie_word_embeddings=True, **TINY)
+    w = load_weights(path, load_config(path))
+    assert w.lm_head is w.embed
+
+
+def test_errors_are_clear(tmp_path, f32_ckpt):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_config(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        load_config(tmp_path / "empty")
+
+    path = shutil.copytree(f32_ckpt, tmp_path / "m")
+    cfg = load_config(path)
+    _rewrite_config(path, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(CheckpointError, match="unsupported architecture.*GPT2LMHeadModel"):
+        load_config(path)
+    _rewrite_config(path, architectures=["LlamaForCausalLM"],
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(CheckpointError, match="RoPE type 'yarn' is not supported"):
+        load_config(path)
+    _rewrite_config(path, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(CheckpointError, match="lacks low_freq_factor, high_freq_factor"):
+        load_config(path)
+    _rewrite_config(path, rope_scaling=None, num_key_value_heads=3)
+    with pytest.raises(CheckpointError, match="not a multiple"):
+        load_config(path)
+    _rewrite_config(path, num_key_value_heads=2, hidden_size="64")
+    with pytest.raises(CheckpointError, match="hidden_size must be a positive int"):
+        load_config(path)
+    _rewrite_config(path, hidden_size=64)
+    load_config(path)
+
+    wider = dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 1)
+    with pytest.raises(CheckpointError, match=r"embed_tokens.weight has shape \[2048, 64\], "
+                                              r"config.json implies \[2049, 64\]"):
+        load_weights(path, wider)
+    with pytest.raises(CheckpointError, match="q_proj.bias not found"):
+        load_weights(path, dataclasses.replace(cfg, attention_bias=True))
+    (path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match="past the end of the file"):
+        load_weights(path, cfg)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors weight files"):
+        load_weights(path, cfg)
+    index = {"weight_map": {"x": "gone.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="shard gone.safetensors .* is missing"):
+        load_weights(path, cfg)
+    with pytest.raises(CheckpointError, match="tokenizer.json not found"):
+        load_tokenizer(tmp_path / "empty")
+    assert load_tokenizer(path).get_vocab_size() == cfg.vocab_size
+
+
+@pytest.mark.parametrize("scaling", [None, "tiny", "llama-3.2"])
+def test_rope_inv_freq_matches_transformers(tmp_path, scaling):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    if scaling == "llama-3.2":  # Llama-3.2-1B's head_dim, theta and scaling
+        kw = dict(hidden_size=2048, num_heads=32, num_kv_heads=8, num_layers=1, intermediate_size=8,
+                  rope_theta=500000.0, max_position_embeddings=131072,
+                  rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    else:
+        kw = dict(TINY, rope_scaling=LLAMA3_ROPE if scaling else None)
+    path = write_random_checkpoint(tmp_path / "m", dtype="float32", **kw)
+    hf_cfg = transformers.AutoConfig.from_pretrained(path)
+    if scaling is None:
+        expect, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_cfg)
+    else:
+        expect, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg)
+    ours = rope_inv_freq(load_config(path))
+    assert ours.shape == (load_config(path).head_dim // 2,) and ours.dtype == np.float32
+    # Within one float32 ulp: the float32 pow of torch and ours may round the last bit differently.
+    np.testing.assert_allclose(ours, expect.numpy(), rtol=1.2e-7, atol=0)
+    if scaling:  # the scaling really changes something, so the comparison above means something
+        plain, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_cfg)
+        assert not np.allclose(ours, plain.numpy())

@@ -1,0 +1,216 @@
+"""The ring protocol between the front end and the engine, without any model: whole-slot
+validation, torn and reordered writes, corrupt slots, field validation, record publication."""
+from __future__ import annotations
+
+import random
+import secrets
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from blink.gpu_engine.ring_server import CORRUPT_GRACE_S, ModelLimits, RingServer
+from blink.ring import layout
+from blink.ring.layout import (
+    SLOT_DTYPE, FinishReason, RejectReason, RingGeometry, SlotRequest, encode_slot,
+)
+from blink.ring.shm import ShmSegment, ShmTransport, shm_path
+
+VOCAB = 1000
+LIMITS = ModelLimits(vocab_size=VOCAB, context_length=64, kv_capacity_tokens=48)
+
+
+@pytest.fixture
+def ring():
+    name = f"blink-test-{secrets.token_hex(6)}"
+    server = RingServer(name, RingGeometry(4, max_prompt_tokens=63, max_output_tokens=64),
+                        model_name="unit", vocab_size=VOCAB, context_length=64, eos_ids=(2,))
+    transport = ShmTransport(ShmSegment.attach(name))
+    yield server, transport
+    transport.close()
+    server.close()
+    assert not shm_path(name).exists()
+
+
+def slot_writes(geom: RingGeometry, slot: int, gen: int, req: SlotRequest):
+    """The three writes a front end makes: payload, seq_end, then the doorbell."""
+    base = geom.slot_offset(slot)
+    body, _ = encode_slot(geom, gen, req)
+    return [(base + 4, body), (base + geom.seq_end_offset, np.uint32(gen).tobytes()),
+            (base, np.uint32(gen).tobytes())]
+
+
+def request(prompt=(5, 6, 7), **kw) -> SlotRequest:
+    fields = dict(request_id=1, prompt=np.asarray(prompt, np.int32), max_tokens=8)
+    fields.update(kw)
+    return SlotRequest(**fields)
+
+
+def test_segment_is_owner_only(ring):
+    server, _ = ring
+    assert (server.segment.path.stat().st_mode & 0o777) == 0o600
+
+
+def test_whole_slot_is_consumed_once(ring):
+    server, t = ring
+    for off, data in slot_writes(server.geom, 2, 1, request(stop_ids=(9, 11), seed=7)):
+        t.write(off, data)
+    new, rejected = server.poll(LIMITS)
+    assert rejected == [] and len(new) == 1
+    r = new[0]
+    assert (r.slot, r.gen, r.prompt) == (2, 1, [5, 6, 7])
+    assert r.params.max_tokens == 8 and r.params.seed == 7 and r.params.stop_ids == {9, 11}
+    assert server.poll(LIMITS) == ([], [])  # the same generation is never consumed twice
+
+
+def test_missing_doorbell_or_seq_end_is_not_consumed(ring):
+    server, t = ring
+    payload, seq_end, doorbell = slot_writes(server.geom, 0, 1, request())
+    t.write(*payload)
+    t.write(*seq_end)
+    assert server.poll(LIMITS) == ([], [])          # no doorbell yet
+    t.write(*doorbell)
+    t.write(server.geom.slot_offset(0) + server.geom.seq_end_offset, np.uint32(0).tobytes())
+    assert server.poll(LIMITS) == ([], [])          # seq_end torn
+    t.write(*seq_end)
+    assert len(server.poll(LIMITS)[0]) == 1
+
+
+def test_rdma_like_reordered_chunks_never_consumed_partially(ring):
+    """RDMA gives no order for when the bytes of one write land: apply every write as random
+    4-byte-aligned pieces in random order, polling between pieces. The slot may be consumed
+    only once complete, and then exactly as written."""
+    server, t = ring
+    rnd = random.Random(1)
+    for gen in range(1, 30):
+        prompt = [rnd.randrange(VOCAB) for _ in range(rnd.randrange(1, 40))]
+        req = request(prompt, request_id=gen, max_tokens=1, temperature=rnd.random())
+        pieces = []
+        for off, data in slot_writes(server.geom, 1, gen, req):
+            cuts = sorted({0, len(data), *(4 * rnd.randrange(len(data) // 4 + 1)
+                                           for _ in range(6))})
+            pieces += [(off + a, data[a:b]) for a, b in zip(cuts, cuts[1:])]
+        rnd.shuffle(pieces)
+        consumed = []
+        for i, (off, data) in enumerate(pieces):
+            t.write(off, data)
+            new, rejected = server.poll(LIMITS)
+            consumed += new
+            assert rejected == [], "a partial write must wait, not be rejected"
+            if new:  # pieces not applied yet must not change a byte: the slot was complete
+                diff = [(o - server.geom.slot_offset(1), len(d)) for o, d in pieces[i + 1:]
+                        if t.read(o, len(d)) != d]
+                assert not diff, f"consumed before the write was complete: {diff}"
+        if not consumed:  # the doorbell landed before the payload finished: the next poll sees it
+            consumed, _ = server.poll(LIMITS)
+        assert [c.prompt for c in consumed] == [prompt]
+        assert consumed[0].params.temperature == pytest.approx(req.temperature)
+
+
+def test_corrupt_slot_is_rejected_after_grace(ring, monkeypatch):
+    server, t = ring
+    payload, seq_end, doorbell = slot_writes(server.geom, 3, 1, request())
+    off, body = payload
+    body = bytearray(body)
+    body[-1] ^= 0x40  # flip a bit in the last prompt token
+    for w in ((off, bytes(body)), seq_end, doorbell):
+        t.write(*w)
+    assert server.poll(LIMITS) == ([], [])  # within the grace period: maybe still landing
+    import blink.gpu_engine.ring_server as rs
+    real = rs.time.monotonic
+    monkeypatch.setattr(rs.time, "monotonic", lambda: real() + CORRUPT_GRACE_S + 1)
+    new, rejected = server.poll(LIMITS)
+    assert new == [] and [(r.slot, r.reason) for r in rejected] == [(3, RejectReason.CORRUPT)]
+
+
+@pytest.mark.parametrize("fields, reason", [
+    (dict(prompt=(1, VOCAB)), RejectReason.TOKEN_OUT_OF_RANGE),
+    (dict(prompt=(1, -3)), RejectReason.TOKEN_OUT_OF_RANGE),
+    (dict(max_tokens=0), RejectReason.BAD_MAX_TOKENS),
+    (dict(temperature=-0.5), RejectReason.BAD_TEMPERATURE),
+    (dict(temperature=float("nan")), RejectReason.BAD_TEMPERATURE),
+    (dict(top_p=0.0), RejectReason.BAD_TOP_P),
+    (dict(top_p=1.5), RejectReason.BAD_TOP_P),
+    (dict(top_k=-1), RejectReason.BAD_TOP_K),
+    (dict(stop_ids=(VOCAB + 5,)), RejectReason.BAD_STOP_IDS),
+    (dict(max_tokens=62), RejectReason.EXCEEDS_CONTEXT),
+    (dict(max_tokens=46), RejectReason.EXCEEDS_KV_CAPACITY),
+])
+def test_bad_fields_are_rejected_with_reason(ring, fields, reason):
+    server, t = ring
+    if "prompt" in fields:
+        fields["prompt"] = np.asarray(fields["prompt"], np.int32)
+    for w in slot_writes(server.geom, 0, 1, request(**fields)):
+        t.write(*w)
+    new, rejected = server.poll(LIMITS)
+    assert new == [] and [r.reason for r in rejected] == [reason]
+    # the rejection is published in the output record with its reason
+    server.finish(0, 1, FinishReason.REJECTED, rejected[0].reason)
+    rec = np.frombuffer(t.read(server.geom.record_offset(0), layout.RECORD_DTYPE.itemsize),
+                        layout.RECORD_DTYPE)[0]
+    assert (rec["gen"], rec["finish_reason"], rec["detail"]) == (1, FinishReason.REJECTED, reason)
+
+
+def test_bad_prompt_len_in_slot_is_rejected(ring):
+    """A hand-crafted slot whose prompt_len is beyond the slot is clamped and rejected."""
+    server, t = ring
+    geom = server.geom
+    fixed = np.zeros((), SLOT_DTYPE)
+    fixed["prompt_len"] = 10_000
+    fixed["max_tokens"] = 1
+    fixed["top_p"] = 1.0
+    raw = bytearray(fixed.tobytes())
+    crc = layout.payload_crc(bytes(raw) + bytes(4 * geom.max_prompt_tokens),
+                             geom.max_prompt_tokens, 1)
+    raw[8:12] = np.uint32(crc).tobytes()
+    base = geom.slot_offset(1)
+    t.write(base + 4, bytes(raw[4:]))
+    t.write(base + geom.seq_end_offset, np.uint32(1).tobytes())
+    t.write(base, np.uint32(1).tobytes())
+    new, rejected = server.poll(LIMITS)
+    assert new == [] and [r.reason for r in rejected] == [RejectReason.BAD_PROMPT_LEN]
+
+
+def test_records_publish_tokens_then_finish(ring):
+    server, t = ring
+    server.open_record(1, 5, 3)
+    for i, tok in enumerate((10, 11, 12)):
+        server.append_token(1, i, tok)
+    server.finish(1, 5, FinishReason.LENGTH)
+    off = server.geom.record_offset(1)
+    rec = np.frombuffer(t.read(off, layout.RECORD_DTYPE.itemsize), layout.RECORD_DTYPE)[0]
+    assert (rec["gen"], rec["num_tokens"], rec["finish_reason"], rec["prompt_len"]) == \
+        (5, 3, FinishReason.LENGTH, 3)
+    toks = np.frombuffer(t.read(off + layout.RECORD_DTYPE.itemsize, 12), "<i4")
+    assert toks.tolist() == [10, 11, 12]
+
+
+def test_cancel_word(ring):
+    server, t = ring
+    assert not server.cancel_requested(2, 4)
+    t.write(server.geom.slot_offset(2) + 4, np.uint32(4).tobytes())
+    assert server.cancel_requested(2, 4) and not server.cancel_requested(2, 5)
+
+
+def test_engine_replacing_segment_is_detected(ring):
+    server, t = ring
+    assert t.is_current()
+    other = RingServer(server.segment.path.name, server.geom, model_name="b", vocab_size=VOCAB,
+                       context_length=64, eos_ids=())
+    try:
+        assert not t.is_current()
+    finally:
+        other.close()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to compile the C view")
+def test_generated_c_header_is_current_and_compiles(tmp_path):
+    from pathlib import Path
+    header = Path(layout.__file__).resolve().parents[2] / "gpu_engine" / "csrc" / "ring_layout.h"
+    assert header.read_text() == layout.c_header(), \
+        "run `python -m blink.ring.layout --write-header`"
+    src = tmp_path / "check.cc"
+    src.write_text(f'#include "{header}"\nint main() {{ return 0; }}\n')
+    # the header's static_asserts check every offset and size against layout.py's
+    subprocess.run(["g++", "-std=c++17", "-fsyntax-only", str(src)], check=True)

@@ -1,0 +1,193 @@
+"""Scheduling logic (admission, token budget, chunked prefill, block allocation, preemption)
+and sampling, as plain functions over plain state — the decisions the GPU kernel must repeat."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from blink.gpu_engine.block_manager import KvBlockPool, blocks_for
+from blink.gpu_engine.reference_engine import eos_finish
+from blink.gpu_engine.sampling import sample_token, uniform
+from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig
+from blink.gpu_engine.sequence import SamplingParams, SeqStatus, Sequence
+from blink.ring.layout import FinishReason
+
+
+def seq(i: int, prompt_len: int, max_tokens: int = 8, **kw) -> Sequence:
+    return Sequence(slot=i, gen=1, arrival=i, prompt=list(range(1, prompt_len + 1)),
+                    params=SamplingParams(max_tokens=max_tokens, **kw))
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    """Applies a plan as the engine does: computed tokens advance, samplers append a token."""
+    plan = sched.schedule_step()
+    for s, n in plan.scheduled:
+        s.num_computed += n
+        if s.num_computed == s.num_tokens:
+            s.output.append(token)
+    return plan
+
+
+def check_invariants(sched: Scheduler) -> None:
+    owned = [b for s in sched.running for b in s.block_table]
+    assert len(owned) == len(set(owned)), "a block is in two block tables"
+    assert len(owned) + sched.pool.num_free == sched.pool.num_blocks, "blocks leaked"
+    for s in sched.running:
+        assert len(s.block_table) >= blocks_for(s.num_computed, sched.pool.block_size)
+    for s in sched.waiting:
+        assert s.block_table == [] and s.num_computed == 0 or s.status is SeqStatus.WAITING
+
+
+def test_token_budget_and_chunked_prefill():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10),
+                      KvBlockPool(64, 4))
+    long, short = seq(0, 23), seq(1, 3)
+    sched.add(long)
+    sched.add(short)
+    plan = run_step(sched)
+    assert [(s.slot, n) for s, n in plan.scheduled] == [(0, 10)]  # FCFS, whole budget
+    plan = run_step(sched)
+    assert [(s.slot, n) for s, n in plan.scheduled] == [(0, 10)]
+    plan = run_step(sched)  # the prompt's last 3 tokens, then the short one joins
+    assert [(s.slot, n) for s, n in plan.scheduled] == [(0, 3), (1, 3)]
+    assert long.output == [7] and short.output == [7]
+    plan = run_step(sched)  # both decode: one token each
+    assert [(s.slot, n) for s, n in plan.scheduled] == [(0, 1), (1, 1)]
+    check_invariants(sched)
+
+
+def test_max_num_seqs_limits_admission():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100),
+                      KvBlockPool(64, 4))
+    for i in range(4):
+        sched.add(seq(i, 2))
+    plan = run_step(sched)
+    assert [s.slot for s, _ in plan.scheduled] == [0, 1]
+    sched.finish(sched.running[0])
+    plan = run_step(sched)
+    assert [s.slot for s, _ in plan.scheduled] == [1, 2]
+    check_invariants(sched)
+
+
+def test_preemption_evicts_newest_and_recomputes():
+    # 6 blocks of 4 tokens: two 12-token prompts fill them; the first decode needs a 7th.
+    pool = KvBlockPool(6, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), pool)
+    a, b = seq(0, 12, max_tokens=20), seq(1, 12, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    assert pool.num_free == 0 and a.num_computed == 12 and b.num_computed == 12
+    run_step(sched)  # a needs a 4th block for position 12: b (newest) is evicted
+    assert b.status is SeqStatus.WAITING and b.num_computed == 0 and b.preemptions == 1
+    assert list(sched.waiting) == [b] and b.output == [7]
+    check_invariants(sched)
+    # run a to completion; b is readmitted and recomputes prompt + its output
+    while a.status is not SeqStatus.FINISHED:
+        run_step(sched)
+        if len(a.output) >= 10:
+            sched.finish(a)
+    plan = run_step(sched)
+    assert [(s.slot, n) for s, n in plan.scheduled] == [(1, 13)]
+    check_invariants(sched)
+
+
+def test_random_workload_never_leaks_or_deadlocks():
+    rnd = random.Random(0)
+    pool = KvBlockPool(24, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=16), pool)
+    pending = [seq(i, rnd.randrange(1, 30), max_tokens=rnd.randrange(1, 40)) for i in range(60)]
+    finished = 0
+    for step in range(5000):
+        while pending and rnd.random() < 0.3:
+            sched.add(pending.pop(0))
+        plan = run_step(sched, token=rnd.randrange(100))
+        assert plan.num_tokens <= 16 and len(plan.scheduled) <= 6
+        for s, _ in plan.scheduled:
+            if s.status is SeqStatus.RUNNING and len(s.output) >= s.params.max_tokens:
+                sched.finish(s)
+                finished += 1
+        if rnd.random() < 0.02 and sched.running:  # a cancel
+            sched.finish(rnd.choice(sched.running))
+            finished += 1
+        check_invariants(sched)
+        if not pending and sched.num_unfinished == 0:
+            break
+    assert finished == 60 and pool.num_free == pool.num_blocks
+
+
+def test_stop_checks():
+    s = seq(0, 3, max_tokens=3, stop_ids=frozenset({42}))
+    eos = frozenset({2})
+    s.output = [5]
+    assert eos_finish(s, 5, eos, 100) == (FinishReason.NONE, 0)
+    s.output = [5, 2]
+    assert eos_finish(s, 2, eos, 100) == (FinishReason.EOS, 2)
+    s.output = [5, 42]
+    assert eos_finish(s, 42, eos, 100) == (FinishReason.STOP_TOKEN, 42)
+    s.output = [5, 6, 7]
+    assert eos_finish(s, 7, eos, 100) == (FinishReason.LENGTH, 0)
+    s.output = [5, 6]
+    assert eos_finish(s, 6, eos, 5) == (FinishReason.CONTEXT_FULL, 0)
+    ign = seq(0, 3, max_tokens=9, ignore_eos=True)
+    ign.output = [2]
+    assert eos_finish(ign, 2, eos, 100) == (FinishReason.NONE, 0)
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+def test_greedy_and_top_k_1_are_argmax():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        logits = rng.normal(size=50).astype(np.float32)
+        want = int(np.argmax(logits))
+        assert sample_token(logits, SamplingParams(1, temperature=0.0), 0) == want
+        assert sample_token(logits, SamplingParams(1, temperature=1.3, top_k=1, seed=9), 3) == want
+
+
+def test_same_seed_same_tokens_independent_of_order():
+    logits = np.random.default_rng(1).normal(size=100).astype(np.float32)
+    p = SamplingParams(1, temperature=0.8, seed=1234)
+    a = [sample_token(logits, p, step) for step in range(50)]
+    b = [sample_token(logits, p, step) for step in reversed(range(50))][::-1]
+    assert a == b
+    assert a != [sample_token(logits, SamplingParams(1, temperature=0.8, seed=1235), s)
+                 for s in range(50)]
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0),
+    dict(temperature=0.5),
+    dict(temperature=1.0, top_k=3),
+    dict(temperature=1.0, top_p=0.7),
+])
+def test_sampling_distribution(params):
+    """Empirical frequencies over many seeds match the filtered softmax (fixed seeds)."""
+    logits = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -1.0], np.float32)
+    t = params.get("temperature")
+    probs = np.exp(logits / t) / np.exp(logits / t).sum()
+    order = np.argsort(-probs)
+    keep = np.ones(6, bool)
+    if "top_k" in params:
+        keep[order[params["top_k"]:]] = False
+    if "top_p" in params:
+        cum = np.cumsum(probs[order])
+        n = int(np.searchsorted(cum, params["top_p"])) + 1
+        keep[order[n:]] = False
+    want = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
+    n = 20000
+    counts = Counter(sample_token(logits, SamplingParams(1, seed=s, **params), 0)
+                     for s in range(n))
+    got = np.array([counts[i] / n for i in range(6)])
+    assert np.all(got[~keep] == 0)
+    assert np.abs(got - want).max() < 4 * np.sqrt(want.max() / n) + 1e-3
+
+
+def test_uniform_is_uniform():
+    u = np.array([uniform(77, i) for i in range(20000)])
+    assert 0 <= u.min() and u.max() < 1
+    hist, _ = np.histogram(u, bins=10, range=(0, 1))
+    assert np.abs(hist / 20000 - 0.1).max() < 0.01

@@ -1,0 +1,354 @@
+"""Serving behaviour through a real gRPC port: sampling, stop conditions, bad input, cancels and
+deadlines, slot exhaustion, engine death and restart, health and reflection."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+
+import grpc
+import pytest
+from tokenizers import Tokenizer
+
+from blink.client.sdk import AsyncBlinkClient, BlinkClient, BlinkError, Sampling
+from blink.v1 import blink_pb2 as pb
+from blink.v1 import blink_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+GREEDY = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoints, tmp_path_factory):
+    from conftest import BlinkStack
+    s = BlinkStack(checkpoints["llama"], tmp_path_factory.mktemp("behaviour"),
+                   frontend_args=["--max-request-mb", "1"])
+    s.start_engine()
+    s.start_frontend()
+    s.wait_serving()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def long_stack(long_checkpoint, tmp_path_factory):
+    from conftest import BlinkStack
+    s = BlinkStack(long_checkpoint, tmp_path_factory.mktemp("long"))
+    s.start_engine()
+    s.start_frontend()
+    s.wait_serving()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(stack):
+    with BlinkClient(stack.target) as c:
+        yield c
+
+
+def wait_for(predicate, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def engine_idle(client) -> bool:
+    s = client.stats()
+    return (s["kv_blocks_free"] == s["kv_blocks_total"] and s["ring_slots_in_use"] == 0
+            and s["sequences_running"] == 0 and s["sequences_waiting"] == 0)
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+def test_same_seed_same_text_and_top_k_1_is_greedy(client):
+    prompt = "Sampling test: once upon a time"
+    a = client.generate(prompt, Sampling(max_tokens=24, temperature=0.9, seed=42,
+                                         ignore_eos=True), return_token_ids=True)
+    b = client.generate(prompt, Sampling(max_tokens=24, temperature=0.9, seed=42,
+                                         ignore_eos=True), return_token_ids=True)
+    c = client.generate(prompt, Sampling(max_tokens=24, temperature=0.9, seed=43,
+                                         ignore_eos=True), return_token_ids=True)
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert a.token_ids != c.token_ids
+    greedy = client.generate(prompt, GREEDY, return_token_ids=True)
+    top1 = client.generate(prompt, Sampling(max_tokens=24, temperature=1.5, top_k=1, seed=7,
+                                            ignore_eos=True), return_token_ids=True)
+    assert greedy.token_ids == top1.token_ids
+    nucleus = client.generate(prompt, Sampling(max_tokens=24, temperature=1.0, top_p=0.5,
+                                               seed=42, ignore_eos=True), return_token_ids=True)
+    assert nucleus.completion_tokens == 24
+
+
+def test_max_tokens_ends_with_length(client):
+    done = client.generate("count", Sampling(max_tokens=5, temperature=0.0, ignore_eos=True),
+                           return_token_ids=True)
+    assert done.finish_reason == "length" and done.completion_tokens == 5
+    assert len(done.token_ids) == 5
+
+
+def test_stop_token_id_ends_stream(client):
+    prompt = "stop token test"
+    full = client.generate(prompt, GREEDY, return_token_ids=True)
+    # the first position whose token did not occur before it
+    k = next(i for i, t in enumerate(full.token_ids) if i >= 2 and t not in full.token_ids[:i])
+    stop_id = full.token_ids[k]
+    done = client.generate(prompt, Sampling(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                            stop_token_ids=(stop_id,)), return_token_ids=True)
+    assert done.finish_reason == "stop" and done.matched_stop == str(stop_id)
+    assert done.token_ids == full.token_ids[:k]          # the stop token is not shown
+    assert done.completion_tokens == k + 1               # but it is counted
+
+
+def test_stop_string_spanning_tokens(client, checkpoints):
+    tok = Tokenizer.from_file(str(checkpoints["llama"] / "tokenizer.json"))
+    prompt = "stop string test, a longer prompt"
+    full = client.generate(prompt, GREEDY, return_token_ids=True)
+    # a stop string that starts inside one token and ends inside a later one
+    pieces = [tok.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+    i = next(i for i in range(2, len(pieces) - 2)
+             if len(pieces[i + 1]) - len(pieces[i]) >= 2 and full.text.startswith(pieces[i + 2])
+             and "\ufffd" not in pieces[i + 2][len(pieces[i]):])
+    start = len(pieces[i]) + 1
+    stop = pieces[i + 2][start:start + max(2, len(pieces[i + 2]) - start)]
+    assert len(stop) >= 2
+    expect = full.text[:full.text.find(stop)]
+    done = client.generate(prompt, Sampling(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                            stop=("never-matches", stop)))
+    assert done.finish_reason == "stop" and done.matched_stop == stop
+    assert done.text == expect and stop not in done.text
+    # streamed deltas never contained the stop string either
+    deltas = list(client.stream(prompt, Sampling(max_tokens=24, temperature=0.0,
+                                                 ignore_eos=True, stop=(stop,))))
+    assert "".join(d.text for d in deltas) == expect
+    assert wait_for(lambda: engine_idle(client))
+
+
+def test_eos_ends_stream(checkpoints, tmp_path, make_stack):
+    """A checkpoint whose EOS is a token the model produces greedily: generation ends there
+    (finish EOS) unless ignore_eos is set."""
+    model = tmp_path / "eos-model"
+    shutil.copytree(checkpoints["llama"], model)
+    prompt = "eos test"
+    with BlinkClient(make_stack(checkpoints["llama"]).target) as c:
+        full = c.generate(prompt, GREEDY, return_token_ids=True)
+    k = next(i for i, t in enumerate(full.token_ids) if i >= 2 and t not in full.token_ids[:i])
+    gen_cfg = json.loads((model / "generation_config.json").read_text())
+    gen_cfg["eos_token_id"] = [full.token_ids[k]]
+    (model / "generation_config.json").write_text(json.dumps(gen_cfg))
+    with BlinkClient(make_stack(model).target) as c:
+        done = c.generate(prompt, Sampling(max_tokens=24, temperature=0.0),
+                          return_token_ids=True)
+        assert done.finish_reason == "eos" and done.token_ids == full.token_ids[:k]
+        assert done.completion_tokens == k + 1
+        ignored = c.generate(prompt, GREEDY, return_token_ids=True)
+        assert ignored.finish_reason == "length" and ignored.token_ids == full.token_ids
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    (pb.GenerateRequest(text=""), "prompt is empty"),
+    (pb.GenerateRequest(), "prompt is empty"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "prompt is empty"),
+    (pb.GenerateRequest(text="word " * 600), "context length"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=0)),
+     "max_tokens must be at least 1"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=10_000)),
+     "exceeds the context length"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-0.1)),
+     "temperature must be >= 0"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=float("nan"))),
+     "temperature must be >= 0"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0.0)), "top_p must be in"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=1.01)), "top_p must be in"),
+    (pb.GenerateRequest(text="hi", model="gpt-17"), "unknown model 'gpt-17'"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 999_999])), "outside the vocabulary"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop_token_ids=[10**6])),
+     "outside the vocabulary"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop=[""])), "stop strings"),
+    (pb.GenerateRequest(text="x" * (1 << 20 | 1)), "the limit is"),
+]
+
+
+def test_bad_input_is_invalid_argument_and_others_keep_going(stack, client):
+    expected = client.generate("a stream running beside bad requests", GREEDY,
+                               return_token_ids=True)
+    results = {}
+
+    def background():
+        with BlinkClient(stack.target) as c:
+            results["bg"] = c.generate("a stream running beside bad requests", GREEDY,
+                                       return_token_ids=True)
+
+    t = threading.Thread(target=background)
+    t.start()
+    with grpc.insecure_channel(stack.target) as ch:
+        stub = pb_grpc.BlinkStub(ch)
+        for req, message in BAD_REQUESTS:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(req, timeout=30))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (req, err.value)
+            assert message in err.value.details(), (message, err.value.details())
+    t.join(60)
+    assert results["bg"].token_ids == expected.token_ids
+    assert client.generate("still serving", GREEDY).completion_tokens == 24
+
+
+def test_message_over_grpc_limit_is_refused_cleanly(stack, client):
+    with grpc.insecure_channel(stack.target) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.BlinkStub(ch).Generate(pb.GenerateRequest(text="y" * (4 << 20)),
+                                                timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert client.generate("still serving", GREEDY).completion_tokens == 24
+
+
+# -- cancel and deadline ----------------------------------------------------------------------
+
+LONG = Sampling(max_tokens=16000, temperature=0.0, ignore_eos=True)  # seconds of work
+
+
+def test_cancel_frees_slot_and_blocks(long_stack):
+    client = BlinkClient(long_stack.target)
+    before = client.stats()
+    stream = client.stream("cancel me", LONG)
+    got = [next(stream) for _ in range(3)]
+    assert all(d.text is not None for d in got)
+    stream.cancel()
+    assert wait_for(lambda: engine_idle(client)), client.stats()
+    after = client.stats()
+    assert after["requests_cancelled"] == before["requests_cancelled"] + 1
+
+
+def test_deadline_frees_slot_and_blocks_others_unaffected(long_stack):
+    stack = long_stack
+    client = BlinkClient(stack.target)
+    expected = client.generate("bystander", GREEDY, return_token_ids=True)
+    before = client.stats()
+
+    async def run():
+        async with AsyncBlinkClient(stack.target) as c:
+            slow = c.generate("deadline me", LONG, timeout=1.0)
+            bystander = c.generate("bystander", GREEDY, return_token_ids=True, timeout=60)
+            return await asyncio.gather(slow, bystander, return_exceptions=True)
+
+    slow, bystander = asyncio.run(run())
+    assert isinstance(slow, BlinkError) and slow.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert bystander.token_ids == expected.token_ids
+    assert wait_for(lambda: engine_idle(client)), client.stats()
+    assert client.stats()["requests_cancelled"] == before["requests_cancelled"] + 1
+
+
+# -- more requests than slots -----------------------------------------------------------------
+
+def test_more_requests_than_slots(long_checkpoint, make_stack):
+    stack = make_stack(long_checkpoint, engine_args=["--slots", "2"],
+                       frontend_args=["--queue-timeout", "1.0", "--max-queued", "3"])
+    sampling = Sampling(max_tokens=3000, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        async with AsyncBlinkClient(stack.target) as c:
+            return await asyncio.gather(*(c.generate(f"request {i}", sampling, timeout=60)
+                                          for i in range(8)), return_exceptions=True)
+
+    t0 = time.monotonic()
+    results = asyncio.run(run())
+    elapsed = time.monotonic() - t0
+    ok = [r for r in results if not isinstance(r, Exception)]
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert all(isinstance(e, BlinkError) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+               for e in errors), errors
+    assert len(ok) >= 2 and errors, (len(ok), errors)
+    assert len(errors) >= 8 - 2 - 3  # beyond slots + queue: refused at once
+    assert all(r.completion_tokens == 3000 for r in ok)
+    assert elapsed < 60  # bounded waiting: nothing hangs
+    with BlinkClient(stack.target) as c:
+        assert wait_for(lambda: engine_idle(c))
+        assert c.generate("after the rush", GREEDY).completion_tokens == 24
+    # with a queue timeout longer than the work, everyone waits their turn and finishes
+    stack = make_stack(long_checkpoint, engine_args=["--slots", "2"],
+                       frontend_args=["--queue-timeout", "60"])
+    sampling = Sampling(max_tokens=100, temperature=0.0, ignore_eos=True)
+    results = asyncio.run(run())
+    assert all(not isinstance(r, Exception) and r.completion_tokens == 100 for r in results)
+
+
+# -- engine death and restart -----------------------------------------------------------------
+
+def test_engine_killed_then_restarted(long_checkpoint, make_stack):
+    from grpc_health.v1 import health_pb2
+    stack = make_stack(long_checkpoint, frontend_args=["--engine-timeout", "1.0"])
+    frontend_pid = stack.frontend.pid
+    client = BlinkClient(stack.target)
+    errors = []
+
+    def stream_until_error():
+        try:
+            for _ in client.stream("long stream", LONG):
+                pass
+            errors.append(None)
+        except BlinkError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=stream_until_error) for _ in range(3)]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: client.stats()["sequences_running"] == 3, 10)
+    stack.kill_engine()
+    t_kill = time.monotonic()
+    for t in threads:
+        t.join(15)
+    assert time.monotonic() - t_kill < 5, "streams must end within a few seconds"
+    assert len(errors) == 3 and all(e is not None and e.code == grpc.StatusCode.UNAVAILABLE
+                                    for e in errors), errors
+    assert client.health() == health_pb2.HealthCheckResponse.ServingStatus.Name(
+        health_pb2.HealthCheckResponse.NOT_SERVING)
+    with pytest.raises(BlinkError) as err:
+        client.generate("while down", GREEDY)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+    stack.start_engine()
+    stack.wait_serving()
+    assert stack.frontend.pid == frontend_pid and stack.frontend.poll() is None
+    assert client.generate("after restart", GREEDY).completion_tokens == 24
+    assert client.stats()["engine_attachments"] == 2
+    client.close()
+
+
+# -- health, reflection, model info -----------------------------------------------------------
+
+def test_reflection_and_model_info(stack, client, checkpoints):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+    with grpc.insecure_channel(stack.target) as ch:
+        services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+    assert {"blink.v1.Blink", "grpc.health.v1.Health"} <= services
+    info = client.model_info()
+    cfg = json.loads((checkpoints["llama"] / "config.json").read_text())
+    assert info.name == "llama" and info.architecture == "LlamaForCausalLM"
+    assert info.context_length == cfg["max_position_embeddings"]
+    assert info.vocab_size == cfg["vocab_size"] and info.has_chat_template
+    assert client.health() == "SERVING"
+
+
+def test_chat_messages(client, checkpoints):
+    messages = [{"role": "user", "content": "hi there"}]
+    done = client.generate(messages, Sampling(max_tokens=4, temperature=0.0, ignore_eos=True))
+    # same as sending the rendered template as text without special tokens added again
+    from blink.nic_service.chat_template import load_chat_template, render_chat
+    tcfg = json.loads((checkpoints["llama"] / "tokenizer_config.json").read_text())
+    text = render_chat(load_chat_template(checkpoints["llama"]), messages,
+                       bos_token=tcfg["bos_token"], eos_token=tcfg["eos_token"])
+    tok = Tokenizer.from_file(str(checkpoints["llama"] / "tokenizer.json"))
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert done.prompt_tokens == len(ids)
+    assert done.text == client.generate(ids, Sampling(max_tokens=4, temperature=0.0,
+                                                      ignore_eos=True)).text

@@ -1,0 +1,126 @@
+"""The whole serving path on a CPU: client -> real gRPC port -> front end -> shm ring ->
+reference engine -> ring -> front end -> client, checked against transformers."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from oracle import check_greedy, check_teacher_forced, hf_greedy
+from tokenizers import Tokenizer
+
+from blink.client.sdk import AsyncBlinkClient, BlinkClient, Sampling
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "你好，世界！今天天气很好。",
+    "日本語のテキストも大丈夫ですか？",
+    "한국어 문장도 테스트합니다.",
+    "Emoji: 🙂🚀🔥 and a family 👨‍👩‍👧‍👦 with skin tones 👍🏽",
+    "Combining marks: e\u0301 a\u0300 n\u0303 o\u0308 — Zalgo: Z\u0336\u0351a\u0337\u0353",
+    "Ünïcödé accents: café, naïve, façade, jalapeño",
+    "Русский текст и ελληνικά γράμματα",
+    "مرحبا بالعالم",
+    "   leading and trailing spaces   ",
+    "tabs\tand\nnewlines\n\n",
+    "1234567890 + 987654321 = ?",
+    "a",
+    "!!!???...",
+    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
+    "<html><body><p>markup</p></body></html>",
+    "Mixed: English, 中文, 🙂, and मराठी भाषा",
+    " ".join(["long"] * 120),
+]
+
+
+@pytest.fixture(scope="module")
+def stacks(checkpoints, tmp_path_factory):
+    from conftest import BlinkStack
+    started = {}
+
+    def get(arch: str) -> BlinkStack:
+        if arch not in started:
+            stack = BlinkStack(checkpoints[arch], tmp_path_factory.mktemp(f"stack-{arch}"),
+                               engine_args=["--max-batched-tokens", "256"])
+            started[arch] = stack
+            stack.start_engine()
+            stack.start_frontend()
+            stack.wait_serving()
+        return started[arch]
+
+    yield get
+    for stack in started.values():
+        stack.stop()
+
+
+async def _generate_all(target: str, prompts, sampling_for) -> list:
+    async with AsyncBlinkClient(target) as client:
+        return await asyncio.gather(*(
+            client.generate(p, sampling_for(i), return_token_ids=True, timeout=120)
+            for i, p in enumerate(prompts)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_matches_transformers(arch, stacks, checkpoints):
+    stack = stacks(arch)
+    tok = Tokenizer.from_file(str(checkpoints[arch] / "tokenizer.json"))
+    n = 12
+    eos = set(BlinkClient(stack.target).model_info().eos_token_ids)
+    results = asyncio.run(_generate_all(
+        stack.target, PROMPTS, lambda i: Sampling(max_tokens=n, temperature=0.0)))
+    outcomes = []
+    for prompt, done in zip(PROMPTS, results):
+        ids = tok.encode(prompt).ids
+        assert done.prompt_tokens == len(ids)
+        ours = list(done.token_ids)
+        ref = hf_greedy(checkpoints[arch], ids, n)
+        outcome = check_greedy(checkpoints[arch], ids, ours, ref[:len(ours)])
+        if done.finish_reason == "eos":
+            # our stream ended with an EOS token (counted, not shown); so must the reference
+            assert done.completion_tokens == len(ours) + 1
+            if outcome == "exact":
+                assert len(ref) == len(ours) + 1 and ref[-1] in eos, (ours, ref)
+        else:
+            assert done.finish_reason == "length" and done.completion_tokens == n == len(ours)
+            if outcome == "exact":
+                assert ref == ours
+        outcomes.append(outcome)
+        # the streamed text is the tokenizers library's decode of the same tokens
+        assert done.text == tok.decode(list(done.token_ids), skip_special_tokens=True)
+    assert outcomes.count("exact") >= len(PROMPTS) - 2, outcomes
+
+
+def test_64_concurrent_streams_equal_solo_runs(stacks, checkpoints):
+    stack = stacks("llama")
+    rnd = random.Random(5)
+    prompts = [[rnd.randrange(3, 2000) for _ in range(rnd.randrange(1, 120))] for _ in range(64)]
+    lengths = [rnd.randrange(1, 40) for _ in range(64)]
+
+    def sampling(i):
+        return Sampling(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)
+
+    with BlinkClient(stack.target) as client:
+        solo = [client.generate(p, sampling(i), return_token_ids=True)
+                for i, p in enumerate(prompts)]
+
+    async def staggered():
+        async with AsyncBlinkClient(stack.target) as client:
+            async def one(i):
+                await asyncio.sleep(rnd.random() * 0.5)  # arrivals while others generate
+                return await client.generate(prompts[i], sampling(i), return_token_ids=True,
+                                             timeout=300)
+            return await asyncio.gather(*(one(i) for i in range(64)))
+
+    together = asyncio.run(staggered())
+    for i, (a, b) in enumerate(zip(solo, together)):
+        assert b.completion_tokens == lengths[i]
+        if a.token_ids != b.token_ids:  # allowed only at near-ties of the reference
+            check_teacher_forced(checkpoints["llama"], prompts[i], list(a.token_ids))
+            check_teacher_forced(checkpoints["llama"], prompts[i], list(b.token_ids))
+    stats = BlinkClient(stack.target).stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert int(stats.get("ring_slots_in_use", 0)) == 0
