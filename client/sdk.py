@@ -331,8 +331,14 @@ class AsyncGenerationStream:
     async def __aexit__(self, *exc: object) -> None:
         self.cancel()
 
-    # No __del__: a grpc.aio call cancels itself when collected, and cancelling from a finalizer
-    # could run after its event loop is gone.
+    def __del__(self) -> None:
+        # A stream dropped before its end must not keep the server generating. grpc.aio's own
+        # finalizer does not reliably cancel; ours only acts while the call's loop still runs.
+        if not self._call.done():
+            try:
+                self._call.cancel()
+            except RuntimeError:  # the event loop is already closed
+                pass
 
 
 class BlinkClient:
