@@ -5,7 +5,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -76,7 +75,11 @@ def _frontend_config(args, model_dir: Path):
 
 def cmd_engine(args) -> None:
     from blink.gpu_engine.reference_engine import run_engine
-    run_engine(_engine_config(args, _model_dir(args.model)))
+    from blink.gpu_engine.ring_server import RingInUse
+    try:
+        run_engine(_engine_config(args, _model_dir(args.model)))
+    except RingInUse as e:
+        sys.exit(f"blink engine: {e}")
 
 
 def cmd_frontend(args) -> None:
@@ -122,8 +125,15 @@ async def _supervise_engine(argv: list[str], stop: asyncio.Event) -> None:
         await asyncio.sleep(backoff)
 
 
+def default_ring_name() -> str:
+    from blink.ring.shm import default_ring_name as name
+    return name()
+
+
 def cmd_serve(args) -> None:
     model_dir = _model_dir(args.model)
+    if args.ring_name is None:  # engine and front end are ours alone: a ring per port
+        args.ring_name = f"{default_ring_name()}-{args.port}"
 
     async def main():
         from blink.nic_service.server import Frontend
@@ -171,6 +181,14 @@ def cmd_generate(args) -> None:
           f"total {done.total_s * 1e3:.1f} ms]", file=sys.stderr)
 
 
+def cmd_bench(args) -> None:
+    from blink.client.bench import run_bench
+    result = asyncio.run(run_bench(args.target, concurrency=args.concurrency,
+                                   requests=args.requests, prompt_tokens=args.prompt_tokens,
+                                   output_tokens=args.output_tokens))
+    print(result.summary())
+
+
 def cmd_info(args) -> None:
     from blink.client.sdk import BlinkClient
     with BlinkClient(args.target) as client:
@@ -184,30 +202,30 @@ def cmd_stats(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from blink.ring.shm import default_ring_name
     parser = argparse.ArgumentParser(prog="blink", description="Blink: CPU-free LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def model_args(p):
+    def model_args(p, ring_default):
         p.add_argument("--model", default=None,
                        help="Hugging Face checkpoint folder (default: the built-in demo model)")
-        p.add_argument("--ring-name", default=default_ring_name(),
-                       help="name of the shared-memory ring under /dev/shm")
+        p.add_argument("--ring-name", default=ring_default,
+                       help="name of the shared-memory ring under /dev/shm "
+                            f"(default: {ring_default or default_ring_name() + '-PORT'})")
 
     p = sub.add_parser("serve", help="engine and front end on this host")
-    model_args(p)
+    model_args(p, None)
     _add_engine_args(p)
     _add_frontend_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("engine", help="the engine alone (creates the ring)")
-    model_args(p)
+    model_args(p, default_ring_name())
     _add_engine_args(p)
     p.set_defaults(func=cmd_engine)
 
     p = sub.add_parser("frontend", help="the gRPC front end alone (attaches to the ring)")
-    model_args(p)
+    model_args(p, default_ring_name())
     _add_frontend_args(p)
     p.set_defaults(func=cmd_frontend)
 
@@ -225,6 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, default=60.0,
                    help="seconds to wait for the server to become ready")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="closed-loop load test against a running server")
+    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.set_defaults(func=cmd_bench)
 
     for name, func, text in (("info", cmd_info, "describe the served model"),
                              ("stats", cmd_stats, "engine and ring counters")):

@@ -78,10 +78,41 @@ def validate_slot(fixed: np.void, prompt: np.ndarray, limits: ModelLimits) -> Re
     return RejectReason.NONE
 
 
+class RingInUse(RuntimeError):
+    pass
+
+
+def _refuse_live_engine(name: str, wait_s: float = 0.5) -> None:
+    """A ring whose engine is alive must not be replaced (a second engine started by mistake
+    would cut the first one's clients off); a dead engine's ring is simply replaced."""
+    try:
+        seg = ShmSegment.attach(name)
+    except (FileNotFoundError, PermissionError):
+        return
+    header = None
+    try:
+        if seg.size < HEADER_DTYPE.itemsize:
+            return
+        header = seg.array()[:HEADER_DTYPE.itemsize].view(HEADER_DTYPE)
+        if int(header[0]["engine_state"]) == EngineState.STOPPED:
+            return
+        beat = int(header[0]["heartbeat"])
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if int(header[0]["heartbeat"]) != beat:
+                raise RingInUse(f"another engine (pid {int(header[0]['engine_pid'])}) is serving "
+                                f"on /dev/shm/{name}; stop it or pick another --ring-name")
+            time.sleep(0.01)
+    finally:
+        header = None  # drop the view before unmapping
+        seg.close()
+
+
 class RingServer:
     def __init__(self, name: str, geom: RingGeometry, *, model_name: str, vocab_size: int,
                  context_length: int, eos_ids: tuple[int, ...]):
         self.geom = geom
+        _refuse_live_engine(name)
         self.segment = ShmSegment.create(name, geom.total_bytes)
         mem = self.segment.array()
         self.header = mem[:HEADER_DTYPE.itemsize].view(HEADER_DTYPE)[0]

@@ -6,6 +6,8 @@ import random
 import secrets
 import shutil
 import subprocess
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -191,6 +193,28 @@ def test_cancel_word(ring):
     assert not server.cancel_requested(2, 4)
     t.write(server.geom.slot_offset(2) + 4, np.uint32(4).tobytes())
     assert server.cancel_requested(2, 4) and not server.cancel_requested(2, 5)
+
+
+def test_live_engine_ring_is_not_replaced(ring):
+    from blink.gpu_engine.ring_server import RingInUse
+    server, _ = ring
+    server.set_state(layout.EngineState.SERVING)
+    beating = threading.Event()
+
+    def beat():
+        while not beating.is_set():
+            server.beat()
+            time.sleep(0.001)
+
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        with pytest.raises(RingInUse, match="another engine"):
+            RingServer(server.segment.path.name, server.geom, model_name="b", vocab_size=VOCAB,
+                       context_length=64, eos_ids=())
+    finally:
+        beating.set()
+        t.join()
 
 
 def test_engine_replacing_segment_is_detected(ring):
