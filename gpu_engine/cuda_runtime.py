@@ -1,0 +1,215 @@
+"""Thin host-side CUDA plumbing for the GPU engine, over NVIDIA's cuda-python.
+
+Kernels are compiled once by nvcc (the same compiler PyCUDA drives) into sm_90a cubins and cached
+on disk; code that launches graphs from the device is compiled relocatable and linked with
+cudadevrt through the driver's linker. Everything here runs at start-up only. PyCUDA has no
+graph API and its host registration breaks under NumPy 2 (DESIGN.md), so this module uses
+`cuda.bindings` for modules, launches, graphs and host registration.
+
+Importing this module needs cuda-python but no GPU; calls need a GPU. CPU code never imports it.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from cuda.bindings import driver as cu
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+def check(result):
+    """cuda-python calls return (error, *values): raise on error, return the values."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        _, name = cu.cuGetErrorName(err)
+        _, text = cu.cuGetErrorString(err)
+        raise CudaError(f"{name.decode() if name else err}: {text.decode() if text else ''}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def gpu_unusable_reason() -> str | None:
+    """None when a CUDA GPU can be used here, else why not (for skips and engine choice)."""
+    try:
+        check(cu.cuInit(0))
+        count = check(cu.cuDeviceGetCount())
+    except Exception as e:  # no driver library, no device, ...
+        return f"no usable CUDA driver/GPU ({type(e).__name__}: {e})"
+    if count < 1:
+        return "no CUDA device"
+    return None
+
+
+_context = None
+
+
+def primary_context():
+    """Retains and makes current the primary context of device 0 (shared with the runtime API,
+    cuBLAS and PyCUDA's autoprimaryctx)."""
+    global _context
+    if _context is None:
+        check(cu.cuInit(0))
+        dev = check(cu.cuDeviceGet(0))
+        _context = check(cu.cuDevicePrimaryCtxRetain(dev))
+    check(cu.cuCtxSetCurrent(_context))
+    return _context
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("BLINK_CACHE_DIR") or Path.home() / ".cache" / "blink"
+    path = Path(root) / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def nvcc_cubin(source: Path, *, relocatable: bool = False, defines: dict | None = None) -> bytes:
+    """Compiles one .cu file (and the headers beside it) to an sm_90a cubin, cached by content."""
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    flags = [*ARCH_FLAGS, "-std=c++17", "-O3", "-lineinfo", f"-I{CSRC}", "--cubin"]
+    if relocatable:
+        flags.append("-rdc=true")
+    flags += [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for path in sorted(CSRC.glob("*")) + [source]:
+        digest.update(path.name.encode() + path.read_bytes())
+    out = _cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.cubin"
+    if not out.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp_out = Path(tmp) / out.name
+            proc = subprocess.run([nvcc, *flags, "-o", str(tmp_out), str(source)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise CudaError(f"nvcc failed on {source.name}:\n{proc.stderr}")
+            os.replace(tmp_out, out)
+    return out.read_bytes()
+
+
+def cudadevrt_path() -> Path:
+    nvcc = Path(shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc").resolve()
+    for cand in (nvcc.parents[1] / "lib64" / "libcudadevrt.a",
+                 nvcc.parents[1] / "targets" / "x86_64-linux" / "lib" / "libcudadevrt.a",
+                 Path("/usr/local/cuda/lib64/libcudadevrt.a")):
+        if cand.exists():
+            return cand
+    raise CudaError("libcudadevrt.a not found next to nvcc: device graph launch needs it")
+
+
+def link_device_runtime(cubin: bytes) -> bytes:
+    """Links a relocatable cubin with cudadevrt (needed for device-side graph launch)."""
+    primary_context()
+    state = check(cu.cuLinkCreate(0, [], []))
+    try:
+        check(cu.cuLinkAddData(state, cu.CUjitInputType.CU_JIT_INPUT_CUBIN, cubin, len(cubin),
+                               b"blink", 0, [], []))
+        check(cu.cuLinkAddFile(state, cu.CUjitInputType.CU_JIT_INPUT_LIBRARY,
+                               str(cudadevrt_path()).encode(), 0, [], []))
+        ptr, size = check(cu.cuLinkComplete(state))
+        return ctypes.string_at(int(ptr), int(size))
+    finally:
+        cu.cuLinkDestroy(state)
+
+
+class Module:
+    """A loaded cubin and its kernels."""
+
+    def __init__(self, image: bytes):
+        primary_context()
+        self.handle = check(cu.cuModuleLoadData(image))
+        self._functions: dict[str, object] = {}
+
+    def function(self, name: str):
+        if name not in self._functions:
+            self._functions[name] = check(cu.cuModuleGetFunction(self.handle, name.encode()))
+        return self._functions[name]
+
+    def global_ptr(self, name: str) -> tuple[int, int]:
+        ptr, size = check(cu.cuModuleGetGlobal(self.handle, name.encode()))
+        return int(ptr), int(size)
+
+
+def launch(func, grid: int | tuple, block: int | tuple, args: tuple, types: tuple,
+           stream=0, shared_bytes: int = 0) -> None:
+    """cuLaunchKernel with cuda-python's (values, ctypes types) parameter packing."""
+    gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
+    bx, by, bz = (block, 1, 1) if isinstance(block, int) else block
+    check(cu.cuLaunchKernel(func, gx, gy, gz, bx, by, bz, shared_bytes, stream,
+                            (args, types), 0))
+
+
+def new_stream():
+    primary_context()
+    return check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+
+
+def capture_device_graph(stream, record) -> object:
+    """Captures what `record(stream)` launches into a graph instantiated for device launch
+    (kernel nodes only) and uploaded, so a kernel can launch it with cudaGraphLaunch."""
+    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    try:
+        record(stream)
+    finally:
+        graph = check(cu.cuStreamEndCapture(stream))
+    exec_ = check(cu.cuGraphInstantiate(
+        graph, cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH))
+    check(cu.cuGraphUpload(exec_, stream))
+    check(cu.cuStreamSynchronize(stream))
+    return exec_
+
+
+def graph_exec_handle(exec_) -> int:
+    """The raw cudaGraphExec_t value a kernel casts back (driver and runtime handles agree)."""
+    return int(exec_)
+
+
+class DeviceBuffer:
+    def __init__(self, nbytes: int):
+        primary_context()
+        self.nbytes = max(1, nbytes)
+        self.ptr = int(check(cu.cuMemAlloc(self.nbytes)))
+
+    def upload(self, data: bytes | memoryview, offset: int = 0) -> None:
+        check(cu.cuMemcpyHtoD(self.ptr + offset, data, len(data)))
+
+    def download(self, nbytes: int | None = None, offset: int = 0) -> bytes:
+        out = bytearray(nbytes if nbytes is not None else self.nbytes - offset)
+        check(cu.cuMemcpyDtoH(out, self.ptr + offset, len(out)))
+        return bytes(out)
+
+    def zero(self) -> None:
+        check(cu.cuMemsetD8(self.ptr, 0, self.nbytes))
+
+    def free(self) -> None:
+        if self.ptr:
+            cu.cuMemFree(self.ptr)
+            self.ptr = 0
+
+
+class HostMapping:
+    """Page-locks a mapped region (e.g. the /dev/shm ring) and maps it into the GPU's address
+    space, so kernels read and write it directly (system-scope atomics and fences order it)."""
+
+    def __init__(self, buffer):
+        primary_context()
+        self._anchor = ctypes.c_char.from_buffer(buffer)  # keeps the buffer exported
+        self.host_ptr = ctypes.addressof(self._anchor)
+        self.nbytes = len(buffer)
+        flags = (cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP)
+        check(cu.cuMemHostRegister(self.host_ptr, self.nbytes, flags))
+        self.device_ptr = int(check(cu.cuMemHostGetDevicePointer(self.host_ptr, 0)))
+
+    def close(self) -> None:
+        if self._anchor is not None:
+            cu.cuMemHostUnregister(self.host_ptr)
+            self._anchor = None
