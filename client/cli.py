@@ -28,9 +28,11 @@ def _model_dir(arg: str | None) -> Path:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", choices=["auto", "cpu"], default="auto",
-                   help="engine backend; auto = the CPU reference engine until the CUDA engine "
-                        "lands")
+    p.add_argument("--engine", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="cuda: the CPU-free GPU engine; cpu: the NumPy reference engine; "
+                        "auto: cuda when a GPU is usable, else cpu")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, activations and KV cache (cuda)")
     p.add_argument("--slots", type=int, default=128, help="request slots in the ring")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache size in MiB")
@@ -73,11 +75,31 @@ def _frontend_config(args, model_dir: Path):
                           max_request_bytes=int(args.max_request_mb * (1 << 20)))
 
 
-def cmd_engine(args) -> None:
-    from blink.gpu_engine.reference_engine import run_engine
-    from blink.gpu_engine.ring_server import RingInUse
+def choose_engine(requested: str) -> str:
+    """auto: the CUDA engine when cuda-python, a GPU and nvcc are there, else the CPU one."""
+    if requested != "auto":
+        return requested
     try:
-        run_engine(_engine_config(args, _model_dir(args.model)))
+        from blink.gpu_engine.cuda_runtime import gpu_unusable_reason, nvcc_path
+        reason = gpu_unusable_reason() or (None if nvcc_path() else "nvcc not found")
+    except Exception as e:  # cuda-python not installed
+        reason = str(e)
+    if reason is None:
+        return "cuda"
+    logging.getLogger("blink.engine").info("using the CPU reference engine: %s", reason)
+    return "cpu"
+
+
+def cmd_engine(args) -> None:
+    from blink.gpu_engine.ring_server import RingInUse
+    config = _engine_config(args, _model_dir(args.model))
+    try:
+        if choose_engine(args.engine) == "cuda":
+            from blink.gpu_engine.cuda_engine import run_cuda_engine
+            run_cuda_engine(config, args.gpu_memory_utilization)
+        else:
+            from blink.gpu_engine.reference_engine import run_engine
+            run_engine(config)
     except RingInUse as e:
         sys.exit(f"blink engine: {e}")
 
@@ -89,7 +111,8 @@ def cmd_frontend(args) -> None:
 
 def _engine_argv(args, model_dir: Path) -> list[str]:
     argv = [sys.executable, "-m", "blink.client.cli", "engine", "--model", str(model_dir),
-            "--ring-name", args.ring_name, "--slots", str(args.slots),
+            "--ring-name", args.ring_name, "--slots", str(args.slots), "--engine", args.engine,
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--block-size", str(args.block_size), "--kv-cache-mb", str(args.kv_cache_mb),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-batched-tokens", str(args.max_batched_tokens)]

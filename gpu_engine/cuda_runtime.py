@@ -74,9 +74,17 @@ def _cache_dir() -> Path:
     return path
 
 
+def nvcc_path() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
 def nvcc_cubin(source: Path, *, relocatable: bool = False, defines: dict | None = None) -> bytes:
     """Compiles one .cu file (and the headers beside it) to an sm_90a cubin, cached by content."""
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    nvcc = nvcc_path() or "nvcc"
     flags = [*ARCH_FLAGS, "-std=c++17", "-O3", "-lineinfo", f"-I{CSRC}", "--cubin"]
     if relocatable:
         flags.append("-rdc=true")
@@ -97,7 +105,7 @@ def nvcc_cubin(source: Path, *, relocatable: bool = False, defines: dict | None 
 
 
 def cudadevrt_path() -> Path:
-    nvcc = Path(shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc").resolve()
+    nvcc = Path(nvcc_path() or "/usr/local/cuda/bin/nvcc").resolve()
     for cand in (nvcc.parents[1] / "lib64" / "libcudadevrt.a",
                  nvcc.parents[1] / "targets" / "x86_64-linux" / "lib" / "libcudadevrt.a",
                  Path("/usr/local/cuda/lib64/libcudadevrt.a")):

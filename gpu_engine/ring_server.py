@@ -15,7 +15,7 @@ import numpy as np
 
 from blink.ring.layout import (
     FLAG_IGNORE_EOS, HEADER_DTYPE, LAYOUT_VERSION, MAX_EOS_IDS, MAX_STOP_IDS, MODEL_NAME_BYTES,
-    RECORD_DTYPE, RING_MAGIC, SLOT_DTYPE, EngineState, FinishReason, RejectReason, RingGeometry,
+    RECORD_DTYPE, RING_MAGIC, SLOT_DTYPE, EngineKind, EngineState, FinishReason, RejectReason, RingGeometry,
     payload_crc,
 )
 from blink.ring.shm import ShmSegment
@@ -110,7 +110,8 @@ def _refuse_live_engine(name: str, wait_s: float = 0.5) -> None:
 
 class RingServer:
     def __init__(self, name: str, geom: RingGeometry, *, model_name: str, vocab_size: int,
-                 context_length: int, eos_ids: tuple[int, ...]):
+                 context_length: int, eos_ids: tuple[int, ...],
+                 engine_kind: EngineKind = EngineKind.CPU_REFERENCE):
         self.geom = geom
         _refuse_live_engine(name)
         self.segment = ShmSegment.create(name, geom.total_bytes)
@@ -148,6 +149,7 @@ class RingServer:
         h["num_eos_ids"] = len(eos)
         h["eos_ids"][: len(eos)] = eos
         h["model_name"] = model_name.encode()[:MODEL_NAME_BYTES]
+        h["engine_kind"] = engine_kind
         h["engine_instance"] = secrets.randbits(63) | 1
         h["engine_state"] = EngineState.STARTING
         self.segment.publish()

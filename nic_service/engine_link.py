@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from blink.ring.layout import (
-    HEADER_DTYPE, LAYOUT_VERSION, RECORD_DTYPE, RING_MAGIC, SLOT_DTYPE, EngineState,
+    HEADER_DTYPE, LAYOUT_VERSION, RECORD_DTYPE, RING_MAGIC, SLOT_DTYPE, EngineKind, EngineState,
     FinishReason, RingGeometry, SlotRequest, encode_slot,
 )
 from blink.ring.shm import ShmSegment, ShmTransport
@@ -43,6 +43,7 @@ class EngineInfo:
     context_length: int
     eos_ids: tuple[int, ...]
     geometry: RingGeometry
+    engine_kind: EngineKind
 
 
 @dataclass
@@ -94,7 +95,7 @@ def _open_ring(ring_name: str) -> tuple[ShmTransport, EngineInfo]:
             model_name=bytes(h["model_name"]).rstrip(b"\0").decode(errors="replace"),
             vocab_size=int(h["vocab_size"]), context_length=int(h["context_length"]),
             eos_ids=tuple(int(x) for x in h["eos_ids"][: int(h["num_eos_ids"])]),
-            geometry=geom)
+            geometry=geom, engine_kind=EngineKind(int(h["engine_kind"])))
         return transport, info
     except BaseException:
         transport.close()

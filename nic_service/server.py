@@ -26,12 +26,13 @@ from blink.nic_service.detokenizer import IncrementalDetokenizer, StopStringMatc
 from blink.nic_service.engine_link import (
     EngineLink, EngineUnavailable, Finished, RequestHandle, SlotsExhausted, Tokens,
 )
-from blink.ring.layout import MAX_STOP_IDS, FinishReason, RejectReason
+from blink.ring.layout import MAX_STOP_IDS, EngineKind, FinishReason, RejectReason
 from blink.v1 import blink_pb2 as pb
 from blink.v1 import blink_pb2_grpc as pb_grpc
 
 log = logging.getLogger("blink.frontend")
 
+ENGINE_NAMES = {EngineKind.CPU_REFERENCE: "cpu-reference", EngineKind.CUDA: "cuda"}
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Blink"].full_name
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -274,7 +275,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                             context_length=info.context_length, vocab_size=info.vocab_size,
                             eos_token_ids=info.eos_ids,
                             has_chat_template=self.codec.chat_template is not None,
-                            engine="cpu-reference")
+                            engine=ENGINE_NAMES[info.engine_kind])
 
     async def GetServerStats(self, request, context):
         link = self.link

@@ -336,6 +336,7 @@ def test_reflection_and_model_info(stack, client, checkpoints):
     assert info.name == "llama" and info.architecture == "LlamaForCausalLM"
     assert info.context_length == cfg["max_position_embeddings"]
     assert info.vocab_size == cfg["vocab_size"] and info.has_chat_template
+    assert info.engine == "cpu-reference"
     assert client.health() == "SERVING"
 
 

@@ -20,6 +20,11 @@ enum class EngineState : uint32_t {
   kStopped = 2,
 };
 
+enum class EngineKind : uint32_t {
+  kCpuReference = 0,
+  kCuda = 1,
+};
+
 enum class FinishReason : uint32_t {
   kNone = 0,
   kEos = 1,
@@ -70,7 +75,7 @@ struct RingHeader {
   uint32_t kv_block_size;  // @200
   uint32_t sequences_running;  // @204
   uint32_t sequences_waiting;  // @208
-  uint32_t pad0;  // @212
+  uint32_t engine_kind;  // @212
   uint64_t requests_admitted;  // @216
   uint64_t requests_finished;  // @224
   uint64_t requests_cancelled;  // @232
@@ -105,7 +110,7 @@ static_assert(offsetof(RingHeader, kv_blocks_free) == 196, "RingHeader.kv_blocks
 static_assert(offsetof(RingHeader, kv_block_size) == 200, "RingHeader.kv_block_size");
 static_assert(offsetof(RingHeader, sequences_running) == 204, "RingHeader.sequences_running");
 static_assert(offsetof(RingHeader, sequences_waiting) == 208, "RingHeader.sequences_waiting");
-static_assert(offsetof(RingHeader, pad0) == 212, "RingHeader.pad0");
+static_assert(offsetof(RingHeader, engine_kind) == 212, "RingHeader.engine_kind");
 static_assert(offsetof(RingHeader, requests_admitted) == 216, "RingHeader.requests_admitted");
 static_assert(offsetof(RingHeader, requests_finished) == 224, "RingHeader.requests_finished");
 static_assert(offsetof(RingHeader, requests_cancelled) == 232, "RingHeader.requests_cancelled");

@@ -49,6 +49,11 @@ class EngineState(enum.IntEnum):
     STOPPED = 2
 
 
+class EngineKind(enum.IntEnum):
+    CPU_REFERENCE = 0
+    CUDA = 1
+
+
 class FinishReason(enum.IntEnum):
     NONE = 0          # still running
     EOS = 1           # an end-of-sequence token (not returned as text)
@@ -119,7 +124,7 @@ HEADER_DTYPE = np.dtype([
     ("kv_block_size", "<u4"),
     ("sequences_running", "<u4"),
     ("sequences_waiting", "<u4"),
-    ("pad0", "<u4"),
+    ("engine_kind", "<u4"),        # EngineKind
     ("requests_admitted", "<u8"),
     ("requests_finished", "<u8"),
     ("requests_cancelled", "<u8"),
@@ -308,7 +313,7 @@ def c_header() -> str:
         f"static constexpr uint32_t kFlagIgnoreEos = {FLAG_IGNORE_EOS};",
         "",
     ]
-    for enum_cls in (EngineState, FinishReason, RejectReason):
+    for enum_cls in (EngineState, EngineKind, FinishReason, RejectReason):
         out.append(f"enum class {enum_cls.__name__} : uint32_t {{")
         out += [f"  k{''.join(p.title() for p in m.name.split('_'))} = {m.value}," for m in enum_cls]
         out += ["};", ""]
