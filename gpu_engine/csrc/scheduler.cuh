@@ -1,0 +1,739 @@
+// The scheduler's decisions as plain structs and __host__ __device__ functions.
+//
+// The same source builds with g++ for the CPU parity tests (tests/test_scheduler_parity.py drives
+// it and the Python reference with the same random workloads and asserts identical decisions)
+// and with nvcc inside the single-CTA persistent scheduler kernel. Every function here mirrors
+// one Python function, named in its comment; "exactly" means the same plans, the same block ids
+// in the same block tables, the same stop and reject reasons, bit-identical CRCs and uniforms.
+//
+// Rules of this header: no dynamic allocation, no STL, no exceptions, no globals that change.
+// All mutable state lives in caller-provided arrays (device memory on the GPU) reached through
+// one `SchedState`; carve them from one buffer with `state_layout` + `state_bind`.
+//
+// Threading: everything is serial (called by one thread, thread 0 of the scheduler CTA) except
+// the `*_cta` functions at the end, which every thread of the CTA calls together, and
+// `prompt_tokens_in_range`, which each thread may call on its own strided share.
+//
+// Cost on one H200 thread (1.98 GHz), 256 running sequences, state in global memory: a decode
+// step's schedule_step + commit_step ~137 k cycles (~0.27 us a sequence; ~108 k when the caller
+// works on a register copy of SchedState, ~92 k with seqs/queues/free list/plan in shared
+// memory), a 256-sequence prefill admission ~600 k. finish_seq shifts `running` (one L2 round
+// trip per element moved: ~200 k cycles for the oldest of 256). Serial code over global memory
+// pays an L2 round trip (~700 cycles) for each load that follows a store to the same line.
+//
+// One engine iteration, as gpu_engine/reference_engine.py ReferenceEngine.step does it:
+//   for each consumed slot (request-id order):  validate_slot -> add_seq or reject
+//   for each live slot whose cancel_gen == gen:  finish_seq   (FinishReason::kCancelled)
+//   schedule_step(state, plan)                   plan.preempted: publish their preemptions
+//   build the batch from plan (starts = num_computed before commit_step), run the forward pass
+//   commit_step(state, plan)
+//   for k in plan order where samples_now(seq):  sample, append_token, stop_check,
+//                                                 finish_seq when the reason is not kNone
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ring_layout.h"
+
+#ifndef BLINK_HD
+#if defined(__CUDACC__)
+#define BLINK_HD __host__ __device__
+#else
+#define BLINK_HD
+#endif
+#endif
+
+// Sequences one step can schedule or preempt: StepPlan's arrays are this long, and a config
+// with max_num_seqs above it is refused (config_error). Override before including if needed.
+#ifndef BLINK_SCHED_MAX_STEP_SEQS
+#define BLINK_SCHED_MAX_STEP_SEQS 256
+#endif
+
+// Ring slots at most: a bound for callers' fixed-size per-slot arrays (the kernel's shared-memory
+// admission lists). Nothing in this header needs it, but config_error enforces it so that one
+// check covers both.
+#ifndef BLINK_SCHED_MAX_SLOTS
+#define BLINK_SCHED_MAX_SLOTS 1024
+#endif
+
+namespace blink::sched {
+
+using ring::FinishReason;
+using ring::RejectReason;
+using ring::RequestSlotFixed;
+
+static constexpr int32_t kMaxStepSeqs = BLINK_SCHED_MAX_STEP_SEQS;
+static constexpr int32_t kMaxSlots = BLINK_SCHED_MAX_SLOTS;
+static constexpr uint32_t kMaxStopIds = ring::kMaxStopIds;
+
+BLINK_HD inline int32_t min_i32(int32_t a, int32_t b) { return a < b ? a : b; }
+
+// block_manager.blocks_for
+BLINK_HD inline int32_t blocks_for(int32_t num_tokens, int32_t block_size) {
+  return (num_tokens + block_size - 1) / block_size;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Configuration and state
+
+// SchedulerConfig + KvBlockPool sizes + the arrays' dimensions. Fixed for the engine's life.
+struct SchedConfig {
+  int32_t num_slots;               // ring slots: the index space of seqs[] and both queues
+  int32_t max_model_len;           // tokens one sequence can hold (>= the context length)
+  int32_t block_size;              // tokens per KV block
+  int32_t num_blocks;              // KV blocks in the pool
+  int32_t max_num_seqs;            // sequences in one step at most (<= kMaxStepSeqs)
+  int32_t max_num_batched_tokens;  // token budget of one step (prefill chunks + decodes)
+};
+
+// Block-table width: a sequence within max_model_len never needs more.
+BLINK_HD inline int32_t max_blocks_per_seq(const SchedConfig& c) {
+  return blocks_for(c.max_model_len, c.block_size);
+}
+
+// nullptr when usable; else why not (SchedulerConfig.__post_init__ and KvBlockPool's checks,
+// plus the bounds this header's fixed-size arrays need).
+BLINK_HD inline const char* config_error(const SchedConfig& c) {
+  if (c.num_slots < 1 || c.num_slots > kMaxSlots) return "num_slots must be in [1, kMaxSlots]";
+  if (c.max_num_seqs < 1 || c.max_num_batched_tokens < 1 || c.max_model_len < 2)
+    return "max_num_seqs, max_num_batched_tokens must be >= 1 and max_model_len >= 2";
+  if (c.num_blocks < 1 || c.block_size < 1) return "the KV pool needs blocks";
+  if (c.max_num_seqs > kMaxStepSeqs) return "max_num_seqs exceeds BLINK_SCHED_MAX_STEP_SEQS";
+  return nullptr;
+}
+
+enum class SeqStatus : uint32_t {
+  kFree = 0,     // the slot holds no sequence (never admitted, or finished)
+  kWaiting = 1,  // in `waiting`, holds no KV blocks (new, or preempted for recompute)
+  kRunning = 2,  // in `running`, holds KV blocks for its computed tokens
+};
+
+// sequence.SamplingParams, as the slot carried it (params_from_slot).
+struct SamplingParams {
+  uint64_t seed;
+  uint32_t max_tokens;
+  float temperature;
+  float top_p;
+  int32_t top_k;                     // 0: off
+  uint32_t ignore_eos;               // 0 or 1
+  uint32_t num_stop_ids;             // <= kMaxStopIds
+  int32_t stop_ids[ring::kMaxStopIds];
+};
+
+// sequence.Sequence, one per ring slot (seqs[slot]). The token history (prompt then output) is
+// in state.tokens, the block table in state.block_tables (see SchedState).
+struct SeqState {
+  uint64_t arrival;       // front end's request id: FCFS order
+  uint32_t gen;           // the slot's generation for this request
+  int32_t slot;           // == its index in seqs[]
+  int32_t prompt_len;
+  int32_t num_tokens;     // prompt_len + num_output
+  // Tokens whose K/V are in this sequence's blocks. num_computed <= num_tokens; the sequence
+  // samples exactly when a step brings num_computed up to num_tokens.
+  int32_t num_computed;
+  int32_t num_output;
+  int32_t num_blocks;     // entries used in its block-table row
+  uint32_t preemptions;
+  SeqStatus status;
+  SamplingParams params;
+};
+
+// Everything the scheduler owns. The struct itself lives in device memory too, so the
+// persistent kernel's tail-launched successors continue from its counters.
+struct SchedState {
+  SchedConfig cfg;
+  // max_blocks_per_seq(cfg), kept so no hot path divides: one GPU thread pays ~100 cycles for
+  // an integer division by a runtime value.
+  int32_t blocks_per_seq;
+  SeqState* seqs;          // [num_slots]
+  int32_t* tokens;         // [num_slots, max_model_len]: row `slot` = prompt then output
+  int32_t* block_tables;   // [num_slots, max_blocks_per_seq]: row `slot`, first num_blocks valid
+  // The KV pool's free list as a stack, top at free_blocks[num_free - 1]; reproduces
+  // KvBlockPool's deque (popleft to grow, extendleft(reversed(table)) to release).
+  int32_t* free_blocks;    // [num_blocks]
+  int32_t num_free;
+  int32_t* running;        // [num_slots]: slots, admission order (Scheduler.running)
+  int32_t num_running;
+  // Scheduler.waiting as a ring buffer: element i is waiting[(waiting_head + i) % num_slots].
+  // A slot is in at most one queue at most once, so num_slots entries always suffice.
+  int32_t* waiting;        // [num_slots]
+  int32_t waiting_head;
+  int32_t num_waiting;
+};
+
+// Byte offsets of SchedState's arrays inside one buffer, each 256-byte aligned (its own cache
+// lines). The buffer must be at least 8-byte aligned (SeqState holds u64s); cudaMalloc's are 256.
+struct StateLayout {
+  size_t seqs, tokens, block_tables, free_blocks, running, waiting;
+  size_t total_bytes;
+};
+
+BLINK_HD inline size_t align256(size_t n) { return (n + 255) & ~static_cast<size_t>(255); }
+
+BLINK_HD inline StateLayout state_layout(const SchedConfig& c) {
+  const size_t slots = static_cast<size_t>(c.num_slots);
+  StateLayout l;
+  l.seqs = 0;
+  l.tokens = align256(l.seqs + slots * sizeof(SeqState));
+  l.block_tables = align256(l.tokens + slots * static_cast<size_t>(c.max_model_len) * 4);
+  l.free_blocks = align256(l.block_tables + slots * static_cast<size_t>(max_blocks_per_seq(c)) * 4);
+  l.running = align256(l.free_blocks + static_cast<size_t>(c.num_blocks) * 4);
+  l.waiting = align256(l.running + slots * 4);
+  l.total_bytes = align256(l.waiting + slots * 4);
+  return l;
+}
+
+// Points s's arrays into `mem` (state_layout(c).total_bytes bytes). Does not initialise them.
+BLINK_HD inline void state_bind(SchedState& s, const SchedConfig& c, void* mem) {
+  const StateLayout l = state_layout(c);
+  char* base = static_cast<char*>(mem);
+  s.cfg = c;
+  s.blocks_per_seq = max_blocks_per_seq(c);
+  s.seqs = reinterpret_cast<SeqState*>(base + l.seqs);
+  s.tokens = reinterpret_cast<int32_t*>(base + l.tokens);
+  s.block_tables = reinterpret_cast<int32_t*>(base + l.block_tables);
+  s.free_blocks = reinterpret_cast<int32_t*>(base + l.free_blocks);
+  s.running = reinterpret_cast<int32_t*>(base + l.running);
+  s.waiting = reinterpret_cast<int32_t*>(base + l.waiting);
+}
+
+BLINK_HD inline int32_t* seq_tokens(const SchedState& s, int32_t slot) {
+  return s.tokens + static_cast<size_t>(slot) * static_cast<size_t>(s.cfg.max_model_len);
+}
+
+BLINK_HD inline int32_t* block_table(const SchedState& s, int32_t slot) {
+  return s.block_tables + static_cast<size_t>(slot) * static_cast<size_t>(s.blocks_per_seq);
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV block pool (block_manager.KvBlockPool)
+
+// KvBlockPool.__init__: deque(range(n)) pops 0 first, so block 0 goes on top of the stack.
+BLINK_HD inline void pool_init(SchedState& s) {
+  for (int32_t i = 0; i < s.cfg.num_blocks; ++i) s.free_blocks[i] = s.cfg.num_blocks - 1 - i;
+  s.num_free = s.cfg.num_blocks;
+}
+
+// KvBlockPool.can_grow. The fast path (the blocks held already suffice: Python's need <= 0,
+// always <= num_free) needs no division, so a decode step divides only at block boundaries.
+// One guard Python has no need for: a row of the block-table array cannot grow past
+// blocks_per_seq, which a sequence of <= max_model_len tokens never reaches.
+BLINK_HD inline bool pool_can_grow(const SchedState& s, const SeqState& q, int32_t num_tokens) {
+  if (num_tokens <= q.num_blocks * s.cfg.block_size) return true;
+  const int32_t want = blocks_for(num_tokens, s.cfg.block_size);
+  if (want > s.blocks_per_seq) return false;
+  return want - q.num_blocks <= s.num_free;
+}
+
+// KvBlockPool.grow; false (and nothing taken) where Python raises.
+BLINK_HD inline bool pool_grow(SchedState& s, SeqState& q, int32_t num_tokens) {
+  if (num_tokens <= q.num_blocks * s.cfg.block_size) return true;
+  const int32_t want = blocks_for(num_tokens, s.cfg.block_size);
+  if (want > s.blocks_per_seq || want - q.num_blocks > s.num_free) return false;
+  int32_t* table = block_table(s, q.slot);
+  while (q.num_blocks < want) table[q.num_blocks++] = s.free_blocks[--s.num_free];
+  return true;
+}
+
+// KvBlockPool.release: the table's first block ends on top (the likeliest still in cache).
+BLINK_HD inline void pool_release(SchedState& s, SeqState& q) {
+  const int32_t* table = block_table(s, q.slot);
+  for (int32_t j = q.num_blocks - 1; j >= 0; --j) s.free_blocks[s.num_free++] = table[j];
+  q.num_blocks = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Queues (Scheduler.running: list; Scheduler.waiting: deque)
+
+BLINK_HD inline void running_push_back(SchedState& s, int32_t slot) {
+  s.running[s.num_running++] = slot;
+}
+
+BLINK_HD inline int32_t running_pop_back(SchedState& s) { return s.running[--s.num_running]; }
+
+// list.remove: the first occurrence, order kept. False if absent.
+BLINK_HD inline bool running_remove(SchedState& s, int32_t slot) {
+  for (int32_t i = 0; i < s.num_running; ++i) {
+    if (s.running[i] != slot) continue;
+    for (int32_t j = i + 1; j < s.num_running; ++j) s.running[j - 1] = s.running[j];
+    --s.num_running;
+    return true;
+  }
+  return false;
+}
+
+// Index of element i (0 <= i < num_slots) in the ring; a compare, not a modulo (no division).
+BLINK_HD inline int32_t waiting_index(const SchedState& s, int32_t i) {
+  const int32_t k = s.waiting_head + i;
+  return k < s.cfg.num_slots ? k : k - s.cfg.num_slots;
+}
+
+BLINK_HD inline int32_t waiting_at(const SchedState& s, int32_t i) {
+  return s.waiting[waiting_index(s, i)];
+}
+
+BLINK_HD inline void waiting_push_back(SchedState& s, int32_t slot) {
+  s.waiting[waiting_index(s, s.num_waiting)] = slot;
+  ++s.num_waiting;
+}
+
+BLINK_HD inline void waiting_push_front(SchedState& s, int32_t slot) {
+  s.waiting_head = s.waiting_head > 0 ? s.waiting_head - 1 : s.cfg.num_slots - 1;
+  s.waiting[s.waiting_head] = slot;
+  ++s.num_waiting;
+}
+
+BLINK_HD inline int32_t waiting_pop_front(SchedState& s) {
+  const int32_t slot = s.waiting[s.waiting_head];
+  s.waiting_head = waiting_index(s, 1);
+  --s.num_waiting;
+  return slot;
+}
+
+// deque.remove: the first occurrence, order kept. False if absent.
+BLINK_HD inline bool waiting_remove(SchedState& s, int32_t slot) {
+  for (int32_t i = 0; i < s.num_waiting; ++i) {
+    if (waiting_at(s, i) != slot) continue;
+    for (int32_t j = i + 1; j < s.num_waiting; ++j)
+      s.waiting[waiting_index(s, j - 1)] = s.waiting[waiting_index(s, j)];
+    --s.num_waiting;
+    return true;
+  }
+  return false;
+}
+
+// All slots free, the pool full, both queues empty.
+BLINK_HD inline void state_init(SchedState& s) {
+  for (int32_t i = 0; i < s.cfg.num_slots; ++i) {
+    s.seqs[i] = SeqState{};
+    s.seqs[i].slot = i;
+    s.seqs[i].status = SeqStatus::kFree;
+  }
+  pool_init(s);
+  s.num_running = 0;
+  s.waiting_head = 0;
+  s.num_waiting = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Admission and retirement
+
+// SamplingParams from a slot that passed validate_slot (RingServer.poll).
+BLINK_HD inline SamplingParams params_from_slot(const RequestSlotFixed& f) {
+  SamplingParams p{};
+  p.seed = f.seed;
+  p.max_tokens = f.max_tokens;
+  p.temperature = f.temperature;
+  p.top_p = f.top_p;
+  p.top_k = f.top_k;
+  p.ignore_eos = (f.flags & ring::kFlagIgnoreEos) ? 1u : 0u;
+  p.num_stop_ids = f.num_stop_ids < kMaxStopIds ? f.num_stop_ids : kMaxStopIds;
+  for (uint32_t i = 0; i < kMaxStopIds; ++i) p.stop_ids[i] = i < p.num_stop_ids ? f.stop_ids[i] : 0;
+  return p;
+}
+
+// Scheduler.finish: retires the slot's sequence from whichever queue holds it and frees its
+// blocks. False if the slot held no sequence.
+BLINK_HD inline bool finish_seq(SchedState& s, int32_t slot) {
+  SeqState& q = s.seqs[slot];
+  if (q.status == SeqStatus::kFree) return false;
+  if (q.status == SeqStatus::kRunning) running_remove(s, slot);
+  else waiting_remove(s, slot);
+  pool_release(s, q);
+  q.status = SeqStatus::kFree;
+  return true;
+}
+
+enum class AddResult : uint32_t {
+  kAdded = 0,
+  kReplacedStale = 1,  // added; the slot's previous sequence was retired first
+  kBadSlot = 2,        // slot outside [0, num_slots): nothing done
+  kBadPromptLen = 3,   // prompt_len outside [1, max_model_len): nothing done
+};
+
+// ReferenceEngine._admit for one accepted request: a slot still holding a sequence means the
+// front end reused it (it gave up on the old one), which is retired silently (finish_seq, no
+// output record); then Scheduler.add (status WAITING, pushed at the back of `waiting`).
+// prompt: [prompt_len] tokens, copied serially into the slot's token row; pass nullptr when
+// the caller has already written them there (e.g. a cooperative copy by the whole CTA).
+BLINK_HD inline AddResult add_seq(SchedState& s, int32_t slot, uint32_t gen, uint64_t arrival,
+                                  const int32_t* prompt, int32_t prompt_len,
+                                  const SamplingParams& params) {
+  if (slot < 0 || slot >= s.cfg.num_slots) return AddResult::kBadSlot;
+  if (prompt_len < 1 || prompt_len >= s.cfg.max_model_len) return AddResult::kBadPromptLen;
+  const bool stale = finish_seq(s, slot);
+  if (prompt != nullptr) {
+    int32_t* row = seq_tokens(s, slot);
+    for (int32_t i = 0; i < prompt_len; ++i) row[i] = prompt[i];
+  }
+  SeqState& q = s.seqs[slot];
+  q = SeqState{};
+  q.arrival = arrival;
+  q.gen = gen;
+  q.slot = slot;
+  q.prompt_len = prompt_len;
+  q.num_tokens = prompt_len;
+  q.params = params;
+  q.status = SeqStatus::kWaiting;
+  waiting_push_back(s, slot);
+  return stale ? AddResult::kReplacedStale : AddResult::kAdded;
+}
+
+// Appends a sampled token to the slot's history (seq.output.append). False if the slot is free
+// or its row is full (cannot happen while context_length <= max_model_len: stop_check ends the
+// sequence at context_length).
+BLINK_HD inline bool append_token(SchedState& s, int32_t slot, int32_t token) {
+  SeqState& q = s.seqs[slot];
+  if (q.status == SeqStatus::kFree || q.num_tokens >= s.cfg.max_model_len) return false;
+  seq_tokens(s, slot)[q.num_tokens] = token;
+  ++q.num_tokens;
+  ++q.num_output;
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// One step (Scheduler.schedule_step)
+
+// What one step decided. Sized by kMaxStepSeqs (>= max_num_seqs, which bounds both lists:
+// scheduled sequences are all in `running` afterwards, preempted ones were in it before).
+struct StepPlan {
+  int32_t num_scheduled;
+  int32_t total_tokens;                   // sum of num_new_tokens[:num_scheduled]
+  // Batch order: slots[k] computes num_new_tokens[k] tokens, starting at its num_computed
+  // (read before commit_step); 1 <= num_new_tokens[k] <= its num_pending in practice.
+  int32_t slots[kMaxStepSeqs];
+  int32_t num_new_tokens[kMaxStepSeqs];
+  // Evicted this step, in eviction order (newest first): blocks freed, num_computed = 0,
+  // preemptions + 1, pushed to the front of `waiting` for recompute.
+  int32_t num_preempted;
+  int32_t preempted[kMaxStepSeqs];
+};
+
+// Scheduler._preempt
+BLINK_HD inline void preempt(SchedState& s, SeqState& q) {
+  pool_release(s, q);
+  q.num_computed = 0;
+  ++q.preemptions;
+  q.status = SeqStatus::kWaiting;
+  waiting_push_front(s, q.slot);
+}
+
+// Scheduler.schedule_step. Invariant: every scheduled sequence's computed tokens catch up with
+// its known tokens under one token budget. Running sequences go first (oldest first); when the
+// pool cannot hold a running sequence's next tokens, the newest running sequence is preempted,
+// until it fits or it is the one preempted. Waiting sequences are admitted FCFS while budget,
+// sequence slots and blocks last; admission never preempts, and no sequence is admitted in a
+// step that preempted. Serial; O(num_running + admitted + blocks taken).
+BLINK_HD inline void schedule_step(SchedState& s, StepPlan& plan) {
+  // The plan's counters stay in registers until the end: written through the reference they
+  // would be reloaded after every store to an int32_t array they might alias.
+  int32_t num_scheduled = 0, num_preempted = 0, budget = s.cfg.max_num_batched_tokens;
+  int32_t i = 0;
+  while (i < s.num_running && budget > 0) {
+    const int32_t slot = s.running[i];
+    SeqState& q = s.seqs[slot];
+    const int32_t n = min_i32(q.num_tokens - q.num_computed, budget);
+    bool evicted_itself = false;
+    while (!pool_can_grow(s, q, q.num_computed + n)) {
+      const int32_t victim = running_pop_back(s);
+      preempt(s, s.seqs[victim]);
+      plan.preempted[num_preempted++] = victim;
+      if (victim == slot) {
+        evicted_itself = true;  // it was the last running one: the loop ends
+        break;
+      }
+    }
+    if (evicted_itself) continue;
+    pool_grow(s, q, q.num_computed + n);
+    plan.slots[num_scheduled] = slot;
+    plan.num_new_tokens[num_scheduled++] = n;
+    budget -= n;
+    ++i;
+  }
+  while (s.num_waiting > 0 && budget > 0 && s.num_running < s.cfg.max_num_seqs &&
+         num_preempted == 0) {
+    const int32_t slot = waiting_at(s, 0);
+    SeqState& q = s.seqs[slot];
+    const int32_t n = min_i32(q.num_tokens - q.num_computed, budget);
+    if (!pool_can_grow(s, q, q.num_computed + n)) break;
+    waiting_pop_front(s);
+    pool_grow(s, q, q.num_computed + n);
+    q.status = SeqStatus::kRunning;
+    running_push_back(s, slot);
+    plan.slots[num_scheduled] = slot;
+    plan.num_new_tokens[num_scheduled++] = n;
+    budget -= n;
+  }
+  plan.num_scheduled = num_scheduled;
+  plan.total_tokens = s.cfg.max_num_batched_tokens - budget;
+  plan.num_preempted = num_preempted;
+}
+
+// After the forward pass: the scheduled tokens are computed (ReferenceEngine.step).
+BLINK_HD inline void commit_step(SchedState& s, const StepPlan& plan) {
+  for (int32_t k = 0; k < plan.num_scheduled; ++k)
+    s.seqs[plan.slots[k]].num_computed += plan.num_new_tokens[k];
+}
+
+// After commit_step: whether this scheduled sequence samples (its last known token was just
+// computed). Only scheduled sequences can: every other live one has a token pending.
+BLINK_HD inline bool samples_now(const SeqState& q) { return q.num_computed == q.num_tokens; }
+
+// ---------------------------------------------------------------------------------------------
+// Stop check (reference_engine.eos_finish)
+
+struct StopResult {
+  FinishReason reason;  // kNone while the sequence goes on
+  int32_t detail;       // the token for kEos / kStopToken, else 0 (the record's u32 detail)
+};
+
+// After `token` was appended to q (append_token). eos_ids: [num_eos] (the ring header's).
+BLINK_HD inline StopResult stop_check(const SeqState& q, int32_t token, const int32_t* eos_ids,
+                                      int32_t num_eos, int32_t context_length) {
+  const SamplingParams& p = q.params;
+  if (!p.ignore_eos) {
+    for (int32_t i = 0; i < num_eos; ++i)
+      if (eos_ids[i] == token) return {FinishReason::kEos, token};
+  }
+  const uint32_t nstop = p.num_stop_ids < kMaxStopIds ? p.num_stop_ids : kMaxStopIds;
+  for (uint32_t i = 0; i < nstop; ++i)
+    if (p.stop_ids[i] == token) return {FinishReason::kStopToken, token};
+  if (static_cast<int64_t>(q.num_output) >= static_cast<int64_t>(p.max_tokens))
+    return {FinishReason::kLength, 0};
+  if (q.num_tokens >= context_length) return {FinishReason::kContextFull, 0};
+  return {FinishReason::kNone, 0};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Slot validation (ring_server.validate_slot)
+
+BLINK_HD inline uint32_t f32_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+// The float checks look at bits, not at float comparisons: a NaN must be rejected even under
+// --use_fast_math (which folds NaN tests away), and a denormal must count as non-zero even
+// where the GPU flushes denormals to zero in comparisons, as Python's float64 does.
+// Python: math.isfinite(t) and not t < 0   (-0.0 passes, a negative denormal does not)
+BLINK_HD inline bool temperature_ok(float t) {
+  const uint32_t b = f32_bits(t);
+  const bool finite = (b & 0x7f800000u) != 0x7f800000u;
+  const bool negative = (b & 0x80000000u) != 0 && (b & 0x7fffffffu) != 0;
+  return finite && !negative;
+}
+
+// Python: 0.0 < top_p <= 1.0. Positive floats order as their bits; 0x3f800000 is 1.0f, and
+// every NaN or infinity with the sign clear is above it.
+BLINK_HD inline bool top_p_ok(float p) {
+  const uint32_t b = f32_bits(p);
+  return (b & 0x80000000u) == 0 && b != 0 && b <= 0x3f800000u;
+}
+
+BLINK_HD inline bool token_in_vocab(int32_t t, uint32_t vocab_size) {
+  return t >= 0 && static_cast<uint32_t>(t) < vocab_size;
+}
+
+// Whether prompt[first], prompt[first + stride], ... (below n) are all in the vocabulary: one
+// thread's share of the TOKEN_OUT_OF_RANGE scan (first = threadIdx.x, stride = blockDim.x, then
+// __syncthreads_and), or the whole scan (0, 1).
+BLINK_HD inline bool prompt_tokens_in_range(const int32_t* prompt, uint32_t n, uint32_t vocab_size,
+                                            uint32_t first, uint32_t stride) {
+  bool ok = true;
+  for (uint32_t i = first; i < n; i += stride) ok &= token_in_vocab(prompt[i], vocab_size);
+  return ok;
+}
+
+// validate_slot with the token scan already done (tokens_ok = the prompt's
+// min(prompt_len, max_prompt_tokens) tokens are all in range); same order of checks, the first
+// failing one wins.
+BLINK_HD inline RejectReason validate_slot_scanned(const RequestSlotFixed& f, bool tokens_ok,
+                                                   uint32_t vocab_size, uint32_t context_length,
+                                                   uint64_t kv_capacity_tokens,
+                                                   uint32_t max_prompt_tokens) {
+  // RingServer.poll hands validate_slot min(prompt_len, max_prompt_tokens) tokens, so Python's
+  // `plen != prompt.size` is `plen > max_prompt_tokens` here.
+  if (f.prompt_len == 0 || f.prompt_len > max_prompt_tokens) return RejectReason::kBadPromptLen;
+  if (!tokens_ok) return RejectReason::kTokenOutOfRange;
+  if (f.max_tokens < 1) return RejectReason::kBadMaxTokens;
+  if (!temperature_ok(f.temperature)) return RejectReason::kBadTemperature;
+  if (!top_p_ok(f.top_p)) return RejectReason::kBadTopP;
+  if (f.top_k < 0) return RejectReason::kBadTopK;
+  if (f.num_stop_ids > kMaxStopIds) return RejectReason::kBadStopIds;
+  for (uint32_t i = 0; i < f.num_stop_ids; ++i)
+    if (!token_in_vocab(f.stop_ids[i], vocab_size)) return RejectReason::kBadStopIds;
+  const uint64_t total = static_cast<uint64_t>(f.prompt_len) + f.max_tokens;
+  if (total > context_length) return RejectReason::kExceedsContext;
+  if (total > kv_capacity_tokens) return RejectReason::kExceedsKvCapacity;
+  return RejectReason::kNone;
+}
+
+// ring_server.validate_slot. f: a snapshot of the slot's fixed part (copy it out of the ring
+// once, so the CRC and the checks see the same bytes); prompt: the slot's prompt,
+// min(f.prompt_len, max_prompt_tokens) tokens. Serial: O(prompt_len).
+BLINK_HD inline RejectReason validate_slot(const RequestSlotFixed& f, const int32_t* prompt,
+                                           uint32_t vocab_size, uint32_t context_length,
+                                           uint64_t kv_capacity_tokens,
+                                           uint32_t max_prompt_tokens) {
+  const uint32_t n = f.prompt_len < max_prompt_tokens ? f.prompt_len : max_prompt_tokens;
+  const bool tokens_ok = prompt_tokens_in_range(prompt, n, vocab_size, 0, 1);
+  return validate_slot_scanned(f, tokens_ok, vocab_size, context_length, kv_capacity_tokens,
+                               max_prompt_tokens);
+}
+
+// ---------------------------------------------------------------------------------------------
+// CRC-32 (zlib.crc32: reflected polynomial 0xEDB88320, initial and final inversion)
+
+static constexpr uint32_t kCrc32Poly = 0xEDB88320u;
+
+// a * b modulo the CRC polynomial, bits reflected (x^0 is bit 31): zlib's multmodp. 32 steps.
+BLINK_HD constexpr uint32_t crc32_multmodp(uint32_t a, uint32_t b) {
+  uint32_t p = 0;
+  for (uint32_t m = 1u << 31; m != 0; m >>= 1) {
+    if (a & m) p ^= b;
+    b = (b & 1) ? (b >> 1) ^ kCrc32Poly : b >> 1;
+  }
+  return p;
+}
+
+struct Crc32Tables {
+  uint32_t bytes[256];  // the CRC of each byte value: the byte-wise update
+  uint32_t x2n[32];     // x^(2^k) modulo the polynomial (period 32, as zlib's x2n_table)
+};
+
+constexpr Crc32Tables make_crc32_tables() {
+  Crc32Tables t{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ kCrc32Poly : c >> 1;
+    t.bytes[i] = c;
+  }
+  uint32_t p = 1u << 30;  // x^1
+  for (int k = 0; k < 32; ++k) {
+    t.x2n[k] = p;
+    p = crc32_multmodp(p, p);
+  }
+  return t;
+}
+
+// 1.1 KiB of tables, built at compile time: in __constant__ memory for the device (one thread's
+// data-dependent lookups hit the constant cache; lanes of a warp indexing differently would
+// serialise, which only slot_crc_cta does, over short chunks), a constexpr array for the host.
+// static: each translation unit gets its own copy, so -rdc links cleanly.
+#if defined(__CUDACC__)
+static __constant__ Crc32Tables kCrc32TablesDevice = make_crc32_tables();
+#endif
+static constexpr Crc32Tables kCrc32TablesHost = make_crc32_tables();
+
+BLINK_HD inline const Crc32Tables& crc32_tables() {
+#if defined(__CUDA_ARCH__)
+  return kCrc32TablesDevice;
+#else
+  return kCrc32TablesHost;
+#endif
+}
+
+// zlib.crc32(bytes[:n], crc). Byte-wise, one dependent table lookup per byte: one H200 thread
+// spends ~55 cycles a byte (32 KiB: 1.8 M cycles, 0.9 ms), so long prompts want slot_crc_cta
+// (32 KiB: 33 us). bytes must be in device or shared memory, never walked byte by byte over
+// host-mapped memory (a PCIe round trip per load).
+BLINK_HD inline uint32_t crc32_update_with(const uint32_t* byte_table, uint32_t crc,
+                                           const uint8_t* bytes, size_t n) {
+  crc = ~crc;
+  for (size_t i = 0; i < n; ++i) crc = byte_table[(crc ^ bytes[i]) & 0xffu] ^ (crc >> 8);
+  return ~crc;
+}
+
+BLINK_HD inline uint32_t crc32_update(uint32_t crc, const uint8_t* bytes, size_t n) {
+  return crc32_update_with(crc32_tables().bytes, crc, bytes, n);
+}
+
+// The operator "append n zero bytes": x^(8 n) modulo the polynomial (zlib's x2nmodp(n, 3)), one
+// multmodp per set bit of n.
+BLINK_HD inline uint32_t crc32_zeros_op(uint64_t n) {
+  const Crc32Tables& t = crc32_tables();
+  uint32_t p = 1u << 31;  // x^0
+  for (uint32_t k = 3; n != 0; n >>= 1, ++k)
+    if (n & 1) p = crc32_multmodp(t.x2n[k & 31], p);
+  return p;
+}
+
+// crc32(A + B) from crc1 = crc32(A), crc2 = crc32(B) and op = crc32_zeros_op(len(B)): one
+// multmodp, for combining many chunks of one length with one operator.
+BLINK_HD inline uint32_t crc32_combine_op(uint32_t crc1, uint32_t crc2, uint32_t op) {
+  return crc32_multmodp(op, crc1) ^ crc2;
+}
+
+// zlib's crc32_combine: crc32(A + B) from crc32(A), crc32(B) and len(B).
+BLINK_HD inline uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
+  return crc32_combine_op(crc1, crc2, crc32_zeros_op(len2));
+}
+
+// layout.payload_crc: the CRC of the u32 generation (little-endian) then the payload, i.e.
+// slot bytes [kPayloadStart, sizeof(RequestSlotFixed) + 4 * prompt_len). Serial.
+BLINK_HD inline uint32_t slot_crc(uint32_t gen, const uint8_t* payload, size_t n) {
+  const uint8_t g[4] = {static_cast<uint8_t>(gen), static_cast<uint8_t>(gen >> 8),
+                        static_cast<uint8_t>(gen >> 16), static_cast<uint8_t>(gen >> 24)};
+  return crc32_update(crc32_update(0, g, 4), payload, n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counter-based random numbers (sampling.splitmix64 / sampling.uniform), bit-identical.
+
+BLINK_HD inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// A double in [0, 1) from the top 53 bits; `step` is the index of the token being generated.
+// Exact on both sides: a 53-bit integer converts exactly and 2^-53 is a power of two.
+BLINK_HD inline double uniform(uint64_t seed, uint64_t step) {
+  return static_cast<double>(splitmix64(splitmix64(seed) ^ step) >> 11) *
+         (1.0 / 9007199254740992.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cooperative versions: every thread of the CTA calls them together (they __syncthreads).
+
+#if defined(__CUDACC__)
+
+// slot_crc over the whole CTA: each thread checksums one contiguous chunk (byte table copied to
+// shared memory: constant memory serialises lanes that index differently), then a tree of
+// crc32_combine merges them in log2(blockDim.x) rounds. scratch: [2 * blockDim.x + 256] u32,
+// shared memory, free again on return. Returns the CRC in every thread. Measured on an H200,
+// 256 threads: 4 KiB 21 us, 32 KiB 33 us, 128 KiB 62 us (serial slot_crc: 0.1, 0.9, 3.5 ms).
+__device__ inline uint32_t slot_crc_cta(uint32_t gen, const uint8_t* payload, uint32_t n,
+                                        uint32_t* scratch) {
+  const uint32_t nt = blockDim.x, t = threadIdx.x;
+  uint32_t* crc = scratch;
+  uint32_t* len = scratch + nt;
+  uint32_t* table = scratch + 2 * nt;
+  for (uint32_t i = t; i < 256; i += nt) table[i] = crc32_tables().bytes[i];
+  __syncthreads();
+  const uint32_t chunk = (n + nt - 1) / nt;
+  const uint32_t lo = min(n, t * chunk), hi = min(n, lo + chunk);
+  crc[t] = crc32_update_with(table, 0, payload + lo, hi - lo);
+  len[t] = hi - lo;
+  __syncthreads();
+  for (uint32_t s = 1; s < nt; s <<= 1) {
+    if ((t & (2 * s - 1)) == 0 && t + s < nt) {
+      crc[t] = crc32_combine(crc[t], crc[t + s], len[t + s]);
+      len[t] += len[t + s];
+    }
+    __syncthreads();
+  }
+  const uint32_t payload_crc = crc[0];
+  __syncthreads();
+  return crc32_combine(slot_crc(gen, nullptr, 0), payload_crc, n);
+}
+
+#endif  // __CUDACC__
+
+}  // namespace blink::sched

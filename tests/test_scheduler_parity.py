@@ -1,0 +1,555 @@
+"""The GPU scheduler's logic (gpu_engine/csrc/scheduler.cuh) makes exactly the Python reference's
+decisions: the same plans, block tables, queues, stop and reject reasons, CRCs and uniforms.
+
+Both sides run the same event stream. The Python side (`PyReplay`) applies it to Scheduler,
+KvBlockPool and eos_finish the way ReferenceEngine.step does; the C++ side is
+tests/csrc/sched_replay.cc (its header comment defines the event and output format) built with
+g++. tests/vectors/scheduler_vectors.txt freezes a few scenarios with their expected output for
+the CUDA kernel's own GPU test; regenerate it with
+    python tests/test_scheduler_parity.py --write-vectors
+"""
+from __future__ import annotations
+
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blink.gpu_engine.block_manager import KvBlockPool, blocks_for
+from blink.gpu_engine.reference_engine import eos_finish
+from blink.gpu_engine.ring_server import ModelLimits, validate_slot
+from blink.gpu_engine.sampling import splitmix64, uniform
+from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig
+from blink.gpu_engine.sequence import SamplingParams, SeqStatus, Sequence
+from blink.ring import layout
+from blink.ring.layout import (
+    MAX_EOS_IDS, MAX_STOP_IDS, SLOT_DTYPE, FinishReason, RejectReason, RingGeometry, SlotRequest,
+    encode_slot,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "gpu_engine" / "csrc"
+REPLAY_SRC = ROOT / "tests" / "csrc" / "sched_replay.cc"
+VECTORS = ROOT / "tests" / "vectors" / "scheduler_vectors.txt"
+ONE = 0x3F800000  # 1.0f
+
+
+def f32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def f32_from_bits(b: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", b))[0]
+
+
+# -- the Python side of a scenario ------------------------------------------------------------
+
+class PyReplay:
+    """Runs scenario events against the Python reference; `run` returns the lines sched_replay
+    prints for the event."""
+
+    def __init__(self):
+        self.sched: Scheduler | None = None
+        self.active: dict[int, Sequence] = {}
+        self.samplers: list[int] = []  # slots that sample after the last step, plan order
+
+    def run(self, line: str) -> list[str]:
+        op, *fields = line.split()
+        return getattr(self, "_" + op)(*fields)
+
+    def _config(self, *f):
+        num_slots, max_model_len, block_size, num_blocks, max_num_seqs, budget, ctx, neos = \
+            (int(x, 0) for x in f[:8])
+        self.pool = KvBlockPool(num_blocks, block_size)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), self.pool)
+        self.context_length = ctx
+        self.eos_ids = frozenset(int(x, 0) for x in f[8:8 + neos])
+        self.active = {}
+        return []
+
+    def _add(self, *f):
+        v = [int(x, 0) for x in f]
+        slot, gen, arrival, max_tokens, temp, top_p, top_k, seed, ignore_eos, nstop = v[:10]
+        stop_ids, rest = v[10:10 + nstop], v[10 + nstop:]
+        prompt = rest[1:1 + rest[0]]
+        stale = self.active.pop(slot, None)
+        if stale is not None:  # ReferenceEngine._admit: the front end reused the slot
+            self.sched.finish(stale)
+        params = SamplingParams(max_tokens=max_tokens, temperature=f32_from_bits(temp),
+                                top_p=f32_from_bits(top_p), top_k=top_k, seed=seed,
+                                ignore_eos=bool(ignore_eos), stop_ids=frozenset(stop_ids))
+        seq = Sequence(slot, gen, arrival, prompt, params)
+        self.sched.add(seq)
+        self.active[slot] = seq
+        return []
+
+    def _finish(self, slot):
+        self.sched.finish(self.active.pop(int(slot)))
+        return []
+
+    def _step(self):
+        plan = self.sched.schedule_step()
+        for seq, n in plan.scheduled:
+            seq.num_computed += n
+        self.samplers = [s.slot for s, _ in plan.scheduled if s.num_computed == s.num_tokens]
+        sched = ",".join(f"{s.slot}:{n}" for s, n in plan.scheduled)
+        pre = ",".join(f"{s.slot}:{s.preemptions}" for s in plan.preempted)
+        smp = ",".join(map(str, self.samplers))
+        run = ",".join(f"{s.slot}:" + ".".join(map(str, s.block_table))
+                       for s in self.sched.running)
+        wait = ",".join(str(s.slot) for s in self.sched.waiting)
+        return [f"step sched={sched} pre={pre} smp={smp} run={run} wait={wait} "
+                f"free={self.pool.num_free}"]
+
+    def _sample(self, slot, token):
+        slot, token = int(slot), int(token)
+        seq = self.active[slot]
+        assert seq.status is SeqStatus.RUNNING and seq.num_computed == seq.num_tokens
+        seq.output.append(token)
+        reason, detail = eos_finish(seq, token, self.eos_ids, self.context_length)
+        if reason is not FinishReason.NONE:  # ReferenceEngine._retire
+            self.sched.finish(seq)
+            del self.active[slot]
+        return [f"sample {slot} {token} {int(reason)} {detail}"]
+
+    def _validate(self, vocab, ctx, kvcap, max_prompt, fixed_hex, ntok, *tokens):
+        fixed = np.frombuffer(bytes.fromhex(fixed_hex), SLOT_DTYPE)[0]
+        prompt = np.array([int(t, 0) for t in tokens], np.int32)
+        # RingServer.poll hands over min(prompt_len, max_prompt_tokens) tokens
+        assert prompt.size == int(ntok) == min(int(fixed["prompt_len"]), int(max_prompt, 0))
+        limits = ModelLimits(int(vocab, 0), int(ctx, 0), int(kvcap, 0))
+        return [f"validate {int(validate_slot(fixed, prompt, limits))}"]
+
+    def _crc(self, gen, split, payload_hex):
+        payload = b"" if payload_hex == "-" else bytes.fromhex(payload_hex)
+        crc = zlib.crc32(payload, zlib.crc32(struct.pack("<I", int(gen, 0))))
+        return [f"crc {crc} {crc}"]
+
+    def _uniform(self, seed, step):
+        seed, step = int(seed, 0), int(step, 0)
+        bits = struct.unpack("<Q", struct.pack("<d", uniform(seed, step)))[0]
+        return [f"uniform {seed} {step} {splitmix64(seed):016x} {bits:016x}"]
+
+
+def expected(events: list[str]) -> list[tuple[str, list[str]]]:
+    rep = PyReplay()
+    return [(e, rep.run(e)) for e in events]
+
+
+# -- scenario generators ----------------------------------------------------------------------
+
+def add_line(slot, gen, arrival, prompt, max_tokens, *, temperature=ONE, top_p=ONE, top_k=0,
+             seed=0, ignore_eos=0, stop_ids=()) -> str:
+    return " ".join(map(str, [
+        "add", slot, gen, arrival, max_tokens, hex(temperature), hex(top_p), top_k, seed,
+        ignore_eos, len(stop_ids), *stop_ids, len(prompt), *prompt]))
+
+
+def random_workload(seed: int, steps: int, **overrides) -> list[str]:
+    """Random arrivals (sometimes into a live slot), prompt lengths, max_tokens (sometimes past
+    the context), cancels, tokens that hit EOS or stop ids, tiny pools that force preemption,
+    small max_num_seqs and budgets. Returns the event lines. `overrides` fix config values:
+    prompts are at most prompt_frac of the context, and output_frac > 0 favours long outputs."""
+    rng = random.Random(seed)
+    c = dict(num_slots=rng.randint(1, 10), block_size=rng.choice([1, 2, 3, 4, 8, 16]),
+             ctx=rng.randint(3, 48), max_num_seqs=rng.randint(1, 6),
+             budget=rng.choice([1, 2, 3, rng.randint(4, 24), rng.randint(25, 96)]),
+             vocab=rng.choice([8, 40]), p_arrive=rng.uniform(0.2, 1.0),
+             p_cancel=rng.choice([0.0, 0.05, 0.2]), prompt_frac=1.0, output_frac=0.0)
+    c["max_model_len"] = c["ctx"] + rng.choice([0, 0, 1, 7])
+    min_blocks = blocks_for(c["ctx"], c["block_size"])  # one sequence alone always fits
+    c["num_blocks"] = rng.randint(min_blocks, 2 * min_blocks + 1)
+    if rng.random() < 0.35:  # memory pressure: many sequences, blocks for little more than one
+        c.update(num_blocks=rng.randint(min_blocks, min_blocks + 3), p_arrive=1.0,
+                 max_num_seqs=rng.randint(3, 6), budget=rng.randint(8, 64),
+                 prompt_frac=rng.choice([0.3, 1.0]), output_frac=rng.choice([0.0, 0.5]))
+    c.update(overrides)
+    eos = rng.sample(range(c["vocab"]), rng.randint(0, min(3, MAX_EOS_IDS)))
+    events: list[str] = []
+    rep = PyReplay()
+
+    def emit(line: str) -> None:
+        events.append(line)
+        rep.run(line)
+
+    emit(" ".join(map(str, ["config", c["num_slots"], c["max_model_len"], c["block_size"],
+                            c["num_blocks"], c["max_num_seqs"], c["budget"], c["ctx"], len(eos),
+                            *eos])))
+    gens = [0] * c["num_slots"]
+    request_id = 0
+    ctx = c["ctx"]
+    for _ in range(steps):
+        while rng.random() < c["p_arrive"] * 0.6:
+            free = [s for s in range(c["num_slots"]) if s not in rep.active]
+            if not free and rng.random() < 0.9:
+                break
+            reuse = not free or rng.random() < 0.05  # into a live slot: the old one is dropped
+            slot = rng.randrange(c["num_slots"]) if reuse else rng.choice(free)
+            gens[slot] += 1
+            request_id += rng.randint(1, 3)
+            plen = rng.randint(1, max(1, int((ctx - 1) * c["prompt_frac"])))
+            if rng.random() < 0.85:  # outputs of at least output_frac of the room left
+                max_tokens = rng.randint(max(1, int((ctx - plen) * c["output_frac"])), ctx - plen)
+            else:  # more than the context holds: ends with CONTEXT_FULL
+                max_tokens = rng.randint(ctx - plen + 1, 2 * ctx)
+            stop_ids = rng.sample(range(c["vocab"]), rng.randint(0, 3))
+            emit(add_line(slot, gens[slot], request_id,
+                          [rng.randrange(c["vocab"]) for _ in range(plen)], max_tokens,
+                          seed=rng.getrandbits(64), ignore_eos=int(rng.random() < 0.3),
+                          stop_ids=stop_ids))
+        if rep.active and rng.random() < c["p_cancel"]:
+            emit(f"finish {rng.choice(sorted(rep.active))}")
+        emit("step")
+        for slot in rep.samplers:
+            stops = sorted(rep.active[slot].params.stop_ids)
+            r = rng.random()
+            if r < 0.05 and eos:
+                token = rng.choice(eos)
+            elif r < 0.08 and stops:
+                token = rng.choice(stops)
+            else:
+                token = rng.randrange(c["vocab"])
+            emit(f"sample {slot} {token}")
+    return events
+
+
+FIXED_OFFSET = {name: off for name, (_, off) in SLOT_DTYPE.fields.items()}
+
+
+def validate_line(*, vocab, ctx, kvcap, max_prompt, prompt_len, max_tokens=8, temperature=ONE,
+                  top_p=ONE, top_k=0, stop_ids=(), num_stop_ids=None, prompt=None,
+                  rng: random.Random | None = None) -> str:
+    """A `validate` event; float fields are bit patterns, so NaN payloads survive."""
+    rng = rng or random.Random(0)
+    buf = bytearray(SLOT_DTYPE.itemsize)
+    for name, fmt, value in [
+            ("seq_begin", "<I", rng.getrandbits(32)), ("payload_crc", "<I", rng.getrandbits(32)),
+            ("request_id", "<Q", rng.getrandbits(64)), ("prompt_len", "<I", prompt_len),
+            ("max_tokens", "<I", max_tokens), ("temperature", "<I", temperature),
+            ("top_p", "<I", top_p), ("top_k", "<i", top_k), ("flags", "<I", rng.getrandbits(1)),
+            ("seed", "<Q", rng.getrandbits(64)),
+            ("num_stop_ids", "<I", len(stop_ids) if num_stop_ids is None else num_stop_ids)]:
+        struct.pack_into(fmt, buf, FIXED_OFFSET[name], value)
+    for i, s in enumerate(stop_ids[:MAX_STOP_IDS]):
+        struct.pack_into("<i", buf, FIXED_OFFSET["stop_ids"] + 4 * i, s)
+    n = min(prompt_len, max_prompt)
+    if prompt is None:
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+    assert len(prompt) == n
+    return " ".join(map(str, ["validate", vocab, ctx, kvcap, max_prompt, buf.hex(), n, *prompt]))
+
+
+NAN, NEG_NAN, SNAN = 0x7FC00000, 0xFFC00000, 0x7F800001
+INF, NEG_INF, NEG_ZERO = 0x7F800000, 0xFF800000, 0x80000000
+DENORMAL, NEG_DENORMAL = 0x00000001, 0x80000001
+ABOVE_ONE = ONE + 1  # the float right after 1.0f
+
+
+def handcrafted_validate_cases() -> list[tuple[str, RejectReason]]:
+    base = dict(vocab=100, ctx=64, kvcap=48, max_prompt=32, prompt_len=4, max_tokens=8)
+    cases = [
+        (dict(), RejectReason.NONE),
+        (dict(prompt_len=0), RejectReason.BAD_PROMPT_LEN),
+        (dict(prompt_len=33), RejectReason.BAD_PROMPT_LEN),  # longer than the slot holds
+        (dict(prompt_len=0xFFFFFFFF), RejectReason.BAD_PROMPT_LEN),
+        (dict(prompt=[1, 2, 100, 3]), RejectReason.TOKEN_OUT_OF_RANGE),
+        (dict(prompt=[-1, 2, 3, 4]), RejectReason.TOKEN_OUT_OF_RANGE),
+        (dict(prompt=[1, 2, 3, -2 ** 31]), RejectReason.TOKEN_OUT_OF_RANGE),
+        (dict(prompt=[2 ** 31 - 1, 0, 0, 0]), RejectReason.TOKEN_OUT_OF_RANGE),
+        (dict(prompt=[0, 99, 0, 99]), RejectReason.NONE),
+        (dict(prompt=[100, 0, 0, 0], max_tokens=0), RejectReason.TOKEN_OUT_OF_RANGE),  # order
+        (dict(max_tokens=0), RejectReason.BAD_MAX_TOKENS),
+        (dict(temperature=NAN), RejectReason.BAD_TEMPERATURE),
+        (dict(temperature=NEG_NAN), RejectReason.BAD_TEMPERATURE),
+        (dict(temperature=SNAN), RejectReason.BAD_TEMPERATURE),
+        (dict(temperature=INF), RejectReason.BAD_TEMPERATURE),
+        (dict(temperature=NEG_INF), RejectReason.BAD_TEMPERATURE),
+        (dict(temperature=f32_bits(-0.5)), RejectReason.BAD_TEMPERATURE),
+        (dict(temperature=NEG_DENORMAL), RejectReason.BAD_TEMPERATURE),
+        (dict(temperature=NEG_ZERO), RejectReason.NONE),
+        (dict(temperature=0), RejectReason.NONE),
+        (dict(temperature=DENORMAL), RejectReason.NONE),
+        (dict(temperature=f32_bits(3.4e38)), RejectReason.NONE),
+        (dict(top_p=0), RejectReason.BAD_TOP_P),
+        (dict(top_p=NEG_ZERO), RejectReason.BAD_TOP_P),
+        (dict(top_p=NAN), RejectReason.BAD_TOP_P),
+        (dict(top_p=NEG_NAN), RejectReason.BAD_TOP_P),
+        (dict(top_p=INF), RejectReason.BAD_TOP_P),
+        (dict(top_p=ABOVE_ONE), RejectReason.BAD_TOP_P),
+        (dict(top_p=NEG_DENORMAL), RejectReason.BAD_TOP_P),
+        (dict(top_p=DENORMAL), RejectReason.NONE),
+        (dict(top_p=ONE), RejectReason.NONE),
+        (dict(top_p=f32_bits(0.9)), RejectReason.NONE),
+        (dict(top_k=-1), RejectReason.BAD_TOP_K),
+        (dict(top_k=-2 ** 31), RejectReason.BAD_TOP_K),
+        (dict(top_k=2 ** 31 - 1), RejectReason.NONE),
+        (dict(num_stop_ids=17, stop_ids=tuple(range(16))), RejectReason.BAD_STOP_IDS),
+        (dict(num_stop_ids=0xFFFFFFFF), RejectReason.BAD_STOP_IDS),
+        (dict(stop_ids=(5, 100)), RejectReason.BAD_STOP_IDS),
+        (dict(stop_ids=(-1,)), RejectReason.BAD_STOP_IDS),
+        (dict(stop_ids=tuple(range(84, 100))), RejectReason.NONE),
+        # ids past num_stop_ids are not looked at
+        (dict(num_stop_ids=1, stop_ids=(5, 100)), RejectReason.NONE),
+        (dict(prompt_len=4, max_tokens=61), RejectReason.EXCEEDS_CONTEXT),
+        (dict(prompt_len=4, max_tokens=0xFFFFFFFF), RejectReason.EXCEEDS_CONTEXT),  # no wrap
+        (dict(prompt_len=4, max_tokens=60, kvcap=64), RejectReason.NONE),
+        (dict(prompt_len=4, max_tokens=45), RejectReason.EXCEEDS_KV_CAPACITY),
+        (dict(prompt_len=4, max_tokens=44), RejectReason.NONE),
+        (dict(prompt_len=32, max_tokens=1, vocab=1, prompt=[0] * 32), RejectReason.NONE),
+    ]
+    return [(validate_line(**dict(base, **kw)), want) for kw, want in cases]
+
+
+def random_validate_lines(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    floats = [0, NEG_ZERO, ONE, ABOVE_ONE, NAN, NEG_NAN, SNAN, INF, NEG_INF, DENORMAL,
+              NEG_DENORMAL, f32_bits(0.7), f32_bits(-2.0), f32_bits(1e30)]
+    lines = []
+    for _ in range(count):
+        vocab = rng.choice([1, 2, 50, 32000, 2 ** 31 - 1])
+        max_prompt = rng.randint(1, 24)
+        ctx = rng.randint(2, 64)
+        bad = lambda: rng.random() < 0.12  # noqa: E731 (each field fails now and then)
+        plen = rng.choice([0, max_prompt + 1, 0xFFFFFFFF]) if bad() else rng.randint(1, max_prompt)
+        n = min(plen, max_prompt)
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        if prompt and bad():
+            prompt[rng.randrange(n)] = rng.choice([-1, vocab, -2 ** 31, 2 ** 31 - 1])
+        stop_ids = [rng.randrange(vocab) for _ in range(rng.randint(0, MAX_STOP_IDS))]
+        if stop_ids and bad():
+            stop_ids[rng.randrange(len(stop_ids))] = rng.choice([-1, vocab, -2 ** 31])
+        lines.append(validate_line(
+            vocab=vocab, ctx=ctx, kvcap=rng.choice([1, ctx, rng.randint(1, 2 * ctx), 2 ** 40]),
+            max_prompt=max_prompt, prompt_len=plen, prompt=prompt,
+            max_tokens=rng.choice([0, 0xFFFFFFFF]) if bad() else rng.randint(1, 2 * ctx),
+            temperature=rng.choice(floats) if bad() else f32_bits(rng.uniform(0, 2)),
+            top_p=rng.choice(floats) if bad() else f32_bits(rng.uniform(0.01, 1)),
+            top_k=rng.choice([-1, -2 ** 31]) if bad() else rng.randint(0, 50),
+            stop_ids=tuple(stop_ids),
+            num_stop_ids=rng.choice([17, 0xFFFFFFFF]) if bad() else None, rng=rng))
+    return lines
+
+
+def crc_lines(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for i in range(count):
+        n = rng.choice([0, 1, 3, 4, 112, rng.randint(0, 600)])
+        payload = rng.randbytes(n)
+        gen = rng.choice([0, 1, 0xFFFFFFFF, rng.getrandbits(32)])
+        lines.append(f"crc {gen} {rng.randint(0, n)} {payload.hex() or '-'}")
+    return lines
+
+
+def slot_crc_lines(seed: int) -> list[tuple[str, int]]:
+    """`crc` events over real slots' payloads, with the CRC the front end wrote into them."""
+    rng = random.Random(seed)
+    geom = RingGeometry(1, max_prompt_tokens=300, max_output_tokens=4)
+    out = []
+    for plen in (1, 2, 31, 300):
+        gen = rng.getrandbits(32)
+        req = SlotRequest(request_id=rng.getrandbits(63),
+                          prompt=np.array([rng.randrange(50000) for _ in range(plen)], np.int32),
+                          max_tokens=rng.randint(1, 100), temperature=rng.random(),
+                          top_p=rng.random(), top_k=rng.randint(0, 9), seed=rng.getrandbits(64),
+                          ignore_eos=rng.random() < 0.5, stop_ids=(3, 4))
+        body, end = encode_slot(geom, gen, req)
+        slot = bytes(4) + body  # seq_begin (the doorbell) is not part of the payload
+        written = struct.unpack_from("<I", slot, FIXED_OFFSET["payload_crc"])[0]
+        assert layout.payload_crc(slot, plen, gen) == written
+        payload = slot[layout.PAYLOAD_START:end]
+        out.append((f"crc {gen} {rng.randint(0, len(payload))} {payload.hex()}", written))
+    return out
+
+
+def uniform_lines(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    special = [(0, 0), (1, 0), (2 ** 64 - 1, 0), (0, 2 ** 64 - 1), (77, 5), (1234, 49)]
+    pairs = special + [(rng.getrandbits(64), rng.choice([rng.randrange(4096), rng.getrandbits(64)]))
+                       for _ in range(count)]
+    return [f"uniform {s} {t}" for s, t in pairs]
+
+
+# -- the C++ side -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def replay(tmp_path_factory):
+    """Runs sched_replay (built once with g++) on event lines; returns its output lines."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed: the C++ scheduler parity tests need it")
+    exe = tmp_path_factory.mktemp("sched_replay") / "sched_replay"
+    subprocess.run([gxx, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{CSRC}", str(REPLAY_SRC),
+                    "-o", str(exe)], check=True, capture_output=True, text=True)
+
+    def run(lines: list[str]) -> list[str]:
+        r = subprocess.run([str(exe)], input="\n".join(lines) + "\n", capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+
+    return run
+
+
+def assert_same(pairs: list[tuple[str, list[str]]], got: list[str]) -> None:
+    """Compares the C++ output with the Python lines event by event; names the first event
+    whose decisions differ, with the scenario's config."""
+    i = 0
+    config = None
+    for event, want in pairs:
+        if event.startswith("config"):
+            config = event
+        have = got[i:i + len(want)]
+        if have != want:
+            pytest.fail(f"C++ differs from Python at event {event!r} (scenario {config!r}):\n"
+                        f"  python: {want}\n  c++:    {have}")
+        i += len(want)
+    assert got[i:] == [], f"C++ printed extra lines: {got[i:i + 5]}"
+
+
+def test_header_is_freestanding(tmp_path):
+    """No STL, no exceptions, no RTTI: the header compiles with the C++ library headers gone."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed")
+    r = subprocess.run([gxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
+                        "-fno-exceptions", "-fno-rtti", "-nostdinc++", f"-I{CSRC}", "-x", "c++",
+                        "-"], input='#include "scheduler.cuh"\n', capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = (CSRC / "scheduler.cuh").read_text()
+    for banned in ("malloc(", "free(", "std::", "throw ", "#include <"):
+        assert banned not in text.replace("#include <stddef.h>", "").replace(
+            "#include <stdint.h>", ""), banned
+
+
+def test_random_workloads_match_python(replay):
+    pairs = []
+    for seed in range(400):
+        pairs += expected(random_workload(seed, steps=60))
+    assert_same(pairs, replay([e for e, _ in pairs]))
+    outputs = [line for _, lines in pairs for line in lines]
+    # the workloads reach every decision they are meant to test
+    assert sum(" pre=" in s and " pre= " not in s for s in outputs) > 100, "too few preemptions"
+    reasons = {int(s.split()[3]) for s in outputs if s.startswith("sample")}
+    assert reasons >= {int(r) for r in (FinishReason.NONE, FinishReason.EOS, FinishReason.LENGTH,
+                                        FinishReason.STOP_TOKEN, FinishReason.CONTEXT_FULL)}
+
+
+def test_validate_slot_matches_python(replay):
+    cases = handcrafted_validate_cases()
+    for line, want in cases:  # the hand-made cases test what they claim to
+        assert PyReplay().run(line) == [f"validate {int(want)}"], line
+    pairs = expected([line for line, _ in cases] + random_validate_lines(1, 3000))
+    assert_same(pairs, replay([e for e, _ in pairs]))
+    seen = {int(lines[0].split()[1]) for _, lines in pairs}
+    assert seen == {int(r) for r in RejectReason} - {int(RejectReason.CORRUPT)}
+
+
+def test_crc_matches_zlib_and_payload_crc(replay):
+    slots = slot_crc_lines(2)
+    lines = crc_lines(3, 400) + [line for line, _ in slots]
+    got = replay(lines)
+    assert_same(expected(lines), got)
+    for (_, written), line in zip(slots, got[-len(slots):]):
+        assert line == f"crc {written} {written}"  # what the front end wrote into the slot
+
+
+def test_uniform_matches_python(replay):
+    lines = uniform_lines(4, 500)
+    assert_same(expected(lines), replay(lines))
+
+
+# -- frozen vectors for the CUDA kernel's GPU test --------------------------------------------
+
+def vector_events() -> list[str]:
+    """The scenarios frozen into tests/vectors/scheduler_vectors.txt."""
+    events = []
+    # preemption-heavy: a tiny pool, a large budget, short prompts and long outputs
+    events += random_workload(1004, 50, num_slots=6, block_size=2, ctx=24, max_model_len=24,
+                              num_blocks=13, max_num_seqs=6, budget=64, p_arrive=1.0,
+                              vocab=400, p_cancel=0.0, prompt_frac=0.3, output_frac=0.6)
+    # chunked prefill: a small budget, long prompts
+    events += random_workload(1002, 50, num_slots=4, block_size=4, ctx=48, max_model_len=56,
+                              num_blocks=40, max_num_seqs=4, budget=5, p_arrive=0.5)
+    # max_num_seqs bounds admission; cancels
+    events += random_workload(1003, 50, num_slots=8, block_size=3, ctx=20, max_model_len=21,
+                              num_blocks=30, max_num_seqs=2, budget=16, p_cancel=0.2)
+    # block size 1, one slot (reused while live), budget 1
+    events += random_workload(1003, 40, num_slots=1, block_size=1, ctx=8, max_model_len=8,
+                              num_blocks=8, max_num_seqs=1, budget=1, p_arrive=1.0, p_cancel=0.0)
+    events += random_workload(1005, 60)
+    events += [line for line, _ in handcrafted_validate_cases()]
+    events += crc_lines(1006, 12) + [line for line, _ in slot_crc_lines(1007)]
+    events += ["crc 7 5000 " + random.Random(1008).randbytes(8192).hex()]  # a long prompt
+    events += uniform_lines(1009, 10)
+    return events
+
+
+def render_vectors(events: list[str]) -> str:
+    out = [
+        "# Scheduler parity vectors: events for tests/csrc/sched_replay.cc (format in its header",
+        "# comment), each followed by the lines it must print, prefixed '= '. Generated by the",
+        "# Python reference: python tests/test_scheduler_parity.py --write-vectors",
+    ]
+    for event, lines in expected(events):
+        out.append(event)
+        out += ["= " + line for line in lines]
+    return "\n".join(out) + "\n"
+
+
+def read_vectors() -> list[tuple[str, list[str]]]:
+    pairs = []
+    for line in VECTORS.read_text().splitlines():
+        if line.startswith("= "):
+            pairs[-1][1].append(line[2:])
+        elif line and not line.startswith("#"):
+            pairs.append((line, []))
+    return pairs
+
+
+def test_vectors_still_reproduced_by_python():
+    pairs = read_vectors()
+    assert len(pairs) > 100
+    assert expected([e for e, _ in pairs]) == pairs, \
+        "the Python reference changed its decisions: regenerate the vectors (see module doc)"
+
+
+def test_vectors_replayed_by_cpp(replay):
+    pairs = read_vectors()
+    assert_same(pairs, replay(VECTORS.read_text().splitlines()))
+
+
+def test_nvcc_builds_replay_for_the_gpu(tmp_path):
+    """The header compiles as CUDA (sm_90a) inside a __global__ kernel: sched_replay.cc's GPU
+    build, where thread 0 of one CTA replays the events. Where a GPU is present the build also
+    replays the vectors."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    exe = tmp_path / "sched_replay_gpu"
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-Xcompiler", "-Wall,-Werror",
+                        "--Werror", "all-warnings", f"-I{CSRC}", "-x", "cu", str(REPLAY_SRC),
+                        "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    if shutil.which("nvidia-smi") is None or subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True).returncode != 0:
+        return  # built; nothing to run it on
+    r = subprocess.run([str(exe)], input=VECTORS.read_text(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert_same(read_vectors(), r.stdout.splitlines())
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write-vectors"]:
+        VECTORS.parent.mkdir(parents=True, exist_ok=True)
+        VECTORS.write_text(render_vectors(vector_events()))
+        print(f"wrote {VECTORS}")
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --write-vectors")
