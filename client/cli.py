@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path

@@ -14,9 +14,18 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade 
 export PYTHONPATH=/tmp/blink:/tmp/site
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import cuda.bindings, grpc, google.protobuf as p; print('cuda-bindings', cuda.bindings.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__)"
-python3 -m pytest -q -rs -m gpu -s -p no:cacheprovider "$@" tests 2>&1 | tee "$OUT/gpu_tests.log"
+TESTS=${*:-tests}
+timeout "${BLINK_TEST_TIMEOUT:-420}" python3 -m pytest -q -rs -m gpu -s -p no:cacheprovider \
+  $TESTS 2>&1 | tee "$OUT/gpu_tests.log"
 status=${PIPESTATUS[0]}
-echo "== summary =="
-grep -E "^(device loop|forward|engine|bench|decode)" "$OUT/gpu_tests.log" || true
-tail -n 3 "$OUT/gpu_tests.log"
+if [ -z "${BLINK_SKIP_BENCH:-}" ]; then
+  timeout "${BLINK_BENCH_TIMEOUT:-150}" python3 -m blink.gpu_engine.bench_decode 2>&1 \
+    | tee "$OUT/bench.log"
+fi
+echo
+echo "| check | result |"
+echo "| --- | --- |"
+grep -hE "^(device loop|forward|engine|bench)" "$OUT/gpu_tests.log" "$OUT/bench.log" 2>/dev/null \
+  | sed -E 's/^([^:]*): (.*)$/| \1 | \2 |/'
+echo "| GPU tests | $(grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 1) |"
 exit "$status"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -21,20 +22,20 @@ from pathlib import Path
 from cuda.bindings import driver as cu
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
 
 
 class CudaError(RuntimeError):
     pass
 
 
-def check(result):
+def check(result, what: str = ""):
     """cuda-python calls return (error, *values): raise on error, return the values."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
         _, name = cu.cuGetErrorName(err)
         _, text = cu.cuGetErrorString(err)
-        raise CudaError(f"{name.decode() if name else err}: {text.decode() if text else ''}")
+        raise CudaError(f"{what or 'CUDA call'} failed: {name.decode() if name else err}: "
+                        f"{text.decode() if text else ''}")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
@@ -75,31 +76,47 @@ def _cache_dir() -> Path:
 
 
 def nvcc_path() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    default = Path("/usr/local/cuda/bin/nvcc")
-    return str(default) if default.exists() else None
+    for cand in (os.environ.get("BLINK_NVCC"), shutil.which("nvcc"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
 
 
-def nvcc_cubin(source: Path, *, relocatable: bool = False, defines: dict | None = None) -> bytes:
-    """Compiles one .cu file (and the headers beside it) to an sm_90a cubin, cached by content."""
-    nvcc = nvcc_path() or "nvcc"
-    flags = [*ARCH_FLAGS, "-std=c++17", "-O3", "-lineinfo", f"-I{CSRC}", "--cubin"]
+def _sources(path: Path, found: dict[str, str] | None = None) -> dict[str, str]:
+    """name -> text of a source and every csrc header it includes, recursively."""
+    found = {} if found is None else found
+    found[path.name] = path.read_text()
+    for inc in re.findall(r'^#include "([^"]+)"', found[path.name], re.M):
+        if inc not in found and (CSRC / inc).is_file():
+            _sources(CSRC / inc, found)
+    return found
+
+
+def nvcc_cubin(source: Path, *, arch: str = "90a", relocatable: bool = False,
+               defines: dict | None = None) -> bytes:
+    """One .cu file compiled to a cubin for `arch`, cached under $BLINK_CACHE_DIR/kernels by a
+    hash of the flags, the compiler version and the sources it includes."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise CudaError("nvcc not found (set BLINK_NVCC or put CUDA's bin folder on PATH)")
+    flags = ["-cubin", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-O3", "-std=c++17",
+             "-lineinfo", f"-I{CSRC}"]
     if relocatable:
         flags.append("-rdc=true")
     flags += [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
-    digest = hashlib.sha256(" ".join(flags).encode())
-    for path in sorted(CSRC.glob("*")) + [source]:
-        digest.update(path.name.encode() + path.read_bytes())
-    out = _cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.cubin"
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(("\0".join(flags) + version).encode())
+    for name, text in sorted(_sources(source).items()):
+        digest.update(name.encode() + b"\0" + text.encode())
+    out = _cache_dir() / f"{source.stem}-{digest.hexdigest()[:24]}.cubin"
     if not out.exists():
         with tempfile.TemporaryDirectory() as tmp:
             tmp_out = Path(tmp) / out.name
             proc = subprocess.run([nvcc, *flags, "-o", str(tmp_out), str(source)],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
-                raise CudaError(f"nvcc failed on {source.name}:\n{proc.stderr}")
+                raise CudaError(f"nvcc failed on {source.name}:\n{proc.stderr}{proc.stdout}")
             os.replace(tmp_out, out)
     return out.read_bytes()
 
@@ -158,7 +175,11 @@ def launch(func, grid: int | tuple, block: int | tuple, args: tuple, types: tupl
 
 def new_stream():
     primary_context()
-    return check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    return check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+
+
+def synchronize(stream) -> None:
+    check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
 
 def capture_device_graph(stream, record) -> object:
@@ -221,3 +242,25 @@ class HostMapping:
         if self._anchor is not None:
             cu.cuMemHostUnregister(self.host_ptr)
             self._anchor = None
+
+
+class EventTimer:
+    """`with EventTimer(stream) as t: ...` then t.seconds: device time between two events."""
+
+    def __init__(self, stream):
+        primary_context()
+        self.stream = stream
+        self.start = check(cu.cuEventCreate(0))
+        self.end = check(cu.cuEventCreate(0))
+        self.seconds = 0.0
+
+    def __enter__(self) -> "EventTimer":
+        check(cu.cuEventRecord(self.start, self.stream))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        check(cu.cuEventRecord(self.end, self.stream))
+        check(cu.cuEventSynchronize(self.end))
+        self.seconds = check(cu.cuEventElapsedTime(self.start, self.end)) / 1e3
+        cu.cuEventDestroy(self.start)
+        cu.cuEventDestroy(self.end)

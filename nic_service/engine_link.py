@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from blink.ring.layout import (
-    HEADER_DTYPE, LAYOUT_VERSION, RECORD_DTYPE, RING_MAGIC, SLOT_DTYPE, EngineKind, EngineState,
+    HEADER_DTYPE, LAYOUT_VERSION, RECORD_DTYPE, RING_MAGIC, EngineKind, EngineState,
     FinishReason, RingGeometry, SlotRequest, encode_slot,
 )
 from blink.ring.shm import ShmSegment, ShmTransport

@@ -6,10 +6,10 @@ import pytest
 
 def gpu_skip_reason() -> str | None:
     try:
-        from blink.gpu_engine.cuda_runtime import gpu_unusable_reason
+        from blink.gpu_engine.cuda_runtime import gpu_unusable_reason, nvcc_path
     except Exception as e:  # cuda-python missing (CI installs no GPU packages)
         return f"cuda-python is not installed ({e})"
-    return gpu_unusable_reason()
+    return gpu_unusable_reason() or (None if nvcc_path() else "nvcc not found")
 
 
 def requires_gpu():

@@ -1,0 +1,24 @@
+// Token embedding lookup into the fp32 residual stream.
+#pragma once
+#include "batch.cuh"
+#include "utils.cuh"
+
+namespace blink {
+
+// One CTA per token row t < num_tokens: x[t] = embed[token_ids[t]] (ids clamped into the vocab).
+// embed: [vocab, hidden] bf16; x: [bucket, hidden] f32; hidden % 8 == 0.
+__device__ __forceinline__ void EmbeddingCta(const BatchDesc* desc, const int32_t* token_ids,
+                                             const bf16* embed, float* x, int hidden, int vocab) {
+  const int t = blockIdx.x;
+  if (t >= desc->num_tokens) return;
+  const int id = min(max(token_ids[t], 0), vocab - 1);
+  const bf16* src = embed + static_cast<size_t>(id) * hidden;
+  float* dst = x + static_cast<size_t>(t) * hidden;
+  for (int i = threadIdx.x * 8; i < hidden; i += blockDim.x * 8) {
+    float v[8];
+    LoadBf16x8(src + i, v);
+    StoreF32x8(dst + i, v);
+  }
+}
+
+}  // namespace blink

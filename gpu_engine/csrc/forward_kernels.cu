@@ -1,0 +1,111 @@
+// Entry points of the forward pass, one extern "C" __global__ shell per op, loaded by name from
+// the cubin by gpu_engine/cuda_forward.py (which computes each grid and validates the sizes).
+//
+// One dispatch point: the model's head_dim arrives as -DBLINK_HEAD_DIM=<d> (the module is built
+// per model); an unsupported value stops the build here.
+#include "activation.cuh"
+#include "attention.cuh"
+#include "batch.cuh"
+#include "embedding.cuh"
+#include "norm.cuh"
+#include "rope.cuh"
+#include "sampling.cuh"
+
+#ifndef BLINK_HEAD_DIM
+#error "build with -DBLINK_HEAD_DIM=<head_dim>"
+#endif
+static_assert(BLINK_HEAD_DIM % 16 == 0 && BLINK_HEAD_DIM >= 16 && BLINK_HEAD_DIM <= 256,
+              "head_dim must be a multiple of 16 in [16, 256]");
+
+using blink::BatchDesc;
+using blink::bf16;
+static constexpr int kHeadDim = BLINK_HEAD_DIM;
+
+// Launch constants the host reads back (cuModuleGetGlobal), so they are written once, here.
+extern "C" __device__ const uint32_t blink_head_dim = kHeadDim;
+extern "C" __device__ const uint32_t blink_rope_threads = blink::kRopeThreads;
+extern "C" __device__ const uint32_t blink_attention_threads = blink::kAttnThreads;
+extern "C" __device__ const uint32_t blink_attention_rows = blink::kAttnRows;
+extern "C" __device__ const uint32_t blink_attention_smem_bytes =
+    blink::AttentionSmem<kHeadDim, blink::kAttnRows>::kBytes;
+extern "C" __device__ const uint32_t blink_attention_small_rows = blink::kAttnRowsSmall;
+extern "C" __device__ const uint32_t blink_attention_small_smem_bytes =
+    blink::AttentionSmem<kHeadDim, blink::kAttnRowsSmall>::kBytes;
+extern "C" __device__ const uint32_t blink_sample_threads = blink::kSampleThreads;
+
+extern "C" {
+
+__global__ void __launch_bounds__(256)
+    blink_embedding(const BatchDesc* desc, const int32_t* token_ids, const bf16* embed, float* x,
+                    int hidden, int vocab) {
+  blink::EmbeddingCta(desc, token_ids, embed, x, hidden, vocab);
+}
+
+__global__ void __launch_bounds__(256)
+    blink_rms_norm(const BatchDesc* desc, const int32_t* gather, int max_rows, float* x,
+                   const bf16* bias, const bf16* weight, bf16* out, int hidden, float eps) {
+  blink::RmsNormCta(desc, gather, max_rows, x, bias, weight, out, hidden, eps);
+}
+
+__global__ void __launch_bounds__(blink::kRopeThreads)
+    blink_rope_kv_write(const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
+                        const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv,
+                        const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, float eps,
+                        const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out,
+                        bf16* k_cache, bf16* v_cache, int block_size, int num_blocks) {
+  blink::RopeKvWriteCta<kHeadDim>(desc, positions, token_seq, block_tables, max_blocks_per_seq,
+                                  qkv, qkv_bias, q_norm, k_norm, eps, inv_freq, num_heads,
+                                  num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks);
+}
+
+__global__ void __launch_bounds__(blink::kAttnThreads)
+    blink_paged_attention(const BatchDesc* desc, const int32_t* positions,
+                          const int32_t* token_seq, const int32_t* block_tables,
+                          int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
+                          const bf16* v_cache, int block_size, int num_heads, int num_kv_heads,
+                          float scale, bf16* out, int num_splits, float* partial_out,
+                          float* partial_stats) {
+  blink::PagedAttentionCta<kHeadDim, blink::kAttnRows>(
+      desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,
+      block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats);
+}
+
+__global__ void __launch_bounds__(blink::kAttnThreads)
+    blink_paged_attention_small(const BatchDesc* desc, const int32_t* positions,
+                                const int32_t* token_seq, const int32_t* block_tables,
+                                int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
+                                const bf16* v_cache, int block_size, int num_heads,
+                                int num_kv_heads, float scale, bf16* out, int num_splits,
+                                float* partial_out, float* partial_stats) {
+  blink::PagedAttentionCta<kHeadDim, blink::kAttnRowsSmall>(
+      desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,
+      block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats);
+}
+
+__global__ void __launch_bounds__(128)
+    blink_attention_combine(const BatchDesc* desc, int num_heads, int num_splits,
+                            const float* partial_out, const float* partial_stats, bf16* out) {
+  blink::AttentionCombineCta<kHeadDim>(desc, num_heads, num_splits, partial_out, partial_stats,
+                                       out);
+}
+
+__global__ void __launch_bounds__(256)
+    blink_silu_mul(const BatchDesc* desc, const bf16* gate_up, bf16* out, int inter) {
+  blink::SiluMulCta(desc, gate_up, out, inter);
+}
+
+__global__ void __launch_bounds__(blink::kSampleThreads)
+    blink_sample(const BatchDesc* desc, const float* logits, int vocab, const float* temperature,
+                 const float* top_p, const int32_t* top_k, const uint64_t* seed,
+                 const uint32_t* step, int32_t* sampled) {
+  blink::SampleCta(desc, logits, vocab, temperature, top_p, top_k, seed, step, sampled);
+}
+
+__global__ void blink_sampling_uniform(const uint64_t* seed, const uint32_t* step, double* out,
+                                       int n) {
+  blink::SamplingUniformThread(seed, step, out, n);
+}
+
+__global__ void blink_signal_done(BatchDesc* desc) { blink::SignalDoneCta(desc); }
+
+}  // extern "C"

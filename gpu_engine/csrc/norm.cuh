@@ -1,0 +1,72 @@
+// RMSNorm over rows of the fp32 residual stream (optionally adding a bias into it first, and
+// optionally gathering rows), and the per-head RMSNorm of Qwen3's q and k.
+#pragma once
+#include "batch.cuh"
+#include "utils.cuh"
+
+namespace blink {
+
+// One CTA per output row r. Without `gather`: rows r < num_tokens, source row r. With `gather`
+// (the logit_token array): rows r < num_logits, source row gather[r] (clamped to [0, max_rows)).
+// bias (nullable, [hidden]) is first added into x[src] in place (o_proj's bias, folded here).
+// out[r] = weight * x[src] / sqrt(mean(x[src]^2) + eps), in fp32, stored as bf16.
+// x: [max_rows, hidden] f32; weight: [hidden] bf16; out: [rows, hidden] bf16; hidden % 8 == 0.
+__device__ __forceinline__ void RmsNormCta(const BatchDesc* desc, const int32_t* gather,
+                                           int max_rows, float* x, const bf16* bias,
+                                           const bf16* weight, bf16* out, int hidden, float eps) {
+  __shared__ float scratch[kWarpSize];
+  const int r = blockIdx.x;
+  const int count = gather != nullptr ? desc->num_logits : desc->num_tokens;
+  if (r >= count) return;  // uniform over the CTA: no barrier is skipped by only some threads
+  const int src = gather != nullptr ? min(max(gather[r], 0), max_rows - 1) : r;
+  float* xr = x + static_cast<size_t>(src) * hidden;
+
+  float sum_sq = 0.f;
+  for (int i = threadIdx.x * 8; i < hidden; i += blockDim.x * 8) {
+    float v[8];
+    LoadF32x8(xr + i, v);
+    if (bias != nullptr) {
+      float b[8];
+      LoadBf16x8(bias + i, b);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] += b[k];
+      StoreF32x8(xr + i, v);  // re-read below by this same thread only
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sum_sq += v[k] * v[k];
+  }
+  const float inv_rms = rsqrtf(BlockSum(sum_sq, scratch) / hidden + eps);
+
+  bf16* yr = out + static_cast<size_t>(r) * hidden;
+  for (int i = threadIdx.x * 8; i < hidden; i += blockDim.x * 8) {
+    float v[8], w[8];
+    LoadF32x8(xr + i, v);
+    LoadBf16x8(weight + i, w);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = w[k] * (v[k] * inv_rms);
+    StoreBf16x8(yr + i, v);
+  }
+}
+
+// One warp normalizes one head vector of `head_dim` values held as RoPE pairs: lo[i] = x[j],
+// hi[i] = x[j + head_dim/2] with j = lane + 32 i; slots with j >= head_dim/2 hold zeros.
+// x <- weight * x / sqrt(mean(x^2) + eps). All 32 lanes must call it.
+template <int kPairs>
+__device__ __forceinline__ void HeadRmsNormWarp(float (&lo)[kPairs], float (&hi)[kPairs],
+                                                const bf16* weight, int head_dim, float eps) {
+  const int lane = threadIdx.x % kWarpSize, half = head_dim / 2;
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) sum_sq += lo[i] * lo[i] + hi[i] * hi[i];
+  const float inv_rms = rsqrtf(WarpSum(sum_sq) / head_dim + eps);
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) {
+    const int j = lane + kWarpSize * i;
+    if (j < half) {
+      lo[i] = __bfloat162float(weight[j]) * (lo[i] * inv_rms);
+      hi[i] = __bfloat162float(weight[j + half]) * (hi[i] * inv_rms);
+    }
+  }
+}
+
+}  // namespace blink

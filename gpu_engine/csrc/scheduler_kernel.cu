@@ -1,0 +1,514 @@
+// The persistent scheduler kernel: the CUDA engine's whole steady-state loop, on the GPU.
+//
+// One CTA. Each iteration: beat the heartbeat, consume new request slots from the ring (mapped
+// host memory), honour cancel words, schedule a step (scheduler.cuh, the same decisions as
+// gpu_engine/scheduler.py), write the batch description, launch the forward graph of the
+// matching token bucket from the device, wait for it, append sampled tokens to the output
+// records, check stops and retire sequences. After kMaxLaunchesPerRun launches it tail-launches
+// its own graph and returns; all state is in device memory (EngineDevice).
+//
+// Ring memory is host memory mapped into the GPU: every access to it goes through volatile
+// pointers, and __threadfence_system() orders what the front end must see in order.
+#include "device_loop.cuh"
+#include "ring_layout.h"
+#include "scheduler.cuh"
+
+namespace blink {
+
+static constexpr int kThreads = 256;
+static constexpr int kMaxBuckets = 16;
+using sched::kMaxSlots;  // ring slots at most (config_error refuses more)
+
+// The forward graphs' inputs and outputs (gpu_engine/cuda_forward.py allocates them).
+struct ForwardPtrs {
+  int32_t* num_tokens;       // [1] then num_seqs, num_logits follow (BatchDesc prefix)
+  uint32_t* done_counter;    // bumped by each graph's last kernel
+  int32_t* token_ids;        // [max_tokens]
+  int32_t* positions;        // [max_tokens]
+  int32_t* token_seq;        // [max_tokens]: batch sequence of each token
+  int32_t* context_lens;     // [max_seqs]
+  int32_t* block_tables;     // [max_seqs, max_blocks_per_seq]
+  int32_t* logit_token;      // [max_seqs]: flat token index of logits row l
+  float* temperature;        // [max_seqs] per logits row
+  float* top_p;
+  int32_t* top_k;
+  uint64_t* seed;
+  uint32_t* step;
+  int32_t* sampled;          // [max_seqs] out: token sampled for logits row l
+  int32_t max_blocks_per_seq;
+  int32_t num_buckets;
+  int32_t bucket_tokens[kMaxBuckets];  // ascending
+  uint64_t graph_execs[kMaxBuckets];   // cudaGraphExec_t, instantiated for device launch
+};
+
+struct RingView {
+  uint8_t* base;             // device pointer of the mapped segment
+  uint32_t num_slots, slot_bytes, record_bytes, max_prompt_tokens, max_output_tokens;
+  uint64_t slots_offset, records_offset;
+};
+
+// Written by the host only before launch and at shutdown (control lives in mapped host memory).
+struct Control {
+  uint32_t stop;       // host sets 1: the kernel exits at the next iteration
+  uint32_t exited;     // the kernel sets 1 when it has returned for good
+  int32_t error;       // a device-side launch error, 0 if none
+  uint32_t runs;       // executions of the scheduler graph (1 + tail launches)
+};
+
+struct Counters {
+  uint64_t requests_admitted, requests_finished, requests_cancelled, requests_rejected;
+  uint64_t preemptions, tokens_generated, engine_steps, launch_retries, heartbeat;
+};
+
+// An accepted request between its slot's consumption and add_seq (admission is in id order).
+struct StagedRequest {
+  uint64_t arrival;
+  uint32_t gen;
+  int32_t slot, prompt_len;
+  const int32_t* prompt;   // its row of staged_prompts
+  sched::SamplingParams params;
+};
+
+struct EngineDevice {
+  sched::SchedState sched;
+  ForwardPtrs fwd;
+  RingView ring;
+  Control* control;          // mapped host memory
+  uint32_t* consumed_gen;    // [num_slots] last generation consumed per slot
+  uint64_t* corrupt_since;   // [num_slots] globaltimer ns a CRC mismatch was first seen, 0 none
+  uint8_t* scratch_slot;     // [slot_bytes] a candidate slot, copied out of mapped memory
+  int32_t* staged_prompts;   // [num_slots, max_prompt_tokens] accepted prompts before add_seq
+  uint32_t vocab_size, context_length, kv_capacity_tokens;
+  int32_t num_eos;
+  int32_t eos_ids[ring::kMaxEosIds];
+  uint64_t corrupt_grace_ns;
+  int32_t idle_sleep_ns;
+  Counters counters;
+  sched::StepPlan plan;
+  // admission, per iteration: accepted requests (sorted by request id before add_seq)
+  int32_t num_new;
+  StagedRequest staged[kMaxSlots];
+};
+
+// --- mapped-memory access ----------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t vload32(const uint8_t* p) {
+  return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+__device__ __forceinline__ void vstore32(uint8_t* p, uint32_t v) {
+  *reinterpret_cast<volatile uint32_t*>(p) = v;
+}
+__device__ __forceinline__ void vstore64(uint8_t* p, uint64_t v) {
+  *reinterpret_cast<volatile uint64_t*>(p) = v;
+}
+
+__device__ __forceinline__ ring::RingHeader* header(const EngineDevice& e) {
+  return reinterpret_cast<ring::RingHeader*>(e.ring.base);
+}
+__device__ __forceinline__ uint8_t* slot_ptr(const EngineDevice& e, uint32_t i) {
+  return e.ring.base + e.ring.slots_offset + static_cast<uint64_t>(i) * e.ring.slot_bytes;
+}
+__device__ __forceinline__ uint8_t* record_ptr(const EngineDevice& e, uint32_t i) {
+  return e.ring.base + e.ring.records_offset + static_cast<uint64_t>(i) * e.ring.record_bytes;
+}
+#define FIELD(T, base, field) (reinterpret_cast<uint8_t*>(base) + offsetof(T, field))
+
+// --- output records (ring_server.RingServer.open_record / append_token / finish) ----------------
+
+__device__ void OpenRecord(const EngineDevice& e, int32_t slot, uint32_t gen, int32_t prompt_len) {
+  uint8_t* r = record_ptr(e, slot);
+  vstore32(FIELD(ring::OutputRecordFixed, r, num_tokens), 0);
+  vstore32(FIELD(ring::OutputRecordFixed, r, finish_reason), 0);
+  vstore32(FIELD(ring::OutputRecordFixed, r, detail), 0);
+  vstore32(FIELD(ring::OutputRecordFixed, r, preemptions), 0);
+  vstore32(FIELD(ring::OutputRecordFixed, r, prompt_len), prompt_len);
+  __threadfence_system();
+  vstore32(FIELD(ring::OutputRecordFixed, r, gen), gen);  // published last
+}
+
+__device__ void AppendRecordToken(const EngineDevice& e, int32_t slot, int32_t index, int32_t tok) {
+  uint8_t* r = record_ptr(e, slot);
+  vstore32(r + sizeof(ring::OutputRecordFixed) + 4 * static_cast<uint64_t>(index), tok);
+  __threadfence_system();  // the token before its count
+  vstore32(FIELD(ring::OutputRecordFixed, r, num_tokens), index + 1);
+}
+
+__device__ void FinishRecord(const EngineDevice& e, int32_t slot, uint32_t gen,
+                             ring::FinishReason reason, uint32_t detail) {
+  uint8_t* r = record_ptr(e, slot);
+  if (vload32(FIELD(ring::OutputRecordFixed, r, gen)) != gen) OpenRecord(e, slot, gen, 0);
+  vstore32(FIELD(ring::OutputRecordFixed, r, detail), detail);
+  __threadfence_system();
+  vstore32(FIELD(ring::OutputRecordFixed, r, finish_reason), static_cast<uint32_t>(reason));
+}
+
+// --- admission ---------------------------------------------------------------------------------
+
+// Copies candidate slot `i` (fixed part + prompt) out of mapped memory into e.scratch_slot with
+// the whole CTA (4-byte volatile loads, many in flight), checks its CRC (slot_crc_cta) and
+// fields. Returns the reject reason (kNone: accepted; e.scratch_slot holds it), or -1 to wait
+// (CRC wrong within the grace period: bytes of a completed write may still be landing).
+__device__ int ConsumeSlot(EngineDevice& e, uint32_t i, uint32_t gen) {
+  __shared__ uint32_t s_crc_scratch[2 * kThreads + 256];
+  __shared__ int s_tokens_ok, s_result;
+  const uint8_t* slot = slot_ptr(e, i);
+  const uint32_t fixed_words = sizeof(ring::RequestSlotFixed) / 4;
+  uint32_t* words = reinterpret_cast<uint32_t*>(e.scratch_slot);
+  for (uint32_t w = threadIdx.x; w < fixed_words; w += kThreads) words[w] = vload32(slot + 4 * w);
+  if (threadIdx.x == 0) s_tokens_ok = 1;
+  __syncthreads();
+  const auto* f = reinterpret_cast<const ring::RequestSlotFixed*>(e.scratch_slot);
+  const uint32_t plen = min(f->prompt_len, e.ring.max_prompt_tokens);
+  bool ok = true;
+  for (uint32_t t = threadIdx.x; t < plen; t += kThreads) {
+    const uint32_t tok = vload32(slot + 4 * (fixed_words + t));
+    words[fixed_words + t] = tok;
+    ok &= sched::token_in_vocab(static_cast<int32_t>(tok), e.vocab_size);
+  }
+  if (!ok) s_tokens_ok = 0;
+  __syncthreads();
+  const uint32_t crc = sched::slot_crc_cta(
+      gen, e.scratch_slot + ring::kPayloadStart,
+      sizeof(ring::RequestSlotFixed) - ring::kPayloadStart + 4 * plen, s_crc_scratch);
+  if (threadIdx.x == 0) {
+    int result;
+    if (crc != f->payload_crc) {
+      const uint64_t now = global_timer_ns();
+      if (e.corrupt_since[i] == 0) e.corrupt_since[i] = now;
+      result = (now - e.corrupt_since[i] < e.corrupt_grace_ns)
+                   ? -1 : static_cast<int>(ring::RejectReason::kCorrupt);
+    } else {
+      result = static_cast<int>(sched::validate_slot_scanned(
+          *f, s_tokens_ok != 0, e.vocab_size, e.context_length, e.kv_capacity_tokens,
+          e.ring.max_prompt_tokens));
+    }
+    if (result >= 0) e.corrupt_since[i] = 0;
+    s_result = result;
+  }
+  __syncthreads();
+  return s_result;
+}
+
+// Consumes every slot holding a complete new generation (RingServer.poll), then admits the
+// accepted ones in request-id order (ReferenceEngine._admit: add_seq retires a stale sequence
+// of a reused slot itself, so blocks are released in the same order as in Python).
+// cancel_gen: [num_slots] out, each slot's cancel word, read in the same parallel pass.
+__device__ void Admit(EngineDevice& e, uint32_t* cancel_gen) {
+  __shared__ int s_num_candidates;
+  __shared__ int32_t s_candidates[kMaxSlots];
+  __shared__ uint32_t s_gens[kMaxSlots];
+  if (threadIdx.x == 0) { s_num_candidates = 0; e.num_new = 0; }
+  __syncthreads();
+  for (uint32_t i = threadIdx.x; i < e.ring.num_slots; i += kThreads) {
+    const uint8_t* slot = slot_ptr(e, i);
+    cancel_gen[i] = vload32(slot + offsetof(ring::RequestSlotFixed, cancel_gen));
+    const uint32_t gen = vload32(slot + offsetof(ring::RequestSlotFixed, seq_begin));
+    if (gen == e.consumed_gen[i] || gen != vload32(slot + e.ring.slot_bytes - 4)) continue;
+    const int k = atomicAdd(&s_num_candidates, 1);
+    s_candidates[k] = i;
+    s_gens[k] = gen;
+  }
+  __syncthreads();
+  for (int k = 0; k < s_num_candidates; ++k) {
+    const int32_t i = s_candidates[k];
+    const int result = ConsumeSlot(e, i, s_gens[k]);
+    const auto* f = reinterpret_cast<const ring::RequestSlotFixed*>(e.scratch_slot);
+    if (threadIdx.x == 0 && result >= 0) {
+      e.consumed_gen[i] = s_gens[k];
+      if (result != static_cast<int>(ring::RejectReason::kNone)) {
+        FinishRecord(e, i, s_gens[k], ring::FinishReason::kRejected, result);
+        ++e.counters.requests_rejected;
+      } else {
+        StagedRequest& r = e.staged[e.num_new];
+        r.slot = i;
+        r.gen = s_gens[k];
+        r.arrival = f->request_id;
+        r.prompt_len = static_cast<int32_t>(f->prompt_len);
+        r.params = sched::params_from_slot(*f);
+        r.prompt = e.staged_prompts + static_cast<size_t>(e.num_new) * e.ring.max_prompt_tokens;
+        ++e.num_new;
+      }
+    }
+    __syncthreads();
+    if (result == static_cast<int>(ring::RejectReason::kNone)) {
+      // the prompt waits in its staging row until add_seq: the slot's token row may still
+      // belong to a stale sequence that add_seq retires
+      int32_t* row = e.staged_prompts + static_cast<size_t>(e.num_new - 1) * e.ring.max_prompt_tokens;
+      const int32_t* prompt = reinterpret_cast<const int32_t*>(e.scratch_slot + sizeof(ring::RequestSlotFixed));
+      for (uint32_t t = threadIdx.x; t < f->prompt_len; t += kThreads) row[t] = prompt[t];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    // FCFS by request id (insertion sort: a handful of new requests per iteration)
+    for (int a = 1; a < e.num_new; ++a)
+      for (int b = a; b > 0 && e.staged[b - 1].arrival > e.staged[b].arrival; --b) {
+        const StagedRequest t = e.staged[b]; e.staged[b] = e.staged[b - 1]; e.staged[b - 1] = t;
+      }
+    for (int a = 0; a < e.num_new; ++a) {
+      const StagedRequest& r = e.staged[a];
+      sched::add_seq(e.sched, r.slot, r.gen, r.arrival, r.prompt, r.prompt_len, r.params);
+      OpenRecord(e, r.slot, r.gen, r.prompt_len);
+      ++e.counters.requests_admitted;
+    }
+  }
+  __syncthreads();
+}
+
+// --- retirement and bookkeeping (thread 0) -----------------------------------------------------
+
+__device__ void Retire(EngineDevice& e, int32_t slot, ring::FinishReason reason, uint32_t detail) {
+  const uint32_t gen = e.sched.seqs[slot].gen;
+  sched::finish_seq(e.sched, slot);
+  FinishRecord(e, slot, gen, reason, detail);
+  if (reason == ring::FinishReason::kCancelled) ++e.counters.requests_cancelled;
+  else ++e.counters.requests_finished;
+}
+
+// cancel_gen: the words Admit read this iteration (one parallel pass over mapped memory).
+__device__ void HonourCancels(EngineDevice& e, const uint32_t* cancel_gen) {
+  for (uint32_t i = 0; i < e.ring.num_slots; ++i) {
+    const sched::SeqState& q = e.sched.seqs[i];
+    if (q.status != sched::SeqStatus::kFree && cancel_gen[i] == q.gen)
+      Retire(e, i, ring::FinishReason::kCancelled, 0);
+  }
+}
+
+__device__ void PublishStats(EngineDevice& e) {
+  uint8_t* h = e.ring.base;
+  vstore32(FIELD(ring::RingHeader, h, kv_blocks_free), e.sched.num_free);
+  vstore32(FIELD(ring::RingHeader, h, sequences_running), e.sched.num_running);
+  vstore32(FIELD(ring::RingHeader, h, sequences_waiting), e.sched.num_waiting);
+  vstore64(FIELD(ring::RingHeader, h, requests_admitted), e.counters.requests_admitted);
+  vstore64(FIELD(ring::RingHeader, h, requests_finished), e.counters.requests_finished);
+  vstore64(FIELD(ring::RingHeader, h, requests_cancelled), e.counters.requests_cancelled);
+  vstore64(FIELD(ring::RingHeader, h, requests_rejected), e.counters.requests_rejected);
+  vstore64(FIELD(ring::RingHeader, h, preemptions), e.counters.preemptions);
+  vstore64(FIELD(ring::RingHeader, h, tokens_generated), e.counters.tokens_generated);
+  vstore64(FIELD(ring::RingHeader, h, engine_steps), e.counters.engine_steps);
+}
+
+// --- one forward step --------------------------------------------------------------------------
+
+// Writes the batch description of e.plan into the forward graphs' arrays (whole CTA).
+__device__ int BuildBatch(EngineDevice& e) {
+  __shared__ int32_t s_start[sched::kMaxStepSeqs + 1];
+  const sched::StepPlan& plan = e.plan;
+  ForwardPtrs& f = e.fwd;
+  if (threadIdx.x == 0) {
+    s_start[0] = 0;
+    int l = 0;
+    for (int k = 0; k < plan.num_scheduled; ++k) {
+      const sched::SeqState& q = e.sched.seqs[plan.slots[k]];
+      s_start[k + 1] = s_start[k] + plan.num_new_tokens[k];
+      f.context_lens[k] = q.num_computed + plan.num_new_tokens[k];
+      if (q.num_computed + plan.num_new_tokens[k] == q.num_tokens) {  // samples this step
+        f.logit_token[l] = s_start[k + 1] - 1;
+        f.temperature[l] = q.params.temperature;
+        f.top_p[l] = q.params.top_p;
+        f.top_k[l] = q.params.top_k;
+        f.seed[l] = q.params.seed;
+        f.step[l] = q.num_output;
+        ++l;
+      }
+    }
+    f.num_tokens[0] = s_start[plan.num_scheduled];
+    f.num_tokens[1] = plan.num_scheduled;
+    f.num_tokens[2] = l;
+  }
+  __syncthreads();
+  for (int k = 0; k < plan.num_scheduled; ++k) {
+    const sched::SeqState& q = e.sched.seqs[plan.slots[k]];
+    const int32_t* row = sched::seq_tokens(e.sched, q.slot);
+    for (int t = threadIdx.x; t < plan.num_new_tokens[k]; t += kThreads) {
+      const int32_t pos = q.num_computed + t;
+      f.token_ids[s_start[k] + t] = row[pos];
+      f.positions[s_start[k] + t] = pos;
+      f.token_seq[s_start[k] + t] = k;
+    }
+    const int32_t* table = sched::block_table(e.sched, q.slot);
+    for (int b = threadIdx.x; b < q.num_blocks; b += kThreads)
+      f.block_tables[k * f.max_blocks_per_seq + b] = table[b];
+  }
+  __threadfence();
+  __syncthreads();
+  return s_start[plan.num_scheduled];
+}
+
+__device__ int BucketFor(const ForwardPtrs& f, int num_tokens) {
+  for (int b = 0; b < f.num_buckets; ++b)
+    if (f.bucket_tokens[b] >= num_tokens) return b;
+  return -1;
+}
+
+// Thread 0, after the forward graph finished: tokens to records, stop checks, retirement.
+__device__ void ConsumeSamples(EngineDevice& e) {
+  const sched::StepPlan& plan = e.plan;
+  sched::commit_step(e.sched, plan);
+  int l = 0;
+  for (int k = 0; k < plan.num_scheduled; ++k) {
+    const int32_t slot = plan.slots[k];
+    sched::SeqState& q = e.sched.seqs[slot];
+    if (!sched::samples_now(q)) continue;
+    const int32_t token = e.fwd.sampled[l++];
+    const int32_t index = q.num_output;
+    sched::append_token(e.sched, slot, token);
+    AppendRecordToken(e, slot, index, token);
+    ++e.counters.tokens_generated;
+    const sched::StopResult stop = sched::stop_check(q, token, e.eos_ids, e.num_eos, e.context_length);
+    if (stop.reason != ring::FinishReason::kNone) Retire(e, slot, stop.reason, stop.detail);
+  }
+}
+
+}  // namespace blink
+
+using namespace blink;
+
+__device__ __forceinline__ void SetControl(uint32_t* word, uint32_t v) {
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(word) = v;
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) scheduler_run(EngineDevice* e) {
+  __shared__ int s_stop, s_bucket;
+  __shared__ uint32_t s_cancel_gen[kMaxSlots];
+  if (threadIdx.x == 0) SetControl(&e->control->runs, e->control->runs + 1);
+  for (int launches = 0; launches < kMaxLaunchesPerRun;) {
+    if (threadIdx.x == 0) {
+      s_stop = *reinterpret_cast<volatile uint32_t*>(&e->control->stop);
+      vstore64(FIELD(ring::RingHeader, e->ring.base, heartbeat), ++e->counters.heartbeat);
+    }
+    __syncthreads();
+    if (s_stop) {
+      if (threadIdx.x == 0) {
+        PublishStats(*e);
+        SetControl(&e->control->exited, 1);
+      }
+      return;
+    }
+    Admit(*e, s_cancel_gen);
+    if (threadIdx.x == 0) {
+      HonourCancels(*e, s_cancel_gen);
+      sched::schedule_step(e->sched, e->plan);
+      for (int p = 0; p < e->plan.num_preempted; ++p) {
+        const int32_t slot = e->plan.preempted[p];
+        ++e->counters.preemptions;
+        vstore32(FIELD(ring::OutputRecordFixed, record_ptr(*e, slot), preemptions),
+                 e->sched.seqs[slot].preemptions);
+      }
+      PublishStats(*e);
+    }
+    __syncthreads();
+    if (e->plan.num_scheduled == 0) {
+      __nanosleep(e->idle_sleep_ns);
+      continue;
+    }
+    const int num_tokens = BuildBatch(*e);
+    if (threadIdx.x == 0) {
+      s_bucket = BucketFor(e->fwd, num_tokens);
+      if (s_bucket < 0) {
+        SetControl(reinterpret_cast<uint32_t*>(&e->control->error), 0xFFFFFFFFu);  // no bucket: a host bug
+      } else {
+        const uint32_t target = load_acquire_gpu(e->fwd.done_counter) + 1;
+        uint32_t retries = 0;
+        const cudaError_t err = LaunchGraphRetrying(
+            reinterpret_cast<cudaGraphExec_t>(e->fwd.graph_execs[s_bucket]), &retries);
+        e->counters.launch_retries += retries;
+        if (err != cudaSuccess) {
+          SetControl(reinterpret_cast<uint32_t*>(&e->control->error), err);
+          s_bucket = -1;
+        } else {
+          WaitCounter(e->fwd.done_counter, target);
+          ConsumeSamples(*e);
+          ++e->counters.engine_steps;
+        }
+      }
+    }
+    __syncthreads();
+    if (s_bucket < 0) {  // unrecoverable: stop so the host sees the error word
+      if (threadIdx.x == 0) SetControl(&e->control->exited, 1);
+      return;
+    }
+    ++launches;
+  }
+  if (threadIdx.x == 0) {
+    const cudaError_t err = RelaunchSelf();
+    if (err != cudaSuccess) {
+      SetControl(reinterpret_cast<uint32_t*>(&e->control->error), 1000 + err);
+      SetControl(&e->control->exited, 1);
+    }
+  }
+}
+
+// --- set-up, called once by the host before the first launch of scheduler_run -----------------
+
+// Sizes the host allocates: out[0] = sizeof(EngineDevice), out[1] = the scheduler state's bytes.
+extern "C" __global__ void engine_sizes(int32_t num_slots, int32_t max_model_len, int32_t block_size,
+                                        int32_t num_blocks, int32_t max_num_seqs,
+                                        int32_t max_num_batched_tokens, uint64_t* out) {
+  const sched::SchedConfig c{num_slots, max_model_len, block_size, num_blocks, max_num_seqs,
+                             max_num_batched_tokens};
+  out[0] = sizeof(EngineDevice);
+  out[1] = sched::state_layout(c).total_bytes;
+  out[2] = sched::max_blocks_per_seq(c);
+  out[3] = sched::config_error(c) == nullptr ? 0 : 1;
+}
+
+// Fills an EngineDevice (one thread). fwd_ptrs: the 14 ForwardPtrs pointers in declaration
+// order (num_tokens .. sampled); ring_geom: num_slots, slot_bytes, record_bytes,
+// max_prompt_tokens, max_output_tokens, slots_offset, records_offset (7 x u64).
+extern "C" __global__ void engine_init(
+    EngineDevice* e, void* sched_mem, int32_t num_slots, int32_t max_model_len, int32_t block_size,
+    int32_t num_blocks, int32_t max_num_seqs, int32_t max_num_batched_tokens, uint8_t* ring_base,
+    const uint64_t* ring_geom, Control* control, uint32_t* consumed_gen, uint64_t* corrupt_since,
+    uint8_t* scratch_slot, int32_t* staged_prompts, uint32_t vocab_size, uint32_t context_length,
+    uint32_t kv_capacity_tokens, const int32_t* eos_ids, int32_t num_eos, uint64_t grace_ns,
+    int32_t idle_sleep_ns, const uint64_t* fwd_ptrs, const int32_t* bucket_tokens,
+    const uint64_t* graph_execs, int32_t num_buckets) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  *e = EngineDevice{};
+  const sched::SchedConfig c{num_slots, max_model_len, block_size, num_blocks, max_num_seqs,
+                             max_num_batched_tokens};
+  sched::state_bind(e->sched, c, sched_mem);
+  sched::state_init(e->sched);
+  ForwardPtrs& f = e->fwd;
+  f.num_tokens = reinterpret_cast<int32_t*>(fwd_ptrs[0]);
+  f.done_counter = reinterpret_cast<uint32_t*>(fwd_ptrs[1]);
+  f.token_ids = reinterpret_cast<int32_t*>(fwd_ptrs[2]);
+  f.positions = reinterpret_cast<int32_t*>(fwd_ptrs[3]);
+  f.token_seq = reinterpret_cast<int32_t*>(fwd_ptrs[4]);
+  f.context_lens = reinterpret_cast<int32_t*>(fwd_ptrs[5]);
+  f.block_tables = reinterpret_cast<int32_t*>(fwd_ptrs[6]);
+  f.logit_token = reinterpret_cast<int32_t*>(fwd_ptrs[7]);
+  f.temperature = reinterpret_cast<float*>(fwd_ptrs[8]);
+  f.top_p = reinterpret_cast<float*>(fwd_ptrs[9]);
+  f.top_k = reinterpret_cast<int32_t*>(fwd_ptrs[10]);
+  f.seed = reinterpret_cast<uint64_t*>(fwd_ptrs[11]);
+  f.step = reinterpret_cast<uint32_t*>(fwd_ptrs[12]);
+  f.sampled = reinterpret_cast<int32_t*>(fwd_ptrs[13]);
+  f.max_blocks_per_seq = sched::max_blocks_per_seq(c);
+  f.num_buckets = num_buckets < kMaxBuckets ? num_buckets : kMaxBuckets;
+  for (int b = 0; b < f.num_buckets; ++b) {
+    f.bucket_tokens[b] = bucket_tokens[b];
+    f.graph_execs[b] = graph_execs[b];
+  }
+  e->ring = RingView{ring_base, static_cast<uint32_t>(ring_geom[0]), static_cast<uint32_t>(ring_geom[1]),
+                     static_cast<uint32_t>(ring_geom[2]), static_cast<uint32_t>(ring_geom[3]),
+                     static_cast<uint32_t>(ring_geom[4]), ring_geom[5], ring_geom[6]};
+  e->control = control;
+  e->consumed_gen = consumed_gen;
+  e->corrupt_since = corrupt_since;
+  e->scratch_slot = scratch_slot;
+  e->staged_prompts = staged_prompts;
+  e->vocab_size = vocab_size;
+  e->context_length = context_length;
+  e->kv_capacity_tokens = kv_capacity_tokens;
+  e->num_eos = num_eos < static_cast<int32_t>(ring::kMaxEosIds) ? num_eos : ring::kMaxEosIds;
+  for (int i = 0; i < e->num_eos; ++i) e->eos_ids[i] = eos_ids[i];
+  e->corrupt_grace_ns = grace_ns;
+  e->idle_sleep_ns = idle_sleep_ns;
+  for (int32_t i = 0; i < num_slots; ++i) {
+    consumed_gen[i] = 0;
+    corrupt_since[i] = 0;
+  }
+}

@@ -1,0 +1,72 @@
+// Shared device primitives: bf16 vector loads/stores and warp/block reductions.
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace blink {
+
+using bf16 = __nv_bfloat16;
+
+static constexpr int kWarpSize = 32;
+static constexpr unsigned kFullMask = 0xffffffffu;
+
+// 8 bf16 = 16 bytes <-> 8 floats. `p` must be 16-byte aligned (row widths are multiples of 8).
+__device__ __forceinline__ void LoadBf16x8(const bf16* p, float (&v)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ void StoreBf16x8(bf16* p, const float (&v)[8]) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// 8 floats (two float4) at a 16-byte aligned address.
+__device__ __forceinline__ void LoadF32x8(const float* p, float (&v)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0];
+  const float4 b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+__device__ __forceinline__ void StoreF32x8(float* p, const float (&v)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+template <typename T>
+__device__ __forceinline__ T WarpSum(T v) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+// Sum over the block, returned to every thread. blockDim.x must be a multiple of 32;
+// scratch: 32 elements of shared memory. Contains two __syncthreads (all threads must call).
+template <typename T>
+__device__ __forceinline__ T BlockSum(T v, T* scratch) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  v = WarpSum(v);
+  __syncthreads();  // earlier readers of scratch are done
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  return WarpSum(lane < num_warps ? scratch[lane] : T(0));
+}
+
+}  // namespace blink

@@ -1,0 +1,646 @@
+"""The CUDA forward pass: bf16 weights and activations (fp32 residual stream and accumulation),
+cuBLAS for the projections, our kernels (gpu_engine/csrc) for the rest, one CUDA graph per
+token-count bucket, instantiated for device launch so the persistent scheduler kernel can launch
+it, and uploaded.
+
+Every kernel reads the live batch from device memory (BatchDesc and the arrays beside it, see
+csrc/batch.cuh), so a bucket's graph serves any batch of up to `bucket` tokens: the scheduler
+writes the arrays, launches `graph_execs[bucket_for(T)]` and waits for `done_counter` to move.
+
+All CUDA imports of the engine live in gpu_engine/cuda_*.py: importing this module needs
+cuda-python (cuda.bindings) and a driver; CPU code paths never import it.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+from cuda.bindings import driver
+
+from .cuda_runtime import CSRC, CudaError, check, new_stream, nvcc_cubin, primary_context, \
+    synchronize
+
+from .checkpoint import ModelConfig, ModelWeights, rope_inv_freq
+from .cublas import R_32F, Cublas
+from .demo_model import float32_to_bf16_bits
+from .forward_batch import ForwardBatch
+
+
+# The Python view of blink::BatchDesc (csrc/batch.cuh); a test checks the two agree.
+BATCH_DESC_DTYPE = np.dtype([("num_tokens", "<i4"), ("num_seqs", "<i4"), ("num_logits", "<i4"),
+                             ("done_counter", "<i4")])
+
+# bf16 lives in NumPy as its uint16 bit pattern.
+BF16 = np.dtype(np.uint16)
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (round to nearest even), finite inputs."""
+    return float32_to_bf16_bits(np.asarray(x, np.float32))
+
+
+def from_bf16(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+class DeviceArray:
+    """Device memory for one array of fixed shape and dtype (bf16 as BF16 = uint16 bits)."""
+
+    def __init__(self, shape, dtype):
+        self.shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else
+                                            (shape,)))
+        self.dtype = np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.ptr = int(check(driver.cuMemAlloc(max(self.nbytes, 1)), "cuMemAlloc"))
+
+    @classmethod
+    def from_numpy(cls, arr: np.ndarray) -> DeviceArray:
+        arr = np.ascontiguousarray(arr)
+        dev = cls(arr.shape, arr.dtype)
+        dev.upload(arr)
+        return dev
+
+    def upload(self, arr: np.ndarray, stream=None, offset_bytes: int = 0) -> None:
+        """Writes arr (cast to this dtype) at a byte offset: stream-ordered when a stream is
+        given (and must then stay alive until the stream passes the copy), else synchronous."""
+        arr = np.ascontiguousarray(arr, self.dtype)
+        if offset_bytes + arr.nbytes > self.nbytes:
+            raise ValueError(f"{arr.nbytes} bytes at {offset_bytes} overflow {self.nbytes}")
+        if arr.nbytes == 0:
+            return
+        if stream is None:
+            check(driver.cuMemcpyHtoD(self.ptr + offset_bytes, arr.ctypes.data, arr.nbytes),
+                  "cuMemcpyHtoD")
+        else:
+            check(driver.cuMemcpyHtoDAsync(self.ptr + offset_bytes, arr.ctypes.data, arr.nbytes,
+                                           stream), "cuMemcpyHtoDAsync")
+
+    def download(self, count: int | None = None) -> np.ndarray:
+        """The first `count` elements (all by default), flat when count is given. Synchronous:
+        synchronize the producing stream first."""
+        n = int(np.prod(self.shape, dtype=np.int64)) if count is None else count
+        out = np.empty(n, self.dtype)
+        if out.nbytes:
+            check(driver.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
+        return out.reshape(self.shape) if count is None else out
+
+    def fill_bytes(self, value: int) -> None:
+        """Every byte set to `value` (0xFF: NaN for f32/bf16, -1 for ints: the test poison)."""
+        check(driver.cuMemsetD8(self.ptr, value, self.nbytes), "cuMemsetD8")
+        check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def free(self) -> None:
+        if self.ptr:
+            check(driver.cuMemFree(self.ptr), "cuMemFree")
+            self.ptr = 0
+
+
+# --- kernels -------------------------------------------------------------------------------
+
+def _ptr(p) -> ctypes.c_uint64:
+    return ctypes.c_uint64(int(p or 0))
+
+
+def _i32(v) -> ctypes.c_int32:
+    return ctypes.c_int32(int(v))
+
+
+def _f32(v) -> ctypes.c_float:
+    return ctypes.c_float(float(v))
+
+
+class ForwardKernels:
+    """The compiled module of csrc/forward_kernels.cu for one head_dim, and one typed launcher
+    per entry point: each validates its sizes, computes the grid and launches on `stream`.
+    Pointer arguments are device addresses as ints (0 for null)."""
+
+    ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
+                    "blink_paged_attention", "blink_paged_attention_small",
+                    "blink_attention_combine", "blink_silu_mul", "blink_sample",
+                    "blink_sampling_uniform", "blink_signal_done")
+
+    def __init__(self, head_dim: int, device: int = 0):
+        if head_dim % 16 or not 16 <= head_dim <= 256:
+            raise ValueError(f"head_dim {head_dim} is not supported "
+                             f"(needs a multiple of 16 in [16, 256])")
+        self.device = check(driver.cuDeviceGet(device))
+        self.context = primary_context()
+        attr = driver.CUdevice_attribute
+        major = check(driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device))
+        minor = check(driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device))
+        self.sm_count = check(driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device))
+        if major < 8:
+            raise CudaError(f"compute capability {major}.{minor}: bf16 tensor cores need >= 8.0")
+        self.arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+        self._image = np.frombuffer(nvcc_cubin(CSRC / "forward_kernels.cu", arch=self.arch,
+                                               defines={"BLINK_HEAD_DIM": head_dim}), np.uint8)
+        self.module = check(driver.cuModuleLoadData(self._image.ctypes.data), "cuModuleLoadData")
+        self.fn = {name: check(driver.cuModuleGetFunction(self.module, name.encode()), name)
+                   for name in self.ENTRY_POINTS}
+        self.head_dim = self._constant("blink_head_dim")
+        self.rope_threads = self._constant("blink_rope_threads")
+        self.attention_threads = self._constant("blink_attention_threads")
+        self.attention_rows = self._constant("blink_attention_rows")
+        self.attention_smem = self._constant("blink_attention_smem_bytes")
+        self.attention_small_rows = self._constant("blink_attention_small_rows")
+        self.attention_small_smem = self._constant("blink_attention_small_smem_bytes")
+        self.sample_threads = self._constant("blink_sample_threads")
+        if self.head_dim != head_dim:
+            raise CudaError(f"module built for head_dim {self.head_dim}, wanted {head_dim}")
+        for name, smem in (("blink_paged_attention", self.attention_smem),
+                           ("blink_paged_attention_small", self.attention_small_smem)):
+            check(driver.cuFuncSetAttribute(
+                self.fn[name],
+                driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem), f"cuFuncSetAttribute({name} smem)")
+
+    def _constant(self, name: str) -> int:
+        ptr, size = check(driver.cuModuleGetGlobal(self.module, name.encode()), name)
+        buf = np.zeros(1, np.uint32)
+        check(driver.cuMemcpyDtoH(buf.ctypes.data, ptr, 4), name)
+        return int(buf[0])
+
+    def launch(self, name: str, grid, block, args, stream, smem: int = 0) -> None:
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        check(driver.cuLaunchKernel(self.fn[name], *grid, *block, smem, stream,
+                                    ctypes.addressof(params), 0), name)
+
+    @staticmethod
+    def _need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(what)
+
+    # rows: the grid's row count (the bucket, or the logit-row capacity); each kernel skips the
+    # rows at or past the live count in BatchDesc.
+
+    def embedding(self, stream, rows, desc, token_ids, embed, x, hidden, vocab):
+        # embed: [vocab, hidden] bf16 -> x: [rows, hidden] f32
+        self._need(hidden % 8 == 0, f"hidden {hidden} must be a multiple of 8")
+        self.launch("blink_embedding", (rows,), (256,),
+                    [_ptr(desc), _ptr(token_ids), _ptr(embed), _ptr(x), _i32(hidden),
+                     _i32(vocab)], stream)
+
+    def rms_norm(self, stream, rows, desc, x, weight, out, hidden, eps, *, bias=0, gather=0,
+                 max_rows=None):
+        # x: [max_rows, hidden] f32 (bias added in place); out: [rows, hidden] bf16
+        self._need(hidden % 8 == 0, f"hidden {hidden} must be a multiple of 8")
+        self.launch("blink_rms_norm", (rows,), (256,),
+                    [_ptr(desc), _ptr(gather), _i32(max_rows or rows), _ptr(x), _ptr(bias),
+                     _ptr(weight), _ptr(out), _i32(hidden), _f32(eps)], stream)
+
+    def rope_kv_write(self, stream, rows, desc, positions, token_seq, block_tables,
+                      max_blocks_per_seq, qkv, qkv_bias, q_norm, k_norm, eps, inv_freq,
+                      num_heads, num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks):
+        self._need(bool(q_norm) == bool(k_norm), "q_norm and k_norm come together")
+        self.launch("blink_rope_kv_write", (rows,), (self.rope_threads,),
+                    [_ptr(desc), _ptr(positions), _ptr(token_seq), _ptr(block_tables),
+                     _i32(max_blocks_per_seq), _ptr(qkv), _ptr(qkv_bias), _ptr(q_norm),
+                     _ptr(k_norm), _f32(eps), _ptr(inv_freq), _i32(num_heads),
+                     _i32(num_kv_heads), _ptr(q_out), _ptr(k_cache), _ptr(v_cache),
+                     _i32(block_size), _i32(num_blocks)], stream)
+
+    def attention(self, stream, rows, desc, positions, token_seq, block_tables,
+                  max_blocks_per_seq, q, k_cache, v_cache, block_size, num_heads, num_kv_heads,
+                  scale, out, num_splits=1, partial_out=0, partial_stats=0, small=False):
+        """num_splits > 1 splits each tile's keys over that many CTAs (partial_out:
+        [rows, num_heads, num_splits, D] f32, partial_stats: [rows, num_heads, num_splits, 2]
+        f32) and merges them into `out` with a second kernel. small: the variant with
+        attention_small_rows query rows per CTA (decode-sized buckets)."""
+        group = num_heads // num_kv_heads
+        max_rows = self.attention_small_rows if small else self.attention_rows
+        self._need(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
+        self._need(group <= max_rows, f"GQA group {group} > {max_rows} rows per CTA")
+        self._need(num_splits == 1 or (partial_out and partial_stats),
+                   "num_splits > 1 needs the partial-output workspace")
+        self.launch("blink_paged_attention_small" if small else "blink_paged_attention",
+                    (rows, num_kv_heads, num_splits), (self.attention_threads,),
+                    [_ptr(desc), _ptr(positions), _ptr(token_seq), _ptr(block_tables),
+                     _i32(max_blocks_per_seq), _ptr(q), _ptr(k_cache), _ptr(v_cache),
+                     _i32(block_size), _i32(num_heads), _i32(num_kv_heads), _f32(scale),
+                     _ptr(out), _i32(num_splits), _ptr(partial_out), _ptr(partial_stats)],
+                    stream, smem=self.attention_small_smem if small else self.attention_smem)
+        if num_splits > 1:
+            self.launch("blink_attention_combine", (rows,), (128,),
+                        [_ptr(desc), _i32(num_heads), _i32(num_splits), _ptr(partial_out),
+                         _ptr(partial_stats), _ptr(out)], stream)
+
+    def silu_mul(self, stream, rows, desc, gate_up, out, inter):
+        self._need(inter % 8 == 0, f"intermediate size {inter} must be a multiple of 8")
+        self.launch("blink_silu_mul", (rows,), (256,),
+                    [_ptr(desc), _ptr(gate_up), _ptr(out), _i32(inter)], stream)
+
+    def sample(self, stream, rows, desc, logits, vocab, temperature, top_p, top_k, seed, step,
+               sampled):
+        self.launch("blink_sample", (rows,), (self.sample_threads,),
+                    [_ptr(desc), _ptr(logits), _i32(vocab), _ptr(temperature), _ptr(top_p),
+                     _ptr(top_k), _ptr(seed), _ptr(step), _ptr(sampled)], stream)
+
+    def uniform(self, stream, seed, step, out, n):
+        self.launch("blink_sampling_uniform", ((n + 255) // 256,), (256,),
+                    [_ptr(seed), _ptr(step), _ptr(out), _i32(n)], stream)
+
+    def signal_done(self, stream, desc):
+        self.launch("blink_signal_done", (1,), (32,), [_ptr(desc)], stream)
+
+
+# --- the model -----------------------------------------------------------------------------
+
+@dataclass
+class _Layer:
+    wqkv: DeviceArray           # [q + 2 kv, H] bf16: q_proj | k_proj | v_proj
+    bqkv: DeviceArray | None    # [q + 2 kv] bf16 (qwen2)
+    q_norm: DeviceArray | None  # [D] bf16 (qwen3)
+    k_norm: DeviceArray | None
+    input_norm: DeviceArray     # [H] bf16
+    wo: DeviceArray             # [H, q] bf16
+    bo: DeviceArray | None      # [H] bf16
+    post_norm: DeviceArray      # [H] bf16
+    wgu: DeviceArray            # [2 I, H] bf16: gate_proj | up_proj
+    wdown: DeviceArray          # [H, I] bf16
+
+
+def default_buckets(max_num_batched_tokens: int) -> list[int]:
+    """1, 2, 4, ... below the cap, then the cap itself."""
+    out, b = [], 1
+    while b < max_num_batched_tokens:
+        out.append(b)
+        b *= 2
+    return out + [max_num_batched_tokens]
+
+
+class CudaForward:
+    """Weights, KV cache, batch arrays, activations and one device-launchable graph per bucket.
+
+    For the scheduler kernel:
+      graph_execs[bucket] -> CUgraphExec (graph_exec_handles: the raw cudaGraphExec_t values);
+      device_pointers() -> the BatchDesc and every batch array, by name (layouts in batch.cuh);
+      bucket_for(num_tokens) -> the smallest bucket holding them.
+    A launch of graph_execs[b] computes the batch described in device memory (num_tokens <= b),
+    writes logits[:num_logits] and sampled[:num_logits], then its last kernel increments
+    BatchDesc.done_counter (atomicAdd between system fences): a launcher that read the counter
+    before the launch spins until it moves.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, num_blocks: int | None = None,
+                 block_size: int = 16, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+                 workspace_bytes: int = 32 << 20, device: int = 0, capture: bool = True,
+                 random_seed: int = 0):
+        """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
+        the device's memory once weights and activations are in. max_model_len (default: the
+        model's max_position_embeddings) sets the block-table width."""
+        H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        if H % 8 or I % 8:
+            raise ValueError(f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 8")
+        if (num_blocks is not None and num_blocks <= 0) or block_size <= 0 \
+                or max_num_batched_tokens <= 0 or max_num_seqs <= 0:
+            raise ValueError("num_blocks, block_size, max_num_batched_tokens and max_num_seqs "
+                             "must be positive")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization} not in (0, 1]")
+        self.cfg = cfg
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.max_blocks_per_seq = -(-self.max_model_len // block_size)
+        self.buckets = default_buckets(max_num_batched_tokens)
+        self.max_tokens = self.buckets[-1]
+        self._memory: list[DeviceArray] = []
+
+        self.kernels = ForwardKernels(D, device)
+        self.stream = new_stream()
+        self.blas = Cublas()
+        self.blas.set_stream(int(self.stream))  # before set_workspace: it resets the workspace
+        self.workspace = self._alloc(workspace_bytes, np.uint8)
+        self.blas.set_workspace(self.workspace.ptr, workspace_bytes)
+        self.blas.set_pointer_mode(device=False)
+
+        if weights is not None:
+            self._upload_weights(weights)
+        else:
+            self._random_weights(random_seed)
+
+        T, S, V = self.max_tokens, max_num_seqs, cfg.vocab_size
+        self.desc = self._alloc(1, BATCH_DESC_DTYPE)
+        self.token_ids = self._alloc(T, np.int32)
+        self.positions = self._alloc(T, np.int32)
+        self.token_seq = self._alloc(T, np.int32)
+        self.context_lens = self._alloc(S, np.int32)
+        self.block_tables = self._alloc((S, self.max_blocks_per_seq), np.int32)
+        self.logit_token = self._alloc(S, np.int32)
+        self.temperature = self._alloc(S, np.float32)
+        self.top_p = self._alloc(S, np.float32)
+        self.top_k = self._alloc(S, np.int32)
+        self.seed = self._alloc(S, np.uint64)
+        self.step = self._alloc(S, np.uint32)
+        self.logits = self._alloc((S, V), np.float32)
+        self.sampled = self._alloc(S, np.int32)
+
+        Q, KV = cfg.q_size, cfg.kv_size
+        self.x = self._alloc((T, H), np.float32)          # residual stream
+        self.h = self._alloc((T, H), BF16)                # normed activations
+        self.qkv = self._alloc((T, Q + 2 * KV), BF16)
+        self.q = self._alloc((T, Q), BF16)                # after RoPE
+        self.attn = self._alloc((T, Q), BF16)
+        self.gate_up = self._alloc((T, 2 * I), BF16)
+        self.act = self._alloc((T, I), BF16)
+        self.h_logits = self._alloc((min(T, S), H), BF16)
+        # Split-key attention workspace, for the buckets that split (attention_splits).
+        part_rows = max(b * self.attention_splits(b) for b in self.buckets)
+        self.attn_partial_out = self._alloc(part_rows * cfg.num_heads * D, np.float32)
+        self.attn_partial_stats = self._alloc(part_rows * cfg.num_heads * 2, np.float32)
+
+        block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * D * 2  # k and v
+        if num_blocks is None:
+            free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
+            # leave room for the graphs and cuBLAS's own state
+            budget = int(total * gpu_memory_utilization) - (total - free) - (256 << 20)
+            num_blocks = budget // block_bytes
+            if num_blocks < 1:
+                raise CudaError(f"no memory left for the KV cache at gpu_memory_utilization "
+                                f"{gpu_memory_utilization} ({free >> 20} MiB free)")
+        self.num_blocks = int(num_blocks)
+        kv_shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, D)
+        self.k_cache = self._alloc(kv_shape, BF16)  # [layers, blocks, block_size, kv_heads, D]
+        self.v_cache = self._alloc(kv_shape, BF16)
+        self._layer_kv_bytes = block_bytes // (2 * cfg.num_layers) * self.num_blocks
+
+        self.graph_execs: dict[int, object] = {}
+        self.graph_node_types: dict[int, dict[str, int]] = {}
+        if capture:
+            for b in self.buckets:
+                self.graph_execs[b] = self._capture(b)
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    def _alloc(self, shape, dtype) -> DeviceArray:
+        arr = DeviceArray(shape, dtype)
+        self._memory.append(arr)
+        arr.fill_bytes(0)
+        return arr
+
+    def _bf16(self, x: np.ndarray) -> DeviceArray:
+        arr = DeviceArray.from_numpy(to_bf16(x))
+        self._memory.append(arr)
+        return arr
+
+    @classmethod
+    def random_weights(cls, cfg: ModelConfig, seed: int = 0, **kwargs) -> "CudaForward":
+        """Random bf16 weights generated on the GPU in the checkpoint's shapes: for benchmarks
+        of real model shapes, where the values do not change the cost of a step."""
+        return cls(cfg, None, random_seed=seed, **kwargs)
+
+    def _random_weights(self, seed: int) -> None:
+        from blink.gpu_engine import cuda_runtime as cr
+        fill = cr.Module(cr.nvcc_cubin(CSRC / "random_fill.cu")).function("fill_uniform_bf16")
+        cfg, counter = self.cfg, [seed]
+
+        def tensor(*shape, fan_in=None, const=None):
+            arr = self._alloc(shape, BF16)
+            n = int(np.prod(shape))
+            scale, offset = (0.0, const) if const is not None else (fan_in ** -0.5 * 1.7, 0.0)
+            counter[0] += 1
+            cr.launch(fill, min(4096, (n + 255) // 256), 256, (arr.ptr, n, counter[0], scale,
+                                                               offset),
+                      (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float,
+                       ctypes.c_float), self.stream)
+            return arr
+
+        H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        Q, KV, D = cfg.q_size, cfg.kv_size, cfg.head_dim
+        self.embed = tensor(V, H, fan_in=1)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else tensor(V, H, fan_in=H)
+        self.final_norm = tensor(H, const=1.0)
+        self.inv_freq = DeviceArray.from_numpy(rope_inv_freq(cfg))
+        self._memory.append(self.inv_freq)
+        self.layers = [_Layer(
+            wqkv=tensor(Q + 2 * KV, H, fan_in=H),
+            bqkv=tensor(Q + 2 * KV, fan_in=H) if cfg.attention_bias else None,
+            q_norm=tensor(D, const=1.0) if cfg.qk_norm else None,
+            k_norm=tensor(D, const=1.0) if cfg.qk_norm else None,
+            input_norm=tensor(H, const=1.0), wo=tensor(H, Q, fan_in=Q),
+            bo=tensor(H, fan_in=Q) if cfg.o_proj_bias else None,
+            post_norm=tensor(H, const=1.0), wgu=tensor(2 * I, H, fan_in=H),
+            wdown=tensor(H, I, fan_in=I)) for _ in range(cfg.num_layers)]
+        synchronize(self.stream)
+
+    def _upload_weights(self, w: ModelWeights) -> None:
+        cfg = self.cfg
+        self.embed = self._bf16(w.embed)
+        self.lm_head = self.embed if w.lm_head is w.embed else self._bf16(w.lm_head)
+        self.final_norm = self._bf16(w.final_norm)
+        inv_freq = DeviceArray.from_numpy(rope_inv_freq(cfg))
+        self._memory.append(inv_freq)
+        self.inv_freq = inv_freq
+        self.layers = []
+        for lw in w.layers:
+            self.layers.append(_Layer(
+                wqkv=self._bf16(np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj])),
+                bqkv=(self._bf16(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]))
+                      if lw.q_bias is not None else None),
+                q_norm=self._bf16(lw.q_norm) if lw.q_norm is not None else None,
+                k_norm=self._bf16(lw.k_norm) if lw.k_norm is not None else None,
+                input_norm=self._bf16(lw.input_norm),
+                wo=self._bf16(lw.o_proj),
+                bo=self._bf16(lw.o_bias) if lw.o_bias is not None else None,
+                post_norm=self._bf16(lw.post_attention_norm),
+                wgu=self._bf16(np.concatenate([lw.gate_proj, lw.up_proj])),
+                wdown=self._bf16(lw.down_proj),
+            ))
+
+    def _record(self, rows: int) -> None:
+        """Enqueues one forward pass over `rows` token rows (a bucket) on self.stream."""
+        cfg, k, s, blas = self.cfg, self.kernels, self.stream, self.blas
+        H, I, V, eps = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.rms_norm_eps
+        Q, KV, D = cfg.q_size, cfg.kv_size, cfg.head_dim
+        d = self.desc.ptr
+        k.embedding(s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr, H, V)
+        for li, lw in enumerate(self.layers):
+            k_layer = self.k_cache.ptr + li * self._layer_kv_bytes
+            v_layer = self.v_cache.ptr + li * self._layer_kv_bytes
+            k.rms_norm(s, rows, d, self.x.ptr, lw.input_norm.ptr, self.h.ptr, H, eps)
+            blas.linear(self.h.ptr, lw.wqkv.ptr, self.qkv.ptr, rows, H, Q + 2 * KV)
+            k.rope_kv_write(s, rows, d, self.positions.ptr, self.token_seq.ptr,
+                            self.block_tables.ptr, self.max_blocks_per_seq, self.qkv.ptr,
+                            lw.bqkv.ptr if lw.bqkv else 0,
+                            lw.q_norm.ptr if lw.q_norm else 0,
+                            lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr,
+                            cfg.num_heads, cfg.num_kv_heads, self.q.ptr, k_layer, v_layer,
+                            self.block_size, self.num_blocks)
+            k.attention(s, rows, d, self.positions.ptr, self.token_seq.ptr, self.block_tables.ptr,
+                        self.max_blocks_per_seq, self.q.ptr, k_layer, v_layer, self.block_size,
+                        cfg.num_heads, cfg.num_kv_heads, D ** -0.5, self.attn.ptr,
+                        self.attention_splits(rows), self.attn_partial_out.ptr,
+                        self.attn_partial_stats.ptr, small=self.attention_small(rows))
+            # x += attn @ Wo^T: the residual add rides in the GEMM (fp32 output, beta = 1)
+            blas.linear(self.attn.ptr, lw.wo.ptr, self.x.ptr, rows, Q, H, R_32F, accumulate=True)
+            k.rms_norm(s, rows, d, self.x.ptr, lw.post_norm.ptr, self.h.ptr, H, eps,
+                       bias=lw.bo.ptr if lw.bo else 0)
+            blas.linear(self.h.ptr, lw.wgu.ptr, self.gate_up.ptr, rows, H, 2 * I)
+            k.silu_mul(s, rows, d, self.gate_up.ptr, self.act.ptr, I)
+            blas.linear(self.act.ptr, lw.wdown.ptr, self.x.ptr, rows, I, H, R_32F,
+                        accumulate=True)
+        logit_rows = min(rows, self.max_num_seqs)
+        k.rms_norm(s, logit_rows, d, self.x.ptr, self.final_norm.ptr, self.h_logits.ptr, H, eps,
+                   gather=self.logit_token.ptr, max_rows=rows)
+        blas.linear(self.h_logits.ptr, self.lm_head.ptr, self.logits.ptr, logit_rows, H, V, R_32F)
+        k.sample(s, logit_rows, d, self.logits.ptr, V, self.temperature.ptr, self.top_p.ptr,
+                 self.top_k.ptr, self.seed.ptr, self.step.ptr, self.sampled.ptr)
+        k.signal_done(s, d)
+
+    def _capture(self, rows: int):
+        # One eager pass first (an empty batch: our kernels exit at once, the GEMMs run on
+        # zeros) so that module loading and cuBLAS's first-call set-up stay out of the capture.
+        self._record(rows)
+        synchronize(self.stream)
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(driver.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
+        try:
+            self._record(rows)
+        except BaseException:
+            driver.cuStreamEndCapture(self.stream)
+            raise
+        graph = check(driver.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        try:
+            self.graph_node_types[rows] = _node_types(graph)
+            flags = driver.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH
+            try:
+                exe = check(driver.cuGraphInstantiate(graph, int(flags)),
+                            f"cuGraphInstantiate(bucket {rows}, device launch)")
+            except CudaError as e:
+                raise CudaError(f"{e}; graph nodes: {self.graph_node_types[rows]}") from None
+            check(driver.cuGraphUpload(exe, self.stream), "cuGraphUpload")
+            synchronize(self.stream)
+        finally:
+            driver.cuGraphDestroy(graph)
+        return exe
+
+    # --- for the scheduler kernel ---------------------------------------------------------------
+
+    def attention_splits(self, bucket: int) -> int:
+        """Key splits per attention tile for a bucket: enough CTAs for ~2 per SM when every
+        token is its own tile (decode), at most 16; 1 (no split) once bucket x kv_heads fills
+        the GPU (measured on H200, 8B shapes: splitting helps at batch 1, costs at batch 64)."""
+        ctas = bucket * self.cfg.num_kv_heads
+        return max(1, min(16, -(-2 * self.kernels.sm_count // ctas)))
+
+    def attention_small(self, bucket: int) -> bool:
+        """Decode-sized buckets use the attention variant with fewer query rows per CTA."""
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        return bucket <= 64 and group <= self.kernels.attention_small_rows
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        """The smallest bucket holding num_tokens, None when it exceeds the largest."""
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    @property
+    def graph_exec_handles(self) -> dict[int, int]:
+        return {b: int(e) for b, e in self.graph_execs.items()}
+
+    def device_pointers(self) -> dict[str, int]:
+        names = ("desc", "token_ids", "positions", "token_seq", "context_lens", "block_tables",
+                 "logit_token", "temperature", "top_p", "top_k", "seed", "step", "logits",
+                 "sampled", "k_cache", "v_cache")
+        return {n: getattr(self, n).ptr for n in names}
+
+    def pointer(self, name: str) -> int:
+        """One device pointer by name: a device_pointers() key or 'done_counter' (inside desc)."""
+        if name == "done_counter":
+            return self.desc.ptr + BATCH_DESC_DTYPE.fields["done_counter"][1]
+        return self.device_pointers()[name]
+
+    def done_count(self) -> int:
+        return int(self.desc.download()[0]["done_counter"])
+
+    def fill_kv_cache(self, byte: int) -> None:
+        """Every KV-cache byte set to `byte` (0xFF = NaN: tests prove unwritten slots unread)."""
+        self.k_cache.fill_bytes(byte)
+        self.v_cache.fill_bytes(byte)
+
+    # --- the host-side test path ------------------------------------------------------------
+
+    def run(self, batch: ForwardBatch, temperature=0.0, top_p=1.0, top_k=0, seed=0, step=0, *,
+            eager: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Writes the batch into the device arrays, launches its bucket's graph from the host
+        (eager=True: the same kernels without a graph), waits, and returns
+        (logits [L, V] f32, sampled [L] i32) for the batch's logit_seqs, in their order.
+        Sampling parameters are scalars or sequences of length L."""
+        cfg = self.cfg
+        T, S, L = batch.num_tokens, batch.num_seqs, len(batch.logit_seqs)
+        bucket = self.bucket_for(T)
+        if bucket is None or T < 1:
+            raise ValueError(f"{T} tokens: outside [1, {self.max_tokens}]")
+        if S > self.max_num_seqs:
+            raise ValueError(f"{S} sequences > max_num_seqs {self.max_num_seqs}")
+        width = batch.block_tables.shape[1]
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"block tables {width} wide > max_blocks_per_seq "
+                             f"{self.max_blocks_per_seq}")
+        starts = np.asarray(batch.seq_starts, np.int64)
+        tables = np.full((S, self.max_blocks_per_seq), -1, np.int32)
+        tables[:, :width] = batch.block_tables
+        logit_seqs = np.asarray(batch.logit_seqs, np.int64)
+
+        def per_row(v, dtype):
+            return np.ascontiguousarray(np.broadcast_to(np.asarray(v, dtype), (L,)))
+
+        host = {  # kept alive until the stream has passed the copies
+            self.token_ids: np.asarray(batch.token_ids, np.int32),
+            self.positions: np.asarray(batch.positions, np.int32),
+            self.token_seq: np.repeat(np.arange(S), np.diff(starts)).astype(np.int32),
+            self.context_lens: np.asarray(batch.context_lens, np.int32),
+            self.block_tables: tables,
+            self.logit_token: (starts[logit_seqs + 1] - 1).astype(np.int32),
+            self.temperature: per_row(temperature, np.float32),
+            self.top_p: per_row(top_p, np.float32),
+            self.top_k: per_row(top_k, np.int32),
+            self.seed: per_row(seed, np.uint64),
+            self.step: per_row(step, np.uint32),
+            # num_tokens, num_seqs, num_logits; done_counter is the graph's to write
+            self.desc: np.array([T, S, L], np.int32).view(np.uint8),
+        }
+        for dev, arr in host.items():
+            if dev is self.desc:
+                check(driver.cuMemcpyHtoDAsync(dev.ptr, arr.ctypes.data, arr.nbytes, self.stream),
+                      "cuMemcpyHtoDAsync(desc)")
+            else:
+                dev.upload(arr, self.stream)
+        synchronize(self.stream)
+        before = self.done_count()
+        if eager:
+            self._record(bucket)
+        else:
+            check(driver.cuGraphLaunch(self.graph_execs[bucket], self.stream), "cuGraphLaunch")
+        synchronize(self.stream)
+        if self.done_count() != before + 1:
+            raise CudaError(f"done_counter moved from {before} to {self.done_count()}, not by 1")
+        logits = self.logits.download(L * cfg.vocab_size).reshape(L, cfg.vocab_size)
+        return logits, self.sampled.download(L)
+
+    def close(self) -> None:
+        for exe in self.graph_execs.values():
+            driver.cuGraphExecDestroy(exe)
+        self.graph_execs.clear()
+        self.blas.close()
+        for arr in self._memory:
+            arr.free()
+        self._memory.clear()
+        driver.cuStreamDestroy(self.stream)
+
+
+def _node_types(graph) -> dict[str, int]:
+    """Counts of the graph's node types, e.g. {'KERNEL': 40}."""
+    _, _, count = driver.cuGraphGetNodes(graph, 0)
+    nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
+    kinds = Counter()
+    for node in nodes:
+        kind = check(driver.cuGraphNodeGetType(node), "cuGraphNodeGetType")
+        kinds[getattr(kind, "name", str(kind)).replace("CU_GRAPH_NODE_TYPE_", "")] += 1
+    return dict(kinds)

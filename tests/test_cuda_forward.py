@@ -1,0 +1,796 @@
+"""The CUDA forward pass: every kernel against a NumPy reference, cuBLAS through our binding, and
+the whole graph-launched forward against gpu_engine.reference_model on tiny checkpoints of all
+three architectures (bf16 weights on both sides).
+
+Needs an NVIDIA GPU, cuda-python and nvcc; skipped otherwise (CI). Nothing CUDA is imported at
+module import: the skip check imports cuda.bindings inside a function and survives its absence.
+Outputs are poisoned (0xFF bytes: NaN for floats, -1 for ints) before each launch, so an element
+the kernel should write and did not shows up, and so does one it should not have written.
+Set BLINK_GPU_REPORT=<file.json> to collect the measured errors and environment facts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpu import requires_gpu
+
+from blink.gpu_engine.checkpoint import load_config, load_weights, rope_inv_freq
+from blink.gpu_engine.demo_model import float32_to_bf16_bits, write_random_checkpoint
+from blink.gpu_engine.forward_batch import ForwardBatch
+from blink.gpu_engine.reference_model import ReferenceModel
+from blink.gpu_engine.sampling import sample_token, uniform
+from blink.gpu_engine.sequence import SamplingParams
+
+
+pytestmark = [pytest.mark.gpu, requires_gpu()]
+
+CSRC = Path(__file__).resolve().parents[1] / "gpu_engine" / "csrc"
+POISON_F32 = 0xFFFFFFFF
+POISON_BF16 = 0xFFFF
+REPORT: dict = {"errors": {}, "env": {}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    path = os.environ.get("BLINK_GPU_REPORT")
+    if path:
+        old = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+        for key, value in REPORT.items():
+            old.setdefault(key, {}).update(value)
+        Path(path).write_text(json.dumps(old, indent=1, sort_keys=True, default=str))
+
+
+def rb(x) -> np.ndarray:
+    """x rounded to bf16, as float32."""
+    return bf16_to_f32(float32_to_bf16_bits(np.asarray(x, np.float32)))
+
+
+def bf16_to_f32(bits) -> np.ndarray:
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+@pytest.fixture(scope="module")
+def cf():
+    from blink.gpu_engine import cuda_forward
+    cuda_forward.primary_context()
+    return cuda_forward
+
+
+@pytest.fixture(scope="module")
+def stream(cf):
+    return cf.new_stream()
+
+
+_KERNELS = {}
+
+
+def kernels(cf, head_dim: int = 64):
+    if head_dim not in _KERNELS:
+        _KERNELS[head_dim] = cf.ForwardKernels(head_dim)
+    return _KERNELS[head_dim]
+
+
+def dev(cf, arr, poison: bool = False):
+    d = cf.DeviceArray.from_numpy(np.ascontiguousarray(arr))
+    if poison:
+        d.fill_bytes(0xFF)
+    return d
+
+
+def desc(cf, num_tokens, num_seqs=1, num_logits=0):
+    return dev(cf, np.array([(num_tokens, num_seqs, num_logits, 0)], cf.BATCH_DESC_DTYPE))
+
+
+class PagedBatch:
+    """Sequences [(start_position, num_tokens)] laid out flat, with shuffled KV blocks."""
+
+    def __init__(self, seqs, block_size, rng, extra_blocks=3):
+        self.seqs, self.block_size = seqs, block_size
+        self.positions = np.concatenate([np.arange(p, p + n) for p, n in seqs]).astype(np.int32)
+        self.token_seq = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(seqs)]
+                                        ).astype(np.int32)
+        self.context_lens = np.array([p + n for p, n in seqs], np.int32)
+        need = [-(-c // block_size) for c in self.context_lens]
+        self.max_blocks = max(need) + 1
+        self.num_blocks = sum(need) + extra_blocks
+        pool = rng.permutation(self.num_blocks)
+        self.tables = np.full((len(seqs), self.max_blocks), -1, np.int32)
+        at = 0
+        for s, k in enumerate(need):
+            self.tables[s, :k] = pool[at:at + k]
+            at += k
+        self.num_tokens = len(self.positions)
+
+    def slot(self, s: int, pos: int) -> tuple[int, int]:
+        return int(self.tables[s, pos // self.block_size]), pos % self.block_size
+
+
+# --- layout and cuBLAS ---------------------------------------------------------------------
+
+def test_batch_desc_layout_matches_header(cf):
+    body = re.search(r"struct BatchDesc \{(.*?)\};", (CSRC / "batch.cuh").read_text(), re.S)[1]
+    assert re.findall(r"int32_t\s+(\w+);", body) == list(cf.BATCH_DESC_DTYPE.names)
+    assert cf.BATCH_DESC_DTYPE.itemsize == 16
+
+
+@pytest.mark.parametrize("rows", [1, 19, 99])
+def test_cublas_linear_bf16_and_fp32_accumulate(cf, stream, rows):
+    from blink.gpu_engine.cublas import R_32F, Cublas
+    rng = np.random.default_rng(rows)
+    k_in, n_out = 264, 136
+    x = rb(rng.standard_normal((rows, k_in)))
+    w = rb(rng.standard_normal((n_out, k_in)) * k_in ** -0.5)
+    resid = rng.standard_normal((rows, n_out)).astype(np.float32)
+    blas = Cublas()
+    blas.set_stream(int(stream))
+    workspace = cf.DeviceArray(4 << 20, np.uint8)
+    blas.set_workspace(workspace.ptr, 4 << 20)
+    dx, dw = dev(cf, float32_to_bf16_bits(x)), dev(cf, float32_to_bf16_bits(w))
+    out16 = dev(cf, np.zeros((rows, n_out), np.uint16), poison=True)
+    out32 = dev(cf, resid)
+    blas.linear(dx.ptr, dw.ptr, out16.ptr, rows, k_in, n_out)
+    blas.linear(dx.ptr, dw.ptr, out32.ptr, rows, k_in, n_out, R_32F, accumulate=True)
+    cf.synchronize(stream)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert rel_err(bf16_to_f32(out16.download()), ref) < 1e-2
+    assert rel_err(out32.download(), ref + resid) < 1e-5
+    REPORT["env"]["cublas_library"] = blas.path
+    REPORT["env"]["cublas_version"] = blas.version
+    blas.close()
+
+
+# --- elementwise kernels -------------------------------------------------------------------
+
+BUCKET = 128
+
+
+@pytest.mark.parametrize("tokens", [1, 19, 99])
+def test_embedding(cf, stream, tokens):
+    k = kernels(cf)
+    rng = np.random.default_rng(tokens)
+    vocab, hidden = 1000, 264
+    table = rb(rng.standard_normal((vocab, hidden)))
+    ids = rng.integers(0, vocab, BUCKET).astype(np.int32)
+    d_table, d_ids = dev(cf, float32_to_bf16_bits(table)), dev(cf, ids)
+    x = dev(cf, np.zeros((BUCKET, hidden), np.float32), poison=True)
+    k.embedding(stream, BUCKET, desc(cf, tokens).ptr, d_ids.ptr, d_table.ptr, x.ptr, hidden, vocab)
+    cf.synchronize(stream)
+    out = x.download()
+    np.testing.assert_array_equal(out[:tokens], table[ids[:tokens]])
+    assert (out[tokens:].view(np.uint32) == POISON_F32).all()
+
+
+@pytest.mark.parametrize("tokens", [1, 19, 99])
+@pytest.mark.parametrize("mode", ["plain", "bias", "gather"])
+def test_rms_norm(cf, stream, tokens, mode):
+    k = kernels(cf)
+    rng = np.random.default_rng(tokens)
+    hidden, eps = 264, 1e-5
+    x = (rng.standard_normal((BUCKET, hidden)) * 3).astype(np.float32)
+    weight = rb(1 + 0.1 * rng.standard_normal(hidden))
+    bias = rb(rng.standard_normal(hidden))
+    d_x, d_w = dev(cf, x), dev(cf, float32_to_bf16_bits(weight))
+    d_b = dev(cf, float32_to_bf16_bits(bias))
+    out = dev(cf, np.zeros((BUCKET, hidden), np.uint16), poison=True)
+    if mode == "gather":
+        count = min(tokens, 8)
+        gather = rng.integers(0, tokens, count).astype(np.int32)
+        d_g = dev(cf, gather)
+        k.rms_norm(stream, 8, desc(cf, tokens, count, count).ptr, d_x.ptr, d_w.ptr, out.ptr,
+                   hidden, eps, gather=d_g.ptr, max_rows=BUCKET)
+        src = x[gather]
+    else:
+        count = tokens
+        k.rms_norm(stream, BUCKET, desc(cf, tokens).ptr, d_x.ptr, d_w.ptr, out.ptr, hidden, eps,
+                   bias=d_b.ptr if mode == "bias" else 0)
+        src = x[:tokens] + (bias if mode == "bias" else 0)
+    cf.synchronize(stream)
+    src = src.astype(np.float64)
+    ref = weight * src / np.sqrt(np.mean(src * src, -1, keepdims=True) + eps)
+    got = out.download()
+    assert rel_err(bf16_to_f32(got[:count]), ref) < 1e-2
+    assert (got[count:] == POISON_BF16).all()
+    if mode == "bias":  # the bias was added into the residual stream in place
+        np.testing.assert_allclose(d_x.download()[:tokens], src, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(d_x.download()[tokens:], x[tokens:])
+
+
+@pytest.mark.parametrize("tokens", [1, 19, 99])
+def test_silu_mul(cf, stream, tokens):
+    k = kernels(cf)
+    rng = np.random.default_rng(tokens)
+    inter = 264
+    gu = rb(rng.standard_normal((BUCKET, 2 * inter)) * 4)
+    d_gu = dev(cf, float32_to_bf16_bits(gu))
+    out = dev(cf, np.zeros((BUCKET, inter), np.uint16), poison=True)
+    k.silu_mul(stream, BUCKET, desc(cf, tokens).ptr, d_gu.ptr, out.ptr, inter)
+    cf.synchronize(stream)
+    g, u = gu[:tokens, :inter].astype(np.float64), gu[:tokens, inter:].astype(np.float64)
+    got = out.download()
+    assert rel_err(bf16_to_f32(got[:tokens]), g / (1 + np.exp(-g)) * u) < 1e-2
+    assert (got[tokens:] == POISON_BF16).all()
+
+
+# --- RoPE + KV write and paged attention ------------------------------------------------------
+
+# Mixed batches: (start position, tokens) per sequence: prefill chunks, decodes, a fresh prompt.
+MIXED = {1: [(0, 1)], 19: [(37, 15), (300, 1), (5, 1), (0, 2)],
+         99: [(0, 61), (64, 20), (130, 1), (7, 1), (0, 16)]}
+
+
+def _inv_freq(head_dim: int, llama3: bool) -> np.ndarray:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64} if llama3 else None
+    return rope_inv_freq(types.SimpleNamespace(head_dim=head_dim, rope_theta=10000.0,
+                                               rope_scaling=scaling))
+
+
+def _ref_head_norm(x, w, eps):
+    return w * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+
+
+def _ref_rope(x, positions, inv_freq):
+    # x: [T, heads, D] f64; angles in f32 as the reference model forms them
+    freqs = positions.astype(np.float32)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], -1).astype(np.float64)
+    half = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
+    return x * np.cos(emb)[:, None] + rot * np.sin(emb)[:, None]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tokens", [1, 19, 99])
+@pytest.mark.parametrize("variant", ["plain", "bias", "qk_norm", "llama3"])
+def test_rope_kv_write(cf, stream, head_dim, tokens, variant):
+    k = kernels(cf, head_dim)
+    rng = np.random.default_rng(head_dim + tokens)
+    D, nh, nkv, bs, eps = head_dim, 4, 2, 16, 1e-6
+    pb = PagedBatch(MIXED[tokens], bs, rng)
+    width = (nh + 2 * nkv) * D
+    qkv = rb(rng.standard_normal((BUCKET, width)))
+    bias = rb(rng.standard_normal(width)) if variant == "bias" else None
+    q_norm = rb(1 + 0.1 * rng.standard_normal(D)) if variant == "qk_norm" else None
+    k_norm = rb(1 + 0.1 * rng.standard_normal(D)) if variant == "qk_norm" else None
+    inv_freq = _inv_freq(D, variant == "llama3")
+    bf = float32_to_bf16_bits
+    d = {name: dev(cf, arr) for name, arr in dict(
+        positions=pb.positions, token_seq=pb.token_seq, tables=pb.tables, qkv=bf(qkv),
+        inv_freq=inv_freq).items()}
+    d_bias = dev(cf, bf(bias)) if bias is not None else None
+    d_qn = dev(cf, bf(q_norm)) if q_norm is not None else None
+    d_kn = dev(cf, bf(k_norm)) if k_norm is not None else None
+    q_out = dev(cf, np.zeros((BUCKET, nh, D), np.uint16), poison=True)
+    kc = dev(cf, np.zeros((pb.num_blocks, bs, nkv, D), np.uint16), poison=True)
+    vc = dev(cf, np.zeros((pb.num_blocks, bs, nkv, D), np.uint16), poison=True)
+    k.rope_kv_write(stream, BUCKET, desc(cf, tokens, len(pb.seqs)).ptr, d["positions"].ptr,
+                    d["token_seq"].ptr, d["tables"].ptr, pb.max_blocks, d["qkv"].ptr,
+                    d_bias.ptr if d_bias else 0, d_qn.ptr if d_qn else 0,
+                    d_kn.ptr if d_kn else 0, eps, d["inv_freq"].ptr, nh, nkv, q_out.ptr, kc.ptr,
+                    vc.ptr, bs, pb.num_blocks)
+    cf.synchronize(stream)
+
+    x = qkv[:tokens].astype(np.float64) + (bias if bias is not None else 0)
+    q = x[:, :nh * D].reshape(tokens, nh, D)
+    kk = x[:, nh * D:(nh + nkv) * D].reshape(tokens, nkv, D)
+    v = x[:, (nh + nkv) * D:].reshape(tokens, nkv, D)
+    if q_norm is not None:
+        q, kk = _ref_head_norm(q, q_norm, eps), _ref_head_norm(kk, k_norm, eps)
+    q, kk = _ref_rope(q, pb.positions, inv_freq), _ref_rope(kk, pb.positions, inv_freq)
+    got_q = q_out.download()
+    assert rel_err(bf16_to_f32(got_q[:tokens]), q) < 1e-2
+    assert (got_q[tokens:] == POISON_BF16).all()
+    got_k, got_v = kc.download(), vc.download()
+    written = np.zeros(got_k.shape[:2], bool)
+    for t in range(tokens):
+        blk, row = pb.slot(pb.token_seq[t], pb.positions[t])
+        written[blk, row] = True
+        assert rel_err(bf16_to_f32(got_k[blk, row]), kk[t]) < 1e-2
+        assert rel_err(bf16_to_f32(got_v[blk, row]), v[t]) < 1e-2
+    assert (got_k[~written] == POISON_BF16).all() and (got_v[~written] == POISON_BF16).all()
+
+
+def _ref_attention(q, kc, vc, pb: PagedBatch, nh, nkv):
+    # q: [T, nh, D]; kc, vc: [num_blocks, bs, nkv, D] -> [T, nh, D], all f64
+    D, group = q.shape[-1], nh // nkv
+    out = np.zeros_like(q)
+    t = 0
+    for s, (start, n) in enumerate(pb.seqs):
+        ctx = start + n
+        kv_pos = np.arange(ctx)
+        blk, row = pb.tables[s, kv_pos // pb.block_size], kv_pos % pb.block_size
+        keys, vals = kc[blk, row], vc[blk, row]  # [ctx, nkv, D]
+        qs = q[t:t + n].reshape(n, nkv, group, D)
+        scores = np.einsum("nkgd,ckd->kgnc", qs, keys) * D ** -0.5
+        scores = np.where(kv_pos[None, :] <= pb.positions[t:t + n, None], scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[t:t + n] = np.einsum("kgnc,ckd->nkgd", p, vals).reshape(n, nh, D)
+        t += n
+    return out
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads",
+                         [(64, 8, 8), (64, 8, 2), (128, 16, 2), (128, 32, 4), (128, 64, 1)])
+@pytest.mark.parametrize("tokens", [1, 19, 99])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("small", [False, True])
+def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, tokens, splits, small):
+    k = kernels(cf, head_dim)
+    if small and num_heads // num_kv_heads > k.attention_small_rows:
+        pytest.skip("GQA group larger than the small variant's rows")
+    rng = np.random.default_rng(head_dim * num_heads + tokens)
+    D, bs = head_dim, 16
+    pb = PagedBatch(MIXED[tokens], bs, rng)
+    q = rb(rng.standard_normal((BUCKET, num_heads, D)))
+    kc = rb(rng.standard_normal((pb.num_blocks, bs, num_kv_heads, D)))
+    vc = rb(rng.standard_normal((pb.num_blocks, bs, num_kv_heads, D)))
+    kc_bits, vc_bits = float32_to_bf16_bits(kc), float32_to_bf16_bits(vc)
+    # Every cache slot no query may read is NaN: reading one would poison the output.
+    readable = np.zeros((pb.num_blocks, bs), bool)
+    for s, (start, n) in enumerate(pb.seqs):
+        for p in range(start + n):
+            readable[pb.slot(s, p)] = True
+    kc_bits[~readable] = POISON_BF16
+    vc_bits[~readable] = POISON_BF16
+    d = {name: dev(cf, arr) for name, arr in dict(
+        positions=pb.positions, token_seq=pb.token_seq, tables=pb.tables,
+        q=float32_to_bf16_bits(q), kc=kc_bits, vc=vc_bits).items()}
+    out = dev(cf, np.zeros((BUCKET, num_heads, D), np.uint16), poison=True)
+    # Splits: workspaces poisoned too (a split with no key must not be read).
+    part_out = dev(cf, np.zeros((BUCKET, num_heads, splits, D), np.float32), poison=True)
+    part_stats = dev(cf, np.zeros((BUCKET, num_heads, splits, 2), np.float32), poison=True)
+    k.attention(stream, BUCKET, desc(cf, tokens, len(pb.seqs)).ptr, d["positions"].ptr,
+                d["token_seq"].ptr, d["tables"].ptr, pb.max_blocks, d["q"].ptr, d["kc"].ptr,
+                d["vc"].ptr, bs, num_heads, num_kv_heads, D ** -0.5, out.ptr, splits,
+                part_out.ptr, part_stats.ptr, small=small)
+    cf.synchronize(stream)
+    ref = _ref_attention(q[:tokens].astype(np.float64), kc.astype(np.float64),
+                         vc.astype(np.float64), pb, num_heads, num_kv_heads)
+    got = out.download()
+    err = rel_err(bf16_to_f32(got[:tokens]), ref)
+    REPORT["errors"][f"attention D={D} heads={num_heads}/{num_kv_heads} T={tokens} "
+                     f"splits={splits} small={small}"] = err
+    assert np.isfinite(bf16_to_f32(got[:tokens])).all()
+    assert err < 1e-2
+    assert (got[tokens:] == POISON_BF16).all()
+
+
+# --- sampling --------------------------------------------------------------------------------
+
+def _sample(cf, stream, logits, temperature, top_p, top_k, seed, step):
+    """Runs the sampling kernel over logits [rows, V]; per-row parameters broadcast."""
+    rows, vocab = logits.shape
+    k = kernels(cf)
+
+    def col(v, dtype):
+        return np.ascontiguousarray(np.broadcast_to(np.asarray(v, dtype), (rows,)))
+    arrs = [dev(cf, col(v, t)) for v, t in ((temperature, np.float32), (top_p, np.float32),
+                                             (top_k, np.int32), (seed, np.uint64),
+                                             (step, np.uint32))]
+    d_logits = dev(cf, logits.astype(np.float32))
+    out = dev(cf, np.zeros(rows + 1, np.int32), poison=True)
+    k.sample(stream, rows + 1, desc(cf, rows, rows, rows).ptr, d_logits.ptr, vocab,
+             *[a.ptr for a in arrs], out.ptr)
+    cf.synchronize(stream)
+    got = out.download()
+    assert got[rows] == -1  # the row past num_logits is not written
+    return got[:rows]
+
+
+def test_uniform_bit_identical_to_cpu(cf, stream):
+    rng = np.random.default_rng(0)
+    seeds = np.concatenate([rng.integers(0, 2 ** 63, 998, dtype=np.uint64) * np.uint64(2),
+                            np.array([0, 2 ** 64 - 1], np.uint64)])
+    steps = np.concatenate([rng.integers(0, 2 ** 32, 998, dtype=np.uint64),
+                            np.array([0, 2 ** 32 - 1])]).astype(np.uint32)
+    d_seed, d_step = dev(cf, seeds), dev(cf, steps)
+    out = dev(cf, np.zeros(len(seeds), np.float64), poison=True)
+    kernels(cf).uniform(stream, d_seed.ptr, d_step.ptr, out.ptr, len(seeds))
+    cf.synchronize(stream)
+    expect = np.array([uniform(int(s), int(t)) for s, t in zip(seeds, steps)])
+    np.testing.assert_array_equal(out.download(), expect)
+
+
+def test_greedy_is_argmax_lowest_id_on_ties(cf, stream):
+    rng = np.random.default_rng(1)
+    vocab = 151936
+    logits = (rng.standard_normal((6, vocab)) * 3).astype(np.float32)
+    logits[2, [17, 90000]] = 100.0  # an exact tie: the lower id wins
+    logits[3, :] = -np.inf
+    logits[3, 123] = 0.0
+    temperature = [0.0, 0.0, 0.0, 0.0, 1.0, 0.7]
+    top_k = [0, 0, 0, 0, 1, 1]
+    got = _sample(cf, stream, logits, temperature, 1.0, top_k, 7, 0)
+    np.testing.assert_array_equal(got, np.argmax(logits, -1))
+    assert got[2] == 17 and got[3] == 123
+
+
+def _expected_probs(logits, temperature, top_k, top_p):
+    """The CPU sampler's distribution (gpu_engine.sampling.sample_token) in float64."""
+    scaled = logits.astype(np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    if top_k > 0:
+        order = order[:top_k]
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    probs /= probs.sum()
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
+        probs, order = probs[:keep] / probs[:keep].sum(), order[:keep]
+    out = np.zeros(len(logits))
+    out[order] = probs
+    return out
+
+
+SAMPLING_CONFIGS = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 10, 0.9), (2.0, 3, 0.3)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SAMPLING_CONFIGS)
+def test_sampling_distribution(cf, stream, temperature, top_k, top_p):
+    rng = np.random.default_rng(int(temperature * 10) + top_k)
+    vocab, rows = 50, 8192
+    base = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    got = _sample(cf, stream, np.tile(base, (rows, 1)), temperature, top_p, top_k,
+                  np.arange(rows, dtype=np.uint64) * np.uint64(7919) + np.uint64(3), 11)
+    expect = _expected_probs(base, temperature, top_k, top_p)
+    counts = np.bincount(got, minlength=vocab)
+    assert counts[expect == 0].sum() == 0, "sampled a token outside the top-k/top-p set"
+    # Chi-square over the kept tokens; bins below 5 expected draws pooled.
+    e = expect[expect > 0] * rows
+    o = counts[expect > 0]
+    small = e < 5
+    e = np.append(e[~small], e[small].sum()) if small.any() else e
+    o = np.append(o[~small], o[small].sum()) if small.any() else o
+    chi2, dof = float(((o - e) ** 2 / np.maximum(e, 1e-9)).sum()), max(len(e) - 1, 1)
+    REPORT["errors"][f"sampling chi2 T={temperature} k={top_k} p={top_p}"] = f"{chi2:.1f}/{dof}"
+    assert chi2 < dof + 6 * np.sqrt(2 * dof) + 10
+
+
+def test_sampling_matches_cpu_when_vocab_order_is_sorted_order(cf, stream):
+    # With logits descending in vocabulary order, the GPU's inverse CDF in vocabulary order and
+    # the CPU's in sorted order walk the same sequence: the draws agree except where u lands
+    # within rounding of a boundary.
+    rng = np.random.default_rng(5)
+    vocab, rows = 64, 2048
+    base = np.sort(rng.standard_normal(vocab) * 2)[::-1].astype(np.float32)
+    configs = [SAMPLING_CONFIGS[i % len(SAMPLING_CONFIGS)] for i in range(rows)]
+    temperature = [c[0] for c in configs]
+    top_k = [c[1] for c in configs]
+    top_p = [c[2] for c in configs]
+    seeds = rng.integers(0, 2 ** 63, rows, dtype=np.uint64)
+    steps = rng.integers(0, 1000, rows).astype(np.uint32)
+    got = _sample(cf, stream, np.tile(base, (rows, 1)), temperature, top_p, top_k, seeds, steps)
+    cpu = [sample_token(base, SamplingParams(max_tokens=1, temperature=t, top_p=p, top_k=kk,
+                                             seed=int(s)), int(st))
+           for t, p, kk, s, st in zip(temperature, top_p, top_k, seeds, steps)]
+    mismatch = int((got != np.array(cpu)).sum())
+    REPORT["errors"]["sampling cpu mismatches /2048"] = mismatch
+    assert mismatch <= rows // 100
+
+
+def test_sampling_large_vocab_stays_in_top_k_and_top_p(cf, stream):
+    rng = np.random.default_rng(6)
+    vocab, rows = 151936, 256
+    base = (rng.standard_normal(vocab) * 3).astype(np.float32)
+    logits = np.tile(base, (rows, 1))
+    seeds = np.arange(rows, dtype=np.uint64)
+    top40 = set(np.argsort(-base)[:40].tolist())
+    got = _sample(cf, stream, logits, 1.5, 1.0, 40, seeds, 0)
+    assert set(got.tolist()) <= top40 and len(set(got.tolist())) > 10
+    nucleus = set(np.nonzero(_expected_probs(base, 0.8, 0, 0.5))[0].tolist())
+    got = _sample(cf, stream, logits, 0.8, 0.5, 0, seeds, 1)
+    assert set(got.tolist()) <= nucleus
+
+
+# --- the whole forward pass ------------------------------------------------------------------
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+FORWARD_SHAPES = {  # head dims 64 and 128; GQA groups 2, 2, 4; biases; q/k norm; tied
+    "llama": dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=64, rope_scaling=LLAMA3),
+    "qwen2": dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=2,
+                  num_kv_heads=1),
+    "qwen3": dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
+                  num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
+}
+BLOCK, NUM_BLOCKS, MAX_TOKENS, MAX_SEQS = 16, 64, 128, 8
+LOGITS_TOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def models(cf, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cuda_ckpt")
+    out = {}
+    for i, (arch, shape) in enumerate(FORWARD_SHAPES.items()):
+        path = write_random_checkpoint(root / arch, architecture=arch, seed=20 + i, **shape)
+        cfg = load_config(path)
+        w = load_weights(path, cfg)  # bf16 checkpoint: the same bf16 values on both sides
+        engine = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                                max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS)
+        REPORT["env"][f"graph nodes {arch} bucket {MAX_TOKENS}"] = \
+            engine.graph_node_types[MAX_TOKENS]
+        out[arch] = (cfg, w, engine)
+    yield out
+    for _, _, engine in out.values():
+        engine.close()
+
+
+class Pair:
+    """The CUDA engine and the NumPy reference fed the same batches, compared step by step."""
+
+    def __init__(self, models, arch):
+        self.arch = arch
+        self.cfg, w, self.engine = models[arch]
+        self.engine.fill_kv_cache(0xFF)  # NaN: any read of an unwritten slot shows
+        self.ref = ReferenceModel(self.cfg, w, NUM_BLOCKS, BLOCK)
+        self.ref.k_cache.fill(np.nan)
+        self.ref.v_cache.fill(np.nan)
+        self.errors = []
+
+    def step(self, chunks, want=None, eager=False):
+        """chunks: [(token_ids, start_position, block_table)]; returns GPU logits."""
+        batch = make_batch(chunks, want)
+        logits, sampled = self.engine.run(batch, eager=eager)
+        ref = self.ref.forward(batch)
+        assert np.isfinite(logits).all()
+        np.testing.assert_array_equal(sampled, np.argmax(logits, -1))  # greedy rows
+        err = rel_err(logits, ref)
+        self.errors.append(err)
+        assert err < LOGITS_TOL, f"{self.arch}: relative logits error {err:.3g}"
+        for row in range(len(ref)):  # top-1 agrees except at near-ties
+            ours = int(np.argmax(logits[row]))
+            if ours != int(np.argmax(ref[row])):
+                noise = np.sqrt(np.mean((logits[row] - ref[row]) ** 2))
+                assert ref[row].max() - ref[row][ours] <= 5 * noise, f"{self.arch} row {row}"
+        return logits
+
+    def record(self, what: str) -> None:
+        REPORT["errors"][f"forward {self.arch} {what} (max rel L2)"] = max(self.errors)
+
+
+def make_batch(chunks, want=None) -> ForwardBatch:
+    lens = [len(t) for t, _, _ in chunks]
+    width = max(len(bt) for _, _, bt in chunks)
+    tables = np.full((len(chunks), width), -1, np.int32)
+    for s, (_, _, bt) in enumerate(chunks):
+        tables[s, :len(bt)] = bt
+    return ForwardBatch(
+        token_ids=np.concatenate([t for t, _, _ in chunks]).astype(np.int32),
+        positions=np.concatenate([np.arange(p, p + len(t)) for t, p, _ in chunks]).astype(np.int32),
+        seq_starts=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+        context_lens=np.array([p + len(t) for t, p, _ in chunks], np.int32),
+        block_tables=tables,
+        logit_seqs=np.array(range(len(chunks)) if want is None else want, np.int32),
+    )
+
+
+def prompt(cfg, n, seed):
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, n).astype(np.int32)
+
+
+ARCHS = list(FORWARD_SHAPES)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_one_shot_prefill(models, arch):
+    pair = Pair(models, arch)
+    table = np.random.default_rng(1).permutation(NUM_BLOCKS)[:7]
+    ids = prompt(pair.cfg, 99, seed=2)
+    graph = pair.step([(ids, 0, table)])
+    eager, _ = pair.engine.run(make_batch([(ids, 0, table)]), eager=True)
+    np.testing.assert_allclose(graph, eager, rtol=0, atol=1e-4 * np.abs(eager).max())
+    pair.record("one-shot prefill")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_chunked_prefill_then_decode(models, arch):
+    pair = Pair(models, arch)
+    table = np.random.default_rng(3).permutation(NUM_BLOCKS)[:6]
+    ids = list(prompt(pair.cfg, 70, seed=4))
+    pos = 0
+    for n in (1, 19, 33, 17):  # chunked prefill
+        logits = pair.step([(np.array(ids[pos:pos + n]), pos, table)])
+        pos += n
+    for _ in range(8):  # decode: the GPU's greedy token fed back to both
+        ids.append(int(np.argmax(logits[0])))
+        logits = pair.step([(np.array(ids[pos:pos + 1]), pos, table)])
+        pos += 1
+    pair.record("chunked prefill + decode")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_mixed_batch(models, arch):
+    pair = Pair(models, arch)
+    plans = [[37, 1, 1, 1], [20, 45, 0, 1], [2, 1, 3, 1], [0, 60, 1, 1], [1, 1, 1, 1]]
+    seqs = [list(prompt(pair.cfg, sum(p), seed=10 + s)) for s, p in enumerate(plans)]
+    pool = np.random.default_rng(5).permutation(NUM_BLOCKS)
+    tables = [pool[12 * s:12 * s + -(-len(t) // BLOCK)] for s, t in enumerate(seqs)]
+    done = [0] * len(seqs)
+    for step in range(4):
+        active = [s for s in range(len(seqs)) if plans[s][step]]
+        chunks = [(np.array(seqs[s][done[s]:done[s] + plans[s][step]]), done[s], tables[s])
+                  for s in active]
+        # logits for every sequence except the one whose first chunk stops short of its prompt
+        want = [i for i, s in enumerate(active) if not (s == 1 and step == 0)]
+        pair.step(chunks, want)
+        for s in active:
+            done[s] += plans[s][step]
+    pair.record("mixed batch")
+
+
+def test_forward_graphs_cover_every_bucket(models):
+    _, _, engine = models["llama"]
+    assert sorted(engine.graph_execs) == engine.buckets == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert engine.bucket_for(1) == 1 and engine.bucket_for(19) == 32
+    assert engine.bucket_for(128) == 128 and engine.bucket_for(129) is None
+    ptrs = engine.device_pointers()
+    assert len(set(ptrs.values())) == len(ptrs) and all(ptrs.values())
+    assert all(engine.graph_exec_handles.values())
+    for types_ in engine.graph_node_types.values():
+        assert set(types_) == {"KERNEL"}
+
+
+def test_forward_sampling_in_graph(models):
+    """Non-greedy rows through the graph: sampled ids are in each row's top-k set and follow the
+    same (seed, step) -> token rule when the same logits are sampled again."""
+    cfg, _, engine = models["qwen2"]
+    engine.fill_kv_cache(0)
+    table = np.arange(8)
+    ids = prompt(cfg, 40, seed=9)
+    chunks = [(ids[:10], 0, table[:1]), (ids[10:25], 0, table[1:2]), (ids[25:], 0, table[2:3])]
+    batch = make_batch(chunks)
+    a_logits, a = engine.run(batch, temperature=[1.0, 0.8, 0.5], top_k=[5, 0, 3],
+                             top_p=[1.0, 0.9, 1.0], seed=[1, 2, 3], step=[4, 5, 6])
+    b_logits, b = engine.run(batch, temperature=[1.0, 0.8, 0.5], top_k=[5, 0, 3],
+                             top_p=[1.0, 0.9, 1.0], seed=[1, 2, 3], step=[4, 5, 6])
+    np.testing.assert_array_equal(a_logits, b_logits)
+    np.testing.assert_array_equal(a, b)
+    for row, kk in ((0, 5), (2, 3)):
+        assert a[row] in set(np.argsort(-a_logits[row])[:kk].tolist())
+
+
+# --- environment facts and kernel timings (recorded, not asserted) ---------------------------
+
+def test_environment_facts(cf, models):
+    from cuda.bindings import driver
+    import cuda.bindings
+    env = REPORT["env"]
+    env["cuda_bindings"] = cuda.bindings.__version__
+    env["driver_version"] = cf.check(driver.cuDriverGetVersion())
+    name = cf.check(driver.cuDeviceGetName(128, cf.check(driver.cuDeviceGet(0))))
+    env["device"] = name.split(b"\0")[0].decode()
+    env["kernel_arch"] = kernels(cf).arch
+    env["attention_smem_bytes_d128"] = kernels(cf, 128).attention_smem
+    try:
+        import pycuda
+        import pycuda.autoprimaryctx  # noqa: F401 - the primary context we share
+        env["pycuda"] = pycuda.VERSION_TEXT
+    except Exception as e:  # noqa: BLE001 - recorded as a fact
+        env["pycuda"] = f"not importable: {e}"
+
+
+def _time_ms(cf, stream, fn, reps=20, capture=True) -> float:
+    """Device time per call of fn (which enqueues on `stream`): with capture, `reps` calls are
+    captured into one graph and replayed, so host launch overhead stays out of the number."""
+    from cuda.bindings import driver
+    start, end = cf.check(driver.cuEventCreate(0)), cf.check(driver.cuEventCreate(0))
+    fn()
+    cf.synchronize(stream)
+    launch, per_launch = fn, 1
+    if capture:
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        cf.check(driver.cuStreamBeginCapture(stream, mode))
+        for _ in range(reps):
+            fn()
+        exe = cf.check(driver.cuGraphInstantiate(cf.check(driver.cuStreamEndCapture(stream)), 0))
+        launch, per_launch = (lambda: cf.check(driver.cuGraphLaunch(exe, stream))), reps
+        launch()
+        cf.synchronize(stream)
+    launches = 5 if capture else reps
+    cf.check(driver.cuEventRecord(start, stream))
+    for _ in range(launches):
+        launch()
+    cf.check(driver.cuEventRecord(end, stream))
+    cf.check(driver.cuEventSynchronize(end))
+    return cf.check(driver.cuEventElapsedTime(start, end)) / (launches * per_launch)
+
+
+class _ClockWarmer:
+    """Sustained bf16 GEMMs before each measurement, so that the SM clock has left its idle
+    state (seen at 345 MHz on these machines) and the timings compare at full clock."""
+
+    def __init__(self, cf, stream, n=8192):
+        from blink.gpu_engine.cublas import Cublas
+        self.cf, self.stream, self.n = cf, stream, n
+        self.blas = Cublas()
+        self.blas.set_stream(int(stream))
+        self.workspace = cf.DeviceArray(32 << 20, np.uint8)
+        self.blas.set_workspace(self.workspace.ptr, 32 << 20)
+        rng = np.random.default_rng(0)
+        self.a = dev(cf, float32_to_bf16_bits(rng.standard_normal((n, n)).astype(np.float32)))
+        self.out = cf.DeviceArray((n, n), np.uint16)
+
+    def gemm(self):  # ~1.4 ms at full clock; enqueue only (capturable)
+        self.blas.linear(self.a.ptr, self.a.ptr, self.out.ptr, self.n, self.n, self.n)
+
+    def __call__(self, gemms=40):
+        for _ in range(gemms):
+            self.gemm()
+        self.cf.synchronize(self.stream)
+
+
+def test_kernel_timings(cf, stream, models):
+    """Llama-3.1-8B attention shapes (32 q heads, 8 kv heads, D=128, block 16), sampling over a
+    128256 vocab, and the tiny models' whole graphs; microseconds per launch, each measured
+    right after ~50 ms of GEMMs (clock warm-up)."""
+    from cuda.bindings import driver
+    k, t = kernels(cf, 128), REPORT.setdefault("timings_us", {})
+    warm = _ClockWarmer(cf, stream)
+    warm()
+    t["gemm 8192^3 bf16 (clock check)"] = 1000 * _time_ms(cf, stream, warm.gemm, reps=10)
+    nh, nkv, D, bs, ctx = 32, 8, 128, 16, 1024
+    rng = np.random.default_rng(0)
+    blocks = 64 * ctx // bs + 64
+    kc = dev(cf, float32_to_bf16_bits(rng.standard_normal((blocks, bs, nkv, D)) * 0.5))
+    vc = dev(cf, float32_to_bf16_bits(rng.standard_normal((blocks, bs, nkv, D)) * 0.5))
+    q = dev(cf, float32_to_bf16_bits(rng.standard_normal((512, nh, D))))
+    out = dev(cf, np.zeros((512, nh, D), np.uint16))
+    part_out = dev(cf, np.zeros(512 * nh * 16 * D, np.float32))
+    part_stats = dev(cf, np.zeros(512 * nh * 16 * 2, np.float32))
+    for label, seqs, rows, splits, small in (
+            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 1, False),
+            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 16, False),
+            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 16, True),
+            ("decode b32 ctx1024", [(ctx - 1, 1)] * 32, 32, 1, False),
+            ("decode b32 ctx1024", [(ctx - 1, 1)] * 32, 32, 1, True),
+            ("decode b32 ctx1024", [(ctx - 1, 1)] * 32, 32, 5, True),
+            ("decode b64 ctx1024", [(ctx - 1, 1)] * 64, 64, 1, False),
+            ("decode b64 ctx1024", [(ctx - 1, 1)] * 64, 64, 1, True),
+            ("decode b64 ctx1024", [(ctx - 1, 1)] * 64, 64, 3, True),
+            ("prefill 64 after 960", [(960, 64)], 64, 3, True),
+            ("prefill 64 after 960", [(960, 64)], 64, 1, False),
+            ("prefill 512 from 0", [(0, 512)], 512, 1, False),
+            ("prefill 512 after 512", [(512, 512)], 512, 1, False)):
+        pb = PagedBatch(seqs, bs, rng)
+        pb.tables = np.arange(pb.tables.size, dtype=np.int32).reshape(pb.tables.shape) % blocks
+        d = [dev(cf, a) for a in (pb.positions, pb.token_seq, pb.tables)]
+        dd = desc(cf, pb.num_tokens, len(seqs))
+        warm()
+        t[f"attention {label} splits={splits}{' small' if small else ''}"] = 1000 * _time_ms(
+            cf, stream, lambda: k.attention(
+                stream, rows, dd.ptr, d[0].ptr, d[1].ptr, d[2].ptr, pb.max_blocks, q.ptr, kc.ptr,
+                vc.ptr, bs, nh, nkv, D ** -0.5, out.ptr, splits, part_out.ptr, part_stats.ptr,
+                small=small))
+    vocab, rows = 128256, 64
+    logits = dev(cf, (rng.standard_normal((rows, vocab)) * 3).astype(np.float32))
+    for label, (temp, top_p, top_k) in (("greedy", (0.0, 1.0, 0)), ("T=1", (1.0, 1.0, 0)),
+                                        ("T=0.7 top_p=0.9", (0.7, 0.9, 0)),
+                                        ("T=0.7 top_k=50 top_p=0.9", (0.7, 0.9, 50))):
+        params = [dev(cf, np.full(rows, v, dt)) for v, dt in (
+            (temp, np.float32), (top_p, np.float32), (top_k, np.int32), (1, np.uint64),
+            (0, np.uint32))]
+        sampled = dev(cf, np.zeros(rows, np.int32))
+        dd = desc(cf, rows, rows, rows)
+        warm()
+        t[f"sample 64 rows V=128256 {label}"] = 1000 * _time_ms(cf, stream, lambda: k.sample(
+            stream, rows, dd.ptr, logits.ptr, vocab, *[p.ptr for p in params], sampled.ptr))
+    for arch, (_, _, engine) in models.items():
+        for bucket in (1, 128):
+            exe = engine.graph_execs[bucket]
+            warm()
+            t[f"graph {arch} tiny bucket {bucket}"] = 1000 * _time_ms(
+                cf, engine.stream, lambda: cf.check(driver.cuGraphLaunch(exe, engine.stream)),
+                capture=False)
+    warm.blas.close()
