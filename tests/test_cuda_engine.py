@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import statistics
 import threading
 import time
 
@@ -65,6 +66,11 @@ def cuda_stacks(checkpoints, tmp_path_factory):
 
     def get(name, model_dir, engine_args=()):
         if name not in started:
+            # one engine per GPU: a persistent scheduler kernel always has work, so engines of
+            # other processes would time-slice the GPU with it
+            for other in started.values():
+                other.stop()
+            started.clear()
             stack = BlinkStack(model_dir, tmp_path_factory.mktemp(f"cuda-{name}"),
                                engine_args=[*CUDA, *engine_args])
             started[name] = stack
@@ -150,7 +156,27 @@ def test_cuda_64_concurrent_streams_staggered(checkpoints, cuda_stacks):
                                              timeout=120)
             return await asyncio.gather(*(one(i) for i in range(64)))
 
+    # a stream that runs while the 64 arrive: its inter-token gaps show whether admissions
+    # (prefill chunks joining the batch) stall running sequences (printed, not asserted)
+    gaps = []
+
+    def bystander():
+        with BlinkClient(stack.target) as c:
+            last = None
+            for _ in c.stream([7, 8, 9], Sampling(max_tokens=300, temperature=0.0,
+                                                  ignore_eos=True)):
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+
+    watcher = threading.Thread(target=bystander)
+    watcher.start()
     together = asyncio.run(staggered())
+    watcher.join(60)
+    if gaps:
+        print(f"engine arrivals: a running stream's inter-token gap while 64 requests arrived: "
+              f"median {1e3 * statistics.median(gaps):.2f} ms, max {1e3 * max(gaps):.2f} ms")
     differing = 0
     for i, (a, b) in enumerate(zip(solo, together)):
         assert b.completion_tokens == lengths[i]

@@ -3,19 +3,14 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-__device__ __forceinline__ uint64_t mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+#include "counter_rng.cuh"
 
 // scale == 0 with offset: a constant (RMSNorm weights of 1.0).
 extern "C" __global__ void fill_uniform_bf16(__nv_bfloat16* out, uint64_t n, uint64_t seed,
                                              float scale, float offset) {
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
-    const float u = (mix64(seed ^ (i * 0xD1B54A32D192ED03ull)) >> 40) * (1.0f / 16777216.0f);
+    const float u = (blink::splitmix64(seed ^ (i * 0xD1B54A32D192ED03ull)) >> 40) * (1.0f / 16777216.0f);
     out[i] = __float2bfloat16(offset + scale * (2.0f * u - 1.0f));
   }
 }

@@ -11,6 +11,7 @@
 // has the same distribution as the CPU sampler's walk in sorted order.
 #pragma once
 #include "batch.cuh"
+#include "counter_rng.cuh"
 #include "utils.cuh"
 
 namespace blink {
@@ -18,19 +19,6 @@ namespace blink {
 static constexpr int kSampleThreads = 1024;
 static constexpr int kSampleWarps = kSampleThreads / kWarpSize;
 static constexpr float kMassOne = 4294967296.0f;  // 2^32: the top token's fixed-point mass
-
-__device__ __forceinline__ uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// A double in [0, 1): sampling.uniform(seed, step).
-__device__ __forceinline__ double UniformDraw(uint64_t seed, uint32_t step) {
-  return static_cast<double>(SplitMix64(SplitMix64(seed) ^ static_cast<uint64_t>(step)) >> 11) *
-         (1.0 / 9007199254740992.0);
-}
 
 // Order-preserving map of a float onto uint32: a < b  <=>  OrderedKey(a) < OrderedKey(b).
 __device__ __forceinline__ uint32_t OrderedKey(float v) {
@@ -249,7 +237,7 @@ __device__ __forceinline__ void SampleCta(const BatchDesc* desc, const float* lo
   }
 
   // Inverse CDF in vocabulary order: the first token whose inclusive cumulative mass > u * total.
-  const double u = UniformDraw(seed[row], step[row]);
+  const double u = uniform(seed[row], step[row]);
   uint64_t target = static_cast<uint64_t>(u * static_cast<double>(total));
   if (target >= total) target = total - 1;  // u < 1; guards the double rounding up
   constexpr int kItems = 4;
@@ -312,7 +300,7 @@ __device__ __forceinline__ void SampleCta(const BatchDesc* desc, const float* lo
 __device__ __forceinline__ void SamplingUniformThread(const uint64_t* seed, const uint32_t* step,
                                                       double* out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = UniformDraw(seed[i], step[i]);
+  if (i < n) out[i] = uniform(seed[i], step[i]);
 }
 
 }  // namespace blink

@@ -33,6 +33,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "counter_rng.cuh"
 #include "ring_layout.h"
 
 #ifndef BLINK_HD
@@ -683,21 +684,11 @@ BLINK_HD inline uint32_t slot_crc(uint32_t gen, const uint8_t* payload, size_t n
 }
 
 // ---------------------------------------------------------------------------------------------
-// Counter-based random numbers (sampling.splitmix64 / sampling.uniform), bit-identical.
+// Counter-based random numbers (sampling.splitmix64 / sampling.uniform): counter_rng.cuh, shared
+// with the sampling kernel.
 
-BLINK_HD inline uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// A double in [0, 1) from the top 53 bits; `step` is the index of the token being generated.
-// Exact on both sides: a 53-bit integer converts exactly and 2^-53 is a power of two.
-BLINK_HD inline double uniform(uint64_t seed, uint64_t step) {
-  return static_cast<double>(splitmix64(splitmix64(seed) ^ step) >> 11) *
-         (1.0 / 9007199254740992.0);
-}
+using blink::splitmix64;
+using blink::uniform;
 
 // ---------------------------------------------------------------------------------------------
 // Cooperative versions: every thread of the CTA calls them together (they __syncthreads).
