@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for the lent H200 (or any CUDA 13 machine with nvcc):
-# installs Blink and PyCUDA wheels into /tmp, runs the GPU test suite, prints a summary last.
+# installs Blink and the wheels in .device/wheels into /tmp, runs the GPU test suite and a short
+# decode benchmark, prints a summary table last.
 #   deploy/gpu_check.sh [pytest args]        (wheels: .device/wheels/, see README)
 set -uo pipefail
 cd "$(dirname "$0")/.."

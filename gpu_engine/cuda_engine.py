@@ -174,10 +174,6 @@ class CudaEngine:
         self.ring.close()
         log.info("engine stopped")
 
-    def stats(self) -> dict:
-        c = self.control.read()
-        return {"runs": int(c["runs"]), "error": int(c["error"]), "exited": int(c["exited"])}
-
 
 def run_cuda_engine(config: EngineConfig, gpu_memory_utilization: float = 0.9) -> None:
     engine = CudaEngine(config, gpu_memory_utilization=gpu_memory_utilization)

@@ -12,7 +12,7 @@ import logging
 import math
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -61,7 +61,6 @@ class Prepared:
     stops: list[str]
     terminal_ids: frozenset[int]       # tokens that end generation and are never shown as text
     return_token_ids: bool
-    received: float = field(default_factory=time.monotonic)
 
 
 class PromptCodec:

@@ -1,0 +1,80 @@
+"""The `blink` command line as an operator uses it: serve, generate, info, stats; `blink serve`
+restarts a crashed engine while its front end keeps serving."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from blink.client.sdk import BlinkClient
+
+pytestmark = pytest.mark.slow
+
+
+def blink(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "blink.client.cli", *args], capture_output=True,
+                          text=True, timeout=120, **kw)
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def test_auto_engine_is_cpu_without_gpu():
+    from blink.client.cli import choose_engine
+    try:
+        from blink.gpu_engine.cuda_runtime import gpu_unusable_reason
+        has_gpu = gpu_unusable_reason() is None
+    except Exception:
+        has_gpu = False
+    assert choose_engine("auto") == ("cuda" if has_gpu else "cpu")
+    assert choose_engine("cpu") == "cpu"
+
+
+def test_serve_generate_and_engine_restart(checkpoints, tmp_path):
+    ready, log = tmp_path / "port", open(tmp_path / "serve.log", "w")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "blink.client.cli", "serve", "--model", str(checkpoints["llama"]),
+         "--port", "0", "--ready-file", str(ready), "--engine", "cpu", "--engine-timeout", "1"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ready.exists() and ready.read_text()):
+            assert serve.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "serve.log").read_text()
+            time.sleep(0.05)
+        target = f"127.0.0.1:{ready.read_text()}"
+        out = blink("generate", "--target", target, "--max-tokens", "8", "--temperature", "0",
+                    "--ignore-eos", "Hello")
+        assert out.returncode == 0, out.stderr
+        assert "[length; 2 prompt + 8 generated tokens" in out.stderr
+        info = blink("info", "--target", target)
+        assert "name='llama'" in info.stdout and "engine='cpu-reference'" in info.stdout
+        stats = json.loads(blink("stats", "--target", target).stdout)
+        assert stats["requests_finished"] == 1 and stats["engine_attachments"] == 1
+
+        (engine,) = children(serve.pid)
+        os.kill(engine, signal.SIGKILL)
+        with BlinkClient(target) as client:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # down, then the supervisor's new engine attaches
+                if client.stats()["engine_attachments"] == 2 and client.health() == "SERVING":
+                    break
+                time.sleep(0.1)
+            assert client.stats()["engine_attachments"] == 2
+            assert children(serve.pid) != [engine]
+            assert client.generate("after restart").completion_tokens > 0
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(20)
+        log.close()
+    assert serve.returncode == 0
