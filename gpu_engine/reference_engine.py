@@ -113,7 +113,7 @@ class ReferenceEngine:
             self._publish_stats()
             return False
         batch, samplers = self._build_batch(plan)
-        logits = self.model.forward(batch)
+        logits = self.model.forward(batch, on_layer=self.ring.beat)
         for (seq, n) in plan.scheduled:
             seq.num_computed += n
         for row, seq in zip(logits, samplers):

@@ -79,7 +79,7 @@ class ReferenceModel:
         blocks = b.block_tables[seq_of_token, pos // self.block_size].astype(np.int64)
         return blocks, pos % self.block_size
 
-    def forward(self, batch: ForwardBatch) -> np.ndarray:
+    def forward(self, batch: ForwardBatch, on_layer=None) -> np.ndarray:
         """Runs one step; returns logits [len(batch.logit_seqs), vocab] float32."""
         cfg, w = self.cfg, self.w
         blocks, rows = self._check(batch)
@@ -93,6 +93,8 @@ class ReferenceModel:
 
         x = w.embed[batch.token_ids]  # [T, H]
         for li, lw in enumerate(w.layers):
+            if on_layer is not None:
+                on_layer()  # liveness: a big prefill chunk on a real model takes seconds
             h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             q, k, v = h @ lw.q_proj.T, h @ lw.k_proj.T, h @ lw.v_proj.T
             if lw.q_bias is not None:
