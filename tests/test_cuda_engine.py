@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
 import statistics
 import threading
 import time
@@ -360,3 +361,28 @@ def test_cuda_engine_llama_1b_shape(tmp_path_factory, cuda_stacks):
                                   requests=max(4, concurrency), prompt_tokens=64,
                                   output_tokens=64))
         print(f"engine llama-1b batch {concurrency} end to end: {r.summary()}")
+
+
+def test_cuda_engine_stops_cleanly(checkpoints, tmp_path):
+    """SIGTERM: the host asks the scheduler kernel to stop, the kernel exits (no relaunch), the
+    process ends with status 0, the ring is removed and the front end reports NOT_SERVING."""
+    from conftest import BlinkStack
+
+    from blink.ring.shm import shm_path
+    stack = BlinkStack(checkpoints["llama"], tmp_path, engine_args=CUDA)
+    try:
+        stack.start_engine()
+        stack.start_frontend()
+        stack.wait_serving(timeout=120)
+        with BlinkClient(stack.target) as client:
+            assert client.generate("before stop", GREEDY).completion_tokens == 16
+            stack.engine.send_signal(signal.SIGTERM)
+            assert stack.engine.wait(15) == 0, stack.logs()
+            assert not shm_path(stack.ring_name).exists()
+            deadline = time.monotonic() + 5
+            while client.health() != "NOT_SERVING" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert client.health() == "NOT_SERVING"
+        print("engine stop: SIGTERM -> kernel exited, status 0, ring removed")
+    finally:
+        stack.stop()
