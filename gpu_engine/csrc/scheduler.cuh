@@ -33,16 +33,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "counter_rng.cuh"
+#include "counter_rng.cuh"  // also defines BLINK_HD (__host__ __device__ under nvcc)
 #include "ring_layout.h"
-
-#ifndef BLINK_HD
-#if defined(__CUDACC__)
-#define BLINK_HD __host__ __device__
-#else
-#define BLINK_HD
-#endif
-#endif
 
 // Sequences one step can schedule or preempt: StepPlan's arrays are this long, and a config
 // with max_num_seqs above it is refused (config_error). Override before including if needed.
