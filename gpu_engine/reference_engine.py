@@ -39,10 +39,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     idle_sleep_s: float = 0.0002      # poll interval while no sequence is running
+    # "auto": the checkpoint's weights; "dummy": random weights generated on the GPU in the
+    # checkpoint's shapes (CUDA engine only; for benchmarks of real shapes without the weights)
+    load_format: str = "auto"
 
     def __post_init__(self):
         if self.num_slots < 1 or self.block_size < 1:
             raise ValueError("num_slots and block_size must be >= 1")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
 
@@ -92,7 +97,7 @@ class ReferenceEngine:
         self.stop_event = threading.Event()
         self.counters = dict(requests_admitted=0, requests_finished=0, requests_cancelled=0,
                              requests_rejected=0, preemptions=0, tokens_generated=0,
-                             engine_steps=0)
+                             engine_steps=0, busy_ns=0, step_tokens=0)
         self._publish_stats()
         log.info("engine ready: model %s (%s), context %d, %d KV blocks of %d tokens, %d slots, "
                  "ring /dev/shm/%s", cfg.name, cfg.architecture, self.context_length, num_blocks,
@@ -112,6 +117,7 @@ class ReferenceEngine:
         if not plan.scheduled:
             self._publish_stats()
             return False
+        started = time.perf_counter_ns()
         batch, samplers = self._build_batch(plan)
         logits = self.model.forward(batch, on_layer=self.ring.beat)
         for (seq, n) in plan.scheduled:
@@ -125,6 +131,8 @@ class ReferenceEngine:
             if reason is not FinishReason.NONE:
                 self._retire(seq, reason, detail)
         self.counters["engine_steps"] += 1
+        self.counters["busy_ns"] += time.perf_counter_ns() - started
+        self.counters["step_tokens"] += batch.num_tokens
         self._publish_stats()
         return True
 

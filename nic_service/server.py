@@ -289,6 +289,8 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                          "requests_finished", "requests_cancelled", "requests_rejected",
                          "preemptions", "tokens_generated", "engine_steps"):
                 setattr(stats, name, int(h[name]))
+            stats.engine_busy_ns = int(h["busy_ns"])
+            stats.engine_step_tokens = int(h["step_tokens"])
         return stats
 
 

@@ -40,6 +40,13 @@ def test_auto_engine_is_cpu_without_gpu():
     assert choose_engine("cpu") == "cpu"
 
 
+def test_dummy_weights_need_the_cuda_engine(checkpoints):
+    out = blink("engine", "--model", str(checkpoints["llama"]), "--engine", "cpu",
+                "--load-format", "dummy", "--ring-name", f"blink-test-dummy-{os.getpid()}")
+    assert out.returncode != 0
+    assert "--load-format dummy needs the cuda engine" in out.stderr
+
+
 def test_serve_generate_and_engine_restart(checkpoints, tmp_path):
     ready, log = tmp_path / "port", open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
@@ -61,6 +68,10 @@ def test_serve_generate_and_engine_restart(checkpoints, tmp_path):
         assert "name='llama'" in info.stdout and "engine='cpu-reference'" in info.stdout
         stats = json.loads(blink("stats", "--target", target).stdout)
         assert stats["requests_finished"] == 1 and stats["engine_attachments"] == 1
+        # the engine's own step counters: one prefill step (2 tokens), then 7 decode steps
+        # (the 8th token is sampled, never fed back)
+        assert (stats["engine_steps"], stats["engine_step_tokens"]) == (8, 2 + 7)
+        assert stats["engine_busy_ns"] > 0
 
         (engine,) = children(serve.pid)
         os.kill(engine, signal.SIGKILL)

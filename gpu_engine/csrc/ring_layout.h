@@ -7,7 +7,7 @@
 namespace blink::ring {
 
 static constexpr uint64_t kRingMagic = 0x31474e524b4e494cull;
-static constexpr uint32_t kLayoutVersion = 1;
+static constexpr uint32_t kLayoutVersion = 2;
 static constexpr uint32_t kHeaderBytes = 4096;
 static constexpr uint32_t kMaxStopIds = 16;
 static constexpr uint32_t kMaxEosIds = 8;
@@ -83,8 +83,10 @@ struct RingHeader {
   uint64_t preemptions;  // @248
   uint64_t tokens_generated;  // @256
   uint64_t engine_steps;  // @264
+  uint64_t busy_ns;  // @272
+  uint64_t step_tokens;  // @280
 };
-static_assert(sizeof(RingHeader) == 272, "RingHeader size");
+static_assert(sizeof(RingHeader) == 288, "RingHeader size");
 static_assert(offsetof(RingHeader, magic) == 0, "RingHeader.magic");
 static_assert(offsetof(RingHeader, layout_version) == 8, "RingHeader.layout_version");
 static_assert(offsetof(RingHeader, header_bytes) == 12, "RingHeader.header_bytes");
@@ -118,6 +120,8 @@ static_assert(offsetof(RingHeader, requests_rejected) == 240, "RingHeader.reques
 static_assert(offsetof(RingHeader, preemptions) == 248, "RingHeader.preemptions");
 static_assert(offsetof(RingHeader, tokens_generated) == 256, "RingHeader.tokens_generated");
 static_assert(offsetof(RingHeader, engine_steps) == 264, "RingHeader.engine_steps");
+static_assert(offsetof(RingHeader, busy_ns) == 272, "RingHeader.busy_ns");
+static_assert(offsetof(RingHeader, step_tokens) == 280, "RingHeader.step_tokens");
 
 struct RequestSlotFixed {
   uint32_t seq_begin;  // @0

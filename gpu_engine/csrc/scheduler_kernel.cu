@@ -58,6 +58,7 @@ struct Control {
 struct Counters {
   uint64_t requests_admitted, requests_finished, requests_cancelled, requests_rejected;
   uint64_t preemptions, tokens_generated, engine_steps, launch_retries, heartbeat;
+  uint64_t busy_ns, step_tokens;  // steps that ran a forward: batch building to samples consumed
 };
 
 // An accepted request between its slot's consumption and add_seq (admission is in id order).
@@ -124,13 +125,6 @@ __device__ void OpenRecord(const EngineDevice& e, int32_t slot, uint32_t gen, in
   vstore32(FIELD(ring::OutputRecordFixed, r, prompt_len), prompt_len);
   __threadfence_system();
   vstore32(FIELD(ring::OutputRecordFixed, r, gen), gen);  // published last
-}
-
-__device__ void AppendRecordToken(const EngineDevice& e, int32_t slot, int32_t index, int32_t tok) {
-  uint8_t* r = record_ptr(e, slot);
-  vstore32(r + sizeof(ring::OutputRecordFixed) + 4 * static_cast<uint64_t>(index), tok);
-  __threadfence_system();  // the token before its count
-  vstore32(FIELD(ring::OutputRecordFixed, r, num_tokens), index + 1);
 }
 
 __device__ void FinishRecord(const EngineDevice& e, int32_t slot, uint32_t gen,
@@ -286,6 +280,8 @@ __device__ void PublishStats(EngineDevice& e) {
   vstore64(FIELD(ring::RingHeader, h, preemptions), e.counters.preemptions);
   vstore64(FIELD(ring::RingHeader, h, tokens_generated), e.counters.tokens_generated);
   vstore64(FIELD(ring::RingHeader, h, engine_steps), e.counters.engine_steps);
+  vstore64(FIELD(ring::RingHeader, h, busy_ns), e.counters.busy_ns);
+  vstore64(FIELD(ring::RingHeader, h, step_tokens), e.counters.step_tokens);
 }
 
 // --- one forward step --------------------------------------------------------------------------
@@ -341,23 +337,56 @@ __device__ int BucketFor(const ForwardPtrs& f, int num_tokens) {
   return -1;
 }
 
-// Thread 0, after the forward graph finished: tokens to records, stop checks, retirement.
+// Whole CTA, after the forward graph finished: tokens to records, stop checks, retirement.
+// Thread 0 makes the scheduler's decisions in batch order; all threads then publish the step's
+// tokens, then their counts, then thread 0 the finish reasons, each phase behind one system
+// fence per thread (rather than one fence per token: at 256 sequences a step those dominated).
+// A reader that sees a count sees its token; one that sees a finish reason sees the final count.
 __device__ void ConsumeSamples(EngineDevice& e) {
+  __shared__ int32_t s_slot[sched::kMaxStepSeqs], s_index[sched::kMaxStepSeqs],
+      s_token[sched::kMaxStepSeqs];
+  __shared__ sched::StopResult s_stop[sched::kMaxStepSeqs];
+  __shared__ int s_count;
   const sched::StepPlan& plan = e.plan;
-  sched::commit_step(e.sched, plan);
-  int l = 0;
-  for (int k = 0; k < plan.num_scheduled; ++k) {
-    const int32_t slot = plan.slots[k];
-    sched::SeqState& q = e.sched.seqs[slot];
-    if (!sched::samples_now(q)) continue;
-    const int32_t token = e.fwd.sampled[l++];
-    const int32_t index = q.num_output;
-    sched::append_token(e.sched, slot, token);
-    AppendRecordToken(e, slot, index, token);
-    ++e.counters.tokens_generated;
-    const sched::StopResult stop = sched::stop_check(q, token, e.eos_ids, e.num_eos, e.context_length);
-    if (stop.reason != ring::FinishReason::kNone) Retire(e, slot, stop.reason, stop.detail);
+  if (threadIdx.x == 0) {
+    sched::commit_step(e.sched, plan);
+    int l = 0;
+    for (int k = 0; k < plan.num_scheduled; ++k) {
+      const int32_t slot = plan.slots[k];
+      sched::SeqState& q = e.sched.seqs[slot];
+      if (!sched::samples_now(q)) continue;
+      const int32_t token = e.fwd.sampled[l];
+      s_slot[l] = slot;
+      s_index[l] = q.num_output;
+      s_token[l] = token;
+      sched::append_token(e.sched, slot, token);
+      ++e.counters.tokens_generated;
+      s_stop[l] = sched::stop_check(q, token, e.eos_ids, e.num_eos, e.context_length);
+      ++l;
+    }
+    s_count = l;
   }
+  __syncthreads();
+  for (int i = threadIdx.x; i < s_count; i += kThreads) {
+    vstore32(record_ptr(e, s_slot[i]) + sizeof(ring::OutputRecordFixed) +
+                 4 * static_cast<uint64_t>(s_index[i]), s_token[i]);
+  }
+  __threadfence_system();  // tokens before their counts
+  __syncthreads();
+  for (int i = threadIdx.x; i < s_count; i += kThreads) {
+    vstore32(FIELD(ring::OutputRecordFixed, record_ptr(e, s_slot[i]), num_tokens),
+             s_index[i] + 1);
+  }
+  __threadfence_system();  // counts before finish reasons
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < s_count; ++i) {
+      if (s_stop[i].reason != ring::FinishReason::kNone) {
+        Retire(e, s_slot[i], s_stop[i].reason, s_stop[i].detail);
+      }
+    }
+  }
+  __syncthreads();
 }
 
 }  // namespace blink
@@ -403,6 +432,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) scheduler_run(EngineDe
       __nanosleep(e->idle_sleep_ns);
       continue;
     }
+    const uint64_t step_start = global_timer_ns();
     const int num_tokens = BuildBatch(*e);
     if (threadIdx.x == 0) {
       s_bucket = BucketFor(e->fwd, num_tokens);
@@ -419,8 +449,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) scheduler_run(EngineDe
           s_bucket = -1;
         } else {
           WaitCounter(e->fwd.done_counter, target);
-          ConsumeSamples(*e);
-          ++e->counters.engine_steps;
         }
       }
     }
@@ -428,6 +456,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) scheduler_run(EngineDe
     if (s_bucket < 0) {  // unrecoverable: stop so the host sees the error word
       if (threadIdx.x == 0) SetControl(&e->control->exited, 1);
       return;
+    }
+    ConsumeSamples(*e);
+    if (threadIdx.x == 0) {
+      ++e->counters.engine_steps;
+      e->counters.busy_ns += global_timer_ns() - step_start;
+      e->counters.step_tokens += num_tokens;
     }
     ++launches;
   }

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 RING_MAGIC = 0x31474E524B4E494C  # b"LINKRNG1" read as a little-endian u64
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_BYTES = 4096
 MAX_STOP_IDS = 16
 MAX_EOS_IDS = 8
@@ -132,6 +132,8 @@ HEADER_DTYPE = np.dtype([
     ("preemptions", "<u8"),
     ("tokens_generated", "<u8"),
     ("engine_steps", "<u8"),
+    ("busy_ns", "<u8"),            # time in steps that ran a forward pass (batch, forward, samples)
+    ("step_tokens", "<u8"),        # tokens those steps computed (prefill chunks + decode tokens)
 ])
 
 # Fixed part of a request slot; the prompt follows, then seq_end at the end of the slot.

@@ -153,7 +153,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("engine_alive", "ring_slots", "ring_slots_in_use", "requests_waiting_for_slot", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "sequences_running", "sequences_waiting", "requests_admitted", "requests_finished", "requests_cancelled", "requests_rejected", "preemptions", "tokens_generated", "engine_steps", "engine_attachments")
+    __slots__ = ("engine_alive", "ring_slots", "ring_slots_in_use", "requests_waiting_for_slot", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "sequences_running", "sequences_waiting", "requests_admitted", "requests_finished", "requests_cancelled", "requests_rejected", "preemptions", "tokens_generated", "engine_steps", "engine_attachments", "engine_busy_ns", "engine_step_tokens")
     ENGINE_ALIVE_FIELD_NUMBER: _ClassVar[int]
     RING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     RING_SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,8 @@ class ServerStats(_message.Message):
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ATTACHMENTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BUSY_NS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     engine_alive: bool
     ring_slots: int
     ring_slots_in_use: int
@@ -188,4 +190,6 @@ class ServerStats(_message.Message):
     tokens_generated: int
     engine_steps: int
     engine_attachments: int
-    def __init__(self, engine_alive: bool = ..., ring_slots: _Optional[int] = ..., ring_slots_in_use: _Optional[int] = ..., requests_waiting_for_slot: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., sequences_running: _Optional[int] = ..., sequences_waiting: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., preemptions: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_attachments: _Optional[int] = ...) -> None: ...
+    engine_busy_ns: int
+    engine_step_tokens: int
+    def __init__(self, engine_alive: bool = ..., ring_slots: _Optional[int] = ..., ring_slots_in_use: _Optional[int] = ..., requests_waiting_for_slot: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., sequences_running: _Optional[int] = ..., sequences_waiting: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., preemptions: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_attachments: _Optional[int] = ..., engine_busy_ns: _Optional[int] = ..., engine_step_tokens: _Optional[int] = ...) -> None: ...
