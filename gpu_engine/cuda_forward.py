@@ -35,6 +35,20 @@ BATCH_DESC_DTYPE = np.dtype([("num_tokens", "<i4"), ("num_seqs", "<i4"), ("num_l
 # bf16 lives in NumPy as its uint16 bit pattern.
 BF16 = np.dtype(np.uint16)
 
+# Output modes of the skinny linear kernel (csrc/gemv.cuh, enum GemvOut).
+SKINNY_BF16, SKINNY_F32, SKINNY_F32_ADD, SKINNY_SILU_MUL = 0, 1, 2, 3
+
+
+def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """[I, H] gate_proj and up_proj -> [2I, H] in 16-row groups: gate rows 16b..16b+15, then up
+    rows 16b..16b+15, for b = 0 .. I/16 - 1. One skinny-linear CTA then holds both halves of
+    16 features and applies SiLU(gate) * up itself; silu_mul reads the same layout."""
+    inter, hidden = gate.shape
+    if inter % 16:
+        raise ValueError(f"intermediate size {inter} must be a multiple of 16")
+    return np.stack([gate.reshape(inter // 16, 16, hidden), up.reshape(inter // 16, 16, hidden)],
+                    axis=1).reshape(2 * inter, hidden)
+
 
 def to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bits (round to nearest even), finite inputs."""
@@ -116,10 +130,13 @@ class ForwardKernels:
     per entry point: each validates its sizes, computes the grid and launches on `stream`.
     Pointer arguments are device addresses as ints (0 for null)."""
 
+    # (row tiles, column tiles) shapes of the skinny linear kernel (csrc/gemv.cuh)
+    SKINNY_SHAPES = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4))
+    SKINNY_MAX_ROWS = 32  # 4 column tiles of 8 token rows
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
-                    "blink_paged_attention", "blink_paged_attention_small",
-                    "blink_attention_combine", "blink_silu_mul", "blink_sample",
-                    "blink_sampling_uniform", "blink_signal_done")
+                    "blink_paged_attention", "blink_paged_attention_small", "blink_silu_mul",
+                    "blink_sample", "blink_sampling_uniform", "blink_signal_done",
+                    *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES))
 
     def __init__(self, head_dim: int, device: int = 0):
         if head_dim % 16 or not 16 <= head_dim <= 256:
@@ -150,6 +167,7 @@ class ForwardKernels:
         self.attention_small_rows = self._constant("blink_attention_small_rows")
         self.attention_small_smem = self._constant("blink_attention_small_smem_bytes")
         self.sample_threads = self._constant("blink_sample_threads")
+        self.gemv_threads = self._constant("blink_gemv_threads")
         if self.head_dim != head_dim:
             raise CudaError(f"module built for head_dim {self.head_dim}, wanted {head_dim}")
         for name, smem in (("blink_paged_attention", self.attention_smem),
@@ -199,7 +217,9 @@ class ForwardKernels:
                       max_blocks_per_seq, qkv, qkv_bias, q_norm, k_norm, eps, inv_freq,
                       num_heads, num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks):
         self._need(bool(q_norm) == bool(k_norm), "q_norm and k_norm come together")
-        self.launch("blink_rope_kv_write", (rows,), (self.rope_threads,),
+        warps = self.rope_threads // 32
+        head_groups = -(-(num_heads + 2 * num_kv_heads) // warps)  # one head per warp
+        self.launch("blink_rope_kv_write", (rows, head_groups), (self.rope_threads,),
                     [_ptr(desc), _ptr(positions), _ptr(token_seq), _ptr(block_tables),
                      _i32(max_blocks_per_seq), _ptr(qkv), _ptr(qkv_bias), _ptr(q_norm),
                      _ptr(k_norm), _f32(eps), _ptr(inv_freq), _i32(num_heads),
@@ -208,31 +228,78 @@ class ForwardKernels:
 
     def attention(self, stream, rows, desc, positions, token_seq, block_tables,
                   max_blocks_per_seq, q, k_cache, v_cache, block_size, num_heads, num_kv_heads,
-                  scale, out, num_splits=1, partial_out=0, partial_stats=0, small=False):
-        """num_splits > 1 splits each tile's keys over that many CTAs (partial_out:
-        [rows, num_heads, num_splits, D] f32, partial_stats: [rows, num_heads, num_splits, 2]
-        f32) and merges them into `out` with a second kernel. small: the variant with
+                  scale, out, num_splits=1, partial_out=0, partial_stats=0, tile_sems=0,
+                  small=False, decode_min_keys=0):
+        """One kernel: decode tokens with at least decode_min_keys keys on the flash-decoding
+        path, every other token in tensor-core query tiles.
+        num_splits > 1 lets up to that many CTAs share a tile's (or a decode token's) keys; they
+        meet in partial_out: [rows, num_heads, num_splits, D] f32, partial_stats:
+        [rows, num_heads, num_splits, 2] f32 and tile_sems: [rows, num_kv_heads] u32 (zero
+        before the first launch; each use leaves it zero). small: the tile variant with
         attention_small_rows query rows per CTA (decode-sized buckets)."""
         group = num_heads // num_kv_heads
         max_rows = self.attention_small_rows if small else self.attention_rows
         self._need(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
         self._need(group <= max_rows, f"GQA group {group} > {max_rows} rows per CTA")
-        self._need(num_splits == 1 or (partial_out and partial_stats),
-                   "num_splits > 1 needs the partial-output workspace")
+        self._need(num_splits == 1 or (partial_out and partial_stats and tile_sems),
+                   "num_splits > 1 needs the partial-output workspace and tile counters")
         self.launch("blink_paged_attention_small" if small else "blink_paged_attention",
                     (rows, num_kv_heads, num_splits), (self.attention_threads,),
                     [_ptr(desc), _ptr(positions), _ptr(token_seq), _ptr(block_tables),
                      _i32(max_blocks_per_seq), _ptr(q), _ptr(k_cache), _ptr(v_cache),
                      _i32(block_size), _i32(num_heads), _i32(num_kv_heads), _f32(scale),
-                     _ptr(out), _i32(num_splits), _ptr(partial_out), _ptr(partial_stats)],
+                     _ptr(out), _i32(num_splits), _ptr(partial_out), _ptr(partial_stats),
+                     _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1))],
                     stream, smem=self.attention_small_smem if small else self.attention_smem)
-        if num_splits > 1:
-            self.launch("blink_attention_combine", (rows,), (128,),
-                        [_ptr(desc), _i32(num_heads), _i32(num_splits), _ptr(partial_out),
-                         _ptr(partial_stats), _ptr(out)], stream)
+
+    @classmethod
+    def skinny_fits(cls, rows: int, in_features: int, out_features: int) -> bool:
+        """Whether skinny_linear can take this shape."""
+        return (1 <= rows <= cls.SKINNY_MAX_ROWS and in_features % 32 == 0
+                and out_features * in_features < 2 ** 31)
+
+    # Where the skinny kernel beats cuBLAS (H200, bench_decode --breakdown --cublas, Llama-3.1-8B
+    # and 3.2-1B shapes): at up to 8 token rows, for every projection whose output it fuses
+    # (the residual add, SiLU * up) and for plain ones of up to 32 MiB of weights, where cuBLAS's
+    # fixed cost per call dominates; cuBLAS streams the large plain ones (8B's fused qkv, the LM
+    # head) faster, and from 16 rows on cuBLAS wins everywhere (the skinny kernel re-reads the
+    # activations once per 16 weight rows).
+    SKINNY_PREFERRED_ROWS = 8
+    SKINNY_PREFERRED_PLAIN_BYTES = 32 << 20
+
+    @classmethod
+    def skinny_preferred(cls, rows: int, in_features: int, out_features: int,
+                         fused: bool) -> bool:
+        """Whether the forward pass should use skinny_linear rather than cuBLAS; fused: the
+        output mode is SKINNY_F32_ADD or SKINNY_SILU_MUL."""
+        return (cls.skinny_fits(rows, in_features, out_features)
+                and rows <= cls.SKINNY_PREFERRED_ROWS
+                and (fused or 2 * in_features * out_features <= cls.SKINNY_PREFERRED_PLAIN_BYTES))
+
+    def skinny_linear(self, stream, x, w, out, rows, in_features, out_features, mode,
+                      ldx=None, ldo=None):
+        """out[rows, out_features] (mode: SKINNY_BF16 / _F32 / _F32_ADD) = x[rows, in] @ w^T
+        for rows <= SKINNY_MAX_ROWS, w: [out_features, in_features] bf16. SKINNY_SILU_MUL: w is
+        gate|up interleaved in 16-row groups (interleave_gate_up) and out[rows, out_features/2]
+        = silu(gate) * up in bf16. ldx, ldo: row strides in elements (default: dense)."""
+        self._need(self.skinny_fits(rows, in_features, out_features),
+                   f"skinny linear takes rows <= {self.SKINNY_MAX_ROWS}, in_features % 32 == 0, "
+                   f"got {rows} x {in_features} -> {out_features}")
+        col_tiles = 1 if rows <= 8 else 2 if rows <= 16 else 4
+        silu = mode == SKINNY_SILU_MUL
+        self._need(not silu or out_features % 32 == 0, "gate|up rows must be whole 16-row pairs")
+        # two row tiles per CTA when that still leaves ~2 CTAs per SM (the SiLU mode pairs them)
+        row_tiles = 2 if silu or -(-out_features // 32) >= 2 * self.sm_count else 1
+        ldo = ldo or (out_features // 2 if silu else out_features)
+        self.launch(f"blink_skinny_linear_{row_tiles}x{col_tiles}",
+                    (-(-out_features // (16 * row_tiles)),), (self.gemv_threads,),
+                    [_ptr(x), _i32(ldx or in_features), _i32(rows), _ptr(w), _i32(out_features),
+                     _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)], stream)
 
     def silu_mul(self, stream, rows, desc, gate_up, out, inter):
-        self._need(inter % 8 == 0, f"intermediate size {inter} must be a multiple of 8")
+        """gate_up: [rows, 2 inter] bf16 in the interleaved 16-feature layout
+        (interleave_gate_up); out: [rows, inter] bf16."""
+        self._need(inter % 16 == 0, f"intermediate size {inter} must be a multiple of 16")
         self.launch("blink_silu_mul", (rows,), (256,),
                     [_ptr(desc), _ptr(gate_up), _ptr(out), _i32(inter)], stream)
 
@@ -262,7 +329,7 @@ class _Layer:
     wo: DeviceArray             # [H, q] bf16
     bo: DeviceArray | None      # [H] bf16
     post_norm: DeviceArray      # [H] bf16
-    wgu: DeviceArray            # [2 I, H] bf16: gate_proj | up_proj
+    wgu: DeviceArray            # [2 I, H] bf16: gate_proj, up_proj interleaved in 16 rows
     wdown: DeviceArray          # [H, I] bf16
 
 
@@ -292,13 +359,18 @@ class CudaForward:
                  block_size: int = 16, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  workspace_bytes: int = 32 << 20, device: int = 0, capture: bool = True,
-                 random_seed: int = 0):
+                 random_seed: int = 0, skinny: bool = True,
+                 decode_min_keys: int | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
-        model's max_position_embeddings) sets the block-table width."""
+        model's max_position_embeddings) sets the block-table width. skinny: projections of
+        buckets up to ForwardKernels.SKINNY_MAX_ROWS rows use the skinny linear kernel (False:
+        cuBLAS for every bucket, the comparison the decode benchmark makes).
+        decode_min_keys: overrides DECODE_MIN_KEYS (0: every decode token takes the decode
+        path; a huge value: none does)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        if H % 8 or I % 8:
-            raise ValueError(f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 8")
+        if H % 8 or I % 16:
+            raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
         if (num_blocks is not None and num_blocks <= 0) or block_size <= 0 \
                 or max_num_batched_tokens <= 0 or max_num_seqs <= 0:
             raise ValueError("num_blocks, block_size, max_num_batched_tokens and max_num_seqs "
@@ -312,6 +384,9 @@ class CudaForward:
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.buckets = default_buckets(max_num_batched_tokens)
         self.max_tokens = self.buckets[-1]
+        self.skinny = skinny
+        self.decode_min_keys = (self.DECODE_MIN_KEYS if decode_min_keys is None
+                                else decode_min_keys)
         self._memory: list[DeviceArray] = []
 
         self.kernels = ForwardKernels(D, device)
@@ -352,10 +427,12 @@ class CudaForward:
         self.gate_up = self._alloc((T, 2 * I), BF16)
         self.act = self._alloc((T, I), BF16)
         self.h_logits = self._alloc((min(T, S), H), BF16)
-        # Split-key attention workspace, for the buckets that split (attention_splits).
+        # Split-key attention workspace, for the buckets that split (attention_splits), and
+        # one arrival counter per (token, kv head): zero now, left zero by every launch.
         part_rows = max(b * self.attention_splits(b) for b in self.buckets)
         self.attn_partial_out = self._alloc(part_rows * cfg.num_heads * D, np.float32)
         self.attn_partial_stats = self._alloc(part_rows * cfg.num_heads * 2, np.float32)
+        self.attn_tile_sems = self._alloc(T * cfg.num_kv_heads, np.uint32)
 
         block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * D * 2  # k and v
         if num_blocks is None:
@@ -451,49 +528,87 @@ class CudaForward:
                 wo=self._bf16(lw.o_proj),
                 bo=self._bf16(lw.o_bias) if lw.o_bias is not None else None,
                 post_norm=self._bf16(lw.post_attention_norm),
-                wgu=self._bf16(np.concatenate([lw.gate_proj, lw.up_proj])),
+                wgu=self._bf16(interleave_gate_up(lw.gate_proj, lw.up_proj)),
                 wdown=self._bf16(lw.down_proj),
             ))
 
-    def _record(self, rows: int) -> None:
-        """Enqueues one forward pass over `rows` token rows (a bucket) on self.stream."""
+    def ops(self, rows: int) -> list[tuple[str, object]]:
+        """One forward pass over `rows` token rows (a bucket) as (label, enqueue) pairs in
+        launch order; each enqueue() puts one op's kernel(s) on self.stream. Labels name what
+        an op computes, the same for every layer (the decode benchmark's breakdown groups by
+        them)."""
         cfg, k, s, blas = self.cfg, self.kernels, self.stream, self.blas
         H, I, V, eps = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.rms_norm_eps
         Q, KV, D = cfg.q_size, cfg.kv_size, cfg.head_dim
         d = self.desc.ptr
-        k.embedding(s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr, H, V)
+        out: list[tuple[str, object]] = []
+
+        def op(label, fn, *args, **kwargs):
+            out.append((label, lambda: fn(*args, **kwargs)))
+
+        def skinny(in_f, out_f, fused):
+            return self.skinny and k.skinny_preferred(rows, in_f, out_f, fused)
+
+        def linear(label, x, w, dst, in_f, out_f, accumulate=False):
+            """dst (+)= x @ w^T: bf16 out, or fp32 added into dst (the residual stream)."""
+            if skinny(in_f, out_f, accumulate):
+                op(label, k.skinny_linear, s, x, w, dst, rows, in_f, out_f,
+                   SKINNY_F32_ADD if accumulate else SKINNY_BF16)
+            elif accumulate:
+                op(label, blas.linear, x, w, dst, rows, in_f, out_f, R_32F, accumulate=True)
+            else:
+                op(label, blas.linear, x, w, dst, rows, in_f, out_f)
+
+        op("embedding", k.embedding, s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr,
+           H, V)
         for li, lw in enumerate(self.layers):
             k_layer = self.k_cache.ptr + li * self._layer_kv_bytes
             v_layer = self.v_cache.ptr + li * self._layer_kv_bytes
-            k.rms_norm(s, rows, d, self.x.ptr, lw.input_norm.ptr, self.h.ptr, H, eps)
-            blas.linear(self.h.ptr, lw.wqkv.ptr, self.qkv.ptr, rows, H, Q + 2 * KV)
-            k.rope_kv_write(s, rows, d, self.positions.ptr, self.token_seq.ptr,
-                            self.block_tables.ptr, self.max_blocks_per_seq, self.qkv.ptr,
-                            lw.bqkv.ptr if lw.bqkv else 0,
-                            lw.q_norm.ptr if lw.q_norm else 0,
-                            lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr,
-                            cfg.num_heads, cfg.num_kv_heads, self.q.ptr, k_layer, v_layer,
-                            self.block_size, self.num_blocks)
-            k.attention(s, rows, d, self.positions.ptr, self.token_seq.ptr, self.block_tables.ptr,
-                        self.max_blocks_per_seq, self.q.ptr, k_layer, v_layer, self.block_size,
-                        cfg.num_heads, cfg.num_kv_heads, D ** -0.5, self.attn.ptr,
-                        self.attention_splits(rows), self.attn_partial_out.ptr,
-                        self.attn_partial_stats.ptr, small=self.attention_small(rows))
-            # x += attn @ Wo^T: the residual add rides in the GEMM (fp32 output, beta = 1)
-            blas.linear(self.attn.ptr, lw.wo.ptr, self.x.ptr, rows, Q, H, R_32F, accumulate=True)
-            k.rms_norm(s, rows, d, self.x.ptr, lw.post_norm.ptr, self.h.ptr, H, eps,
-                       bias=lw.bo.ptr if lw.bo else 0)
-            blas.linear(self.h.ptr, lw.wgu.ptr, self.gate_up.ptr, rows, H, 2 * I)
-            k.silu_mul(s, rows, d, self.gate_up.ptr, self.act.ptr, I)
-            blas.linear(self.act.ptr, lw.wdown.ptr, self.x.ptr, rows, I, H, R_32F,
-                        accumulate=True)
+            op("input rmsnorm", k.rms_norm, s, rows, d, self.x.ptr, lw.input_norm.ptr,
+               self.h.ptr, H, eps)
+            linear("qkv proj", self.h.ptr, lw.wqkv.ptr, self.qkv.ptr, H, Q + 2 * KV)
+            op("rope + kv write", k.rope_kv_write, s, rows, d, self.positions.ptr,
+               self.token_seq.ptr, self.block_tables.ptr, self.max_blocks_per_seq, self.qkv.ptr,
+               lw.bqkv.ptr if lw.bqkv else 0, lw.q_norm.ptr if lw.q_norm else 0,
+               lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr, cfg.num_heads,
+               cfg.num_kv_heads, self.q.ptr, k_layer, v_layer, self.block_size, self.num_blocks)
+            op("attention", k.attention, s, rows, d, self.positions.ptr, self.token_seq.ptr,
+               self.block_tables.ptr, self.max_blocks_per_seq, self.q.ptr, k_layer, v_layer,
+               self.block_size, cfg.num_heads, cfg.num_kv_heads, D ** -0.5, self.attn.ptr,
+               self.attention_splits(rows), self.attn_partial_out.ptr,
+               self.attn_partial_stats.ptr, self.attn_tile_sems.ptr,
+               small=self.attention_small(rows), decode_min_keys=self.decode_min_keys)
+            # x += attn @ Wo^T: the residual add rides in the projection (fp32 output)
+            linear("o proj + residual", self.attn.ptr, lw.wo.ptr, self.x.ptr, Q, H,
+                   accumulate=True)
+            op("post-attention rmsnorm", k.rms_norm, s, rows, d, self.x.ptr, lw.post_norm.ptr,
+               self.h.ptr, H, eps, bias=lw.bo.ptr if lw.bo else 0)
+            if skinny(H, 2 * I, True):
+                op("gate|up proj + silu*mul", k.skinny_linear, s, self.h.ptr, lw.wgu.ptr,
+                   self.act.ptr, rows, H, 2 * I, SKINNY_SILU_MUL)
+            else:
+                linear("gate|up proj", self.h.ptr, lw.wgu.ptr, self.gate_up.ptr, H, 2 * I)
+                op("silu*mul", k.silu_mul, s, rows, d, self.gate_up.ptr, self.act.ptr, I)
+            linear("down proj + residual", self.act.ptr, lw.wdown.ptr, self.x.ptr, I, H,
+                   accumulate=True)
         logit_rows = min(rows, self.max_num_seqs)
-        k.rms_norm(s, logit_rows, d, self.x.ptr, self.final_norm.ptr, self.h_logits.ptr, H, eps,
-                   gather=self.logit_token.ptr, max_rows=rows)
-        blas.linear(self.h_logits.ptr, self.lm_head.ptr, self.logits.ptr, logit_rows, H, V, R_32F)
-        k.sample(s, logit_rows, d, self.logits.ptr, V, self.temperature.ptr, self.top_p.ptr,
-                 self.top_k.ptr, self.seed.ptr, self.step.ptr, self.sampled.ptr)
-        k.signal_done(s, d)
+        op("final rmsnorm", k.rms_norm, s, logit_rows, d, self.x.ptr, self.final_norm.ptr,
+           self.h_logits.ptr, H, eps, gather=self.logit_token.ptr, max_rows=rows)
+        if self.skinny and k.skinny_preferred(logit_rows, H, V, False):
+            op("lm head", k.skinny_linear, s, self.h_logits.ptr, self.lm_head.ptr,
+               self.logits.ptr, logit_rows, H, V, SKINNY_F32)
+        else:
+            op("lm head", blas.linear, self.h_logits.ptr, self.lm_head.ptr, self.logits.ptr,
+               logit_rows, H, V, R_32F)
+        op("sample", k.sample, s, logit_rows, d, self.logits.ptr, V, self.temperature.ptr,
+           self.top_p.ptr, self.top_k.ptr, self.seed.ptr, self.step.ptr, self.sampled.ptr)
+        op("signal done", k.signal_done, s, d)
+        return out
+
+    def _record(self, rows: int) -> None:
+        """Enqueues one forward pass over `rows` token rows (a bucket) on self.stream."""
+        for _, enqueue in self.ops(rows):
+            enqueue()
 
     def _capture(self, rows: int):
         # One eager pass first (an empty batch: our kernels exit at once, the GEMMs run on
@@ -525,11 +640,19 @@ class CudaForward:
     # --- for the scheduler kernel ---------------------------------------------------------------
 
     def attention_splits(self, bucket: int) -> int:
-        """Key splits per attention tile for a bucket: enough CTAs for ~2 per SM when every
-        token is its own tile (decode), at most 16; 1 (no split) once bucket x kv_heads fills
-        the GPU (measured on H200, 8B shapes: splitting helps at batch 1, costs at batch 64)."""
+        """The most CTAs that may share one decode token's (or query tile's) keys in a bucket:
+        enough for ~4 CTAs per SM when every token of the bucket decodes, at most 64. A
+        sequence uses fewer when its keys are short (whole 64-key tiles per split), so short
+        contexts stay one or a few CTAs and long ones spread over the GPU."""
         ctas = bucket * self.cfg.num_kv_heads
-        return max(1, min(16, -(-2 * self.kernels.sm_count // ctas)))
+        return max(1, min(64, -(-4 * self.kernels.sm_count // ctas)))
+
+    # Decode tokens attending to at least this many keys take the flash-decoding path (keys
+    # streamed through a 4-deep cp.async pipeline, CUDA cores); shorter ones go in the tensor-core
+    # query tiles. Measured on the H200 (bench_decode --tile-attention, batch 1 and 32): the
+    # tiles win at 512 keys on both shapes and at 2048 on the 8B shape, the decode path at 4096
+    # and 8192 on both and at 2048 on the 1B shape.
+    DECODE_MIN_KEYS = 3072
 
     def attention_small(self, bucket: int) -> bool:
         """Decode-sized buckets use the attention variant with fewer query rows per CTA."""

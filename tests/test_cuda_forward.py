@@ -151,6 +151,75 @@ def test_cublas_linear_bf16_and_fp32_accumulate(cf, stream, rows):
     blas.close()
 
 
+def test_interleave_gate_up_layout(cf):
+    gate = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
+    up = -gate
+    w = cf.interleave_gate_up(gate, up)
+    np.testing.assert_array_equal(w[:16], gate[:16])
+    np.testing.assert_array_equal(w[16:32], up[:16])
+    np.testing.assert_array_equal(w[32:48], gate[16:])
+    np.testing.assert_array_equal(w[48:], up[16:])
+
+
+# (rows, in_features, out_features): 1..32 token rows (every column-tile count and partial
+# tiles), in_features with and without a remainder of 32-k steps past the unrolled batches,
+# out_features with a partial last row tile, and one wide enough for two row tiles per CTA.
+SKINNY_CASES = [(1, 256, 200), (3, 96, 48), (8, 544, 1000), (13, 256, 136), (16, 1024, 40),
+                (29, 160, 264), (32, 512, 300), (4, 256, 132 * 64 + 48)]
+
+
+@pytest.mark.parametrize("rows,k_in,n_out", SKINNY_CASES)
+@pytest.mark.parametrize("mode", ["bf16", "f32", "f32_add", "silu_mul"])
+def test_skinny_linear(cf, stream, rows, k_in, n_out, mode):
+    """The skinny linear kernel against float64 on the same bf16 inputs; every output element
+    written once (poison first) and nothing past row `rows` or column `n_out` touched."""
+    k = kernels(cf)
+    rng = np.random.default_rng(rows * 7 + k_in)
+    cap = 40  # allocated rows: rows .. cap must stay poisoned
+    n_w = 2 * (-(-n_out // 32) * 16) if mode == "silu_mul" else n_out  # whole 16-row pairs
+    x = rb(rng.standard_normal((cap, k_in)))
+    w = rb(rng.standard_normal((n_w, k_in)) * k_in ** -0.5)
+    ref = x[:rows].astype(np.float64) @ w.T.astype(np.float64)
+    dx, dw = dev(cf, float32_to_bf16_bits(x)), dev(cf, float32_to_bf16_bits(w))
+    if mode in ("bf16", "silu_mul"):
+        expect, launch_mode = ref, cf.SKINNY_BF16
+        if mode == "silu_mul":
+            # rows of w are gate|up interleaved in 16s: the reference un-interleaves them
+            inter = n_w // 2
+            pairs = ref.reshape(rows, inter // 16, 2, 16)
+            gate = rb(pairs[:, :, 0].reshape(rows, inter))
+            up = rb(pairs[:, :, 1].reshape(rows, inter))
+            expect, launch_mode = gate / (1 + np.exp(-gate.astype(np.float64))) * up, \
+                cf.SKINNY_SILU_MUL
+        out = dev(cf, np.zeros((cap, expect.shape[1]), np.uint16), poison=True)
+        k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_w, launch_mode)
+        cf.synchronize(stream)
+        got = out.download()
+        assert rel_err(bf16_to_f32(got[:rows]), expect) < 1e-2
+        assert (got[rows:] == POISON_BF16).all()
+        return
+    resid = rng.standard_normal((cap, n_out)).astype(np.float32)
+    out = dev(cf, resid) if mode == "f32_add" else \
+        dev(cf, np.zeros((cap, n_out), np.float32), poison=True)
+    k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out,
+                    cf.SKINNY_F32_ADD if mode == "f32_add" else cf.SKINNY_F32)
+    cf.synchronize(stream)
+    got = out.download()
+    expect = ref + resid[:rows] if mode == "f32_add" else ref
+    assert rel_err(got[:rows], expect) < 1e-5
+    if mode == "f32_add":
+        np.testing.assert_array_equal(got[rows:], resid[rows:])
+    else:
+        assert (got[rows:].view(np.uint32) == POISON_F32).all()
+
+
+def test_skinny_linear_refuses_shapes_it_does_not_take(cf, stream):
+    k = kernels(cf)
+    assert not k.skinny_fits(33, 256, 64) and not k.skinny_fits(4, 100, 64)
+    with pytest.raises(ValueError, match="skinny linear"):
+        k.skinny_linear(stream, 0, 0, 0, 33, 256, 64, cf.SKINNY_BF16)
+
+
 # --- elementwise kernels -------------------------------------------------------------------
 
 BUCKET = 128
@@ -211,13 +280,16 @@ def test_rms_norm(cf, stream, tokens, mode):
 def test_silu_mul(cf, stream, tokens):
     k = kernels(cf)
     rng = np.random.default_rng(tokens)
-    inter = 264
-    gu = rb(rng.standard_normal((BUCKET, 2 * inter)) * 4)
-    d_gu = dev(cf, float32_to_bf16_bits(gu))
+    inter = 272
+    gate = rb(rng.standard_normal((BUCKET, inter)) * 4)
+    up = rb(rng.standard_normal((BUCKET, inter)) * 4)
+    # the fused projection's output layout: the row of interleave_gate_up's weight layout
+    gu = cf.interleave_gate_up(gate.T, up.T).T
+    d_gu = dev(cf, float32_to_bf16_bits(np.ascontiguousarray(gu)))
     out = dev(cf, np.zeros((BUCKET, inter), np.uint16), poison=True)
     k.silu_mul(stream, BUCKET, desc(cf, tokens).ptr, d_gu.ptr, out.ptr, inter)
     cf.synchronize(stream)
-    g, u = gu[:tokens, :inter].astype(np.float64), gu[:tokens, inter:].astype(np.float64)
+    g, u = gate[:tokens].astype(np.float64), up[:tokens].astype(np.float64)
     got = out.download()
     assert rel_err(bf16_to_f32(got[:tokens]), g / (1 + np.exp(-g)) * u) < 1e-2
     assert (got[tokens:] == POISON_BF16).all()
@@ -321,18 +393,36 @@ def _ref_attention(q, kc, vc, pb: PagedBatch, nh, nkv):
     return out
 
 
+# Decode batches: one token per sequence (the flash-decoding path), contexts from 1 key to
+# several thousand, so that splits hold one tile, many tiles, or none at all.
+DECODES = [(1000, 1), (63, 1), (64, 1), (0, 1), (2047, 1), (129, 1), (5, 1), (700, 1),
+           (3000, 1), (31, 1), (32, 1)]
+ATTENTION_BATCHES = {**MIXED, "decode": DECODES}
+
+
+# (head_dim, num_heads, num_kv_heads): GQA groups 1, 4 (Llama 8B), 3 and 7 (runtime groups under
+# a larger compile-time bound), 8, and 64 (over the decode path's bound: tile path only).
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads",
-                         [(64, 8, 8), (64, 8, 2), (128, 16, 2), (128, 32, 4), (128, 64, 1)])
-@pytest.mark.parametrize("tokens", [1, 19, 99])
-@pytest.mark.parametrize("splits", [1, 3])
+                         [(64, 8, 8), (64, 8, 2), (64, 12, 4), (128, 32, 8), (128, 28, 4),
+                          (128, 16, 2), (128, 32, 4), (128, 64, 1)])
+@pytest.mark.parametrize("batch", [1, 19, 99, "decode"])
+@pytest.mark.parametrize("splits", [1, 3, 64])
 @pytest.mark.parametrize("small", [False, True])
-def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, tokens, splits, small):
+# decode tokens: all on the flash-decoding path, none, or split by context length in one launch
+@pytest.mark.parametrize("decode_min_keys", [0, 500, 2 ** 31 - 1])
+def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, small,
+                         decode_min_keys):
+    """Mixed batches and decode batches against float64; every output row written, nothing
+    past num_tokens written, no unreadable cache slot read (NaN there), the tile counters back
+    at zero after each launch, and a second launch bit-identical (fixed merge order)."""
     k = kernels(cf, head_dim)
     if small and num_heads // num_kv_heads > k.attention_small_rows:
         pytest.skip("GQA group larger than the small variant's rows")
+    seqs = ATTENTION_BATCHES[batch]
+    tokens = sum(n for _, n in seqs)
     rng = np.random.default_rng(head_dim * num_heads + tokens)
     D, bs = head_dim, 16
-    pb = PagedBatch(MIXED[tokens], bs, rng)
+    pb = PagedBatch(seqs, bs, rng)
     q = rb(rng.standard_normal((BUCKET, num_heads, D)))
     kc = rb(rng.standard_normal((pb.num_blocks, bs, num_kv_heads, D)))
     vc = rb(rng.standard_normal((pb.num_blocks, bs, num_kv_heads, D)))
@@ -344,27 +434,40 @@ def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, tokens, 
             readable[pb.slot(s, p)] = True
     kc_bits[~readable] = POISON_BF16
     vc_bits[~readable] = POISON_BF16
+    # Batch arrays at the bucket's capacity, as the engine allocates them; the rows past
+    # num_tokens hold stale values (the last token's sequence: it must still count as alone).
+    pad = BUCKET - tokens
     d = {name: dev(cf, arr) for name, arr in dict(
-        positions=pb.positions, token_seq=pb.token_seq, tables=pb.tables,
-        q=float32_to_bf16_bits(q), kc=kc_bits, vc=vc_bits).items()}
+        positions=np.concatenate([pb.positions, np.full(pad, 7, np.int32)]),
+        token_seq=np.concatenate([pb.token_seq, np.full(pad, pb.token_seq[-1], np.int32)]),
+        tables=pb.tables, q=float32_to_bf16_bits(q), kc=kc_bits, vc=vc_bits).items()}
     out = dev(cf, np.zeros((BUCKET, num_heads, D), np.uint16), poison=True)
     # Splits: workspaces poisoned too (a split with no key must not be read).
     part_out = dev(cf, np.zeros((BUCKET, num_heads, splits, D), np.float32), poison=True)
     part_stats = dev(cf, np.zeros((BUCKET, num_heads, splits, 2), np.float32), poison=True)
-    k.attention(stream, BUCKET, desc(cf, tokens, len(pb.seqs)).ptr, d["positions"].ptr,
-                d["token_seq"].ptr, d["tables"].ptr, pb.max_blocks, d["q"].ptr, d["kc"].ptr,
-                d["vc"].ptr, bs, num_heads, num_kv_heads, D ** -0.5, out.ptr, splits,
-                part_out.ptr, part_stats.ptr, small=small)
-    cf.synchronize(stream)
+    sems = dev(cf, np.zeros((BUCKET, num_kv_heads), np.uint32))
+
+    def launch():
+        out.fill_bytes(0xFF)
+        k.attention(stream, BUCKET, desc(cf, tokens, len(pb.seqs)).ptr, d["positions"].ptr,
+                    d["token_seq"].ptr, d["tables"].ptr, pb.max_blocks, d["q"].ptr, d["kc"].ptr,
+                    d["vc"].ptr, bs, num_heads, num_kv_heads, D ** -0.5, out.ptr, splits,
+                    part_out.ptr, part_stats.ptr, sems.ptr, small=small,
+                    decode_min_keys=decode_min_keys)
+        cf.synchronize(stream)
+        assert (sems.download() == 0).all(), "a tile counter was left non-zero"
+        return out.download()
+
+    got = launch()
     ref = _ref_attention(q[:tokens].astype(np.float64), kc.astype(np.float64),
                          vc.astype(np.float64), pb, num_heads, num_kv_heads)
-    got = out.download()
     err = rel_err(bf16_to_f32(got[:tokens]), ref)
-    REPORT["errors"][f"attention D={D} heads={num_heads}/{num_kv_heads} T={tokens} "
-                     f"splits={splits} small={small}"] = err
+    REPORT["errors"][f"attention D={D} heads={num_heads}/{num_kv_heads} batch={batch} "
+                     f"splits={splits} small={small} decode_min_keys={decode_min_keys}"] = err
     assert np.isfinite(bf16_to_f32(got[:tokens])).all()
     assert err < 1e-2
     assert (got[tokens:] == POISON_BF16).all()
+    np.testing.assert_array_equal(launch(), got)
 
 
 # --- sampling --------------------------------------------------------------------------------
@@ -747,18 +850,16 @@ def test_kernel_timings(cf, stream, models):
     vc = dev(cf, float32_to_bf16_bits(rng.standard_normal((blocks, bs, nkv, D)) * 0.5))
     q = dev(cf, float32_to_bf16_bits(rng.standard_normal((512, nh, D))))
     out = dev(cf, np.zeros((512, nh, D), np.uint16))
-    part_out = dev(cf, np.zeros(512 * nh * 16 * D, np.float32))
-    part_stats = dev(cf, np.zeros(512 * nh * 16 * 2, np.float32))
+    part_out = dev(cf, np.zeros(512 * nh * 64 * D, np.float32))
+    part_stats = dev(cf, np.zeros(512 * nh * 64 * 2, np.float32))
+    sems = dev(cf, np.zeros(512 * nkv, np.uint32))
     for label, seqs, rows, splits, small in (
-            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 1, False),
-            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 16, False),
-            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 16, True),
-            ("decode b32 ctx1024", [(ctx - 1, 1)] * 32, 32, 1, False),
+            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 1, True),
+            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 64, True),
             ("decode b32 ctx1024", [(ctx - 1, 1)] * 32, 32, 1, True),
-            ("decode b32 ctx1024", [(ctx - 1, 1)] * 32, 32, 5, True),
-            ("decode b64 ctx1024", [(ctx - 1, 1)] * 64, 64, 1, False),
+            ("decode b32 ctx1024", [(ctx - 1, 1)] * 32, 32, 3, True),
             ("decode b64 ctx1024", [(ctx - 1, 1)] * 64, 64, 1, True),
-            ("decode b64 ctx1024", [(ctx - 1, 1)] * 64, 64, 3, True),
+            ("decode b64 ctx1024", [(ctx - 1, 1)] * 64, 64, 2, True),
             ("prefill 64 after 960", [(960, 64)], 64, 3, True),
             ("prefill 64 after 960", [(960, 64)], 64, 1, False),
             ("prefill 512 from 0", [(0, 512)], 512, 1, False),
@@ -772,7 +873,7 @@ def test_kernel_timings(cf, stream, models):
             cf, stream, lambda: k.attention(
                 stream, rows, dd.ptr, d[0].ptr, d[1].ptr, d[2].ptr, pb.max_blocks, q.ptr, kc.ptr,
                 vc.ptr, bs, nh, nkv, D ** -0.5, out.ptr, splits, part_out.ptr, part_stats.ptr,
-                small=small))
+                sems.ptr, small=small))
     vocab, rows = 128256, 64
     logits = dev(cf, (rng.standard_normal((rows, vocab)) * 3).astype(np.float32))
     for label, (temp, top_p, top_k) in (("greedy", (0.0, 1.0, 0)), ("T=1", (1.0, 1.0, 0)),

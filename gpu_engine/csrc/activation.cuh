@@ -5,19 +5,21 @@
 
 namespace blink {
 
-// One CTA per token row t < num_tokens: out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i], fp32
-// math. gate_up: [bucket, 2 inter] bf16; out: [bucket, inter] bf16; inter % 8 == 0.
+// One CTA per token row t < num_tokens: out[t, i] = silu(gate[i]) * up[i], fp32 math, with the
+// fused projection's features interleaved in 16-wide groups (gpu_engine/cuda_forward.py
+// interleave_gate_up): gate[i] at gate_up[t, 32 (i / 16) + i % 16], up[i] 16 further on.
+// gate_up: [bucket, 2 inter] bf16; out: [bucket, inter] bf16; inter % 16 == 0.
 __device__ __forceinline__ void SiluMulCta(const BatchDesc* desc, const bf16* gate_up, bf16* out,
                                            int inter) {
   const int t = blockIdx.x;
   if (t >= desc->num_tokens) return;
-  const bf16* gate = gate_up + static_cast<size_t>(t) * 2 * inter;
-  const bf16* up = gate + inter;
+  const bf16* row = gate_up + static_cast<size_t>(t) * 2 * inter;
   bf16* dst = out + static_cast<size_t>(t) * inter;
   for (int i = threadIdx.x * 8; i < inter; i += blockDim.x * 8) {
+    const bf16* gate = row + 2 * (i - i % 16) + i % 16;
     float g[8], u[8];
-    LoadBf16x8(gate + i, g);
-    LoadBf16x8(up + i, u);
+    LoadBf16x8(gate, g);
+    LoadBf16x8(gate + 16, u);
 #pragma unroll
     for (int k = 0; k < 8; ++k) g[k] = g[k] / (1.f + expf(-g[k])) * u[k];  // exp overflow -> -0
     StoreBf16x8(dst + i, g);

@@ -11,12 +11,20 @@
 // row (exp2 with log2(e) folded into the scale). Each query attends to cache positions 0..its own
 // position, all of which the RoPE/KV-write kernel wrote earlier in the same graph.
 //
-// Split keys (flash-decoding) for small buckets, where (tiles x kv heads) alone would leave most
-// SMs idle: grid.z = num_splits CTAs share one tile, split z taking a kAttnKeys-aligned slice of
-// its keys and writing its unnormalized output and (max, sum) per row to a workspace, which
-// AttentionCombineCta merges. num_splits == 1 writes the normalized output directly.
+// Decode tokens (a sequence with a single token in the batch) take a separate path in the same
+// kernel, DecodeAttentionCta: no query tile to fill, so CUDA cores instead of tensor cores, one
+// pass of each key and value row from the cache for all query heads of the KV head's group, and
+// many CTAs per sequence (flash-decoding): grid.z splits the keys into ranges of whole 64-key
+// tiles.
+//
+// Split keys, both paths: the CTAs of a tile write their unnormalized output and (max, sum) per
+// row to a workspace, and the last of them to finish (a counter per tile and KV head, reset by
+// that CTA) merges them into `out` (CombineTileCta). A tile whose keys fit one split writes `out`
+// directly. No separate combine kernel: one kernel boundary fewer per layer.
 #pragma once
 #include <mma.h>
+
+#include <type_traits>
 
 #include "batch.cuh"
 #include "utils.cuh"
@@ -30,6 +38,10 @@ static constexpr int kAttnRowsSmall = 16;
 static constexpr int kAttnKeys = 64;     // keys per shared-memory tile
 static constexpr int kAttnThreads = 128;
 static constexpr int kAttnWarps = kAttnThreads / kWarpSize;
+// CTAs per SM the kernel's registers must allow (a register cap of 168 per thread at 3; head
+// dims above 128 need more than that without spilling)
+template <int kHeadDim>
+static constexpr int kAttnMinCtas = kHeadDim > 128 ? 2 : 3;
 
 // Shared-memory layout, rows padded against bank conflicts; every region and every 16x16 WMMA
 // tile pointer stays 32-byte aligned (WMMA needs 256-bit aligned pointers).
@@ -55,19 +67,86 @@ struct AttentionSmem {
                 "WMMA regions must be 32-byte aligned");
 };
 
+// Merges the split partials of one tile: `m` tokens from t0, the `group` query heads of
+// kv_head. out = sum_z 2^(m_z - M) O_z / sum_z 2^(m_z - M) l_z with M = max_z m_z over the
+// tile's active splits; a split that saw no unmasked key of a row (m_z = -inf) weighs nothing
+// and its partial output is not read. Other CTAs wrote the partials: read through L2 (ld.cg).
+template <int kHeadDim>
+__device__ __forceinline__ void CombineTileCta(int t0, int m, int kv_head, int group,
+                                               int num_heads, int num_splits, int active_splits,
+                                               const float* partial_out,
+                                               const float* partial_stats, bf16* out) {
+  constexpr int kPerLane = (kHeadDim + kWarpSize - 1) / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  for (int r = warp; r < m * group; r += num_warps) {
+    const size_t head = static_cast<size_t>(t0 + r / group) * num_heads + kv_head * group +
+                        r % group;
+    const float* stats = partial_stats + head * num_splits * 2;
+    float max_all = -INFINITY;
+    for (int z = 0; z < active_splits; ++z) max_all = fmaxf(max_all, __ldcg(stats + 2 * z));
+    float acc[kPerLane] = {};
+    float total = 0.f;
+    for (int z = 0; z < active_splits; ++z) {
+      const float mz = __ldcg(stats + 2 * z);
+      if (mz == -INFINITY) continue;
+      const float w = exp2f(mz - max_all);
+      total += w * __ldcg(stats + 2 * z + 1);
+      const float* o = partial_out + (head * num_splits + z) * kHeadDim;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + kWarpSize * i;
+        if (c < kHeadDim) acc[i] += w * __ldcg(o + c);
+      }
+    }
+    const float inv_total = 1.f / total;
+    bf16* dst = out + head * kHeadDim;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int c = lane + kWarpSize * i;
+      if (c < kHeadDim) dst[c] = __float2bfloat16(acc[i] * inv_total);
+    }
+  }
+}
+
+// Called by every CTA of a split tile once its partials are written (all threads): the last of
+// the tile's active_splits CTAs to arrive merges them and resets the tile's counter for the
+// next launch (threadFenceReduction pattern: fence, count, and the last one reads).
+template <int kHeadDim>
+__device__ __forceinline__ void FinishSplitCta(int t0, int m, int kv_head, int group,
+                                               int num_heads, int num_kv_heads, int num_splits,
+                                               int active_splits, const float* partial_out,
+                                               const float* partial_stats, uint32_t* tile_sems,
+                                               bf16* out) {
+  __shared__ int s_last;
+  __threadfence();  // this thread's partials are visible device-wide before the count moves
+  __syncthreads();
+  uint32_t* sem = tile_sems + static_cast<size_t>(t0) * num_kv_heads + kv_head;
+  if (threadIdx.x == 0) {
+    s_last = atomicAdd(sem, 1u) == static_cast<uint32_t>(active_splits - 1);
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  CombineTileCta<kHeadDim>(t0, m, kv_head, group, num_heads, num_splits, active_splits,
+                           partial_out, partial_stats, out);
+  if (threadIdx.x == 0) *sem = 0;
+}
+
 // q: [bucket, num_heads, D] bf16 (after RoPE); k_cache, v_cache: this layer's
 // [num_blocks, block_size, num_kv_heads, D] bf16; out: [bucket, num_heads, D] bf16.
 // Needs AttentionSmem<D, kRows>::kBytes of dynamic shared memory and kAttnThreads threads;
 // num_heads / num_kv_heads <= kRows (checked by the host). The next key tile is fetched into
-// registers while the current one is computed on. With num_splits > 1:
-// partial_out: [bucket, num_heads, num_splits, D] f32, partial_stats: [.., num_splits, 2] f32
-// (running max in log2 units, sum), combined into `out` by AttentionCombineCta.
+// registers while the current one is computed on. When a tile's keys span more than one split
+// (grid.z = num_splits > 1): partial_out: [bucket, num_heads, num_splits, D] f32,
+// partial_stats: [.., num_splits, 2] f32 (running max in log2 units, sum), merged into `out` by
+// the tile's last CTA (FinishSplitCta; tile_sems: [bucket, num_kv_heads] u32, zero at rest).
 template <int kHeadDim, int kRows>
 __device__ __forceinline__ void PagedAttentionCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
     const bf16* v_cache, int block_size, int num_heads, int num_kv_heads, float scale, bf16* out,
-    int num_splits, float* partial_out, float* partial_stats) {
+    int num_splits, float* partial_out, float* partial_stats, uint32_t* tile_sems) {
   namespace wmma = nvcuda::wmma;
   using L = AttentionSmem<kHeadDim, kRows>;
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per head vector
@@ -94,7 +173,9 @@ __device__ __forceinline__ void PagedAttentionCta(
   const int split = blockIdx.z;
   const int span = (num_keys + num_splits - 1) / num_splits;
   const int split_keys = (span + kAttnKeys - 1) / kAttnKeys * kAttnKeys;
-  const int key_begin = min(split * split_keys, num_keys);
+  const int active_splits = (num_keys + split_keys - 1) / split_keys;
+  if (split >= active_splits) return;  // uniform over the CTA
+  const int key_begin = split * split_keys;
   const int key_end = min(key_begin + split_keys, num_keys);
   const int32_t* table = block_tables + static_cast<size_t>(seq) * max_blocks_per_seq;
 
@@ -235,11 +316,11 @@ __device__ __forceinline__ void PagedAttentionCta(
     __syncthreads();
   }
 
-  __syncthreads();  // s_max/s_sum/s_o complete even when this split had no key tile
+  __syncthreads();  // s_max/s_sum/s_o complete
   for (int r = warp; r < rows; r += kAttnWarps) {
     const size_t head = static_cast<size_t>(t0 + r / group) * num_heads + kv_head * group +
                         r % group;
-    if (num_splits == 1) {
+    if (active_splits == 1) {
       const float inv_sum = 1.f / s_sum[r];
       bf16* dst = out + head * kHeadDim;
       for (int c = lane; c < kHeadDim; c += kWarpSize) {
@@ -255,46 +336,461 @@ __device__ __forceinline__ void PagedAttentionCta(
       }
     }
   }
+  if (active_splits > 1) {
+    FinishSplitCta<kHeadDim>(t0, m, kv_head, group, num_heads, num_kv_heads, num_splits,
+                             active_splits, partial_out, partial_stats, tile_sems, out);
+  }
 }
 
-// Merges the splits of PagedAttentionCta: one CTA per token row t < num_tokens, warps over its
-// heads. out = sum_z 2^(m_z - M) O_z / sum_z 2^(m_z - M) l_z with M = max_z m_z; splits that saw
-// no unmasked key (m_z = -inf) weigh nothing and their partial output is not read.
+// --- decode tokens -------------------------------------------------------------------------
+
+static constexpr int kDecodeMaxGroup = 8;    // larger GQA groups take the tile path
+static constexpr int kDecodeMaxSplits = 64;  // the host's attention_splits() stays within it
+
+// The decode path splits a head vector over lanes in 16-byte pieces: head dims whose piece count
+// divides the warp (16, 32, 64, 128, 256); others take the tile path for every token.
 template <int kHeadDim>
-__device__ __forceinline__ void AttentionCombineCta(const BatchDesc* desc, int num_heads,
-                                                    int num_splits, const float* partial_out,
-                                                    const float* partial_stats, bf16* out) {
-  const int t = blockIdx.x;
-  if (t >= desc->num_tokens) return;
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int num_warps = blockDim.x / kWarpSize;
-  for (int h = warp; h < num_heads; h += num_warps) {
-    const size_t head = static_cast<size_t>(t) * num_heads + h;
-    const float* stats = partial_stats + head * num_splits * 2;
-    float max_all = -INFINITY;
-    for (int z = 0; z < num_splits; ++z) max_all = fmaxf(max_all, stats[2 * z]);
-    float acc[(kHeadDim + kWarpSize - 1) / kWarpSize] = {};
-    float total = 0.f;
-    for (int z = 0; z < num_splits; ++z) {
-      const float m = stats[2 * z];
-      if (m == -INFINITY) continue;
-      const float w = exp2f(m - max_all);
-      total += w * stats[2 * z + 1];
-      const float* o = partial_out + (head * num_splits + z) * kHeadDim;
+__host__ __device__ constexpr bool DecodePathFits() {
+  return kHeadDim % 8 == 0 && kHeadDim / 8 <= kWarpSize && kWarpSize % (kHeadDim / 8) == 0;
+}
+
+// 16 bytes global -> shared without passing through registers (cp.async, cached in L2 only);
+// `valid` false writes zeros and reads nothing.
+__device__ __forceinline__ void CopyAsync16(void* smem_dst, const void* src, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void CopyAsyncCommit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void CopyAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(kPending) : "memory");
+}
+
+__host__ __device__ constexpr size_t MaxBytes(size_t a, size_t b) { return a > b ? a : b; }
+
+// Sums kValues partial values (one per query head) over the kLanes consecutive lanes that share
+// a key, with kValues - 1 + log2(kLanes / kValues) shuffles instead of kValues * log2(kLanes):
+// while more than one value is left, each exchange hands the partner the half it keeps and keeps
+// the other half. Afterwards a lane holds kKept sums, of heads *first_head .. + kKept - 1; the
+// lanes of a key hold each head's sum several times when kLanes > kValues, and `*writer` marks
+// one lane per head. v: [kValues], results in v[0 .. kKept).
+template <int kValues, int kLanes>
+struct TransposedLaneSum {
+  static constexpr int kKept = kValues > kLanes ? kValues / kLanes : 1;
+
+  __device__ __forceinline__ static void Run(float (&v)[kValues], int lane, int* first_head,
+                                             bool* writer) {
+    int head = 0;
+    bool lead = true;
+    int count = kValues;  // constant in each unrolled step
 #pragma unroll
-      for (int i = 0; i < (kHeadDim + kWarpSize - 1) / kWarpSize; ++i) {
-        const int c = lane + kWarpSize * i;
-        if (c < kHeadDim) acc[i] += w * o[c];
+    for (int o = kLanes / 2; o >= 1; o >>= 1) {
+      const bool upper = (lane & o) != 0;
+      if (count > 1) {
+        const int half = count / 2;
+#pragma unroll
+        for (int i = 0; i < kValues / 2; ++i) {
+          if (i < half) {
+            const float keep = upper ? v[i + half] : v[i];
+            const float give = upper ? v[i] : v[i + half];
+            v[i] = keep + __shfl_xor_sync(kFullMask, give, o);
+          }
+        }
+        head += upper ? half : 0;
+        count = half;
+      } else {
+        v[0] += __shfl_xor_sync(kFullMask, v[0], o);
+        lead = lead && !upper;
       }
     }
+    *first_head = head;
+    *writer = lead;
+  }
+};
+
+// Thread roles of DecodeAttentionCta: kLanesPerKey threads share one key (16 bytes of it each),
+// kKeysPerPass keys per pass of the CTA, kUnroll passes per key tile. A tile's keys and values
+// are staged in shared memory by cp.async, kStages tiles deep, each thread copying and reading
+// only its own 16-byte pieces (so only the scores need barriers). Regions in bytes; after the
+// tile loop the staging area is reused for the cross-warp sums and the split merge.
+template <int kHeadDim, int kGroup>
+struct DecodeLayout {
+  static constexpr int kLanesPerKey = kHeadDim / 8;
+  static_assert(kLanesPerKey <= kWarpSize && kWarpSize % kLanesPerKey == 0, "keys within warps");
+  static constexpr int kKeysPerPass = kAttnThreads / kLanesPerKey;
+  // 4 passes (2 for groups of 8, whose accumulators take twice the registers) within the
+  // register cap of kAttnMinCtas CTAs per SM
+  static constexpr int kMaxUnroll = kGroup >= 8 ? 2 : 4;
+  static constexpr int kUnroll = 64 / kKeysPerPass < 1 ? 1 : (64 / kKeysPerPass > kMaxUnroll
+                                                                ? kMaxUnroll : 64 / kKeysPerPass);
+  static constexpr int kTileKeys = kKeysPerPass * kUnroll;  // <= 64: two per lane in softmax
+  // 4 stages: 3 tiles in flight while one is computed on. 2 left the loads of 3 CTAs per SM
+  // too few to cover the memory latency under load (measured: 8B shape, batch 32, 55 us/layer
+  // for 64 MB, 1.2 TB/s).
+  static constexpr int kStages = 4;
+  static constexpr size_t kStageBytes = sizeof(bf16) * 2 * kTileKeys * kHeadDim;  // K then V
+  // The staging area, reused after the tile loop for the cross-warp sums
+  // (f32 [kAttnWarps][kGroup][kHeadDim]) and then for the split merge (f32 [2][kGroup][splits]).
+  static constexpr size_t kReduceBytes = sizeof(float) * kAttnWarps * kGroup * kHeadDim;
+  static constexpr size_t kMergeBytes = sizeof(float) * 2 * kGroup * kDecodeMaxSplits;
+  static constexpr size_t kReusedBytes =
+      MaxBytes(MaxBytes(kStages * kStageBytes, kReduceBytes), kMergeBytes);
+  static constexpr size_t kStaging = 0, kReduce = 0, kMergeWeights = 0;
+  static constexpr size_t kScores = kReusedBytes;  // f32 [2][kGroup][kTileKeys]
+  static constexpr size_t kMax = kScores + sizeof(float) * 2 * kGroup * kTileKeys;
+  static constexpr size_t kSum = kMax + sizeof(float) * kGroup;
+  static constexpr size_t kAlpha = kSum + sizeof(float) * kGroup;
+  static constexpr size_t kBytes = kAlpha + sizeof(float) * kGroup;
+};
+
+// The last CTA of a decode token's splits merges them, all threads at once (this runs on the
+// critical path of every decode step): the splits' (max, sum) become normalized weights
+// w_z = 2^(m_z - M) / sum_z' 2^(m_z' - M) l_z' in shared memory, then every output element is
+// a weighted sum of independent L2 reads. Every split of a decode token saw a live key, so each
+// m_z is finite. s_weight, s_max: [kGroup][kDecodeMaxSplits] f32 each.
+template <int kHeadDim>
+__device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int group,
+                                                     int num_heads, int num_splits,
+                                                     int active_splits, const float* partial_out,
+                                                     const float* partial_stats, bf16* out,
+                                                     float* s_weight, float* s_max) {
+  const size_t head0 = static_cast<size_t>(t) * num_heads + kv_head * group;
+  for (int i = threadIdx.x; i < group * active_splits; i += blockDim.x) {
+    const int g = i / active_splits, z = i % active_splits;
+    const float* stat = partial_stats + 2 * ((head0 + g) * num_splits + z);
+    s_max[g * kDecodeMaxSplits + z] = __ldcg(stat);
+    s_weight[g * kDecodeMaxSplits + z] = __ldcg(stat + 1);  // l_z until turned into w_z
+  }
+  __syncthreads();
+  if (threadIdx.x < group) {
+    float* m = s_max + threadIdx.x * kDecodeMaxSplits;
+    float* w = s_weight + threadIdx.x * kDecodeMaxSplits;
+    float max_all = -INFINITY;
+    for (int z = 0; z < active_splits; ++z) max_all = fmaxf(max_all, m[z]);
+    float total = 0.f;
+    for (int z = 0; z < active_splits; ++z) {
+      const float scale = exp2f(m[z] - max_all);
+      total += scale * w[z];
+      w[z] = scale;
+    }
     const float inv_total = 1.f / total;
-    bf16* dst = out + head * kHeadDim;
+    for (int z = 0; z < active_splits; ++z) w[z] *= inv_total;
+  }
+  __syncthreads();
+  // 4 consecutive dims per thread (16-byte loads), 16 splits' loads in flight at a time
+  for (int e = 4 * threadIdx.x; e < group * kHeadDim; e += 4 * blockDim.x) {
+    const int g = e / kHeadDim, d = e % kHeadDim;
+    const float4* o = reinterpret_cast<const float4*>(
+        partial_out + (head0 + g) * num_splits * kHeadDim + d);
+    const float* w = s_weight + g * kDecodeMaxSplits;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
+    for (int z = 0; z < active_splits; ++z) {
+      const float4 v = __ldcg(o + z * (kHeadDim / 4));
+      acc.x += w[z] * v.x;
+      acc.y += w[z] * v.y;
+      acc.z += w[z] * v.z;
+      acc.w += w[z] * v.w;
+    }
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (head0 + g) * kHeadDim + d);
+    dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
+    dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
+  }
+}
+
+// One query token t that is alone in its sequence this step (a decode token), one KV head, one
+// split of its keys: keys [0, positions[t]] in tiles of kTileKeys, tiles dealt to the
+// num_splits CTAs (grid.z) in contiguous ranges. Scores in fp32 with the online softmax per
+// tile; P V on CUDA cores in fp32. The next tile's keys and values are in flight (cp.async)
+// while this one is computed, and its block-table entries one tile further ahead. group <=
+// kGroup <= kDecodeMaxGroup. Workspaces as in PagedAttentionCta; shared memory:
+// DecodeLayout<kHeadDim, kGroup>::kBytes of the dynamic buffer.
+template <int kHeadDim, int kGroup>
+__device__ __forceinline__ void DecodeAttentionCta(
+    int t, int seq, int position, const int32_t* block_tables, int max_blocks_per_seq,
+    const bf16* q, const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,
+    int num_kv_heads, float scale, bf16* out, int num_splits, float* partial_out,
+    float* partial_stats, uint32_t* tile_sems) {
+  using L = DecodeLayout<kHeadDim, kGroup>;
+  constexpr int kLanes = L::kLanesPerKey, kPass = L::kKeysPerPass, kUnroll = L::kUnroll;
+  constexpr int kTile = L::kTileKeys;
+  const int kv_head = blockIdx.y, split = blockIdx.z;
+  const int group = num_heads / num_kv_heads;
+  const int num_keys = position + 1;
+  const int tiles = (num_keys + kTile - 1) / kTile;
+  const int tiles_per_split = (tiles + num_splits - 1) / num_splits;
+  const int active_splits = (tiles + tiles_per_split - 1) / tiles_per_split;
+  if (split >= active_splits) return;
+  const int key_begin = split * tiles_per_split * kTile;
+  const int key_end = min(key_begin + tiles_per_split * kTile, num_keys);
+  const int my_tiles = (key_end - key_begin + kTile - 1) / kTile;
+  const int32_t* table = block_tables + static_cast<size_t>(seq) * max_blocks_per_seq;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* s_staging = reinterpret_cast<bf16*>(smem + L::kStaging);
+  float* s_scores = reinterpret_cast<float*>(smem + L::kScores);
+  float* s_max = reinterpret_cast<float*>(smem + L::kMax);
+  float* s_sum = reinterpret_cast<float*>(smem + L::kSum);
+  float* s_alpha = reinterpret_cast<float*>(smem + L::kAlpha);
+
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int key_lane = tid / kLanes, col = (tid % kLanes) * 8;
+
+  // Key -> (block, row): shifts for the usual power-of-two block sizes, a division otherwise.
+  const bool pow2_blocks = (block_size & (block_size - 1)) == 0;
+  const int block_shift = __ffs(block_size) - 1;
+  auto block_index = [&](int key) { return pow2_blocks ? key >> block_shift : key / block_size; };
+  auto block_row = [&](int key) { return pow2_blocks ? key & (block_size - 1) : key % block_size; };
+  // Block ids of this thread's keys in tile i of the split (-1 past the end).
+  auto fetch_blocks = [&](int i, int (&blocks)[kUnroll]) {
 #pragma unroll
-    for (int i = 0; i < (kHeadDim + kWarpSize - 1) / kWarpSize; ++i) {
-      const int c = lane + kWarpSize * i;
-      if (c < kHeadDim) dst[c] = __float2bfloat16(acc[i] * inv_total);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int key = key_begin + i * kTile + key_lane + u * kPass;
+      blocks[u] = i < my_tiles && key < key_end ? table[block_index(key)] : -1;
+    }
+  };
+  // This thread's 16-byte pieces of tile i's keys and values into stage i % kStages, as one
+  // commit group (empty past the last tile, so that groups and tiles stay in step).
+  auto stage = [&](int i, const int (&blocks)[kUnroll]) {
+    bf16* k_dst = s_staging + (i % L::kStages) * 2 * kTile * kHeadDim;
+    bf16* v_dst = k_dst + kTile * kHeadDim;
+    if (i < my_tiles) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = key_lane + u * kPass, key = key_begin + i * kTile + j;
+        const bool valid = blocks[u] >= 0;
+        const size_t off = valid ? ((static_cast<size_t>(blocks[u]) * block_size +
+                                     block_row(key)) * num_kv_heads + kv_head) * kHeadDim + col
+                                 : 0;
+        CopyAsync16(k_dst + j * kHeadDim + col, k_cache + off, valid);
+        CopyAsync16(v_dst + j * kHeadDim + col, v_cache + off, valid);
+      }
+    }
+    CopyAsyncCommit();
+  };
+
+  // Block ids of the first kStages - 1 tiles, all loads in flight at once.
+  int first_blocks[L::kStages - 1][kUnroll];
+#pragma unroll
+  for (int i = 0; i < L::kStages - 1; ++i) fetch_blocks(i, first_blocks[i]);
+  // this lane's 8 dims of each query head of the group, as floats (zeros past the group), and
+  // scale * log2(e) applied to each score
+  const float scale_log2 = scale * 1.4426950408889634f;
+  float qf[kGroup][8], acc[kGroup][8];
+#pragma unroll
+  for (int g = 0; g < kGroup; ++g) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qf[g][i] = acc[g][i] = 0.f;
+    if (g < group) {
+      LoadBf16x8(q + (static_cast<size_t>(t) * num_heads + kv_head * group + g) * kHeadDim + col,
+                 qf[g]);
     }
   }
+#pragma unroll
+  for (int i = 0; i < L::kStages - 1; ++i) stage(i, first_blocks[i]);
+  int blocks[kUnroll];  // of tile i + kStages - 1 during iteration i
+  fetch_blocks(L::kStages - 1, blocks);
+  if (tid < kGroup) {
+    s_max[tid] = -INFINITY;
+    s_sum[tid] = 0.f;
+  }
+
+  for (int i = 0; i < my_tiles; ++i) {
+    const int key0 = key_begin + i * kTile;
+    stage(i + L::kStages - 1, blocks);
+    fetch_blocks(i + L::kStages, blocks);
+    // tile i has landed (this thread's pieces, the only ones it reads): of the groups
+    // committed so far only the newest kStages - 1 (tiles i + 1 ..) may still be in flight
+    CopyAsyncWait<L::kStages - 1>();
+    const bf16* k_tile = s_staging + (i % L::kStages) * 2 * kTile * kHeadDim;
+    const bf16* v_tile = k_tile + kTile * kHeadDim;
+    float* scores = s_scores + (i % 2) * kGroup * kTile;  // [kGroup][kTile], double-buffered
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = key_lane + u * kPass;
+      float kf[8];
+      LoadBf16x8(k_tile + j * kHeadDim + col, kf);
+      float dots[kGroup];
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        dots[g] = 0.f;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) dots[g] = fmaf(qf[g][c], kf[c], dots[g]);
+      }
+      using Sum = TransposedLaneSum<kGroup, kLanes>;
+      int first_head;
+      bool writer;
+      Sum::Run(dots, lane, &first_head, &writer);
+      if (writer) {
+#pragma unroll
+        for (int h = 0; h < Sum::kKept; ++h) {
+          if (first_head + h < group) {
+            scores[(first_head + h) * kTile + j] =
+                key0 + j < key_end ? dots[h] * scale_log2 : -INFINITY;
+          }
+        }
+      }
+    }
+    __syncthreads();
+    // Online softmax, one warp per head: every tile holds at least one live key (key0 < key_end),
+    // so the new max is finite; masked keys give p = 0, and alpha = 0 on the first tile.
+    for (int g = warp; g < group; g += kAttnWarps) {
+      float* row = scores + g * kTile;
+      const float s0 = lane < kTile ? row[lane] : -INFINITY;
+      const float s1 = lane + kWarpSize < kTile ? row[lane + kWarpSize] : -INFINITY;
+      const float old_max = s_max[g];
+      const float new_max = fmaxf(old_max, WarpMax(fmaxf(s0, s1)));
+      const float p0 = exp2f(s0 - new_max), p1 = exp2f(s1 - new_max);
+      if (lane < kTile) row[lane] = p0;
+      if (lane + kWarpSize < kTile) row[lane + kWarpSize] = p1;
+      const float p_sum = WarpSum(p0 + p1);
+      if (lane == 0) {
+        const float alpha = exp2f(old_max - new_max);
+        s_max[g] = new_max;
+        s_sum[g] = s_sum[g] * alpha + p_sum;
+        s_alpha[g] = alpha;
+      }
+    }
+    __syncthreads();
+    // acc += P V over this lane's keys (masked keys: p = 0 times zero-filled values). The next
+    // tile writes the other score buffer, and s_alpha only after its first barrier.
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      if (g >= group) continue;
+      const float alpha = s_alpha[g];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[g][c] *= alpha;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = key_lane + u * kPass;
+      float vf[8];
+      LoadBf16x8(v_tile + j * kHeadDim + col, vf);
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        if (g >= group) continue;
+        const float p = scores[g * kTile + j];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[g][c] = fmaf(p, vf[c], acc[g][c]);
+      }
+    }
+  }
+
+  // Sum the key lanes: within the warp by shuffles, across warps in shared memory (the staging
+  // area: every copy has landed and been read once all threads pass the barrier).
+#pragma unroll
+  for (int g = 0; g < kGroup; ++g)
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+#pragma unroll
+      for (int o = kLanes; o < kWarpSize; o <<= 1)
+        acc[g][c] += __shfl_xor_sync(kFullMask, acc[g][c], o);
+  __syncthreads();
+  float* s_reduce = reinterpret_cast<float*>(smem + L::kReduce);  // [warp][kGroup][kHeadDim]
+  if (lane < kLanes) {
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) s_reduce[(warp * kGroup + g) * kHeadDim + col + c] = acc[g][c];
+  }
+  __syncthreads();
+  const size_t head0 = static_cast<size_t>(t) * num_heads + kv_head * group;
+  for (int e = tid; e < group * kHeadDim; e += kAttnThreads) {
+    const int g = e / kHeadDim, d = e % kHeadDim;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) v += s_reduce[(w * kGroup + g) * kHeadDim + d];
+    if (active_splits == 1) {
+      out[(head0 + g) * kHeadDim + d] = __float2bfloat16(v / s_sum[g]);
+    } else {
+      const size_t part = (head0 + g) * num_splits + split;
+      partial_out[part * kHeadDim + d] = v;
+      if (d == 0) {
+        partial_stats[2 * part] = s_max[g];
+        partial_stats[2 * part + 1] = s_sum[g];
+      }
+    }
+  }
+  if (active_splits == 1) return;
+  // The last of the token's splits to arrive merges them (threadFenceReduction pattern).
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  uint32_t* sem = tile_sems + static_cast<size_t>(t) * num_kv_heads + kv_head;
+  if (tid == 0) s_last = atomicAdd(sem, 1u) == static_cast<uint32_t>(active_splits - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  float* s_weight = reinterpret_cast<float*>(smem + L::kMergeWeights);
+  MergeDecodeSplitsCta<kHeadDim>(t, kv_head, group, num_heads, num_splits, active_splits,
+                                 partial_out, partial_stats, out, s_weight,
+                                 s_weight + kGroup * kDecodeMaxSplits);
+  if (tid == 0) *sem = 0;
+}
+
+// Dynamic shared memory of the attention kernel: the larger of its two paths' needs.
+template <int kHeadDim, int kRows>
+__host__ __device__ constexpr size_t AttentionKernelSmem() {
+  if constexpr (DecodePathFits<kHeadDim>()) {
+    // every group bound the dispatcher instantiates (their tiles differ, so any may be largest)
+    return MaxBytes(MaxBytes(AttentionSmem<kHeadDim, kRows>::kBytes,
+                             MaxBytes(DecodeLayout<kHeadDim, 1>::kBytes,
+                                      DecodeLayout<kHeadDim, 2>::kBytes)),
+                    MaxBytes(DecodeLayout<kHeadDim, 4>::kBytes, DecodeLayout<kHeadDim, 8>::kBytes));
+  } else {
+    return AttentionSmem<kHeadDim, kRows>::kBytes;
+  }
+}
+
+// The attention kernel's body: grid (bucket, num_kv_heads, num_splits), kAttnThreads threads,
+// AttentionKernelSmem<kHeadDim, kRows>() bytes of dynamic shared memory. A token alone in its
+// sequence this step that attends to at least decode_min_keys keys goes to DecodeAttentionCta
+// when its GQA group fits; every other token belongs to a query tile of PagedAttentionCta.
+// (Measured on the H200: the tensor-core tiles are faster up to ~2k keys, the pipelined
+// decode path beyond; gpu_engine/cuda_forward.py sets the threshold.)
+template <int kHeadDim, int kRows>
+__device__ __forceinline__ void AttentionCta(
+    const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
+    const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
+    const bf16* v_cache, int block_size, int num_heads, int num_kv_heads, float scale, bf16* out,
+    int num_splits, float* partial_out, float* partial_stats, uint32_t* tile_sems,
+    int decode_min_keys) {
+  // Everything the path choice needs, loaded at once (one memory latency, not a chain): rows
+  // up to the bucket exist, so t - 1 and t + 1 may be read before the bounds test.
+  const int t = blockIdx.x, bucket = gridDim.x;
+  const int num_tokens = desc->num_tokens;
+  const int seq = token_seq[t];
+  const int prev_seq = t > 0 ? token_seq[t - 1] : -1;
+  const int next_seq = t + 1 < bucket ? token_seq[t + 1] : -1;
+  const int position = positions[t];
+  if (t >= num_tokens) return;
+  if constexpr (DecodePathFits<kHeadDim>()) {
+    const bool alone = prev_seq != seq && (t + 1 == num_tokens || next_seq != seq);
+    const int group = num_heads / num_kv_heads;
+    // one dispatch point: the runtime group becomes the template bound kGroup >= group
+    auto decode = [&](auto bound) {
+      DecodeAttentionCta<kHeadDim, decltype(bound)::value>(
+          t, seq, position, block_tables, max_blocks_per_seq, q, k_cache, v_cache, block_size,
+          num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats,
+          tile_sems);
+    };
+    if (alone && group <= kDecodeMaxGroup && position + 1 >= decode_min_keys) {
+      // (the same bounds AttentionKernelSmem sizes shared memory for)
+      static_assert(kDecodeMaxGroup == 8, "bounds 1, 2, 4, 8");
+      if (group == 1) decode(std::integral_constant<int, 1>{});
+      else if (group == 2) decode(std::integral_constant<int, 2>{});
+      else if (group <= 4) decode(std::integral_constant<int, 4>{});
+      else decode(std::integral_constant<int, 8>{});
+      return;
+    }
+  }
+  PagedAttentionCta<kHeadDim, kRows>(desc, positions, token_seq, block_tables,
+                                     max_blocks_per_seq, q, k_cache, v_cache, block_size,
+                                     num_heads, num_kv_heads, scale, out, num_splits,
+                                     partial_out, partial_stats, tile_sems);
 }
 
 }  // namespace blink

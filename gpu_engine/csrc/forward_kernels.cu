@@ -7,6 +7,7 @@
 #include "attention.cuh"
 #include "batch.cuh"
 #include "embedding.cuh"
+#include "gemv.cuh"
 #include "norm.cuh"
 #include "rope.cuh"
 #include "sampling.cuh"
@@ -27,11 +28,12 @@ extern "C" __device__ const uint32_t blink_rope_threads = blink::kRopeThreads;
 extern "C" __device__ const uint32_t blink_attention_threads = blink::kAttnThreads;
 extern "C" __device__ const uint32_t blink_attention_rows = blink::kAttnRows;
 extern "C" __device__ const uint32_t blink_attention_smem_bytes =
-    blink::AttentionSmem<kHeadDim, blink::kAttnRows>::kBytes;
+    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRows>();
 extern "C" __device__ const uint32_t blink_attention_small_rows = blink::kAttnRowsSmall;
 extern "C" __device__ const uint32_t blink_attention_small_smem_bytes =
-    blink::AttentionSmem<kHeadDim, blink::kAttnRowsSmall>::kBytes;
+    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall>();
 extern "C" __device__ const uint32_t blink_sample_threads = blink::kSampleThreads;
+extern "C" __device__ const uint32_t blink_gemv_threads = blink::kGemvThreads;
 
 extern "C" {
 
@@ -58,36 +60,47 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
                                   num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks);
 }
 
-__global__ void __launch_bounds__(blink::kAttnThreads)
+__global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHeadDim>)
     blink_paged_attention(const BatchDesc* desc, const int32_t* positions,
                           const int32_t* token_seq, const int32_t* block_tables,
                           int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
                           const bf16* v_cache, int block_size, int num_heads, int num_kv_heads,
                           float scale, bf16* out, int num_splits, float* partial_out,
-                          float* partial_stats) {
-  blink::PagedAttentionCta<kHeadDim, blink::kAttnRows>(
+                          float* partial_stats, uint32_t* tile_sems, int decode_min_keys) {
+  blink::AttentionCta<kHeadDim, blink::kAttnRows>(
       desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,
-      block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats);
+      block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats,
+      tile_sems, decode_min_keys);
 }
 
-__global__ void __launch_bounds__(blink::kAttnThreads)
+__global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHeadDim>)
     blink_paged_attention_small(const BatchDesc* desc, const int32_t* positions,
                                 const int32_t* token_seq, const int32_t* block_tables,
                                 int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
                                 const bf16* v_cache, int block_size, int num_heads,
                                 int num_kv_heads, float scale, bf16* out, int num_splits,
-                                float* partial_out, float* partial_stats) {
-  blink::PagedAttentionCta<kHeadDim, blink::kAttnRowsSmall>(
+                                float* partial_out, float* partial_stats, uint32_t* tile_sems,
+                                int decode_min_keys) {
+  blink::AttentionCta<kHeadDim, blink::kAttnRowsSmall>(
       desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,
-      block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats);
+      block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats,
+      tile_sems, decode_min_keys);
 }
 
-__global__ void __launch_bounds__(128)
-    blink_attention_combine(const BatchDesc* desc, int num_heads, int num_splits,
-                            const float* partial_out, const float* partial_stats, bf16* out) {
-  blink::AttentionCombineCta<kHeadDim>(desc, num_heads, num_splits, partial_out, partial_stats,
-                                       out);
-}
+// Skinny linear layers (gemv.cuh), one entry per (row tiles, column tiles) shape.
+#define BLINK_SKINNY_LINEAR(A, C)                                                            \
+  __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
+      blink_skinny_linear_##A##x##C(const bf16* x, int ldx, int M, const bf16* w, int N,     \
+                                    int K, void* out, int ldo, int mode) {                   \
+    blink::SkinnyLinearCta<A, C>(x, ldx, M, w, N, K, out, ldo, mode);                        \
+  }
+BLINK_SKINNY_LINEAR(1, 1)
+BLINK_SKINNY_LINEAR(1, 2)
+BLINK_SKINNY_LINEAR(1, 4)
+BLINK_SKINNY_LINEAR(2, 1)
+BLINK_SKINNY_LINEAR(2, 2)
+BLINK_SKINNY_LINEAR(2, 4)
+#undef BLINK_SKINNY_LINEAR
 
 __global__ void __launch_bounds__(256)
     blink_silu_mul(const BatchDesc* desc, const bf16* gate_up, bf16* out, int inter) {

@@ -10,7 +10,10 @@ namespace blink {
 
 static constexpr int kRopeThreads = 128;
 
-// One CTA per token t < num_tokens; warps loop over its num_heads + 2 * num_kv_heads heads.
+// Grid (bucket, head groups): CTA (t, y) handles token t < num_tokens, and its warps take heads
+// y * warps + warp, stepping by gridDim.y * warps, over the num_heads + 2 * num_kv_heads heads
+// (one head per warp when gridDim.y = ceil(heads / warps): a decode step's few tokens then
+// spread over many SMs instead of one CTA each).
 // qkv: [bucket, (num_heads + 2 num_kv_heads) * D] bf16 (the fused projection's output, q|k|v);
 // qkv_bias: same width or null; q_norm, k_norm: [D] or null (both or neither);
 // inv_freq: [D/2] f32; q_out: [bucket, num_heads, D] bf16;
@@ -53,7 +56,7 @@ __device__ __forceinline__ void RopeKvWriteCta(
   const int total_heads = num_heads + 2 * num_kv_heads;
   const bf16* row = qkv + static_cast<size_t>(t) * total_heads * kHeadDim;
 
-  for (int h = warp; h < total_heads; h += num_warps) {
+  for (int h = blockIdx.y * num_warps + warp; h < total_heads; h += gridDim.y * num_warps) {
     const int base = h * kHeadDim;
     float lo[kPairs], hi[kPairs];
 #pragma unroll
