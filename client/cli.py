@@ -41,6 +41,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights generated on the GPU in the checkpoint's shapes, "
+                        "for benchmarks (cuda engine only; the folder needs no weight files)")
 
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +66,7 @@ def _engine_config(args, model_dir: Path):
                         block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_batched_tokens,
-                        max_model_len=args.max_model_len)
+                        max_model_len=args.max_model_len, load_format=args.load_format)
 
 
 def _frontend_config(args, model_dir: Path):
@@ -96,6 +99,8 @@ def cmd_engine(args) -> None:
         if choose_engine(args.engine) == "cuda":
             from blink.gpu_engine.cuda_engine import run_cuda_engine
             run_cuda_engine(config, args.gpu_memory_utilization)
+        elif config.load_format == "dummy":
+            sys.exit("blink engine: --load-format dummy needs the cuda engine")
         else:
             from blink.gpu_engine.reference_engine import run_engine
             run_engine(config)
@@ -114,7 +119,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--block-size", str(args.block_size), "--kv-cache-mb", str(args.kv_cache_mb),
             "--max-num-seqs", str(args.max_num_seqs),
-            "--max-batched-tokens", str(args.max_batched_tokens)]
+            "--max-batched-tokens", str(args.max_batched_tokens),
+            "--load-format", args.load_format]
     if args.num_kv_blocks:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.max_model_len:

@@ -4,16 +4,7 @@
 # decode benchmark, prints a summary table last.
 #   deploy/gpu_check.sh [pytest args]        (wheels: .device/wheels/, see README)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/blink-gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 BLINK_CACHE_DIR=${BLINK_CACHE_DIR:-/tmp/blink-cache}
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .device/wheels/*.whl \
-  2>&1 | grep -v WARNING
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/blink . \
-  2>&1 | grep -v WARNING
-export PYTHONPATH=/tmp/blink:/tmp/site
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+source "$(dirname "$0")/gpu_env.sh"
 python3 -c "import cuda.bindings, grpc, google.protobuf as p; print('cuda-bindings', cuda.bindings.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__)"
 TESTS=${*:-tests}
 timeout "${BLINK_TEST_TIMEOUT:-420}" python3 -m pytest -q -rs -m gpu -s -p no:cacheprovider \
@@ -26,7 +17,8 @@ fi
 echo
 echo "| check | result |"
 echo "| --- | --- |"
-grep -hE "^(device loop|forward|engine|bench)" "$OUT/gpu_tests.log" "$OUT/bench.log" 2>/dev/null \
-  | sed -E 's/^([^:]*): (.*)$/| \1 | \2 |/'
+# (a printed line may follow pytest's progress dots)
+grep -hE "^\.*(device loop|forward|engine|bench)" "$OUT/gpu_tests.log" "$OUT/bench.log" 2>/dev/null \
+  | sed -E 's/^\.*([^:]*): (.*)$/| \1 | \2 |/'
 echo "| GPU tests | $(grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 1) |"
 exit "$status"

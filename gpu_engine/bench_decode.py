@@ -1,21 +1,38 @@
-"""Decode time per token of the CUDA forward pass on real model shapes, beside its floor.
+"""Decode step time of the CUDA forward pass on real model shapes, beside its floor, and where
+every microsecond of a step goes.
 
-    python -m blink.gpu_engine.bench_decode [--shapes llama-3.2-1b llama-3.1-8b] [--batches 1 32]
+    python -m blink.gpu_engine.bench_decode [--shapes llama-3.2-1b llama-3.1-8b]
+        [--points 1x512 32x512 1x8192 32x4096] [--breakdown 1x512 32x512] [--cublas]
 
 Weights are random bf16 generated on the GPU (no hub is reachable here); the cost of a decode
-step does not depend on their values. Each batch of B sequences at context length CONTEXT is
-decoded by replaying the bucket-B forward graph (the graph the scheduler kernel launches), timed
-with CUDA events, median of REPEATS runs of STEPS steps. The floor is the bytes of weights read
-once per step over the measured device-to-device copy bandwidth.
+step does not depend on their values. A point BxC decodes B sequences whose new token sits at
+position C - 1 (C keys each) by replaying the bucket-B forward graph, the graph the scheduler
+kernel launches, timed with CUDA events: the median of REPEATS runs of STEPS replays, after
+~0.3 s of replays so the SM clock has left idle. Floor: roofline.decode_step_bytes over the
+device-to-device copy rate measured in the same run.
+
+--breakdown BxC: the step's ops grouped by label (CudaForward.ops: the same label in every
+layer), each group captured alone in a graph of its launches across all layers and timed the
+same way; per step, per launch, and as achieved bandwidth for the ops whose bytes are known.
+The sum of the groups can exceed the whole step: alone, each group pays its own launch
+latencies, which inside the step overlap the previous kernel's tail.
+
+--cublas: every point also with the projections on cuBLAS (CudaForward(skinny=False)), the
+engine's state before the skinny linear kernel. --tile-attention / --decode-attention: also with
+every decode token in the tensor-core query tiles / on the flash-decoding path (the default
+switches between them at CudaForward.DECODE_MIN_KEYS keys).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from dataclasses import dataclass
 
 import numpy as np
 
 from blink.gpu_engine.checkpoint import ModelConfig
+from blink.gpu_engine.roofline import BF16_BYTES, decode_step_bytes, kv_bytes_per_token
 
 SHAPES = {
     "llama-3.2-1b": ModelConfig(
@@ -35,16 +52,28 @@ SHAPES = {
         max_position_embeddings=131072, tie_word_embeddings=False, attention_bias=False,
         o_proj_bias=False, qk_norm=False, bos_token_id=128000, eos_token_ids=(128001,)),
 }
-CONTEXT = 512
 STEPS = 50
 REPEATS = 5
+BLOCK = 16
 
 
-def weight_bytes(cfg: ModelConfig) -> int:
-    H, I, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
-    per_layer = H * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * H + 3 * H * I + 2 * H
-    embed = V * H * (1 if cfg.tie_word_embeddings else 2)
-    return 2 * (L * per_layer + embed + H)
+@dataclass(frozen=True)
+class Point:
+    batch: int
+    context: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Point":
+        try:
+            b, c = (int(v) for v in text.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected BATCHxCONTEXT, e.g. 32x512")
+        if b < 1 or c < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: batch and context must be >= 1")
+        return cls(b, c)
+
+    def __str__(self) -> str:
+        return f"batch {self.batch} context {self.context}"
 
 
 def copy_bandwidth() -> float:
@@ -62,51 +91,163 @@ def copy_bandwidth() -> float:
     return 2 * n / statistics.median(times)
 
 
-def bench_shape(cfg: ModelConfig, batches: list[int]) -> list[tuple[int, float]]:
+def median_seconds(stream, launch, steps: int = STEPS, repeats: int = REPEATS) -> float:
+    """Median over `repeats` of the event-timed seconds per launch() of `steps` back to back,
+    after enough launches to take ~0.3 s (the SM clock idles low until the GPU is busy)."""
     from blink.gpu_engine import cuda_runtime as cr
-    from blink.gpu_engine.cuda_forward import CudaForward
+    with cr.EventTimer(stream) as probe:
+        launch()
+    for _ in range(max(1, min(2000, int(0.3 / max(probe.seconds, 1e-6))))):
+        launch()
+    runs = []
+    for _ in range(repeats):
+        with cr.EventTimer(stream) as t:
+            for _ in range(steps):
+                launch()
+        runs.append(t.seconds / steps)
+    return statistics.median(runs)
+
+
+def decode_batch(point: Point, blocks_per_seq: int):
+    """point.batch sequences, each decoding its token at position point.context - 1."""
     from blink.gpu_engine.forward_batch import ForwardBatch
-    block = 16
-    blocks_per_seq = CONTEXT // block + 1
-    fwd = CudaForward.random_weights(cfg, seed=0, block_size=block,
-                                     max_num_batched_tokens=max(batches),
-                                     max_num_seqs=max(batches), max_model_len=CONTEXT + block,
-                                     num_blocks=max(batches) * blocks_per_seq)
+    b = point.batch
+    tables = np.arange(b * blocks_per_seq, dtype=np.int32).reshape(b, blocks_per_seq)
+    return ForwardBatch(np.full(b, 100, np.int32), np.full(b, point.context - 1, np.int32),
+                        np.arange(b + 1, dtype=np.int32), np.full(b, point.context, np.int32),
+                        tables, np.arange(b, dtype=np.int32))
+
+
+def make_forward(cfg: ModelConfig, points: list[Point], **options):
+    from blink.gpu_engine.cuda_forward import CudaForward
+    max_batch = max(p.batch for p in points)
+    blocks_per_seq = max(p.context for p in points) // BLOCK + 1
+    fwd = CudaForward.random_weights(cfg, seed=0, block_size=BLOCK,
+                                     max_num_batched_tokens=max_batch, max_num_seqs=max_batch,
+                                     max_model_len=blocks_per_seq * BLOCK,
+                                     num_blocks=max_batch * blocks_per_seq, **options)
+    fwd.fill_kv_cache(0x3C)  # keys and values 0.0115: not zeros, which can time differently
+    return fwd, blocks_per_seq
+
+
+def time_step(fwd, point: Point, blocks_per_seq: int) -> float:
+    from blink.gpu_engine import cuda_runtime as cr
+    fwd.run(decode_batch(point, blocks_per_seq))  # writes the batch arrays; warms the graph
+    graph = fwd.graph_execs[fwd.bucket_for(point.batch)]
+    return median_seconds(fwd.stream, lambda: cr.check(cr.cu.cuGraphLaunch(graph, fwd.stream)))
+
+
+def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
+    """Bytes one launch of a labelled op must read (weights, or keys and values), if known."""
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    weights = {"qkv proj": H * (cfg.q_size + 2 * cfg.kv_size), "o proj + residual": cfg.q_size * H,
+               "gate|up proj + silu*mul": 2 * H * I, "gate|up proj": 2 * H * I,
+               "down proj + residual": I * H, "lm head": V * H}
+    if label in weights:
+        return BF16_BYTES * weights[label]
+    if label == "attention":
+        return point.batch * point.context * kv_bytes_per_token(cfg) // cfg.num_layers
+    return None
+
+
+def breakdown(fwd, point: Point, blocks_per_seq: int) -> list[tuple[str, int, float]]:
+    """[(label, launches per step, seconds per step)] in first-launch order, plus the whole
+    step last as ('whole step', kernels, seconds)."""
+    from cuda.bindings import driver
+    from blink.gpu_engine import cuda_runtime as cr
+    whole = time_step(fwd, point, blocks_per_seq)
+    bucket = fwd.bucket_for(point.batch)
+    groups: dict[str, list] = {}
+    for label, enqueue in fwd.ops(bucket):
+        groups.setdefault(label, []).append(enqueue)
     out = []
-    for b in batches:
-        # b sequences, each decoding its token at position CONTEXT - 1
-        tables = np.arange(b * blocks_per_seq, dtype=np.int32).reshape(b, blocks_per_seq)
-        batch = ForwardBatch(np.full(b, 100, np.int32), np.full(b, CONTEXT - 1, np.int32),
-                             np.arange(b + 1, dtype=np.int32), np.full(b, CONTEXT, np.int32),
-                             tables, np.arange(b, dtype=np.int32))
-        fwd.run(batch)  # writes the batch arrays; warms the graph up
-        graph = fwd.graph_execs[fwd.bucket_for(b)]
-        runs = []
-        for _ in range(REPEATS):
-            with cr.EventTimer(fwd.stream) as t:
-                for _ in range(STEPS):
-                    cr.check(cr.cu.cuGraphLaunch(graph, fwd.stream))
-            runs.append(t.seconds / STEPS)
-        out.append((b, statistics.median(runs)))
-    fwd.close()
+    for label, enqueues in groups.items():
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        cr.check(driver.cuStreamBeginCapture(fwd.stream, mode))
+        for enqueue in enqueues:
+            enqueue()
+        graph = cr.check(driver.cuStreamEndCapture(fwd.stream))
+        exe = cr.check(driver.cuGraphInstantiate(graph, 0))
+        seconds = median_seconds(fwd.stream,
+                                 lambda: cr.check(driver.cuGraphLaunch(exe, fwd.stream)),
+                                 steps=10)
+        cr.check(driver.cuGraphExecDestroy(exe))
+        cr.check(driver.cuGraphDestroy(graph))
+        out.append((label, len(enqueues), seconds))
+    kernels = sum(fwd.graph_node_types[bucket].values())
+    out.append(("whole step", kernels, whole))
     return out
 
 
-def main() -> None:
+def print_breakdown(name: str, cfg: ModelConfig, point: Point, rows, bw: float, impl: str):
+    whole = rows[-1][2]
+    print(f"\nbreakdown {name} {point} ({impl}): whole step {whole * 1e6:.0f} us, "
+          f"{rows[-1][1]} kernels")
+    print("| op | launches | us per step | us per launch | share of step | achieved GB/s "
+          "(copy rate %.0f) |" % (bw / 1e9))
+    print("| --- | --- | --- | --- | --- | --- |")
+    total = 0.0
+    for label, count, seconds in rows[:-1]:
+        total += seconds
+        nbytes = op_bytes(cfg, label, point)
+        rate = f"{nbytes * count / seconds / 1e9:.0f}" if nbytes else ""
+        print(f"| {label} | {count} | {seconds * 1e6:.1f} | {seconds / count * 1e6:.2f} | "
+              f"{seconds / whole:.0%} | {rate} |")
+    print(f"| sum of ops alone | | {total * 1e6:.1f} | | {total / whole:.0%} | |")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
-    args = parser.parse_args()
+    parser.add_argument("--points", nargs="+", type=Point.parse,
+                        default=[Point(1, 512), Point(32, 512)],
+                        help="BATCHxCONTEXT decode points (default 1x512 32x512)")
+    parser.add_argument("--breakdown", nargs="*", type=Point.parse, default=[],
+                        help="BATCHxCONTEXT points to break down by op")
+    parser.add_argument("--cublas", action="store_true",
+                        help="also time every point with cuBLAS for every projection")
+    parser.add_argument("--tile-attention", action="store_true",
+                        help="also time every point with decode tokens in query tiles")
+    parser.add_argument("--decode-attention", action="store_true",
+                        help="also time every point with decode tokens on the decode path")
+    args = parser.parse_args(argv)
     bw = copy_bandwidth()
     print(f"bench copy bandwidth: {bw / 1e12:.2f} TB/s (device-to-device, read + write)")
+    table = []
     for name in args.shapes:
         cfg = SHAPES[name]
-        floor = weight_bytes(cfg) / bw
-        for b, seconds in bench_shape(cfg, args.batches):
-            print(f"bench decode {name} batch {b}: {seconds * 1e3:.3f} ms/step "
-                  f"(floor {floor * 1e3:.3f} ms = {weight_bytes(cfg) / 1e9:.2f} GB of weights; "
-                  f"{floor / seconds:.0%} of floor), median of {REPEATS} x {STEPS} graph replays, "
-                  f"context {CONTEXT}")
+        points = sorted(set(args.points) | set(args.breakdown),
+                        key=lambda p: (p.batch, p.context))
+        impls = [("default", {})]
+        if args.cublas:
+            impls.append(("cublas", {"skinny": False}))
+        if args.tile_attention:
+            impls.append(("tile attention", {"decode_min_keys": 2 ** 31 - 1}))
+        if args.decode_attention:
+            impls.append(("decode attention", {"decode_min_keys": 0}))
+        for impl, options in impls:
+            fwd, blocks_per_seq = make_forward(cfg, points, **options)
+            for point in points:
+                if point not in args.points:
+                    continue
+                seconds = time_step(fwd, point, blocks_per_seq)
+                need = decode_step_bytes(cfg, [point.context] * point.batch)
+                floor = need.total / bw
+                table.append((name, point, impl, seconds, floor))
+                print(f"bench decode {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step "
+                      f"(floor {floor * 1e3:.3f} ms = {need.describe()}; "
+                      f"{seconds / floor:.2f}x floor), median of {REPEATS} x {STEPS} graph "
+                      f"replays")
+            for point in args.breakdown:
+                print_breakdown(name, cfg, point, breakdown(fwd, point, blocks_per_seq), bw,
+                                impl)
+            fwd.close()
+    print("\n| shape | batch | context | variant | ms per step | floor (ms) | x floor |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, point, impl, seconds, floor in table:
+        print(f"| {name} | {point.batch} | {point.context} | {impl} | {seconds * 1e3:.3f} | "
+              f"{floor * 1e3:.3f} | {seconds / floor:.2f} |")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

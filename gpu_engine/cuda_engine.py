@@ -66,8 +66,9 @@ class CudaEngine:
         self.context_length = min(config.max_model_len or cfg.max_position_embeddings,
                                   cfg.max_position_embeddings)
         t0 = time.monotonic()
+        weights = None if config.load_format == "dummy" else load_weights(config.model_dir, cfg)
         self.forward = CudaForward(
-            cfg, load_weights(config.model_dir, cfg), block_size=config.block_size,
+            cfg, weights, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.context_length, num_blocks=config.num_kv_blocks,

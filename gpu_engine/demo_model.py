@@ -268,12 +268,15 @@ def write_random_checkpoint(
     seed: int = 0,
     dtype: str = "bfloat16",
     max_shard_bytes: int | None = None,
+    write_weights: bool = True,
 ) -> Path:
     """Writes a complete random-weight HF checkpoint into `out_dir` (best empty) and returns it.
 
     vocab_size defaults to the demo tokenizer's size; a larger one pads the embedding with rows no
     tokenization produces. max_shard_bytes splits the weights into model-0000k-of-0000n.safetensors
-    files with a model.safetensors.index.json, as big hub checkpoints are.
+    files with a model.safetensors.index.json, as big hub checkpoints are. write_weights=False
+    writes everything but the weights: a folder for `--load-format dummy` (benchmarks of real
+    model shapes, whose weights the CUDA engine generates on the GPU).
     """
     if dtype not in _ST_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_ST_DTYPES)}, got {dtype!r}")
@@ -297,7 +300,7 @@ def write_random_checkpoint(
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     specs = _tensor_specs(architecture, hidden_size, intermediate_size, num_layers, num_heads,
-                          num_kv_heads, D, V, tie_word_embeddings)
+                          num_kv_heads, D, V, tie_word_embeddings) if write_weights else []
     index_of = {name: i for i, (name, _, _) in enumerate(specs)}
     init_of = {name: init for name, _, init in specs}
     shape_of = {name: shape for name, shape, _ in specs}
@@ -320,7 +323,9 @@ def write_random_checkpoint(
             shard_bytes = 0
         shards[-1].append((name, shape))
         shard_bytes += nbytes
-    if len(shards) == 1:
+    if not write_weights:
+        pass
+    elif len(shards) == 1:
         _write_safetensors(out / "model.safetensors", shards[0], make, dtype)
     else:
         weight_map, total = {}, 0

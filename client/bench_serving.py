@@ -1,0 +1,236 @@
+"""Serving performance on real model shapes, through the live path: an engine with random
+weights in the shape's dimensions (`--load-format dummy`, generated on the GPU) and the
+persistent scheduler kernel running, a front end on a real port, requests over gRPC.
+
+    python -m blink.client.bench_serving [--shapes llama-3.1-8b llama-3.2-1b] [--suite ...]
+
+Per workload: time per output token at the client (TPOT: (last token - first token) / (n - 1),
+per request, median), time to first token, generated tokens per second over the run's wall
+time, and the engine's own time per step from its counters (d engine_busy_ns / d engine_steps
+over the run: batch building, forward pass, sampling, publishing; client and gRPC excluded).
+Decode workloads print their floor: roofline.decode_step_bytes for `concurrency` sequences at
+the run's mean context (prompt + output / 2) over the device-to-device copy rate measured first.
+Prefill workloads (one request, one output token) print prompt tokens / TTFT.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from blink.client.bench import run_bench
+from blink.client.sdk import BlinkClient
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    kind: str              # "decode" | "throughput" | "prefill"
+    concurrency: int
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def mean_context(self) -> int:
+        return self.prompt_tokens + self.output_tokens // 2
+
+
+# The issue's points (decode at context ~512, saturation with 256 + 256 requests, long prompts,
+# long-context decode) in the order they run; "quick" is a smoke test.
+SUITES = {
+    "decode": [
+        Workload("decode b1 ctx~512", "decode", 1, 3, 384, 256),
+        Workload("decode b32 ctx~512", "decode", 32, 32, 384, 256),
+    ],
+    "saturation": [
+        Workload("256+256 x 64 streams", "throughput", 64, 128, 256, 256),
+        Workload("256+256 x 128 streams", "throughput", 128, 256, 256, 256),
+        Workload("256+256 x 256 streams", "throughput", 256, 512, 256, 256),
+    ],
+    "long": [
+        Workload("prefill 4000", "prefill", 1, 2, 4000, 1),
+        Workload("prefill 8000", "prefill", 1, 2, 8000, 1),
+        Workload("decode b1 ctx~8192", "decode", 1, 1, 8064, 256),
+        Workload("decode b32 ctx~4096", "decode", 32, 32, 3968, 256),
+        Workload("4000+64 x 32 streams", "throughput", 32, 32, 4000, 64),
+    ],
+    "quick": [
+        Workload("decode b1 ctx~512", "decode", 1, 2, 384, 128),
+        Workload("256+256 x 64 streams", "throughput", 64, 64, 256, 256),
+    ],
+}
+
+
+def shape_folder(name: str, root: Path, max_len: int) -> Path:
+    """A model folder in `name`'s dimensions without weight files (config, tokenizer)."""
+    from blink.gpu_engine.bench_decode import SHAPES
+    from blink.gpu_engine.demo_model import write_random_checkpoint
+    cfg = SHAPES[name]
+    return write_random_checkpoint(
+        root / name, architecture=cfg.architecture, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size, max_position_embeddings=max_len, rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling, tie_word_embeddings=cfg.tie_word_embeddings,
+        write_weights=False)
+
+
+class Server:
+    """An engine and a front end as two processes, started with the given engine flags."""
+
+    def __init__(self, model_dir: Path, workdir: Path, engine_flags: list[str]):
+        self.ring = f"blink-bench-{secrets.token_hex(4)}"
+        cli = [sys.executable, "-m", "blink.client.cli"]
+        common = ["--model", str(model_dir), "--ring-name", self.ring]
+        ready = workdir / f"ready-{self.ring}"
+        self.logs = [open(workdir / f"{n}.log", "w") for n in ("engine", "frontend")]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.engine = subprocess.Popen([*cli, "engine", *common, *engine_flags],
+                                       stdout=self.logs[0], stderr=subprocess.STDOUT, env=env)
+        self.frontend = subprocess.Popen(
+            [*cli, "frontend", *common, "--port", "0", "--ready-file", str(ready),
+             "--queue-timeout", "600", "--engine-timeout", "30"],
+            stdout=self.logs[1], stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 600
+        while not (ready.exists() and ready.read_text()):
+            self._check_alive(deadline)
+            time.sleep(0.1)
+        self.target = f"127.0.0.1:{int(ready.read_text())}"
+        with BlinkClient(self.target) as client:
+            while client.health() != "SERVING":
+                self._check_alive(deadline)
+                time.sleep(0.2)
+
+    def _check_alive(self, deadline: float) -> None:
+        for proc, log in zip((self.engine, self.frontend), self.logs):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                raise RuntimeError(f"server did not come up; {log.name}:\n"
+                                   + Path(log.name).read_text()[-3000:])
+
+    def stop(self) -> None:
+        for proc in (self.frontend, self.engine):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (self.frontend, self.engine):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for log in self.logs:
+            log.close()
+
+
+@dataclass
+class Result:
+    shape: str
+    workload: Workload
+    tpot_ms: float | None
+    ttft_ms: float
+    tokens_per_s: float
+    engine_step_ms: float
+    tokens_per_step: float
+    floor_ms: float | None
+
+    def line(self) -> str:
+        w = self.workload
+        parts = [f"bench serving {self.shape} {w.name}:"]
+        if w.kind == "prefill":
+            parts.append(f"TTFT {self.ttft_ms:.1f} ms, "
+                         f"{w.prompt_tokens / self.ttft_ms * 1e3:,.0f} prefill tokens/s;")
+        else:
+            parts.append(f"TPOT p50 {self.tpot_ms:.3f} ms, TTFT p50 {self.ttft_ms:.1f} ms, "
+                         f"{self.tokens_per_s:,.0f} generated tokens/s;")
+        parts.append(f"engine {self.engine_step_ms:.3f} ms/step, "
+                     f"{self.tokens_per_step:.1f} tokens/step")
+        if self.floor_ms:
+            parts.append(f"(floor {self.floor_ms:.3f} ms/step at batch {w.concurrency}, context "
+                         f"{w.mean_context}; TPOT {self.tpot_ms / self.floor_ms:.2f}x floor)")
+        return " ".join(parts)
+
+
+def run_workload(server: Server, shape: str, w: Workload, bandwidth: float) -> Result:
+    from blink.gpu_engine.bench_decode import SHAPES
+    from blink.gpu_engine.roofline import decode_step_bytes
+    with BlinkClient(server.target) as client:
+        before = client.stats()
+        r = asyncio.run(run_bench(server.target, concurrency=w.concurrency, requests=w.requests,
+                                  prompt_tokens=w.prompt_tokens, output_tokens=w.output_tokens))
+        after = client.stats()
+    steps = max(1, after["engine_steps"] - before["engine_steps"])
+    floor = None
+    if w.kind == "decode":
+        need = decode_step_bytes(SHAPES[shape], [w.mean_context] * w.concurrency)
+        floor = need.total / bandwidth * 1e3
+    return Result(
+        shape=shape, workload=w,
+        tpot_ms=statistics.median(r.tpot_s) * 1e3 if w.output_tokens > 1 else None,
+        ttft_ms=statistics.median(r.ttft_s) * 1e3,
+        tokens_per_s=r.generated_tokens / r.wall_s,
+        engine_step_ms=(after["engine_busy_ns"] - before["engine_busy_ns"]) / steps / 1e6,
+        tokens_per_step=(after["engine_step_tokens"] - before["engine_step_tokens"]) / steps,
+        floor_ms=floor)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "llama-3.2-1b"])
+    parser.add_argument("--suite", nargs="+", default=["decode", "saturation", "long"],
+                        choices=list(SUITES))
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=8448)
+    parser.add_argument("--engine-flag", action="append", default=[],
+                        help="extra flag for the engine (repeatable), e.g. --engine-flag=--x")
+    args = parser.parse_args(argv)
+    from blink.gpu_engine.bench_decode import SHAPES, copy_bandwidth
+    unknown = set(args.shapes) - set(SHAPES)
+    if unknown:
+        parser.error(f"unknown shapes {sorted(unknown)}; choose from {sorted(SHAPES)}")
+    bandwidth = copy_bandwidth()
+    print(f"bench copy bandwidth: {bandwidth / 1e12:.2f} TB/s (device-to-device, read + write)")
+    workloads = [w for suite in args.suite for w in SUITES[suite]]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp:
+        for shape in args.shapes:
+            folder = shape_folder(shape, Path(tmp), args.max_model_len)
+            flags = ["--engine", "cuda", "--load-format", "dummy",
+                     "--slots", str(max(2 * args.max_num_seqs, 128)),
+                     "--max-num-seqs", str(args.max_num_seqs),
+                     "--max-batched-tokens", str(args.max_batched_tokens),
+                     "--max-model-len", str(args.max_model_len), *args.engine_flag]
+            t0 = time.monotonic()
+            server = Server(folder, Path(tmp), flags)
+            print(f"bench serving {shape}: engine up in {time.monotonic() - t0:.0f} s "
+                  f"({' '.join(flags)})", flush=True)
+            try:
+                for w in workloads:
+                    result = run_workload(server, shape, w, bandwidth)
+                    results.append(result)
+                    print(result.line(), flush=True)
+            finally:
+                server.stop()
+    print("\n| shape | workload | TPOT p50 (ms) | floor (ms) | x floor | TTFT p50 (ms) "
+          "| generated tok/s | engine ms/step | tokens/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        tpot = f"{r.tpot_ms:.3f}" if r.tpot_ms is not None else ""
+        floor = f"{r.floor_ms:.3f}" if r.floor_ms else ""
+        ratio = f"{r.tpot_ms / r.floor_ms:.2f}" if r.floor_ms and r.tpot_ms else ""
+        print(f"| {r.shape} | {r.workload.name} | {tpot} | {floor} | {ratio} | "
+              f"{r.ttft_ms:.1f} | {r.tokens_per_s:,.0f} | {r.engine_step_ms:.3f} | "
+              f"{r.tokens_per_step:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""What one forward step must read from device memory, for the benchmarks' floors.
+
+A decode step is bound by memory: every linear weight and the LM head are read once per step
+whatever the batch, the embedding table only one row per token, and attention reads each
+sequence's keys and values once. Floor = those bytes over the device-to-device copy rate
+measured in the same run (read plus written bytes counted, so the copy rate is the rate a
+kernel that streams memory can reach). Activations are left out: at decode sizes they are
+kilobytes per layer, and they stay in L2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .checkpoint import ModelConfig
+
+BF16_BYTES = 2
+
+
+def linear_weight_bytes(cfg: ModelConfig) -> int:
+    """Every projection of every layer, the LM head and the norm weights, in bf16."""
+    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    per_layer = H * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * H + 3 * H * I + 2 * H
+    return BF16_BYTES * (L * per_layer + cfg.vocab_size * cfg.hidden_size + H)
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+    """Keys and values of one token over all layers, bf16."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * BF16_BYTES
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    weights: int      # linear weights + LM head + norms, once per step
+    embedding: int    # one embedding row per token of the step
+    kv: int           # the keys and values the step's tokens attend to
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.embedding + self.kv
+
+    def describe(self) -> str:
+        return (f"{self.weights / 1e9:.2f} GB weights + {self.kv / 1e9:.2f} GB KV"
+                + (f" + {self.embedding / 1e6:.1f} MB embedding rows" if self.embedding >= 1e5
+                   else ""))
+
+
+def decode_step_bytes(cfg: ModelConfig, context_lens: list[int]) -> StepBytes:
+    """One decode step of len(context_lens) sequences, each attending to its context_lens[i]
+    keys (the new token's included)."""
+    return StepBytes(weights=linear_weight_bytes(cfg),
+                     embedding=len(context_lens) * cfg.hidden_size * BF16_BYTES,
+                     kv=sum(context_lens) * kv_bytes_per_token(cfg))

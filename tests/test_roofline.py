@@ -1,0 +1,51 @@
+"""The benchmarks' floor (gpu_engine/roofline.py) against the bytes of a real checkpoint: a
+decode step reads every tensor of the model once except the embedding table, of which it reads
+one row per token (with tied embeddings the table is the LM head and is read whole)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from blink.gpu_engine.checkpoint import load_config
+from blink.gpu_engine.demo_model import write_random_checkpoint
+from blink.gpu_engine.roofline import decode_step_bytes, kv_bytes_per_token
+
+
+def tensor_bytes(model_dir) -> dict[str, int]:
+    """name -> bytes, read from the safetensors header (the checkpoint, not our arithmetic)."""
+    raw = (model_dir / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    return {name: e["data_offsets"][1] - e["data_offsets"][0]
+            for name, e in header.items() if name != "__metadata__"}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_step_bytes_match_the_checkpoint(tmp_path, tied):
+    model = write_random_checkpoint(tmp_path / "m", hidden_size=64, intermediate_size=160,
+                                    num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=2304,
+                                    tie_word_embeddings=tied)
+    cfg = load_config(model)
+    sizes = tensor_bytes(model)
+    embed = sizes["model.embed_tokens.weight"]
+    read_whole = sum(sizes.values()) - (0 if tied else embed)
+    contexts = [1, 17, 300]
+    need = decode_step_bytes(cfg, contexts)
+    assert need.weights == read_whole
+    assert need.embedding == len(contexts) * embed // cfg.vocab_size
+    # K and V: layers x kv heads x head dim, bf16, per token of context
+    assert need.kv == sum(contexts) * 3 * 2 * 2 * (64 // 4) * 2 == \
+        sum(contexts) * kv_bytes_per_token(cfg)
+    assert need.total == need.weights + need.embedding + need.kv
+
+
+def test_a_weightless_folder_for_dummy_weights(tmp_path):
+    model = write_random_checkpoint(tmp_path / "shape", hidden_size=64, intermediate_size=160,
+                                    num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=4096,
+                                    write_weights=False)
+    assert not list(model.glob("*.safetensors"))
+    cfg = load_config(model)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == (64, 2, 4096)
+    assert (model / "tokenizer.json").is_file()
+    assert np.isfinite(decode_step_bytes(cfg, [8]).total)
