@@ -6,9 +6,9 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 python3 -c "import cuda.bindings, grpc, google.protobuf as p; print('cuda-bindings', cuda.bindings.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__)"
-TESTS=${*:-tests}
+[ $# -gt 0 ] || set -- tests   # pytest arguments, kept whole: -k "a or b" stays one expression
 timeout "${BLINK_TEST_TIMEOUT:-420}" python3 -m pytest -q -rs -m gpu -s -p no:cacheprovider \
-  $TESTS 2>&1 | tee "$OUT/gpu_tests.log"
+  "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 status=${PIPESTATUS[0]}
 if [ -z "${BLINK_SKIP_BENCH:-}" ]; then
   timeout "${BLINK_BENCH_TIMEOUT:-150}" python3 -m blink.gpu_engine.bench_decode 2>&1 \
