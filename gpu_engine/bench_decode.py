@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from blink.gpu_engine.checkpoint import ModelConfig
-from blink.gpu_engine.roofline import BF16_BYTES, decode_step_bytes, kv_bytes_per_token
+from blink.gpu_engine.roofline import BF16_BYTES, decode_step_bytes, kv_bytes_per_token, \
+    projection_weights
 
 SHAPES = {
     "llama-3.2-1b": ModelConfig(
@@ -139,10 +140,10 @@ def time_step(fwd, point: Point, blocks_per_seq: int) -> float:
 
 def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
     """Bytes one launch of a labelled op must read (weights, or keys and values), if known."""
-    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    weights = {"qkv proj": H * (cfg.q_size + 2 * cfg.kv_size), "o proj + residual": cfg.q_size * H,
-               "gate|up proj + silu*mul": 2 * H * I, "gate|up proj": 2 * H * I,
-               "down proj + residual": I * H, "lm head": V * H}
+    w = projection_weights(cfg)
+    weights = {"qkv proj": w["qkv"], "o proj + residual": w["o"],
+               "gate|up proj + silu*mul": w["gate_up"], "gate|up proj": w["gate_up"],
+               "down proj + residual": w["down"], "lm head": w["lm_head"]}
     if label in weights:
         return BF16_BYTES * weights[label]
     if label == "attention":
@@ -153,7 +154,6 @@ def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
 def breakdown(fwd, point: Point, blocks_per_seq: int) -> list[tuple[str, int, float]]:
     """[(label, launches per step, seconds per step)] in first-launch order, plus the whole
     step last as ('whole step', kernels, seconds)."""
-    from cuda.bindings import driver
     from blink.gpu_engine import cuda_runtime as cr
     whole = time_step(fwd, point, blocks_per_seq)
     bucket = fwd.bucket_for(point.batch)
@@ -162,17 +162,12 @@ def breakdown(fwd, point: Point, blocks_per_seq: int) -> list[tuple[str, int, fl
         groups.setdefault(label, []).append(enqueue)
     out = []
     for label, enqueues in groups.items():
-        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-        cr.check(driver.cuStreamBeginCapture(fwd.stream, mode))
-        for enqueue in enqueues:
-            enqueue()
-        graph = cr.check(driver.cuStreamEndCapture(fwd.stream))
-        exe = cr.check(driver.cuGraphInstantiate(graph, 0))
+        # each enqueue() launches on fwd.stream, the stream being captured
+        exe = cr.capture_device_graph(fwd.stream, lambda _: [enqueue() for enqueue in enqueues])
         seconds = median_seconds(fwd.stream,
-                                 lambda: cr.check(driver.cuGraphLaunch(exe, fwd.stream)),
+                                 lambda: cr.check(cr.cu.cuGraphLaunch(exe, fwd.stream)),
                                  steps=10)
-        cr.check(driver.cuGraphExecDestroy(exe))
-        cr.check(driver.cuGraphDestroy(graph))
+        cr.check(cr.cu.cuGraphExecDestroy(exe))
         out.append((label, len(enqueues), seconds))
     kernels = sum(fwd.graph_node_types[bucket].values())
     out.append(("whole step", kernels, whole))

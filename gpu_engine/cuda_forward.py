@@ -168,6 +168,7 @@ class ForwardKernels:
         self.attention_small_smem = self._constant("blink_attention_small_smem_bytes")
         self.sample_threads = self._constant("blink_sample_threads")
         self.gemv_threads = self._constant("blink_gemv_threads")
+        self.attention_max_splits = self._constant("blink_attention_max_splits")
         if self.head_dim != head_dim:
             raise CudaError(f"module built for head_dim {self.head_dim}, wanted {head_dim}")
         for name, smem in (("blink_paged_attention", self.attention_smem),
@@ -243,6 +244,8 @@ class ForwardKernels:
         self._need(group <= max_rows, f"GQA group {group} > {max_rows} rows per CTA")
         self._need(num_splits == 1 or (partial_out and partial_stats and tile_sems),
                    "num_splits > 1 needs the partial-output workspace and tile counters")
+        self._need(1 <= num_splits <= self.attention_max_splits,
+                   f"num_splits {num_splits} not in [1, {self.attention_max_splits}]")
         self.launch("blink_paged_attention_small" if small else "blink_paged_attention",
                     (rows, num_kv_heads, num_splits), (self.attention_threads,),
                     [_ptr(desc), _ptr(positions), _ptr(token_seq), _ptr(block_tables),
@@ -276,12 +279,11 @@ class ForwardKernels:
                 and rows <= cls.SKINNY_PREFERRED_ROWS
                 and (fused or 2 * in_features * out_features <= cls.SKINNY_PREFERRED_PLAIN_BYTES))
 
-    def skinny_linear(self, stream, x, w, out, rows, in_features, out_features, mode,
-                      ldx=None, ldo=None):
+    def skinny_linear(self, stream, x, w, out, rows, in_features, out_features, mode):
         """out[rows, out_features] (mode: SKINNY_BF16 / _F32 / _F32_ADD) = x[rows, in] @ w^T
-        for rows <= SKINNY_MAX_ROWS, w: [out_features, in_features] bf16. SKINNY_SILU_MUL: w is
-        gate|up interleaved in 16-row groups (interleave_gate_up) and out[rows, out_features/2]
-        = silu(gate) * up in bf16. ldx, ldo: row strides in elements (default: dense)."""
+        for rows <= SKINNY_MAX_ROWS, w: [out_features, in_features] bf16, all dense. SILU_MUL:
+        w is gate|up interleaved in 16-row groups (interleave_gate_up) and
+        out[rows, out_features/2] = silu(gate) * up in bf16."""
         self._need(self.skinny_fits(rows, in_features, out_features),
                    f"skinny linear takes rows <= {self.SKINNY_MAX_ROWS}, in_features % 32 == 0, "
                    f"got {rows} x {in_features} -> {out_features}")
@@ -290,10 +292,10 @@ class ForwardKernels:
         self._need(not silu or out_features % 32 == 0, "gate|up rows must be whole 16-row pairs")
         # two row tiles per CTA when that still leaves ~2 CTAs per SM (the SiLU mode pairs them)
         row_tiles = 2 if silu or -(-out_features // 32) >= 2 * self.sm_count else 1
-        ldo = ldo or (out_features // 2 if silu else out_features)
+        ldo = out_features // 2 if silu else out_features
         self.launch(f"blink_skinny_linear_{row_tiles}x{col_tiles}",
                     (-(-out_features // (16 * row_tiles)),), (self.gemv_threads,),
-                    [_ptr(x), _i32(ldx or in_features), _i32(rows), _ptr(w), _i32(out_features),
+                    [_ptr(x), _i32(in_features), _i32(rows), _ptr(w), _i32(out_features),
                      _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)], stream)
 
     def silu_mul(self, stream, rows, desc, gate_up, out, inter):
@@ -641,11 +643,13 @@ class CudaForward:
 
     def attention_splits(self, bucket: int) -> int:
         """The most CTAs that may share one decode token's (or query tile's) keys in a bucket:
-        enough for ~4 CTAs per SM when every token of the bucket decodes, at most 64. A
-        sequence uses fewer when its keys are short (whole 64-key tiles per split), so short
+        enough for ~4 CTAs per SM when every token of the bucket decodes, at most the kernel's
+        attention_max_splits (64, what its split merge is sized for). A
+        sequence uses fewer when its keys are short (whole key tiles per split), so short
         contexts stay one or a few CTAs and long ones spread over the GPU."""
         ctas = bucket * self.cfg.num_kv_heads
-        return max(1, min(64, -(-4 * self.kernels.sm_count // ctas)))
+        return max(1, min(self.kernels.attention_max_splits,
+                          -(-4 * self.kernels.sm_count // ctas)))
 
     # Decode tokens attending to at least this many keys take the flash-decoding path (keys
     # streamed through a 4-deep cp.async pipeline, CUDA cores); shorter ones go in the tensor-core

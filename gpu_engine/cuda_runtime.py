@@ -190,8 +190,11 @@ def capture_device_graph(stream, record) -> object:
         record(stream)
     finally:
         graph = check(cu.cuStreamEndCapture(stream))
-    exec_ = check(cu.cuGraphInstantiate(
-        graph, cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH))
+    try:
+        exec_ = check(cu.cuGraphInstantiate(
+            graph, cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH))
+    finally:
+        check(cu.cuGraphDestroy(graph))  # the executable graph does not need it
     check(cu.cuGraphUpload(exec_, stream))
     check(cu.cuStreamSynchronize(stream))
     return exec_

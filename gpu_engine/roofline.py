@@ -16,11 +16,19 @@ from .checkpoint import ModelConfig
 BF16_BYTES = 2
 
 
+def projection_weights(cfg: ModelConfig) -> dict[str, int]:
+    """Weights (elements) of each projection of one layer (fused as the engine stores them),
+    and of the LM head."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return {"qkv": H * (cfg.q_size + 2 * cfg.kv_size), "o": cfg.q_size * H,
+            "gate_up": 2 * H * I, "down": I * H, "lm_head": cfg.vocab_size * H}
+
+
 def linear_weight_bytes(cfg: ModelConfig) -> int:
     """Every projection of every layer, the LM head and the norm weights, in bf16."""
-    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    per_layer = H * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * H + 3 * H * I + 2 * H
-    return BF16_BYTES * (L * per_layer + cfg.vocab_size * cfg.hidden_size + H)
+    w = projection_weights(cfg)
+    per_layer = w["qkv"] + w["o"] + w["gate_up"] + w["down"] + 2 * cfg.hidden_size
+    return BF16_BYTES * (cfg.num_layers * per_layer + w["lm_head"] + cfg.hidden_size)
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:

@@ -109,25 +109,31 @@ __device__ __forceinline__ void CombineTileCta(int t0, int m, int kv_head, int g
   }
 }
 
-// Called by every CTA of a split tile once its partials are written (all threads): the last of
-// the tile's active_splits CTAs to arrive merges them and resets the tile's counter for the
-// next launch (threadFenceReduction pattern: fence, count, and the last one reads).
+// Called by every CTA that wrote split partials, once they are written (all threads): true in
+// the last of the `active_splits` CTAs to arrive at the counter `sem`, whose reads of the other
+// CTAs' partials are then ordered after their writes (threadFenceReduction pattern: fence,
+// count, and the last one reads). That CTA merges, then resets *sem for the next launch.
+__device__ __forceinline__ bool LastSplitToArrive(uint32_t* sem, int active_splits) {
+  __shared__ int s_last;
+  __threadfence();  // this thread's partials are visible device-wide before the count moves
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s_last = atomicAdd(sem, 1u) == static_cast<uint32_t>(active_splits - 1);
+  }
+  __syncthreads();
+  if (s_last) __threadfence();
+  return s_last;
+}
+
+// The tile path's ending for a split tile: the last CTA merges the tile's rows.
 template <int kHeadDim>
 __device__ __forceinline__ void FinishSplitCta(int t0, int m, int kv_head, int group,
                                                int num_heads, int num_kv_heads, int num_splits,
                                                int active_splits, const float* partial_out,
                                                const float* partial_stats, uint32_t* tile_sems,
                                                bf16* out) {
-  __shared__ int s_last;
-  __threadfence();  // this thread's partials are visible device-wide before the count moves
-  __syncthreads();
   uint32_t* sem = tile_sems + static_cast<size_t>(t0) * num_kv_heads + kv_head;
-  if (threadIdx.x == 0) {
-    s_last = atomicAdd(sem, 1u) == static_cast<uint32_t>(active_splits - 1);
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+  if (!LastSplitToArrive(sem, active_splits)) return;
   CombineTileCta<kHeadDim>(t0, m, kv_head, group, num_heads, num_splits, active_splits,
                            partial_out, partial_stats, out);
   if (threadIdx.x == 0) *sem = 0;
@@ -715,15 +721,9 @@ __device__ __forceinline__ void DecodeAttentionCta(
     }
   }
   if (active_splits == 1) return;
-  // The last of the token's splits to arrive merges them (threadFenceReduction pattern).
-  __shared__ int s_last;
-  __threadfence();
-  __syncthreads();
+  // The last of the token's splits to arrive merges them.
   uint32_t* sem = tile_sems + static_cast<size_t>(t) * num_kv_heads + kv_head;
-  if (tid == 0) s_last = atomicAdd(sem, 1u) == static_cast<uint32_t>(active_splits - 1);
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+  if (!LastSplitToArrive(sem, active_splits)) return;
   float* s_weight = reinterpret_cast<float*>(smem + L::kMergeWeights);
   MergeDecodeSplitsCta<kHeadDim>(t, kv_head, group, num_heads, num_splits, active_splits,
                                  partial_out, partial_stats, out, s_weight,

@@ -33,6 +33,7 @@ extern "C" __device__ const uint32_t blink_attention_small_rows = blink::kAttnRo
 extern "C" __device__ const uint32_t blink_attention_small_smem_bytes =
     blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall>();
 extern "C" __device__ const uint32_t blink_sample_threads = blink::kSampleThreads;
+extern "C" __device__ const uint32_t blink_attention_max_splits = blink::kDecodeMaxSplits;
 extern "C" __device__ const uint32_t blink_gemv_threads = blink::kGemvThreads;
 
 extern "C" {
