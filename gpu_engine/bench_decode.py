@@ -20,7 +20,8 @@ latencies, which inside the step overlap the previous kernel's tail.
 --cublas: every point also with the projections on cuBLAS (CudaForward(skinny=False)), the
 engine's state before the skinny linear kernel. --tile-attention / --decode-attention: also with
 every decode token in the tensor-core query tiles / on the flash-decoding path (the default
-switches between them at CudaForward.DECODE_MIN_KEYS keys).
+switches between them at CudaForward.DECODE_MIN_KEYS keys). --no-pdl: also with plain kernel
+launches (no programmatic dependent launch: each kernel starts after the previous one ends).
 """
 from __future__ import annotations
 
@@ -205,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time every point with decode tokens in query tiles")
     parser.add_argument("--decode-attention", action="store_true",
                         help="also time every point with decode tokens on the decode path")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="also time every point with plain (not programmatic) launches")
     args = parser.parse_args(argv)
     bw = copy_bandwidth()
     print(f"bench copy bandwidth: {bw / 1e12:.2f} TB/s (device-to-device, read + write)")
@@ -220,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
             impls.append(("tile attention", {"decode_min_keys": 2 ** 31 - 1}))
         if args.decode_attention:
             impls.append(("decode attention", {"decode_min_keys": 0}))
+        if args.no_pdl:
+            impls.append(("no pdl", {"programmatic_launch": False}))
         for impl, options in impls:
             fwd, blocks_per_seq = make_forward(cfg, points, **options)
             for point in points:

@@ -1,7 +1,8 @@
 """The CUDA forward pass: bf16 weights and activations (fp32 residual stream and accumulation),
 cuBLAS for the projections, our kernels (gpu_engine/csrc) for the rest, one CUDA graph per
 token-count bucket, instantiated for device launch so the persistent scheduler kernel can launch
-it, and uploaded.
+it, and uploaded. Kernels are launched with programmatic dependent launch: inside the graph each
+one is resident before its predecessor ends and waits for it in-kernel (csrc/utils.cuh).
 
 Every kernel reads the live batch from device memory (BatchDesc and the arrays beside it, see
 csrc/batch.cuh), so a bucket's graph serves any batch of up to `bucket` tokens: the scheduler
@@ -138,7 +139,10 @@ class ForwardKernels:
                     "blink_sample", "blink_sampling_uniform", "blink_signal_done",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES))
 
-    def __init__(self, head_dim: int, device: int = 0):
+    def __init__(self, head_dim: int, device: int = 0, programmatic_launch: bool = True):
+        """programmatic_launch: launch every kernel with programmatic stream serialization
+        (each may start while its predecessor runs and waits for it in-kernel; utils.cuh
+        AwaitPriorKernel). False: plain launches, the comparison bench_decode --no-pdl makes."""
         if head_dim % 16 or not 16 <= head_dim <= 256:
             raise ValueError(f"head_dim {head_dim} is not supported "
                              f"(needs a multiple of 16 in [16, 256])")
@@ -153,6 +157,7 @@ class ForwardKernels:
             attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device))
         if major < 8:
             raise CudaError(f"compute capability {major}.{minor}: bf16 tensor cores need >= 8.0")
+        self.programmatic_launch = programmatic_launch and major >= 9  # PDL needs sm_90
         self.arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
         self._image = np.frombuffer(nvcc_cubin(CSRC / "forward_kernels.cu", arch=self.arch,
                                                defines={"BLINK_HEAD_DIM": head_dim}), np.uint8)
@@ -188,8 +193,19 @@ class ForwardKernels:
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        check(driver.cuLaunchKernel(self.fn[name], *grid, *block, smem, stream,
-                                    ctypes.addressof(params), 0), name)
+        if not self.programmatic_launch:
+            check(driver.cuLaunchKernel(self.fn[name], *grid, *block, smem, stream,
+                                        ctypes.addressof(params), 0), name)
+            return
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes, config.hStream = smem, stream
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config.attrs, config.numAttrs = [attr], 1
+        check(driver.cuLaunchKernelEx(config, self.fn[name], ctypes.addressof(params), 0), name)
 
     @staticmethod
     def _need(ok: bool, what: str) -> None:
@@ -362,14 +378,14 @@ class CudaForward:
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  workspace_bytes: int = 32 << 20, device: int = 0, capture: bool = True,
                  random_seed: int = 0, skinny: bool = True,
-                 decode_min_keys: int | None = None):
+                 decode_min_keys: int | None = None, programmatic_launch: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
         buckets up to ForwardKernels.SKINNY_MAX_ROWS rows use the skinny linear kernel (False:
         cuBLAS for every bucket, the comparison the decode benchmark makes).
         decode_min_keys: overrides DECODE_MIN_KEYS (0: every decode token takes the decode
-        path; a huge value: none does)."""
+        path; a huge value: none does). programmatic_launch: see ForwardKernels."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -391,7 +407,7 @@ class CudaForward:
                                 else decode_min_keys)
         self._memory: list[DeviceArray] = []
 
-        self.kernels = ForwardKernels(D, device)
+        self.kernels = ForwardKernels(D, device, programmatic_launch)
         self.stream = new_stream()
         self.blas = Cublas()
         self.blas.set_stream(int(self.stream))  # before set_workspace: it resets the workspace
@@ -453,6 +469,7 @@ class CudaForward:
 
         self.graph_execs: dict[int, object] = {}
         self.graph_node_types: dict[int, dict[str, int]] = {}
+        self.graph_edge_types: dict[int, dict[str, int]] = {}  # DEFAULT / PROGRAMMATIC
         if capture:
             for b in self.buckets:
                 self.graph_execs[b] = self._capture(b)
@@ -627,6 +644,7 @@ class CudaForward:
         graph = check(driver.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
         try:
             self.graph_node_types[rows] = _node_types(graph)
+            self.graph_edge_types[rows] = _edge_types(graph)
             flags = driver.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH
             try:
                 exe = check(driver.cuGraphInstantiate(graph, int(flags)),
@@ -760,6 +778,14 @@ class CudaForward:
             arr.free()
         self._memory.clear()
         driver.cuStreamDestroy(self.stream)
+
+
+def _edge_types(graph) -> dict[str, int]:
+    """Counts of the graph's dependency edge types: {'DEFAULT': n, 'PROGRAMMATIC': m}."""
+    count = check(driver.cuGraphGetEdges(graph, 0), "cuGraphGetEdges")[-1]
+    _, _, data, _ = check(driver.cuGraphGetEdges(graph, count), "cuGraphGetEdges")
+    return dict(Counter(driver.CUgraphDependencyType(int(d.type)).name.replace(
+        "CU_GRAPH_DEPENDENCY_TYPE_", "") for d in data))
 
 
 def _node_types(graph) -> dict[str, int]:

@@ -745,6 +745,42 @@ def test_forward_graphs_cover_every_bucket(models):
         assert set(types_) == {"KERNEL"}
 
 
+def test_forward_programmatic_launch_matches_plain_launches(cf, models):
+    """The graphs are captured with programmatic dependent launch (every kernel may start before
+    its predecessor ends and waits for it in-kernel): their edges say so, and prefill + decode
+    through them gives bit-identical logits to the same kernels launched plainly."""
+    cfg, w, engine = models["llama"]
+    assert engine.kernels.programmatic_launch  # the lent H200 is sm_90
+    plain = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                           max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
+                           programmatic_launch=False)
+    try:
+        for bucket in engine.buckets:
+            # at least attention after RoPE in every layer (edges into cuBLAS kernels stay
+            # plain); the plain graphs have no programmatic edge
+            edges = engine.graph_edge_types[bucket]
+            assert edges.get("PROGRAMMATIC", 0) >= cfg.num_layers, f"bucket {bucket}: {edges}"
+            assert "PROGRAMMATIC" not in plain.graph_edge_types[bucket]
+        REPORT["env"]["graph edges llama bucket 1 / 128"] = \
+            f"{engine.graph_edge_types[1]} / {engine.graph_edge_types[MAX_TOKENS]}"
+        table = np.arange(6)
+        ids = list(prompt(cfg, 40, seed=8))
+        for fwd in (engine, plain):
+            fwd.fill_kv_cache(0)
+        pos = 0
+        for n in (33, 7, 1, 1, 1):  # chunked prefill, then decode steps fed the greedy token
+            batch = make_batch([(np.array(ids[pos:pos + n]), pos, table)])
+            a, a_sampled = engine.run(batch)
+            b, b_sampled = plain.run(batch)
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a_sampled, b_sampled)
+            pos += n
+            if pos == len(ids):
+                ids.append(int(a_sampled[0]))
+    finally:
+        plain.close()
+
+
 def test_forward_sampling_in_graph(models):
     """Non-greedy rows through the graph: sampled ids are in each row's top-k set and follow the
     same (seed, step) -> token rule when the same logits are sampled again."""

@@ -1,6 +1,9 @@
 // Entry points of the forward pass, one extern "C" __global__ shell per op, loaded by name from
 // the cubin by gpu_engine/cuda_forward.py (which computes each grid and validates the sizes).
 //
+// Every entry first waits for the previous kernel (utils.cuh AwaitPriorKernel): the forward
+// graph is captured with programmatic dependent launch, so an entry may start early.
+//
 // One dispatch point: the model's head_dim arrives as -DBLINK_HEAD_DIM=<d> (the module is built
 // per model); an unsupported value stops the build here.
 #include "activation.cuh"
@@ -41,12 +44,14 @@ extern "C" {
 __global__ void __launch_bounds__(256)
     blink_embedding(const BatchDesc* desc, const int32_t* token_ids, const bf16* embed, float* x,
                     int hidden, int vocab) {
+  blink::AwaitPriorKernel();
   blink::EmbeddingCta(desc, token_ids, embed, x, hidden, vocab);
 }
 
 __global__ void __launch_bounds__(256)
     blink_rms_norm(const BatchDesc* desc, const int32_t* gather, int max_rows, float* x,
                    const bf16* bias, const bf16* weight, bf16* out, int hidden, float eps) {
+  blink::AwaitPriorKernel();
   blink::RmsNormCta(desc, gather, max_rows, x, bias, weight, out, hidden, eps);
 }
 
@@ -56,6 +61,7 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
                         const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, float eps,
                         const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out,
                         bf16* k_cache, bf16* v_cache, int block_size, int num_blocks) {
+  blink::AwaitPriorKernel();
   blink::RopeKvWriteCta<kHeadDim>(desc, positions, token_seq, block_tables, max_blocks_per_seq,
                                   qkv, qkv_bias, q_norm, k_norm, eps, inv_freq, num_heads,
                                   num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks);
@@ -68,6 +74,7 @@ __global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHead
                           const bf16* v_cache, int block_size, int num_heads, int num_kv_heads,
                           float scale, bf16* out, int num_splits, float* partial_out,
                           float* partial_stats, uint32_t* tile_sems, int decode_min_keys) {
+  blink::AwaitPriorKernel();
   blink::AttentionCta<kHeadDim, blink::kAttnRows>(
       desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,
       block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats,
@@ -82,6 +89,7 @@ __global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHead
                                 int num_kv_heads, float scale, bf16* out, int num_splits,
                                 float* partial_out, float* partial_stats, uint32_t* tile_sems,
                                 int decode_min_keys) {
+  blink::AwaitPriorKernel();
   blink::AttentionCta<kHeadDim, blink::kAttnRowsSmall>(
       desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,
       block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats,
@@ -93,6 +101,7 @@ __global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHead
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
       blink_skinny_linear_##A##x##C(const bf16* x, int ldx, int M, const bf16* w, int N,     \
                                     int K, void* out, int ldo, int mode) {                   \
+    blink::AwaitPriorKernel();                                                               \
     blink::SkinnyLinearCta<A, C>(x, ldx, M, w, N, K, out, ldo, mode);                        \
   }
 BLINK_SKINNY_LINEAR(1, 1)
@@ -105,6 +114,7 @@ BLINK_SKINNY_LINEAR(2, 4)
 
 __global__ void __launch_bounds__(256)
     blink_silu_mul(const BatchDesc* desc, const bf16* gate_up, bf16* out, int inter) {
+  blink::AwaitPriorKernel();
   blink::SiluMulCta(desc, gate_up, out, inter);
 }
 
@@ -112,6 +122,7 @@ __global__ void __launch_bounds__(blink::kSampleThreads)
     blink_sample(const BatchDesc* desc, const float* logits, int vocab, const float* temperature,
                  const float* top_p, const int32_t* top_k, const uint64_t* seed,
                  const uint32_t* step, int32_t* sampled) {
+  blink::AwaitPriorKernel();
   blink::SampleCta(desc, logits, vocab, temperature, top_p, top_k, seed, step, sampled);
 }
 
@@ -120,6 +131,9 @@ __global__ void blink_sampling_uniform(const uint64_t* seed, const uint32_t* ste
   blink::SamplingUniformThread(seed, step, out, n);
 }
 
-__global__ void blink_signal_done(BatchDesc* desc) { blink::SignalDoneCta(desc); }
+__global__ void blink_signal_done(BatchDesc* desc) {
+  blink::AwaitPriorKernel();
+  blink::SignalDoneCta(desc);
+}
 
 }  // extern "C"

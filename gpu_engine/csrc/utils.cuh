@@ -43,6 +43,30 @@ __device__ __forceinline__ void StoreF32x8(float* p, const float (&v)[8]) {
   reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
+// Programmatic dependent launch (sm_90+; no-ops when a kernel was launched without it). The
+// forward graph's kernels are captured with programmatic stream serialization, so kernel N + 1
+// may be launched before kernel N ends: it is resident and past its launch latency when N's
+// last CTA exits (or, where N calls ReleaseNextKernel, from then on). Each kernel waits for its
+// predecessor's completion and memory in AwaitPriorKernel before it reads anything an earlier
+// kernel wrote. The chain stays ordered: a kernel completes only after its wait returned, so
+// waiting on the predecessor waits on everything before it. Measured on the H200 (Llama-3.1-8B
+// shape, batch 1): 4.81 -> 4.68 ms a step. Releasing the next kernel at every kernel's start
+// (5.30 ms), or prefetching a projection's first weights into L2 before its wait (4.93 ms),
+// was slower: the waiting CTAs and the prefetches compete with the running kernel, so only
+// the skinny projections release early, once their weights are read.
+__device__ __forceinline__ void AwaitPriorKernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel launch once every CTA of this one has called this or exited.
+__device__ __forceinline__ void ReleaseNextKernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename T>
 __device__ __forceinline__ T WarpSum(T v) {
 #pragma unroll
