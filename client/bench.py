@@ -1,62 +1,328 @@
-"""`blink bench`: a closed-loop load generator against a running server.
+"""`blink bench`: the serving benchmark, measured at the client from the gRPC stream.
 
-N concurrent clients each send requests back to back (random token prompts of a given length,
-greedy, a fixed number of generated tokens with EOS ignored) for a number of requests, then it
-prints time to first token and per-token latency percentiles and total generated throughput.
+    blink bench --target HOST:PORT [workload] [load]          a server that is already running
+    blink bench [--model DIR | --shape NAME] --systems blink host-cuda hf [workload] [load]
+                [--cpu-hog N] [--out DIR]                     servers it starts, one at a time
+
+Workload (bench_data): --dataset sharegpt (the usual serving benchmarks' convention) or random
+prompts of --random-input-len / --random-output-len tokens; --num-prompts of them, the same for
+every system. Load (bench_load): --request-rate R [R ...] (a sweep; 'inf' sends all at once),
+--burstiness, --concurrency. Every token is timed at the client (bench_metrics) and the run's
+JSON (bench_report, schema there), summary table and plots go to --out.
+
+Systems, each behind the same front end and client: blink (the CPU-free CUDA engine, or the CPU
+reference engine where there is no GPU), host-cuda (the same kernels and graphs driven by a host
+loop: the ablation) and hf (Hugging Face transformers' generate). --cpu-hog N repeats every run
+with N busy processes pinned to the server's cores and reports busy / idle ratios.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
-import random
-import statistics
+import math
+import os
+import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from pathlib import Path
 
-from blink.client.sdk import AsyncBlinkClient, Sampling
+from blink.client.bench_data import BENCH_EXTRA_HINT, BenchError, BenchRequest, \
+    random_requests, sharegpt_requests
+from blink.client.bench_hog import CpuHog
+from blink.client.bench_load import run_requests
+from blink.client.bench_metrics import Slo, summarize
+from blink.client.bench_report import LOOP_SATURATED, document, plot, rate_label, \
+    request_rows, summary_table, write_json
+from blink.client.sdk import BlinkClient, BlinkError, Sampling
 
-
-@dataclass
-class BenchResult:
-    requests: int
-    wall_s: float
-    generated_tokens: int
-    ttft_s: list[float]
-    tpot_s: list[float]   # per request: (total - ttft) / (tokens - 1)
-
-    def summary(self) -> str:
-        def pct(xs, q):
-            return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
-        return (f"{self.requests} requests in {self.wall_s:.2f} s: "
-                f"{self.generated_tokens / self.wall_s:.1f} generated tokens/s; "
-                f"TTFT p50 {pct(self.ttft_s, 50) * 1e3:.1f} ms p99 {pct(self.ttft_s, 99) * 1e3:.1f} ms; "
-                f"time per output token p50 {pct(self.tpot_s, 50) * 1e3:.2f} ms "
-                f"p99 {pct(self.tpot_s, 99) * 1e3:.2f} ms")
+# system name -> the engine flag it runs with
+SYSTEMS = {"blink": "auto", "host-cuda": "host-cuda", "hf": "hf"}
+SERVER_COUNTERS = ("engine_steps", "engine_busy_ns", "engine_step_tokens", "preemptions")
 
 
-async def run_bench(target: str, *, concurrency: int, requests: int, prompt_tokens: int,
-                    output_tokens: int, seed: int = 0) -> BenchResult:
-    rnd = random.Random(seed)
-    async with AsyncBlinkClient(target) as client:
-        info = await client.model_info()
-        # ids from the middle of the vocabulary: ordinary tokens, no special ones
-        lo, hi = min(256, info.vocab_size // 4), info.vocab_size - 1
-        prompts = [[rnd.randrange(lo, hi) for _ in range(prompt_tokens)] for _ in range(requests)]
-        sampling = Sampling(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
-        queue = list(range(requests))
-        done = []
+def parse_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of requests per second, or inf")
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the request rate must be > 0")
+    return rate
 
-        async def worker():
-            while queue:
-                i = queue.pop()
-                done.append(await client.generate(prompts[i], sampling, timeout=600))
 
-        await client.generate(prompts[0], Sampling(max_tokens=2, temperature=0.0))  # warm up
-        t0 = time.monotonic()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.monotonic() - t0
-    return BenchResult(
-        requests=requests, wall_s=wall,
-        generated_tokens=sum(c.completion_tokens for c in done),
-        ttft_s=[c.time_to_first_token_s for c in done],
-        tpot_s=[(c.total_s - c.time_to_first_token_s) / max(1, c.completion_tokens - 1)
-                for c in done])
+def parse_cores(text: str) -> list[int]:
+    """'0-5,8' -> [0, 1, 2, 3, 4, 5, 8]."""
+    cores = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cores += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: cores as a list like 0-5,8")
+    return sorted(set(cores))
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return value
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    where = p.add_argument_group("what to benchmark")
+    where.add_argument("--target", help="HOST:PORT of a running server (else servers are started)")
+    where.add_argument("--model", help="checkpoint folder for the started servers "
+                                       "(default: the built-in demo model)")
+    where.add_argument("--shape", help="instead of --model: a real model shape with random "
+                                       "weights (llama-3.1-8b, llama-3.2-1b; GPU engines only)")
+    where.add_argument("--systems", nargs="+", default=["blink"], choices=list(SYSTEMS),
+                       help="systems to start and measure in turn (default: blink)")
+    where.add_argument("--tokenizer", type=Path,
+                       help="tokenizer.json for ShareGPT (default: the model's)")
+    work = p.add_argument_group("workload")
+    work.add_argument("--dataset", choices=["sharegpt", "random"], default="random")
+    work.add_argument("--num-prompts", type=positive(int), default=200)
+    work.add_argument("--random-input-len", type=int, default=256)
+    work.add_argument("--random-output-len", type=int, default=128)
+    work.add_argument("--random-range-ratio", type=float, default=0.0)
+    work.add_argument("--respect-eos", action="store_true",
+                      help="let EOS end a reply early (default: every request generates its "
+                           "full output length)")
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=parse_rate, nargs="+", default=[math.inf],
+                      help="requests/s, Poisson arrivals; several values sweep (default inf)")
+    load.add_argument("--burstiness", type=positive(float), default=1.0,
+                      help="gamma shape of the arrival gaps (1: Poisson)")
+    load.add_argument("--concurrency", type=positive(int), default=None,
+                      help="requests in flight at most (with rate inf: a closed loop)")
+    load.add_argument("--repeats", type=positive(int), default=1,
+                      help="run every point this many times (shows the noise)")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--slo-ttft-ms", type=positive(float), default=None)
+    load.add_argument("--slo-tpot-ms", type=positive(float), default=None)
+    cpu = p.add_argument_group("CPU interference")
+    cpu.add_argument("--cpu-hog", type=int, default=0,
+                     help="also run every point with N busy processes on the server's cores")
+    cpu.add_argument("--hog-rates", type=parse_rate, nargs="+", default=None,
+                     help="request rates of the busy-CPU runs (default: every --request-rate)")
+    cpu.add_argument("--hog-memory", action="store_true",
+                     help="hogs copy memory (bandwidth) instead of spinning")
+    cpu.add_argument("--server-cores", type=parse_cores, default=None,
+                     help="cores for the started servers (default: all but two, which the "
+                          "client takes, on machines with 4 or more)")
+    eng = p.add_argument_group("started servers (the same for every system)")
+    eng.add_argument("--max-num-seqs", type=positive(int), default=256)
+    eng.add_argument("--max-batched-tokens", type=positive(int), default=2048)
+    eng.add_argument("--max-model-len", type=positive(int), default=None)
+    eng.add_argument("--engine-arg", action="append", default=[],
+                     help="extra engine flag, repeatable (e.g. --engine-arg=--kv-cache-mb=512)")
+    p.add_argument("--out", type=Path, default=Path("bench-results"),
+                   help="folder for bench.json and the plots")
+    p.add_argument("--timeout", type=positive(float), default=3600.0,
+                   help="seconds one request may take")
+
+
+def check_arguments(args) -> None:
+    if args.target and (args.model or args.shape or args.systems != ["blink"]):
+        raise BenchError("--target measures a running server: drop --model, --shape and "
+                         "--systems (or drop --target to start servers)")
+    if args.model and args.shape:
+        raise BenchError("give --model or --shape, not both")
+    if args.cpu_hog < 0:
+        raise BenchError("--cpu-hog must be >= 0")
+    if args.dataset == "sharegpt" and args.target and not args.tokenizer:
+        raise BenchError("--dataset sharegpt against --target needs --tokenizer (the served "
+                         "model's tokenizer.json)")
+
+
+def split_cores(args) -> tuple[list[int], list[int]]:
+    """(server cores, client cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if args.server_cores:
+        missing = set(args.server_cores) - set(cores)
+        if missing:
+            raise BenchError(f"--server-cores {sorted(missing)} are not usable here "
+                             f"(cores {cores[0]}-{cores[-1]})")
+        rest = [c for c in cores if c not in args.server_cores]
+        return args.server_cores, rest or cores
+    if args.target or len(cores) < 4:
+        return cores, cores
+    return cores[:-2], cores[-2:]
+
+
+def model_folder(args, workdir: Path) -> Path:
+    if args.shape:
+        from blink.client.bench_server import shape_folder
+        from blink.gpu_engine.bench_decode import SHAPES
+        if args.shape not in SHAPES:
+            raise BenchError(f"--shape {args.shape}: choose from {sorted(SHAPES)}")
+        return shape_folder(args.shape, workdir, args.max_model_len or 8192)
+    if args.model:
+        path = Path(args.model).expanduser()
+        if not (path / "config.json").is_file():
+            raise BenchError(f"{path} is not a Hugging Face checkpoint folder (no config.json)")
+        return path
+    from blink.gpu_engine.demo_model import ensure_demo_model
+    return ensure_demo_model()
+
+
+def workload(args, vocab_size: int, context_length: int, tokenizer: Path | None
+             ) -> list[BenchRequest]:
+    if args.dataset == "random":
+        if args.random_input_len + args.random_output_len > context_length:
+            raise BenchError(f"--random-input-len + --random-output-len exceed the model's "
+                             f"context ({context_length})")
+        return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                               vocab_size, range_ratio=args.random_range_ratio, seed=args.seed)
+    return sharegpt_requests(args.num_prompts, tokenizer, context_length=context_length,
+                             seed=args.seed)
+
+
+def engine_flags(args, system: str) -> list[str]:
+    flags = ["--engine", SYSTEMS[system], "--max-num-seqs", str(args.max_num_seqs),
+             "--max-batched-tokens", str(args.max_batched_tokens),
+             "--slots", str(max(128, 2 * args.max_num_seqs))]
+    if args.max_model_len:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    if args.shape:
+        flags += ["--load-format", "dummy"]
+    return flags + args.engine_arg
+
+
+def server_counters(target: str) -> dict:
+    try:
+        with BlinkClient(target) as client:
+            stats = client.stats(timeout=10)
+        return {k: stats[k] for k in SERVER_COUNTERS}
+    except (BlinkError, KeyError):
+        return {}
+
+
+def progress_bar(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bench extra brings it; without it, no bar
+        return None
+    return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr,
+                disable=not sys.stderr.isatty())
+
+
+def measure(target: str, requests: list[BenchRequest], args, rate: float, desc: str,
+            client_cores: list[int]) -> dict:
+    """One run at one rate: the JSON schema's run object, less system/interference/repeat."""
+    bar = progress_bar(len(requests), desc)
+    before = server_counters(target)
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, client_cores)
+    try:
+        records, wall, load = asyncio.run(run_requests(
+            target, requests, rate=rate, burstiness=args.burstiness,
+            concurrency=args.concurrency, ignore_eos=not args.respect_eos, seed=args.seed,
+            timeout=args.timeout, on_done=(lambda _: bar.update()) if bar else None))
+    finally:
+        os.sched_setaffinity(0, pinned)
+        if bar:
+            bar.close()
+    after = server_counters(target)
+    metrics = summarize(records, wall, Slo(args.slo_ttft_ms, args.slo_tpot_ms))
+    saturated = load.loop_busy > LOOP_SATURATED
+    if saturated:
+        print(f"blink bench: warning: the client's event loop was {load.loop_busy:.0%} busy "
+              f"({desc}): the client may have limited this run", file=sys.stderr)
+    return {"rate": rate_label(rate), "metrics": metrics,
+            "client": {"process_cpu_s": load.process_cpu_s, "loop_busy": load.loop_busy,
+                       "saturated": saturated},
+            "server": {k: after[k] - before[k] for k in after if k in before},
+            "requests": request_rows(records)}
+
+
+def run(args) -> dict:
+    check_arguments(args)
+    server_cores, client_cores = split_cores(args)
+    hog = CpuHog(args.cpu_hog, server_cores, memory=args.hog_memory)
+    runs: list[dict] = []
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+              if k not in ("func", "verbose", "request_rate", "hog_rates")}
+    config.update(request_rates=[rate_label(r) for r in args.request_rate],
+                  hog_rates=[rate_label(r) for r in args.hog_rates or args.request_rate],
+                  slo=Slo(args.slo_ttft_ms, args.slo_tpot_ms).to_json(),
+                  server_cores=server_cores, client_cores=client_cores, hog=hog.describe())
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp:
+        model_dir = None if args.target else model_folder(args, Path(tmp))
+        requests = None
+        for system in (["target"] if args.target else args.systems):
+            server = None
+            if not args.target:
+                from blink.client.bench_server import Server
+                t0 = time.monotonic()
+                try:
+                    server = Server(model_dir, args.out, engine_flags(args, system), name=system,
+                                    cores=set(server_cores))
+                except RuntimeError as e:
+                    raise BenchError(f"{system}: {e}") from None
+                print(f"blink bench: {system} up in {time.monotonic() - t0:.0f} s "
+                      f"(logs: {args.out}/{system}-*.log)", file=sys.stderr)
+            target = args.target or server.target
+            try:
+                with BlinkClient(target) as client:
+                    try:
+                        client.wait_ready(600)
+                        info = client.model_info()
+                        if requests is None:  # the same workload for every system
+                            tokenizer = args.tokenizer or (model_dir / "tokenizer.json"
+                                                           if model_dir else None)
+                            requests = workload(args, info.vocab_size, info.context_length,
+                                                tokenizer)
+                            config["model"] = info.name
+                        client.generate(list(requests[0].prompt),  # warm-up
+                                        Sampling(max_tokens=2, temperature=0.0))
+                    except BlinkError as e:
+                        raise BenchError(f"{system} at {target}: {e}") from None
+                phases = [("idle", nullcontext(), args.request_rate)]
+                if args.cpu_hog:
+                    phases.append(("busy", hog, args.hog_rates or args.request_rate))
+                for interference, ctx, rates in phases:
+                    with ctx:
+                        for rate in rates:
+                            for repeat in range(args.repeats):
+                                desc = f"{system} {interference} rate {rate_label(rate)}"
+                                result = measure(target, requests, args, rate, desc,
+                                                 client_cores)
+                                runs.append({"system": system, "engine": info.engine,
+                                             "interference": interference,
+                                             "repeat": repeat, **result})
+                                # after every run: a benchmark cut short keeps what it measured
+                                write_json(document(config, runs, complete=False),
+                                           args.out / "bench.json")
+                                m = result["metrics"]
+                                print(f"blink bench: {desc} run {repeat + 1}: "
+                                      f"{m['output_throughput']:,.0f} tok/s, TTFT p99 "
+                                      f"{m['ttft_ms']['p99'] or 0:.1f} ms, TPOT p99 "
+                                      f"{m['tpot_ms']['p99'] or 0:.2f} ms, "
+                                      f"{m['failed']} failed", file=sys.stderr)
+            finally:
+                if server is not None:
+                    server.stop()
+    doc = document(config, runs, complete=True)
+    write_json(doc, args.out / "bench.json")
+    print(summary_table(doc))
+    try:
+        written = plot(doc, args.out)
+        print(f"\nblink bench: {args.out / 'bench.json'}, "
+              + ", ".join(str(p) for p in written), file=sys.stderr)
+    except ImportError:
+        print(f"\nblink bench: {args.out / 'bench.json'} (no plots: matplotlib is missing; "
+              f"{BENCH_EXTRA_HINT})", file=sys.stderr)
+    return doc
+
+
+def cmd_bench(args) -> None:
+    try:
+        run(args)
+    except BenchError as e:
+        sys.exit(f"blink bench: {e}")

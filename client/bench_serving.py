@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import secrets
-import signal
-import statistics
-import subprocess
-import sys
+import math
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blink.client.bench import run_bench
+from blink.client.bench_data import random_requests
+from blink.client.bench_load import run_requests
+from blink.client.bench_metrics import summarize
+from blink.client.bench_server import Server, shape_folder
 from blink.client.sdk import BlinkClient
 
 
@@ -71,66 +69,6 @@ SUITES = {
 }
 
 
-def shape_folder(name: str, root: Path, max_len: int) -> Path:
-    """A model folder in `name`'s dimensions without weight files (config, tokenizer)."""
-    from blink.gpu_engine.bench_decode import SHAPES
-    from blink.gpu_engine.demo_model import write_random_checkpoint
-    cfg = SHAPES[name]
-    return write_random_checkpoint(
-        root / name, architecture=cfg.architecture, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size, max_position_embeddings=max_len, rope_theta=cfg.rope_theta,
-        rope_scaling=cfg.rope_scaling, tie_word_embeddings=cfg.tie_word_embeddings,
-        write_weights=False)
-
-
-class Server:
-    """An engine and a front end as two processes, started with the given engine flags."""
-
-    def __init__(self, model_dir: Path, workdir: Path, engine_flags: list[str]):
-        self.ring = f"blink-bench-{secrets.token_hex(4)}"
-        cli = [sys.executable, "-m", "blink.client.cli"]
-        common = ["--model", str(model_dir), "--ring-name", self.ring]
-        ready = workdir / f"ready-{self.ring}"
-        self.logs = [open(workdir / f"{n}.log", "w") for n in ("engine", "frontend")]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.engine = subprocess.Popen([*cli, "engine", *common, *engine_flags],
-                                       stdout=self.logs[0], stderr=subprocess.STDOUT, env=env)
-        self.frontend = subprocess.Popen(
-            [*cli, "frontend", *common, "--port", "0", "--ready-file", str(ready),
-             "--queue-timeout", "600", "--engine-timeout", "30"],
-            stdout=self.logs[1], stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 600
-        while not (ready.exists() and ready.read_text()):
-            self._check_alive(deadline)
-            time.sleep(0.1)
-        self.target = f"127.0.0.1:{int(ready.read_text())}"
-        with BlinkClient(self.target) as client:
-            while client.health() != "SERVING":
-                self._check_alive(deadline)
-                time.sleep(0.2)
-
-    def _check_alive(self, deadline: float) -> None:
-        for proc, log in zip((self.engine, self.frontend), self.logs):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.flush()
-                raise RuntimeError(f"server did not come up; {log.name}:\n"
-                                   + Path(log.name).read_text()[-3000:])
-
-    def stop(self) -> None:
-        for proc in (self.frontend, self.engine):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in (self.frontend, self.engine):
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for log in self.logs:
-            log.close()
-
-
 @dataclass
 class Result:
     shape: str
@@ -164,9 +102,15 @@ def run_workload(server: Server, shape: str, w: Workload, bandwidth: float) -> R
     from blink.gpu_engine.roofline import decode_step_bytes
     with BlinkClient(server.target) as client:
         before = client.stats()
-        r = asyncio.run(run_bench(server.target, concurrency=w.concurrency, requests=w.requests,
-                                  prompt_tokens=w.prompt_tokens, output_tokens=w.output_tokens))
+        info = client.model_info()
+        requests = random_requests(w.requests, w.prompt_tokens, w.output_tokens,
+                                   info.vocab_size)
+        records, wall, _ = asyncio.run(run_requests(server.target, requests, rate=math.inf,
+                                                    concurrency=w.concurrency))
         after = client.stats()
+    m = summarize(records, wall)
+    if m["failed"]:
+        raise RuntimeError(f"{w.name}: {m['failed']} requests failed: {m['errors']}")
     steps = max(1, after["engine_steps"] - before["engine_steps"])
     floor = None
     if w.kind == "decode":
@@ -174,9 +118,9 @@ def run_workload(server: Server, shape: str, w: Workload, bandwidth: float) -> R
         floor = need.total / bandwidth * 1e3
     return Result(
         shape=shape, workload=w,
-        tpot_ms=statistics.median(r.tpot_s) * 1e3 if w.output_tokens > 1 else None,
-        ttft_ms=statistics.median(r.ttft_s) * 1e3,
-        tokens_per_s=r.generated_tokens / r.wall_s,
+        tpot_ms=m["tpot_ms"]["p50"] if w.output_tokens > 1 else None,
+        ttft_ms=m["ttft_ms"]["p50"],
+        tokens_per_s=m["output_throughput"],
         engine_step_ms=(after["engine_busy_ns"] - before["engine_busy_ns"]) / steps / 1e6,
         tokens_per_step=(after["engine_step_tokens"] - before["engine_step_tokens"]) / steps,
         floor_ms=floor)

@@ -27,9 +27,12 @@ def _model_dir(arg: str | None) -> Path:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", choices=["auto", "cuda", "cpu"], default="auto",
+    p.add_argument("--engine", choices=["auto", "cuda", "cpu", "host-cuda", "hf"],
+                   default="auto",
                    help="cuda: the CPU-free GPU engine; cpu: the NumPy reference engine; "
-                        "auto: cuda when a GPU is usable, else cpu")
+                        "auto: cuda when a GPU is usable, else cpu. The benchmark's peers: "
+                        "host-cuda, the CUDA engine's graphs driven by a host loop; hf, "
+                        "Hugging Face transformers' generate (needs torch and transformers)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache (cuda)")
     p.add_argument("--slots", type=int, default=128, help="request slots in the ring")
@@ -95,14 +98,27 @@ def choose_engine(requested: str) -> str:
 def cmd_engine(args) -> None:
     from blink.gpu_engine.ring_server import RingInUse
     config = _engine_config(args, _model_dir(args.model))
+    kind = choose_engine(args.engine)
     try:
-        if choose_engine(args.engine) == "cuda":
+        if kind == "cuda":
             from blink.gpu_engine.cuda_engine import run_cuda_engine
             run_cuda_engine(config, args.gpu_memory_utilization)
+            return
+        from blink.gpu_engine.reference_engine import run_engine
+        if kind == "host-cuda":
+            from blink.gpu_engine.host_cuda_engine import HostDrivenCudaEngine
+            run_engine(config, HostDrivenCudaEngine,
+                       gpu_memory_utilization=args.gpu_memory_utilization)
+        elif kind == "hf":
+            try:
+                import transformers  # noqa: F401  (here, for a clear message)
+                from blink.gpu_engine.hf_engine import HfTransformersEngine
+            except ImportError as e:
+                sys.exit(f"blink engine: --engine hf needs torch and transformers ({e})")
+            run_engine(config, HfTransformersEngine)
         elif config.load_format == "dummy":
-            sys.exit("blink engine: --load-format dummy needs the cuda engine")
+            sys.exit("blink engine: --load-format dummy needs the cuda, host-cuda or hf engine")
         else:
-            from blink.gpu_engine.reference_engine import run_engine
             run_engine(config)
     except RingInUse as e:
         sys.exit(f"blink engine: {e}")
@@ -209,14 +225,6 @@ def cmd_generate(args) -> None:
           f"total {done.total_s * 1e3:.1f} ms]", file=sys.stderr)
 
 
-def cmd_bench(args) -> None:
-    from blink.client.bench import run_bench
-    result = asyncio.run(run_bench(args.target, concurrency=args.concurrency,
-                                   requests=args.requests, prompt_tokens=args.prompt_tokens,
-                                   output_tokens=args.output_tokens))
-    print(result.summary())
-
-
 def cmd_info(args) -> None:
     from blink.client.sdk import BlinkClient
     with BlinkClient(args.target) as client:
@@ -272,13 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the server to become ready")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="closed-loop load test against a running server")
-    p.add_argument("--target", default="127.0.0.1:50051")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=64)
-    p.set_defaults(func=cmd_bench)
+    from blink.client import bench
+    p = sub.add_parser("bench", help="serving benchmark: ShareGPT or random prompts, open or "
+                                     "closed loop, peers side by side, CPU interference",
+                       description=bench.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.cmd_bench)
 
     for name, func, text in (("info", cmd_info, "describe the served model"),
                              ("stats", cmd_stats, "engine and ring counters")):

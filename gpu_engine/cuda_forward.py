@@ -146,8 +146,8 @@ class ForwardKernels:
         if head_dim % 16 or not 16 <= head_dim <= 256:
             raise ValueError(f"head_dim {head_dim} is not supported "
                              f"(needs a multiple of 16 in [16, 256])")
+        self.context = primary_context()  # initializes the driver
         self.device = check(driver.cuDeviceGet(device))
-        self.context = primary_context()
         attr = driver.CUdevice_attribute
         major = check(driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device))
@@ -712,11 +712,13 @@ class CudaForward:
     # --- the host-side test path ------------------------------------------------------------
 
     def run(self, batch: ForwardBatch, temperature=0.0, top_p=1.0, top_k=0, seed=0, step=0, *,
-            eager: bool = False) -> tuple[np.ndarray, np.ndarray]:
+            eager: bool = False, sampled_only: bool = False):
         """Writes the batch into the device arrays, launches its bucket's graph from the host
         (eager=True: the same kernels without a graph), waits, and returns
         (logits [L, V] f32, sampled [L] i32) for the batch's logit_seqs, in their order.
-        Sampling parameters are scalars or sequences of length L."""
+        Sampling parameters are scalars or sequences of length L. sampled_only: the host
+        loop's step (HostDrivenCudaEngine): copies, launch and the sampled ids' read-back
+        queued on the stream with one wait at the end, no logits, and (None, sampled)."""
         cfg = self.cfg
         T, S, L = batch.num_tokens, batch.num_seqs, len(batch.logit_seqs)
         bucket = self.bucket_for(T)
@@ -757,6 +759,13 @@ class CudaForward:
                       "cuMemcpyHtoDAsync(desc)")
             else:
                 dev.upload(arr, self.stream)
+        if sampled_only:
+            sampled = np.empty(L, np.int32)
+            check(driver.cuGraphLaunch(self.graph_execs[bucket], self.stream), "cuGraphLaunch")
+            check(driver.cuMemcpyDtoHAsync(sampled.ctypes.data, self.sampled.ptr, sampled.nbytes,
+                                           self.stream), "cuMemcpyDtoHAsync(sampled)")
+            synchronize(self.stream)
+            return None, sampled
         synchronize(self.stream)
         before = self.done_count()
         if eager:

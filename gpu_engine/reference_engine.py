@@ -22,7 +22,7 @@ from blink.gpu_engine.ring_server import ModelLimits, RingServer
 from blink.gpu_engine.sampling import sample_token
 from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from blink.gpu_engine.sequence import Sequence
-from blink.ring.layout import EngineState, FinishReason, RingGeometry
+from blink.ring.layout import EngineKind, EngineState, FinishReason, RingGeometry
 
 log = logging.getLogger("blink.engine")
 
@@ -72,19 +72,22 @@ def eos_finish(seq: Sequence, token: int, eos_ids: frozenset[int],
 
 
 class ReferenceEngine:
+    """The host loop: scheduler.py's decisions, a forward pass and sampling per step. The
+    forward pass is the NumPy reference model here; HostDrivenCudaEngine swaps in the CUDA
+    forward graphs (_load_model, _forward_sample)."""
+
+    engine_kind = EngineKind.CPU_REFERENCE
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_cfg = cfg = load_config(config.model_dir)
         self.context_length = min(config.max_model_len or cfg.max_position_embeddings,
                                   cfg.max_position_embeddings)
-        num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_bytes // kv_bytes_per_block(cfg, config.block_size))
+        num_blocks = self._load_model(cfg)
         self.pool = KvBlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             self.context_length), self.pool)
-        self.model = ReferenceModel(cfg, load_weights(config.model_dir, cfg), num_blocks,
-                                    config.block_size)
         self.limits = ModelLimits(cfg.vocab_size, self.context_length,
                                   num_blocks * config.block_size)
         self.eos_ids = frozenset(cfg.eos_token_ids)
@@ -92,7 +95,7 @@ class ReferenceEngine:
                             max_output_tokens=self.context_length)
         self.ring = RingServer(config.ring_name, geom, model_name=cfg.name,
                                vocab_size=cfg.vocab_size, context_length=self.context_length,
-                               eos_ids=cfg.eos_token_ids)
+                               eos_ids=cfg.eos_token_ids, engine_kind=self.engine_kind)
         self.active: dict[int, Sequence] = {}  # slot -> its sequence
         self.stop_event = threading.Event()
         self.counters = dict(requests_admitted=0, requests_finished=0, requests_cancelled=0,
@@ -102,6 +105,21 @@ class ReferenceEngine:
         log.info("engine ready: model %s (%s), context %d, %d KV blocks of %d tokens, %d slots, "
                  "ring /dev/shm/%s", cfg.name, cfg.architecture, self.context_length, num_blocks,
                  config.block_size, config.num_slots, config.ring_name)
+
+    def _load_model(self, cfg: ModelConfig) -> int:
+        """Loads the model and its KV cache; returns the cache's block count."""
+        config = self.config
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_bytes // kv_bytes_per_block(cfg, config.block_size))
+        self.model = ReferenceModel(cfg, load_weights(config.model_dir, cfg), num_blocks,
+                                    config.block_size)
+        return num_blocks
+
+    def _forward_sample(self, batch: ForwardBatch, samplers: list[Sequence]) -> list[int]:
+        """One forward pass over the batch; the token sampled for each of its logit rows."""
+        logits = self.model.forward(batch, on_layer=self.ring.beat)
+        return [sample_token(row, seq.params, len(seq.output))
+                for row, seq in zip(logits, samplers)]
 
     # -- one iteration of the loop ------------------------------------------------------------
 
@@ -119,11 +137,10 @@ class ReferenceEngine:
             return False
         started = time.perf_counter_ns()
         batch, samplers = self._build_batch(plan)
-        logits = self.model.forward(batch, on_layer=self.ring.beat)
+        tokens = self._forward_sample(batch, samplers)
         for (seq, n) in plan.scheduled:
             seq.num_computed += n
-        for row, seq in zip(logits, samplers):
-            token = sample_token(row, seq.params, len(seq.output))
+        for token, seq in zip(tokens, samplers):
             self.ring.append_token(seq.slot, len(seq.output), token)
             seq.output.append(token)
             self.counters["tokens_generated"] += 1
@@ -145,10 +162,10 @@ class ReferenceEngine:
         for r in new:
             stale = self.active.pop(r.slot, None)
             if stale is not None:  # the front end reused the slot: it gave up on the old one
-                self.scheduler.finish(stale)
+                self._drop(stale)
             seq = Sequence(r.slot, r.gen, r.request_id, r.prompt, r.params)
             self.ring.open_record(r.slot, r.gen, len(r.prompt))
-            self.scheduler.add(seq)
+            self._queue(seq)
             self.active[r.slot] = seq
             self.counters["requests_admitted"] += 1
 
@@ -158,8 +175,16 @@ class ReferenceEngine:
                 self.counters["requests_cancelled"] += 1
                 self._retire(seq, FinishReason.CANCELLED, 0)
 
-    def _retire(self, seq: Sequence, reason: FinishReason, detail: int) -> None:
+    def _queue(self, seq: Sequence) -> None:
+        """A new request joins the engine's queue."""
+        self.scheduler.add(seq)
+
+    def _drop(self, seq: Sequence) -> None:
+        """A sequence leaves the engine (finished, cancelled, or its slot reused)."""
         self.scheduler.finish(seq)
+
+    def _retire(self, seq: Sequence, reason: FinishReason, detail: int) -> None:
+        self._drop(seq)
         del self.active[seq.slot]
         self.ring.finish(seq.slot, seq.gen, reason, detail)
         if reason is not FinishReason.CANCELLED:
@@ -184,14 +209,15 @@ class ReferenceEngine:
                              np.asarray(logit_seqs, np.int32))
         return batch, samplers
 
+    def _queue_stats(self) -> dict[str, int]:
+        return dict(kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
+                    kv_block_size=self.pool.block_size,
+                    sequences_running=len(self.scheduler.running),
+                    sequences_waiting=len(self.scheduler.waiting))
+
     def _publish_stats(self) -> None:
         h = self.ring.header
-        h["kv_blocks_total"] = self.pool.num_blocks
-        h["kv_blocks_free"] = self.pool.num_free
-        h["kv_block_size"] = self.pool.block_size
-        h["sequences_running"] = len(self.scheduler.running)
-        h["sequences_waiting"] = len(self.scheduler.waiting)
-        for key, value in self.counters.items():
+        for key, value in (*self._queue_stats().items(), *self.counters.items()):
             h[key] = value
 
     # -- the loop -------------------------------------------------------------------------------
@@ -212,8 +238,9 @@ class ReferenceEngine:
             log.info("engine stopped")
 
 
-def run_engine(config: EngineConfig) -> None:
-    engine = ReferenceEngine(config)
+def run_engine(config: EngineConfig, engine_cls=ReferenceEngine, **options) -> None:
+    """Serves the ring with `engine_cls` (ReferenceEngine or a subclass) until SIGTERM/SIGINT."""
+    engine = engine_cls(config, **options)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: engine.stop_event.set())
     engine.serve_forever()

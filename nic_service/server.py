@@ -32,7 +32,9 @@ from blink.v1 import blink_pb2_grpc as pb_grpc
 
 log = logging.getLogger("blink.frontend")
 
-ENGINE_NAMES = {EngineKind.CPU_REFERENCE: "cpu-reference", EngineKind.CUDA: "cuda"}
+ENGINE_NAMES = {EngineKind.CPU_REFERENCE: "cpu-reference", EngineKind.CUDA: "cuda",
+                EngineKind.HOST_DRIVEN_CUDA: "cuda-host-driven",
+                EngineKind.HF_TRANSFORMERS: "hf-transformers"}
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Blink"].full_name
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256

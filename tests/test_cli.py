@@ -44,7 +44,7 @@ def test_dummy_weights_need_the_cuda_engine(checkpoints):
     out = blink("engine", "--model", str(checkpoints["llama"]), "--engine", "cpu",
                 "--load-format", "dummy", "--ring-name", f"blink-test-dummy-{os.getpid()}")
     assert out.returncode != 0
-    assert "--load-format dummy needs the cuda engine" in out.stderr
+    assert "--load-format dummy needs the cuda, host-cuda or hf engine" in out.stderr
 
 
 def test_serve_generate_and_engine_restart(checkpoints, tmp_path):

@@ -135,6 +135,46 @@ def test_cuda_engine_matches_transformers_bf16(arch, checkpoints, cuda_stacks):
         print(f"engine {arch}: {len(PROMPTS)} prompts x 16 greedy tokens, {ties} near-tie steps")
 
 
+def test_benchmark_peers_on_the_gpu(checkpoints, cuda_stacks):
+    """The benchmark's peers: the host-driven ablation runs the CUDA engine's own graphs, so one
+    request at a time it returns the CUDA engine's tokens exactly; concurrent requests and the
+    transformers peer (bf16 on the GPU) follow the bf16 reference up to near-ties."""
+    from tokenizers import Tokenizer
+    from test_serving_e2e import PROMPTS
+    model_dir = checkpoints["llama"]
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    model = hf_bf16(model_dir)
+    _, max_abs = teacher_forced_error(model_dir, tok.encode(PROMPTS[1]).ids, model)
+
+    def greedy(stack):
+        with BlinkClient(stack.target) as client:
+            return client.model_info().engine, [
+                list(client.generate(p, GREEDY, return_token_ids=True).token_ids)
+                for p in PROMPTS]
+
+    engine, want = greedy(cuda_stacks("llama", model_dir))
+    host = cuda_stacks("llama-host-driven", model_dir, ["--engine", "host-cuda"])
+    engine, got = greedy(host)
+    assert engine == "cuda-host-driven" and got == want
+
+    async def concurrent():
+        async with AsyncBlinkClient(host.target) as client:
+            return await asyncio.gather(*(client.generate(p, GREEDY, return_token_ids=True)
+                                          for p in PROMPTS))
+    ties = sum(check_against_bf16_reference(model, tok.encode(p).ids, list(done.token_ids),
+                                            TIE_FACTOR * max_abs)
+               for p, done in zip(PROMPTS, asyncio.run(concurrent())))
+    print(f"engine host-driven: {len(PROMPTS)} prompts alone give the cuda engine's tokens; "
+          f"concurrent: {ties} near-tie steps")
+
+    engine, got = greedy(cuda_stacks("llama-hf", model_dir, ["--engine", "hf"]))
+    assert engine == "hf-transformers"
+    ties = sum(check_against_bf16_reference(model, tok.encode(p).ids, g, TIE_FACTOR * max_abs)
+               for p, g in zip(PROMPTS, got))
+    print(f"engine hf-transformers: {len(PROMPTS)} prompts x 16 greedy tokens, {ties} near-tie "
+          f"steps")
+
+
 def test_cuda_64_concurrent_streams_staggered(checkpoints, cuda_stacks):
     stack = cuda_stacks("llama", checkpoints["llama"])
     model = hf_bf16(checkpoints["llama"])

@@ -23,6 +23,8 @@ enum class EngineState : uint32_t {
 enum class EngineKind : uint32_t {
   kCpuReference = 0,
   kCuda = 1,
+  kHostDrivenCuda = 2,
+  kHfTransformers = 3,
 };
 
 enum class FinishReason : uint32_t {

