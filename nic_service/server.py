@@ -106,6 +106,48 @@ def _check_float(name: str, value: float, ok: bool, want: str) -> None:
         raise InvalidRequest(f"{name} must be {want}, got {value}")
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """What a request deserializes to when its bytes are not a valid message of its type
+    (malformed wire data, invalid UTF-8 in a string field): the RPC answers INVALID_ARGUMENT
+    instead of gRPC's own UNKNOWN and a server-side traceback."""
+    error: str
+
+
+def add_blink_service(servicer: pb_grpc.BlinkServicer, server: grpc.aio.Server) -> None:
+    """blink_pb2_grpc.add_BlinkServicer_to_server, with request parsing that hands the servicer
+    an Undecodable rather than failing inside gRPC. Built from the service descriptor, so every
+    RPC of blink.proto is covered."""
+    from google.protobuf import message_factory
+    from google.protobuf.message import DecodeError
+
+    def tolerant(cls):
+        def parse(data: bytes):
+            try:
+                return cls.FromString(data)
+            except DecodeError as e:
+                return Undecodable(str(e) or "malformed message")
+        return parse
+
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Blink"].methods:
+        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=tolerant(message_factory.GetMessageClass(method.input_type)),
+            response_serializer=message_factory.GetMessageClass(
+                method.output_type).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
+                                                                         handlers),))
+
+
+async def refuse_undecodable(request, context) -> None:
+    if isinstance(request, Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request could not be decoded: {request.error}")
+
+
 class BlinkServicer(pb_grpc.BlinkServicer):
     def __init__(self, config: FrontendConfig, codec: PromptCodec, link: EngineLink):
         self.config = config
@@ -190,6 +232,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
 
     async def Generate(self, request, context):
         received = time.monotonic()
+        await refuse_undecodable(request, context)
         if not self.link.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not available")
         try:
@@ -269,6 +312,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             return
 
     async def GetModelInfo(self, request, context):
+        await refuse_undecodable(request, context)
         info = self.link.info
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not available")
@@ -279,6 +323,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                             engine=ENGINE_NAMES[info.engine_kind])
 
     async def GetServerStats(self, request, context):
+        await refuse_undecodable(request, context)
         link = self.link
         stats = pb.ServerStats(engine_alive=link.alive, ring_slots_in_use=link.slots_in_use,
                                requests_waiting_for_slot=link.waiting_for_slot,
@@ -323,8 +368,7 @@ class Frontend:
             ("grpc.max_receive_message_length", 2 * limit + (1 << 20)),
             ("grpc.max_send_message_length", 64 << 20),
         ])
-        pb_grpc.add_BlinkServicer_to_server(BlinkServicer(self.config, self.codec, self.link),
-                                            self.server)
+        add_blink_service(BlinkServicer(self.config, self.codec, self.link), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

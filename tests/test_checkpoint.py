@@ -46,7 +46,8 @@ def test_config_matches_transformers(tmp_path, arch):
         hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps) == (
         hf.num_attention_heads, hf.num_key_value_heads, hf.rms_norm_eps)
-    assert cfg.head_dim == getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert cfg.head_dim == (getattr(hf, "head_dim", None)
+                            or hf.hidden_size // hf.num_attention_heads)
     assert cfg.head_dim == (32 if arch == "qwen3" else 16)
     assert cfg.attention_bias == (arch == "qwen2") and not cfg.o_proj_bias
     assert cfg.qk_norm == (arch == "qwen3")

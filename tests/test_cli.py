@@ -29,15 +29,30 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def test_auto_engine_is_cpu_without_gpu():
+def test_auto_engine_choice(monkeypatch):
+    """auto picks cuda exactly when cuda-python imports, a GPU is usable and nvcc is found;
+    an explicit choice is kept. The CUDA runtime module is replaced by fakes, so the rule is
+    checked on every machine (not re-derived from the same calls)."""
+    import types
+
     from blink.client.cli import choose_engine
-    try:
-        from blink.gpu_engine.cuda_runtime import gpu_unusable_reason
-        has_gpu = gpu_unusable_reason() is None
-    except Exception:
-        has_gpu = False
-    assert choose_engine("auto") == ("cuda" if has_gpu else "cpu")
-    assert choose_engine("cpu") == "cpu"
+
+    def runtime(reason, nvcc):
+        fake = types.ModuleType("blink.gpu_engine.cuda_runtime")
+        fake.gpu_unusable_reason = lambda: reason
+        fake.nvcc_path = lambda: nvcc
+        monkeypatch.setitem(sys.modules, "blink.gpu_engine.cuda_runtime", fake)
+
+    runtime(None, "/usr/local/cuda/bin/nvcc")
+    assert choose_engine("auto") == "cuda"
+    assert choose_engine("cpu") == "cpu" and choose_engine("hf") == "hf"
+    runtime("no CUDA device", "/usr/local/cuda/bin/nvcc")
+    assert choose_engine("auto") == "cpu"
+    runtime(None, None)
+    assert choose_engine("auto") == "cpu"
+    monkeypatch.setitem(sys.modules, "blink.gpu_engine.cuda_runtime", None)  # import fails
+    assert choose_engine("auto") == "cpu"
+    assert choose_engine("cuda") == "cuda"
 
 
 def test_dummy_weights_need_the_cuda_engine(checkpoints):
