@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -15,15 +16,41 @@ DEMO_NOTE = ("serving the built-in demo model: random weights, so its text is me
              "config.json, *.safetensors and tokenizer.json; Llama, Qwen2 or Qwen3).")
 
 
-def _model_dir(arg: str | None) -> Path:
-    if arg:
-        path = Path(arg).expanduser()
-        if not (path / "config.json").is_file():
-            sys.exit(f"blink: {path} is not a Hugging Face checkpoint folder (no config.json)")
-        return path
-    from blink.gpu_engine.demo_model import ensure_demo_model
-    print(f"blink: {DEMO_NOTE}", file=sys.stderr)
-    return ensure_demo_model()
+def _model_dir(arg: str | None, *, need_weights: bool = True) -> Path:
+    """The checkpoint folder, checked before anything starts: config.json with a supported
+    architecture, tokenizer.json, and weights (unless need_weights is False: --load-format
+    dummy). Any problem ends the command with one line."""
+    if not arg:
+        from blink.gpu_engine.demo_model import ensure_demo_model
+        print(f"blink: {DEMO_NOTE}", file=sys.stderr)
+        return ensure_demo_model()
+    from blink.gpu_engine.checkpoint import CheckpointError, load_config
+    path = Path(arg).expanduser()
+    if not (path / "config.json").is_file():
+        sys.exit(f"blink: {path} is not a Hugging Face checkpoint folder (no config.json)")
+    try:
+        load_config(path)
+    except CheckpointError as e:
+        sys.exit(f"blink: {path}: {e}")
+    if not (path / "tokenizer.json").is_file():
+        sys.exit(f"blink: {path} has no tokenizer.json (the front end tokenizes with it)")
+    if need_weights and not any(path.glob("*.safetensors")):
+        sys.exit(f"blink: {path} has no *.safetensors weights (--load-format dummy serves "
+                 f"random weights in its shapes)")
+    return path
+
+
+def _check_engine_args(args) -> None:
+    """Flag values the engine would refuse, refused before anything starts."""
+    for name in ("slots", "block_size", "max_num_seqs", "max_batched_tokens"):
+        if getattr(args, name) < 1:
+            sys.exit(f"blink: --{name.replace('_', '-')} must be >= 1")
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+        sys.exit("blink: --num-kv-blocks must be >= 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        sys.exit("blink: --max-model-len must be >= 2")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        sys.exit("blink: --gpu-memory-utilization must be in (0, 1]")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +88,9 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-mb", type=float, default=4.0, help="largest request accepted")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound port here once listening")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds in-flight streams may take to finish "
+                        "(new requests get UNAVAILABLE meanwhile)")
 
 
 def _engine_config(args, model_dir: Path):
@@ -97,7 +127,9 @@ def choose_engine(requested: str) -> str:
 
 def cmd_engine(args) -> None:
     from blink.gpu_engine.ring_server import RingInUse
-    config = _engine_config(args, _model_dir(args.model))
+    _check_engine_args(args)
+    config = _engine_config(args, _model_dir(args.model,
+                                             need_weights=args.load_format != "dummy"))
     kind = choose_engine(args.engine)
     try:
         if kind == "cuda":
@@ -126,7 +158,11 @@ def cmd_engine(args) -> None:
 
 def cmd_frontend(args) -> None:
     from blink.nic_service.server import serve
-    asyncio.run(serve(_frontend_config(args, _model_dir(args.model)), args.ready_file))
+    config = _frontend_config(args, _model_dir(args.model, need_weights=False))
+    try:
+        asyncio.run(serve(config, args.ready_file, shutdown_timeout_s=args.shutdown_timeout))
+    except OSError as e:
+        sys.exit(f"blink frontend: {e}")
 
 
 def _engine_argv(args, model_dir: Path) -> list[str]:
@@ -144,16 +180,29 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
     return argv
 
 
-async def _supervise_engine(argv: list[str], stop: asyncio.Event) -> None:
-    """Runs the engine process and restarts it when it dies (the front end keeps serving and
-    reattaches on its own)."""
+async def _supervise_engine(argv: list[str], stop: asyncio.Event, link,
+                            restart_timeout_s: float) -> int:
+    """Runs the engine process and restarts it when it dies, or when its heartbeat (as the
+    front end's link sees it) has not moved for restart_timeout_s (0: never); the front end
+    keeps serving and re-attaches on its own. An engine that exits before its first heartbeat
+    ends the supervision: returns its exit status (0 once `stop` is set)."""
+    log = logging.getLogger("blink.serve")
     backoff = 0.5
     while not stop.is_set():
         proc = await asyncio.create_subprocess_exec(*argv)
         started = time.monotonic()
         waiter = asyncio.ensure_future(proc.wait())
         stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        ready = False
+        while not (waiter.done() or stopper.done()):
+            await asyncio.wait({waiter, stopper}, timeout=1.0)
+            age = link.heartbeat_age()
+            ready = ready or link.alive
+            if (proc.returncode is None and ready and restart_timeout_s
+                    and age is not None and age > restart_timeout_s):
+                log.warning("engine stuck (no heartbeat for %.0f s); killing it to restart",
+                            age)
+                proc.kill()
         if stop.is_set():
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
@@ -161,12 +210,14 @@ async def _supervise_engine(argv: list[str], stop: asyncio.Event) -> None:
                     await asyncio.wait_for(waiter, 10)
                 except asyncio.TimeoutError:
                     proc.kill()
-            return
+            return 0
         stopper.cancel()
-        logging.getLogger("blink.serve").warning("engine exited with %s; restarting",
-                                                 proc.returncode)
+        if not ready:
+            return proc.returncode or 1
+        log.warning("engine exited with %s; restarting", proc.returncode)
         backoff = 0.5 if time.monotonic() - started > 30 else min(backoff * 2, 10)
         await asyncio.sleep(backoff)
+    return 0
 
 
 def default_ring_name() -> str:
@@ -175,29 +226,44 @@ def default_ring_name() -> str:
 
 
 def cmd_serve(args) -> None:
-    model_dir = _model_dir(args.model)
-    if args.ring_name is None:  # engine and front end are ours alone: a ring per port
-        args.ring_name = f"{default_ring_name()}-{args.port}"
+    _check_engine_args(args)
+    model_dir = _model_dir(args.model, need_weights=args.load_format != "dummy")
+    if args.ring_name is None:  # engine and front end are ours alone: a ring per server
+        args.ring_name = f"{default_ring_name()}-{args.port or f'p{os.getpid()}'}"
 
-    async def main():
+    async def main() -> int:
         from blink.nic_service.server import Frontend
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        engine = asyncio.ensure_future(_supervise_engine(_engine_argv(args, model_dir), stop))
+        # the front end first: a taken port or an unreadable tokenizer fails before any engine
         frontend = Frontend(_frontend_config(args, model_dir))
         port = await frontend.start()
+        engine = asyncio.ensure_future(_supervise_engine(
+            _engine_argv(args, model_dir), stop, frontend.link, args.engine_restart_timeout))
         if args.ready_file:
             args.ready_file.write_text(str(port))
         print(f"blink: serving {model_dir.name} on {args.host}:{port} (ring /dev/shm/"
               f"{args.ring_name}); try: blink generate --target {args.host}:{port} \"Hello\"",
               flush=True)
-        await stop.wait()
+        await asyncio.wait({engine, asyncio.ensure_future(stop.wait())},
+                           return_when=asyncio.FIRST_COMPLETED)
+        if engine.done():  # the engine never came up: nothing to serve
+            await frontend.stop(grace=0)
+            return engine.result()
+        await frontend.drain(args.shutdown_timeout)
+        status = await engine
         await frontend.stop()
-        await engine
+        return status
 
-    asyncio.run(main())
+    try:
+        status = asyncio.run(main())
+    except OSError as e:
+        sys.exit(f"blink serve: {e}")
+    if status:
+        sys.exit(f"blink serve: the engine exited with status {status} before it was ready "
+                 f"(its messages are above)")
 
 
 def _sampling(args):
@@ -253,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p, None)
     _add_engine_args(p)
     _add_frontend_args(p)
+    p.add_argument("--engine-restart-timeout", type=float, default=60.0,
+                   help="restart an engine whose heartbeat has not moved for this many seconds "
+                        "(0: never)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("engine", help="the engine alone (creates the ring)")

@@ -117,7 +117,7 @@ class ReferenceEngine:
 
     def _forward_sample(self, batch: ForwardBatch, samplers: list[Sequence]) -> list[int]:
         """One forward pass over the batch; the token sampled for each of its logit rows."""
-        logits = self.model.forward(batch, on_layer=self.ring.beat)
+        logits = self.model.forward(batch, on_progress=self.ring.beat)
         return [sample_token(row, seq.params, len(seq.output))
                 for row, seq in zip(logits, samplers)]
 

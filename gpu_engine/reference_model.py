@@ -79,8 +79,15 @@ class ReferenceModel:
         blocks = b.block_tables[seq_of_token, pos // self.block_size].astype(np.int64)
         return blocks, pos % self.block_size
 
-    def forward(self, batch: ForwardBatch, on_layer=None) -> np.ndarray:
-        """Runs one step; returns logits [len(batch.logit_seqs), vocab] float32."""
+    # Queries per attention block: bounds the score matrix, and on_progress runs between
+    # blocks, so the heartbeat moves during a long chunk over a long context (a 512-token chunk
+    # at 23k keys took longer than the front end's liveness timeout for one layer).
+    QUERY_BLOCK = 64
+
+    def forward(self, batch: ForwardBatch, on_progress=None) -> np.ndarray:
+        """Runs one step; returns logits [len(batch.logit_seqs), vocab] float32. on_progress()
+        is called between layers and between attention's query blocks (liveness)."""
+        on_progress = on_progress or (lambda: None)
         cfg, w = self.cfg, self.w
         blocks, rows = self._check(batch)
         T, D = batch.num_tokens, cfg.head_dim
@@ -93,8 +100,7 @@ class ReferenceModel:
 
         x = w.embed[batch.token_ids]  # [T, H]
         for li, lw in enumerate(w.layers):
-            if on_layer is not None:
-                on_layer()  # liveness: a big prefill chunk on a real model takes seconds
+            on_progress()
             h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             q, k, v = h @ lw.q_proj.T, h @ lw.k_proj.T, h @ lw.v_proj.T
             if lw.q_bias is not None:
@@ -113,9 +119,12 @@ class ReferenceModel:
 
             attn = np.empty((T, cfg.num_heads, D), np.float32)
             for s in range(batch.num_seqs):
-                a, b = starts[s], starts[s + 1]
-                attn[a:b] = self._attend(li, q[a:b], batch.positions[a:b],
-                                         batch.block_tables[s], int(batch.context_lens[s]))
+                for a in range(starts[s], starts[s + 1], self.QUERY_BLOCK):
+                    b = min(a + self.QUERY_BLOCK, starts[s + 1])
+                    keys = int(batch.positions[b - 1]) + 1  # causal: the block's last query
+                    attn[a:b] = self._attend(li, q[a:b], batch.positions[a:b],
+                                             batch.block_tables[s], keys)
+                    on_progress()
             o = attn.reshape(T, cfg.q_size) @ lw.o_proj.T
             x = x + (o + lw.o_bias if lw.o_bias is not None else o)
 

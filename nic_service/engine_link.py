@@ -127,7 +127,12 @@ class EngineLink:
         self._last_beat_change = 0.0
         self._task: asyncio.Task | None = None
         self._header_stats: np.void | None = None
-        self._dead_instances: set[int] = set()
+        # instance -> its heartbeat when declared dead: the same instance is attached again
+        # only once that heartbeat moves (a stalled engine that recovers), never while it stays
+        # put (a killed engine leaves its segment and a SERVING header behind)
+        self._dead_beats: dict[int, int] = {}
+        self._instance = None           # the engine instance attached last
+        self._instance_was_alive = False  # ... and whether its heartbeat ever moved
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -240,9 +245,14 @@ class EngineLink:
         except EngineUnavailable as e:
             log.debug("attach: %s", e)
             return
-        if info.instance in self._dead_instances:
-            transport.close()  # a dead engine's segment, left behind: wait for a new engine
+        beat = int(np.frombuffer(transport.read(0, HEADER_DTYPE.itemsize),
+                                 HEADER_DTYPE)[0]["heartbeat"])
+        if self._dead_beats.get(info.instance, beat + 1) == beat:
+            transport.close()  # declared dead and still silent: wait for it or a new engine
             return
+        self._dead_beats.pop(info.instance, None)
+        if info.instance != self._instance:
+            self._instance, self._instance_was_alive = info.instance, False
         geom = info.geometry
         self._transport, self.info = transport, info
         begins = np.frombuffer(transport.read_strided(geom.slots_offset, geom.slot_bytes,
@@ -251,17 +261,24 @@ class EngineLink:
         self._next_gen = [int(b) % 0xFFFF_FFFF + 1 for b in begins]
         self._free = deque(range(geom.num_slots))
         # alive only once the heartbeat moves: a killed engine leaves a SERVING header behind
-        self._last_beat = int(np.frombuffer(transport.read(0, HEADER_DTYPE.itemsize),
-                                            HEADER_DTYPE)[0]["heartbeat"])
-        self._last_beat_change = time.monotonic()
+        self._last_beat = beat
+        if not self.alive:
+            self._last_beat_change = time.monotonic()
         log.info("attached to engine ring /dev/shm/%s (instance %x): model %s, %d slots",
                  self.ring_name, info.instance, info.model_name, geom.num_slots)
+
+    def heartbeat_age(self) -> float | None:
+        """Seconds since the heartbeat of the engine instance attached last moved (it keeps
+        counting after the link gave that engine up); None until that instance was alive (an
+        engine still starting up)."""
+        return time.monotonic() - self._last_beat_change if self._instance_was_alive else None
 
     def _set_alive(self, alive: bool) -> None:
         if alive != self.alive:
             self.alive = alive
             if alive:
                 self.attachments += 1
+                self._instance_was_alive = True
             log.info("engine %s", "alive" if alive else "unavailable")
             if self.on_alive_change:
                 self.on_alive_change(alive)
@@ -296,7 +313,7 @@ class EngineLink:
             self._last_beat, self._last_beat_change = beat, now
             self._set_alive(True)
         elif now - self._last_beat_change > self.engine_timeout_s:
-            self._dead_instances.add(self.info.instance)
+            self._dead_beats[self.info.instance] = beat
             return self._detach(EngineUnavailable(
                 f"the engine stopped answering (no heartbeat for {self.engine_timeout_s:g} s)"))
         if not self._live:

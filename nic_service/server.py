@@ -153,6 +153,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         self.config = config
         self.codec = codec
         self.link = link
+        self.draining = False  # set by Frontend.drain: new requests are refused
 
     # -- validation (everything the engine would reject, with a message a person reads) -------
 
@@ -233,6 +234,8 @@ class BlinkServicer(pb_grpc.BlinkServicer):
     async def Generate(self, request, context):
         received = time.monotonic()
         await refuse_undecodable(request, context)
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server shutting down")
         if not self.link.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not available")
         try:
@@ -353,9 +356,12 @@ class Frontend:
                                engine_timeout_s=config.engine_timeout_s,
                                on_alive_change=self._on_alive_change)
         self.server: grpc.aio.Server | None = None
+        self.servicer: BlinkServicer | None = None
         self.port: int | None = None
 
     def _on_alive_change(self, alive: bool) -> None:
+        if self.servicer is not None and self.servicer.draining:
+            return  # shutting down: stays NOT_SERVING
         status = (health_pb2.HealthCheckResponse.SERVING if alive
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", SERVICE_NAME):
@@ -367,14 +373,21 @@ class Frontend:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", 2 * limit + (1 << 20)),
             ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second server
         ])
-        add_blink_service(BlinkServicer(self.config, self.codec, self.link), self.server)
+        self.servicer = BlinkServicer(self.config, self.codec, self.link)
+        add_blink_service(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc raises this when the bind fails
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+            raise OSError(f"cannot listen on {address} (in use, or not an address of this "
+                          f"host)")
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.link.start()
@@ -383,6 +396,20 @@ class Frontend:
                  self.config.ring_name)
         return self.port
 
+    async def drain(self, timeout_s: float) -> None:
+        """Graceful shutdown, first half: health NOT_SERVING, new requests UNAVAILABLE
+        "server shutting down", and up to timeout_s for the streams in flight to finish."""
+        self.servicer.draining = True
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + timeout_s
+        while (self.link.slots_in_use or self.link.waiting_for_slot) \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.link.slots_in_use + self.link.waiting_for_slot
+        log.info("drained: %s", f"{left} streams still open at the timeout" if left
+                 else "no stream in flight")
+
     async def stop(self, grace: float = 1.0) -> None:
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
@@ -390,7 +417,8 @@ class Frontend:
         await self.link.stop()
 
 
-async def serve(config: FrontendConfig, ready_file: Path | None = None) -> None:
+async def serve(config: FrontendConfig, ready_file: Path | None = None, *,
+                shutdown_timeout_s: float = 30.0) -> None:
     frontend = Frontend(config)
     port = await frontend.start()
     if ready_file is not None:
@@ -401,4 +429,5 @@ async def serve(config: FrontendConfig, ready_file: Path | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await frontend.drain(shutdown_timeout_s)
     await frontend.stop()

@@ -39,6 +39,15 @@ def long_checkpoint(tmp_path_factory) -> Path:
     return write_random_checkpoint(tmp_path_factory.mktemp("long") / "long", seed=9, **shapes)
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (e.g. the engine `blink serve` started)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "blink.client.cli", *args]
 

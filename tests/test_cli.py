@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from conftest import children
 
 from blink.client.sdk import BlinkClient
 
@@ -19,14 +20,6 @@ pytestmark = pytest.mark.slow
 def blink(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "blink.client.cli", *args], capture_output=True,
                           text=True, timeout=120, **kw)
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(c) for c in f.read().split()]
-    return out
 
 
 def test_auto_engine_choice(monkeypatch):
