@@ -88,6 +88,10 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-mb", type=float, default=4.0, help="largest request accepted")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound port here once listening")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
+                        "default: off)")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight streams may take to finish "
                         "(new requests get UNAVAILABLE meanwhile)")
@@ -107,7 +111,8 @@ def _frontend_config(args, model_dir: Path):
     return FrontendConfig(model_dir=model_dir, ring_name=args.ring_name, host=args.host,
                           port=args.port, queue_timeout_s=args.queue_timeout,
                           max_queued=args.max_queued, engine_timeout_s=args.engine_timeout,
-                          max_request_bytes=int(args.max_request_mb * (1 << 20)))
+                          max_request_bytes=int(args.max_request_mb * (1 << 20)),
+                          metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
 def choose_engine(requested: str) -> str:
@@ -172,7 +177,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
             "--block-size", str(args.block_size), "--kv-cache-mb", str(args.kv_cache_mb),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-batched-tokens", str(args.max_batched_tokens),
-            "--load-format", args.load_format]
+            "--load-format", args.load_format, "--log-level", args.log_level,
+            "--log-format", args.log_format]
     if args.num_kv_blocks:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.max_model_len:
@@ -277,8 +283,16 @@ def cmd_generate(args) -> None:
     from blink.client.sdk import BlinkClient, BlinkError
     with BlinkClient(args.target) as client:
         try:
-            client.wait_ready(args.wait)
-            stream = client.stream(args.prompt, _sampling(args), timeout=args.timeout)
+            try:
+                serving = client.health(timeout=2) == "SERVING"
+            except BlinkError:
+                serving = False
+            if not serving:
+                print(f"blink: waiting up to {args.wait:g} s for {args.target} to serve",
+                      file=sys.stderr)
+                client.wait_ready(args.wait)
+            prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+            stream = client.stream(prompt, _sampling(args), timeout=args.timeout)
             for delta in stream:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
@@ -292,21 +306,50 @@ def cmd_generate(args) -> None:
 
 
 def cmd_info(args) -> None:
-    from blink.client.sdk import BlinkClient
+    import dataclasses
+
+    from blink.client.sdk import BlinkClient, BlinkError
     with BlinkClient(args.target) as client:
-        print(client.model_info())
+        try:
+            info = client.model_info(timeout=10)
+        except BlinkError as e:
+            sys.exit(f"blink info: {e}")
+    print(json.dumps(dataclasses.asdict(info), indent=2))
 
 
 def cmd_stats(args) -> None:
-    from blink.client.sdk import BlinkClient
+    from blink.client.sdk import BlinkClient, BlinkError
     with BlinkClient(args.target) as client:
-        print(json.dumps(client.stats(), indent=2, default=str))
+        try:
+            stats = client.stats(timeout=10)
+        except BlinkError as e:
+            sys.exit(f"blink stats: {e}")
+    print(json.dumps(stats, indent=2, default=str))
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("blink-serve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blink", description="Blink: CPU-free LLM serving")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"blink {_version()}")
+    logs = argparse.ArgumentParser(add_help=False)  # every command takes these
+    logs.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")
+    logs.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                      default="info")
+    logs.add_argument("--log-format", choices=["text", "json"], default="text",
+                      help="json: one JSON object per line (a finished request's fields under "
+                           "'request')")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, **kw) -> argparse.ArgumentParser:
+        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        return sub.add_parser(name, parents=[logs], **kw)
 
     def model_args(p, ring_default):
         p.add_argument("--model", default=None,
@@ -315,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="name of the shared-memory ring under /dev/shm "
                             f"(default: {ring_default or default_ring_name() + '-PORT'})")
 
-    p = sub.add_parser("serve", help="engine and front end on this host")
+    p = command("serve", help="engine and front end on this host")
     model_args(p, None)
     _add_engine_args(p)
     _add_frontend_args(p)
@@ -324,17 +367,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: never)")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("engine", help="the engine alone (creates the ring)")
+    p = command("engine", help="the engine alone (creates the ring)")
     model_args(p, default_ring_name())
     _add_engine_args(p)
     p.set_defaults(func=cmd_engine)
 
-    p = sub.add_parser("frontend", help="the gRPC front end alone (attaches to the ring)")
+    p = command("frontend", help="the gRPC front end alone (attaches to the ring)")
     model_args(p, default_ring_name())
     _add_frontend_args(p)
     p.set_defaults(func=cmd_frontend)
 
-    p = sub.add_parser("generate", help="stream a completion to the terminal")
+    p = command("generate", help="stream a completion to the terminal")
     p.add_argument("prompt")
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -345,12 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    p.add_argument("--wait", type=float, default=60.0,
+    p.add_argument("--wait", type=float, default=10.0,
                    help="seconds to wait for the server to become ready")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the model's chat template")
     p.set_defaults(func=cmd_generate)
 
     from blink.client import bench
-    p = sub.add_parser("bench", help="serving benchmark: ShareGPT or random prompts, open or "
+    p = command("bench", help="serving benchmark: ShareGPT or random prompts, open or "
                                      "closed loop, peers side by side, CPU interference",
                        description=bench.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -359,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, text in (("info", cmd_info, "describe the served model"),
                              ("stats", cmd_stats, "engine and ring counters")):
-        p = sub.add_parser(name, help=text)
+        p = command(name, help=text)
         p.add_argument("--target", default="127.0.0.1:50051")
         p.set_defaults(func=func)
     return parser
@@ -367,9 +412,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter() if args.log_format == "json" else logging.Formatter(
+        "%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level="DEBUG" if args.verbose else args.log_level.upper(),
+                        handlers=[handler])
     args.func(args)
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, message, and a structured `request`
+    (log_request's fields) when the record has one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record), "level": record.levelname,
+               "logger": record.name, "message": record.getMessage()}
+        if hasattr(record, "request"):
+            out["request"] = record.request
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ class RequestHandle:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Tokens | Finished | Exception
     seen: int = 0                 # tokens already read from the record
     cancelled: bool = False
+    stop_matched: bool = False    # cancelled because a stop string matched: a finish, not a cancel
     done: bool = False            # the engine finished it (or it was failed locally)
 
 
@@ -102,6 +103,12 @@ def _open_ring(ring_name: str) -> tuple[ShmTransport, EngineInfo]:
         raise
 
 
+# Ring header counters that only grow during one engine instance's life.
+ENGINE_COUNTERS = ("requests_admitted", "requests_finished", "requests_cancelled",
+                   "requests_rejected", "preemptions", "tokens_generated", "engine_steps",
+                   "busy_ns", "step_tokens")
+
+
 class EngineLink:
     def __init__(self, ring_name: str, *, queue_timeout_s: float = 30.0,
                  max_queued: int = 1024, engine_timeout_s: float = 3.0,
@@ -131,6 +138,11 @@ class EngineLink:
         # only once that heartbeat moves (a stalled engine that recovers), never while it stays
         # put (a killed engine leaves its segment and a SERVING header behind)
         self._dead_beats: dict[int, int] = {}
+        # engine counters (ring header) of the instances before the current one: totals that
+        # survive engine restarts (counter_totals)
+        self._carried = dict.fromkeys(ENGINE_COUNTERS, 0)
+        self._counted: tuple[int, dict] | None = None  # (instance, its last counters)
+        self._stop_string_finishes = 0  # engine "cancels" that were stop-string finishes
         self._instance = None           # the engine instance attached last
         self._instance_was_alive = False  # ... and whether its heartbeat ever moved
 
@@ -159,6 +171,23 @@ class EngineLink:
     def header_snapshot(self) -> np.void | None:
         return self._header_stats
 
+    def counter_totals(self) -> dict[str, int]:
+        """The engine's counters (ENGINE_COUNTERS) summed over every engine instance this link
+        has seen: they keep growing across engine restarts."""
+        last = self._counted[1] if self._counted else {}
+        totals = {k: self._carried[k] + last.get(k, 0) for k in ENGINE_COUNTERS}
+        moved = min(self._stop_string_finishes, totals["requests_cancelled"])
+        totals["requests_cancelled"] -= moved
+        totals["requests_finished"] += moved
+        return totals
+
+    def _count(self, h: np.void, instance: int) -> None:
+        counters = {k: int(h[k]) for k in ENGINE_COUNTERS}
+        if self._counted is not None and self._counted[0] != instance:
+            for k, v in self._counted[1].items():  # a new engine: fold the old one's totals
+                self._carried[k] += v
+        self._counted = (instance, counters)
+
     # -- requests -------------------------------------------------------------------------------
 
     async def submit(self, req_fields: dict) -> RequestHandle:
@@ -185,11 +214,13 @@ class EngineLink:
         self._live[slot] = handle
         return handle
 
-    def cancel(self, handle: RequestHandle) -> None:
-        """Asks the engine to stop; the slot is freed once the engine confirms."""
+    def cancel(self, handle: RequestHandle, *, stop_matched: bool = False) -> None:
+        """Asks the engine to stop; the slot is freed once the engine confirms. stop_matched:
+        the front end ended the request on a stop string; the engine counts that as a cancel
+        and counter_totals moves it to the finished requests."""
         if handle.done or handle.cancelled:
             return
-        handle.cancelled = True
+        handle.cancelled, handle.stop_matched = True, stop_matched
         if self.alive and self.info.instance == handle.instance:
             off = self.info.geometry.slot_offset(handle.slot) + 4
             self._transport.write(off, np.uint32(handle.gen).tobytes())
@@ -306,6 +337,7 @@ class EngineLink:
         now = time.monotonic()
         if int(h["engine_instance"]) != self.info.instance or not t.is_current():
             return self._detach(EngineUnavailable("the engine was restarted"))
+        self._count(h, self.info.instance)
         if int(h["engine_state"]) == EngineState.STOPPED:
             return self._detach(EngineUnavailable("the engine stopped"))
         beat = int(h["heartbeat"])
@@ -334,6 +366,8 @@ class EngineLink:
                 if not handle.cancelled:
                     handle.events.put_nowait(Tokens(ids))
             if finish != FinishReason.NONE:
+                if finish == FinishReason.CANCELLED and handle.stop_matched:
+                    self._stop_string_finishes += 1
                 handle.done = True
                 handle.events.put_nowait(Finished(FinishReason(finish), int(rec["detail"]),
                                                   int(rec["prompt_len"]),

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 
 from blink.nic_service.chat_template import load_chat_template, render_chat
 from blink.nic_service.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from blink.nic_service.metrics import FrontendMetrics, RequestClock
 from blink.nic_service.engine_link import (
     EngineLink, EngineUnavailable, Finished, RequestHandle, SlotsExhausted, Tokens,
 )
@@ -50,6 +51,8 @@ class FrontendConfig:
     max_queued: int = 1024             # requests waiting for a slot at most; then RESOURCE_EXHAUSTED
     engine_timeout_s: float = 3.0      # no heartbeat for this long: the engine is dead
     max_request_bytes: int = 4 << 20   # larger requests get INVALID_ARGUMENT
+    metrics_port: int | None = None    # Prometheus /metrics on this port (0: any free); None: off
+    metrics_host: str = "0.0.0.0"
 
 
 class InvalidRequest(ValueError):
@@ -63,6 +66,7 @@ class Prepared:
     stops: list[str]
     terminal_ids: frozenset[int]       # tokens that end generation and are never shown as text
     return_token_ids: bool
+    client_request_id: str = ""
 
 
 class PromptCodec:
@@ -148,11 +152,30 @@ async def refuse_undecodable(request, context) -> None:
                             f"the request could not be decoded: {request.error}")
 
 
+def log_request(handle: RequestHandle, prep: Prepared, clock: RequestClock, outcome: str,
+                generated: int) -> None:
+    """One line per finished request: ids, token counts, latencies and how it ended (as JSON
+    fields too, under --log-format json)."""
+    now = time.monotonic()
+    fields = dict(request_id=handle.request_id, client_request_id=prep.client_request_id,
+                  prompt_tokens=len(prep.prompt_ids), completion_tokens=generated,
+                  ttft_s=round(clock.first - clock.received, 6) if clock.first else None,
+                  total_s=round(now - clock.received, 6), outcome=outcome)
+    log.info("request %s%s: %d prompt + %d generated tokens, first token %s, total %.3f s: %s",
+             handle.request_id,
+             f" (client id {prep.client_request_id!r})" if prep.client_request_id else "",
+             fields["prompt_tokens"], generated,
+             f"{fields['ttft_s']:.3f} s" if fields["ttft_s"] is not None else "none",
+             fields["total_s"], outcome, extra={"request": fields})
+
+
 class BlinkServicer(pb_grpc.BlinkServicer):
-    def __init__(self, config: FrontendConfig, codec: PromptCodec, link: EngineLink):
+    def __init__(self, config: FrontendConfig, codec: PromptCodec, link: EngineLink,
+                 metrics: FrontendMetrics | None = None):
         self.config = config
         self.codec = codec
         self.link = link
+        self.metrics = metrics
         self.draining = False  # set by Frontend.drain: new requests are refused
 
     # -- validation (everything the engine would reject, with a message a person reads) -------
@@ -227,7 +250,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                              ignore_eos=s.ignore_eos, stop_ids=tuple(s.stop_token_ids)),
             stops=stops, terminal_ids=frozenset(terminal),
-            return_token_ids=req.return_token_ids)
+            return_token_ids=req.return_token_ids, client_request_id=req.client_request_id)
 
     # -- RPCs -----------------------------------------------------------------------------------
 
@@ -238,42 +261,58 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server shutting down")
         if not self.link.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not available")
+        clock = RequestClock(self.metrics, received)
         try:
             prep = await self._prepare(request)
             handle = await self.link.submit(prep.slot_fields)
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._fail(context, clock, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SlotsExhausted as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await self._fail(context, clock, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except EngineUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE, str(e))
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(prep.prompt_ids))
         try:
-            async for response in self._stream(prep, handle, received, context):
+            async for response in self._stream(prep, handle, clock, context):
                 yield response
+        except asyncio.CancelledError:  # the client went away or its deadline passed
+            log_request(handle, prep, clock, "cancelled by the client", 0)
+            clock.failed("CANCELLED")
+            raise
         finally:
             self.link.cancel(handle)  # no-op when the engine already finished it
 
-    async def _stream(self, prep: Prepared, handle: RequestHandle, received: float, context):
+    async def _fail(self, context, clock: RequestClock, code: grpc.StatusCode, message: str):
+        clock.failed(code.name)
+        await context.abort(code, message)
+
+    async def _stream(self, prep: Prepared, handle: RequestHandle, clock: RequestClock,
+                      context):
         detok = IncrementalDetokenizer(self.codec.tokenizer)
         stopper = StopStringMatcher(prep.stops) if prep.stops else None
-        generated, first_token_at = 0, None
+        received, generated = clock.received, 0
 
         def final(reason, matched: str, preemptions: int) -> pb.GenerateResponse:
             now = time.monotonic()
+            name = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+            clock.finished(name)
+            log_request(handle, prep, clock, name, generated)
             return pb.GenerateResponse(final=pb.Final(
                 finish_reason=reason, matched_stop=matched,
                 usage=pb.Usage(prompt_tokens=len(prep.prompt_ids), completion_tokens=generated),
-                timings=pb.Timings(time_to_first_token_s=(first_token_at or now) - received,
+                timings=pb.Timings(time_to_first_token_s=(clock.first or now) - received,
                                    total_s=now - received, preemptions=preemptions),
                 request_id=str(handle.request_id)))
 
         while True:
             event = await handle.events.get()
             if isinstance(event, Exception):
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(event))
+                log_request(handle, prep, clock, f"unavailable: {event}", generated)
+                await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE, str(event))
             if isinstance(event, Tokens):
+                clock.tokens(len(event.ids))
                 generated += len(event.ids)
-                first_token_at = first_token_at or time.monotonic()
                 shown = [t for t in event.ids if t not in prep.terminal_ids]
                 text = detok.push(shown)
                 matched = None
@@ -283,7 +322,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                     yield pb.GenerateResponse(chunk=pb.Chunk(
                         text=text, token_ids=shown if prep.return_token_ids else ()))
                 if matched is not None:
-                    self.link.cancel(handle)
+                    self.link.cancel(handle, stop_matched=True)
                     yield final(pb.FINISH_REASON_STOP, matched, 0)
                     return
                 continue
@@ -291,10 +330,13 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             if event.reason is FinishReason.REJECTED:
                 code = (grpc.StatusCode.INTERNAL if event.detail == RejectReason.CORRUPT
                         else grpc.StatusCode.INVALID_ARGUMENT)
-                await context.abort(code, f"engine rejected the request: "
-                                          f"{RejectReason(event.detail).describe()}")
+                why = RejectReason(event.detail).describe()
+                log_request(handle, prep, clock, f"rejected: {why}", generated)
+                await self._fail(context, clock, code, f"engine rejected the request: {why}")
             if event.reason is FinishReason.CANCELLED:
-                await context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
+                log_request(handle, prep, clock, "cancelled", generated)
+                await self._fail(context, clock, grpc.StatusCode.CANCELLED,
+                                 "the request was cancelled")
             text = detok.flush()
             matched = None
             if stopper is not None:
@@ -335,12 +377,14 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         if h is not None and link.info is not None:
             stats.ring_slots = link.info.geometry.num_slots
             for name in ("kv_blocks_total", "kv_blocks_free", "kv_block_size",
-                         "sequences_running", "sequences_waiting", "requests_admitted",
-                         "requests_finished", "requests_cancelled", "requests_rejected",
-                         "preemptions", "tokens_generated", "engine_steps"):
+                         "sequences_running", "sequences_waiting"):
                 setattr(stats, name, int(h[name]))
-            stats.engine_busy_ns = int(h["busy_ns"])
-            stats.engine_step_tokens = int(h["step_tokens"])
+        totals = link.counter_totals()  # summed over engine restarts
+        for name in ("requests_admitted", "requests_finished", "requests_cancelled",
+                     "requests_rejected", "preemptions", "tokens_generated", "engine_steps"):
+            setattr(stats, name, totals[name])
+        stats.engine_busy_ns = totals["busy_ns"]
+        stats.engine_step_tokens = totals["step_tokens"]
         return stats
 
 
@@ -355,6 +399,8 @@ class Frontend:
                                max_queued=config.max_queued,
                                engine_timeout_s=config.engine_timeout_s,
                                on_alive_change=self._on_alive_change)
+        self.metrics = FrontendMetrics(self.link) if config.metrics_port is not None else None
+        self.metrics_port: int | None = None
         self.server: grpc.aio.Server | None = None
         self.servicer: BlinkServicer | None = None
         self.port: int | None = None
@@ -375,7 +421,7 @@ class Frontend:
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second server
         ])
-        self.servicer = BlinkServicer(self.config, self.codec, self.link)
+        self.servicer = BlinkServicer(self.config, self.codec, self.link, self.metrics)
         add_blink_service(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -390,6 +436,11 @@ class Frontend:
                           f"host)")
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.metrics is not None:
+            self.metrics_port = self.metrics.serve(self.config.metrics_port,
+                                                   self.config.metrics_host)
+            log.info("Prometheus metrics on http://%s:%d/metrics", self.config.metrics_host,
+                     self.metrics_port)
         await self.link.start()
         await self.server.start()
         log.info("front end listening on %s:%d (ring /dev/shm/%s)", self.config.host, self.port,

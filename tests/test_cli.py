@@ -73,7 +73,9 @@ def test_serve_generate_and_engine_restart(checkpoints, tmp_path):
         assert out.returncode == 0, out.stderr
         assert "[length; 2 prompt + 8 generated tokens" in out.stderr
         info = blink("info", "--target", target)
-        assert "name='llama'" in info.stdout and "engine='cpu-reference'" in info.stdout
+        described = json.loads(info.stdout)
+        assert (described["name"], described["engine"]) == ("llama", "cpu-reference")
+        assert described["eos_token_ids"] == [1, 2] and described["has_chat_template"]
         stats = json.loads(blink("stats", "--target", target).stdout)
         assert stats["requests_finished"] == 1 and stats["engine_attachments"] == 1
         # the engine's own step counters: one prefill step (2 tokens), then 7 decode steps

@@ -191,3 +191,85 @@ def test_taken_port_is_an_error(checkpoints):
                     "--ring-name", f"blink-test-taken-{os.getpid()}")
     assert out.returncode != 0 and "cannot listen on 127.0.0.1:" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} from the Prometheus endpoint."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_request_logs_and_counters_across_restarts(checkpoints, tmp_path):
+    import json
+    import re
+
+    import grpc
+
+    from blink.v1 import blink_pb2 as pb
+    from blink.v1 import blink_pb2_grpc as pb_grpc
+    serve = Serve(checkpoints["llama"], tmp_path, "--metrics-port", "0", "--log-format", "json",
+                  "--engine-timeout", "1")
+    try:
+        port = int(wait_for(lambda: re.search(r"metrics on http://[\d.]+:(\d+)/metrics",
+                                              serve.log_path.read_text()), 10,
+                            "the metrics port").group(1))
+        greedy = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
+        with BlinkClient(serve.target) as client:
+            for i in range(3):
+                client.generate(f"prompt number {i}", greedy)
+            text = client.generate("where to stop", greedy).text
+            stop = text[len(text) // 2:][:2]
+            stopped = client.generate("where to stop", Sampling(max_tokens=12, temperature=0.0,
+                                                                ignore_eos=True, stop=(stop,)))
+            assert stopped.finish_reason == "stop"
+        with grpc.insecure_channel(serve.target) as channel:
+            list(pb_grpc.BlinkStub(channel).Generate(pb.GenerateRequest(
+                text="tagged", client_request_id="client-42",
+                sampling=pb.SamplingParams(max_tokens=3))))
+        m = scrape(port)
+        assert m[("blink:time_to_first_token_seconds_count", ())] == 6
+        assert m[("blink:e2e_request_latency_seconds_count", ())] == 6
+        assert m[("blink:inter_token_latency_seconds_count", ())] >= 4 * 11
+        assert m[("blink:request_success_total", (("finished_reason", "length"),))] == 5
+        assert m[("blink:request_success_total", (("finished_reason", "stop"),))] == 1
+        assert m[("blink:engine_alive", ())] == 1 and m[("blink:kv_cache_usage_perc", ())] == 0
+        assert m[("blink:prompt_tokens_total", ())] > 0
+        tokens_before = m[("blink:generation_tokens_total", ())]
+        assert tokens_before >= 4 * 12 + 3
+
+        requests = [json.loads(line)["request"] for line in serve.log_path.read_text().splitlines()
+                    if line.startswith("{") and '"request"' in line]
+        assert len(requests) == 6
+        assert {r["outcome"] for r in requests} == {"length", "stop"}
+        (tagged,) = [r for r in requests if r["client_request_id"] == "client-42"]
+        assert tagged["completion_tokens"] == 3 and tagged["ttft_s"] > 0
+
+        os.kill(serve.engine_pid(), signal.SIGKILL)
+        with BlinkClient(serve.target) as client:
+            wait_for(lambda: client.stats()["engine_attachments"] == 2
+                     and client.health() == "SERVING", 30, "the restarted engine")
+            client.generate("after the restart", greedy)
+            stats = client.stats()
+        assert stats["requests_finished"] >= 7 and stats["tokens_generated"] >= tokens_before + 12
+        m = scrape(port)
+        assert m[("blink:generation_tokens_total", ())] >= tokens_before + 12
+        assert m[("blink:engine_attachments_total", ())] == 2
+    finally:
+        assert serve.stop() == 0
+
+
+def test_version_info_json_and_generate_to_nothing(checkpoints):
+    out = blink("--version")
+    assert out.returncode == 0 and out.stdout.startswith("blink ")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free, and nothing listens there
+    t0 = time.monotonic()
+    out = blink("generate", "--target", f"127.0.0.1:{port}", "--wait", "2", "hi")
+    assert out.returncode != 0 and time.monotonic() - t0 < 20
+    assert "waiting up to 2 s" in out.stderr and "not SERVING" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,131 @@
+"""Prometheus metrics of the front end (`--metrics-port`), named as operators know them from
+vLLM (`blink:` where vLLM has `vllm:`).
+
+Latencies are measured here, per request, as the client sees them minus the network: time to
+first token, inter-token latency (per streamed chunk, divided over its tokens), end-to-end
+latency. Finishes are counted by reason as the client got them (a stop string is "stop", even
+though the front end stops the engine's sequence with a cancel). The engine's gauges and
+counters are read from the ring header at scrape time; its counters are summed over engine
+restarts (EngineLink.counter_totals), so they never go down.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from blink.nic_service.engine_link import EngineLink
+
+# seconds: from a millisecond (a decode step) to minutes (a long prompt behind a queue)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
+                   5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+               0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class EngineCollector:
+    """Engine state at scrape time, from the front end's link to the ring."""
+
+    def __init__(self, link: EngineLink):
+        self.link = link
+
+    def collect(self):
+        link = self.link
+        yield GaugeMetricFamily("blink:engine_alive", "1 while the engine's heartbeat moves",
+                                value=1.0 if link.alive else 0.0)
+        age = link.heartbeat_age()
+        yield GaugeMetricFamily("blink:engine_heartbeat_age_seconds",
+                                "seconds since the engine's heartbeat last moved",
+                                value=age if age is not None else float("nan"))
+        yield CounterMetricFamily("blink:engine_attachments",
+                                  "times the front end attached to an engine (restarts + 1)",
+                                  value=link.attachments)
+        yield GaugeMetricFamily("blink:ring_slots_in_use", "request slots holding a request",
+                                value=link.slots_in_use)
+        yield GaugeMetricFamily("blink:num_requests_queued",
+                                "requests waiting in the front end for a free slot",
+                                value=link.waiting_for_slot)
+        h = link.header_snapshot()
+        if h is not None and link.info is not None:
+            for name, field, text in (
+                    ("blink:num_requests_running", "sequences_running", "sequences scheduled"),
+                    ("blink:num_requests_waiting", "sequences_waiting",
+                     "sequences admitted by the engine, waiting to be scheduled"),
+                    ("blink:kv_cache_blocks_total", "kv_blocks_total", "KV-cache blocks"),
+                    ("blink:kv_cache_blocks_free", "kv_blocks_free", "free KV-cache blocks")):
+                yield GaugeMetricFamily(name, text, value=int(h[field]))
+            total = int(h["kv_blocks_total"])
+            yield GaugeMetricFamily("blink:kv_cache_usage_perc", "KV-cache blocks in use, 0-1",
+                                    value=(total - int(h["kv_blocks_free"])) / total
+                                    if total else 0.0)
+        totals = link.counter_totals()
+        for name, field, text in (
+                ("blink:num_preemptions", "preemptions", "sequences preempted (recomputed)"),
+                ("blink:generation_tokens", "tokens_generated", "tokens the engine generated"),
+                ("blink:engine_steps", "engine_steps", "engine steps that ran a forward pass"),
+                ("blink:engine_step_tokens", "step_tokens",
+                 "tokens those steps computed (prefill chunks + decodes)"),
+                ("blink:requests_rejected_by_engine", "requests_rejected",
+                 "requests the engine refused (bad slots)")):
+            yield CounterMetricFamily(name, text, value=totals[field])
+        yield CounterMetricFamily("blink:engine_busy_seconds",
+                                  "seconds the engine spent in steps with a forward pass",
+                                  value=totals["busy_ns"] / 1e9)
+
+
+class FrontendMetrics:
+    def __init__(self, link: EngineLink):
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("blink:time_to_first_token_seconds",
+                              "request received to first token streamed", registry=self.registry,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("blink:inter_token_latency_seconds",
+                             "gap between streamed tokens", registry=self.registry,
+                             buckets=ITL_BUCKETS)
+        self.e2e = Histogram("blink:e2e_request_latency_seconds",
+                             "request received to its final message", registry=self.registry,
+                             buckets=LATENCY_BUCKETS)
+        self.finished = Counter("blink:request_success", "requests finished, by reason",
+                                ["finished_reason"], registry=self.registry)
+        self.failed = Counter("blink:request_failure", "requests ended with an error status",
+                              ["code"], registry=self.registry)
+        self.prompt_tokens = Counter("blink:prompt_tokens", "prompt tokens of admitted requests",
+                                     registry=self.registry)
+        self.registry.register(EngineCollector(link))
+
+    def serve(self, port: int, host: str) -> int:
+        server, _ = start_http_server(port, host, registry=self.registry)
+        return server.server_port
+
+
+class RequestClock:
+    """One request's timing for the metrics: first token, the gaps after it, the end."""
+
+    def __init__(self, metrics: FrontendMetrics | None, received: float):
+        self.metrics, self.received = metrics, received
+        self.first: float | None = None  # monotonic time of the first token
+        self.last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        if not n:
+            return
+        now = time.monotonic()
+        if self.metrics is not None:
+            if self.last is None:
+                self.metrics.ttft.observe(now - self.received)
+            else:
+                gap = (now - self.last) / n
+                for _ in range(n):
+                    self.metrics.itl.observe(gap)
+        self.first = self.first or now
+        self.last = now
+
+    def finished(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.e2e.observe(time.monotonic() - self.received)
+            self.metrics.finished.labels(reason).inc()
+
+    def failed(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.failed.labels(code).inc()
