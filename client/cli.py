@@ -88,6 +88,20 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-mb", type=float, default=4.0, help="largest request accepted")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound port here once listening")
+    p.add_argument("--tls-cert", type=Path, default=None,
+                   help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--tls-client-ca", type=Path, default=None,
+                   help="PEM CA bundle: mutual TLS, clients must present a certificate it signed")
+    p.add_argument("--auth-token-file", type=Path, default=None,
+                   help="file holding a bearer token that Blink RPCs must carry "
+                        "(metadata 'authorization: Bearer TOKEN'; health stays open)")
+    p.add_argument("--keepalive-time", type=float, default=60.0,
+                   help="seconds between the server's pings on idle connections")
+    p.add_argument("--max-connection-age", type=float, default=None,
+                   help="seconds after which a connection is asked to reconnect (GOAWAY), so "
+                        "load balancers can rebalance long-lived channels; streams in flight "
+                        "get 5 minutes more")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
                         "default: off)")
@@ -106,13 +120,32 @@ def _engine_config(args, model_dir: Path):
                         max_model_len=args.max_model_len, load_format=args.load_format)
 
 
+def _auth_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as e:
+        sys.exit(f"blink: cannot read the auth token: {e}")
+    if not token:
+        sys.exit(f"blink: {path} holds no token")
+    return token
+
+
 def _frontend_config(args, model_dir: Path):
     from blink.nic_service.server import FrontendConfig
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
+        sys.exit("blink: TLS needs --tls-cert and --tls-key (and --tls-client-ca only with them)")
     return FrontendConfig(model_dir=model_dir, ring_name=args.ring_name, host=args.host,
                           port=args.port, queue_timeout_s=args.queue_timeout,
                           max_queued=args.max_queued, engine_timeout_s=args.engine_timeout,
                           max_request_bytes=int(args.max_request_mb * (1 << 20)),
-                          metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                          tls_cert=args.tls_cert, tls_key=args.tls_key,
+                          tls_client_ca=args.tls_client_ca,
+                          auth_token=_auth_token(args.auth_token_file),
+                          keepalive_time_s=args.keepalive_time,
+                          max_connection_age_s=args.max_connection_age)
 
 
 def choose_engine(requested: str) -> str:

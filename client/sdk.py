@@ -341,11 +341,38 @@ class AsyncGenerationStream:
                 pass
 
 
-class BlinkClient:
-    """Blocking client over one channel. Use as a context manager or call close()."""
+@dataclass(frozen=True)
+class Tls:
+    """TLS for a client's channel: the CA that signed the server's certificate (PEM; None: the
+    system's roots) and, for mutual TLS, the client's certificate chain and key (PEM)."""
 
-    def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = ()):
-        self._channel = grpc.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *options])
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+
+
+def _open_channel(grpc_module: Any, target: str, options: Sequence[tuple[str, Any]],
+                  tls: Tls | None) -> Any:
+    """grpc or grpc.aio: a secure channel with `tls`, else a plain one."""
+    options = [*_CHANNEL_OPTIONS, *options]
+    if tls is None:
+        return grpc_module.insecure_channel(target, options=options)
+    creds = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
+    return grpc_module.secure_channel(target, creds, options=options)
+
+
+def _auth(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+class BlinkClient:
+    """Blocking client over one channel. Use as a context manager or call close().
+    tls: a secure channel (Tls); token: sent as 'authorization: Bearer <token>'."""
+
+    def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = (),
+                 tls: Tls | None = None, token: str | None = None):
+        self._channel = _open_channel(grpc, target, options, tls)
+        self._metadata = _auth(token)
         self._stub = blink_pb2_grpc.BlinkStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -368,7 +395,7 @@ class BlinkClient:
         model: str = "",
     ) -> GenerationStream:
         request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model)
-        return GenerationStream(self._stub.Generate(request, timeout=timeout))
+        return GenerationStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
 
     def generate(
         self,
@@ -388,7 +415,7 @@ class BlinkClient:
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return method(request, timeout=timeout)
+            return method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _blink_error(e) from e
 
@@ -421,8 +448,10 @@ class BlinkClient:
 class AsyncBlinkClient:
     """BlinkClient on grpc.aio: the same methods, awaited. Use `async with` or `await close()`."""
 
-    def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = ()):
-        self._channel = grpc.aio.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *options])
+    def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = (),
+                 tls: Tls | None = None, token: str | None = None):
+        self._channel = _open_channel(grpc.aio, target, options, tls)
+        self._metadata = _auth(token)
         self._stub = blink_pb2_grpc.BlinkStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -445,7 +474,7 @@ class AsyncBlinkClient:
         model: str = "",
     ) -> AsyncGenerationStream:
         request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model)
-        return AsyncGenerationStream(self._stub.Generate(request, timeout=timeout))
+        return AsyncGenerationStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
 
     async def generate(
         self,
@@ -465,7 +494,7 @@ class AsyncBlinkClient:
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return await method(request, timeout=timeout)
+            return await method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _blink_error(e) from e
 

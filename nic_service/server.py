@@ -7,6 +7,7 @@ engine; reflection lets grpcurl and SDK generators discover the API.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -53,6 +54,12 @@ class FrontendConfig:
     max_request_bytes: int = 4 << 20   # larger requests get INVALID_ARGUMENT
     metrics_port: int | None = None    # Prometheus /metrics on this port (0: any free); None: off
     metrics_host: str = "0.0.0.0"
+    tls_cert: Path | None = None       # PEM certificate chain and key: TLS on the gRPC port
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # PEM CA bundle: clients must present a certificate it signed
+    auth_token: str | None = None      # Blink RPCs need metadata "authorization: Bearer <token>"
+    keepalive_time_s: float = 60.0     # server pings idle connections this often
+    max_connection_age_s: float | None = None  # then GOAWAY: L4/L7 balancers get to rebalance
 
 
 class InvalidRequest(ValueError):
@@ -388,6 +395,31 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         return stats
 
 
+class BearerTokenCheck(grpc.aio.ServerInterceptor):
+    """Blink's RPCs need `authorization: Bearer <token>` metadata; health and reflection stay
+    open (load balancers and probes call them without credentials)."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(f"/{SERVICE_NAME}/"):
+            given = dict(details.invocation_metadata or ()).get("authorization", "")
+            if not hmac.compare_digest(str(given).encode(), self.expected):
+                return _refusal(details.method)
+        return await continuation(details)
+
+
+def _refusal(method: str):
+    """A handler that answers UNAUTHENTICATED, in the method's streaming shape."""
+    async def refuse(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or wrong bearer token (metadata 'authorization')")
+    if method.endswith("/Generate"):
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
 class Frontend:
     """The running front end: gRPC server, health, reflection and the engine link."""
 
@@ -416,11 +448,22 @@ class Frontend:
     async def start(self) -> int:
         limit = self.config.max_request_bytes
         # gRPC's own limit sits above ours so an oversized prompt gets our INVALID_ARGUMENT
-        self.server = grpc.aio.server(options=[
+        cfg = self.config
+        options = [
             ("grpc.max_receive_message_length", 2 * limit + (1 << 20)),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second server
-        ])
+            ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        if cfg.max_connection_age_s:
+            options += [("grpc.max_connection_age_ms", int(cfg.max_connection_age_s * 1000)),
+                        # streams in flight get this long to end before the connection closes
+                        ("grpc.max_connection_age_grace_ms", 300_000)]
+        interceptors = [BearerTokenCheck(cfg.auth_token)] if cfg.auth_token else []
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.servicer = BlinkServicer(self.config, self.codec, self.link, self.metrics)
         add_blink_service(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -428,7 +471,10 @@ class Frontend:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         address = f"{self.config.host}:{self.config.port}"
         try:
-            self.port = self.server.add_insecure_port(address)
+            if cfg.tls_cert:
+                self.port = self.server.add_secure_port(address, self._tls_credentials())
+            else:
+                self.port = self.server.add_insecure_port(address)
         except RuntimeError:  # grpc raises this when the bind fails
             self.port = 0
         if self.port == 0:
@@ -446,6 +492,18 @@ class Frontend:
         log.info("front end listening on %s:%d (ring /dev/shm/%s)", self.config.host, self.port,
                  self.config.ring_name)
         return self.port
+
+    def _tls_credentials(self) -> grpc.ServerCredentials:
+        cfg = self.config
+        if not cfg.tls_key:
+            raise OSError("--tls-cert needs --tls-key")
+        try:
+            pair = (cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())
+            ca = cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca else None
+        except OSError as e:
+            raise OSError(f"cannot read the TLS files: {e}") from None
+        return grpc.ssl_server_credentials([pair], root_certificates=ca,
+                                           require_client_auth=ca is not None)
 
     async def drain(self, timeout_s: float) -> None:
         """Graceful shutdown, first half: health NOT_SERVING, new requests UNAVAILABLE

@@ -273,3 +273,74 @@ def test_version_info_json_and_generate_to_nothing(checkpoints):
     assert out.returncode != 0 and time.monotonic() - t0 < 20
     assert "waiting up to 2 s" in out.stderr and "not SERVING" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _certificates(folder):
+    """A CA, a server certificate for 127.0.0.1 / localhost and a client certificate (PEM)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def issue(subject, key, issuer, issuer_key, *, ca=False, san=None):
+        b = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=1))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    def write(stem, cert, key):
+        (folder / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (folder / f"{stem}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = issue("blink test CA", ca_key, "blink test CA", ca_key, ca=True)
+    write("ca", ca, ca_key)
+    for stem in ("server", "client"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        write(stem, issue(f"blink {stem}", key, "blink test CA", ca_key,
+                          san=san if stem == "server" else None), key)
+    return {f.name: f for f in folder.iterdir()}
+
+
+def test_mutual_tls_and_bearer_token(checkpoints, make_stack, tmp_path):
+    pytest.importorskip("cryptography", reason="the test extra (cryptography) is not installed")
+    from blink.client.sdk import Tls
+    pem = _certificates(tmp_path)
+    (tmp_path / "token").write_text("s3cret-token\n")
+    stack = make_stack(checkpoints["llama"], start=False, frontend_args=[
+        "--tls-cert", str(pem["server.pem"]), "--tls-key", str(pem["server.key"]),
+        "--tls-client-ca", str(pem["ca.pem"]), "--auth-token-file", str(tmp_path / "token"),
+        "--max-connection-age", "600"])
+    stack.start_engine()
+    stack.start_frontend()
+    ca = pem["ca.pem"].read_bytes()
+    mutual = Tls(ca=ca, cert=pem["client.pem"].read_bytes(), key=pem["client.key"].read_bytes())
+    with BlinkClient(stack.target, tls=mutual, token="s3cret-token") as client:
+        client.wait_ready(60)
+        assert client.generate("over TLS", Sampling(max_tokens=3)).completion_tokens == 3
+    with BlinkClient(stack.target, tls=mutual) as client:
+        assert client.health() == "SERVING"  # probes need no token
+        with pytest.raises(BlinkError, match="UNAUTHENTICATED"):
+            client.generate("no token", Sampling(max_tokens=3))
+    with BlinkClient(stack.target, tls=mutual, token="wrong") as client:
+        with pytest.raises(BlinkError, match="UNAUTHENTICATED"):
+            client.model_info()
+    for tls in (Tls(ca=ca), None):  # no client certificate; no TLS at all
+        with BlinkClient(stack.target, tls=tls, token="s3cret-token") as client:
+            with pytest.raises(BlinkError, match="UNAVAILABLE"):
+                client.model_info(timeout=5)
