@@ -1,0 +1,81 @@
+"""deploy/: the Kubernetes manifests against the Kubernetes API schemas (kubernetes-validate),
+the Envoy configuration against Envoy's API (envoy-data-plane: unknown fields, enum values and
+typed configs are refused), and every Blink command line in them (systemd units, container
+args) parsed by Blink's own CLI, so a renamed or mistyped flag fails here."""
+from __future__ import annotations
+
+import configparser
+import importlib
+import shlex
+from pathlib import Path
+
+import pytest
+
+from blink.client.cli import build_parser
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+K8S_VERSION = "1.30.0"
+ENVOY_TYPED_CONFIGS = ("envoy.extensions.filters.network.http_connection_manager.v3",
+                       "envoy.extensions.filters.http.router.v3",
+                       "envoy.extensions.upstreams.http.v3")
+
+
+def parse_blink(argv: list[str]):
+    args = build_parser().parse_args(argv)
+    assert args.model and args.log_format == "json"
+    return args
+
+
+def test_kubernetes_manifests():
+    kv = pytest.importorskip("kubernetes_validate", reason="the test extra is not installed")
+    import yaml
+    docs = list(yaml.safe_load_all((DEPLOY / "k8s" / "blink.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["Deployment", "Service", "PodDisruptionBudget"]
+    for doc in docs:
+        kv.validate(doc, K8S_VERSION, strict=True)  # raises on any schema violation
+    pod = docs[0]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = parse_blink(container["args"])
+    assert container["command"] == ["blink"] and args.command == "serve"
+    assert args.shutdown_timeout < pod["terminationGracePeriodSeconds"]  # drain fits
+    assert container["readinessProbe"]["grpc"] == {"port": args.port,
+                                                   "service": "blink.v1.Blink"}
+    assert str(args.metrics_port) == docs[0]["spec"]["template"]["metadata"]["annotations"][
+        "prometheus.io/port"]
+    assert docs[1]["spec"]["clusterIP"] == "None"  # headless: Envoy sees every pod
+
+
+def test_envoy_config():
+    pytest.importorskip("envoy_data_plane", reason="the test extra is not installed")
+    import yaml
+    for module in ENVOY_TYPED_CONFIGS:
+        importlib.import_module(f"envoy_data_plane.{module}")
+    from envoy_data_plane.envoy.config.bootstrap.v3 import Bootstrap
+    config = yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
+    Bootstrap().from_dict(config)  # raises on unknown fields, bad enums, unknown types
+    (cluster,) = config["static_resources"]["clusters"]
+    assert cluster["health_checks"][0]["grpc_health_check"]["service_name"] == "blink.v1.Blink"
+    k8s_service = "blink.default.svc.cluster.local"
+    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
+        "address"]["socket_address"]
+    assert (address["address"], address["port_value"]) == (k8s_service, 50051)
+    with pytest.raises((KeyError, ValueError, TypeError)):  # the check has teeth
+        Bootstrap().from_dict({**config, "admin": {"adress": {}}})
+
+
+def test_systemd_units():
+    units = {}
+    for name in ("blink-engine", "blink-frontend"):
+        unit = configparser.ConfigParser(strict=True, interpolation=None)
+        unit.optionxform = str
+        unit.read(DEPLOY / "systemd" / f"{name}.service")
+        assert {"Unit", "Service", "Install"} <= set(unit.sections())
+        argv = shlex.split(unit["Service"]["ExecStart"])
+        assert argv[0].endswith("/blink")
+        units[name] = (unit, parse_blink(argv[1:]))
+    (engine_unit, engine), (frontend_unit, frontend) = units.values()
+    assert (engine.command, frontend.command) == ("engine", "frontend")
+    assert engine.ring_name == frontend.ring_name and engine.model == frontend.model
+    # stopped in reverse start order: the front end (After= the engine) drains first
+    assert "blink-engine.service" in frontend_unit["Unit"]["After"]
+    assert float(frontend_unit["Service"]["TimeoutStopSec"]) > frontend.shutdown_timeout
