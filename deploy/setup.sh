@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # Creates .venv with Blink installed. `deploy/setup.sh test` adds the test oracle
 # (transformers on the CPU build of torch), grpcio-tools and the benchmark's extra.
+# The install is editable, so only a change of pyproject.toml (or of the extras asked for)
+# needs pip again: a stamp in .venv records what was installed, and a rerun skips pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
 if [ "${1:-}" = "test" ]; then
-  .venv/bin/python -m pip install -q -e '.[test,bench]'
+  target='.[test,bench]'
 else
-  .venv/bin/python -m pip install -q -e .
+  target='.'
 fi
+stamp=".venv/.blink-installed-$(cat pyproject.toml | sha256sum | cut -c1-16)-${1:-serve}"
+if [ -f "$stamp" ] && .venv/bin/python -c "import blink.client.cli" 2>/dev/null; then
+  exit 0  # installed from this pyproject.toml already
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e "$target"
+rm -f .venv/.blink-installed-*-"${1:-serve}"
+touch "$stamp"

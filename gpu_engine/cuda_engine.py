@@ -20,7 +20,7 @@ import numpy as np
 from blink.gpu_engine import cuda_runtime as cr
 from blink.gpu_engine.checkpoint import load_config, load_weights
 from blink.gpu_engine.cuda_forward import CudaForward
-from blink.gpu_engine.reference_engine import EngineConfig
+from blink.gpu_engine.reference_engine import EngineConfig, served_context_length
 from blink.gpu_engine.ring_server import CORRUPT_GRACE_S, RingServer
 from blink.ring.layout import MAX_EOS_IDS, EngineKind, EngineState, RingGeometry
 
@@ -63,8 +63,7 @@ class CudaEngine:
         self.config = config
         cr.primary_context()
         cfg = self.model_cfg = load_config(config.model_dir)
-        self.context_length = min(config.max_model_len or cfg.max_position_embeddings,
-                                  cfg.max_position_embeddings)
+        self.context_length = served_context_length(config, cfg)
         t0 = time.monotonic()
         weights = None if config.load_format == "dummy" else load_weights(config.model_dir, cfg)
         self.forward = CudaForward(

@@ -325,9 +325,11 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                 matched = None
                 if stopper is not None:
                     text, matched = stopper.feed(text)
-                if text or (prep.return_token_ids and shown):
+                # token_ids: every generated token, the final EOS or stop token too (so they
+                # add up to usage.completion_tokens); text: never the terminal token
+                if text or (prep.return_token_ids and event.ids):
                     yield pb.GenerateResponse(chunk=pb.Chunk(
-                        text=text, token_ids=shown if prep.return_token_ids else ()))
+                        text=text, token_ids=event.ids if prep.return_token_ids else ()))
                 if matched is not None:
                     self.link.cancel(handle, stop_matched=True)
                     yield final(pb.FINISH_REASON_STOP, matched, 0)
@@ -393,6 +395,25 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         stats.engine_busy_ns = totals["busy_ns"]
         stats.engine_step_tokens = totals["step_tokens"]
         return stats
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def enable_reflection(server: grpc.aio.Server, services: tuple[str, ...]) -> None:
+    """Server reflection under both names clients ask for: grpc.reflection.v1 (grpcurl and
+    current tools try it first) and v1alpha (grpcio-reflection's own). The two protocols'
+    messages are identical on the wire, so one servicer answers both."""
+    from grpc_reflection.v1alpha import reflection_pb2
+    names = (*services, reflection.SERVICE_NAME, REFLECTION_V1)
+    servicer = reflection.aio.ReflectionServicer(names)
+    for service in (reflection.SERVICE_NAME, REFLECTION_V1):
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString),
+        }),))
 
 
 class BearerTokenCheck(grpc.aio.ServerInterceptor):
@@ -467,8 +488,7 @@ class Frontend:
         self.servicer = BlinkServicer(self.config, self.codec, self.link, self.metrics)
         add_blink_service(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        enable_reflection(self.server, (SERVICE_NAME, health.SERVICE_NAME))
         address = f"{self.config.host}:{self.config.port}"
         try:
             if cfg.tls_cert:

@@ -344,3 +344,31 @@ def test_mutual_tls_and_bearer_token(checkpoints, make_stack, tmp_path):
         with BlinkClient(stack.target, tls=tls, token="s3cret-token") as client:
             with pytest.raises(BlinkError, match="UNAVAILABLE"):
                 client.model_info(timeout=5)
+
+
+def test_idle_cpu_engine_sleeps(checkpoints, make_stack):
+    """An idle CPU engine backs off its polling (it used 28% of a core at a fixed 0.2 ms)."""
+    stack = make_stack(checkpoints["llama"])
+    stack.wait_serving()
+    stat = f"/proc/{stack.engine.pid}/stat"
+
+    def cpu_s():
+        fields = open(stat).read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    time.sleep(0.5)
+    before, t0 = cpu_s(), time.monotonic()
+    time.sleep(3)
+    share = (cpu_s() - before) / (time.monotonic() - t0)
+    assert share < 0.08, f"idle engine used {share:.0%} of a core"
+    with BlinkClient(stack.target) as client:  # and still answers at once
+        done = client.generate("wake up", Sampling(max_tokens=2))
+        assert done.completion_tokens == 2 and done.time_to_first_token_s < 1
+
+
+def test_max_model_len_above_the_model_is_said(checkpoints, make_stack):
+    stack = make_stack(checkpoints["llama"], engine_args=["--max-model-len", "100000"])
+    stack.wait_serving()
+    with BlinkClient(stack.target) as client:
+        assert client.model_info().context_length == 512
+    assert "--max-model-len 100000 exceeds llama's context of 512 tokens: serving 512" \
+        in stack.logs()

@@ -102,8 +102,10 @@ def test_stop_token_id_ends_stream(client):
     done = client.generate(prompt, Sampling(max_tokens=24, temperature=0.0, ignore_eos=True,
                                             stop_token_ids=(stop_id,)), return_token_ids=True)
     assert done.finish_reason == "stop" and done.matched_stop == str(stop_id)
-    assert done.token_ids == full.token_ids[:k]          # the stop token is not shown
-    assert done.completion_tokens == k + 1               # but it is counted
+    assert done.token_ids == full.token_ids[:k + 1]      # the stop token's id is returned
+    assert done.completion_tokens == k + 1               # and counted
+    assert done.text == client.generate(prompt, Sampling(max_tokens=k, temperature=0.0,
+                                                         ignore_eos=True)).text  # not its text
 
 
 def test_stop_string_spanning_tokens(client, checkpoints):
@@ -145,7 +147,7 @@ def test_eos_ends_stream(checkpoints, tmp_path, make_stack):
     with BlinkClient(make_stack(model).target) as c:
         done = c.generate(prompt, Sampling(max_tokens=24, temperature=0.0),
                           return_token_ids=True)
-        assert done.finish_reason == "eos" and done.token_ids == full.token_ids[:k]
+        assert done.finish_reason == "eos" and done.token_ids == full.token_ids[:k + 1]
         assert done.completion_tokens == k + 1
         ignored = c.generate(prompt, GREEDY, return_token_ids=True)
         assert ignored.finish_reason == "length" and ignored.token_ids == full.token_ids
@@ -328,9 +330,17 @@ def test_reflection_and_model_info(stack, client, checkpoints):
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
         ProtoReflectionDescriptorDatabase,
     )
+    from grpc_reflection.v1alpha import reflection_pb2 as r
     with grpc.insecure_channel(stack.target) as ch:
         services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+        # grpc.reflection.v1 too (what grpcurl asks first); its messages are v1alpha's on the wire
+        v1 = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                              request_serializer=r.ServerReflectionRequest.SerializeToString,
+                              response_deserializer=r.ServerReflectionResponse.FromString)
+        (answer,) = list(v1(iter([r.ServerReflectionRequest(list_services="")]), timeout=10))
     assert {"blink.v1.Blink", "grpc.health.v1.Health"} <= services
+    assert {"blink.v1.Blink", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} \
+        <= {x.name for x in answer.list_services_response.service}
     info = client.model_info()
     cfg = json.loads((checkpoints["llama"] / "config.json").read_text())
     assert info.name == "llama" and info.architecture == "LlamaForCausalLM"
