@@ -80,13 +80,20 @@ class PromptCodec:
     """The model's tokenizer and chat template, loaded once."""
 
     def __init__(self, model_dir: Path):
+        """Raises OSError with one line saying which file is missing or unreadable."""
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the front end needs the model's tokenizer")
-        self.tokenizer = Tokenizer.from_file(str(path))
-        self.chat_template = load_chat_template(model_dir)
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises plain Exception on a malformed file
+            raise OSError(f"cannot load {path}: {e}") from None
         cfg_path = Path(model_dir) / "tokenizer_config.json"
-        tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        try:
+            self.chat_template = load_chat_template(model_dir)
+            tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (ValueError, OSError) as e:
+            raise OSError(f"cannot read the chat template or {cfg_path}: {e}") from None
         self.bos_token = _token_text(tcfg.get("bos_token"))
         self.eos_token = _token_text(tcfg.get("eos_token"))
         config_path = Path(model_dir) / "config.json"

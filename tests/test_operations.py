@@ -151,13 +151,18 @@ def broken_models(checkpoints, tmp_path):
     shutil.copytree(good, no_weights)
     for f in no_weights.glob("*.safetensors"):
         f.unlink()
-    return no_tok, no_weights
+    bad_tok = tmp_path / "bad-tokenizer"
+    shutil.copytree(good, bad_tok)
+    (bad_tok / "tokenizer.json").write_text("{not json")
+    return no_tok, no_weights, bad_tok
 
 
 def test_fail_fast_with_one_line(checkpoints, broken_models):
     """Each of these used to hang, restart the engine forever, or print a traceback."""
-    no_tok, no_weights = broken_models
+    no_tok, no_weights, bad_tok = broken_models
     for args, message in (
+            (["serve", "--model", str(bad_tok), "--port", "0"], "cannot load"),
+            (["frontend", "--model", str(bad_tok), "--port", "0"], "cannot load"),
             (["serve", "--model", str(no_tok), "--port", "0"], "no tokenizer.json"),
             (["serve", "--model", str(no_weights), "--port", "0"], "no *.safetensors"),
             (["serve", "--model", str(checkpoints["llama"]), "--slots", "0", "--port", "0"],
