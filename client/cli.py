@@ -338,6 +338,11 @@ def cmd_generate(args) -> None:
           f"total {done.total_s * 1e3:.1f} ms]", file=sys.stderr)
 
 
+def cmd_openai(args) -> None:
+    from blink.client.openai_gateway import cmd_openai as run
+    run(args)
+
+
 def cmd_info(args) -> None:
     import dataclasses
 
@@ -434,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(p)
     p.set_defaults(func=bench.cmd_bench)
+
+    p = command("openai", help="OpenAI-compatible HTTP gateway to a Blink server (aiohttp)")
+    p.add_argument("--target", default="127.0.0.1:50051", help="the Blink server (gRPC)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_openai)
 
     for name, func, text in (("info", cmd_info, "describe the served model"),
                              ("stats", cmd_stats, "engine and ring counters")):
