@@ -377,3 +377,21 @@ def test_max_model_len_above_the_model_is_said(checkpoints, make_stack):
         assert client.model_info().context_length == 512
     assert "--max-model-len 100000 exceeds llama's context of 512 tokens: serving 512" \
         in stack.logs()
+
+
+def test_two_servers_on_port_0_do_not_share_a_ring(checkpoints, tmp_path):
+    """`--port 0` used to name the ring '...-0' for every such server: the second one's engine
+    took over the first one's ring."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a = Serve(checkpoints["llama"], tmp_path / "a")
+    try:
+        b = Serve(checkpoints["llama"], tmp_path / "b")
+        try:
+            for serve in (a, b):
+                with BlinkClient(serve.target) as client:
+                    assert client.generate("hello", Sampling(max_tokens=3)).completion_tokens == 3
+                    assert client.stats()["engine_attachments"] == 1
+        finally:
+            assert b.stop() == 0
+    finally:
+        assert a.stop() == 0
