@@ -37,7 +37,7 @@ from blink.client.bench_report import LOOP_SATURATED, document, plot, rate_label
 from blink.client.sdk import BlinkClient, BlinkError, Sampling
 
 # system name -> the engine flag it runs with
-SYSTEMS = {"blink": "auto", "host-cuda": "host-cuda", "hf": "hf"}
+SYSTEMS = {"blink": "auto", "host-cuda": "host-cuda", "hf": "hf", "synthetic": "synthetic"}
 SERVER_COUNTERS = ("engine_steps", "engine_busy_ns", "engine_step_tokens", "preemptions")
 
 
@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="gamma shape of the arrival gaps (1: Poisson)")
     load.add_argument("--concurrency", type=positive(int), default=None,
                       help="requests in flight at most (with rate inf: a closed loop)")
+    load.add_argument("--connections", type=positive(int), default=8,
+                      help="client TCP connections, requests spread round robin (a server with "
+                           "several front-end workers spreads connections over them)")
     load.add_argument("--repeats", type=positive(int), default=1,
                       help="run every point this many times (shows the noise)")
     load.add_argument("--seed", type=int, default=0)
@@ -118,6 +121,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-num-seqs", type=positive(int), default=256)
     eng.add_argument("--max-batched-tokens", type=positive(int), default=2048)
     eng.add_argument("--max-model-len", type=positive(int), default=None)
+    eng.add_argument("--frontend-arg", action="append", default=[],
+                     help="extra front-end flag, repeatable (e.g. --frontend-arg=--workers=4)")
     eng.add_argument("--engine-arg", action="append", default=[],
                      help="extra engine flag, repeatable (e.g. --engine-arg=--kv-cache-mb=512)")
     p.add_argument("--out", type=Path, default=Path("bench-results"),
@@ -212,22 +217,26 @@ def progress_bar(total: int, desc: str):
 
 
 def measure(target: str, requests: list[BenchRequest], args, rate: float, desc: str,
-            client_cores: list[int]) -> dict:
-    """One run at one rate: the JSON schema's run object, less system/interference/repeat."""
+            client_cores: list[int], server=None) -> dict:
+    """One run at one rate: the JSON schema's run object, less system/interference/repeat.
+    server: the started Server, whose processes' CPU time is measured too."""
     bar = progress_bar(len(requests), desc)
     before = server_counters(target)
+    cpu_before = server.cpu_seconds() if server is not None else {}
     pinned = os.sched_getaffinity(0)
     os.sched_setaffinity(0, client_cores)
     try:
         records, wall, load = asyncio.run(run_requests(
             target, requests, rate=rate, burstiness=args.burstiness,
             concurrency=args.concurrency, ignore_eos=not args.respect_eos, seed=args.seed,
-            timeout=args.timeout, on_done=(lambda _: bar.update()) if bar else None))
+            timeout=args.timeout, connections=args.connections, on_done=(lambda _: bar.update()) if bar else None))
     finally:
         os.sched_setaffinity(0, pinned)
         if bar:
             bar.close()
     after = server_counters(target)
+    cpu = ({k: v - cpu_before[k] for k, v in server.cpu_seconds().items()}
+           if server is not None else {})
     metrics = summarize(records, wall, Slo(args.slo_ttft_ms, args.slo_tpot_ms))
     saturated = load.loop_busy > LOOP_SATURATED
     if saturated:
@@ -236,7 +245,11 @@ def measure(target: str, requests: list[BenchRequest], args, rate: float, desc: 
     return {"rate": rate_label(rate), "metrics": metrics,
             "client": {"process_cpu_s": load.process_cpu_s, "loop_busy": load.loop_busy,
                        "saturated": saturated},
-            "server": {k: after[k] - before[k] for k in after if k in before},
+            "server": {**{k: after[k] - before[k] for k in after if k in before},
+                       **{f"{k}_cpu_s": v for k, v in cpu.items()},
+                       **({"frontend_cpu_us_per_token":
+                           cpu["frontend"] / metrics["output_tokens"] * 1e6}
+                          if cpu and metrics["output_tokens"] else {})},
             "requests": request_rows(records)}
 
 
@@ -262,7 +275,7 @@ def run(args) -> dict:
                 t0 = time.monotonic()
                 try:
                     server = Server(model_dir, args.out, engine_flags(args, system), name=system,
-                                    cores=set(server_cores))
+                                    cores=set(server_cores), frontend_flags=args.frontend_arg)
                 except RuntimeError as e:
                     raise BenchError(f"{system}: {e}") from None
                 print(f"blink bench: {system} up in {time.monotonic() - t0:.0f} s "
@@ -292,7 +305,7 @@ def run(args) -> dict:
                             for repeat in range(args.repeats):
                                 desc = f"{system} {interference} rate {rate_label(rate)}"
                                 result = measure(target, requests, args, rate, desc,
-                                                 client_cores)
+                                                 client_cores, server)
                                 runs.append({"system": system, "engine": info.engine,
                                              "interference": interference,
                                              "repeat": repeat, **result})

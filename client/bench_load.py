@@ -61,17 +61,23 @@ class ClientLoad:
 async def run_requests(target: str, requests: list[BenchRequest], *, rate: float = math.inf,
                        burstiness: float = 1.0, concurrency: int | None = None,
                        ignore_eos: bool = True, seed: int = 0, timeout: float = 3600.0,
+                       connections: int = 1,
                        on_done: Callable[[RequestRecord], None] | None = None
                        ) -> tuple[list[RequestRecord], float, ClientLoad]:
-    """Sends every request (greedy, max_tokens = its output length) on the schedule; returns
-    the records in request order, the wall time from the first send to the last token, and
-    the client's CPU use. A failed request keeps its error and does not stop the others."""
+    """Sends every request (greedy, max_tokens = its output length) on the schedule, round
+    robin over `connections` TCP connections (a server with several front-end workers on one
+    port gets connections, not requests, spread over them); returns the records in request
+    order, the wall time from the first send to the last token, and the client's CPU use. A
+    failed request keeps its error and does not stop the others."""
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     records = [RequestRecord(len(r.prompt), r.output_len) for r in requests]
     gate = asyncio.Semaphore(concurrency) if concurrency else None
-
-    async with AsyncBlinkClient(target) as client:
-        async def one(request: BenchRequest, record: RequestRecord) -> None:
+    # gRPC shares one connection among a process's channels to a target unless told not to
+    clients = [AsyncBlinkClient(target, options=[("grpc.use_local_subchannel_pool", 1)])
+               for _ in range(max(1, connections))]
+    try:
+        async def one(i: int, request: BenchRequest, record: RequestRecord) -> None:
+            client = clients[i % len(clients)]
             sampling = Sampling(max_tokens=request.output_len, temperature=0.0,
                                 ignore_eos=ignore_eos)
             record.sent = time.perf_counter()
@@ -87,23 +93,26 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
             if on_done is not None:
                 on_done(record)
 
-        async def gated(request: BenchRequest, record: RequestRecord) -> None:
+        async def gated(i: int, request: BenchRequest, record: RequestRecord) -> None:
             if gate is None:
-                return await one(request, record)
+                return await one(i, request, record)
             async with gate:
-                await one(request, record)
+                await one(i, request, record)
 
         loop_cpu0 = time.thread_time()
         cpu0, start = time.process_time(), time.perf_counter()
         tasks = []
-        for request, record, offset in zip(requests, records, offsets):
+        for i, (request, record, offset) in enumerate(zip(requests, records, offsets)):
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(gated(request, record)))
+            tasks.append(asyncio.ensure_future(gated(i, request, record)))
         await asyncio.gather(*tasks)
         load = ClientLoad(time.process_time() - cpu0, time.thread_time() - loop_cpu0,
                           time.perf_counter() - start)
+    finally:
+        for client in clients:
+            await client.close()
     ends = [r.token_times[-1] for r in records if r.token_times]
     wall = (max(ends) if ends else time.perf_counter()) - start
     return records, wall, load

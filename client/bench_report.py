@@ -22,7 +22,9 @@ JSON schema "blink-bench/1" (bench.json):
         client        {"process_cpu_s", "loop_busy" (the event loop's share of one core),
                        "saturated" (loop_busy > 0.9: the client may have been the bottleneck)}
         server        the engine counters' change over the run (GetServerStats: engine_steps,
-                      engine_busy_ns, engine_step_tokens, preemptions), or {} if unavailable
+                      engine_busy_ns, engine_step_tokens, preemptions), or {} if unavailable;
+                      for started servers also engine_cpu_s, frontend_cpu_s (its workers too)
+                      and frontend_cpu_us_per_token (front-end CPU per streamed token)
         requests      per request: prompt_len, output_len, tokens, ttft_ms, tpot_ms, e2e_ms,
                       error
     interference  per (system, rate, repeat) run both idle and busy: busy / idle ratios of

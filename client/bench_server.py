@@ -27,12 +27,26 @@ def shape_folder(name: str, root: Path, max_len: int) -> Path:
         write_weights=False)
 
 
+def process_tree_cpu(pid: int) -> float:
+    """User + system CPU seconds of a live process and its live descendants (0 once gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for task in os.listdir(f"/proc/{pid}/task"):
+            children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+            total += sum(process_tree_cpu(int(c)) for c in children)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return total
+
+
 class Server:
     """An engine and a front end as two processes, started with the given engine flags.
     cores: the CPU cores both may run on (None: all); logs go to workdir/{name}-*.log."""
 
     def __init__(self, model_dir: Path, workdir: Path, engine_flags: list[str], *,
-                 name: str = "server", cores: set[int] | None = None):
+                 name: str = "server", cores: set[int] | None = None,
+                 frontend_flags: list[str] = ()):
         self.ring = f"blink-bench-{secrets.token_hex(4)}"
         self.cores = cores
         cli = [sys.executable, "-m", "blink.client.cli"]
@@ -46,7 +60,7 @@ class Server:
                                        preexec_fn=pin)
         self.frontend = subprocess.Popen(
             [*cli, "frontend", *common, "--port", "0", "--ready-file", str(ready),
-             "--queue-timeout", "600", "--engine-timeout", "30"],
+             "--queue-timeout", "600", "--engine-timeout", "30", *frontend_flags],
             stdout=self.logs[1], stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
         deadline = time.monotonic() + 600
         while not (ready.exists() and ready.read_text()):
@@ -57,6 +71,11 @@ class Server:
             while client.health() != "SERVING":
                 self._check_alive(deadline)
                 time.sleep(0.2)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time so far of the engine and of the front end (with its worker processes)."""
+        return {"engine": process_tree_cpu(self.engine.pid),
+                "frontend": process_tree_cpu(self.frontend.pid)}
 
     def _check_alive(self, deadline: float) -> None:
         for proc, log in zip((self.engine, self.frontend), self.logs):

@@ -54,12 +54,16 @@ def _check_engine_args(args) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", choices=["auto", "cuda", "cpu", "host-cuda", "hf"],
+    p.add_argument("--engine", choices=["auto", "cuda", "cpu", "host-cuda", "hf", "synthetic"],
                    default="auto",
                    help="cuda: the CPU-free GPU engine; cpu: the NumPy reference engine; "
                         "auto: cuda when a GPU is usable, else cpu. The benchmark's peers: "
                         "host-cuda, the CUDA engine's graphs driven by a host loop; hf, "
-                        "Hugging Face transformers' generate (needs torch and transformers)")
+                        "Hugging Face transformers' generate (needs torch and transformers); "
+                        "synthetic: no model, tokens every --synthetic-step-ms (measures the "
+                        "front end alone)")
+    p.add_argument("--synthetic-step-ms", type=float, default=0.0,
+                   help="synthetic engine: milliseconds per step")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache (cuda)")
     p.add_argument("--slots", type=int, default=128, help="request slots in the ring")
@@ -106,6 +110,10 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
                         "default: off)")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
+    p.add_argument("--workers", type=int, default=1,
+                   help="front-end processes sharing the port (SO_REUSEPORT) and the ring, "
+                        "each with its share of the slots")
+    p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight streams may take to finish "
                         "(new requests get UNAVAILABLE meanwhile)")
@@ -145,7 +153,8 @@ def _frontend_config(args, model_dir: Path):
                           tls_client_ca=args.tls_client_ca,
                           auth_token=_auth_token(args.auth_token_file),
                           keepalive_time_s=args.keepalive_time,
-                          max_connection_age_s=args.max_connection_age)
+                          max_connection_age_s=args.max_connection_age,
+                          worker=(args.worker_index, args.workers))
 
 
 def choose_engine(requested: str) -> str:
@@ -166,8 +175,8 @@ def choose_engine(requested: str) -> str:
 def cmd_engine(args) -> None:
     from blink.gpu_engine.ring_server import RingInUse
     _check_engine_args(args)
-    config = _engine_config(args, _model_dir(args.model,
-                                             need_weights=args.load_format != "dummy"))
+    config = _engine_config(args, _model_dir(
+        args.model, need_weights=args.load_format != "dummy" and args.engine != "synthetic"))
     kind = choose_engine(args.engine)
     try:
         if kind == "cuda":
@@ -186,6 +195,9 @@ def cmd_engine(args) -> None:
             except ImportError as e:
                 sys.exit(f"blink engine: --engine hf needs torch and transformers ({e})")
             run_engine(config, HfTransformersEngine)
+        elif kind == "synthetic":
+            from blink.gpu_engine.synthetic_engine import SyntheticEngine
+            run_engine(config, SyntheticEngine, step_ms=args.synthetic_step_ms)
         elif config.load_format == "dummy":
             sys.exit("blink engine: --load-format dummy needs the cuda, host-cuda or hf engine")
         else:
@@ -196,11 +208,75 @@ def cmd_engine(args) -> None:
 
 def cmd_frontend(args) -> None:
     from blink.nic_service.server import serve
-    config = _frontend_config(args, _model_dir(args.model, need_weights=False))
+    model_dir = _model_dir(args.model, need_weights=False)
+    _claim_port(args)
+    workers = _start_workers(args, model_dir)
+    config = _frontend_config(args, model_dir)
     try:
-        asyncio.run(serve(config, args.ready_file, shutdown_timeout_s=args.shutdown_timeout))
+        asyncio.run(serve(config, args.ready_file, shutdown_timeout_s=args.shutdown_timeout,
+                          on_stop=lambda: _signal_workers(workers)))
     except OSError as e:
+        _signal_workers(workers)
         sys.exit(f"blink frontend: {e}")
+    finally:
+        _join_workers(workers, args.shutdown_timeout)
+
+
+# --- front-end workers: processes sharing one port (SO_REUSEPORT) and one ring -------------------
+
+def _claim_port(args) -> None:
+    """Before several workers bind one port with SO_REUSEPORT: fail if another program holds it
+    (reuse would silently share it), and pick a concrete port for --port 0."""
+    if args.workers < 1:
+        sys.exit("blink: --workers must be >= 1")
+    if args.workers == 1:
+        return  # one process: gRPC's own bind (without port reuse) says if the port is taken
+    import socket
+    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as e:
+            sys.exit(f"blink: cannot listen on {args.host}:{args.port}: {e.strerror}")
+        args.port = probe.getsockname()[1]
+
+
+def _frontend_worker(args, model_dir: Path, index: int) -> None:
+    """One extra front-end worker process (multiprocessing target)."""
+    from blink.nic_service.server import serve
+    logging.basicConfig(level="DEBUG" if args.verbose else args.log_level.upper(),
+                        handlers=[_log_handler(args)])
+    args.worker_index, args.ready_file = index, None
+    if args.metrics_port:
+        args.metrics_port += index  # worker i: metrics port + i
+    asyncio.run(serve(_frontend_config(args, model_dir), None,
+                      shutdown_timeout_s=args.shutdown_timeout))
+
+
+def _start_workers(args, model_dir: Path) -> list:
+    """Workers 1 .. N-1 as processes (this process is worker 0); [] for one worker. The
+    port must have been claimed (_claim_port)."""
+    if args.workers == 1:
+        return []
+    import multiprocessing
+    spawn = multiprocessing.get_context("spawn")
+    procs = [spawn.Process(target=_frontend_worker, args=(args, model_dir, i), daemon=False,
+                           name=f"blink-frontend-{i}") for i in range(1, args.workers)]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
+def _signal_workers(procs: list) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()  # SIGTERM: each worker drains its own streams
+
+
+def _join_workers(procs: list, timeout_s: float) -> None:
+    for proc in procs:
+        proc.join(timeout_s + 10)
+        if proc.is_alive():
+            proc.kill()
 
 
 def _engine_argv(args, model_dir: Path) -> list[str]:
@@ -211,12 +287,18 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-batched-tokens", str(args.max_batched_tokens),
             "--load-format", args.load_format, "--log-level", args.log_level,
-            "--log-format", args.log_format]
+            "--log-format", args.log_format, "--synthetic-step-ms", str(args.synthetic_step_ms)]
     if args.num_kv_blocks:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     return argv
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: SIGTERM when the parent exits (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 async def _supervise_engine(argv: list[str], stop: asyncio.Event, link,
@@ -228,7 +310,10 @@ async def _supervise_engine(argv: list[str], stop: asyncio.Event, link,
     log = logging.getLogger("blink.serve")
     backoff = 0.5
     while not stop.is_set():
-        proc = await asyncio.create_subprocess_exec(*argv)
+        # its own session: a terminal's Ctrl-C reaches serve, which drains before stopping the
+        # engine; and the engine gets SIGTERM should serve itself die
+        proc = await asyncio.create_subprocess_exec(*argv, start_new_session=True,
+                                                    preexec_fn=_die_with_parent)
         started = time.monotonic()
         waiter = asyncio.ensure_future(proc.wait())
         stopper = asyncio.ensure_future(stop.wait())
@@ -266,9 +351,11 @@ def default_ring_name() -> str:
 
 def cmd_serve(args) -> None:
     _check_engine_args(args)
-    model_dir = _model_dir(args.model, need_weights=args.load_format != "dummy")
+    model_dir = _model_dir(
+        args.model, need_weights=args.load_format != "dummy" and args.engine != "synthetic")
     if args.ring_name is None:  # engine and front end are ours alone: a ring per server
         args.ring_name = f"{default_ring_name()}-{args.port or f'p{os.getpid()}'}"
+    _claim_port(args)
 
     async def main() -> int:
         from blink.nic_service.server import Frontend
@@ -279,8 +366,11 @@ def cmd_serve(args) -> None:
         # the front end first: a taken port or an unreadable tokenizer fails before any engine
         frontend = Frontend(_frontend_config(args, model_dir))
         port = await frontend.start()
+        workers.extend(_start_workers(args, model_dir))
+        engine_stop = asyncio.Event()  # set after the drain: streams in flight need the engine
         engine = asyncio.ensure_future(_supervise_engine(
-            _engine_argv(args, model_dir), stop, frontend.link, args.engine_restart_timeout))
+            _engine_argv(args, model_dir), engine_stop, frontend.link,
+            args.engine_restart_timeout))
         if args.ready_file:
             args.ready_file.write_text(str(port))
         print(f"blink: serving {model_dir.name} on {args.host}:{port} (ring /dev/shm/"
@@ -288,18 +378,25 @@ def cmd_serve(args) -> None:
               flush=True)
         await asyncio.wait({engine, asyncio.ensure_future(stop.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
+        _signal_workers(workers)  # each worker drains its own streams
         if engine.done():  # the engine never came up: nothing to serve
             await frontend.stop(grace=0)
             return engine.result()
         await frontend.drain(args.shutdown_timeout)
+        await asyncio.to_thread(_join_workers, workers, args.shutdown_timeout)
+        engine_stop.set()
         status = await engine
         await frontend.stop()
         return status
 
+    workers: list = []
     try:
         status = asyncio.run(main())
     except OSError as e:
         sys.exit(f"blink serve: {e}")
+    finally:
+        _signal_workers(workers)
+        _join_workers(workers, 5)
     if status:
         sys.exit(f"blink serve: the engine exited with status {status} before it was ready "
                  f"(its messages are above)")
@@ -456,12 +553,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level="DEBUG" if args.verbose else args.log_level.upper(),
+                        handlers=[_log_handler(args)])
+    args.func(args)
+
+
+def _log_handler(args) -> logging.Handler:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonLogFormatter() if args.log_format == "json" else logging.Formatter(
         "%(asctime)s %(name)s %(levelname)s %(message)s"))
-    logging.basicConfig(level="DEBUG" if args.verbose else args.log_level.upper(),
-                        handlers=[handler])
-    args.func(args)
+    return handler
 
 
 class JsonLogFormatter(logging.Formatter):

@@ -119,7 +119,7 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
-    engine: str  # "cpu-reference" | "cuda" | "cuda-host-driven" | "hf-transformers"
+    engine: str  # "cpu-reference" | "cuda" | "cuda-host-driven" | "hf-transformers" | "synthetic"
 
     @classmethod
     def from_proto(cls, msg: blink_pb2.ModelInfo) -> ModelInfo:

@@ -8,7 +8,6 @@ segment is current) and re-attaches on its own when a new engine instance appear
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import deque
@@ -113,8 +112,14 @@ class EngineLink:
     def __init__(self, ring_name: str, *, queue_timeout_s: float = 30.0,
                  max_queued: int = 1024, engine_timeout_s: float = 3.0,
                  poll_interval_s: float = 0.0005, attach_interval_s: float = 0.2,
-                 on_alive_change: Callable[[bool], None] | None = None):
+                 on_alive_change: Callable[[bool], None] | None = None,
+                 worker: tuple[int, int] = (0, 1)):
+        """worker: (index, count) of the front-end processes sharing this ring; this one uses
+        its contiguous share of the slots, and request ids that order all of theirs in time."""
         self.ring_name = ring_name
+        self.worker_index, self.workers = worker
+        if not 0 <= self.worker_index < self.workers:
+            raise ValueError(f"worker {worker}: the index must be in [0, count)")
         self.queue_timeout_s = queue_timeout_s
         self.max_queued = max_queued
         self.engine_timeout_s = engine_timeout_s
@@ -129,7 +134,7 @@ class EngineLink:
         self._next_gen: list[int] = []
         self._waiters: deque[asyncio.Future] = deque()
         self._live: dict[int, RequestHandle] = {}   # slot -> handle
-        self._request_ids = itertools.count(1)
+        self._last_request_id = 0
         self._last_beat = 0
         self._last_beat_change = 0.0
         self._task: asyncio.Task | None = None
@@ -190,6 +195,18 @@ class EngineLink:
 
     # -- requests -------------------------------------------------------------------------------
 
+    def _next_request_id(self) -> int:
+        """Increasing, unique across the workers, and in arrival order between them (the
+        engine admits by request id): monotonic nanoseconds x workers + this worker's index."""
+        n = self.workers
+        self._last_request_id = max(self._last_request_id + n,
+                                    time.monotonic_ns() * n + self.worker_index)
+        return self._last_request_id
+
+    def slot_share(self, num_slots: int) -> range:
+        lo = num_slots * self.worker_index // self.workers
+        return range(lo, num_slots * (self.worker_index + 1) // self.workers)
+
     async def submit(self, req_fields: dict) -> RequestHandle:
         """Writes a request into a free slot, waiting (bounded) for one. `req_fields` are
         SlotRequest's fields but request_id, which the link assigns."""
@@ -199,7 +216,7 @@ class EngineLink:
         slot = await self._acquire_slot()
         if not self.alive or self.info is None or self.info.instance != instance:
             raise EngineUnavailable("engine restarted while the request waited for a slot")
-        request_id = next(self._request_ids)
+        request_id = self._next_request_id()
         gen = self._next_gen[slot]
         self._next_gen[slot] = gen % 0xFFFF_FFFF + 1
         req = SlotRequest(request_id=request_id, **req_fields)
@@ -290,7 +307,14 @@ class EngineLink:
                                                       geom.num_slots, 4), "<u4")
         # continue each slot's generation so it never repeats one the engine consumed
         self._next_gen = [int(b) % 0xFFFF_FFFF + 1 for b in begins]
-        self._free = deque(range(geom.num_slots))
+        share = self.slot_share(geom.num_slots)
+        if not share:
+            transport.close()
+            self._transport, self.info = None, None
+            log.error("the ring has %d slots: too few for %d front-end workers",
+                      geom.num_slots, self.workers)
+            return
+        self._free = deque(share)
         # alive only once the heartbeat moves: a killed engine leaves a SERVING header behind
         self._last_beat = beat
         if not self.alive:

@@ -112,12 +112,13 @@ class RequestClock:
             return
         now = time.monotonic()
         if self.metrics is not None:
-            if self.last is None:
+            if self.last is None:  # the first token; the rest of its chunk came with it
                 self.metrics.ttft.observe(now - self.received)
+                gaps = [0.0] * (n - 1)
             else:
-                gap = (now - self.last) / n
-                for _ in range(n):
-                    self.metrics.itl.observe(gap)
+                gaps = [(now - self.last) / n] * n
+            for gap in gaps:  # one inter-token gap per token after the first
+                self.metrics.itl.observe(gap)
         self.first = self.first or now
         self.last = now
 

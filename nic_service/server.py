@@ -36,7 +36,7 @@ log = logging.getLogger("blink.frontend")
 
 ENGINE_NAMES = {EngineKind.CPU_REFERENCE: "cpu-reference", EngineKind.CUDA: "cuda",
                 EngineKind.HOST_DRIVEN_CUDA: "cuda-host-driven",
-                EngineKind.HF_TRANSFORMERS: "hf-transformers"}
+                EngineKind.HF_TRANSFORMERS: "hf-transformers", EngineKind.SYNTHETIC: "synthetic"}
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Blink"].full_name
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -60,6 +60,7 @@ class FrontendConfig:
     auth_token: str | None = None      # Blink RPCs need metadata "authorization: Bearer <token>"
     keepalive_time_s: float = 60.0     # server pings idle connections this often
     max_connection_age_s: float | None = None  # then GOAWAY: L4/L7 balancers get to rebalance
+    worker: tuple[int, int] = (0, 1)   # (index, count): front-end processes sharing port and ring
 
 
 class InvalidRequest(ValueError):
@@ -458,7 +459,8 @@ class Frontend:
         self.link = EngineLink(config.ring_name, queue_timeout_s=config.queue_timeout_s,
                                max_queued=config.max_queued,
                                engine_timeout_s=config.engine_timeout_s,
-                               on_alive_change=self._on_alive_change)
+                               on_alive_change=self._on_alive_change,
+                               worker=config.worker)
         self.metrics = FrontendMetrics(self.link) if config.metrics_port is not None else None
         self.metrics_port: int | None = None
         self.server: grpc.aio.Server | None = None
@@ -480,7 +482,8 @@ class Frontend:
         options = [
             ("grpc.max_receive_message_length", 2 * limit + (1 << 20)),
             ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second server
+            # a port in use is an error, not a silent second server; workers share theirs
+            ("grpc.so_reuseport", 1 if cfg.worker[1] > 1 else 0),
             ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -515,9 +518,16 @@ class Frontend:
             log.info("Prometheus metrics on http://%s:%d/metrics", self.config.metrics_host,
                      self.metrics_port)
         await self.link.start()
+        if self.config.worker[0] > 0:
+            # an extra worker takes connections (SO_REUSEPORT hands it some) only once it can
+            # serve them; worker 0 listens at once and answers health while the engine starts
+            while not self.link.alive:
+                await asyncio.sleep(0.05)
         await self.server.start()
-        log.info("front end listening on %s:%d (ring /dev/shm/%s)", self.config.host, self.port,
-                 self.config.ring_name)
+        index, count = self.config.worker
+        log.info("front end%s listening on %s:%d (ring /dev/shm/%s)",
+                 f" worker {index + 1}/{count}" if count > 1 else "", self.config.host,
+                 self.port, self.config.ring_name)
         return self.port
 
     def _tls_credentials(self) -> grpc.ServerCredentials:
@@ -554,16 +564,21 @@ class Frontend:
 
 
 async def serve(config: FrontendConfig, ready_file: Path | None = None, *,
-                shutdown_timeout_s: float = 30.0) -> None:
+                shutdown_timeout_s: float = 30.0, on_stop=None) -> None:
+    """Runs one front end until SIGTERM/SIGINT, then drains. on_stop(): called first when the
+    signal arrives (the parent of several workers passes the signal on)."""
     frontend = Frontend(config)
     port = await frontend.start()
     if ready_file is not None:
         ready_file.write_text(str(port))
-    print(f"blink front end listening on {config.host}:{port}", flush=True)
+    if config.worker[0] == 0:
+        print(f"blink front end listening on {config.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if on_stop is not None:
+        on_stop()
     await frontend.drain(shutdown_timeout_s)
     await frontend.stop()

@@ -232,3 +232,19 @@ def test_hf_engine_streams_what_transformers_generates(hf_model, bench_checkpoin
     assert run["metrics"]["failed"] == 0
     assert [q["tokens"] for q in run["requests"]] == [
         r.output_len for r in random_requests(6, 16, 6, 2048, range_ratio=0.5)]
+
+
+def test_front_end_capacity_with_the_synthetic_engine(bench_checkpoint, tmp_path):
+    """The front end measured alone: the synthetic engine (no model) behind two front-end
+    workers, 8 client connections; every token arrives, and the front end's CPU per streamed
+    token is reported."""
+    args = build_parser().parse_args([
+        "bench", "--model", str(bench_checkpoint), "--systems", "synthetic",
+        "--num-prompts", "32", "--random-input-len", "16", "--random-output-len", "64",
+        "--concurrency", "16", "--frontend-arg=--workers=2", "--out", str(tmp_path)])
+    doc = bench.run(args)
+    (run,) = doc["runs"]
+    assert run["engine"] == "synthetic" and run["metrics"]["failed"] == 0
+    assert [q["tokens"] for q in run["requests"]] == [64] * 32
+    assert run["server"]["frontend_cpu_s"] > 0 and run["server"]["engine_cpu_s"] > 0
+    assert 0 < run["server"]["frontend_cpu_us_per_token"] < 10_000

@@ -234,11 +234,13 @@ def test_metrics_request_logs_and_counters_across_restarts(checkpoints, tmp_path
         with grpc.insecure_channel(serve.target) as channel:
             list(pb_grpc.BlinkStub(channel).Generate(pb.GenerateRequest(
                 text="tagged", client_request_id="client-42",
-                sampling=pb.SamplingParams(max_tokens=3))))
+                sampling=pb.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))))
         m = scrape(port)
         assert m[("blink:time_to_first_token_seconds_count", ())] == 6
         assert m[("blink:e2e_request_latency_seconds_count", ())] == 6
-        assert m[("blink:inter_token_latency_seconds_count", ())] >= 4 * 11
+        # one gap per streamed token after each request's first
+        streamed = 4 * 12 + stopped.completion_tokens + 3
+        assert m[("blink:inter_token_latency_seconds_count", ())] == streamed - 6
         assert m[("blink:request_success_total", (("finished_reason", "length"),))] == 5
         assert m[("blink:request_success_total", (("finished_reason", "stop"),))] == 1
         assert m[("blink:engine_alive", ())] == 1 and m[("blink:kv_cache_usage_perc", ())] == 0
@@ -395,3 +397,45 @@ def test_two_servers_on_port_0_do_not_share_a_ring(checkpoints, tmp_path):
             assert b.stop() == 0
     finally:
         assert a.stop() == 0
+
+
+@pytest.mark.parametrize("command", ["serve", "frontend"])
+def test_front_end_workers_share_port_and_ring(checkpoints, make_stack, tmp_path, command):
+    """--workers 3: three processes on one port, each with its share of the ring's slots;
+    requests from many connections land on all of them and all finish; SIGTERM drains all."""
+    import asyncio
+    import re
+
+    from blink.client.sdk import AsyncBlinkClient
+    if command == "serve":
+        serve = Serve(checkpoints["llama"], tmp_path, "--workers", "3", "--slots", "12")
+        target, proc, log = serve.target, serve.proc, serve.log_path
+    else:
+        stack = make_stack(checkpoints["llama"], engine_args=["--slots", "12"],
+                           frontend_args=["--workers", "3"])
+        stack.wait_serving()
+        target, proc = stack.target, stack.frontend
+        log = next(f for f in tmp_path.glob("frontend-*.log"))
+
+    wait_for(lambda: len(re.findall(r"worker \d/3 listening", log.read_text())) == 3, 30,
+             "three workers listening")
+
+    async def many():
+        # a connection each (gRPC shares one between same-target channels of a process)
+        clients = [AsyncBlinkClient(target, options=[("grpc.use_local_subchannel_pool", 1)])
+                   for _ in range(24)]
+        try:
+            return await asyncio.gather(*(c.generate(f"request {i}", Sampling(max_tokens=4))
+                                          for i, c in enumerate(clients)))
+        finally:
+            for c in clients:
+                await c.close()
+    done = asyncio.run(many())
+    assert all(d.completion_tokens == 4 for d in done)
+    assert len({d.request_id for d in done}) == 24
+    text = log.read_text()
+    assert {m for m in re.findall(r"worker (\d)/3", text)} == {"1", "2", "3"}
+    served = {m for m in re.findall(r"request (\d+)\D", text)}  # request ids end in the worker
+    assert len({int(i) % 3 for i in served}) >= 2  # more than one worker answered
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0

@@ -25,6 +25,7 @@ enum class EngineKind : uint32_t {
   kCuda = 1,
   kHostDrivenCuda = 2,
   kHfTransformers = 3,
+  kSynthetic = 4,
 };
 
 enum class FinishReason : uint32_t {

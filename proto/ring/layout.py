@@ -54,6 +54,7 @@ class EngineKind(enum.IntEnum):
     CUDA = 1
     HOST_DRIVEN_CUDA = 2  # the benchmark's ablation: CUDA kernels launched by a host loop
     HF_TRANSFORMERS = 3   # the benchmark's peer: Hugging Face transformers' generate
+    SYNTHETIC = 4         # no model: tokens at a set step time, to measure the front end alone
 
 
 class FinishReason(enum.IntEnum):

@@ -1,0 +1,43 @@
+"""An engine without a model, for measuring the front end alone (`--engine synthetic`).
+
+It serves the ring with the reference engine's loop and scheduler (admission, batching, KV-block
+bookkeeping, stops, cancels), but a step's "forward pass" only waits `step_ms` and returns a
+token per sequence: ordinary ids from the middle of the vocabulary (never EOS), a function of
+the sequence and its position. The front end then streams as fast as it can take tokens from
+the ring, so `blink bench --systems synthetic` gives the front end's capacity and its CPU per
+streamed token with no model in the way.
+"""
+from __future__ import annotations
+
+import time
+
+from blink.gpu_engine.checkpoint import ModelConfig
+from blink.gpu_engine.forward_batch import ForwardBatch
+from blink.gpu_engine.reference_engine import EngineConfig, ReferenceEngine
+from blink.gpu_engine.sequence import Sequence
+from blink.ring.layout import EngineKind
+
+
+class SyntheticEngine(ReferenceEngine):
+    engine_kind = EngineKind.SYNTHETIC
+
+    def __init__(self, config: EngineConfig, *, step_ms: float = 0.0):
+        self.step_s = step_ms / 1e3
+        super().__init__(config)
+
+    def _load_model(self, cfg: ModelConfig) -> int:
+        self.vocab = cfg.vocab_size
+        self.avoid = set(cfg.eos_token_ids)
+        # KV blocks only bound admission here: room for every slot's whole context
+        return self.config.num_kv_blocks or (
+            self.config.num_slots * -(-self.context_length // self.config.block_size))
+
+    def _forward_sample(self, batch: ForwardBatch, samplers: list[Sequence]) -> list[int]:
+        if self.step_s:
+            time.sleep(self.step_s)
+        lo, span = self.vocab // 4, self.vocab // 2
+        out = []
+        for seq in samplers:
+            token = lo + (seq.slot * 7919 + len(seq.output) * 104729) % span
+            out.append(token + 1 if token in self.avoid else token)
+        return out
