@@ -129,6 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="folder for bench.json and the plots")
     p.add_argument("--timeout", type=positive(float), default=3600.0,
                    help="seconds one request may take")
+    p.add_argument("--run-timeout", type=positive(float), default=None,
+                   help="seconds one run may take: requests still open then are cancelled and "
+                        "counted as failed (keeps a suite's time bounded with a slow peer)")
 
 
 def check_arguments(args) -> None:
@@ -229,7 +232,7 @@ def measure(target: str, requests: list[BenchRequest], args, rate: float, desc: 
         records, wall, load = asyncio.run(run_requests(
             target, requests, rate=rate, burstiness=args.burstiness,
             concurrency=args.concurrency, ignore_eos=not args.respect_eos, seed=args.seed,
-            timeout=args.timeout, connections=args.connections, on_done=(lambda _: bar.update()) if bar else None))
+            timeout=args.timeout, connections=args.connections, run_timeout=args.run_timeout, on_done=(lambda _: bar.update()) if bar else None))
     finally:
         os.sched_setaffinity(0, pinned)
         if bar:

@@ -61,14 +61,15 @@ class ClientLoad:
 async def run_requests(target: str, requests: list[BenchRequest], *, rate: float = math.inf,
                        burstiness: float = 1.0, concurrency: int | None = None,
                        ignore_eos: bool = True, seed: int = 0, timeout: float = 3600.0,
-                       connections: int = 1,
+                       connections: int = 1, run_timeout: float | None = None,
                        on_done: Callable[[RequestRecord], None] | None = None
                        ) -> tuple[list[RequestRecord], float, ClientLoad]:
     """Sends every request (greedy, max_tokens = its output length) on the schedule, round
     robin over `connections` TCP connections (a server with several front-end workers on one
     port gets connections, not requests, spread over them); returns the records in request
     order, the wall time from the first send to the last token, and the client's CPU use. A
-    failed request keeps its error and does not stop the others."""
+    failed request keeps its error and does not stop the others. run_timeout: seconds after
+    which requests not yet finished (or sent) are cancelled and recorded as failed."""
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     records = [RequestRecord(len(r.prompt), r.output_len) for r in requests]
     gate = asyncio.Semaphore(concurrency) if concurrency else None
@@ -99,15 +100,30 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
             async with gate:
                 await one(i, request, record)
 
+        async def send_all() -> None:
+            tasks = []
+            try:
+                for i, (request, record, offset) in enumerate(zip(requests, records, offsets)):
+                    delay = start + offset - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    tasks.append(asyncio.ensure_future(gated(i, request, record)))
+                await asyncio.gather(*tasks)
+            except asyncio.CancelledError:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
         loop_cpu0 = time.thread_time()
         cpu0, start = time.process_time(), time.perf_counter()
-        tasks = []
-        for i, (request, record, offset) in enumerate(zip(requests, records, offsets)):
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(gated(i, request, record)))
-        await asyncio.gather(*tasks)
+        try:
+            await asyncio.wait_for(send_all(), run_timeout)
+        except asyncio.TimeoutError:
+            for record in records:
+                if record.error is None and (not record.token_times
+                                             or record.finish_reason == ""):
+                    record.error = f"cut by the run time limit ({run_timeout:g} s)"
         load = ClientLoad(time.process_time() - cpu0, time.thread_time() - loop_cpu0,
                           time.perf_counter() - start)
     finally:

@@ -248,3 +248,16 @@ def test_front_end_capacity_with_the_synthetic_engine(bench_checkpoint, tmp_path
     assert [q["tokens"] for q in run["requests"]] == [64] * 32
     assert run["server"]["frontend_cpu_s"] > 0 and run["server"]["engine_cpu_s"] > 0
     assert 0 < run["server"]["frontend_cpu_us_per_token"] < 10_000
+
+
+def test_run_timeout_bounds_a_run(bench_checkpoint, tmp_path):
+    args = build_parser().parse_args([
+        "bench", "--model", str(bench_checkpoint), "--num-prompts", "8",
+        "--random-input-len", "16", "--random-output-len", "450", "--concurrency", "2",
+        "--run-timeout", "1.5", "--out", str(tmp_path)])
+    t0 = time.monotonic()
+    (run,) = bench.run(args)["runs"]
+    assert time.monotonic() - t0 < 30
+    m = run["metrics"]
+    assert m["failed"] > 0 and any("run time limit" in e for e in m["errors"])
+    assert m["completed"] + m["failed"] == 8
