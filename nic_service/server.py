@@ -322,6 +322,14 @@ class BlinkServicer(pb_grpc.BlinkServicer):
 
         while True:
             event = await handle.events.get()
+            # a client that is behind gets what is queued as one chunk: one detokenizer pass,
+            # one message (the per-token cost that bounds the front end)
+            while isinstance(event, Tokens) and not handle.events.empty():
+                nxt = handle.events.get_nowait()
+                if not isinstance(nxt, Tokens):
+                    handle.events.put_nowait(nxt)  # the queue held only this: it stays last
+                    break
+                event = Tokens(event.ids + nxt.ids)
             if isinstance(event, Exception):
                 log_request(handle, prep, clock, f"unavailable: {event}", generated)
                 await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE, str(event))
