@@ -145,9 +145,12 @@ def build_request(
     *,
     return_token_ids: bool = False,
     model: str = "",
+    client_request_id: str = "",
 ) -> blink_pb2.GenerateRequest:
-    """The GenerateRequest for a prompt: str -> text, ints -> token_ids, dicts -> messages."""
-    request = blink_pb2.GenerateRequest(model=model, return_token_ids=return_token_ids)
+    """The GenerateRequest for a prompt: str -> text, ints -> token_ids, dicts -> messages.
+    client_request_id: your id for the request, in the server's log line for it."""
+    request = blink_pb2.GenerateRequest(model=model, return_token_ids=return_token_ids,
+                                        client_request_id=client_request_id)
     if sampling is not None:
         request.sampling.CopyFrom(sampling.to_proto())
     if isinstance(prompt, str):
@@ -393,8 +396,10 @@ class BlinkClient:
         timeout: float | None = None,
         return_token_ids: bool = False,
         model: str = "",
+        client_request_id: str = "",
     ) -> GenerationStream:
-        request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model)
+        request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model,
+                                client_request_id=client_request_id)
         return GenerationStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
 
     def generate(
@@ -405,9 +410,11 @@ class BlinkClient:
         timeout: float | None = None,
         return_token_ids: bool = False,
         model: str = "",
+        client_request_id: str = "",
     ) -> Completion:
         with self.stream(
-            prompt, sampling, timeout=timeout, return_token_ids=return_token_ids, model=model
+            prompt, sampling, timeout=timeout, return_token_ids=return_token_ids, model=model,
+            client_request_id=client_request_id,
         ) as stream:
             for _ in stream:
                 pass
@@ -472,8 +479,10 @@ class AsyncBlinkClient:
         timeout: float | None = None,
         return_token_ids: bool = False,
         model: str = "",
+        client_request_id: str = "",
     ) -> AsyncGenerationStream:
-        request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model)
+        request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model,
+                                client_request_id=client_request_id)
         return AsyncGenerationStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
 
     async def generate(
@@ -484,9 +493,11 @@ class AsyncBlinkClient:
         timeout: float | None = None,
         return_token_ids: bool = False,
         model: str = "",
+        client_request_id: str = "",
     ) -> Completion:
         async with self.stream(
-            prompt, sampling, timeout=timeout, return_token_ids=return_token_ids, model=model
+            prompt, sampling, timeout=timeout, return_token_ids=return_token_ids, model=model,
+            client_request_id=client_request_id,
         ) as stream:
             async for _ in stream:
                 pass

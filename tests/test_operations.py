@@ -211,11 +211,6 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 def test_metrics_request_logs_and_counters_across_restarts(checkpoints, tmp_path):
     import json
     import re
-
-    import grpc
-
-    from blink.v1 import blink_pb2 as pb
-    from blink.v1 import blink_pb2_grpc as pb_grpc
     serve = Serve(checkpoints["llama"], tmp_path, "--metrics-port", "0", "--log-format", "json",
                   "--engine-timeout", "1")
     try:
@@ -231,10 +226,8 @@ def test_metrics_request_logs_and_counters_across_restarts(checkpoints, tmp_path
             stopped = client.generate("where to stop", Sampling(max_tokens=12, temperature=0.0,
                                                                 ignore_eos=True, stop=(stop,)))
             assert stopped.finish_reason == "stop"
-        with grpc.insecure_channel(serve.target) as channel:
-            list(pb_grpc.BlinkStub(channel).Generate(pb.GenerateRequest(
-                text="tagged", client_request_id="client-42",
-                sampling=pb.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))))
+            client.generate("tagged", Sampling(max_tokens=3, temperature=0.0, ignore_eos=True),
+                            client_request_id="client-42")
         m = scrape(port)
         assert m[("blink:time_to_first_token_seconds_count", ())] == 6
         assert m[("blink:e2e_request_latency_seconds_count", ())] == 6
