@@ -287,7 +287,7 @@ def run(args) -> dict:
             try:
                 with BlinkClient(target) as client:
                     try:
-                        client.wait_ready(600)
+                        client.wait_ready(30)  # a started server is SERVING already
                         info = client.model_info()
                         if requests is None:  # the same workload for every system
                             tokenizer = args.tokenizer or (model_dir / "tokenizer.json"
