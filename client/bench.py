@@ -24,7 +24,7 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from blink.client.bench_data import BENCH_EXTRA_HINT, BenchError, BenchRequest, \
@@ -256,6 +256,46 @@ def measure(target: str, requests: list[BenchRequest], args, rate: float, desc: 
             "requests": request_rows(records)}
 
 
+@contextmanager
+def serving(args, system: str, model_dir: Path | None, cores: list[int]):
+    """(target, Server or None) for one system: the --target, or a server started for it and
+    stopped afterwards."""
+    if args.target:
+        yield args.target, None
+        return
+    from blink.client.bench_server import Server
+    t0 = time.monotonic()
+    try:
+        server = Server(model_dir, args.out, engine_flags(args, system), name=system,
+                        cores=set(cores), frontend_flags=args.frontend_arg)
+    except RuntimeError as e:
+        raise BenchError(f"{system}: {e}") from None
+    print(f"blink bench: {system} up in {time.monotonic() - t0:.0f} s "
+          f"(logs: {args.out}/{system}-*.log)", file=sys.stderr)
+    try:
+        yield server.target, server
+    finally:
+        server.stop()
+
+
+def prepare(args, system: str, target: str, model_dir: Path | None,
+            requests: list[BenchRequest] | None):
+    """The server's ModelInfo and the workload (built once, the same for every system); one
+    warm-up request."""
+    with BlinkClient(target) as client:
+        try:
+            client.wait_ready(30)  # a started server is SERVING already
+            info = client.model_info()
+            if requests is None:
+                tokenizer = args.tokenizer or (model_dir / "tokenizer.json" if model_dir
+                                               else None)
+                requests = workload(args, info.vocab_size, info.context_length, tokenizer)
+            client.generate(list(requests[0].prompt), Sampling(max_tokens=2, temperature=0.0))
+        except BlinkError as e:
+            raise BenchError(f"{system} at {target}: {e}") from None
+    return info, requests
+
+
 def run(args) -> dict:
     check_arguments(args)
     server_cores, client_cores = split_cores(args)
@@ -267,43 +307,19 @@ def run(args) -> dict:
                   hog_rates=[rate_label(r) for r in args.hog_rates or args.request_rate],
                   slo=Slo(args.slo_ttft_ms, args.slo_tpot_ms).to_json(),
                   server_cores=server_cores, client_cores=client_cores, hog=hog.describe())
+    phases = [("idle", nullcontext(), args.request_rate)]
+    if args.cpu_hog:
+        phases.append(("busy", hog, args.hog_rates or args.request_rate))
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp:
         model_dir = None if args.target else model_folder(args, Path(tmp))
         requests = None
         for system in (["target"] if args.target else args.systems):
-            server = None
-            if not args.target:
-                from blink.client.bench_server import Server
-                t0 = time.monotonic()
-                try:
-                    server = Server(model_dir, args.out, engine_flags(args, system), name=system,
-                                    cores=set(server_cores), frontend_flags=args.frontend_arg)
-                except RuntimeError as e:
-                    raise BenchError(f"{system}: {e}") from None
-                print(f"blink bench: {system} up in {time.monotonic() - t0:.0f} s "
-                      f"(logs: {args.out}/{system}-*.log)", file=sys.stderr)
-            target = args.target or server.target
-            try:
-                with BlinkClient(target) as client:
-                    try:
-                        client.wait_ready(30)  # a started server is SERVING already
-                        info = client.model_info()
-                        if requests is None:  # the same workload for every system
-                            tokenizer = args.tokenizer or (model_dir / "tokenizer.json"
-                                                           if model_dir else None)
-                            requests = workload(args, info.vocab_size, info.context_length,
-                                                tokenizer)
-                            config["model"] = info.name
-                        client.generate(list(requests[0].prompt),  # warm-up
-                                        Sampling(max_tokens=2, temperature=0.0))
-                    except BlinkError as e:
-                        raise BenchError(f"{system} at {target}: {e}") from None
-                phases = [("idle", nullcontext(), args.request_rate)]
-                if args.cpu_hog:
-                    phases.append(("busy", hog, args.hog_rates or args.request_rate))
-                for interference, ctx, rates in phases:
-                    with ctx:
+            with serving(args, system, model_dir, server_cores) as (target, server):
+                info, requests = prepare(args, system, target, model_dir, requests)
+                config["model"] = info.name
+                for interference, cpu_load, rates in phases:
+                    with cpu_load:
                         for rate in rates:
                             for repeat in range(args.repeats):
                                 desc = f"{system} {interference} rate {rate_label(rate)}"
@@ -315,15 +331,7 @@ def run(args) -> dict:
                                 # after every run: a benchmark cut short keeps what it measured
                                 write_json(document(config, runs, complete=False),
                                            args.out / "bench.json")
-                                m = result["metrics"]
-                                print(f"blink bench: {desc} run {repeat + 1}: "
-                                      f"{m['output_throughput']:,.0f} tok/s, TTFT p99 "
-                                      f"{m['ttft_ms']['p99'] or 0:.1f} ms, TPOT p99 "
-                                      f"{m['tpot_ms']['p99'] or 0:.2f} ms, "
-                                      f"{m['failed']} failed", file=sys.stderr)
-            finally:
-                if server is not None:
-                    server.stop()
+                                print_run(desc, repeat, result["metrics"])
     doc = document(config, runs, complete=True)
     write_json(doc, args.out / "bench.json")
     print(summary_table(doc))
@@ -335,6 +343,12 @@ def run(args) -> dict:
         print(f"\nblink bench: {args.out / 'bench.json'} (no plots: matplotlib is missing; "
               f"{BENCH_EXTRA_HINT})", file=sys.stderr)
     return doc
+
+
+def print_run(desc: str, repeat: int, m: dict) -> None:
+    print(f"blink bench: {desc} run {repeat + 1}: {m['output_throughput']:,.0f} tok/s, "
+          f"TTFT p99 {m['ttft_ms']['p99'] or 0:.1f} ms, TPOT p99 "
+          f"{m['tpot_ms']['p99'] or 0:.2f} ms, {m['failed']} failed", file=sys.stderr)
 
 
 def cmd_bench(args) -> None:
