@@ -72,9 +72,7 @@ class HfTransformersEngine(ReferenceEngine):
                     sequences_running=len(self.running), sequences_waiting=len(self.waiting))
 
     def step(self) -> bool:
-        self.ring.beat()
         self._admit()
-        self._honour_cancels()
         if not self.waiting:
             self._publish_stats()
             return False
@@ -125,9 +123,7 @@ class HfTransformersEngine(ReferenceEngine):
                 for row, seq in enumerate(batch):
                     if not done[row]:
                         done[row] = engine._emit(seq, tokens[row])
-                engine.ring.beat()
-                engine._admit()  # new requests queue for the next batch
-                engine._honour_cancels()
+                engine._admit()  # heartbeat; new requests queue for the next batch; cancels
                 for row, seq in enumerate(batch):
                     done[row] = done[row] or seq not in engine.running
                 engine._publish_stats()

@@ -133,20 +133,29 @@ class ReferenceEngine:
     # -- one iteration of the loop ------------------------------------------------------------
 
     def step(self) -> bool:
-        """Runs one scheduler iteration; returns whether any forward pass ran."""
-        self.ring.beat()
+        """One scheduler iteration (the kernel's loop, in the same four parts); returns whether
+        a forward pass ran."""
         self._admit()
-        self._honour_cancels()
+        plan = self._schedule()
+        if not plan.scheduled:
+            return False
+        started = time.perf_counter_ns()
+        batch, samplers = self._build_batch(plan)
+        self._postprocess(plan, batch, samplers, self._forward_sample(batch, samplers), started)
+        return True
+
+    def _schedule(self) -> StepPlan:
         plan = self.scheduler.schedule_step()
         for seq in plan.preempted:
             self.counters["preemptions"] += 1
             self.ring.set_preemptions(seq.slot, seq.preemptions)
         if not plan.scheduled:
             self._publish_stats()
-            return False
-        started = time.perf_counter_ns()
-        batch, samplers = self._build_batch(plan)
-        tokens = self._forward_sample(batch, samplers)
+        return plan
+
+    def _postprocess(self, plan: StepPlan, batch: ForwardBatch, samplers: list[Sequence],
+                     tokens: list[int], started_ns: int) -> None:
+        """The step's tokens: computed counts, tokens to the ring, stop checks, counters."""
         for (seq, n) in plan.scheduled:
             seq.num_computed += n
         for token, seq in zip(tokens, samplers):
@@ -157,12 +166,13 @@ class ReferenceEngine:
             if reason is not FinishReason.NONE:
                 self._retire(seq, reason, detail)
         self.counters["engine_steps"] += 1
-        self.counters["busy_ns"] += time.perf_counter_ns() - started
+        self.counters["busy_ns"] += time.perf_counter_ns() - started_ns
         self.counters["step_tokens"] += batch.num_tokens
         self._publish_stats()
-        return True
 
     def _admit(self) -> None:
+        """The ring's new requests into the scheduler (rejects answered), then its cancels."""
+        self.ring.beat()
         new, rejected = self.ring.poll(self.limits)
         for r in rejected:
             log.warning("slot %d gen %d rejected: %s", r.slot, r.gen, r.reason.describe())
@@ -177,6 +187,7 @@ class ReferenceEngine:
             self._queue(seq)
             self.active[r.slot] = seq
             self.counters["requests_admitted"] += 1
+        self._honour_cancels()
 
     def _honour_cancels(self) -> None:
         for seq in list(self.active.values()):
