@@ -210,16 +210,17 @@ def cmd_frontend(args) -> None:
     from blink.nic_service.server import serve
     model_dir = _model_dir(args.model, need_weights=False)
     _claim_port(args)
-    workers = _start_workers(args, model_dir)
+    workers = FrontendWorkers(args, model_dir)
+    workers.start()
     config = _frontend_config(args, model_dir)
     try:
         asyncio.run(serve(config, args.ready_file, shutdown_timeout_s=args.shutdown_timeout,
-                          on_stop=lambda: _signal_workers(workers)))
+                          on_stop=workers.stop))
     except OSError as e:
-        _signal_workers(workers)
         sys.exit(f"blink frontend: {e}")
     finally:
-        _join_workers(workers, args.shutdown_timeout)
+        workers.stop()
+        workers.join(args.shutdown_timeout)
 
 
 # --- front-end workers: processes sharing one port (SO_REUSEPORT) and one ring -------------------
@@ -252,31 +253,55 @@ def _frontend_worker(args, model_dir: Path, index: int) -> None:
                       shutdown_timeout_s=args.shutdown_timeout))
 
 
-def _start_workers(args, model_dir: Path) -> list:
-    """Workers 1 .. N-1 as processes (this process is worker 0); [] for one worker. The
-    port must have been claimed (_claim_port)."""
-    if args.workers == 1:
-        return []
-    import multiprocessing
-    spawn = multiprocessing.get_context("spawn")
-    procs = [spawn.Process(target=_frontend_worker, args=(args, model_dir, i), daemon=False,
-                           name=f"blink-frontend-{i}") for i in range(1, args.workers)]
-    for proc in procs:
+class FrontendWorkers:
+    """Front-end workers 1 .. N-1 as processes (this process is worker 0), each restarted if it
+    dies until stop(). The port must have been claimed (_claim_port)."""
+
+    def __init__(self, args, model_dir: Path):
+        self.args, self.model_dir = args, model_dir
+        self.procs: dict[int, object] = {}
+        self.stopping = False
+        self._watcher = None
+
+    def _spawn(self, index: int) -> None:
+        import multiprocessing
+        proc = multiprocessing.get_context("spawn").Process(
+            target=_frontend_worker, args=(self.args, self.model_dir, index),
+            name=f"blink-frontend-{index}")
         proc.start()
-    return procs
+        self.procs[index] = proc
 
+    def start(self) -> None:
+        if self.args.workers == 1:
+            return
+        import threading
+        for index in range(1, self.args.workers):
+            self._spawn(index)
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
 
-def _signal_workers(procs: list) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()  # SIGTERM: each worker drains its own streams
+    def _watch(self) -> None:
+        log = logging.getLogger("blink.frontend")
+        while not self.stopping:
+            time.sleep(0.5)
+            for index, proc in list(self.procs.items()):
+                if not self.stopping and not proc.is_alive():
+                    log.warning("front-end worker %d exited with %s; restarting", index + 1,
+                                proc.exitcode)
+                    self._spawn(index)
 
+    def stop(self) -> None:
+        """SIGTERM to every worker: each drains its own streams."""
+        self.stopping = True
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
 
-def _join_workers(procs: list, timeout_s: float) -> None:
-    for proc in procs:
-        proc.join(timeout_s + 10)
-        if proc.is_alive():
-            proc.kill()
+    def join(self, timeout_s: float) -> None:
+        for proc in self.procs.values():
+            proc.join(timeout_s + 10)
+            if proc.is_alive():
+                proc.kill()
 
 
 def _engine_argv(args, model_dir: Path) -> list[str]:
@@ -366,7 +391,7 @@ def cmd_serve(args) -> None:
         # the front end first: a taken port or an unreadable tokenizer fails before any engine
         frontend = Frontend(_frontend_config(args, model_dir))
         port = await frontend.start()
-        workers.extend(_start_workers(args, model_dir))
+        workers.start()
         engine_stop = asyncio.Event()  # set after the drain: streams in flight need the engine
         engine = asyncio.ensure_future(_supervise_engine(
             _engine_argv(args, model_dir), engine_stop, frontend.link,
@@ -378,25 +403,25 @@ def cmd_serve(args) -> None:
               flush=True)
         await asyncio.wait({engine, asyncio.ensure_future(stop.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
-        _signal_workers(workers)  # each worker drains its own streams
+        workers.stop()  # each worker drains its own streams
         if engine.done():  # the engine never came up: nothing to serve
             await frontend.stop(grace=0)
             return engine.result()
         await frontend.drain(args.shutdown_timeout)
-        await asyncio.to_thread(_join_workers, workers, args.shutdown_timeout)
+        await asyncio.to_thread(workers.join, args.shutdown_timeout)
         engine_stop.set()
         status = await engine
         await frontend.stop()
         return status
 
-    workers: list = []
+    workers = FrontendWorkers(args, model_dir)
     try:
         status = asyncio.run(main())
     except OSError as e:
         sys.exit(f"blink serve: {e}")
     finally:
-        _signal_workers(workers)
-        _join_workers(workers, 5)
+        workers.stop()
+        workers.join(5)
     if status:
         sys.exit(f"blink serve: the engine exited with status {status} before it was ready "
                  f"(its messages are above)")

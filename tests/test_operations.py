@@ -17,6 +17,11 @@ from conftest import children
 from blink.client.sdk import BlinkClient, BlinkError, Sampling
 
 
+def exact(n: int) -> Sampling:
+    """n tokens exactly: greedy, EOS ignored (a sampled EOS would end a stream early)."""
+    return Sampling(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
 def blink(*args, timeout=60):
     return subprocess.run([sys.executable, "-m", "blink.client.cli", *args],
                           capture_output=True, text=True, timeout=timeout)
@@ -81,7 +86,7 @@ def test_stalled_engine_that_recovers_is_attached_again(checkpoints, make_stack)
         finally:
             os.kill(stack.engine.pid, signal.SIGCONT)
         wait_for(lambda: client.health() == "SERVING", 10, "SERVING again")
-        assert client.generate("after the stall", Sampling(max_tokens=4)).completion_tokens == 4
+        assert client.generate("after the stall", exact(4)).completion_tokens == 4
         assert client.stats()["engine_attachments"] == 2
 
 
@@ -110,7 +115,7 @@ def test_serve_restarts_a_stuck_engine(checkpoints, tmp_path):
             wait_for(lambda: client.stats()["engine_attachments"] == 2
                      and client.health() == "SERVING", 30, "a new engine")
             assert serve.engine_pid() != stuck
-            assert client.generate("restarted", Sampling(max_tokens=3)).completion_tokens == 3
+            assert client.generate("restarted", exact(3)).completion_tokens == 3
         assert "engine stuck" in serve.log_path.read_text()
     finally:
         assert serve.stop() == 0
@@ -332,7 +337,7 @@ def test_mutual_tls_and_bearer_token(checkpoints, make_stack, tmp_path):
     mutual = Tls(ca=ca, cert=pem["client.pem"].read_bytes(), key=pem["client.key"].read_bytes())
     with BlinkClient(stack.target, tls=mutual, token="s3cret-token") as client:
         client.wait_ready(60)
-        assert client.generate("over TLS", Sampling(max_tokens=3)).completion_tokens == 3
+        assert client.generate("over TLS", exact(3)).completion_tokens == 3
     with BlinkClient(stack.target, tls=mutual) as client:
         assert client.health() == "SERVING"  # probes need no token
         with pytest.raises(BlinkError, match="UNAUTHENTICATED"):
@@ -361,7 +366,7 @@ def test_idle_cpu_engine_sleeps(checkpoints, make_stack):
     share = (cpu_s() - before) / (time.monotonic() - t0)
     assert share < 0.08, f"idle engine used {share:.0%} of a core"
     with BlinkClient(stack.target) as client:  # and still answers at once
-        done = client.generate("wake up", Sampling(max_tokens=2))
+        done = client.generate("wake up", exact(2))
         assert done.completion_tokens == 2 and done.time_to_first_token_s < 1
 
 
@@ -384,7 +389,7 @@ def test_two_servers_on_port_0_do_not_share_a_ring(checkpoints, tmp_path):
         try:
             for serve in (a, b):
                 with BlinkClient(serve.target) as client:
-                    assert client.generate("hello", Sampling(max_tokens=3)).completion_tokens == 3
+                    assert client.generate("hello", exact(3)).completion_tokens == 3
                     assert client.stats()["engine_attachments"] == 1
         finally:
             assert b.stop() == 0
@@ -418,7 +423,8 @@ def test_front_end_workers_share_port_and_ring(checkpoints, make_stack, tmp_path
         clients = [AsyncBlinkClient(target, options=[("grpc.use_local_subchannel_pool", 1)])
                    for _ in range(24)]
         try:
-            return await asyncio.gather(*(c.generate(f"request {i}", Sampling(max_tokens=4))
+            return await asyncio.gather(*(c.generate(f"request {i}", Sampling(
+                max_tokens=4, temperature=0.0, ignore_eos=True))
                                           for i, c in enumerate(clients)))
         finally:
             for c in clients:
@@ -430,5 +436,14 @@ def test_front_end_workers_share_port_and_ring(checkpoints, make_stack, tmp_path
     assert {m for m in re.findall(r"worker (\d)/3", text)} == {"1", "2", "3"}
     served = {m for m in re.findall(r"request (\d+)\D", text)}  # request ids end in the worker
     assert len({int(i) % 3 for i in served}) >= 2  # more than one worker answered
+    # a worker that dies is started again by its parent
+    workers = [pid for pid in children(proc.pid)  # multiprocessing's spawned processes
+               if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGKILL)
+    wait_for(lambda: "exited with -9; restarting" in log.read_text()
+             and len(re.findall(r"worker \d/3 listening", log.read_text())) == 4, 30,
+             "the worker restarted")
+    assert all(d.completion_tokens == 4 for d in asyncio.run(many()))
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
