@@ -153,13 +153,9 @@ def plot(doc: dict, out_dir: Path) -> list[Path]:
 
     # CDFs at each system's highest-rate idle run
     top: dict[str, dict] = {}
-    for r in runs:
-        if r["interference"] == "idle" and r["repeat"] == 0:
-            key = r["system"]
-            rate = math.inf if r["rate"] == "inf" else r["rate"]
-            if key not in top or rate >= (math.inf if top[key]["rate"] == "inf"
-                                          else top[key]["rate"]):
-                top[key] = r
+    for r in sorted((r for r in runs if r["interference"] == "idle" and r["repeat"] == 0),
+                    key=lambda r: math.inf if r["rate"] == "inf" else r["rate"]):
+        top[r["system"]] = r  # the last, highest rate wins
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for system, r in top.items():
         for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):

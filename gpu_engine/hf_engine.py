@@ -32,7 +32,7 @@ class HfTransformersEngine(ReferenceEngine):
 
     def __init__(self, config: EngineConfig):
         self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.running: dict[int, Sequence] = {}  # slot -> sequence of the batch in generate
         super().__init__(config)
 
     def _load_model(self, cfg: ModelConfig) -> int:
@@ -62,10 +62,10 @@ class HfTransformersEngine(ReferenceEngine):
         self.waiting.append(seq)
 
     def _drop(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        # by identity: Sequence compares by value (its prompt and output lists), per step
+        self.waiting = [s for s in self.waiting if s is not seq]
+        if self.running.get(seq.slot) is seq:
+            del self.running[seq.slot]
 
     def _queue_stats(self) -> dict[str, int]:
         return dict(kv_blocks_total=0, kv_blocks_free=0, kv_block_size=0,
@@ -81,13 +81,13 @@ class HfTransformersEngine(ReferenceEngine):
         batch = [s for s in self.waiting
                  if (s.params.temperature, s.params.top_p, s.params.top_k) == key]
         batch = batch[:self.config.max_num_seqs]
-        for seq in batch:
-            self.waiting.remove(seq)
-        self.running = list(batch)  # shrinks as sequences retire; batch keeps the rows
+        taken = {id(seq) for seq in batch}
+        self.waiting = [s for s in self.waiting if id(s) not in taken]
+        self.running = {seq.slot: seq for seq in batch}  # shrinks as sequences retire
         started = time.perf_counter_ns()
         self._generate(batch)
         self.counters["busy_ns"] += time.perf_counter_ns() - started
-        self.running = []
+        self.running = {}
         self._publish_stats()
         return True
 
@@ -125,7 +125,7 @@ class HfTransformersEngine(ReferenceEngine):
                         done[row] = engine._emit(seq, tokens[row])
                 engine._admit()  # heartbeat; new requests queue for the next batch; cancels
                 for row, seq in enumerate(batch):
-                    done[row] = done[row] or seq not in engine.running
+                    done[row] = done[row] or engine.running.get(seq.slot) is not seq
                 engine._publish_stats()
                 return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
@@ -133,7 +133,7 @@ class HfTransformersEngine(ReferenceEngine):
             self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
                                 stopping_criteria=StoppingCriteriaList([Publish()]), **options)
         for row, seq in enumerate(batch):  # generate ran out of steps before our stop rules
-            if not done[row] and seq in self.running:
+            if not done[row] and self.running.get(seq.slot) is seq:
                 self._retire(seq, FinishReason.LENGTH, 0)
 
     def _emit(self, seq: Sequence, token: int) -> bool:

@@ -138,7 +138,7 @@ class EngineLink:
         self._last_beat = 0
         self._last_beat_change = 0.0
         self._task: asyncio.Task | None = None
-        self._header_stats: np.void | None = None
+        self._header_stats: np.void | None = None  # the attached instance's latest header
         # instance -> its heartbeat when declared dead: the same instance is attached again
         # only once that heartbeat moves (a stalled engine that recovers), never while it stays
         # put (a killed engine leaves its segment and a SERVING header behind)
@@ -146,7 +146,6 @@ class EngineLink:
         # engine counters (ring header) of the instances before the current one: totals that
         # survive engine restarts (counter_totals)
         self._carried = dict.fromkeys(ENGINE_COUNTERS, 0)
-        self._counted: tuple[int, dict] | None = None  # (instance, its last counters)
         self._stop_string_finishes = 0  # engine "cancels" that were stop-string finishes
         self._instance = None           # the engine instance attached last
         self._instance_was_alive = False  # ... and whether its heartbeat ever moved
@@ -179,19 +178,13 @@ class EngineLink:
     def counter_totals(self) -> dict[str, int]:
         """The engine's counters (ENGINE_COUNTERS) summed over every engine instance this link
         has seen: they keep growing across engine restarts."""
-        last = self._counted[1] if self._counted else {}
-        totals = {k: self._carried[k] + last.get(k, 0) for k in ENGINE_COUNTERS}
+        h = self._header_stats
+        totals = {k: self._carried[k] + (int(h[k]) if h is not None else 0)
+                  for k in ENGINE_COUNTERS}
         moved = min(self._stop_string_finishes, totals["requests_cancelled"])
         totals["requests_cancelled"] -= moved
         totals["requests_finished"] += moved
         return totals
-
-    def _count(self, h: np.void, instance: int) -> None:
-        counters = {k: int(h[k]) for k in ENGINE_COUNTERS}
-        if self._counted is not None and self._counted[0] != instance:
-            for k, v in self._counted[1].items():  # a new engine: fold the old one's totals
-                self._carried[k] += v
-        self._counted = (instance, counters)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -301,6 +294,10 @@ class EngineLink:
         self._dead_beats.pop(info.instance, None)
         if info.instance != self._instance:
             self._instance, self._instance_was_alive = info.instance, False
+            if self._header_stats is not None:  # a new engine: fold in the old one's totals
+                for k in ENGINE_COUNTERS:
+                    self._carried[k] += int(self._header_stats[k])
+                self._header_stats = None
         geom = info.geometry
         self._transport, self.info = transport, info
         begins = np.frombuffer(transport.read_strided(geom.slots_offset, geom.slot_bytes,
@@ -357,11 +354,10 @@ class EngineLink:
     def _poll_once(self) -> None:
         t, geom = self._transport, self.info.geometry
         h = np.frombuffer(t.read(0, HEADER_DTYPE.itemsize), HEADER_DTYPE)[0]
-        self._header_stats = h
         now = time.monotonic()
         if int(h["engine_instance"]) != self.info.instance or not t.is_current():
             return self._detach(EngineUnavailable("the engine was restarted"))
-        self._count(h, self.info.instance)
+        self._header_stats = h
         if int(h["engine_state"]) == EngineState.STOPPED:
             return self._detach(EngineUnavailable("the engine stopped"))
         beat = int(h["heartbeat"])

@@ -17,6 +17,7 @@ from blink.client.bench_data import BenchError, BenchRequest, load_sharegpt_conv
     random_requests, sharegpt_requests
 from blink.client.bench_hog import CpuHog
 from blink.client.bench_load import RequestRecord, arrival_offsets
+from blink.client.bench_server import process_tree_cpu
 from blink.client.bench_metrics import Slo, summarize
 from blink.client.cli import build_parser
 from blink.client.sdk import BlinkClient, Sampling
@@ -121,18 +122,13 @@ def test_sharegpt_packaged_dataset():
     assert reqs != sharegpt_requests(30, path, context_length=4096, conversations=convs, seed=8)
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_cpu_hog_pins_burns_and_stops():
     core = sorted(os.sched_getaffinity(0))[0]
     with CpuHog(2, [core]) as hog:
         time.sleep(0.6)
         pids = [p.pid for p in hog.procs]
         assert all(os.sched_getaffinity(pid) == {core} for pid in pids)
-        assert sum(_cpu_seconds(pid) for pid in pids) > 0.3  # two spinners sharing one core
+        assert sum(process_tree_cpu(pid) for pid in pids) > 0.3  # two spinners sharing one core
     assert hog.procs == [] and not any(Path(f"/proc/{pid}").exists() for pid in pids)
 
 
