@@ -22,6 +22,8 @@ engine's state before the skinny linear kernel. --tile-attention / --decode-atte
 every decode token in the tensor-core query tiles / on the flash-decoding path (the default
 switches between them at CudaForward.DECODE_MIN_KEYS keys). --no-pdl: also with plain kernel
 launches (no programmatic dependent launch: each kernel starts after the previous one ends).
+--no-fuse: also with RMSNorm and RoPE + KV write as kernels of their own in the decode buckets
+(CudaForward(fuse_norm_rope=False)), not inside the projections.
 """
 from __future__ import annotations
 
@@ -142,8 +144,10 @@ def time_step(fwd, point: Point, blocks_per_seq: int) -> float:
 def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
     """Bytes one launch of a labelled op must read (weights, or keys and values), if known."""
     w = projection_weights(cfg)
-    weights = {"qkv proj": w["qkv"], "o proj + residual": w["o"],
+    weights = {"qkv proj": w["qkv"], "rmsnorm + qkv proj": w["qkv"],
+               "rmsnorm + qkv proj + rope + kv write": w["qkv"], "o proj + residual": w["o"],
                "gate|up proj + silu*mul": w["gate_up"], "gate|up proj": w["gate_up"],
+               "rmsnorm + gate|up proj + silu*mul": w["gate_up"],
                "down proj + residual": w["down"], "lm head": w["lm_head"]}
     if label in weights:
         return BF16_BYTES * weights[label]
@@ -208,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time every point with decode tokens on the decode path")
     parser.add_argument("--no-pdl", action="store_true",
                         help="also time every point with plain (not programmatic) launches")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="also time every point with RMSNorm and RoPE as separate kernels")
     args = parser.parse_args(argv)
     bw = copy_bandwidth()
     print(f"bench copy bandwidth: {bw / 1e12:.2f} TB/s (device-to-device, read + write)")
@@ -225,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             impls.append(("decode attention", {"decode_min_keys": 0}))
         if args.no_pdl:
             impls.append(("no pdl", {"programmatic_launch": False}))
+        if args.no_fuse:
+            impls.append(("no fuse", {"fuse_norm_rope": False}))
         for impl, options in impls:
             fwd, blocks_per_seq = make_forward(cfg, points, **options)
             for point in points:

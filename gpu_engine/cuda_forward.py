@@ -51,6 +51,23 @@ def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
                     axis=1).reshape(2 * inter, hidden)
 
 
+def rope_pair_order(num_heads: int, num_kv_heads: int, head_dim: int) -> np.ndarray:
+    """Row order of the fused q|k|v projection in the RoPE pair layout (csrc/rope.cuh): within
+    every q and k head, pair j's two rows (dimensions j and j + head_dim / 2) sit 8 apart in
+    one 16-row tile; v heads keep their order. new_rows = rows[order]."""
+    if head_dim % 16:
+        raise ValueError(f"head_dim {head_dim} must be a multiple of 16")
+    half = head_dim // 2
+    j = np.arange(half)
+    within = np.empty(head_dim, np.int64)
+    within[16 * (j // 8) + j % 8] = j            # RopePairRow(j) holds dimension j
+    within[16 * (j // 8) + j % 8 + 8] = j + half  # 8 rows later, its partner
+    rotated = num_heads + num_kv_heads
+    order = [h * head_dim + within for h in range(rotated)]
+    order.append(np.arange(rotated * head_dim, (rotated + num_kv_heads) * head_dim))
+    return np.concatenate(order)
+
+
 def to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bits (round to nearest even), finite inputs."""
     return float32_to_bf16_bits(np.asarray(x, np.float32))
@@ -134,10 +151,13 @@ class ForwardKernels:
     # (row tiles, column tiles) shapes of the skinny linear kernel (csrc/gemv.cuh)
     SKINNY_SHAPES = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4))
     SKINNY_MAX_ROWS = 32  # 4 column tiles of 8 token rows
+    SKINNY_NORM_MAX_ROWS = 8  # the RMSNorm-folding variants: one column tile
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
                     "blink_paged_attention", "blink_paged_attention_small", "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform", "blink_signal_done",
-                    *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES))
+                    *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
+                    *(f"blink_skinny_{kind}_{a}x1" for kind in ("linear_norm", "qkv_rope")
+                      for a in (1, 2)))
 
     def __init__(self, head_dim: int, device: int = 0, programmatic_launch: bool = True):
         """programmatic_launch: launch every kernel with programmatic stream serialization
@@ -215,12 +235,12 @@ class ForwardKernels:
     # rows: the grid's row count (the bucket, or the logit-row capacity); each kernel skips the
     # rows at or past the live count in BatchDesc.
 
-    def embedding(self, stream, rows, desc, token_ids, embed, x, hidden, vocab):
-        # embed: [vocab, hidden] bf16 -> x: [rows, hidden] f32
+    def embedding(self, stream, rows, desc, token_ids, embed, x, hidden, vocab, x_shadow=0):
+        # embed: [vocab, hidden] bf16 -> x: [rows, hidden] f32 (and x_shadow, bf16, if given)
         self._need(hidden % 8 == 0, f"hidden {hidden} must be a multiple of 8")
         self.launch("blink_embedding", (rows,), (256,),
-                    [_ptr(desc), _ptr(token_ids), _ptr(embed), _ptr(x), _i32(hidden),
-                     _i32(vocab)], stream)
+                    [_ptr(desc), _ptr(token_ids), _ptr(embed), _ptr(x), _ptr(x_shadow),
+                     _i32(hidden), _i32(vocab)], stream)
 
     def rms_norm(self, stream, rows, desc, x, weight, out, hidden, eps, *, bias=0, gather=0,
                  max_rows=None):
@@ -295,24 +315,57 @@ class ForwardKernels:
                 and rows <= cls.SKINNY_PREFERRED_ROWS
                 and (fused or 2 * in_features * out_features <= cls.SKINNY_PREFERRED_PLAIN_BYTES))
 
-    def skinny_linear(self, stream, x, w, out, rows, in_features, out_features, mode):
-        """out[rows, out_features] (mode: SKINNY_BF16 / _F32 / _F32_ADD) = x[rows, in] @ w^T
-        for rows <= SKINNY_MAX_ROWS, w: [out_features, in_features] bf16, all dense. SILU_MUL:
-        w is gate|up interleaved in 16-row groups (interleave_gate_up) and
-        out[rows, out_features/2] = silu(gate) * up in bf16."""
+    def _skinny_tiles(self, rows, in_features, out_features, silu, norm):
         self._need(self.skinny_fits(rows, in_features, out_features),
                    f"skinny linear takes rows <= {self.SKINNY_MAX_ROWS}, in_features % 32 == 0, "
                    f"got {rows} x {in_features} -> {out_features}")
-        col_tiles = 1 if rows <= 8 else 2 if rows <= 16 else 4
-        silu = mode == SKINNY_SILU_MUL
+        self._need(not norm or rows <= self.SKINNY_NORM_MAX_ROWS,
+                   f"the RMSNorm-folding skinny linear takes rows <= {self.SKINNY_NORM_MAX_ROWS}")
         self._need(not silu or out_features % 32 == 0, "gate|up rows must be whole 16-row pairs")
+        col_tiles = 1 if rows <= 8 else 2 if rows <= 16 else 4
         # two row tiles per CTA when that still leaves ~2 CTAs per SM (the SiLU mode pairs them)
         row_tiles = 2 if silu or -(-out_features // 32) >= 2 * self.sm_count else 1
+        return row_tiles, col_tiles
+
+    def skinny_linear(self, stream, x, w, out, rows, in_features, out_features, mode, *,
+                      shadow=0, norm_eps=None):
+        """out[rows, out_features] (mode: SKINNY_BF16 / _F32 / _F32_ADD) = x[rows, in] @ w^T
+        for rows <= SKINNY_MAX_ROWS, w: [out_features, in_features] bf16, all dense. SILU_MUL:
+        w is gate|up interleaved in 16-row groups (interleave_gate_up) and
+        out[rows, out_features/2] = silu(gate) * up in bf16. F32_ADD with shadow: the sums
+        also go to shadow [rows, out_features] as bf16. norm_eps: x is the residual stream's
+        bf16 shadow and each row's result is scaled by 1 / sqrt(mean(x^2) + norm_eps) (the
+        RMSNorm whose weight is folded into w; rows <= SKINNY_NORM_MAX_ROWS)."""
+        silu = mode == SKINNY_SILU_MUL
+        row_tiles, col_tiles = self._skinny_tiles(rows, in_features, out_features, silu,
+                                                  norm_eps is not None)
         ldo = out_features // 2 if silu else out_features
-        self.launch(f"blink_skinny_linear_{row_tiles}x{col_tiles}",
+        args = [_ptr(x), _i32(in_features), _i32(rows), _ptr(w), _i32(out_features),
+                _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
+        if norm_eps is None:
+            name, args = f"blink_skinny_linear_{row_tiles}x{col_tiles}", args + [_ptr(shadow)]
+        else:
+            self._need(not shadow, "a normalizing projection writes no shadow")
+            name, args = f"blink_skinny_linear_norm_{row_tiles}x1", args + [_f32(norm_eps)]
+        self.launch(name, (-(-out_features // (16 * row_tiles)),), (self.gemv_threads,), args,
+                    stream)
+
+    def skinny_qkv_rope(self, stream, rows, desc, x, w, hidden, eps, positions, token_seq,
+                        block_tables, max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
+                        num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks):
+        """The qkv projection with its input RMSNorm folded in (as skinny_linear with norm_eps)
+        and RoPE + KV write as its epilogue (rope_kv_write's outputs, without per-head q/k
+        norms). w: [(num_heads + 2 num_kv_heads) * head_dim, hidden], q and k rows in the RoPE
+        pair layout (rope_pair_order); qkv_bias likewise or 0."""
+        out_features = (num_heads + 2 * num_kv_heads) * self.head_dim
+        row_tiles, _ = self._skinny_tiles(rows, hidden, out_features, False, True)
+        self.launch(f"blink_skinny_qkv_rope_{row_tiles}x1",
                     (-(-out_features // (16 * row_tiles)),), (self.gemv_threads,),
-                    [_ptr(x), _i32(in_features), _i32(rows), _ptr(w), _i32(out_features),
-                     _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)], stream)
+                    [_ptr(x), _i32(hidden), _i32(rows), _ptr(w), _i32(out_features),
+                     _i32(hidden), _f32(eps), _ptr(desc), _ptr(positions), _ptr(token_seq),
+                     _ptr(block_tables), _i32(max_blocks_per_seq), _ptr(qkv_bias),
+                     _ptr(inv_freq), _i32(num_heads), _i32(num_kv_heads), _ptr(q_out),
+                     _ptr(k_cache), _ptr(v_cache), _i32(block_size), _i32(num_blocks)], stream)
 
     def silu_mul(self, stream, rows, desc, gate_up, out, inter):
         """gate_up: [rows, 2 inter] bf16 in the interleaved 16-feature layout
@@ -337,17 +390,20 @@ class ForwardKernels:
 
 # --- the model -----------------------------------------------------------------------------
 
+# The RMSNorm weights in front of the qkv and gate|up projections are folded into those
+# projections' columns (W diag(w)): what runs before them is a plain RMSNorm (a unit weight), or
+# nothing where the projection normalizes its own input (the skinny *_norm kernels).
 @dataclass
 class _Layer:
-    wqkv: DeviceArray           # [q + 2 kv, H] bf16: q_proj | k_proj | v_proj
-    bqkv: DeviceArray | None    # [q + 2 kv] bf16 (qwen2)
+    wqkv: DeviceArray           # [q + 2 kv, H] bf16: q_proj | k_proj | v_proj, q and k rows in
+    #                             the RoPE pair layout (rope_pair_order), input_layernorm folded
+    bqkv: DeviceArray | None    # [q + 2 kv] bf16 (qwen2), same row order
     q_norm: DeviceArray | None  # [D] bf16 (qwen3)
     k_norm: DeviceArray | None
-    input_norm: DeviceArray     # [H] bf16
     wo: DeviceArray             # [H, q] bf16
     bo: DeviceArray | None      # [H] bf16
-    post_norm: DeviceArray      # [H] bf16
-    wgu: DeviceArray            # [2 I, H] bf16: gate_proj, up_proj interleaved in 16 rows
+    wgu: DeviceArray            # [2 I, H] bf16: gate_proj, up_proj interleaved in 16 rows,
+    #                             post_attention_layernorm folded
     wdown: DeviceArray          # [H, I] bf16
 
 
@@ -378,14 +434,18 @@ class CudaForward:
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  workspace_bytes: int = 32 << 20, device: int = 0, capture: bool = True,
                  random_seed: int = 0, skinny: bool = True,
-                 decode_min_keys: int | None = None, programmatic_launch: bool = True):
+                 decode_min_keys: int | None = None, programmatic_launch: bool = True,
+                 fuse_norm_rope: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
         buckets up to ForwardKernels.SKINNY_MAX_ROWS rows use the skinny linear kernel (False:
         cuBLAS for every bucket, the comparison the decode benchmark makes).
         decode_min_keys: overrides DECODE_MIN_KEYS (0: every decode token takes the decode
-        path; a huge value: none does). programmatic_launch: see ForwardKernels."""
+        path; a huge value: none does). programmatic_launch: see ForwardKernels.
+        fuse_norm_rope: buckets of up to SKINNY_NORM_MAX_ROWS rows run each RMSNorm inside the
+        projection that follows it and RoPE + KV write inside the qkv projection (False: as
+        kernels of their own, the comparison bench_decode --no-fuse makes)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -403,6 +463,7 @@ class CudaForward:
         self.buckets = default_buckets(max_num_batched_tokens)
         self.max_tokens = self.buckets[-1]
         self.skinny = skinny
+        self.fuse_norm_rope = fuse_norm_rope
         self.decode_min_keys = (self.DECODE_MIN_KEYS if decode_min_keys is None
                                 else decode_min_keys)
         self._memory: list[DeviceArray] = []
@@ -438,6 +499,7 @@ class CudaForward:
 
         Q, KV = cfg.q_size, cfg.kv_size
         self.x = self._alloc((T, H), np.float32)          # residual stream
+        self.x_shadow = self._alloc((T, H), BF16)         # its bf16 copy, in fused buckets
         self.h = self._alloc((T, H), BF16)                # normed activations
         self.qkv = self._alloc((T, Q + 2 * KV), BF16)
         self.q = self._alloc((T, Q), BF16)                # after RoPE
@@ -514,6 +576,7 @@ class CudaForward:
         self.embed = tensor(V, H, fan_in=1)
         self.lm_head = self.embed if cfg.tie_word_embeddings else tensor(V, H, fan_in=H)
         self.final_norm = tensor(H, const=1.0)
+        self.unit_norm = tensor(H, const=1.0)
         self.inv_freq = DeviceArray.from_numpy(rope_inv_freq(cfg))
         self._memory.append(self.inv_freq)
         self.layers = [_Layer(
@@ -521,9 +584,8 @@ class CudaForward:
             bqkv=tensor(Q + 2 * KV, fan_in=H) if cfg.attention_bias else None,
             q_norm=tensor(D, const=1.0) if cfg.qk_norm else None,
             k_norm=tensor(D, const=1.0) if cfg.qk_norm else None,
-            input_norm=tensor(H, const=1.0), wo=tensor(H, Q, fan_in=Q),
-            bo=tensor(H, fan_in=Q) if cfg.o_proj_bias else None,
-            post_norm=tensor(H, const=1.0), wgu=tensor(2 * I, H, fan_in=H),
+            wo=tensor(H, Q, fan_in=Q), bo=tensor(H, fan_in=Q) if cfg.o_proj_bias else None,
+            wgu=tensor(2 * I, H, fan_in=H),
             wdown=tensor(H, I, fan_in=I)) for _ in range(cfg.num_layers)]
         synchronize(self.stream)
 
@@ -532,22 +594,24 @@ class CudaForward:
         self.embed = self._bf16(w.embed)
         self.lm_head = self.embed if w.lm_head is w.embed else self._bf16(w.lm_head)
         self.final_norm = self._bf16(w.final_norm)
+        self.unit_norm = self._bf16(np.ones(cfg.hidden_size, np.float32))
         inv_freq = DeviceArray.from_numpy(rope_inv_freq(cfg))
         self._memory.append(inv_freq)
         self.inv_freq = inv_freq
+        order = rope_pair_order(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.layers = []
         for lw in w.layers:
+            wqkv = np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj])[order]
             self.layers.append(_Layer(
-                wqkv=self._bf16(np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj])),
-                bqkv=(self._bf16(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]))
+                wqkv=self._bf16(wqkv * lw.input_norm[None, :]),
+                bqkv=(self._bf16(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias])[order])
                       if lw.q_bias is not None else None),
                 q_norm=self._bf16(lw.q_norm) if lw.q_norm is not None else None,
                 k_norm=self._bf16(lw.k_norm) if lw.k_norm is not None else None,
-                input_norm=self._bf16(lw.input_norm),
                 wo=self._bf16(lw.o_proj),
                 bo=self._bf16(lw.o_bias) if lw.o_bias is not None else None,
-                post_norm=self._bf16(lw.post_attention_norm),
-                wgu=self._bf16(interleave_gate_up(lw.gate_proj, lw.up_proj)),
+                wgu=self._bf16(interleave_gate_up(lw.gate_proj, lw.up_proj)
+                               * lw.post_attention_norm[None, :]),
                 wdown=self._bf16(lw.down_proj),
             ))
 
@@ -568,48 +632,75 @@ class CudaForward:
         def skinny(in_f, out_f, fused):
             return self.skinny and k.skinny_preferred(rows, in_f, out_f, fused)
 
-        def linear(label, x, w, dst, in_f, out_f, accumulate=False):
-            """dst (+)= x @ w^T: bf16 out, or fp32 added into dst (the residual stream)."""
+        def linear(label, x, w, dst, in_f, out_f, accumulate=False, shadow=0):
+            """dst (+)= x @ w^T: bf16 out, or fp32 added into dst (the residual stream, and
+            into its bf16 shadow when given)."""
             if skinny(in_f, out_f, accumulate):
                 op(label, k.skinny_linear, s, x, w, dst, rows, in_f, out_f,
-                   SKINNY_F32_ADD if accumulate else SKINNY_BF16)
+                   SKINNY_F32_ADD if accumulate else SKINNY_BF16, shadow=shadow)
             elif accumulate:
+                assert not shadow, "only the skinny kernel writes the shadow"
                 op(label, blas.linear, x, w, dst, rows, in_f, out_f, R_32F, accumulate=True)
             else:
                 op(label, blas.linear, x, w, dst, rows, in_f, out_f)
 
+        # Decode-sized buckets: every RMSNorm runs inside the projection after it (which reads
+        # the residual stream's bf16 shadow, written by the embedding and by the residual-adding
+        # projections), and RoPE + KV write inside the qkv projection: 5 kernels a layer, not 8.
+        fuse = (self.fuse_norm_rope and self.skinny and rows <= k.SKINNY_NORM_MAX_ROWS
+                and all(k.skinny_fits(rows, i, o) for i, o in
+                        ((H, Q + 2 * KV), (Q, H), (H, 2 * I), (I, H))))
+        shadow = self.x_shadow.ptr if fuse else 0
         op("embedding", k.embedding, s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr,
-           H, V)
+           H, V, x_shadow=shadow)
         for li, lw in enumerate(self.layers):
             k_layer = self.k_cache.ptr + li * self._layer_kv_bytes
             v_layer = self.v_cache.ptr + li * self._layer_kv_bytes
-            op("input rmsnorm", k.rms_norm, s, rows, d, self.x.ptr, lw.input_norm.ptr,
-               self.h.ptr, H, eps)
-            linear("qkv proj", self.h.ptr, lw.wqkv.ptr, self.qkv.ptr, H, Q + 2 * KV)
-            op("rope + kv write", k.rope_kv_write, s, rows, d, self.positions.ptr,
-               self.token_seq.ptr, self.block_tables.ptr, self.max_blocks_per_seq, self.qkv.ptr,
-               lw.bqkv.ptr if lw.bqkv else 0, lw.q_norm.ptr if lw.q_norm else 0,
-               lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr, cfg.num_heads,
-               cfg.num_kv_heads, self.q.ptr, k_layer, v_layer, self.block_size, self.num_blocks)
+            rope_args = (self.positions.ptr, self.token_seq.ptr, self.block_tables.ptr,
+                         self.max_blocks_per_seq)
+            cache_args = (self.q.ptr, k_layer, v_layer, self.block_size, self.num_blocks)
+            if fuse and lw.q_norm is None:
+                op("rmsnorm + qkv proj + rope + kv write", k.skinny_qkv_rope, s, rows, d,
+                   self.x_shadow.ptr, lw.wqkv.ptr, H, eps, *rope_args,
+                   lw.bqkv.ptr if lw.bqkv else 0, self.inv_freq.ptr, cfg.num_heads,
+                   cfg.num_kv_heads, *cache_args)
+            else:
+                if fuse:  # Qwen3's per-head q/k norms need whole heads: RoPE stays a kernel
+                    op("rmsnorm + qkv proj", k.skinny_linear, s, self.x_shadow.ptr, lw.wqkv.ptr,
+                       self.qkv.ptr, rows, H, Q + 2 * KV, SKINNY_BF16, norm_eps=eps)
+                else:
+                    op("input rmsnorm", k.rms_norm, s, rows, d, self.x.ptr, self.unit_norm.ptr,
+                       self.h.ptr, H, eps)
+                    linear("qkv proj", self.h.ptr, lw.wqkv.ptr, self.qkv.ptr, H, Q + 2 * KV)
+                op("rope + kv write", k.rope_kv_write, s, rows, d, *rope_args, self.qkv.ptr,
+                   lw.bqkv.ptr if lw.bqkv else 0, lw.q_norm.ptr if lw.q_norm else 0,
+                   lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr, cfg.num_heads,
+                   cfg.num_kv_heads, *cache_args)
             op("attention", k.attention, s, rows, d, self.positions.ptr, self.token_seq.ptr,
                self.block_tables.ptr, self.max_blocks_per_seq, self.q.ptr, k_layer, v_layer,
                self.block_size, cfg.num_heads, cfg.num_kv_heads, D ** -0.5, self.attn.ptr,
                self.attention_splits(rows), self.attn_partial_out.ptr,
                self.attn_partial_stats.ptr, self.attn_tile_sems.ptr,
                small=self.attention_small(rows), decode_min_keys=self.decode_min_keys)
-            # x += attn @ Wo^T: the residual add rides in the projection (fp32 output)
+            # x += attn @ Wo^T: the residual add rides in the projection (fp32 output); o_proj's
+            # bias (where a model has one) is added by the norm kernel, so it stays a kernel
+            fuse_post = fuse and lw.bo is None
             linear("o proj + residual", self.attn.ptr, lw.wo.ptr, self.x.ptr, Q, H,
-                   accumulate=True)
-            op("post-attention rmsnorm", k.rms_norm, s, rows, d, self.x.ptr, lw.post_norm.ptr,
-               self.h.ptr, H, eps, bias=lw.bo.ptr if lw.bo else 0)
-            if skinny(H, 2 * I, True):
-                op("gate|up proj + silu*mul", k.skinny_linear, s, self.h.ptr, lw.wgu.ptr,
-                   self.act.ptr, rows, H, 2 * I, SKINNY_SILU_MUL)
+                   accumulate=True, shadow=shadow if fuse_post else 0)
+            if fuse_post:
+                op("rmsnorm + gate|up proj + silu*mul", k.skinny_linear, s, self.x_shadow.ptr,
+                   lw.wgu.ptr, self.act.ptr, rows, H, 2 * I, SKINNY_SILU_MUL, norm_eps=eps)
             else:
-                linear("gate|up proj", self.h.ptr, lw.wgu.ptr, self.gate_up.ptr, H, 2 * I)
-                op("silu*mul", k.silu_mul, s, rows, d, self.gate_up.ptr, self.act.ptr, I)
+                op("post-attention rmsnorm", k.rms_norm, s, rows, d, self.x.ptr,
+                   self.unit_norm.ptr, self.h.ptr, H, eps, bias=lw.bo.ptr if lw.bo else 0)
+                if skinny(H, 2 * I, True):
+                    op("gate|up proj + silu*mul", k.skinny_linear, s, self.h.ptr, lw.wgu.ptr,
+                       self.act.ptr, rows, H, 2 * I, SKINNY_SILU_MUL)
+                else:
+                    linear("gate|up proj", self.h.ptr, lw.wgu.ptr, self.gate_up.ptr, H, 2 * I)
+                    op("silu*mul", k.silu_mul, s, rows, d, self.gate_up.ptr, self.act.ptr, I)
             linear("down proj + residual", self.act.ptr, lw.wdown.ptr, self.x.ptr, I, H,
-                   accumulate=True)
+                   accumulate=True, shadow=shadow)
         logit_rows = min(rows, self.max_num_seqs)
         op("final rmsnorm", k.rms_norm, s, logit_rows, d, self.x.ptr, self.final_norm.ptr,
            self.h_logits.ptr, H, eps, gather=self.logit_token.ptr, max_rows=rows)

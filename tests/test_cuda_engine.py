@@ -377,7 +377,9 @@ LLAMA_1B_SHAPE = dict(architecture="llama", hidden_size=2048, intermediate_size=
 def test_cuda_engine_llama_1b_shape(tmp_path_factory, cuda_stacks):
     """A Llama-3.2-1B-shaped random checkpoint: teacher-forced logits and greedy output against
     transformers bf16, then decode time per token through the whole gRPC path."""
-    from blink.client.bench import run_bench
+    from blink.client.bench_data import random_requests
+    from blink.client.bench_load import run_requests
+    from blink.client.bench_metrics import summarize
     from blink.gpu_engine.demo_model import write_random_checkpoint
     model_dir = write_random_checkpoint(tmp_path_factory.mktemp("llama1b") / "llama-1b",
                                         **LLAMA_1B_SHAPE)
@@ -397,10 +399,14 @@ def test_cuda_engine_llama_1b_shape(tmp_path_factory, cuda_stacks):
     print(f"engine llama-1b: 8 prompts x 16 greedy tokens, {ties} near-tie steps")
     del model
     for concurrency in (1, 32):
-        r = asyncio.run(run_bench(stack.target, concurrency=concurrency,
-                                  requests=max(4, concurrency), prompt_tokens=64,
-                                  output_tokens=64))
-        print(f"engine llama-1b batch {concurrency} end to end: {r.summary()}")
+        requests = random_requests(max(4, concurrency), 64, 64, LLAMA_1B_SHAPE["vocab_size"])
+        records, wall, _ = asyncio.run(run_requests(stack.target, requests,
+                                                    concurrency=concurrency))
+        m = summarize(records, wall)
+        assert m["failed"] == 0 and m["short_outputs"] == 0, m["errors"]
+        print(f"engine llama-1b batch {concurrency} end to end: "
+              f"{m['output_throughput']:.0f} tok/s, TPOT p50 {m['tpot_ms']['p50']:.2f} ms, "
+              f"TTFT p50 {m['ttft_ms']['p50']:.1f} ms")
 
 
 def test_cuda_engine_stops_cleanly(checkpoints, tmp_path):

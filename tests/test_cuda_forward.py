@@ -201,16 +201,59 @@ def test_skinny_linear(cf, stream, rows, k_in, n_out, mode):
     resid = rng.standard_normal((cap, n_out)).astype(np.float32)
     out = dev(cf, resid) if mode == "f32_add" else \
         dev(cf, np.zeros((cap, n_out), np.float32), poison=True)
+    shadow = dev(cf, np.zeros((cap, n_out), np.uint16), poison=True)
     k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out,
-                    cf.SKINNY_F32_ADD if mode == "f32_add" else cf.SKINNY_F32)
+                    cf.SKINNY_F32_ADD if mode == "f32_add" else cf.SKINNY_F32,
+                    shadow=shadow.ptr if mode == "f32_add" else 0)
     cf.synchronize(stream)
     got = out.download()
     expect = ref + resid[:rows] if mode == "f32_add" else ref
     assert rel_err(got[:rows], expect) < 1e-5
     if mode == "f32_add":
         np.testing.assert_array_equal(got[rows:], resid[rows:])
+        # the residual stream's bf16 shadow: exactly the stored sums, rounded
+        np.testing.assert_array_equal(shadow.download()[:rows], float32_to_bf16_bits(got[:rows]))
+        assert (shadow.download()[rows:] == POISON_BF16).all()
     else:
         assert (got[rows:].view(np.uint32) == POISON_F32).all()
+        assert (shadow.download() == POISON_BF16).all()
+
+
+def _rms_scale(x, eps):
+    """1 / rms of each row, float64."""
+    x = np.asarray(x, np.float64)
+    return 1 / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("rows,k_in,n_out", [(1, 256, 200), (3, 96, 48), (8, 544, 1000),
+                                             (5, 2048, 132 * 64 + 48)])
+@pytest.mark.parametrize("mode", ["bf16", "silu_mul"])
+def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode):
+    """The RMSNorm-folding variant (x: the residual stream's bf16 shadow, the norm weight
+    already in w) against float64: rms_norm(x) @ w^T, and silu(gate) * up of it."""
+    k = kernels(cf)
+    rng = np.random.default_rng(rows * 5 + k_in)
+    cap, eps = 12, 1e-5
+    n_w = 2 * (-(-n_out // 32) * 16) if mode == "silu_mul" else n_out
+    x = rb(rng.standard_normal((cap, k_in)) * 7)  # a residual stream's scale
+    w = rb(rng.standard_normal((n_w, k_in)) * k_in ** -0.5)
+    ref = (x[:rows] * _rms_scale(x[:rows], eps)) @ w.T.astype(np.float64)
+    if mode == "silu_mul":
+        inter = n_w // 2
+        pairs = ref.reshape(rows, inter // 16, 2, 16)
+        gate, up = rb(pairs[:, :, 0].reshape(rows, inter)), rb(pairs[:, :, 1].reshape(rows, inter))
+        ref = gate / (1 + np.exp(-gate.astype(np.float64))) * up
+    dx, dw = dev(cf, float32_to_bf16_bits(x)), dev(cf, float32_to_bf16_bits(w))
+    out = dev(cf, np.zeros((cap, ref.shape[1]), np.uint16), poison=True)
+    k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_w,
+                    cf.SKINNY_SILU_MUL if mode == "silu_mul" else cf.SKINNY_BF16, norm_eps=eps)
+    cf.synchronize(stream)
+    got = out.download()
+    assert rel_err(bf16_to_f32(got[:rows]), ref) < 1e-2
+    assert (got[rows:] == POISON_BF16).all()
+    with pytest.raises(ValueError, match="RMSNorm"):
+        k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, 9, k_in, n_w, cf.SKINNY_BF16,
+                        norm_eps=eps)
 
 
 def test_skinny_linear_refuses_shapes_it_does_not_take(cf, stream):
@@ -234,11 +277,16 @@ def test_embedding(cf, stream, tokens):
     ids = rng.integers(0, vocab, BUCKET).astype(np.int32)
     d_table, d_ids = dev(cf, float32_to_bf16_bits(table)), dev(cf, ids)
     x = dev(cf, np.zeros((BUCKET, hidden), np.float32), poison=True)
-    k.embedding(stream, BUCKET, desc(cf, tokens).ptr, d_ids.ptr, d_table.ptr, x.ptr, hidden, vocab)
+    shadow = dev(cf, np.zeros((BUCKET, hidden), np.uint16), poison=True)
+    k.embedding(stream, BUCKET, desc(cf, tokens).ptr, d_ids.ptr, d_table.ptr, x.ptr, hidden, vocab,
+                x_shadow=shadow.ptr)
     cf.synchronize(stream)
     out = x.download()
     np.testing.assert_array_equal(out[:tokens], table[ids[:tokens]])
     assert (out[tokens:].view(np.uint32) == POISON_F32).all()
+    np.testing.assert_array_equal(shadow.download()[:tokens],
+                                  float32_to_bf16_bits(table[ids[:tokens]]))
+    assert (shadow.download()[tokens:] == POISON_BF16).all()
 
 
 @pytest.mark.parametrize("tokens", [1, 19, 99])
@@ -322,55 +370,111 @@ def _ref_rope(x, positions, inv_freq):
     return x * np.cos(emb)[:, None] + rot * np.sin(emb)[:, None]
 
 
+def test_rope_pair_order(cf):
+    """q and k heads: pair j's rows 8 apart inside one 16-row tile; v heads unchanged."""
+    order = cf.rope_pair_order(2, 1, 32)
+    assert sorted(order) == list(range(4 * 32))
+    head = order[:32]
+    assert list(head[:16]) == list(range(8)) + list(range(16, 24))
+    assert list(head[16:]) == list(range(8, 16)) + list(range(24, 32))
+    assert list(order[64:96]) == [64 + i for i in head]          # the k head likewise
+    assert list(order[96:]) == list(range(96, 128))               # v as it was
+
+
+class RopeCase:
+    """A mixed batch of q|k|v rows (natural layout) for the RoPE + KV write kernels, their
+    device inputs (q and k rows in the pair layout) and poisoned outputs, and the check."""
+
+    def __init__(self, cf, head_dim, tokens, variant, rng, nh=4, nkv=2):
+        self.D, self.nh, self.nkv, self.bs, self.eps = head_dim, nh, nkv, 16, 1e-6
+        self.tokens, bf = tokens, float32_to_bf16_bits
+        self.pb = PagedBatch(MIXED[tokens], self.bs, rng)
+        self.width = (nh + 2 * nkv) * head_dim
+        self.order = cf.rope_pair_order(nh, nkv, head_dim)
+        self.bias = rb(rng.standard_normal(self.width)) if variant == "bias" else None
+        self.q_norm = rb(1 + 0.1 * rng.standard_normal(head_dim)) if variant == "qk_norm" else None
+        self.k_norm = rb(1 + 0.1 * rng.standard_normal(head_dim)) if variant == "qk_norm" else None
+        self.inv_freq = _inv_freq(head_dim, variant == "llama3")
+        self.d = {name: dev(cf, arr) for name, arr in dict(
+            positions=self.pb.positions, token_seq=self.pb.token_seq, tables=self.pb.tables,
+            inv_freq=self.inv_freq).items()}
+        opt = {"bias": self.bias[self.order] if self.bias is not None else None,
+               "q_norm": self.q_norm, "k_norm": self.k_norm}
+        self.ptr = {name: dev(cf, bf(a)).ptr if a is not None else 0 for name, a in opt.items()}
+        self.q_out = dev(cf, np.zeros((BUCKET, nh, head_dim), np.uint16), poison=True)
+        cache = (self.pb.num_blocks, self.bs, nkv, head_dim)
+        self.kc = dev(cf, np.zeros(cache, np.uint16), poison=True)
+        self.vc = dev(cf, np.zeros(cache, np.uint16), poison=True)
+
+    def check(self, qkv):
+        """qkv: [tokens, width] float64, natural layout, before bias."""
+        nh, nkv, D, pb, tokens = self.nh, self.nkv, self.D, self.pb, self.tokens
+        x = qkv + (self.bias if self.bias is not None else 0)
+        q = x[:, :nh * D].reshape(tokens, nh, D)
+        kk = x[:, nh * D:(nh + nkv) * D].reshape(tokens, nkv, D)
+        v = x[:, (nh + nkv) * D:].reshape(tokens, nkv, D)
+        if self.q_norm is not None:
+            q = _ref_head_norm(q, self.q_norm, self.eps)
+            kk = _ref_head_norm(kk, self.k_norm, self.eps)
+        positions = pb.positions[:tokens]
+        q, kk = _ref_rope(q, positions, self.inv_freq), _ref_rope(kk, positions, self.inv_freq)
+        got_q = self.q_out.download()
+        assert rel_err(bf16_to_f32(got_q[:tokens]), q) < 1e-2
+        assert (got_q[tokens:] == POISON_BF16).all()
+        got_k, got_v = self.kc.download(), self.vc.download()
+        written = np.zeros(got_k.shape[:2], bool)
+        for t in range(tokens):
+            blk, row = pb.slot(pb.token_seq[t], pb.positions[t])
+            written[blk, row] = True
+            assert rel_err(bf16_to_f32(got_k[blk, row]), kk[t]) < 1e-2
+            assert rel_err(bf16_to_f32(got_v[blk, row]), v[t]) < 1e-2
+        assert (got_k[~written] == POISON_BF16).all() and (got_v[~written] == POISON_BF16).all()
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("tokens", [1, 19, 99])
 @pytest.mark.parametrize("variant", ["plain", "bias", "qk_norm", "llama3"])
 def test_rope_kv_write(cf, stream, head_dim, tokens, variant):
     k = kernels(cf, head_dim)
     rng = np.random.default_rng(head_dim + tokens)
-    D, nh, nkv, bs, eps = head_dim, 4, 2, 16, 1e-6
-    pb = PagedBatch(MIXED[tokens], bs, rng)
-    width = (nh + 2 * nkv) * D
-    qkv = rb(rng.standard_normal((BUCKET, width)))
-    bias = rb(rng.standard_normal(width)) if variant == "bias" else None
-    q_norm = rb(1 + 0.1 * rng.standard_normal(D)) if variant == "qk_norm" else None
-    k_norm = rb(1 + 0.1 * rng.standard_normal(D)) if variant == "qk_norm" else None
-    inv_freq = _inv_freq(D, variant == "llama3")
-    bf = float32_to_bf16_bits
-    d = {name: dev(cf, arr) for name, arr in dict(
-        positions=pb.positions, token_seq=pb.token_seq, tables=pb.tables, qkv=bf(qkv),
-        inv_freq=inv_freq).items()}
-    d_bias = dev(cf, bf(bias)) if bias is not None else None
-    d_qn = dev(cf, bf(q_norm)) if q_norm is not None else None
-    d_kn = dev(cf, bf(k_norm)) if k_norm is not None else None
-    q_out = dev(cf, np.zeros((BUCKET, nh, D), np.uint16), poison=True)
-    kc = dev(cf, np.zeros((pb.num_blocks, bs, nkv, D), np.uint16), poison=True)
-    vc = dev(cf, np.zeros((pb.num_blocks, bs, nkv, D), np.uint16), poison=True)
-    k.rope_kv_write(stream, BUCKET, desc(cf, tokens, len(pb.seqs)).ptr, d["positions"].ptr,
-                    d["token_seq"].ptr, d["tables"].ptr, pb.max_blocks, d["qkv"].ptr,
-                    d_bias.ptr if d_bias else 0, d_qn.ptr if d_qn else 0,
-                    d_kn.ptr if d_kn else 0, eps, d["inv_freq"].ptr, nh, nkv, q_out.ptr, kc.ptr,
-                    vc.ptr, bs, pb.num_blocks)
+    case = RopeCase(cf, head_dim, tokens, variant, rng)
+    qkv = rb(rng.standard_normal((BUCKET, case.width)))
+    d_qkv = dev(cf, float32_to_bf16_bits(qkv[:, case.order]))  # the projection's row order
+    k.rope_kv_write(stream, BUCKET, desc(cf, tokens, len(case.pb.seqs)).ptr,
+                    case.d["positions"].ptr, case.d["token_seq"].ptr, case.d["tables"].ptr,
+                    case.pb.max_blocks, d_qkv.ptr, case.ptr["bias"], case.ptr["q_norm"],
+                    case.ptr["k_norm"], case.eps, case.d["inv_freq"].ptr, case.nh, case.nkv,
+                    case.q_out.ptr, case.kc.ptr, case.vc.ptr, case.bs, case.pb.num_blocks)
     cf.synchronize(stream)
+    case.check(qkv[:tokens].astype(np.float64))
 
-    x = qkv[:tokens].astype(np.float64) + (bias if bias is not None else 0)
-    q = x[:, :nh * D].reshape(tokens, nh, D)
-    kk = x[:, nh * D:(nh + nkv) * D].reshape(tokens, nkv, D)
-    v = x[:, (nh + nkv) * D:].reshape(tokens, nkv, D)
-    if q_norm is not None:
-        q, kk = _ref_head_norm(q, q_norm, eps), _ref_head_norm(kk, k_norm, eps)
-    q, kk = _ref_rope(q, pb.positions, inv_freq), _ref_rope(kk, pb.positions, inv_freq)
-    got_q = q_out.download()
-    assert rel_err(bf16_to_f32(got_q[:tokens]), q) < 1e-2
-    assert (got_q[tokens:] == POISON_BF16).all()
-    got_k, got_v = kc.download(), vc.download()
-    written = np.zeros(got_k.shape[:2], bool)
-    for t in range(tokens):
-        blk, row = pb.slot(pb.token_seq[t], pb.positions[t])
-        written[blk, row] = True
-        assert rel_err(bf16_to_f32(got_k[blk, row]), kk[t]) < 1e-2
-        assert rel_err(bf16_to_f32(got_v[blk, row]), v[t]) < 1e-2
-    assert (got_k[~written] == POISON_BF16).all() and (got_v[~written] == POISON_BF16).all()
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tokens", [1, 19])
+@pytest.mark.parametrize("variant", ["plain", "bias", "llama3"])
+@pytest.mark.parametrize("wide", [False, True])  # one and two row tiles per CTA
+def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide):
+    """The qkv projection with its RMSNorm and RoPE + KV write fused, against float64:
+    rms_norm(x) @ w^T, then RoPE, q to its buffer, k and v into the paged cache. Rows past the
+    live tokens (the bucket is 8 rows) write nothing. tokens 19: its first 8 tokens only."""
+    k = kernels(cf, head_dim)
+    rng = np.random.default_rng(head_dim + tokens + wide)
+    heads = ((64, 8) if head_dim == 128 else (128, 8)) if wide else (4, 2)
+    case = RopeCase(cf, head_dim, tokens, variant, rng, *heads)
+    assert k._skinny_tiles(8, 256, case.width, False, True)[0] == (2 if wide else 1)
+    live = min(tokens, 8)
+    case.tokens, hidden, rows = live, 256, 8
+    x = rb(rng.standard_normal((rows, hidden)) * 5)
+    w = rb(rng.standard_normal((case.width, hidden)) * hidden ** -0.5)
+    d_x, d_w = dev(cf, float32_to_bf16_bits(x)), dev(cf, float32_to_bf16_bits(w[case.order]))
+    k.skinny_qkv_rope(stream, rows, desc(cf, live, len(case.pb.seqs)).ptr, d_x.ptr, d_w.ptr,
+                      hidden, case.eps, case.d["positions"].ptr, case.d["token_seq"].ptr,
+                      case.d["tables"].ptr, case.pb.max_blocks, case.ptr["bias"],
+                      case.d["inv_freq"].ptr, case.nh, case.nkv, case.q_out.ptr, case.kc.ptr,
+                      case.vc.ptr, case.bs, case.pb.num_blocks)
+    cf.synchronize(stream)
+    h = x[:live] * _rms_scale(x[:live], case.eps)
+    case.check(rb(h @ w.T.astype(np.float64)).astype(np.float64))
 
 
 def _ref_attention(q, kc, vc, pb: PagedBatch, nh, nkv):
@@ -779,6 +883,41 @@ def test_forward_programmatic_launch_matches_plain_launches(cf, models):
                 ids.append(int(a_sampled[0]))
     finally:
         plain.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_forward_fused_norm_rope_matches_separate_kernels(cf, models, arch):
+    """Decode buckets run RMSNorm inside the projections and RoPE + KV write inside the qkv
+    projection (Qwen3: RMSNorm only); the same steps with those as kernels of their own
+    (fuse_norm_rope=False) give the same logits up to bf16 rounding, with 3 (Qwen3: 2) kernels
+    a layer fewer."""
+    cfg, w, engine = models[arch]
+    separate = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                              max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
+                              fuse_norm_rope=False)
+    try:
+        for bucket in (1, 8):  # 2 norms and RoPE (Qwen3: the 2 norms) a layer fewer
+            fused = sum(engine.graph_node_types[bucket].values())
+            assert sum(separate.graph_node_types[bucket].values()) - fused == \
+                (2 if cfg.qk_norm else 3) * cfg.num_layers
+        assert engine.graph_node_types[16] == separate.graph_node_types[16]  # not fused
+        table = np.arange(6)
+        ids = list(prompt(cfg, 40, seed=18))
+        for fwd in (engine, separate):
+            fwd.fill_kv_cache(0)
+        pos, errors = 0, []
+        for n in (5, 8, 1, 1, 1, 1):  # prefill chunks in decode buckets, then decode steps
+            batch = make_batch([(np.array(ids[pos:pos + n]), pos, table)])
+            a, a_sampled = engine.run(batch)
+            b, _ = separate.run(batch)
+            errors.append(rel_err(a, b))
+            assert errors[-1] < LOGITS_TOL, f"step {len(errors)}: {errors}"
+            pos += n
+            if pos == len(ids):
+                ids.append(int(a_sampled[0]))
+        REPORT["errors"][f"forward {arch} fused vs separate norm/rope (max rel L2)"] = max(errors)
+    finally:
+        separate.close()
 
 
 def test_forward_sampling_in_graph(models):

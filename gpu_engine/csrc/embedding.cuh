@@ -5,10 +5,13 @@
 
 namespace blink {
 
-// One CTA per token row t < num_tokens: x[t] = embed[token_ids[t]] (ids clamped into the vocab).
-// embed: [vocab, hidden] bf16; x: [bucket, hidden] f32; hidden % 8 == 0.
+// One CTA per token row t < num_tokens: x[t] = embed[token_ids[t]] (ids clamped into the vocab),
+// and the same row into x_shadow when not null (the residual stream's bf16 copy, gemv.cuh).
+// embed: [vocab, hidden] bf16; x: [bucket, hidden] f32; x_shadow: [bucket, hidden] bf16;
+// hidden % 8 == 0.
 __device__ __forceinline__ void EmbeddingCta(const BatchDesc* desc, const int32_t* token_ids,
-                                             const bf16* embed, float* x, int hidden, int vocab) {
+                                             const bf16* embed, float* x, bf16* x_shadow,
+                                             int hidden, int vocab) {
   const int t = blockIdx.x;
   if (t >= desc->num_tokens) return;
   const int id = min(max(token_ids[t], 0), vocab - 1);
@@ -18,6 +21,10 @@ __device__ __forceinline__ void EmbeddingCta(const BatchDesc* desc, const int32_
     float v[8];
     LoadBf16x8(src + i, v);
     StoreF32x8(dst + i, v);
+    if (x_shadow != nullptr) {
+      *reinterpret_cast<uint4*>(x_shadow + static_cast<size_t>(t) * hidden + i) =
+          *reinterpret_cast<const uint4*>(src + i);
+    }
   }
 }
 

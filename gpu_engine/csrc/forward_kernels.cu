@@ -2,7 +2,8 @@
 // the cubin by gpu_engine/cuda_forward.py (which computes each grid and validates the sizes).
 //
 // Every entry first waits for the previous kernel (utils.cuh AwaitPriorKernel): the forward
-// graph is captured with programmatic dependent launch, so an entry may start early.
+// graph is captured with programmatic dependent launch, so an entry may start early. The skinny
+// projections wait inside SkinnyAccumulate, once their first weight loads are in flight.
 //
 // One dispatch point: the model's head_dim arrives as -DBLINK_HEAD_DIM=<d> (the module is built
 // per model); an unsupported value stops the build here.
@@ -43,9 +44,9 @@ extern "C" {
 
 __global__ void __launch_bounds__(256)
     blink_embedding(const BatchDesc* desc, const int32_t* token_ids, const bf16* embed, float* x,
-                    int hidden, int vocab) {
+                    bf16* x_shadow, int hidden, int vocab) {
   blink::AwaitPriorKernel();
-  blink::EmbeddingCta(desc, token_ids, embed, x, hidden, vocab);
+  blink::EmbeddingCta(desc, token_ids, embed, x, x_shadow, hidden, vocab);
 }
 
 __global__ void __launch_bounds__(256)
@@ -96,13 +97,14 @@ __global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHead
       tile_sems, decode_min_keys);
 }
 
-// Skinny linear layers (gemv.cuh), one entry per (row tiles, column tiles) shape.
+// Skinny linear layers (gemv.cuh), one entry per (row tiles, column tiles) shape; the _norm
+// entries take the residual stream's bf16 shadow and fold its RMSNorm in (decode-sized buckets:
+// one column tile), the qkv_rope ones also apply RoPE and write q and the KV cache (rope.cuh).
 #define BLINK_SKINNY_LINEAR(A, C)                                                            \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
       blink_skinny_linear_##A##x##C(const bf16* x, int ldx, int M, const bf16* w, int N,     \
-                                    int K, void* out, int ldo, int mode) {                   \
-    blink::AwaitPriorKernel();                                                               \
-    blink::SkinnyLinearCta<A, C>(x, ldx, M, w, N, K, out, ldo, mode);                        \
+                                    int K, void* out, int ldo, int mode, bf16* shadow) {     \
+    blink::SkinnyLinearCta<A, C, false>(x, ldx, M, w, N, K, out, ldo, mode, shadow, 0.f);    \
   }
 BLINK_SKINNY_LINEAR(1, 1)
 BLINK_SKINNY_LINEAR(1, 2)
@@ -111,6 +113,30 @@ BLINK_SKINNY_LINEAR(2, 1)
 BLINK_SKINNY_LINEAR(2, 2)
 BLINK_SKINNY_LINEAR(2, 4)
 #undef BLINK_SKINNY_LINEAR
+
+#define BLINK_SKINNY_NORM_LINEAR(A)                                                          \
+  __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
+      blink_skinny_linear_norm_##A##x1(const bf16* x, int ldx, int M, const bf16* w, int N,  \
+                                       int K, void* out, int ldo, int mode, float eps) {     \
+    blink::SkinnyLinearCta<A, 1, true>(x, ldx, M, w, N, K, out, ldo, mode, nullptr, eps);    \
+  }                                                                                          \
+  __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
+      blink_skinny_qkv_rope_##A##x1(                                                         \
+          const bf16* x, int ldx, int M, const bf16* w, int N, int K, float eps,             \
+          const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,         \
+          const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,         \
+          const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out,               \
+          bf16* k_cache, bf16* v_cache, int block_size, int num_blocks) {                    \
+    __shared__ blink::GemvSums<A, 1> sums;                                                   \
+    blink::SkinnyAccumulate<A, 1, true>(x, ldx, M, w, N, K, eps, sums);                      \
+    blink::SkinnyStoreQkvRope<kHeadDim>(sums, M, desc, positions, token_seq, block_tables,   \
+                                        max_blocks_per_seq, qkv_bias, inv_freq, num_heads,   \
+                                        num_kv_heads, q_out, k_cache, v_cache, block_size,   \
+                                        num_blocks);                                         \
+  }
+BLINK_SKINNY_NORM_LINEAR(1)
+BLINK_SKINNY_NORM_LINEAR(2)
+#undef BLINK_SKINNY_NORM_LINEAR
 
 __global__ void __launch_bounds__(256)
     blink_silu_mul(const BatchDesc* desc, const bf16* gate_up, bf16* out, int inter) {

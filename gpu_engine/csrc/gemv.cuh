@@ -15,6 +15,17 @@
 // SiLU-gated: with W's gate and up rows interleaved in 16-row groups (gpu_engine/cuda_forward.py
 // lays gate_proj|up_proj out so), the CTA's two row tiles are the gate and up rows of the same
 // 16 features and it writes silu(gate) * up directly: no [M, 2I] intermediate, no extra kernel.
+//
+// RMSNorm folded in (kNormIn): the projections that follow an RMSNorm (qkv, gate|up) can take the
+// residual stream itself, as its bf16 shadow copy, and normalize on the way. The norm's weight is
+// folded into W's columns when the weights are uploaded (W' = W diag(w), cuda_forward.py), so
+// what is left is one scale per token row, 1 / rms(x_m): linear, so it is applied to the dot
+// products at the end. The sum of squares comes almost free: the CTA's loads of x cover every
+// element of its token rows exactly once (lane (g, t) of the warp taking step s loads x row g at
+// k = 32 s + 8 t .. + 7), so each lane sums the squares of what it loaded. (Measured on the
+// H200, Llama-3.1-8B batch 1: a separate pass over x, before the main loop or after it from L1,
+// cost the qkv projection 3 us and the gate|up one 2 us more.) The residual adds (kGemvF32Add)
+// write that shadow copy as they update the stream, so no norm kernel runs between projections.
 #pragma once
 #include "utils.cuh"
 
@@ -34,6 +45,17 @@ __device__ __forceinline__ uint4 LoadStreaming16(const void* p) {
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// Activations, re-read by every CTA, stay in L1. They are written by the previous kernel, so
+// these loads must stay below AwaitPriorKernel: plain coherent loads with a "memory" clobber.
+// (ld.global.nc, __ldg's load, promises data constant for the kernel's lifetime, and ptxas does
+// hoist it above griddepcontrol.wait; the weight loads may move there, and should.)
+__device__ __forceinline__ uint4 LoadActivation16(const void* p) {
+  uint4 v;
+  asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
 
@@ -60,7 +82,8 @@ struct GemvShape {
   // loses 12% with it, and two of the wider shapes spill under the register cap.
   static constexpr bool kDoubleBuffer = kLoadsPerStep * kUnroll <= 10;
   static constexpr int kRedLd = kCols + 1;  // padded row of the cross-warp reduction
-  static constexpr size_t kSmemBytes = sizeof(float) * kGemvWarps * kRows * kRedLd;
+  static constexpr size_t kSmemBytes =
+      sizeof(float) * (kGemvWarps * kRows * kRedLd + (kGemvWarps + 1) * kCols);
   static_assert(kSmemBytes <= 48 * 1024, "static shared memory");
 };
 
@@ -71,16 +94,34 @@ struct GemvBatch {
   uint4 x[kUnroll][kColTiles];
 };
 
-// x: [M, ldx] bf16 (row m at x + m * ldx, K used); w: [N, K] bf16 row-major; K % 32 == 0.
-// out: [M, ldo] in `mode`'s type; rows m < M and columns n < N written (kGemvSiluMul: columns
-// n < N / 2 of silu(gate) * up, N = 2 * features, kRowTiles == 2). grid.x = ceil(N / kRows);
-// blockDim.x = kGemvThreads.
+// One CTA's dot products, left in shared memory by SkinnyAccumulate for the store epilogues.
 template <int kRowTiles, int kColTiles>
-__device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, const bf16* w,
-                                                int N, int K, void* out, int ldo, int mode) {
+struct GemvSums {
+  using S = GemvShape<kRowTiles, kColTiles>;
+  float red[kGemvWarps * S::kRows * S::kRedLd];  // [warp][row][column] per-warp partial sums
+  float row_scale[S::kCols];                     // 1, or 1 / rms(x_m) with kNormIn
+  float sum_sq[kGemvWarps][S::kCols];            // per-warp sums of x_m^2 (kNormIn)
+
+  // Row r of the CTA's rows (output n0 + r), token row m: the dot product, scaled.
+  __device__ __forceinline__ float total(int r, int m) const {
+    float v = 0.f;
+#pragma unroll
+    for (int q = 0; q < kGemvWarps; ++q) v += red[(q * S::kRows + r) * S::kRedLd + m];
+    return v * row_scale[m];
+  }
+};
+
+// x: [M, ldx] bf16 (row m at x + m * ldx, K used); w: [N, K] bf16 row-major; K % 32 == 0;
+// the CTA's rows are n0 = blockIdx.x * kRows .. + kRows - 1 (rows past N compute and drop the last
+// row). kNormIn: row_scale[m] = 1 / sqrt(mean(x_m^2) + eps), else 1. Every thread of the CTA calls
+// it; sums is in shared memory and complete when it returns. blockDim.x = kGemvThreads. It waits
+// for the previous kernel itself (AwaitPriorKernel), after its first weight loads.
+template <int kRowTiles, int kColTiles, bool kNormIn>
+__device__ __forceinline__ void SkinnyAccumulate(const bf16* x, int ldx, int M, const bf16* w,
+                                                 int N, int K, float eps,
+                                                 GemvSums<kRowTiles, kColTiles>& sums) {
   using S = GemvShape<kRowTiles, kColTiles>;
   constexpr int kUnroll = S::kUnroll;
-  __shared__ float red[kGemvWarps * S::kRows * S::kRedLd];  // [warp][row][column]
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   constexpr int warps = kGemvWarps;
@@ -101,23 +142,29 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, c
     x_off[j] = static_cast<uint32_t>(min(8 * j + g, M - 1)) * ldx + 8 * t;
 
   float acc[kRowTiles][kColTiles][4];
+  float sum_sq[kColTiles];  // kNormIn: this lane's share of x row 8 j + g's sum of squares
 #pragma unroll
-  for (int a = 0; a < kRowTiles; ++a)
+  for (int j = 0; j < kColTiles; ++j) {
+    sum_sq[j] = 0.f;
 #pragma unroll
-    for (int j = 0; j < kColTiles; ++j)
+    for (int a = 0; a < kRowTiles; ++a)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[a][j][e] = 0.f;
+  }
 
-  // One 32-k step: its loads (W rows g, g + 8 of each row tile; x row g of each column tile).
-  auto load = [&](int step, uint4 (&wv)[kRowTiles][2], uint4 (&xv)[kColTiles]) {
+  // One 32-k step's loads: W rows g, g + 8 of each row tile; x row g of each column tile.
+  auto load_w = [&](int step, uint4 (&wv)[kRowTiles][2]) {
     const uint32_t k = static_cast<uint32_t>(step) * 32;
 #pragma unroll
     for (int a = 0; a < kRowTiles; ++a)
 #pragma unroll
       for (int h = 0; h < 2; ++h) wv[a][h] = LoadStreaming16(w + (w_off[a][h] + k));
+  };
+  auto load_x = [&](int step, uint4 (&xv)[kColTiles]) {
+    const uint32_t k = static_cast<uint32_t>(step) * 32;
 #pragma unroll
     for (int j = 0; j < kColTiles; ++j)
-      xv[j] = __ldg(reinterpret_cast<const uint4*>(x + (x_off[j] + k)));
+      xv[j] = LoadActivation16(x + (x_off[j] + k));
   };
   auto mma = [&](const uint4 (&wv)[kRowTiles][2], const uint4 (&xv)[kColTiles]) {
 #pragma unroll
@@ -128,6 +175,17 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, c
         MmaBf16(acc[a][j], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
         MmaBf16(acc[a][j], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
       }
+    if constexpr (kNormIn) {
+#pragma unroll
+      for (int j = 0; j < kColTiles; ++j) {
+        const uint32_t words[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[q]));
+          sum_sq[j] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[j]));
+        }
+      }
+    }
   };
 
   // Warp w takes steps w, w + warps, ...: whole batches of kUnroll steps with every load issued
@@ -139,18 +197,32 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, c
   const int batches = steps >= warp + (kUnroll - 1) * warps + 1
                           ? (steps - warp - (kUnroll - 1) * warps - 1) / batch_steps + 1
                           : 0;
-  auto load_batch = [&](int b, Batch& batch) {
+  auto load_batch_w = [&](int b, Batch& batch) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      load(warp + b * batch_steps + u * warps, batch.w[u], batch.x[u]);
+    for (int u = 0; u < kUnroll; ++u) load_w(warp + b * batch_steps + u * warps, batch.w[u]);
+  };
+  auto load_batch_x = [&](int b, Batch& batch) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) load_x(warp + b * batch_steps + u * warps, batch.x[u]);
+  };
+  auto load_batch = [&](int b, Batch& batch) {
+    load_batch_w(b, batch);
+    load_batch_x(b, batch);
   };
   auto mma_batch = [&](const Batch& batch) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) mma(batch.w[u], batch.x[u]);
   };
+  // The weights do not depend on the previous kernel, x does: the first batch's weight loads
+  // are issued before waiting for it (programmatic dependent launch), so they are in flight
+  // while the previous kernel finishes.
+  Batch first;
+  if (batches > 0) load_batch_w(0, first);
+  AwaitPriorKernel();
+  if (batches > 0) load_batch_x(0, first);
   if constexpr (S::kDoubleBuffer) {
-    Batch even, odd;
-    if (batches > 0) load_batch(0, even);
+    Batch& even = first;
+    Batch odd;
     for (int b = 0; b < batches; b += 2) {
       if (b + 1 < batches) load_batch(b + 1, odd);
       mma_batch(even);
@@ -160,21 +232,23 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, c
       }
     }
   } else {
-    for (int b = 0; b < batches; ++b) {
-      Batch batch;
+    if (batches > 0) mma_batch(first);
+    for (int b = 1; b < batches; ++b) {
+      Batch batch;  // fresh registers: all of its loads are issued before its first MMA
       load_batch(b, batch);
       mma_batch(batch);
     }
   }
   for (int s = warp + batches * batch_steps; s < steps; s += warps) {
     uint4 wv[kRowTiles][2], xv[kColTiles];
-    load(s, wv, xv);
+    load_w(s, wv);
+    load_x(s, xv);
     mma(wv, xv);
   }
   ReleaseNextKernel();  // every weight is read: the next kernel may take freed SM slots
 
   // Accumulator element e of tile (a, j): row 16a + g + 8 (e / 2), column 8j + 2t + e % 2.
-  float* my_red = red + static_cast<size_t>(warp) * S::kRows * S::kRedLd;
+  float* my_red = sums.red + static_cast<size_t>(warp) * S::kRows * S::kRedLd;
 #pragma unroll
   for (int a = 0; a < kRowTiles; ++a)
 #pragma unroll
@@ -182,41 +256,82 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, c
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         my_red[(16 * a + g + 8 * (e / 2)) * S::kRedLd + 8 * j + 2 * t + e % 2] = acc[a][j][e];
-  __syncthreads();
-
-  const int cols = min(M, S::kCols);
-  auto total = [&](int r, int m) {
-    float v = 0.f;
-    for (int q = 0; q < warps; ++q) v += red[(static_cast<size_t>(q) * S::kRows + r) * S::kRedLd + m];
-    return v;
-  };
-  if (mode == kGemvSiluMul) {
-    // rows 0..15: gate of features f0 .. f0 + 15; rows 16..31: their up (kRowTiles == 2)
-    const int f0 = blockIdx.x * 16;
-    bf16* dst = static_cast<bf16*>(out);
-    for (int i = threadIdx.x; i < 16 * cols; i += blockDim.x) {
-      const int r = i % 16, m = i / 16;
-      if (f0 + r >= N / 2) continue;
-      // rounded to bf16 as the unfused path stores gate and up before SiLU
-      const float gate = __bfloat162float(__float2bfloat16(total(r, m)));
-      const float up = __bfloat162float(__float2bfloat16(total(r + 16, m)));
-      dst[static_cast<size_t>(m) * ldo + f0 + r] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
+  if constexpr (kNormIn) {
+#pragma unroll
+    for (int j = 0; j < kColTiles; ++j) {  // the 4 lanes of row g hold 4 disjoint k ranges
+      float v = sum_sq[j];
+      v += __shfl_xor_sync(kFullMask, v, 1);
+      v += __shfl_xor_sync(kFullMask, v, 2);
+      if (t == 0) sums.sum_sq[warp][8 * j + g] = v;
     }
-    return;
   }
+  __syncthreads();
+  if (threadIdx.x < min(M, S::kCols)) {
+    float scale = 1.f;
+    if constexpr (kNormIn) {
+      float v = 0.f;
+#pragma unroll
+      for (int q = 0; q < warps; ++q) v += sums.sum_sq[q][threadIdx.x];
+      scale = rsqrtf(v / K + eps);
+    }
+    sums.row_scale[threadIdx.x] = scale;
+  }
+  __syncthreads();
+}
+
+// The plain outputs: out[m, n] for m < M, n < N in `mode`'s type (kGemvBf16, kGemvF32, or
+// kGemvF32Add: added into an fp32 out; then `shadow`, when not null, gets the sum as bf16: the
+// copy a following kNormIn projection reads).
+template <int kRowTiles, int kColTiles>
+__device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles>& sums, int M,
+                                            int N, void* out, int ldo, int mode, bf16* shadow) {
+  using S = GemvShape<kRowTiles, kColTiles>;
+  const int n0 = blockIdx.x * S::kRows, cols = min(M, S::kCols);
   for (int i = threadIdx.x; i < S::kRows * cols; i += blockDim.x) {
     const int r = i % S::kRows, m = i / S::kRows, n = n0 + r;
     if (n >= N) continue;
-    const float v = total(r, m);
+    const float v = sums.total(r, m);
     const size_t o = static_cast<size_t>(m) * ldo + n;
     if (mode == kGemvBf16) {
       static_cast<bf16*>(out)[o] = __float2bfloat16(v);
     } else if (mode == kGemvF32) {
       static_cast<float*>(out)[o] = v;
     } else {
-      static_cast<float*>(out)[o] += v;
+      float* dst = static_cast<float*>(out) + o;
+      *dst += v;
+      if (shadow != nullptr) shadow[o] = __float2bfloat16(*dst);
     }
   }
+}
+
+// kGemvSiluMul: the CTA's rows 0..15 are the gate of features f0 .. f0 + 15 (f0 = blockIdx.x * 16)
+// and rows 16..31 their up (kRowTiles == 2); out[m, f] = silu(gate) * up in bf16, f < N / 2.
+template <int kColTiles>
+__device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles>& sums, int M,
+                                                   int N, bf16* out, int ldo) {
+  const int f0 = blockIdx.x * 16, cols = min(M, GemvShape<2, kColTiles>::kCols);
+  for (int i = threadIdx.x; i < 16 * cols; i += blockDim.x) {
+    const int r = i % 16, m = i / 16;
+    if (f0 + r >= N / 2) continue;
+    // rounded to bf16 as the unfused path stores gate and up before SiLU
+    const float gate = __bfloat162float(__float2bfloat16(sums.total(r, m)));
+    const float up = __bfloat162float(__float2bfloat16(sums.total(r + 16, m)));
+    out[static_cast<size_t>(m) * ldo + f0 + r] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
+  }
+}
+
+// The whole skinny linear layer for the plain and SiLU-gated modes. grid.x = ceil(N / kRows)
+// (kGemvSiluMul: N = 2 * features, kRowTiles == 2); blockDim.x = kGemvThreads.
+template <int kRowTiles, int kColTiles, bool kNormIn>
+__device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, const bf16* w,
+                                                int N, int K, void* out, int ldo, int mode,
+                                                bf16* shadow, float eps) {
+  __shared__ GemvSums<kRowTiles, kColTiles> sums;
+  SkinnyAccumulate<kRowTiles, kColTiles, kNormIn>(x, ldx, M, w, N, K, eps, sums);
+  if constexpr (kRowTiles == 2) {
+    if (mode == kGemvSiluMul) return SkinnyStoreSiluMul(sums, M, N, static_cast<bf16*>(out), ldo);
+  }
+  SkinnyStore(sums, M, N, out, ldo, mode, shadow);
 }
 
 }  // namespace blink

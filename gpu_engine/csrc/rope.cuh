@@ -1,14 +1,51 @@
 // Post-projection attention prologue, fused: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3),
 // RoPE on q and k (HF rotate-half convention, precomputed inv_freq so llama3 scaling comes free),
-// q to its buffer, k and v into the paged KV cache.
+// q to its buffer, k and v into the paged KV cache. Two forms: a kernel over the projection's
+// bf16 output (RopeKvWriteCta), and the qkv projection's own epilogue (SkinnyStoreQkvRope).
+//
+// The RoPE pair layout: within each q and k head, the projection's rows are stored so that every
+// 16-row tile holds 8 whole pairs: pair j (dimensions j and j + head_dim / 2) sits at rows
+// RopePairRow(j) and RopePairRow(j) + 8. The skinny projection's CTA then owns both halves of
+// each pair it computes and can rotate them itself. gpu_engine/cuda_forward.py
+// rope_pair_order permutes the checkpoint's rows (and biases) so when it uploads them; v heads
+// keep their order.
 #pragma once
 #include "batch.cuh"
+#include "gemv.cuh"
 #include "norm.cuh"
 #include "utils.cuh"
 
 namespace blink {
 
 static constexpr int kRopeThreads = 128;
+
+__host__ __device__ constexpr int RopePairRow(int j) { return 16 * (j / 8) + j % 8; }
+
+// Element offset of (block, row, kv head 0, dim 0) in a layer's KV cache for token t of the
+// batch, or -1 when its block is not in the table or outside [0, num_blocks) (then nothing is
+// written for it).
+__device__ __forceinline__ long long KvCacheOffset(const int32_t* positions,
+                                                   const int32_t* token_seq,
+                                                   const int32_t* block_tables,
+                                                   int max_blocks_per_seq, int block_size,
+                                                   int num_blocks, int num_kv_heads,
+                                                   int head_dim, int t) {
+  const int pos = positions[t];
+  const int logical_block = pos / block_size;
+  if (pos < 0 || logical_block >= max_blocks_per_seq) return -1;
+  const int block =
+      block_tables[static_cast<size_t>(token_seq[t]) * max_blocks_per_seq + logical_block];
+  if (block < 0 || block >= num_blocks) return -1;
+  return (static_cast<long long>(block) * block_size + pos % block_size) * num_kv_heads *
+         head_dim;
+}
+
+// x * cos + rotate_half(x) * sin for one pair, rotate_half(x) = [-x_hi, x_lo].
+__device__ __forceinline__ void RotatePair(float lo, float hi, float c, float s, bf16* dst_lo,
+                                           bf16* dst_hi) {
+  *dst_lo = __float2bfloat16(lo * c - hi * s);
+  *dst_hi = __float2bfloat16(hi * c + lo * s);
+}
 
 // Grid (bucket, head groups): CTA (t, y) handles token t < num_tokens, and its warps take heads
 // y * warps + warp, stepping by gridDim.y * warps, over the num_heads + 2 * num_kv_heads heads
@@ -41,15 +78,9 @@ __device__ __forceinline__ void RopeKvWriteCta(
   }
   __syncthreads();
 
-  const int logical_block = pos / block_size;
-  const int block = (pos >= 0 && logical_block < max_blocks_per_seq)
-                        ? block_tables[static_cast<size_t>(token_seq[t]) * max_blocks_per_seq +
-                                       logical_block]
-                        : -1;
-  const bool write_kv = block >= 0 && block < num_blocks;
-  // Element offset of (block, row, kv head 0, dim 0) in the cache.
-  const size_t slot =
-      (static_cast<size_t>(block) * block_size + pos % block_size) * num_kv_heads * kHeadDim;
+  const long long slot = KvCacheOffset(positions, token_seq, block_tables, max_blocks_per_seq,
+                                       block_size, num_blocks, num_kv_heads, kHeadDim, t);
+  const bool write_kv = slot >= 0;
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
@@ -58,22 +89,25 @@ __device__ __forceinline__ void RopeKvWriteCta(
 
   for (int h = blockIdx.y * num_warps + warp; h < total_heads; h += gridDim.y * num_warps) {
     const int base = h * kHeadDim;
+    const bool is_q = h < num_heads;
+    const bool is_k = !is_q && h < num_heads + num_kv_heads;
     float lo[kPairs], hi[kPairs];
 #pragma unroll
     for (int i = 0; i < kPairs; ++i) {
       const int j = lane + kWarpSize * i;
       lo[i] = hi[i] = 0.f;
       if (j < kHalf) {
-        lo[i] = __bfloat162float(row[base + j]);
-        hi[i] = __bfloat162float(row[base + j + kHalf]);
+        // q and k rows are in the RoPE pair layout, v rows in their own order
+        const int r_lo = base + (is_q || is_k ? RopePairRow(j) : j);
+        const int r_hi = r_lo + (is_q || is_k ? 8 : kHalf);
+        lo[i] = __bfloat162float(row[r_lo]);
+        hi[i] = __bfloat162float(row[r_hi]);
         if (qkv_bias != nullptr) {
-          lo[i] += __bfloat162float(qkv_bias[base + j]);
-          hi[i] += __bfloat162float(qkv_bias[base + j + kHalf]);
+          lo[i] += __bfloat162float(qkv_bias[r_lo]);
+          hi[i] += __bfloat162float(qkv_bias[r_hi]);
         }
       }
     }
-    const bool is_q = h < num_heads;
-    const bool is_k = !is_q && h < num_heads + num_kv_heads;
     if (!is_q && !is_k) {  // v: bias only
       if (write_kv) {
         bf16* dst = v_cache + slot + static_cast<size_t>(h - num_heads - num_kv_heads) * kHeadDim;
@@ -95,13 +129,61 @@ __device__ __forceinline__ void RopeKvWriteCta(
 #pragma unroll
     for (int i = 0; i < kPairs; ++i) {
       const int j = lane + kWarpSize * i;
-      if (j < kHalf) {
-        // x * cos + rotate_half(x) * sin, rotate_half(x) = [-x_hi, x_lo]
-        const float c = cos_s[j], s = sin_s[j];
-        dst[j] = __float2bfloat16(lo[i] * c - hi[i] * s);
-        dst[j + kHalf] = __float2bfloat16(hi[i] * c + lo[i] * s);
-      }
+      if (j < kHalf) RotatePair(lo[i], hi[i], cos_s[j], sin_s[j], dst + j, dst + j + kHalf);
     }
+  }
+}
+
+// The qkv projection's epilogue: the CTA's row tiles (16 rows each, inside one head since
+// head_dim % 16 == 0) of the q|k|v output [M, (num_heads + 2 num_kv_heads) * kHeadDim], q and k
+// in the RoPE pair layout, written as RopeKvWriteCta writes them (same rounding: each projection
+// output is rounded to bf16 first, as when it is stored; bias added; rotated in fp32): q rows to
+// q_out, k and v rows of tokens t < num_tokens into the paged cache. qkv_bias is in the same row
+// order as w (nullable). No per-head q/k norm (Qwen3 takes the kernel path).
+template <int kHeadDim, int kRowTiles, int kColTiles>
+__device__ __forceinline__ void SkinnyStoreQkvRope(
+    const GemvSums<kRowTiles, kColTiles>& sums, int M, const BatchDesc* desc,
+    const int32_t* positions, const int32_t* token_seq, const int32_t* block_tables,
+    int max_blocks_per_seq, const bf16* qkv_bias, const float* inv_freq, int num_heads,
+    int num_kv_heads, bf16* q_out, bf16* k_cache, bf16* v_cache, int block_size,
+    int num_blocks) {
+  static_assert(kHeadDim % 16 == 0, "a 16-row tile must lie inside one head");
+  constexpr int kHalf = kHeadDim / 2;
+  const int cols = min(min(M, desc->num_tokens), GemvShape<kRowTiles, kColTiles>::kCols);
+  const int total_rows = (num_heads + 2 * num_kv_heads) * kHeadDim;
+  auto value = [&](int r, int n, int m) {
+    const float v = __bfloat162float(__float2bfloat16(sums.total(r, m)));
+    return qkv_bias != nullptr ? v + __bfloat162float(qkv_bias[n]) : v;
+  };
+  // Work items: (row tile a, token m, 8 pairs or 16 v rows); a thread takes one row pair.
+  for (int i = threadIdx.x; i < kRowTiles * cols * 8; i += blockDim.x) {
+    const int p = i % 8, m = (i / 8) % cols, a = i / (8 * cols);
+    const int tile = blockIdx.x * kRowTiles + a;  // rows 16 tile .. + 15: one head's
+    const int r = 16 * a + p, n = 16 * tile + p;   // tile rows p and p + 8: n and n + 8
+    if (n >= total_rows) continue;
+    const int head = n / kHeadDim, within = n % kHeadDim;
+    const long long slot = KvCacheOffset(positions, token_seq, block_tables, max_blocks_per_seq,
+                                         block_size, num_blocks, num_kv_heads, kHeadDim, m);
+    if (head >= num_heads + num_kv_heads) {  // v: rows n and n + 8, bias only
+      if (slot < 0) continue;
+      bf16* dst = v_cache + slot + static_cast<size_t>(head - num_heads - num_kv_heads) * kHeadDim;
+      dst[within] = __float2bfloat16(value(r, n, m));
+      dst[within + 8] = __float2bfloat16(value(r + 8, n + 8, m));
+      continue;
+    }
+    const int j = (within - p) / 2 + p;  // the tile starts at row 16 t': pair 8 t'
+    float sn, cs;
+    // the angle in fp32 exactly as transformers forms it (position * inv_freq), then sincos
+    sincosf(static_cast<float>(positions[m]) * inv_freq[j], &sn, &cs);
+    const float lo = value(r, n, m), hi = value(r + 8, n + 8, m);
+    bf16* dst;
+    if (head < num_heads) {
+      dst = q_out + (static_cast<size_t>(m) * num_heads + head) * kHeadDim;
+    } else {
+      if (slot < 0) continue;
+      dst = k_cache + slot + static_cast<size_t>(head - num_heads) * kHeadDim;
+    }
+    RotatePair(lo, hi, cs, sn, dst + j, dst + j + kHalf);
   }
 }
 

@@ -53,7 +53,10 @@ __device__ __forceinline__ void StoreF32x8(float* p, const float (&v)[8]) {
 // shape, batch 1): 4.81 -> 4.68 ms a step. Releasing the next kernel at every kernel's start
 // (5.30 ms), or prefetching a projection's first weights into L2 before its wait (4.93 ms),
 // was slower: the waiting CTAs and the prefetches compete with the running kernel, so only
-// the skinny projections release early, once their weights are read.
+// the skinny projections release early, once their weights are read. They also issue their
+// first batch of weight loads (into registers, a few KB a CTA) before their wait (gemv.cuh):
+// data nothing before them writes. Activations must be read after the wait with coherent
+// loads: ptxas moves ld.global.nc (__ldg) above griddepcontrol.wait.
 __device__ __forceinline__ void AwaitPriorKernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
