@@ -12,13 +12,16 @@ JSON (bench_report, schema there), summary table and plots go to --out.
 
 Systems, each behind the same front end and client: blink (the CPU-free CUDA engine, or the CPU
 reference engine where there is no GPU), host-cuda (the same kernels and graphs driven by a host
-loop: the ablation) and hf (Hugging Face transformers' generate). --cpu-hog N repeats every run
+loop: the ablation), hf (Hugging Face transformers' generate, static batching) and hf-static
+(transformers' batch-1 fast path: a static KV cache, the decoding step compiled on a GPU).
+--cpu-hog N repeats every run
 with N busy processes pinned to the server's cores and reports busy / idle ratios.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import sys
@@ -32,12 +35,14 @@ from blink.client.bench_data import BENCH_EXTRA_HINT, BenchError, BenchRequest, 
 from blink.client.bench_hog import CpuHog
 from blink.client.bench_load import run_requests
 from blink.client.bench_metrics import Slo, summarize
-from blink.client.bench_report import LOOP_SATURATED, document, plot, rate_label, \
+from blink.client.bench_report import LOOP_SATURATED, SCHEMA, document, plot, rate_label, \
     request_rows, summary_table, write_json
 from blink.client.sdk import BlinkClient, BlinkError, Sampling
 
-# system name -> the engine flag it runs with
-SYSTEMS = {"blink": "auto", "host-cuda": "host-cuda", "hf": "hf", "synthetic": "synthetic"}
+# system name -> the engine flag it runs with (and SYSTEM_FLAGS's)
+SYSTEMS = {"blink": "auto", "host-cuda": "host-cuda", "hf": "hf", "hf-static": "hf",
+           "synthetic": "synthetic"}
+SYSTEM_FLAGS = {"hf-static": ["--hf-static-cache"]}  # engine flags beyond --engine
 SERVER_COUNTERS = ("engine_steps", "engine_busy_ns", "engine_step_tokens", "preemptions")
 
 
@@ -127,6 +132,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="extra engine flag, repeatable (e.g. --engine-arg=--kv-cache-mb=512)")
     p.add_argument("--out", type=Path, default=Path("bench-results"),
                    help="folder for bench.json and the plots")
+    p.add_argument("--report", type=Path, default=None, metavar="BENCH_JSON",
+                   help="measure nothing: print the table and draw the plots of an earlier "
+                        "run's bench.json (also one cut short), beside it")
     p.add_argument("--timeout", type=positive(float), default=3600.0,
                    help="seconds one request may take")
     p.add_argument("--run-timeout", type=positive(float), default=None,
@@ -198,7 +206,7 @@ def engine_flags(args, system: str) -> list[str]:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.shape:
         flags += ["--load-format", "dummy"]
-    return flags + args.engine_arg
+    return flags + SYSTEM_FLAGS.get(system, []) + args.engine_arg
 
 
 def server_counters(target: str) -> dict:
@@ -334,14 +342,35 @@ def run(args) -> dict:
                                 print_run(desc, repeat, result["metrics"])
     doc = document(config, runs, complete=True)
     write_json(doc, args.out / "bench.json")
+    publish(doc, args.out)
+    return doc
+
+
+def publish(doc: dict, out: Path) -> None:
+    """The summary table on stdout and the plots in `out`."""
     print(summary_table(doc))
     try:
-        written = plot(doc, args.out)
-        print(f"\nblink bench: {args.out / 'bench.json'}, "
-              + ", ".join(str(p) for p in written), file=sys.stderr)
+        written = plot(doc, out)
+        print(f"\nblink bench: {out / 'bench.json'}, " + ", ".join(str(p) for p in written),
+              file=sys.stderr)
     except ImportError:
-        print(f"\nblink bench: {args.out / 'bench.json'} (no plots: matplotlib is missing; "
+        print(f"\nblink bench: {out / 'bench.json'} (no plots: matplotlib is missing; "
               f"{BENCH_EXTRA_HINT})", file=sys.stderr)
+
+
+def report(path: Path) -> dict:
+    """--report: the table and plots of an earlier run's bench.json, also of one that was cut
+    short (it is written after every run); the plots go beside it."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BenchError(f"--report {path}: {e}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise BenchError(f"--report {path}: not a {SCHEMA} document")
+    if not doc.get("complete"):
+        print(f"blink bench: {path} is from a run cut short ({len(doc['runs'])} runs)",
+              file=sys.stderr)
+    publish(doc, path.parent)
     return doc
 
 
@@ -353,6 +382,12 @@ def print_run(desc: str, repeat: int, m: dict) -> None:
 
 def cmd_bench(args) -> None:
     try:
-        run(args)
+        if args.report:
+            if args.target or args.model or args.shape:
+                raise BenchError("--report reads an earlier run and measures nothing: drop "
+                                 "--target, --model and --shape")
+            report(args.report)
+        else:
+            run(args)
     except BenchError as e:
         sys.exit(f"blink bench: {e}")

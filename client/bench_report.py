@@ -9,7 +9,8 @@ JSON schema "blink-bench/1" (bench.json):
                   seed, slo {"ttft_ms", "tpot_ms"}, cpu_hog, hog_rates, hog_memory, hog
                   (in words), server_cores, client_cores, repeats, systems, model, engine_arg
     runs          one per (system, interference, rate, repeat), in the order they ran:
-        system        "blink" | "host-cuda" | "hf" | "target" (a server given by --target)
+        system        "blink" | "host-cuda" | "hf" | "hf-static" | "synthetic" | "target" (a
+                      server given by --target)
         engine        the engine the server reports (ModelInfo.engine)
         interference  "idle" | "busy" (the --cpu-hog processes running)
         rate          requests per second, or "inf"

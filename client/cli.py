@@ -51,6 +51,8 @@ def _check_engine_args(args) -> None:
         sys.exit("blink: --max-model-len must be >= 2")
     if not 0 < args.gpu_memory_utilization <= 1:
         sys.exit("blink: --gpu-memory-utilization must be in (0, 1]")
+    if args.hf_static_cache and args.engine != "hf":
+        sys.exit("blink: --hf-static-cache is an option of --engine hf")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -64,6 +66,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "front end alone)")
     p.add_argument("--synthetic-step-ms", type=float, default=0.0,
                    help="synthetic engine: milliseconds per step")
+    p.add_argument("--hf-static-cache", action="store_true",
+                   help="hf engine: one request at a time through a static KV cache sized for "
+                        "the context, the decoding step compiled by transformers on a GPU "
+                        "(its fast path for batch-1 latency; the compile runs at start-up)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache (cuda)")
     p.add_argument("--slots", type=int, default=128, help="request slots in the ring")
@@ -194,7 +200,7 @@ def cmd_engine(args) -> None:
                 from blink.gpu_engine.hf_engine import HfTransformersEngine
             except ImportError as e:
                 sys.exit(f"blink engine: --engine hf needs torch and transformers ({e})")
-            run_engine(config, HfTransformersEngine)
+            run_engine(config, HfTransformersEngine, static_cache=args.hf_static_cache)
         elif kind == "synthetic":
             from blink.gpu_engine.synthetic_engine import SyntheticEngine
             run_engine(config, SyntheticEngine, step_ms=args.synthetic_step_ms)
@@ -317,6 +323,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if args.hf_static_cache:
+        argv.append("--hf-static-cache")
     return argv
 
 

@@ -4,7 +4,11 @@ with today (`model.generate`), measured through the same front end and client as
 Static batching, as `generate` works: when the model is idle, up to max_num_seqs waiting
 requests with the same sampling settings (FCFS from the oldest) form one batch, their prompts
 left-padded, and `generate` runs it to the end; requests that arrive meanwhile wait for the next
-batch. A stopping criterion, which transformers calls after every decoding step, publishes each
+batch. With static_cache (`--hf-static-cache`), transformers' fast path for batch-1 latency: one
+request at a time through one StaticCache sized for the served context, reused (reset) for every
+request; on a GPU, `generate` then compiles the decoding step itself (torch.compile, mode
+reduce-overhead: CUDA graphs). Start-up runs two short requests through it, so the compile
+happens before the engine serves. A stopping criterion, which transformers calls after every decoding step, publishes each
 row's new token to the ring (the client streams as with the other engines), applies Blink's stop
 rules (eos_finish: the model's own EOS handling is switched off), honours cancels, admits new
 requests to the queue and beats the heartbeat. Sampled batches draw from torch's generator
@@ -30,9 +34,11 @@ log = logging.getLogger("blink.engine")
 class HfTransformersEngine(ReferenceEngine):
     engine_kind = EngineKind.HF_TRANSFORMERS
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, static_cache: bool = False):
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}  # slot -> sequence of the batch in generate
+        self.static_cache = static_cache
+        self.cache = None  # the StaticCache, with static_cache
         super().__init__(config)
 
     def _load_model(self, cfg: ModelConfig) -> int:
@@ -52,8 +58,13 @@ class HfTransformersEngine(ReferenceEngine):
         model.eval()
         model.generation_config.eos_token_id = None  # eos_finish decides, per request
         self.model = model
-        log.info("transformers engine: %s on %s (%s) ready in %.1f s", cfg.name, self.device,
-                 dtype, time.monotonic() - t0)
+        if self.static_cache:
+            from transformers import StaticCache
+            self.cache = StaticCache(config=model.config, max_cache_len=self.context_length)
+            for _ in range(2):  # compile, then capture (reduce-overhead): before serving
+                self._run_generate(torch.ones((1, 8), dtype=torch.long), None, 4, {})
+        log.info("transformers engine: %s on %s (%s%s) ready in %.1f s", cfg.name, self.device,
+                 dtype, ", static cache" if self.static_cache else "", time.monotonic() - t0)
         # No paged KV cache (each batch's cache lives inside generate): room for one
         # whole-context request is what admission checks.
         return -(-self.context_length // self.config.block_size)
@@ -80,7 +91,7 @@ class HfTransformersEngine(ReferenceEngine):
         key = (first.temperature, first.top_p, first.top_k)
         batch = [s for s in self.waiting
                  if (s.params.temperature, s.params.top_p, s.params.top_k) == key]
-        batch = batch[:self.config.max_num_seqs]
+        batch = batch[:1 if self.static_cache else self.config.max_num_seqs]
         taken = {id(seq) for seq in batch}
         self.waiting = [s for s in self.waiting if id(s) not in taken]
         self.running = {seq.slot: seq for seq in batch}  # shrinks as sequences retire
@@ -105,8 +116,7 @@ class HfTransformersEngine(ReferenceEngine):
                       for seq in batch)
         params = batch[0].params
         sample = params.temperature > 0
-        options = dict(max_new_tokens=max_new, min_new_tokens=0, do_sample=sample,
-                       pad_token_id=0, eos_token_id=None)
+        options = dict(min_new_tokens=0, do_sample=sample)
         if sample:
             options.update(temperature=params.temperature, top_p=params.top_p,
                            top_k=params.top_k)  # 0: off, as in Blink
@@ -129,12 +139,25 @@ class HfTransformersEngine(ReferenceEngine):
                 engine._publish_stats()
                 return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
-        with torch.inference_mode():
-            self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
-                                stopping_criteria=StoppingCriteriaList([Publish()]), **options)
+        self._run_generate(ids, mask, max_new, dict(
+            stopping_criteria=StoppingCriteriaList([Publish()]), **options))
         for row, seq in enumerate(batch):  # generate ran out of steps before our stop rules
             if not done[row] and self.running.get(seq.slot) is seq:
                 self._retire(seq, FinishReason.LENGTH, 0)
+
+    def _run_generate(self, ids, mask, max_new: int, options: dict) -> None:
+        """model.generate on ids [rows, width] (mask: their attention mask, None: all ones),
+        through the static cache when there is one."""
+        torch = self.torch
+        if mask is None:
+            mask = torch.ones_like(ids)
+        with torch.inference_mode():  # the cache's tensors are inference tensors
+            if self.cache is not None:
+                self.cache.reset()
+                options = dict(options, past_key_values=self.cache)
+            self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
+                                max_new_tokens=max_new, pad_token_id=0, eos_token_id=None,
+                                **options)
 
     def _emit(self, seq: Sequence, token: int) -> bool:
         """Publishes one generated token; True when the sequence finished with it."""

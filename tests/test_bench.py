@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -143,7 +145,8 @@ def test_bench_arguments_fail_clearly(capsys):
         assert message in capsys.readouterr().err
     for argv, message in ((["--target", "h:1", "--systems", "hf"], "--target measures"),
                           (["--dataset", "sharegpt", "--target", "h:1"], "--tokenizer"),
-                          (["--model", "x", "--shape", "llama-3.2-1b"], "not both")):
+                          (["--model", "x", "--shape", "llama-3.2-1b"], "not both"),
+                          (["--report", "b.json", "--model", "x"], "measures nothing")):
         with pytest.raises(SystemExit, match=message):
             bench.cmd_bench(parser.parse_args(["bench", *argv]))
 
@@ -187,8 +190,24 @@ def test_bench_end_to_end_with_interference(bench_checkpoint, tmp_path, capsys):
     for name in ("latency_throughput.png", "cdf.png", "interference.png"):
         if doc["runs"] and (out / name).exists():
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --report: the table and plots again from a JSON a cut run left behind
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    write = dict(doc, complete=False, runs=doc["runs"][:3])
+    (cut / "bench.json").write_text(json.dumps(write))
+    parser = build_parser()
+    bench.cmd_bench(parser.parse_args(["bench", "--report", str(cut / "bench.json")]))
+    captured = capsys.readouterr()
+    assert "cut short (3 runs)" in captured.err
+    assert "| blink | idle | inf | 1 |" in captured.out and "| blink | busy |" not in captured.out
+    (cut / "other.json").write_text("{}")
+    for path, message in ((cut / "other.json", "not a blink-bench/1 document"),
+                          (cut / "missing.json", "No such file")):
+        with pytest.raises(SystemExit, match=message):
+            bench.cmd_bench(parser.parse_args(["bench", "--report", str(path)]))
     pytest.importorskip("matplotlib", reason="the bench extra is not installed")
     assert (out / "interference.png").exists()
+    assert (cut / "latency_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
@@ -200,12 +219,16 @@ def hf_model(bench_checkpoint):
     return torch, model
 
 
-def test_hf_engine_streams_what_transformers_generates(hf_model, bench_checkpoint, make_stack):
+@pytest.mark.parametrize("static", [False, True], ids=["batched", "static-cache"])
+def test_hf_engine_streams_what_transformers_generates(hf_model, bench_checkpoint, make_stack,
+                                                       static):
     """The transformers peer behind the ring: its greedy tokens are transformers' own
     generate on the same checkpoint, one request at a time; concurrent requests (batched
-    with left padding) all finish with their full lengths."""
+    with left padding, or one at a time through the reused static cache) all finish with
+    their full lengths."""
     torch, model = hf_model
-    stack = make_stack(bench_checkpoint, engine_args=["--engine", "hf", "--max-num-seqs", "4"])
+    stack = make_stack(bench_checkpoint, engine_args=[
+        "--engine", "hf", "--max-num-seqs", "4", *(["--hf-static-cache"] if static else [])])
     stack.wait_serving()
     prompts = [[5, 17, 300, 42, 99], [1000, 3], list(range(400, 440))]
     with BlinkClient(stack.target) as client:
@@ -228,6 +251,15 @@ def test_hf_engine_streams_what_transformers_generates(hf_model, bench_checkpoin
     assert run["metrics"]["failed"] == 0
     assert [q["tokens"] for q in run["requests"]] == [
         r.output_len for r in random_requests(6, 16, 6, 2048, range_ratio=0.5)]
+    if static:  # one sequence per step: the steps are the tokens
+        assert run["server"]["engine_step_tokens"] == run["server"]["engine_steps"]
+
+
+def test_hf_static_cache_is_an_hf_option(bench_checkpoint):
+    proc = subprocess.run([sys.executable, "-m", "blink.client.cli", "engine", "--model",
+                           str(bench_checkpoint), "--hf-static-cache"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--hf-static-cache is an option of --engine hf" in proc.stderr
 
 
 def test_front_end_capacity_with_the_synthetic_engine(bench_checkpoint, tmp_path):
