@@ -25,10 +25,11 @@ def uniform(seed: int, step: int) -> float:
     return (splitmix64(splitmix64(seed & _MASK64) ^ step) >> 11) * (1.0 / (1 << 53))
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, step: int) -> int:
-    """logits: [vocab] float32. `step` is the index of the token being generated (0-based)."""
-    if params.temperature == 0.0 or params.top_k == 1:
-        return int(np.argmax(logits))
+def sampling_distribution(logits: np.ndarray, params: SamplingParams
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens a non-greedy request can draw and their probabilities, in draw order:
+    softmax(logits / temperature) over the top_k highest (0: all), then the smallest prefix
+    whose mass reaches top_p (the token crossing it included), renormalized."""
     scaled = logits.astype(np.float64) / params.temperature
     order = np.argsort(-scaled, kind="stable")  # descending; ties keep the lower id first
     if params.top_k > 0:
@@ -36,10 +37,17 @@ def sample_token(logits: np.ndarray, params: SamplingParams, step: int) -> int:
     probs = np.exp(scaled[order] - scaled[order[0]])
     probs /= probs.sum()
     if params.top_p < 1.0:
-        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
         keep = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
         probs = probs[:keep] / probs[:keep].sum()
         order = order[:keep]
+    return order, probs
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, step: int) -> int:
+    """logits: [vocab] float32. `step` is the index of the token being generated (0-based)."""
+    if params.temperature == 0.0 or params.top_k == 1:
+        return int(np.argmax(logits))
+    order, probs = sampling_distribution(logits, params)
     u = uniform(params.seed, step)
     idx = int(np.searchsorted(np.cumsum(probs), u, side="right"))
     return int(order[min(idx, len(order) - 1)])
