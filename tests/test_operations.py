@@ -11,8 +11,10 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 from conftest import children
+from gpu import requires_gpu
 
 from blink.client.bench_server import process_tree_cpu
 from blink.client.sdk import BlinkClient, BlinkError, Sampling
@@ -118,6 +120,43 @@ def test_serve_restarts_a_stuck_engine(checkpoints, tmp_path):
             assert serve.engine_pid() != stuck
             assert client.generate("restarted", exact(3)).completion_tokens == 3
         assert "engine stuck" in serve.log_path.read_text()
+    finally:
+        assert serve.stop() == 0
+
+
+@pytest.mark.gpu
+@requires_gpu()
+def test_cuda_engine_killed_mid_stream_is_restarted_by_serve(long_checkpoint, tmp_path):
+    """blink serve with the CUDA engine: its engine process killed (SIGKILL) while a stream
+    runs; the stream fails UNAVAILABLE within seconds, serve starts a new engine (a new
+    scheduler kernel) and the same greedy request gives the same tokens as before."""
+    serve = Serve(long_checkpoint, tmp_path, "--engine", "cuda", "--num-kv-blocks", "4096",
+                  "--engine-timeout", "1")
+    try:
+        with BlinkClient(serve.target) as client:
+            assert client.model_info().engine == "cuda"
+            before = client.generate("before the kill", exact(32), return_token_ids=True)
+            errors: list[BlinkError] = []
+
+            def stream():
+                try:
+                    for _ in client.stream("a long stream", exact(16000)):
+                        pass
+                except BlinkError as e:
+                    errors.append(e)
+
+            t = threading.Thread(target=stream)
+            t.start()
+            wait_for(lambda: client.stats()["sequences_running"] == 1, 30, "the stream")
+            os.kill(serve.engine_pid(), signal.SIGKILL)
+            t.join(10)
+            assert not t.is_alive() and len(errors) == 1, errors
+            assert errors[0].code == grpc.StatusCode.UNAVAILABLE
+            wait_for(lambda: client.stats()["engine_attachments"] == 2
+                     and client.health() == "SERVING", 120, "the restarted engine")
+            assert client.model_info().engine == "cuda"
+            after = client.generate("before the kill", exact(32), return_token_ids=True)
+            assert after.token_ids == before.token_ids
     finally:
         assert serve.stop() == 0
 
