@@ -639,7 +639,8 @@ class CudaForward:
                 op(label, k.skinny_linear, s, x, w, dst, rows, in_f, out_f,
                    SKINNY_F32_ADD if accumulate else SKINNY_BF16, shadow=shadow)
             elif accumulate:
-                assert not shadow, "only the skinny kernel writes the shadow"
+                if shadow:
+                    raise ValueError(f"{label}: only the skinny kernel writes the shadow")
                 op(label, blas.linear, x, w, dst, rows, in_f, out_f, R_32F, accumulate=True)
             else:
                 op(label, blas.linear, x, w, dst, rows, in_f, out_f)
@@ -647,9 +648,10 @@ class CudaForward:
         # Decode-sized buckets: every RMSNorm runs inside the projection after it (which reads
         # the residual stream's bf16 shadow, written by the embedding and by the residual-adding
         # projections), and RoPE + KV write inside the qkv projection: 5 kernels a layer, not 8.
+        # (the residual-adding projections must be skinny ones: only they write the shadow)
         fuse = (self.fuse_norm_rope and self.skinny and rows <= k.SKINNY_NORM_MAX_ROWS
-                and all(k.skinny_fits(rows, i, o) for i, o in
-                        ((H, Q + 2 * KV), (Q, H), (H, 2 * I), (I, H))))
+                and k.skinny_fits(rows, H, Q + 2 * KV) and k.skinny_fits(rows, H, 2 * I)
+                and skinny(Q, H, True) and skinny(I, H, True))
         shadow = self.x_shadow.ptr if fuse else 0
         op("embedding", k.embedding, s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr,
            H, V, x_shadow=shadow)

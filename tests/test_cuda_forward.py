@@ -225,8 +225,11 @@ def _rms_scale(x, eps):
     return 1 / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
 
 
+# in_features from a remainder-only loop to whole unrolled batches in both row-tile shapes
+# (4096 and 4192: a Llama-3.1-8B-sized qkv / gate|up input, and one with a remainder)
 @pytest.mark.parametrize("rows,k_in,n_out", [(1, 256, 200), (3, 96, 48), (8, 544, 1000),
-                                             (5, 2048, 132 * 64 + 48)])
+                                             (5, 2048, 132 * 64 + 48), (1, 4096, 6144),
+                                             (7, 4192, 3000)])
 @pytest.mark.parametrize("mode", ["bf16", "silu_mul"])
 def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode):
     """The RMSNorm-folding variant (x: the residual stream's bf16 shadow, the norm weight
@@ -453,7 +456,8 @@ def test_rope_kv_write(cf, stream, head_dim, tokens, variant):
 @pytest.mark.parametrize("tokens", [1, 19])
 @pytest.mark.parametrize("variant", ["plain", "bias", "llama3"])
 @pytest.mark.parametrize("wide", [False, True])  # one and two row tiles per CTA
-def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide):
+@pytest.mark.parametrize("hidden", [256, 4096])  # remainder steps only; whole batches too
+def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden):
     """The qkv projection with its RMSNorm and RoPE + KV write fused, against float64:
     rms_norm(x) @ w^T, then RoPE, q to its buffer, k and v into the paged cache. Rows past the
     live tokens (the bucket is 8 rows) write nothing. tokens 19: its first 8 tokens only."""
@@ -463,7 +467,7 @@ def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide):
     case = RopeCase(cf, head_dim, tokens, variant, rng, *heads)
     assert k._skinny_tiles(8, 256, case.width, False, True)[0] == (2 if wide else 1)
     live = min(tokens, 8)
-    case.tokens, hidden, rows = live, 256, 8
+    case.tokens, rows = live, 8
     x = rb(rng.standard_normal((rows, hidden)) * 5)
     w = rb(rng.standard_normal((case.width, hidden)) * hidden ** -0.5)
     d_x, d_w = dev(cf, float32_to_bf16_bits(x)), dev(cf, float32_to_bf16_bits(w[case.order]))
