@@ -570,6 +570,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(p)
     p.set_defaults(func=bench.cmd_bench)
 
+    from blink.client import soak
+    p = command("soak", help="saturation soak with random cancels and deadlines, then a leak "
+                             "check", description=soak.__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    soak.add_arguments(p)
+    p.set_defaults(func=soak.cmd_soak)
+
     p = command("openai", help="OpenAI-compatible HTTP gateway to a Blink server (aiohttp)")
     p.add_argument("--target", default="127.0.0.1:50051", help="the Blink server (gRPC)")
     p.add_argument("--host", default="127.0.0.1")

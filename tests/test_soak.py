@@ -1,0 +1,71 @@
+"""`blink soak` (issue 8): random cancels and deadlines at saturation, then the leak check, on
+the CPU engine in CI and on the CUDA engine where a GPU is (deploy/gpu_check.sh; the long soak
+is deploy/soak_gpu.sh)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from gpu import requires_gpu
+
+from blink.client.soak import at_rest
+
+pytestmark = pytest.mark.slow
+
+
+def run_soak(model_dir, tmp_path, *args, timeout=300):
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, "-m", "blink.client.cli", "soak", "--model",
+                           str(model_dir), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
+
+def check(doc: dict) -> None:
+    assert doc["error_count"] == 0 and doc["leaked"] == {}, doc
+    assert doc["completed"] > 0 and doc["cancelled"] > 0
+    assert doc["deadline_exceeded"] + doc["deadline_met"] > 0
+    assert doc["server"]["engine_steps"] > 0 and doc["server"]["requests_cancelled"] > 0
+
+
+def test_soak_on_the_cpu_engine(checkpoints, tmp_path):
+    doc, text = run_soak(checkpoints["llama"], tmp_path, "--duration", "6", "--concurrency",
+                         "8", "--max-prompt", "32", "--max-output", "24",
+                         "--engine-arg=--engine=cpu")
+    assert doc["engine"] == "cpu-reference"
+    check(doc)
+    assert "errors: 0; leaked at rest: nothing" in text
+
+
+def test_leak_check_reports_what_is_left():
+    rest = dict(ring_slots_in_use=0, sequences_running=0, sequences_waiting=0,
+                kv_blocks_total=64, kv_blocks_free=64)
+    assert not any(at_rest(rest).values())
+    leaky = dict(rest, ring_slots_in_use=1, kv_blocks_free=61)
+    assert at_rest(leaky) == dict(ring_slots_in_use=1, sequences_running=0,
+                                  sequences_waiting=0, kv_blocks_in_use=3)
+
+
+def test_soak_arguments_fail_clearly(tmp_path):
+    for args, message in ((["--target", "h:1", "--model", "m"], "--target soaks a running"),
+                          (["--cancel-fraction", "0.8", "--deadline-fraction", "0.5"],
+                           "sum to at most 1"),
+                          (["--duration", "0"], "must be positive")):
+        proc = subprocess.run([sys.executable, "-m", "blink.client.cli", "soak", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.gpu
+@requires_gpu()
+def test_soak_on_the_cuda_engine(checkpoints, tmp_path):
+    doc, text = run_soak(checkpoints["llama"], tmp_path, "--duration", "20", "--concurrency",
+                         "64", "--max-prompt", "64", "--max-output", "48",
+                         "--engine-arg=--engine=cuda", "--engine-arg=--num-kv-blocks=256")
+    assert doc["engine"] == "cuda"
+    check(doc)
+    print(f"engine soak: {text.splitlines()[1].strip()}; {doc['server']['engine_steps']} "
+          f"scheduler steps, {doc['server']['preemptions']} preemptions, 0 errors, 0 leaked")
