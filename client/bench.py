@@ -130,11 +130,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="extra front-end flag, repeatable (e.g. --frontend-arg=--workers=4)")
     eng.add_argument("--engine-arg", action="append", default=[],
                      help="extra engine flag, repeatable (e.g. --engine-arg=--kv-cache-mb=512)")
-    p.add_argument("--out", type=Path, default=Path("bench-results"),
-                   help="folder for bench.json and the plots")
-    p.add_argument("--report", type=Path, default=None, metavar="BENCH_JSON",
-                   help="measure nothing: print the table and draw the plots of an earlier "
-                        "run's bench.json (also one cut short), beside it")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for bench.json and the plots (default bench-results; with "
+                        "--report: beside the first file)")
+    p.add_argument("--report", type=Path, nargs="+", default=None, metavar="BENCH_JSON",
+                   help="measure nothing: print the table and draw the plots of earlier runs' "
+                        "bench.json files (also ones cut short); several are merged into one")
     p.add_argument("--timeout", type=positive(float), default=3600.0,
                    help="seconds one request may take")
     p.add_argument("--run-timeout", type=positive(float), default=None,
@@ -306,6 +307,7 @@ def prepare(args, system: str, target: str, model_dir: Path | None,
 
 def run(args) -> dict:
     check_arguments(args)
+    args.out = args.out or Path("bench-results")
     server_cores, client_cores = split_cores(args)
     hog = CpuHog(args.cpu_hog, server_cores, memory=args.hog_memory)
     runs: list[dict] = []
@@ -358,19 +360,34 @@ def publish(doc: dict, out: Path) -> None:
               f"{BENCH_EXTRA_HINT})", file=sys.stderr)
 
 
-def report(path: Path) -> dict:
-    """--report: the table and plots of an earlier run's bench.json, also of one that was cut
-    short (it is written after every run); the plots go beside it."""
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise BenchError(f"--report {path}: {e}") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise BenchError(f"--report {path}: not a {SCHEMA} document")
-    if not doc.get("complete"):
-        print(f"blink bench: {path} is from a run cut short ({len(doc['runs'])} runs)",
-              file=sys.stderr)
-    publish(doc, path.parent)
+def report(paths: list[Path], out: Path | None) -> dict:
+    """--report: the table and plots of earlier runs' bench.json files, also of runs cut short
+    (the file is written after every run). Several files (say, the serving systems' sweep and
+    the slow peers' runs, measured apart) become one document, written to `out`/bench.json;
+    the plots go to `out` (default: beside the first file)."""
+    docs = []
+    for path in paths:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise BenchError(f"--report {path}: {e}") from None
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+            raise BenchError(f"--report {path}: not a {SCHEMA} document")
+        if not doc.get("complete"):
+            print(f"blink bench: {path} is from a run cut short ({len(doc['runs'])} runs)",
+                  file=sys.stderr)
+        docs.append(doc)
+    out = out or paths[0].parent
+    if len(docs) == 1:
+        doc = docs[0]
+    else:
+        config = dict(docs[0]["config"], merged_from=[str(p) for p in paths])
+        doc = document(config, [r for d in docs for r in d["runs"]],
+                       complete=all(d.get("complete") for d in docs))
+    if len(docs) > 1 or out.resolve() != paths[0].parent.resolve():
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(doc, out / "bench.json")
+    publish(doc, out)
     return doc
 
 
@@ -386,7 +403,7 @@ def cmd_bench(args) -> None:
             if args.target or args.model or args.shape:
                 raise BenchError("--report reads an earlier run and measures nothing: drop "
                                  "--target, --model and --shape")
-            report(args.report)
+            report(args.report, args.out)
         else:
             run(args)
     except BenchError as e:

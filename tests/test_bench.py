@@ -200,6 +200,15 @@ def test_bench_end_to_end_with_interference(bench_checkpoint, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "cut short (3 runs)" in captured.err
     assert "| blink | idle | inf | 1 |" in captured.out and "| blink | busy |" not in captured.out
+    # two files (measured apart) merged into one document, table and plots
+    merged = tmp_path / "merged"
+    bench.cmd_bench(parser.parse_args(["bench", "--report", str(cut / "bench.json"),
+                                       str(out / "bench.json"), "--out", str(merged)]))
+    doc2 = json.loads((merged / "bench.json").read_text())
+    assert len(doc2["runs"]) == 3 + len(doc["runs"]) and not doc2["complete"]
+    assert doc2["config"]["merged_from"] == [str(cut / "bench.json"), str(out / "bench.json")]
+    assert len(doc2["interference"]) == 4  # the cut copy's first 3 runs are all idle ones
+    capsys.readouterr()
     (cut / "other.json").write_text("{}")
     for path, message in ((cut / "other.json", "not a blink-bench/1 document"),
                           (cut / "missing.json", "No such file")):
