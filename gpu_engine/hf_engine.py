@@ -24,7 +24,7 @@ import logging
 import time
 
 from blink.gpu_engine.checkpoint import ModelConfig
-from blink.gpu_engine.reference_engine import EngineConfig, ReferenceEngine, eos_finish
+from blink.gpu_engine.reference_engine import EngineConfig, ReferenceEngine
 from blink.gpu_engine.sequence import Sequence
 from blink.ring.layout import EngineKind, FinishReason
 
@@ -158,14 +158,3 @@ class HfTransformersEngine(ReferenceEngine):
             self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
                                 max_new_tokens=max_new, pad_token_id=0, eos_token_id=None,
                                 **options)
-
-    def _emit(self, seq: Sequence, token: int) -> bool:
-        """Publishes one generated token; True when the sequence finished with it."""
-        self.ring.append_token(seq.slot, len(seq.output), token)
-        seq.output.append(token)
-        self.counters["tokens_generated"] += 1
-        reason, detail = eos_finish(seq, token, self.eos_ids, self.context_length)
-        if reason is FinishReason.NONE:
-            return False
-        self._retire(seq, reason, detail)
-        return True

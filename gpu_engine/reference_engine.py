@@ -1,7 +1,9 @@
 """The CPU reference engine: serves the ring exactly as the GPU engine does, in NumPy.
 
 Its loop is the scheduler kernel's loop written in Python: consume slots, honour cancels,
-schedule a step, run the forward pass, sample, publish tokens, retire finished sequences.
+schedule a step, run the forward pass, sample, publish tokens, retire finished sequences. The
+step's decisions are step_core.StepCore's (shared with the scheduler parity test's replay);
+this class adds the ring's I/O, the counters and the forward pass.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from blink.gpu_engine.ring_server import ModelLimits, RingServer
 from blink.gpu_engine.sampling import sample_token
 from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from blink.gpu_engine.sequence import Sequence
+from blink.gpu_engine.step_core import StepCore, samples_now
 from blink.ring.layout import EngineKind, EngineState, FinishReason, RingGeometry
 
 log = logging.getLogger("blink.engine")
@@ -66,21 +69,6 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, f32
 
 
-def eos_finish(seq: Sequence, token: int, eos_ids: frozenset[int],
-               context_length: int) -> tuple[FinishReason, int]:
-    """The stop check after a token is appended: (NONE, 0) while the sequence goes on."""
-    p = seq.params
-    if token in eos_ids and not p.ignore_eos:
-        return FinishReason.EOS, token
-    if token in p.stop_ids:
-        return FinishReason.STOP_TOKEN, token
-    if len(seq.output) >= p.max_tokens:
-        return FinishReason.LENGTH, 0
-    if seq.num_tokens >= context_length:
-        return FinishReason.CONTEXT_FULL, 0
-    return FinishReason.NONE, 0
-
-
 class ReferenceEngine:
     """The host loop: scheduler.py's decisions, a forward pass and sampling per step. The
     forward pass is the NumPy reference model here; HostDrivenCudaEngine swaps in the CUDA
@@ -100,12 +88,13 @@ class ReferenceEngine:
         self.limits = ModelLimits(cfg.vocab_size, self.context_length,
                                   num_blocks * config.block_size)
         self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.core = StepCore(self.scheduler, self.eos_ids, self.context_length,
+                             queue=self._queue, drop=self._drop)
         geom = RingGeometry(config.num_slots, max_prompt_tokens=self.context_length - 1,
                             max_output_tokens=self.context_length)
         self.ring = RingServer(config.ring_name, geom, model_name=cfg.name,
                                vocab_size=cfg.vocab_size, context_length=self.context_length,
                                eos_ids=cfg.eos_token_ids, engine_kind=self.engine_kind)
-        self.active: dict[int, Sequence] = {}  # slot -> its sequence
         self.stop_event = threading.Event()
         self.counters = dict(requests_admitted=0, requests_finished=0, requests_cancelled=0,
                              requests_rejected=0, preemptions=0, tokens_generated=0,
@@ -145,7 +134,7 @@ class ReferenceEngine:
         return True
 
     def _schedule(self) -> StepPlan:
-        plan = self.scheduler.schedule_step()
+        plan = self.core.schedule()
         for seq in plan.preempted:
             self.counters["preemptions"] += 1
             self.ring.set_preemptions(seq.slot, seq.preemptions)
@@ -156,19 +145,23 @@ class ReferenceEngine:
     def _postprocess(self, plan: StepPlan, batch: ForwardBatch, samplers: list[Sequence],
                      tokens: list[int], started_ns: int) -> None:
         """The step's tokens: computed counts, tokens to the ring, stop checks, counters."""
-        for (seq, n) in plan.scheduled:
-            seq.num_computed += n
+        self.core.commit(plan)
         for token, seq in zip(tokens, samplers):
-            self.ring.append_token(seq.slot, len(seq.output), token)
-            seq.output.append(token)
-            self.counters["tokens_generated"] += 1
-            reason, detail = eos_finish(seq, token, self.eos_ids, self.context_length)
-            if reason is not FinishReason.NONE:
-                self._retire(seq, reason, detail)
+            self._emit(seq, token)
         self.counters["engine_steps"] += 1
         self.counters["busy_ns"] += time.perf_counter_ns() - started_ns
         self.counters["step_tokens"] += batch.num_tokens
         self._publish_stats()
+
+    def _emit(self, seq: Sequence, token: int) -> bool:
+        """Publishes one sampled token; True when the sequence finished with it."""
+        self.ring.append_token(seq.slot, len(seq.output), token)
+        reason, detail = self.core.accept(seq, token)
+        self.counters["tokens_generated"] += 1
+        if reason is FinishReason.NONE:
+            return False
+        self._retire(seq, reason, detail)
+        return True
 
     def _admit(self) -> None:
         """The ring's new requests into the scheduler (rejects answered), then its cancels."""
@@ -178,19 +171,14 @@ class ReferenceEngine:
             log.warning("slot %d gen %d rejected: %s", r.slot, r.gen, r.reason.describe())
             self.counters["requests_rejected"] += 1
             self.ring.finish(r.slot, r.gen, FinishReason.REJECTED, r.reason)
-        for r in new:
-            stale = self.active.pop(r.slot, None)
-            if stale is not None:  # the front end reused the slot: it gave up on the old one
-                self._drop(stale)
-            seq = Sequence(r.slot, r.gen, r.request_id, r.prompt, r.params)
+        for r in new:  # a reused slot drops its old sequence: the front end gave up on it
             self.ring.open_record(r.slot, r.gen, len(r.prompt))
-            self._queue(seq)
-            self.active[r.slot] = seq
+            self.core.admit(Sequence(r.slot, r.gen, r.request_id, r.prompt, r.params))
             self.counters["requests_admitted"] += 1
         self._honour_cancels()
 
     def _honour_cancels(self) -> None:
-        for seq in list(self.active.values()):
+        for seq in list(self.core.active.values()):
             if self.ring.cancel_requested(seq.slot, seq.gen):
                 self.counters["requests_cancelled"] += 1
                 self._retire(seq, FinishReason.CANCELLED, 0)
@@ -204,8 +192,7 @@ class ReferenceEngine:
         self.scheduler.finish(seq)
 
     def _retire(self, seq: Sequence, reason: FinishReason, detail: int) -> None:
-        self._drop(seq)
-        del self.active[seq.slot]
+        self.core.retire(seq)
         self.ring.finish(seq.slot, seq.gen, reason, detail)
         if reason is not FinishReason.CANCELLED:
             self.counters["requests_finished"] += 1
@@ -221,7 +208,7 @@ class ReferenceEngine:
             starts.append(starts[-1] + n)
             ctx.append(lo + n)
             tables[s, :len(seq.block_table)] = seq.block_table
-            if lo + n == seq.num_tokens:
+            if samples_now(seq, n):
                 logit_seqs.append(s)
                 samplers.append(seq)
         batch = ForwardBatch(np.asarray(tokens, np.int32), np.asarray(positions, np.int32),

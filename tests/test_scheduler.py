@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from blink.gpu_engine.block_manager import KvBlockPool, blocks_for
-from blink.gpu_engine.reference_engine import eos_finish
+from blink.gpu_engine.step_core import eos_finish
 from blink.gpu_engine.sampling import sample_token, uniform
 from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig
 from blink.gpu_engine.sequence import SamplingParams, SeqStatus, Sequence

@@ -1,8 +1,9 @@
 """The GPU scheduler's logic (gpu_engine/csrc/scheduler.cuh) makes exactly the Python reference's
 decisions: the same plans, block tables, queues, stop and reject reasons, CRCs and uniforms.
 
-Both sides run the same event stream. The Python side (`PyReplay`) applies it to Scheduler,
-KvBlockPool and eos_finish the way ReferenceEngine.step does; the C++ side is
+Both sides run the same event stream. The Python side (`PyReplay`) applies it to the engines'
+own step core (gpu_engine/step_core.py: StepCore over Scheduler and KvBlockPool, the code
+ReferenceEngine runs); the C++ side is
 tests/csrc/sched_replay.cc (its header comment defines the event and output format) built with
 g++. tests/vectors/scheduler_vectors.txt freezes a few scenarios with their expected output for
 the CUDA kernel's own GPU test; regenerate it with
@@ -22,11 +23,11 @@ import numpy as np
 import pytest
 
 from blink.gpu_engine.block_manager import KvBlockPool, blocks_for
-from blink.gpu_engine.reference_engine import eos_finish
 from blink.gpu_engine.ring_server import ModelLimits, validate_slot
 from blink.gpu_engine.sampling import splitmix64, uniform
 from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig
 from blink.gpu_engine.sequence import SamplingParams, SeqStatus, Sequence
+from blink.gpu_engine.step_core import StepCore
 from blink.ring import layout
 from blink.ring.layout import (
     MAX_EOS_IDS, MAX_STOP_IDS, SLOT_DTYPE, FinishReason, RejectReason, RingGeometry, SlotRequest,
@@ -55,9 +56,12 @@ class PyReplay:
     prints for the event."""
 
     def __init__(self):
-        self.sched: Scheduler | None = None
-        self.active: dict[int, Sequence] = {}
+        self.core: StepCore | None = None
         self.samplers: list[int] = []  # slots that sample after the last step, plan order
+
+    @property
+    def active(self) -> dict[int, Sequence]:
+        return self.core.active if self.core else {}
 
     def run(self, line: str) -> list[str]:
         op, *fields = line.split()
@@ -68,9 +72,7 @@ class PyReplay:
             (int(x, 0) for x in f[:8])
         self.pool = KvBlockPool(num_blocks, block_size)
         self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), self.pool)
-        self.context_length = ctx
-        self.eos_ids = frozenset(int(x, 0) for x in f[8:8 + neos])
-        self.active = {}
+        self.core = StepCore(self.sched, frozenset(int(x, 0) for x in f[8:8 + neos]), ctx)
         return []
 
     def _add(self, *f):
@@ -78,26 +80,19 @@ class PyReplay:
         slot, gen, arrival, max_tokens, temp, top_p, top_k, seed, ignore_eos, nstop = v[:10]
         stop_ids, rest = v[10:10 + nstop], v[10 + nstop:]
         prompt = rest[1:1 + rest[0]]
-        stale = self.active.pop(slot, None)
-        if stale is not None:  # ReferenceEngine._admit: the front end reused the slot
-            self.sched.finish(stale)
         params = SamplingParams(max_tokens=max_tokens, temperature=f32_from_bits(temp),
                                 top_p=f32_from_bits(top_p), top_k=top_k, seed=seed,
                                 ignore_eos=bool(ignore_eos), stop_ids=frozenset(stop_ids))
-        seq = Sequence(slot, gen, arrival, prompt, params)
-        self.sched.add(seq)
-        self.active[slot] = seq
+        self.core.admit(Sequence(slot, gen, arrival, prompt, params))
         return []
 
     def _finish(self, slot):
-        self.sched.finish(self.active.pop(int(slot)))
+        self.core.retire(self.core.active[int(slot)])
         return []
 
     def _step(self):
-        plan = self.sched.schedule_step()
-        for seq, n in plan.scheduled:
-            seq.num_computed += n
-        self.samplers = [s.slot for s, _ in plan.scheduled if s.num_computed == s.num_tokens]
+        plan = self.core.schedule()
+        self.samplers = [s.slot for s in self.core.commit(plan)]
         sched = ",".join(f"{s.slot}:{n}" for s, n in plan.scheduled)
         pre = ",".join(f"{s.slot}:{s.preemptions}" for s in plan.preempted)
         smp = ",".join(map(str, self.samplers))
@@ -109,13 +104,11 @@ class PyReplay:
 
     def _sample(self, slot, token):
         slot, token = int(slot), int(token)
-        seq = self.active[slot]
+        seq = self.core.active[slot]
         assert seq.status is SeqStatus.RUNNING and seq.num_computed == seq.num_tokens
-        seq.output.append(token)
-        reason, detail = eos_finish(seq, token, self.eos_ids, self.context_length)
-        if reason is not FinishReason.NONE:  # ReferenceEngine._retire
-            self.sched.finish(seq)
-            del self.active[slot]
+        reason, detail = self.core.accept(seq, token)
+        if reason is not FinishReason.NONE:
+            self.core.retire(seq)
         return [f"sample {slot} {token} {int(reason)} {detail}"]
 
     def _validate(self, vocab, ctx, kvcap, max_prompt, fixed_hex, ntok, *tokens):
