@@ -77,13 +77,19 @@ def positive(kind):
     return parse
 
 
+def add_server_arguments(group) -> None:
+    """--target, or the model of the server(s) to start: --model / --shape (blink bench and
+    blink soak)."""
+    group.add_argument("--target", help="HOST:PORT of a running server (else servers are started)")
+    group.add_argument("--model", help="checkpoint folder for the started servers "
+                                       "(default: the built-in demo model)")
+    group.add_argument("--shape", help="instead of --model: a real model shape with random "
+                                       "weights (llama-3.1-8b, llama-3.2-1b; GPU engines only)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_argument_group("what to benchmark")
-    where.add_argument("--target", help="HOST:PORT of a running server (else servers are started)")
-    where.add_argument("--model", help="checkpoint folder for the started servers "
-                                       "(default: the built-in demo model)")
-    where.add_argument("--shape", help="instead of --model: a real model shape with random "
-                                       "weights (llama-3.1-8b, llama-3.2-1b; GPU engines only)")
+    add_server_arguments(where)
     where.add_argument("--systems", nargs="+", default=["blink"], choices=list(SYSTEMS),
                        help="systems to start and measure in turn (default: blink)")
     where.add_argument("--tokenizer", type=Path,

@@ -176,12 +176,9 @@ def summary(doc: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from blink.client.bench import add_server_arguments
     where = p.add_argument_group("what to soak")
-    where.add_argument("--target", help="HOST:PORT of a running server (else one is started)")
-    where.add_argument("--model", help="checkpoint folder for the started server "
-                                       "(default: the built-in demo model)")
-    where.add_argument("--shape", help="instead of --model: a real model shape with random "
-                                       "weights (llama-3.1-8b, llama-3.2-1b; GPU engines only)")
+    add_server_arguments(where)
     where.add_argument("--max-model-len", type=int, default=None,
                        help="context length for the started server")
     where.add_argument("--engine-arg", action="append", default=[],

@@ -82,9 +82,6 @@ struct GemvShape {
   // loses 12% with it, and two of the wider shapes spill under the register cap.
   static constexpr bool kDoubleBuffer = kLoadsPerStep * kUnroll <= 10;
   static constexpr int kRedLd = kCols + 1;  // padded row of the cross-warp reduction
-  static constexpr size_t kSmemBytes =
-      sizeof(float) * (kGemvWarps * kRows * kRedLd + (kGemvWarps + 1) * kCols);
-  static_assert(kSmemBytes <= 48 * 1024, "static shared memory");
 };
 
 // One batch of kUnroll 32-k steps' operands, in registers.
@@ -121,6 +118,7 @@ __device__ __forceinline__ void SkinnyAccumulate(const bf16* x, int ldx, int M, 
                                                  int N, int K, float eps,
                                                  GemvSums<kRowTiles, kColTiles>& sums) {
   using S = GemvShape<kRowTiles, kColTiles>;
+  static_assert(sizeof(GemvSums<kRowTiles, kColTiles>) <= 48 * 1024, "static shared memory");
   constexpr int kUnroll = S::kUnroll;
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
