@@ -398,9 +398,11 @@ def report(paths: list[Path], out: Path | None) -> dict:
 
 
 def print_run(desc: str, repeat: int, m: dict) -> None:
+    failed = f"{m['failed']} failed" + (f" (streamed {m['streamed_throughput']:,.0f} tok/s)"
+                                         if m["failed"] else "")
     print(f"blink bench: {desc} run {repeat + 1}: {m['output_throughput']:,.0f} tok/s, "
           f"TTFT p99 {m['ttft_ms']['p99'] or 0:.1f} ms, TPOT p99 "
-          f"{m['tpot_ms']['p99'] or 0:.2f} ms, {m['failed']} failed", file=sys.stderr)
+          f"{m['tpot_ms']['p99'] or 0:.2f} ms, {failed}", file=sys.stderr)
 
 
 def cmd_bench(args) -> None:

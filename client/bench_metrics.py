@@ -5,7 +5,11 @@ end-to-end latency = last token - sent. ITL: every gap between consecutive token
 (tokens that arrive in one chunk of the stream count as gaps of zero, as in vLLM's benchmark).
 Each is summarised as mean, P50, P90 and P99 in milliseconds. Throughput is over the run's wall
 time (first send to last token): completed requests, generated tokens, and prompt + generated
-tokens per second. Goodput: requests per second that met every stated SLO (TTFT and/or TPOT).
+tokens per second. Streamed throughput counts every generated token the client received,
+also those of requests that failed or were cut by the run's time limit: for a peer too slow to
+finish a workload within the limit, it is the rate it streamed at, where the completed-token rate
+counts only the few requests that happened to finish. Goodput: requests per second that met
+every stated SLO (TTFT and/or TPOT).
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: Slo = Slo()) -> 
     itl = [float(g) * 1e3 for r in done for g in np.diff(r.token_times)]
     e2e = [(r.token_times[-1] - r.sent) * 1e3 for r in done]
     output_tokens = sum(r.tokens for r in done)
+    streamed_tokens = sum(r.tokens for r in records)
     prompt_tokens = sum(r.prompt_len for r in done)
     good = sum(slo.met((r.token_times[0] - r.sent) * 1e3,
                        (r.token_times[-1] - r.token_times[0]) / (r.tokens - 1) * 1e3
@@ -60,9 +65,11 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: Slo = Slo()) -> 
         "errors": sorted({r.error for r in records if r.error})[:5],
         "short_outputs": sum(r.tokens < r.output_len for r in done),
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "streamed_tokens": streamed_tokens,
         "wall_s": wall_s,
         "request_throughput": len(done) / wall,
         "output_throughput": output_tokens / wall,
+        "streamed_throughput": streamed_tokens / wall,
         "total_token_throughput": (prompt_tokens + output_tokens) / wall,
         "goodput": good / wall if (slo.ttft_ms or slo.tpot_ms) else None,
         "ttft_ms": distribution(ttft), "tpot_ms": distribution(tpot),

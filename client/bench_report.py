@@ -16,8 +16,10 @@ JSON schema "blink-bench/1" (bench.json):
         rate          requests per second, or "inf"
         repeat        0, 1, ...
         metrics       bench_metrics.summarize: requests, completed, failed, errors,
-                      short_outputs, prompt_tokens, output_tokens, wall_s, request_throughput,
-                      output_throughput, total_token_throughput (per second), goodput (requests
+                      short_outputs, prompt_tokens, output_tokens, streamed_tokens, wall_s,
+                      request_throughput, output_throughput, streamed_throughput (also the
+                      tokens of failed and cut requests), total_token_throughput (per second),
+                      goodput (requests
                       per second within the SLO, null without one), and ttft_ms, tpot_ms,
                       itl_ms, e2e_ms as {"mean", "p50", "p90", "p99"}
         client        {"process_cpu_s", "loop_busy" (the event loop's share of one core),
@@ -29,7 +31,10 @@ JSON schema "blink-bench/1" (bench.json):
         requests      per request: prompt_len, output_len, tokens, ttft_ms, tpot_ms, e2e_ms,
                       error
     interference  per (system, rate, repeat) run both idle and busy: busy / idle ratios of
-                  ttft_p99, tpot_p99 and output_throughput
+                  ttft_p99, tpot_p99 and output_throughput (the streamed throughput's ratio)
+The plots' throughput axis and the interference ratios use the streamed throughput: it equals
+the completed-token throughput when no request failed, and stays meaningful for a peer whose run
+was cut by --run-timeout.
 """
 from __future__ import annotations
 
@@ -44,6 +49,11 @@ from blink.client.bench_load import RequestRecord
 
 SCHEMA = "blink-bench/1"
 LOOP_SATURATED = 0.9
+
+
+def streamed_throughput(metrics: dict) -> float:
+    """Generated tokens/s the client received (files written before this field: completed)."""
+    return metrics.get("streamed_throughput", metrics["output_throughput"])
 
 
 def rate_label(rate: float) -> float | str:
@@ -77,7 +87,7 @@ def interference_ratios(runs: list[dict]) -> list[dict]:
         out.append({"system": busy["system"], "rate": busy["rate"], "repeat": busy["repeat"],
                     "ttft_p99": ratio(lambda m: m["ttft_ms"]["p99"]),
                     "tpot_p99": ratio(lambda m: m["tpot_ms"]["p99"]),
-                    "output_throughput": ratio(lambda m: m["output_throughput"])})
+                    "output_throughput": ratio(streamed_throughput)})
     return out
 
 
@@ -104,6 +114,8 @@ def summary_table(doc: dict) -> str:
         m = r["metrics"]
         goodput = "" if m["goodput"] is None else f"{m['goodput']:.2f}"
         flag = " (client saturated)" if r["client"]["saturated"] else ""
+        if m["failed"]:
+            flag = f" (streamed {streamed_throughput(m):,.0f}){flag}"
         lines.append(
             f"| {r['system']} | {r['interference']} | {r['rate']} | {r['repeat'] + 1} | "
             f"{m['request_throughput']:.2f} | {m['output_throughput']:,.0f}{flag} | "
@@ -137,8 +149,8 @@ def plot(doc: dict, out_dir: Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for (system, cpu, repeat), rs in series.items():
-        rs = sorted(rs, key=lambda r: r["metrics"]["output_throughput"])
-        x = [r["metrics"]["output_throughput"] for r in rs]
+        rs = sorted(rs, key=lambda r: streamed_throughput(r["metrics"]))
+        x = [streamed_throughput(r["metrics"]) for r in rs]
         label = f"{system} ({cpu} CPU" + (f", run {repeat + 1})" if repeat else ")")
         style = "-o" if cpu == "idle" else "--x"
         for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):

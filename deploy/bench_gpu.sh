@@ -5,16 +5,18 @@
 # (--cpu-hog). JSON, tables and plots under $OUT/bench-<shape>/.
 #
 #   blink, host-cuda (the CPU-free engine; its kernels driven by a host loop): a rate sweep
-#     from light load to saturation, on every shape;
+#     from light load to saturation (three rates), on every shape;
 #   hf, hf-static (transformers' static-batching generate; its batch-1 static-cache compiled
 #     path): these finish a few ShareGPT replies in the time the others finish all of them, so
-#     they run only at saturation (all requests at once), each run cut at BENCH_PEER_RUN_S, on
-#     BENCH_PEER_SHAPES (default the 1B shape); cut requests count as failed, visibly.
+#     they run only at saturation (all requests at once), each run cut at BENCH_PEER_RUN_S;
+#     cut requests count as failed, and their tokens as streamed (the table shows both).
 # The two parts of a shape are merged into one table and one set of plots (blink bench
-# --report). Estimated from this round's 1B run: about 2 minutes for blink + host-cuda on the 1B
-# shape, 3 on the 8B shape, 3 for the peers: under 9 minutes of one lent-machine command
-# (each part is also cut by its own timeout).
-#   deploy/bench_gpu.sh        (BENCH_SHAPES, BENCH_PROMPTS, BENCH_SYSTEMS, BENCH_PEERS override)
+# --report). Time, from the H200 runs of 2026-11-30 (a run is bound by the longest ShareGPT
+# reply, not by the prompt count): blink + host-cuda ~1.5 min on the 1B shape and ~3.5 on the
+# 8B shape, the peers ~2 min a shape: about 9 minutes, one lent-machine command; each part is
+# also cut by its own timeout. BENCH_SHAPES=llama-3.2-1b (or llama-3.1-8b) runs one shape.
+#   deploy/bench_gpu.sh        (BENCH_SHAPES, BENCH_PROMPTS, BENCH_SYSTEMS, BENCH_PEERS,
+#                               BENCH_PEER_SHAPES, BENCH_PEER_RUN_S override)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 cores=$(python3 -c "import os; print(len(os.sched_getaffinity(0)))")
@@ -24,18 +26,18 @@ common=(--dataset sharegpt --num-prompts "${BENCH_PROMPTS:-64}" --repeats 2 --cp
 status=0
 for shape in ${BENCH_SHAPES:-llama-3.2-1b llama-3.1-8b}; do
   case $shape in
-    llama-3.2-1b) rates="16 32 64 inf" ;;
-    *) rates="8 16 32 inf" ;;
+    llama-3.2-1b) rates="16 64 inf" ;;
+    *) rates="8 32 inf" ;;
   esac
   dir=$OUT/bench-$shape
   parts=("$dir/serving/bench.json")
-  timeout "${BENCH_TIMEOUT:-240}" python3 -m blink.client.cli bench --shape "$shape" \
+  timeout "${BENCH_TIMEOUT:-270}" python3 -m blink.client.cli bench --shape "$shape" \
     --systems ${BENCH_SYSTEMS:-blink host-cuda} --request-rate $rates --run-timeout 30 \
     "${common[@]}" --out "$dir/serving" 2>&1 | tee "$OUT/bench-$shape.log" || status=1
-  if [[ " ${BENCH_PEER_SHAPES:-llama-3.2-1b} " == *" $shape "* ]]; then
-    timeout "${BENCH_PEER_TIMEOUT:-210}" python3 -m blink.client.cli bench --shape "$shape" \
+  if [[ " ${BENCH_PEER_SHAPES:-llama-3.2-1b llama-3.1-8b} " == *" $shape "* ]]; then
+    timeout "${BENCH_PEER_TIMEOUT:-180}" python3 -m blink.client.cli bench --shape "$shape" \
       --systems ${BENCH_PEERS:-hf hf-static} --request-rate inf \
-      --run-timeout "${BENCH_PEER_RUN_S:-20}" "${common[@]}" --out "$dir/peers" \
+      --run-timeout "${BENCH_PEER_RUN_S:-10}" "${common[@]}" --out "$dir/peers" \
       2>&1 | tee "$OUT/bench-$shape-peers.log" || status=1
     parts+=("$dir/peers/bench.json")
   fi

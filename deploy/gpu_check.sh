@@ -17,8 +17,8 @@ fi
 echo
 echo "| check | result |"
 echo "| --- | --- |"
-# (a printed line may follow pytest's progress dots)
-grep -hE "^\.*(device loop|forward|engine|bench)" "$OUT/gpu_tests.log" "$OUT/bench.log" 2>/dev/null \
-  | sed -E 's/^\.*([^:]*): (.*)$/| \1 | \2 |/'
+# (a printed line may follow pytest's progress marks: dots, s for a skip, F for a failure)
+grep -hE "^[.sFE]*(device loop|forward|engine|bench)" "$OUT/gpu_tests.log" "$OUT/bench.log" 2>/dev/null \
+  | sed -E 's/^[.sFE]*([^:]*): (.*)$/| \1 | \2 |/'
 echo "| GPU tests | $(grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 1) |"
 exit "$status"

@@ -43,12 +43,15 @@ def test_metrics_arithmetic():
     records = [rec(0.0, [0.100, 0.110, 0.130]),           # TTFT 100, TPOT 15, ITL 10, 20
                rec(1.0, [1.300, 1.300, 1.340, 1.400]),    # TTFT 300, TPOT 33.3, ITL 0, 40, 60
                rec(2.0, [2.050], want=5),                 # one token of five: short output
-               rec(3.0, [], error="UNAVAILABLE: gone")]
+               rec(3.0, [], error="UNAVAILABLE: gone"),
+               rec(3.5, [3.6, 3.7], want=9, error="cut by the run time limit (2 s)")]
     m = summarize(records, wall_s=2.0, slo=Slo(ttft_ms=200, tpot_ms=20))
-    assert (m["requests"], m["completed"], m["failed"], m["short_outputs"]) == (4, 3, 1, 1)
-    assert m["errors"] == ["UNAVAILABLE: gone"]
+    assert (m["requests"], m["completed"], m["failed"], m["short_outputs"]) == (5, 3, 2, 1)
+    assert m["errors"] == ["UNAVAILABLE: gone", "cut by the run time limit (2 s)"]
     assert m["output_tokens"] == 8 and m["prompt_tokens"] == 30
     assert m["output_throughput"] == pytest.approx(4.0)
+    # the cut request's two tokens reached the client: streamed, not completed
+    assert m["streamed_tokens"] == 10 and m["streamed_throughput"] == pytest.approx(5.0)
     assert m["request_throughput"] == pytest.approx(1.5)
     assert m["total_token_throughput"] == pytest.approx(19.0)
     assert m["ttft_ms"]["mean"] == pytest.approx((100 + 300 + 50) / 3)
@@ -298,3 +301,5 @@ def test_run_timeout_bounds_a_run(bench_checkpoint, tmp_path):
     m = run["metrics"]
     assert m["failed"] > 0 and any("run time limit" in e for e in m["errors"])
     assert m["completed"] + m["failed"] == 8
+    # the cut requests' tokens that reached the client count as streamed, not completed
+    assert m["streamed_tokens"] == sum(q["tokens"] for q in run["requests"]) > m["output_tokens"]

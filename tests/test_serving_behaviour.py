@@ -407,7 +407,7 @@ def test_engine_killed_then_restarted(long_checkpoint, engine_stack):
 
 # -- health, reflection, model info -----------------------------------------------------------
 
-def test_reflection_and_model_info(stack, client, checkpoints):
+def test_reflection_and_model_info(engine, stack, client, checkpoints):
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
         ProtoReflectionDescriptorDatabase,
     )
@@ -427,7 +427,7 @@ def test_reflection_and_model_info(stack, client, checkpoints):
     assert info.name == "llama" and info.architecture == "LlamaForCausalLM"
     assert info.context_length == cfg["max_position_embeddings"]
     assert info.vocab_size == cfg["vocab_size"] and info.has_chat_template
-    assert info.engine == "cpu-reference"
+    assert info.engine == {"cpu": "cpu-reference", "cuda": "cuda"}[engine]
     assert client.health() == "SERVING"
 
 
