@@ -18,23 +18,24 @@ import time
 import numpy as np
 
 from blink.gpu_engine import cuda_runtime as cr
+from blink.gpu_engine import engine_layout as el
 from blink.gpu_engine.checkpoint import load_config, load_weights
 from blink.gpu_engine.cuda_forward import CudaForward
 from blink.gpu_engine.reference_engine import EngineConfig, served_context_length
 from blink.gpu_engine.ring_server import CORRUPT_GRACE_S, RingServer
-from blink.ring.layout import MAX_EOS_IDS, EngineKind, EngineState, RingGeometry
+from blink.ring.layout import EngineKind, EngineState, RingGeometry
 
 log = logging.getLogger("blink.engine")
 
 KERNEL_SOURCE = cr.CSRC / "scheduler_kernel.cu"
-MAX_SLOTS = 1024  # scheduler.cuh's kMaxSlots
-CONTROL_DTYPE = np.dtype([("stop", "<u4"), ("exited", "<u4"), ("error", "<i4"), ("runs", "<u4")])
-# ForwardPtrs order in scheduler_kernel.cu's engine_init
-FORWARD_ARRAYS = ("desc", "done_counter", "token_ids", "positions", "token_seq", "context_lens",
-                  "block_tables", "logit_token", "temperature", "top_p", "top_k", "seed", "step",
-                  "sampled")
+# With nothing to schedule, the scheduler CTA sleeps this long before it polls the ring again.
+# Each poll reads three words of every slot across PCIe (the ring is mapped host memory), so
+# polling back to back would load the bus and the front end's cache lines for nothing; 2 us
+# (__nanosleep sleeps up to twice that) delays a new request's admission by a few us at most,
+# small next to one forward step.
+IDLE_SLEEP_NS = 2000
 
-P, I32, U32, U64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint64
+P = ctypes.c_void_p  # every kernel argument here is a device address
 
 
 class MappedControl:
@@ -43,10 +44,11 @@ class MappedControl:
     def __init__(self):
         cr.primary_context()
         flags = cr.cu.CU_MEMHOSTALLOC_DEVICEMAP | cr.cu.CU_MEMHOSTALLOC_PORTABLE
-        self.host_ptr = int(cr.check(cr.cu.cuMemHostAlloc(CONTROL_DTYPE.itemsize, flags)))
+        nbytes = el.CONTROL_DTYPE.itemsize
+        self.host_ptr = int(cr.check(cr.cu.cuMemHostAlloc(nbytes, flags)))
         self.device_ptr = int(cr.check(cr.cu.cuMemHostGetDevicePointer(self.host_ptr, 0)))
-        buf = (ctypes.c_char * CONTROL_DTYPE.itemsize).from_address(self.host_ptr)
-        self.view = np.frombuffer(buf, CONTROL_DTYPE)
+        buf = (ctypes.c_char * nbytes).from_address(self.host_ptr)
+        self.view = np.frombuffer(buf, el.CONTROL_DTYPE)
         self.view[:] = 0
 
     def read(self) -> np.void:
@@ -58,8 +60,8 @@ class MappedControl:
 
 class CudaEngine:
     def __init__(self, config: EngineConfig, *, gpu_memory_utilization: float = 0.9):
-        if config.num_slots > MAX_SLOTS:
-            raise ValueError(f"the CUDA engine supports at most {MAX_SLOTS} slots")
+        if config.num_slots > el.MAX_SLOTS:
+            raise ValueError(f"the CUDA engine supports at most {el.MAX_SLOTS} slots")
         self.config = config
         cr.primary_context()
         cfg = self.model_cfg = load_config(config.model_dir)
@@ -94,63 +96,57 @@ class CudaEngine:
         self.stream = cr.new_stream()
         fn = self.module.function("scheduler_run")
         self.scheduler_graph = cr.capture_device_graph(self.stream, lambda s: cr.launch(
-            fn, 1, 256, (self.state.ptr,), (P,), s))
+            fn, 1, el.SCHEDULER_THREADS, (self.state.ptr,), (P,), s))
         self.stop_event = threading.Event()
 
-    def _sched_args(self, num_blocks: int) -> tuple:
-        c = self.config
-        return (c.num_slots, self.context_length, c.block_size, num_blocks, c.max_num_seqs,
-                c.max_num_batched_tokens)
-
     def _init_device_state(self, geom: RingGeometry, num_blocks: int) -> None:
-        sched = self._sched_args(num_blocks)
-        sizes = cr.DeviceBuffer(8 * 4)
-        cr.launch(self.module.function("engine_sizes"), 1, 1, (*sched, sizes.ptr),
-                  (I32,) * 6 + (P,))
+        """Allocates the scheduler's device state and fills it: engine_sizes says how much
+        memory, engine_init reads one EngineInit record (gpu_engine/engine_layout.py)."""
+        c = self.config
+        sched = el.sched_config(
+            num_slots=c.num_slots, max_model_len=self.context_length, block_size=c.block_size,
+            num_blocks=num_blocks, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens)
+        config_buf = cr.DeviceBuffer(el.SCHED_CONFIG_DTYPE.itemsize)
+        config_buf.upload(sched.tobytes())
+        sizes_buf = cr.DeviceBuffer(el.ENGINE_SIZES_DTYPE.itemsize)
+        cr.launch(self.module.function("engine_sizes"), 1, 1, (config_buf.ptr, sizes_buf.ptr),
+                  (P, P))
         cr.check(cr.cu.cuCtxSynchronize())
-        engine_bytes, sched_bytes, max_blocks, bad = np.frombuffer(sizes.download(), "<u8")
-        if bad:
+        sizes = np.frombuffer(sizes_buf.download(), el.ENGINE_SIZES_DTYPE)[0]
+        config_buf.free()
+        sizes_buf.free()
+        if not sizes["config_ok"]:
             raise ValueError(f"scheduler configuration refused: {sched}")
-        if int(max_blocks) != self.forward.max_blocks_per_seq:
+        if int(sizes["max_blocks_per_seq"]) != self.forward.max_blocks_per_seq:
             raise ValueError("block-table widths of the scheduler and the forward pass differ")
-        self.state = cr.DeviceBuffer(int(engine_bytes))
-        self.sched_mem = cr.DeviceBuffer(int(sched_bytes))
-        slots = self.config.num_slots
+        self.state = cr.DeviceBuffer(int(sizes["engine_bytes"]))
+        self.sched_mem = cr.DeviceBuffer(int(sizes["sched_bytes"]))
+        slots = c.num_slots
         self.consumed_gen = cr.DeviceBuffer(4 * slots)
         self.corrupt_since = cr.DeviceBuffer(8 * slots)
         self.scratch_slot = cr.DeviceBuffer(geom.slot_bytes)
         self.staged_prompts = cr.DeviceBuffer(4 * slots * geom.max_prompt_tokens)
-        small = cr.DeviceBuffer(8 * (7 + MAX_EOS_IDS + len(FORWARD_ARRAYS) + 2 * 16))
-        ring_geom = np.array([geom.num_slots, geom.slot_bytes, geom.record_bytes,
-                              geom.max_prompt_tokens, geom.max_output_tokens,
-                              geom.slots_offset, geom.records_offset], "<u8")
-        eos = np.zeros(MAX_EOS_IDS, "<i4")
-        eos_ids = list(self.model_cfg.eos_token_ids)[:MAX_EOS_IDS]
-        eos[:len(eos_ids)] = eos_ids
-        fwd_ptrs = np.array([self.forward.pointer(n) for n in FORWARD_ARRAYS], "<u8")
-        buckets = sorted(self.forward.graph_execs)
-        bucket_tokens = np.zeros(16, "<i4")
-        bucket_tokens[:len(buckets)] = buckets
-        execs = np.zeros(16, "<u8")
-        execs[:len(buckets)] = [cr.graph_exec_handle(self.forward.graph_execs[b]) for b in buckets]
-        parts = [ring_geom.tobytes(), eos.tobytes().ljust(8 * MAX_EOS_IDS, b"\0"),
-                 fwd_ptrs.tobytes(), bucket_tokens.tobytes().ljust(8 * 16, b"\0"), execs.tobytes()]
-        offsets, blob = [], b""
-        for part in parts:
-            offsets.append(small.ptr + len(blob))
-            blob += part
-        small.upload(blob)
-        self._small = small
-        kv_capacity = num_blocks * self.config.block_size
-        cr.launch(self.module.function("engine_init"), 1, 1, (
-            self.state.ptr, self.sched_mem.ptr, *sched, self.ring_map.device_ptr, offsets[0],
-            self.control.device_ptr, self.consumed_gen.ptr, self.corrupt_since.ptr,
-            self.scratch_slot.ptr, self.staged_prompts.ptr, self.model_cfg.vocab_size, self.context_length,
-            kv_capacity, offsets[1], len(eos_ids), int(CORRUPT_GRACE_S * 1e9), 2000,
-            offsets[2], offsets[3], offsets[4], len(buckets)),
-            (P, P) + (I32,) * 6 + (P, P, P, P, P, P, P, U32, U32, U32, P, I32, U64, I32, P, P, P,
-                                    I32))
+        h = self.ring.header  # the EOS ids the ring publishes are the ones the kernel stops on
+        init = el.engine_init_record(
+            sched=sched, ring_base=self.ring_map.device_ptr, geom=geom,
+            control=self.control.device_ptr, consumed_gen=self.consumed_gen.ptr,
+            corrupt_since=self.corrupt_since.ptr, scratch_slot=self.scratch_slot.ptr,
+            staged_prompts=self.staged_prompts.ptr, vocab_size=self.model_cfg.vocab_size,
+            context_length=self.context_length, kv_capacity_tokens=num_blocks * c.block_size,
+            eos_ids=[int(t) for t in h["eos_ids"][:int(h["num_eos_ids"])]],
+            corrupt_grace_ns=int(CORRUPT_GRACE_S * 1e9), idle_sleep_ns=IDLE_SLEEP_NS,
+            # ForwardPtrs.num_tokens is the BatchDesc's first word
+            forward_pointers={n: self.forward.pointer("desc" if n == "num_tokens" else n)
+                              for n in el.FORWARD_POINTERS},
+            max_blocks_per_seq=self.forward.max_blocks_per_seq,
+            graph_execs={b: cr.graph_exec_handle(e) for b, e in self.forward.graph_execs.items()})
+        init_buf = cr.DeviceBuffer(el.ENGINE_INIT_DTYPE.itemsize)
+        init_buf.upload(init.tobytes())
+        cr.launch(self.module.function("engine_init"), 1, 1,
+                  (self.state.ptr, self.sched_mem.ptr, init_buf.ptr), (P, P, P))
         cr.check(cr.cu.cuCtxSynchronize())
+        init_buf.free()  # engine_init copied what it needs into the engine's state
 
     # -- serving --------------------------------------------------------------------------------
 

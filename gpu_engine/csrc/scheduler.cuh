@@ -34,19 +34,13 @@
 #include <stdint.h>
 
 #include "counter_rng.cuh"  // also defines BLINK_HD (__host__ __device__ under nvcc)
+#include "engine_layout.h"  // SchedConfig and kMaxSlots, shared with the host
 #include "ring_layout.h"
 
 // Sequences one step can schedule or preempt: StepPlan's arrays are this long, and a config
 // with max_num_seqs above it is refused (config_error). Override before including if needed.
 #ifndef BLINK_SCHED_MAX_STEP_SEQS
 #define BLINK_SCHED_MAX_STEP_SEQS 256
-#endif
-
-// Ring slots at most: a bound for callers' fixed-size per-slot arrays (the kernel's shared-memory
-// admission lists). Nothing in this header needs it, but config_error enforces it so that one
-// check covers both.
-#ifndef BLINK_SCHED_MAX_SLOTS
-#define BLINK_SCHED_MAX_SLOTS 1024
 #endif
 
 namespace blink::sched {
@@ -56,7 +50,10 @@ using ring::RejectReason;
 using ring::RequestSlotFixed;
 
 static constexpr int32_t kMaxStepSeqs = BLINK_SCHED_MAX_STEP_SEQS;
-static constexpr int32_t kMaxSlots = BLINK_SCHED_MAX_SLOTS;
+// Ring slots at most: a bound for callers' fixed-size per-slot arrays (the kernel's shared-memory
+// admission lists). Nothing in this header needs it, but config_error enforces it so that one
+// check covers both. Generated (gpu_engine/engine_layout.py): the host refuses more slots too.
+static constexpr int32_t kMaxSlots = engine::kMaxSlots;
 static constexpr uint32_t kMaxStopIds = ring::kMaxStopIds;
 
 BLINK_HD inline int32_t min_i32(int32_t a, int32_t b) { return a < b ? a : b; }
@@ -69,15 +66,10 @@ BLINK_HD inline int32_t blocks_for(int32_t num_tokens, int32_t block_size) {
 // ---------------------------------------------------------------------------------------------
 // Configuration and state
 
-// SchedulerConfig + KvBlockPool sizes + the arrays' dimensions. Fixed for the engine's life.
-struct SchedConfig {
-  int32_t num_slots;               // ring slots: the index space of seqs[] and both queues
-  int32_t max_model_len;           // tokens one sequence can hold (>= the context length)
-  int32_t block_size;              // tokens per KV block
-  int32_t num_blocks;              // KV blocks in the pool
-  int32_t max_num_seqs;            // sequences in one step at most (<= kMaxStepSeqs)
-  int32_t max_num_batched_tokens;  // token budget of one step (prefill chunks + decodes)
-};
+// SchedulerConfig + KvBlockPool sizes + the arrays' dimensions. Fixed for the engine's life. The
+// host fills it, so its layout is generated (engine_layout.h): num_slots, max_model_len,
+// block_size, num_blocks, max_num_seqs, max_num_batched_tokens.
+using engine::SchedConfig;
 
 // Block-table width: a sequence within max_model_len never needs more.
 BLINK_HD inline int32_t max_blocks_per_seq(const SchedConfig& c) {

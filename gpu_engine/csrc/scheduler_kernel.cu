@@ -10,50 +10,25 @@
 // Ring memory is host memory mapped into the GPU: every access to it goes through volatile
 // pointers, and __threadfence_system() orders what the front end must see in order.
 #include "device_loop.cuh"
+#include "engine_layout.h"
 #include "ring_layout.h"
 #include "scheduler.cuh"
 
 namespace blink {
 
-static constexpr int kThreads = 256;
-static constexpr int kMaxBuckets = 16;
+// What the host shares with this kernel is generated from gpu_engine/engine_layout.py: the
+// control block, the ring view, the forward pointer and bucket table, engine_init's and
+// engine_sizes' arguments and the limits.
+using engine::Control;
+using engine::EngineInit;
+using engine::EngineSizes;
+using engine::ForwardPtrs;
+using engine::kMaxBuckets;
+using engine::RingView;
 using sched::kMaxSlots;  // ring slots at most (config_error refuses more)
+using sched::SchedConfig;
 
-// The forward graphs' inputs and outputs (gpu_engine/cuda_forward.py allocates them).
-struct ForwardPtrs {
-  int32_t* num_tokens;       // [1] then num_seqs, num_logits follow (BatchDesc prefix)
-  uint32_t* done_counter;    // bumped by each graph's last kernel
-  int32_t* token_ids;        // [max_tokens]
-  int32_t* positions;        // [max_tokens]
-  int32_t* token_seq;        // [max_tokens]: batch sequence of each token
-  int32_t* context_lens;     // [max_seqs]
-  int32_t* block_tables;     // [max_seqs, max_blocks_per_seq]
-  int32_t* logit_token;      // [max_seqs]: flat token index of logits row l
-  float* temperature;        // [max_seqs] per logits row
-  float* top_p;
-  int32_t* top_k;
-  uint64_t* seed;
-  uint32_t* step;
-  int32_t* sampled;          // [max_seqs] out: token sampled for logits row l
-  int32_t max_blocks_per_seq;
-  int32_t num_buckets;
-  int32_t bucket_tokens[kMaxBuckets];  // ascending
-  uint64_t graph_execs[kMaxBuckets];   // cudaGraphExec_t, instantiated for device launch
-};
-
-struct RingView {
-  uint8_t* base;             // device pointer of the mapped segment
-  uint32_t num_slots, slot_bytes, record_bytes, max_prompt_tokens, max_output_tokens;
-  uint64_t slots_offset, records_offset;
-};
-
-// Written by the host only before launch and at shutdown (control lives in mapped host memory).
-struct Control {
-  uint32_t stop;       // host sets 1: the kernel exits at the next iteration
-  uint32_t exited;     // the kernel sets 1 when it has returned for good
-  int32_t error;       // a device-side launch error, 0 if none
-  uint32_t runs;       // executions of the scheduler graph (1 + tail launches)
-};
+static constexpr int kThreads = engine::kSchedulerThreads;
 
 struct Counters {
   uint64_t requests_admitted, requests_finished, requests_cancelled, requests_rejected;
@@ -83,13 +58,15 @@ struct EngineDevice {
   int32_t num_eos;
   int32_t eos_ids[ring::kMaxEosIds];
   uint64_t corrupt_grace_ns;
-  int32_t idle_sleep_ns;
+  uint32_t idle_sleep_ns;
   Counters counters;
   sched::StepPlan plan;
   // admission, per iteration: accepted requests (sorted by request id before add_seq)
   int32_t num_new;
   StagedRequest staged[kMaxSlots];
 };
+static_assert(sizeof(EngineInit::eos_ids) == sizeof(EngineDevice::eos_ids),
+              "EngineInit carries the ring's kMaxEosIds EOS ids");
 
 // --- mapped-memory access ----------------------------------------------------------------------
 
@@ -495,73 +472,39 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) scheduler_run(EngineDe
 
 // --- set-up, called once by the host before the first launch of scheduler_run -----------------
 
-// Sizes the host allocates: out[0] = sizeof(EngineDevice), out[1] = the scheduler state's bytes.
-extern "C" __global__ void engine_sizes(int32_t num_slots, int32_t max_model_len, int32_t block_size,
-                                        int32_t num_blocks, int32_t max_num_seqs,
-                                        int32_t max_num_batched_tokens, uint64_t* out) {
-  const sched::SchedConfig c{num_slots, max_model_len, block_size, num_blocks, max_num_seqs,
-                             max_num_batched_tokens};
-  out[0] = sizeof(EngineDevice);
-  out[1] = sched::state_layout(c).total_bytes;
-  out[2] = sched::max_blocks_per_seq(c);
-  out[3] = sched::config_error(c) == nullptr ? 0 : 1;
+// Sizes the host allocates, and whether the scheduler takes the config.
+extern "C" __global__ void engine_sizes(const SchedConfig* config, EngineSizes* out) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  out->engine_bytes = sizeof(EngineDevice);
+  out->sched_bytes = sched::state_layout(*config).total_bytes;
+  out->max_blocks_per_seq = sched::max_blocks_per_seq(*config);
+  out->config_ok = sched::config_error(*config) == nullptr ? 1 : 0;
 }
 
-// Fills an EngineDevice (one thread). fwd_ptrs: the 14 ForwardPtrs pointers in declaration
-// order (num_tokens .. sampled); ring_geom: num_slots, slot_bytes, record_bytes,
-// max_prompt_tokens, max_output_tokens, slots_offset, records_offset (7 x u64).
-extern "C" __global__ void engine_init(
-    EngineDevice* e, void* sched_mem, int32_t num_slots, int32_t max_model_len, int32_t block_size,
-    int32_t num_blocks, int32_t max_num_seqs, int32_t max_num_batched_tokens, uint8_t* ring_base,
-    const uint64_t* ring_geom, Control* control, uint32_t* consumed_gen, uint64_t* corrupt_since,
-    uint8_t* scratch_slot, int32_t* staged_prompts, uint32_t vocab_size, uint32_t context_length,
-    uint32_t kv_capacity_tokens, const int32_t* eos_ids, int32_t num_eos, uint64_t grace_ns,
-    int32_t idle_sleep_ns, const uint64_t* fwd_ptrs, const int32_t* bucket_tokens,
-    const uint64_t* graph_execs, int32_t num_buckets) {
+// Fills an EngineDevice (one thread) from the record the host uploaded (EngineInit, in device
+// memory; the host validated it and may free it once this kernel has finished).
+extern "C" __global__ void engine_init(EngineDevice* e, void* sched_mem, const EngineInit* init) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   *e = EngineDevice{};
-  const sched::SchedConfig c{num_slots, max_model_len, block_size, num_blocks, max_num_seqs,
-                             max_num_batched_tokens};
-  sched::state_bind(e->sched, c, sched_mem);
+  sched::state_bind(e->sched, init->sched, sched_mem);
   sched::state_init(e->sched);
-  ForwardPtrs& f = e->fwd;
-  f.num_tokens = reinterpret_cast<int32_t*>(fwd_ptrs[0]);
-  f.done_counter = reinterpret_cast<uint32_t*>(fwd_ptrs[1]);
-  f.token_ids = reinterpret_cast<int32_t*>(fwd_ptrs[2]);
-  f.positions = reinterpret_cast<int32_t*>(fwd_ptrs[3]);
-  f.token_seq = reinterpret_cast<int32_t*>(fwd_ptrs[4]);
-  f.context_lens = reinterpret_cast<int32_t*>(fwd_ptrs[5]);
-  f.block_tables = reinterpret_cast<int32_t*>(fwd_ptrs[6]);
-  f.logit_token = reinterpret_cast<int32_t*>(fwd_ptrs[7]);
-  f.temperature = reinterpret_cast<float*>(fwd_ptrs[8]);
-  f.top_p = reinterpret_cast<float*>(fwd_ptrs[9]);
-  f.top_k = reinterpret_cast<int32_t*>(fwd_ptrs[10]);
-  f.seed = reinterpret_cast<uint64_t*>(fwd_ptrs[11]);
-  f.step = reinterpret_cast<uint32_t*>(fwd_ptrs[12]);
-  f.sampled = reinterpret_cast<int32_t*>(fwd_ptrs[13]);
-  f.max_blocks_per_seq = sched::max_blocks_per_seq(c);
-  f.num_buckets = num_buckets < kMaxBuckets ? num_buckets : kMaxBuckets;
-  for (int b = 0; b < f.num_buckets; ++b) {
-    f.bucket_tokens[b] = bucket_tokens[b];
-    f.graph_execs[b] = graph_execs[b];
-  }
-  e->ring = RingView{ring_base, static_cast<uint32_t>(ring_geom[0]), static_cast<uint32_t>(ring_geom[1]),
-                     static_cast<uint32_t>(ring_geom[2]), static_cast<uint32_t>(ring_geom[3]),
-                     static_cast<uint32_t>(ring_geom[4]), ring_geom[5], ring_geom[6]};
-  e->control = control;
-  e->consumed_gen = consumed_gen;
-  e->corrupt_since = corrupt_since;
-  e->scratch_slot = scratch_slot;
-  e->staged_prompts = staged_prompts;
-  e->vocab_size = vocab_size;
-  e->context_length = context_length;
-  e->kv_capacity_tokens = kv_capacity_tokens;
-  e->num_eos = num_eos < static_cast<int32_t>(ring::kMaxEosIds) ? num_eos : ring::kMaxEosIds;
-  for (int i = 0; i < e->num_eos; ++i) e->eos_ids[i] = eos_ids[i];
-  e->corrupt_grace_ns = grace_ns;
-  e->idle_sleep_ns = idle_sleep_ns;
-  for (int32_t i = 0; i < num_slots; ++i) {
-    consumed_gen[i] = 0;
-    corrupt_since[i] = 0;
+  e->fwd = init->fwd;
+  e->fwd.num_buckets = min(init->fwd.num_buckets, kMaxBuckets);
+  e->ring = init->ring;
+  e->control = init->control;
+  e->consumed_gen = init->consumed_gen;
+  e->corrupt_since = init->corrupt_since;
+  e->scratch_slot = init->scratch_slot;
+  e->staged_prompts = init->staged_prompts;
+  e->vocab_size = init->vocab_size;
+  e->context_length = init->context_length;
+  e->kv_capacity_tokens = init->kv_capacity_tokens;
+  e->num_eos = min(init->num_eos, static_cast<int32_t>(ring::kMaxEosIds));
+  for (int i = 0; i < e->num_eos; ++i) e->eos_ids[i] = init->eos_ids[i];
+  e->corrupt_grace_ns = init->corrupt_grace_ns;
+  e->idle_sleep_ns = init->idle_sleep_ns;
+  for (int32_t i = 0; i < init->sched.num_slots; ++i) {
+    e->consumed_gen[i] = 0;
+    e->corrupt_since[i] = 0;
   }
 }

@@ -1,0 +1,220 @@
+"""What the CUDA engine's host and its scheduler kernel share: limits, the control block, the
+scheduler config, the ring view, the forward pointer and bucket table, engine_init's one argument
+struct and engine_sizes' answer.
+
+This file is the single source of truth, as proto/ring/layout.py is for the ring. The kernel's
+view (`gpu_engine/csrc/engine_layout.h`) is generated from it by
+`python -m blink.gpu_engine.engine_layout --write-header`, with static_asserts of every size and
+offset; tests/test_engine_layout.py checks the header is current and compiles.
+
+Addresses (device pointers, or mapped host memory's device addresses) are u64 fields here and
+typed pointers in C (`pointer`): the header asserts pointers are 8 bytes. Every struct is laid
+out as a C compiler would (`align=True`), so the host writes a record's bytes and the kernel
+reads the struct.
+
+Set-up, once (gpu_engine/cuda_engine.py):
+  engine_sizes(const SchedConfig*, EngineSizes*)          how much device memory to allocate
+  engine_init(EngineDevice*, void* sched_mem, const EngineInit*)   fills the engine's state
+then the scheduler graph runs `scheduler_run(EngineDevice*)` with SCHEDULER_THREADS threads.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from blink.ring.layout import (
+    MAX_EOS_IDS, RingGeometry, c_header_text, c_name, c_struct, header_main,
+)
+
+MAX_SLOTS = 1024         # ring slots at most: the kernel's per-slot shared-memory lists
+MAX_BUCKETS = 16         # forward graphs (token buckets) at most
+SCHEDULER_THREADS = 256  # the scheduler CTA: its launch bounds and the host's launch
+
+
+def pointer(c_type: str, doc: str) -> np.dtype:
+    """An address: u64 here, `c_type` in C."""
+    return np.dtype("<u8", metadata={"c_type": c_type, "doc": doc})
+
+
+def doc(dtype, text: str) -> np.dtype:
+    """`dtype` (a scalar or a (scalar, shape) array) with the comment the header prints."""
+    return np.dtype(dtype, metadata={"doc": text})
+
+
+def struct(name: str, fields: list) -> np.dtype:
+    """A C-aligned structured dtype that nests as the C struct `name`."""
+    return np.dtype(fields, align=True, metadata={"c_name": name})
+
+
+# Host<->kernel control words, in page-locked host memory the kernel maps. The host writes only
+# before launch and at shutdown.
+CONTROL_DTYPE = struct("Control", [
+    ("stop", doc("<u4", "host sets 1: the kernel exits at its next iteration")),
+    ("exited", doc("<u4", "the kernel sets 1 when it has returned for good")),
+    ("error", doc("<i4", "a device-side launch error, 0 if none")),
+    ("runs", doc("<u4", "executions of the scheduler graph (1 + tail launches)")),
+])
+
+# scheduler.cuh's configuration (SchedulerConfig + KvBlockPool sizes + the arrays' dimensions),
+# fixed for the engine's life; sched::config_error says whether it is usable.
+SCHED_CONFIG_DTYPE = struct("SchedConfig", [
+    ("num_slots", doc("<i4", "ring slots: the index space of seqs[] and both queues")),
+    ("max_model_len", doc("<i4", "tokens one sequence can hold (>= the context length)")),
+    ("block_size", doc("<i4", "tokens per KV block")),
+    ("num_blocks", doc("<i4", "KV blocks in the pool")),
+    ("max_num_seqs", doc("<i4", "sequences in one step at most (<= sched::kMaxStepSeqs)")),
+    ("max_num_batched_tokens", doc("<i4", "token budget of one step (prefill chunks + decodes)")),
+])
+
+# The ring segment as the kernel addresses it (RingGeometry, plus where it is mapped).
+RING_VIEW_DTYPE = struct("RingView", [
+    ("base", pointer("uint8_t*", "the mapped segment's device address")),
+    ("num_slots", "<u4"),
+    ("slot_bytes", "<u4"),
+    ("record_bytes", "<u4"),
+    ("max_prompt_tokens", "<u4"),
+    ("max_output_tokens", "<u4"),
+    ("slots_offset", "<u8"),
+    ("records_offset", "<u8"),
+])
+
+# The forward graphs' inputs and outputs (gpu_engine/cuda_forward.py allocates them; batch.cuh
+# describes them) and one graph per token bucket.
+FORWARD_PTRS_DTYPE = struct("ForwardPtrs", [
+    ("num_tokens", pointer("int32_t*", "BatchDesc: num_tokens, then num_seqs, num_logits")),
+    ("done_counter", pointer("uint32_t*", "BatchDesc.done_counter: bumped by each graph's "
+                                          "last kernel")),
+    ("token_ids", pointer("int32_t*", "[max_tokens]")),
+    ("positions", pointer("int32_t*", "[max_tokens]")),
+    ("token_seq", pointer("int32_t*", "[max_tokens] batch sequence of each token")),
+    ("context_lens", pointer("int32_t*", "[max_seqs]")),
+    ("block_tables", pointer("int32_t*", "[max_seqs, max_blocks_per_seq]")),
+    ("logit_token", pointer("int32_t*", "[max_seqs] flat token index of logits row l")),
+    ("temperature", pointer("float*", "[max_seqs] per logits row")),
+    ("top_p", pointer("float*", "[max_seqs]")),
+    ("top_k", pointer("int32_t*", "[max_seqs]")),
+    ("seed", pointer("uint64_t*", "[max_seqs]")),
+    ("step", pointer("uint32_t*", "[max_seqs]")),
+    ("sampled", pointer("int32_t*", "[max_seqs] out: the token sampled for logits row l")),
+    ("max_blocks_per_seq", doc("<i4", "block_tables' row width: sched::max_blocks_per_seq")),
+    ("num_buckets", doc("<i4", "<= kMaxBuckets")),
+    ("bucket_tokens", doc(("<i4", (MAX_BUCKETS,)), "ascending: graph b takes up to this many "
+                                                    "tokens")),
+    ("graph_execs", doc(("<u8", (MAX_BUCKETS,)), "cudaGraphExec_t, instantiated for device "
+                                                  "launch")),
+])
+FORWARD_POINTERS = tuple(n for n, (t, _) in FORWARD_PTRS_DTYPE.fields.items()
+                         if t.metadata and "c_type" in t.metadata)
+
+# engine_sizes' answer, for the host to allocate by.
+ENGINE_SIZES_DTYPE = struct("EngineSizes", [
+    ("engine_bytes", doc("<u8", "sizeof(EngineDevice)")),
+    ("sched_bytes", doc("<u8", "the scheduler state's arrays: sched::state_layout")),
+    ("max_blocks_per_seq", doc("<i4", "sched::max_blocks_per_seq")),
+    ("config_ok", doc("<u4", "1 when sched::config_error accepts the config")),
+])
+
+# engine_init's one argument: everything the engine's state starts from.
+ENGINE_INIT_DTYPE = struct("EngineInit", [
+    ("sched", SCHED_CONFIG_DTYPE),
+    ("ring", RING_VIEW_DTYPE),
+    ("fwd", FORWARD_PTRS_DTYPE),
+    ("control", pointer("Control*", "mapped host memory")),
+    ("consumed_gen", pointer("uint32_t*", "[num_slots] last generation consumed per slot")),
+    ("corrupt_since", pointer("uint64_t*", "[num_slots] when a CRC mismatch was first seen")),
+    ("scratch_slot", pointer("uint8_t*", "[slot_bytes] a candidate slot, copied out of the ring")),
+    ("staged_prompts", pointer("int32_t*", "[num_slots, max_prompt_tokens]")),
+    ("vocab_size", "<u4"),
+    ("context_length", "<u4"),
+    ("kv_capacity_tokens", doc("<u4", "num_blocks * block_size")),
+    ("num_eos", doc("<i4", "<= ring::kMaxEosIds")),
+    ("eos_ids", ("<i4", (MAX_EOS_IDS,))),
+    ("corrupt_grace_ns", doc("<u8", "a slot whose CRC stays wrong this long is rejected")),
+    ("idle_sleep_ns", doc("<u4", "__nanosleep after an iteration with nothing to schedule")),
+])
+
+STRUCTS = (CONTROL_DTYPE, SCHED_CONFIG_DTYPE, RING_VIEW_DTYPE, FORWARD_PTRS_DTYPE,
+           ENGINE_SIZES_DTYPE, ENGINE_INIT_DTYPE)  # in declaration order
+
+
+def sched_config(**fields: int) -> np.ndarray:
+    """A SchedConfig record (shape ()) from every one of its fields, by name; the kernel's
+    config_error judges it (EngineSizes.config_ok)."""
+    if sorted(fields) != sorted(SCHED_CONFIG_DTYPE.names):
+        raise ValueError(f"SchedConfig takes exactly {SCHED_CONFIG_DTYPE.names}")
+    rec = np.zeros((), SCHED_CONFIG_DTYPE)
+    for name, value in fields.items():
+        rec[name] = value
+    return rec
+
+
+def engine_init_record(*, sched: np.ndarray, ring_base: int, geom: RingGeometry, control: int,
+                       consumed_gen: int, corrupt_since: int, scratch_slot: int,
+                       staged_prompts: int, vocab_size: int, context_length: int,
+                       kv_capacity_tokens: int, eos_ids: Sequence[int], corrupt_grace_ns: int,
+                       idle_sleep_ns: int, forward_pointers: Mapping[str, int],
+                       max_blocks_per_seq: int, graph_execs: Mapping[int, int]) -> np.ndarray:
+    """The EngineInit record (shape ()) whose bytes engine_init reads.
+
+    sched: a `sched_config` record. Addresses are device addresses. forward_pointers: a device
+    address for each of FORWARD_POINTERS. graph_execs: bucket token count -> its
+    cudaGraphExec_t handle.
+    """
+    if sorted(forward_pointers) != sorted(FORWARD_POINTERS):
+        raise ValueError(f"forward pointers {sorted(forward_pointers)} are not ForwardPtrs' "
+                         f"{sorted(FORWARD_POINTERS)}")
+    if not 1 <= len(graph_execs) <= MAX_BUCKETS:
+        raise ValueError(f"{len(graph_execs)} forward graphs: the engine takes 1 to "
+                         f"{MAX_BUCKETS} buckets")
+    if len(eos_ids) > MAX_EOS_IDS:
+        raise ValueError(f"{len(eos_ids)} EOS ids: the ring carries at most {MAX_EOS_IDS}")
+    rec = np.zeros((), ENGINE_INIT_DTYPE)
+    rec["sched"] = sched
+    ring = rec["ring"]
+    ring["base"] = ring_base
+    for name in ("num_slots", "slot_bytes", "record_bytes", "max_prompt_tokens",
+                 "max_output_tokens", "slots_offset", "records_offset"):
+        ring[name] = getattr(geom, name)
+    fwd = rec["fwd"]
+    for name, address in forward_pointers.items():
+        fwd[name] = address
+    fwd["max_blocks_per_seq"] = max_blocks_per_seq
+    buckets = sorted(graph_execs)
+    fwd["num_buckets"] = len(buckets)
+    fwd["bucket_tokens"][:len(buckets)] = buckets
+    fwd["graph_execs"][:len(buckets)] = [graph_execs[b] for b in buckets]
+    rec["control"] = control
+    rec["consumed_gen"] = consumed_gen
+    rec["corrupt_since"] = corrupt_since
+    rec["scratch_slot"] = scratch_slot
+    rec["staged_prompts"] = staged_prompts
+    rec["vocab_size"] = vocab_size
+    rec["context_length"] = context_length
+    rec["kv_capacity_tokens"] = kv_capacity_tokens
+    rec["num_eos"] = len(eos_ids)
+    rec["eos_ids"][:len(eos_ids)] = eos_ids
+    rec["corrupt_grace_ns"] = corrupt_grace_ns
+    rec["idle_sleep_ns"] = idle_sleep_ns
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# C view, generated for the scheduler kernel.
+
+def c_header() -> str:
+    out = [f"static constexpr int32_t {c_name(n)} = {v};"
+           for n, v in (("MAX_SLOTS", MAX_SLOTS), ("MAX_BUCKETS", MAX_BUCKETS),
+                        ("SCHEDULER_THREADS", SCHEDULER_THREADS))]
+    out += ["static_assert(sizeof(void*) == 8, \"the host writes addresses as u64\");", ""]
+    for dtype in STRUCTS:
+        out += c_struct(dtype.metadata["c_name"], dtype) + [""]
+    return c_header_text("blink.gpu_engine.engine_layout", "gpu_engine/engine_layout.py",
+                         "tests/test_engine_layout.py", "blink::engine", out)
+
+
+if __name__ == "__main__":
+    header_main(sys.argv[1:], c_header(), Path(__file__).resolve().parent / "csrc" /
+                "engine_layout.h")

@@ -1,0 +1,171 @@
+"""gpu_engine/engine_layout.py is the one definition of what the CUDA engine's host and scheduler
+kernel share: the generated header is current and its static_asserts hold under g++ (and nvcc),
+the kernel builds against it and defines none of those structs itself, and the EngineInit
+record the host builds reads back field for field through the C struct. CPU only."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blink.gpu_engine import engine_layout as el
+from blink.ring.layout import MAX_EOS_IDS, RingGeometry
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "gpu_engine" / "csrc"
+HEADER = CSRC / "engine_layout.h"
+STRUCT_NAMES = [d.metadata["c_name"] for d in el.STRUCTS]
+
+
+def test_generated_header_is_current():
+    assert HEADER.read_text() == el.c_header(), \
+        "run `python -m blink.gpu_engine.engine_layout --write-header`"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to compile the C view")
+def test_header_compiles_with_gxx(tmp_path):
+    # the header's static_asserts check every size and offset against engine_layout.py; with
+    # scheduler.cuh, that its kMaxSlots is the generated one
+    src = tmp_path / "check.cc"
+    src.write_text('#include "engine_layout.h"\n#include "scheduler.cuh"\n'
+                   "static_assert(blink::sched::kMaxSlots == blink::engine::kMaxSlots, \"\");\n"
+                   "int main() { return 0; }\n")
+    r = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
+                        f"-I{CSRC}", str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_header_compiles_with_nvcc(tmp_path):
+    src = tmp_path / "check.cu"
+    src.write_text('#include "engine_layout.h"\n'
+                   "__global__ void k(const blink::engine::EngineInit* init, int* out) {\n"
+                   "  *out = init->fwd.num_buckets;\n}\n")
+    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", f"-I{CSRC}", "-c", str(src),
+                        "-o", str(tmp_path / "check.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_scheduler_kernel_builds(tmp_path):
+    """The flags cuda_runtime.nvcc_cubin(relocatable=True) uses for the engine."""
+    r = subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3",
+                        "-std=c++17", f"-I{CSRC}", "-rdc=true", "-o", str(tmp_path / "k.cubin"),
+                        str(CSRC / "scheduler_kernel.cu")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_kernel_defines_no_shared_struct_itself():
+    for name in ("scheduler_kernel.cu", "scheduler.cuh"):
+        text = (CSRC / name).read_text()
+        for struct in STRUCT_NAMES:
+            assert f"struct {struct} " not in text, f"{name} defines {struct}: generate it"
+    assert "BLINK_SCHED_MAX_SLOTS" not in (CSRC / "scheduler.cuh").read_text()
+
+
+# -- the EngineInit record ---------------------------------------------------------------------
+
+def sample_init() -> tuple[np.ndarray, dict]:
+    """An EngineInit record with a distinct value in every field, and the arguments it came from."""
+    geom = RingGeometry(5, max_prompt_tokens=99, max_output_tokens=100)
+    args = dict(
+        sched=el.sched_config(num_slots=5, max_model_len=101, block_size=16, num_blocks=77,
+                              max_num_seqs=4, max_num_batched_tokens=64),
+        ring_base=0x7F12_3456_7000, geom=geom, control=0x7F00_0000_1000,
+        consumed_gen=0x7000_0000_0100, corrupt_since=0x7000_0000_0200,
+        scratch_slot=0x7000_0000_0300, staged_prompts=0x7000_0000_0400, vocab_size=151936,
+        context_length=100, kv_capacity_tokens=77 * 16, eos_ids=[151643, 151645, 7],
+        corrupt_grace_ns=2_500_000_000, idle_sleep_ns=2000,
+        forward_pointers={n: 0x7100_0000_0000 + 0x1000 * i
+                          for i, n in enumerate(el.FORWARD_POINTERS)},
+        max_blocks_per_seq=7, graph_execs={64: 0xA64, 1: 0xA01, 8: 0xA08, 2: 0xA02})
+    return el.engine_init_record(**args), args
+
+
+def test_init_record_holds_what_was_set():
+    rec, a = sample_init()
+    assert rec.dtype == el.ENGINE_INIT_DTYPE and rec.nbytes == el.ENGINE_INIT_DTYPE.itemsize
+    assert rec["sched"] == a["sched"]
+    assert int(rec["ring"]["base"]) == a["ring_base"]
+    for name in ("num_slots", "slot_bytes", "record_bytes", "max_prompt_tokens",
+                 "max_output_tokens", "slots_offset", "records_offset"):
+        assert int(rec["ring"][name]) == getattr(a["geom"], name), name
+    fwd = rec["fwd"]
+    assert {n: int(fwd[n]) for n in el.FORWARD_POINTERS} == a["forward_pointers"]
+    assert int(fwd["max_blocks_per_seq"]) == 7
+    assert int(fwd["num_buckets"]) == 4
+    assert fwd["bucket_tokens"].tolist() == [1, 2, 8, 64] + [0] * (el.MAX_BUCKETS - 4)
+    assert fwd["graph_execs"].tolist() == [0xA01, 0xA02, 0xA08, 0xA64] + [0] * (el.MAX_BUCKETS - 4)
+    for name in ("control", "consumed_gen", "corrupt_since", "scratch_slot", "staged_prompts",
+                 "vocab_size", "context_length", "kv_capacity_tokens", "corrupt_grace_ns",
+                 "idle_sleep_ns"):
+        assert int(rec[name]) == a[name], name
+    assert int(rec["num_eos"]) == 3
+    assert rec["eos_ids"].tolist() == a["eos_ids"] + [0] * (MAX_EOS_IDS - 3)
+
+
+def _leaves(dtype: np.dtype, prefix: str = ""):
+    """(C expression path, numpy scalar dtype, array length or None) of every leaf field."""
+    for name, (ftype, _) in dtype.fields.items():
+        path = prefix + name
+        if ftype.names is not None:
+            yield from _leaves(ftype, path + ".")
+        elif ftype.subdtype is not None:
+            yield path, ftype.subdtype[0], ftype.subdtype[1][0]
+        else:
+            yield path, ftype, None
+
+
+def _python_values(rec: np.ndarray) -> list[str]:
+    out = []
+    for path, _, count in _leaves(rec.dtype):
+        value = rec
+        for part in path.split("."):
+            value = value[part]
+        values = value.tolist() if count else [value.item()]
+        out += [f"{path}{f'[{i}]' if count else ''}={int(v)}" for i, v in enumerate(values)]
+    return out
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to read the record in C")
+def test_init_record_reads_back_through_the_c_struct(tmp_path):
+    """The host's record bytes, read as the generated C struct, give back every field (pointers
+    included, as the kernel sees them)."""
+    rec, _ = sample_init()
+    prints = []
+    for path, base, count in _leaves(el.ENGINE_INIT_DTYPE):
+        assert base.kind in "iu", f"{path}: print floats some other way"
+        fmt, cast = (("%lld", "(long long)") if base.kind == "i"
+                     else ("%llu", "(unsigned long long)"))
+        if count:
+            prints.append(f'for (int i = 0; i < {count}; ++i) printf("{path}[%d]={fmt}\\n", i, '
+                          f"{cast}(uintptr_t)init.{path}[i]);")
+        else:
+            prints.append(f'printf("{path}={fmt}\\n", {cast}(uintptr_t)init.{path});')
+    src = tmp_path / "read_init.cc"
+    src.write_text("#include <stdio.h>\n#include <string.h>\n#include \"engine_layout.h\"\n"
+                   "int main() {\n  blink::engine::EngineInit init;\n"
+                   "  if (fread(&init, 1, sizeof init, stdin) != sizeof init) return 1;\n  "
+                   + "\n  ".join(prints) + "\n  return 0;\n}\n")
+    exe = tmp_path / "read_init"
+    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", f"-I{CSRC}", str(src), "-o",
+                    str(exe)], check=True, capture_output=True, text=True)
+    r = subprocess.run([str(exe)], input=rec.tobytes(), capture_output=True, check=True)
+    assert r.stdout.decode().splitlines() == _python_values(rec)
+
+
+def test_init_record_refuses_what_the_kernel_cannot_hold():
+    _, a = sample_init()
+    with pytest.raises(ValueError, match="buckets"):
+        el.engine_init_record(**dict(a, graph_execs={b + 1: b for b in range(el.MAX_BUCKETS + 1)}))
+    with pytest.raises(ValueError, match="EOS"):
+        el.engine_init_record(**dict(a, eos_ids=list(range(MAX_EOS_IDS + 1))))
+    missing = dict(a["forward_pointers"])
+    missing.pop("sampled")
+    with pytest.raises(ValueError, match="forward pointers"):
+        el.engine_init_record(**dict(a, forward_pointers=missing))
+    with pytest.raises(ValueError, match="SchedConfig"):
+        el.sched_config(num_slots=1)
