@@ -231,13 +231,22 @@ def test_cuda_64_concurrent_streams_staggered(checkpoints, cuda_stacks):
 
 
 def test_cuda_kv_pressure_preempts_and_finishes(checkpoints, cuda_stacks):
+    """12 x (100 + 100) tokens in 48 blocks of 16: the engine preempts and recomputes. Every
+    token of every request is checked, not a prefix: the crowded run equals the request's solo
+    run (no preemption alone: 13 blocks), or, where bf16 noise differs between the two batch
+    shapes, each of its tokens is the transformers bf16 argmax on its own prefix or within the
+    near-tie tolerance of it. A recompute that restored the wrong KV (or skipped tokens) makes
+    tokens far from the argmax after the preemption point; random tokens pass the tie rule
+    rarely (top-2 gap < 0.25 on these logits: about 6 steps in 320 in the greedy tests)."""
     stack = cuda_stacks("pressure", checkpoints["llama"], ["--num-kv-blocks", "48",
                                                          "--block-size", "16"])
+    model = hf_bf16(checkpoints["llama"])
     rnd = random.Random(7)
     prompts = [[rnd.randrange(3, 2000) for _ in range(100)] for _ in range(12)]
     sampling = Sampling(max_tokens=100, temperature=0.0, ignore_eos=True)
     with BlinkClient(stack.target) as client:
-        solo = [client.generate(p, sampling, return_token_ids=True) for p in prompts[:3]]
+        solo = [client.generate(p, sampling, return_token_ids=True) for p in prompts]
+    assert all(r.preemptions == 0 for r in solo)
 
     async def crowd():
         async with AsyncBlinkClient(stack.target) as client:
@@ -246,14 +255,22 @@ def test_cuda_kv_pressure_preempts_and_finishes(checkpoints, cuda_stacks):
 
     results = asyncio.run(crowd())
     assert all(r.completion_tokens == 100 for r in results)
-    preempted = sum(r.preemptions for r in results)
-    for a, b in zip(solo, results[:3]):
-        assert a.token_ids == b.token_ids or a.token_ids[:8] == b.token_ids[:8]
+    preempted = [i for i, r in enumerate(results) if r.preemptions > 0]
+    assert preempted, "no request was preempted: the test would not exercise recompute"
+    equal, ties = 0, 0
+    for i, (alone, crowded) in enumerate(zip(solo, results)):
+        if alone.token_ids == crowded.token_ids:
+            equal += 1
+        else:
+            ties += check_against_bf16_reference(model, prompts[i], list(crowded.token_ids),
+                                                 0.25)
     with BlinkClient(stack.target) as client:
         s = client.stats()
     print(f"engine kv pressure: 12 x (100 + 100) tokens in 48 x 16-token blocks, "
-          f"{s['preemptions']} preemptions, blocks free {s['kv_blocks_free']}/{s['kv_blocks_total']}")
-    assert s["preemptions"] > 0 and preempted > 0
+          f"{s['preemptions']} preemptions ({len(preempted)} requests), {equal}/12 equal to "
+          f"solo, the rest the reference's argmax but {ties} near-tie steps; blocks free "
+          f"{s['kv_blocks_free']}/{s['kv_blocks_total']}")
+    assert s["preemptions"] > 0
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
 
 
