@@ -21,14 +21,14 @@
 // trip per element moved: ~200 k cycles for the oldest of 256). Serial code over global memory
 // pays an L2 round trip (~700 cycles) for each load that follows a store to the same line.
 //
-// One engine iteration, as gpu_engine/reference_engine.py ReferenceEngine.step does it:
-//   for each consumed slot (request-id order):  validate_slot -> add_seq or reject
-//   for each live slot whose cancel_gen == gen:  finish_seq   (FinishReason::kCancelled)
+// One engine iteration, as gpu_engine/reference_engine.py ReferenceEngine.step does it (the
+// step contract section below holds every decision that is not schedule_step's):
+//   validate_slot each consumed slot, then admit_in_order   (add_seq, request-id order)
+//   for each slot where cancel_requested:        finish_seq   (FinishReason::kCancelled)
 //   schedule_step(state, plan)                   plan.preempted: publish their preemptions
-//   build the batch from plan (starts = num_computed before commit_step), run the forward pass
+//   describe_batch(state, plan) (before commit_step), run the forward pass
 //   commit_step(state, plan)
-//   for k in plan order where samples_now(seq):  sample, append_token, stop_check,
-//                                                 finish_seq when the reason is not kNone
+//   consume_sample for each logits row           finish_seq when the reason is not kNone
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
@@ -487,6 +487,101 @@ BLINK_HD inline StopResult stop_check(const SeqState& q, int32_t token, const in
     return {FinishReason::kLength, 0};
   if (q.num_tokens >= context_length) return {FinishReason::kContextFull, 0};
   return {FinishReason::kNone, 0};
+}
+
+// ---------------------------------------------------------------------------------------------
+// The step contract: the decisions of one engine iteration that are not the scheduler's own
+// (admission order, cancels, the batch description, sample consumption), in the order
+// ReferenceEngine.step makes them. The persistent kernel and the replay (tests/csrc/
+// sched_replay.cc) both call these, so the parity test runs the code the GPU runs; the kernel
+// adds only mechanics (mapped-memory reads and writes, the CTA's parallel copies, the launch).
+
+// A request accepted from its slot, waiting for add_seq (admission is in request-id order).
+struct Admission {
+  uint64_t arrival;        // the request id: FCFS order
+  uint32_t gen;
+  int32_t slot, prompt_len;
+  const int32_t* prompt;   // [prompt_len], a staging copy (the slot's row may be a stale seq's)
+  SamplingParams params;
+};
+
+// ReferenceEngine._admit: sorts the accepted requests by request id (insertion sort: a handful
+// per iteration) and adds each; on_admitted(admission, add_result) follows every add_seq.
+template <class OnAdmitted>
+BLINK_HD void admit_in_order(SchedState& s, Admission* accepted, int32_t n,
+                             OnAdmitted on_admitted) {
+  for (int32_t a = 1; a < n; ++a)
+    for (int32_t b = a; b > 0 && accepted[b - 1].arrival > accepted[b].arrival; --b) {
+      const Admission t = accepted[b];
+      accepted[b] = accepted[b - 1];
+      accepted[b - 1] = t;
+    }
+  for (int32_t a = 0; a < n; ++a) {
+    const Admission& r = accepted[a];
+    on_admitted(r, add_seq(s, r.slot, r.gen, r.arrival, r.prompt, r.prompt_len, r.params));
+  }
+}
+
+// ReferenceEngine._honour_cancels: a live sequence is cancelled when its slot's cancel word
+// names its generation (the front end writes it at any time; an older word is ignored).
+BLINK_HD inline bool cancel_requested(const SeqState& q, uint32_t cancel_gen) {
+  return q.status != SeqStatus::kFree && cancel_gen == q.gen;
+}
+
+// Where describe_batch writes: the forward graphs' batch arrays on the GPU, plain arrays in
+// the replay. Per plan entry k: starts[k] (flat index of its first token; starts[num] = total)
+// and context_lens[k]; per logits row l (a sequence whose last known token is computed this
+// step): the flat index of that token, its sampling inputs and row_slot[l], the sequence.
+struct BatchView {
+  int32_t* starts;        // [num_scheduled + 1]
+  int32_t* context_lens;  // [num_scheduled]
+  int32_t* logit_token;   // [rows]
+  float* temperature;
+  float* top_p;
+  int32_t* top_k;
+  uint64_t* seed;
+  uint32_t* step;         // the row's output index: the sampler's counter-RNG step
+  int32_t* row_slot;
+};
+
+struct BatchSize {
+  int32_t num_tokens;
+  int32_t num_rows;       // logits rows: the sequences that sample this step, in plan order
+};
+
+// ReferenceEngine._build_batch, before commit_step (num_computed is still the step's first position).
+BLINK_HD inline BatchSize describe_batch(const SchedState& s, const StepPlan& plan,
+                                         const BatchView& out) {
+  int32_t rows = 0;
+  out.starts[0] = 0;
+  for (int32_t k = 0; k < plan.num_scheduled; ++k) {
+    const SeqState& q = s.seqs[plan.slots[k]];
+    const int32_t end = q.num_computed + plan.num_new_tokens[k];
+    out.starts[k + 1] = out.starts[k] + plan.num_new_tokens[k];
+    out.context_lens[k] = end;
+    if (end == q.num_tokens) {  // samples this step (samples_now after commit_step)
+      out.logit_token[rows] = out.starts[k + 1] - 1;
+      out.temperature[rows] = q.params.temperature;
+      out.top_p[rows] = q.params.top_p;
+      out.top_k[rows] = q.params.top_k;
+      out.seed[rows] = q.params.seed;
+      out.step[rows] = q.num_output;
+      out.row_slot[rows] = q.slot;
+      ++rows;
+    }
+  }
+  return {out.starts[plan.num_scheduled], rows};
+}
+
+// ReferenceEngine._postprocess (_emit), one logits row after commit_step: appends the sampled token
+// and checks the stops. The caller retires the sequence (finish_seq + its record) when the
+// reason is not kNone. False (nothing changed) if the slot cannot take a token.
+BLINK_HD inline bool consume_sample(SchedState& s, int32_t slot, int32_t token,
+                                    const int32_t* eos_ids, int32_t num_eos,
+                                    int32_t context_length, StopResult* stop) {
+  if (!append_token(s, slot, token)) return false;
+  *stop = stop_check(s.seqs[slot], token, eos_ids, num_eos, context_length);
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,6 +7,10 @@
 // records, check stops and retire sequences. After kMaxLaunchesPerRun launches it tail-launches
 // its own graph and returns; all state is in device memory (EngineDevice).
 //
+// Every decision of the step (admission order, cancels, scheduling, the batch description,
+// sample consumption, stops) is a scheduler.cuh function that tests/csrc/sched_replay.cc also
+// runs against the Python engine's decisions; this file holds the mechanics around them.
+//
 // Ring memory is host memory mapped into the GPU: every access to it goes through volatile
 // pointers, and __threadfence_system() orders what the front end must see in order.
 #include "device_loop.cuh"
@@ -36,14 +40,6 @@ struct Counters {
   uint64_t busy_ns, step_tokens;  // steps that ran a forward: batch building to samples consumed
 };
 
-// An accepted request between its slot's consumption and add_seq (admission is in id order).
-struct StagedRequest {
-  uint64_t arrival;
-  uint32_t gen;
-  int32_t slot, prompt_len;
-  const int32_t* prompt;   // its row of staged_prompts
-  sched::SamplingParams params;
-};
 
 struct EngineDevice {
   sched::SchedState sched;
@@ -63,7 +59,9 @@ struct EngineDevice {
   sched::StepPlan plan;
   // admission, per iteration: accepted requests (sorted by request id before add_seq)
   int32_t num_new;
-  StagedRequest staged[kMaxSlots];
+  sched::Admission staged[kMaxSlots];
+  int32_t row_slot[sched::kMaxStepSeqs];  // this step's logits rows' sequences (describe_batch)
+  int32_t num_rows;
 };
 static_assert(sizeof(EngineInit::eos_ids) == sizeof(EngineDevice::eos_ids),
               "EngineInit carries the ring's kMaxEosIds EOS ids");
@@ -190,7 +188,7 @@ __device__ void Admit(EngineDevice& e, uint32_t* cancel_gen) {
         FinishRecord(e, i, s_gens[k], ring::FinishReason::kRejected, result);
         ++e.counters.requests_rejected;
       } else {
-        StagedRequest& r = e.staged[e.num_new];
+        sched::Admission& r = e.staged[e.num_new];
         r.slot = i;
         r.gen = s_gens[k];
         r.arrival = f->request_id;
@@ -211,17 +209,11 @@ __device__ void Admit(EngineDevice& e, uint32_t* cancel_gen) {
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    // FCFS by request id (insertion sort: a handful of new requests per iteration)
-    for (int a = 1; a < e.num_new; ++a)
-      for (int b = a; b > 0 && e.staged[b - 1].arrival > e.staged[b].arrival; --b) {
-        const StagedRequest t = e.staged[b]; e.staged[b] = e.staged[b - 1]; e.staged[b - 1] = t;
-      }
-    for (int a = 0; a < e.num_new; ++a) {
-      const StagedRequest& r = e.staged[a];
-      sched::add_seq(e.sched, r.slot, r.gen, r.arrival, r.prompt, r.prompt_len, r.params);
-      OpenRecord(e, r.slot, r.gen, r.prompt_len);
-      ++e.counters.requests_admitted;
-    }
+    sched::admit_in_order(e.sched, e.staged, e.num_new,
+                          [&](const sched::Admission& r, sched::AddResult) {
+                            OpenRecord(e, r.slot, r.gen, r.prompt_len);
+                            ++e.counters.requests_admitted;
+                          });
   }
   __syncthreads();
 }
@@ -247,11 +239,7 @@ __device__ void HonourCancels(EngineDevice& e, const uint32_t* cancel_gen) {
   const uint32_t words = (num_slots + 31) / 32;
   for (uint32_t first = threadIdx.x - lane; first < 32 * words; first += kThreads) {
     const uint32_t i = first + lane;
-    bool cancel = false;
-    if (i < num_slots) {
-      const sched::SeqState& q = e.sched.seqs[i];
-      cancel = q.status != sched::SeqStatus::kFree && cancel_gen[i] == q.gen;
-    }
+    const bool cancel = i < num_slots && sched::cancel_requested(e.sched.seqs[i], cancel_gen[i]);
     const uint32_t mask = __ballot_sync(0xffffffffu, cancel);
     if (lane == 0) s_cancelled[first / 32] = mask;
   }
@@ -288,25 +276,13 @@ __device__ int BuildBatch(EngineDevice& e) {
   const sched::StepPlan& plan = e.plan;
   ForwardPtrs& f = e.fwd;
   if (threadIdx.x == 0) {
-    s_start[0] = 0;
-    int l = 0;
-    for (int k = 0; k < plan.num_scheduled; ++k) {
-      const sched::SeqState& q = e.sched.seqs[plan.slots[k]];
-      s_start[k + 1] = s_start[k] + plan.num_new_tokens[k];
-      f.context_lens[k] = q.num_computed + plan.num_new_tokens[k];
-      if (q.num_computed + plan.num_new_tokens[k] == q.num_tokens) {  // samples this step
-        f.logit_token[l] = s_start[k + 1] - 1;
-        f.temperature[l] = q.params.temperature;
-        f.top_p[l] = q.params.top_p;
-        f.top_k[l] = q.params.top_k;
-        f.seed[l] = q.params.seed;
-        f.step[l] = q.num_output;
-        ++l;
-      }
-    }
-    f.num_tokens[0] = s_start[plan.num_scheduled];
+    const sched::BatchSize size = sched::describe_batch(
+        e.sched, plan, {s_start, f.context_lens, f.logit_token, f.temperature, f.top_p, f.top_k,
+                        f.seed, f.step, e.row_slot});
+    e.num_rows = size.num_rows;
+    f.num_tokens[0] = size.num_tokens;
     f.num_tokens[1] = plan.num_scheduled;
-    f.num_tokens[2] = l;
+    f.num_tokens[2] = size.num_rows;
   }
   __syncthreads();
   for (int k = 0; k < plan.num_scheduled; ++k) {
@@ -334,7 +310,8 @@ __device__ int BucketFor(const ForwardPtrs& f, int num_tokens) {
 }
 
 // Whole CTA, after the forward graph finished: tokens to records, stop checks, retirement.
-// Thread 0 makes the scheduler's decisions in batch order; all threads then publish the step's
+// Thread 0 makes the decisions (consume_sample per logits row, in row order); all threads then
+// publish the step's
 // tokens, then their counts, then thread 0 the finish reasons, each phase behind one system
 // fence per thread (rather than one fence per token: at 256 sequences a step those dominated).
 // A reader that sees a count sees its token; one that sees a finish reason sees the final count.
@@ -343,24 +320,23 @@ __device__ void ConsumeSamples(EngineDevice& e) {
       s_token[sched::kMaxStepSeqs];
   __shared__ sched::StopResult s_stop[sched::kMaxStepSeqs];
   __shared__ int s_count;
-  const sched::StepPlan& plan = e.plan;
   if (threadIdx.x == 0) {
-    sched::commit_step(e.sched, plan);
-    int l = 0;
-    for (int k = 0; k < plan.num_scheduled; ++k) {
-      const int32_t slot = plan.slots[k];
-      sched::SeqState& q = e.sched.seqs[slot];
-      if (!sched::samples_now(q)) continue;
-      const int32_t token = e.fwd.sampled[l];
-      s_slot[l] = slot;
-      s_index[l] = q.num_output;
-      s_token[l] = token;
-      sched::append_token(e.sched, slot, token);
-      ++e.counters.tokens_generated;
-      s_stop[l] = sched::stop_check(q, token, e.eos_ids, e.num_eos, e.context_length);
-      ++l;
+    sched::commit_step(e.sched, e.plan);
+    int n = 0;
+    for (int l = 0; l < e.num_rows; ++l) {
+      const int32_t slot = e.row_slot[l], token = e.fwd.sampled[l];
+      s_slot[n] = slot;
+      s_index[n] = e.sched.seqs[slot].num_output;
+      s_token[n] = token;
+      if (sched::consume_sample(e.sched, slot, token, e.eos_ids, e.num_eos, e.context_length,
+                                &s_stop[n])) {
+        ++e.counters.tokens_generated;
+        ++n;
+      } else {  // its row is full (stop_check prevents it): end it rather than spin on it
+        Retire(e, slot, ring::FinishReason::kContextFull, 0);
+      }
     }
-    s_count = l;
+    s_count = n;
   }
   __syncthreads();
   for (int i = threadIdx.x; i < s_count; i += kThreads) {

@@ -86,7 +86,28 @@ BLINK_HD float f32_from_bits(uint32_t b) {
 #endif
 }
 
-BLINK_HD void emit_step(const SchedState& s, const StepPlan& plan, Writer& w) {
+// The batch description of a step, as the kernel's forward arrays would hold it.
+struct ReplayBatch {
+  int32_t starts[kMaxStepSeqs + 1], context_lens[kMaxStepSeqs], logit_token[kMaxStepSeqs];
+  float temperature[kMaxStepSeqs], top_p[kMaxStepSeqs];
+  int32_t top_k[kMaxStepSeqs];
+  uint64_t seed[kMaxStepSeqs];
+  uint32_t step[kMaxStepSeqs];
+  int32_t row_slot[kMaxStepSeqs];
+  BLINK_HD BatchView view() {
+    return {starts, context_lens, logit_token, temperature, top_p, top_k, seed, step, row_slot};
+  }
+};
+
+// One step's working memory: the plan and its batch description.
+struct StepScratch {
+  StepPlan plan;
+  ReplayBatch batch;
+};
+
+// smp: the logits rows' sequences, as describe_batch chose them before commit_step.
+BLINK_HD void emit_step(const SchedState& s, const StepPlan& plan, const ReplayBatch& batch,
+                        BatchSize size, Writer& w) {
   w.put(kOutStep);
   w.put(plan.num_scheduled);
   for (int32_t k = 0; k < plan.num_scheduled; ++k) {
@@ -98,11 +119,8 @@ BLINK_HD void emit_step(const SchedState& s, const StepPlan& plan, Writer& w) {
     w.put(plan.preempted[k]);
     w.put(s.seqs[plan.preempted[k]].preemptions);
   }
-  int32_t nsmp = 0;
-  for (int32_t k = 0; k < plan.num_scheduled; ++k) nsmp += samples_now(s.seqs[plan.slots[k]]);
-  w.put(nsmp);
-  for (int32_t k = 0; k < plan.num_scheduled; ++k)
-    if (samples_now(s.seqs[plan.slots[k]])) w.put(plan.slots[k]);
+  w.put(size.num_rows);
+  for (int32_t l = 0; l < size.num_rows; ++l) w.put(batch.row_slot[l]);
   w.put(s.num_running);
   for (int32_t k = 0; k < s.num_running; ++k) {
     const SeqState& q = s.seqs[s.running[k]];
@@ -122,15 +140,17 @@ BLINK_HD void emit_error(Writer& w, Error what, int64_t arg) {
 }
 
 // One serial event (everything but the CTA part of crc). a: the event's arguments.
-BLINK_HD void run_event(SchedState* s, StepPlan* plan, const Env& env, uint32_t op,
-                        const uint32_t* a, Writer& w) {
+BLINK_HD void run_event(SchedState* s, StepPlan* plan, ReplayBatch* batch, const Env& env,
+                        uint32_t op, const uint32_t* a, Writer& w) {
   const bool needs_state = op == kOpStep || op == kOpAdd || op == kOpSample || op == kOpFinish;
   if (needs_state && !env.has_state) return emit_error(w, kErrNoState, op);
   switch (op) {
-    case kOpStep:
+    case kOpStep: {
       schedule_step(*s, *plan);
+      const BatchSize size = describe_batch(*s, *plan, batch->view());
       commit_step(*s, *plan);
-      return emit_step(*s, *plan, w);
+      return emit_step(*s, *plan, *batch, size, w);
+    }
     case kOpAdd: {
       SamplingParams p{};
       p.max_tokens = a[4];
@@ -142,11 +162,13 @@ BLINK_HD void run_event(SchedState* s, StepPlan* plan, const Env& env, uint32_t 
       p.num_stop_ids = a[11];
       for (uint32_t i = 0; i < a[11]; ++i) p.stop_ids[i] = static_cast<int32_t>(a[12 + i]);
       const uint32_t* prompt = a + 12 + a[11];
-      const AddResult r = add_seq(*s, static_cast<int32_t>(a[0]), a[1], u64_at(a + 2),
-                                  reinterpret_cast<const int32_t*>(prompt + 1),
-                                  static_cast<int32_t>(prompt[0]), p);
-      if (r != AddResult::kAdded && r != AddResult::kReplacedStale)
-        emit_error(w, kErrAdd, static_cast<int64_t>(r));
+      Admission one{u64_at(a + 2), a[1], static_cast<int32_t>(a[0]),
+                    static_cast<int32_t>(prompt[0]), reinterpret_cast<const int32_t*>(prompt + 1),
+                    p};
+      admit_in_order(*s, &one, 1, [&](const Admission&, AddResult r) {
+        if (r != AddResult::kAdded && r != AddResult::kReplacedStale)
+          emit_error(w, kErrAdd, static_cast<int64_t>(r));
+      });
       return;
     }
     case kOpSample: {
@@ -154,9 +176,9 @@ BLINK_HD void run_event(SchedState* s, StepPlan* plan, const Env& env, uint32_t 
       if (slot < 0 || slot >= s->cfg.num_slots || s->seqs[slot].status != SeqStatus::kRunning ||
           !samples_now(s->seqs[slot]))
         return emit_error(w, kErrNotSampling, slot);
-      if (!append_token(*s, slot, token)) return emit_error(w, kErrAppend, slot);
-      const StopResult r = stop_check(s->seqs[slot], token, env.eos_ids, env.num_eos,
-                                      env.context_length);
+      StopResult r;
+      if (!consume_sample(*s, slot, token, env.eos_ids, env.num_eos, env.context_length, &r))
+        return emit_error(w, kErrAppend, slot);
       if (r.reason != FinishReason::kNone) finish_seq(*s, slot);
       w.put(kOutSample);
       w.put(slot);
@@ -222,7 +244,7 @@ BLINK_HD void run_event(SchedState* s, StepPlan* plan, const Env& env, uint32_t 
 // ev: [num_words] u32 of events, each [op, num_args, args...]. On the GPU every thread of the
 // CTA runs this loop: thread 0 makes the decisions, all take part in slot_crc_cta.
 // scratch: [2 * blockDim.x + 256] u32 shared memory on the GPU, unused on the host.
-BLINK_HD void run_events(SchedState* s, StepPlan* plan, const Env* env, const uint32_t* ev,
+BLINK_HD void run_events(SchedState* s, StepScratch* step, const Env* env, const uint32_t* ev,
                          int64_t num_words, int64_t* out, int64_t cap, int64_t* out_len,
                          uint32_t* scratch) {
 #if defined(__CUDA_ARCH__)
@@ -245,7 +267,7 @@ BLINK_HD void run_events(SchedState* s, StepPlan* plan, const Env* env, const ui
         emit_error(w, kErrCtaCrc, cta);
     }
 #endif
-    if (lead) run_event(s, plan, *env, op, a, w);
+    if (lead) run_event(s, &step->plan, &step->batch, *env, op, a, w);
   }
   if (lead) *out_len = w.n;
 }
@@ -464,10 +486,10 @@ void print(const int64_t* o, int64_t n) {
 
 constexpr int kThreads = 128;
 
-__global__ void replay_kernel(SchedState* s, StepPlan* plan, const Env* env, const uint32_t* ev,
+__global__ void replay_kernel(SchedState* s, StepScratch* step, const Env* env, const uint32_t* ev,
                               int64_t num_words, int64_t* out, int64_t cap, int64_t* out_len) {
   __shared__ uint32_t scratch[2 * kThreads + 256];
-  run_events(s, plan, env, ev, num_words, out, cap, out_len, scratch);
+  run_events(s, step, env, ev, num_words, out, cap, out_len, scratch);
 }
 
 std::vector<int64_t> run_segment(const Segment& seg) {
@@ -478,13 +500,13 @@ std::vector<int64_t> run_segment(const Segment& seg) {
     state_bind(host_state, seg.cfg, mem);  // device addresses, computed on the host
   }
   SchedState* d_state;
-  StepPlan* d_plan;
+  StepScratch* d_step;
   Env* d_env;
   uint32_t* d_ev;
   int64_t *d_out, *d_len;
   const int64_t cap = seg.out_bound + 3;
   CUDA_CHECK(cudaMalloc(&d_state, sizeof(SchedState)));
-  CUDA_CHECK(cudaMalloc(&d_plan, sizeof(StepPlan)));
+  CUDA_CHECK(cudaMalloc(&d_step, sizeof(StepScratch)));
   CUDA_CHECK(cudaMalloc(&d_env, sizeof(Env)));
   CUDA_CHECK(cudaMalloc(&d_ev, seg.events.size() * 4 + 4));
   CUDA_CHECK(cudaMalloc(&d_out, cap * 8));
@@ -492,7 +514,7 @@ std::vector<int64_t> run_segment(const Segment& seg) {
   CUDA_CHECK(cudaMemcpy(d_state, &host_state, sizeof host_state, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(d_env, &seg.env, sizeof seg.env, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(d_ev, seg.events.data(), seg.events.size() * 4, cudaMemcpyHostToDevice));
-  replay_kernel<<<1, kThreads>>>(d_state, d_plan, d_env, d_ev,
+  replay_kernel<<<1, kThreads>>>(d_state, d_step, d_env, d_ev,
                                  static_cast<int64_t>(seg.events.size()), d_out, cap, d_len);
   CUDA_CHECK(cudaGetLastError());
   CUDA_CHECK(cudaDeviceSynchronize());
@@ -501,7 +523,7 @@ std::vector<int64_t> run_segment(const Segment& seg) {
   std::vector<int64_t> out(static_cast<size_t>(n < cap ? n : cap));
   CUDA_CHECK(cudaMemcpy(out.data(), d_out, out.size() * 8, cudaMemcpyDeviceToHost));
   if (n > cap) out = {kOutError, kErrOverflow, n};
-  for (void* p : {mem, static_cast<void*>(d_state), static_cast<void*>(d_plan),
+  for (void* p : {mem, static_cast<void*>(d_state), static_cast<void*>(d_step),
                   static_cast<void*>(d_env), static_cast<void*>(d_ev), static_cast<void*>(d_out),
                   static_cast<void*>(d_len)})
     if (p) CUDA_CHECK(cudaFree(p));
@@ -517,11 +539,11 @@ std::vector<int64_t> run_segment(const Segment& seg) {
     mem.resize(state_layout(seg.cfg).total_bytes / 8 + 1);
     state_bind(state, seg.cfg, mem.data());
   }
-  static StepPlan plan;
+  static StepScratch step;
   const int64_t cap = seg.out_bound + 3;
   std::vector<int64_t> out(static_cast<size_t>(cap));
   int64_t n = 0;
-  run_events(&state, &plan, &seg.env, seg.events.data(), static_cast<int64_t>(seg.events.size()),
+  run_events(&state, &step, &seg.env, seg.events.data(), static_cast<int64_t>(seg.events.size()),
              out.data(), cap, &n, nullptr);
   if (n > cap) return {kOutError, kErrOverflow, n};
   out.resize(static_cast<size_t>(n));
