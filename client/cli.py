@@ -55,6 +55,58 @@ def _check_engine_args(args) -> None:
         sys.exit("blink: --hf-static-cache is an option of --engine hf")
 
 
+def _rdma_addr(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise argparse.ArgumentTypeError(f"{text!r} is not IP:PORT")
+    return host, int(port)
+
+
+def _add_transport_args(p: argparse.ArgumentParser, addr_help: str) -> None:
+    p.add_argument("--transport", choices=["shm", "rdma"], default="shm",
+                   help="how the front end reaches the engine's ring: shm, shared memory on "
+                        "one host; rdma, RDMA WRITE/READ from another machine (a DPU's Arm "
+                        "cores) through pyverbs, see deploy/README.md")
+    p.add_argument("--rdma-addr", type=_rdma_addr, default=None, metavar="IP:PORT",
+                   help=addr_help)
+
+
+def _check_transport(args) -> None:
+    """--transport rdma: its address, pyverbs and an RDMA device, checked before anything
+    starts (no ring, no port, no engine process); any lack ends the command with one line."""
+    if args.transport != "rdma":
+        if args.rdma_addr is not None:
+            sys.exit("blink: --rdma-addr is an option of --transport rdma")
+        return
+    if args.rdma_addr is None:
+        sys.exit("blink: --transport rdma needs --rdma-addr IP:PORT (the engine's RDMA CM "
+                 "address: an IP address of its RDMA device's network interface)")
+    from blink.ring.rdma import rdma_unavailable_reason
+    reason = rdma_unavailable_reason()
+    if reason is not None:
+        sys.exit(f"blink: --transport rdma {reason}")
+
+
+def _ring_export(args):
+    """--transport rdma: the engine's RDMA CM listener, bound now (a wrong or taken address
+    fails before the engine loads anything); it serves the ring once this engine does."""
+    if args.transport != "rdma":
+        return None
+    from blink.ring.rdma import RdmaUnavailable, RingExport
+
+    def stop_engine(reason: str) -> None:  # front ends cannot reach a ring it does not export
+        logging.getLogger("blink.engine").error("%s: stopping the engine", reason)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        export = RingExport(*args.rdma_addr, args.ring_name, on_fatal=stop_engine)
+    except RdmaUnavailable as e:
+        sys.exit(f"blink engine: {e}")
+    export.start()
+    return export
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["auto", "cuda", "cpu", "host-cuda", "hf", "synthetic"],
                    default="auto",
@@ -96,6 +148,10 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-timeout", type=float, default=3.0,
                    help="seconds without an engine heartbeat before streams fail UNAVAILABLE")
     p.add_argument("--max-request-mb", type=float, default=4.0, help="largest request accepted")
+    p.add_argument("--stream-interval-ms", type=float, default=0.0,
+                   help="send a stream's later tokens at most this often, together (its first "
+                        "token and its end go at once): fewer gRPC messages, less front-end CPU "
+                        "per token, burstier arrival (0: every step's token as it comes)")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound port here once listening")
     p.add_argument("--tls-cert", type=Path, default=None,
@@ -154,13 +210,15 @@ def _frontend_config(args, model_dir: Path):
                           port=args.port, queue_timeout_s=args.queue_timeout,
                           max_queued=args.max_queued, engine_timeout_s=args.engine_timeout,
                           max_request_bytes=int(args.max_request_mb * (1 << 20)),
+                          stream_interval_s=args.stream_interval_ms / 1e3,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                           tls_cert=args.tls_cert, tls_key=args.tls_key,
                           tls_client_ca=args.tls_client_ca,
                           auth_token=_auth_token(args.auth_token_file),
                           keepalive_time_s=args.keepalive_time,
                           max_connection_age_s=args.max_connection_age,
-                          worker=(args.worker_index, args.workers))
+                          worker=(args.worker_index, args.workers),
+                          rdma_engine=args.rdma_addr if args.transport == "rdma" else None)
 
 
 def choose_engine(requested: str) -> str:
@@ -180,10 +238,12 @@ def choose_engine(requested: str) -> str:
 
 def cmd_engine(args) -> None:
     from blink.gpu_engine.ring_server import RingInUse
+    _check_transport(args)
     _check_engine_args(args)
     config = _engine_config(args, _model_dir(
         args.model, need_weights=args.load_format != "dummy" and args.engine != "synthetic"))
     kind = choose_engine(args.engine)
+    export = _ring_export(args)
     try:
         if kind == "cuda":
             from blink.gpu_engine.cuda_engine import run_cuda_engine
@@ -210,10 +270,14 @@ def cmd_engine(args) -> None:
             run_engine(config)
     except RingInUse as e:
         sys.exit(f"blink engine: {e}")
+    finally:
+        if export is not None:
+            export.close()
 
 
 def cmd_frontend(args) -> None:
     from blink.nic_service.server import serve
+    _check_transport(args)
     model_dir = _model_dir(args.model, need_weights=False)
     _claim_port(args)
     workers = FrontendWorkers(args, model_dir)
@@ -325,6 +389,10 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.hf_static_cache:
         argv.append("--hf-static-cache")
+    if args.transport == "rdma":
+        host, port = args.rdma_addr
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address
+        argv += ["--transport", "rdma", "--rdma-addr", f"{host}:{port}"]
     return argv
 
 
@@ -383,6 +451,7 @@ def default_ring_name() -> str:
 
 
 def cmd_serve(args) -> None:
+    _check_transport(args)
     _check_engine_args(args)
     model_dir = _model_dir(
         args.model, need_weights=args.load_format != "dummy" and args.engine != "synthetic")
@@ -406,9 +475,9 @@ def cmd_serve(args) -> None:
             args.engine_restart_timeout))
         if args.ready_file:
             args.ready_file.write_text(str(port))
-        print(f"blink: serving {model_dir.name} on {args.host}:{port} (ring /dev/shm/"
-              f"{args.ring_name}); try: blink generate --target {args.host}:{port} \"Hello\"",
-              flush=True)
+        print(f"blink: serving {model_dir.name} on {args.host}:{port} (ring "
+              f"{frontend.link.ring_where}); try: blink generate --target {args.host}:{port} "
+              f"\"Hello\"", flush=True)
         await asyncio.wait({engine, asyncio.ensure_future(stop.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
         workers.stop()  # each worker drains its own streams
@@ -528,6 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("serve", help="engine and front end on this host")
     model_args(p, None)
+    _add_transport_args(p, "with --transport rdma: the engine listens for RDMA connections here "
+                           "and the front end connects to it (an IP address of an RDMA "
+                           "device's network interface)")
     _add_engine_args(p)
     _add_frontend_args(p)
     p.add_argument("--engine-restart-timeout", type=float, default=60.0,
@@ -537,11 +609,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("engine", help="the engine alone (creates the ring)")
     model_args(p, default_ring_name())
+    _add_transport_args(p, "with --transport rdma: where the engine listens for front ends' RDMA "
+                           "connections (RDMA CM; an IP address of an RDMA device's network "
+                           "interface)")
     _add_engine_args(p)
     p.set_defaults(func=cmd_engine)
 
     p = command("frontend", help="the gRPC front end alone (attaches to the ring)")
     model_args(p, default_ring_name())
+    _add_transport_args(p, "with --transport rdma: the engine's RDMA CM address (its "
+                           "--rdma-addr)")
     _add_frontend_args(p)
     p.set_defaults(func=cmd_frontend)
 

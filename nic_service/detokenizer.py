@@ -23,9 +23,12 @@ A boundary is settled when no later token can change the text before it:
     whole run of byte tokens together and turns *every* byte of the run into U+FFFD when any of it is not
     UTF-8, so even a finished character can still turn into U+FFFD until a normal token closes the run.
 
-Cost: one or two decodes of the window per token. The window is the last emission plus what is held back:
-a few tokens for text, but a run of byte tokens is held whole (with ByteFallback an emoji family is 25 of
-them), so a pathological run of k undecodable tokens costs O(k) per token until it ends.
+Cost: one decode of the window per token (per push when the ids of one push end settled, as they usually
+do), and a second one each time the window is re-anchored (moved up to the start of the last emission),
+which waits until it holds more than _ANCHOR_AFTER ids: a decode costs mostly its call, so a few more ids in
+it are cheaper than a second decode on every token. The window is at most that plus what is held back: a
+run of byte tokens is held whole (with ByteFallback an emoji family is 25 of them), so a pathological run of
+k undecodable tokens costs O(k) per token until it ends.
 """
 
 import json
@@ -34,6 +37,7 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer
 
 _REPLACEMENT = "\ufffd"
+_ANCHOR_AFTER = 8  # ids in the window before an emission re-anchors it
 
 
 class IncrementalDetokenizer:
@@ -54,6 +58,14 @@ class IncrementalDetokenizer:
         """Takes the next generated ids; returns the text they complete (may be empty)."""
         if self._finished:
             raise RuntimeError("push() after flush(): the stream has already ended")
+        if len(token_ids) == 1:  # the usual push: one engine step's token
+            return self._step(token_ids[0])
+        if len(token_ids) > 1 and not self._byte_fallback:
+            # Several at once (a stream that was behind): one decode for all when they end settled.
+            window = self._window + list(token_ids)
+            text = self._decode(window)
+            if not text.endswith(_REPLACEMENT):
+                return self._settle(window, text)
         # One token at a time, so text settled before a trailing partial character is not held back.
         return "".join(self._step(token_id) for token_id in token_ids)
 
@@ -67,21 +79,29 @@ class IncrementalDetokenizer:
         return text[len(self._prefix_text) :]
 
     def _step(self, token_id: int) -> str:
-        self._window.append(token_id)
+        window = self._window
+        window.append(token_id)
         if self._byte_fallback:
             self._track_byte_run(token_id)
-        text = self._decode(self._window)
+        text = self._decode(window)
         if text.endswith(_REPLACEMENT) or self._byte_run_open:
             return ""  # not settled yet: the window grows until it is
+        return self._settle(window, text)
+
+    def _settle(self, window: list[int], text: str) -> str:
+        """The window (the current one plus the ids pushed since) decodes to `text`, which is settled:
+        returns what it adds to the emitted text, and makes the whole window settled."""
         self._check_prefix(text)
         delta = text[len(self._prefix_text) :]
-        if delta:
+        if delta and len(window) > _ANCHOR_AFTER:
             # Re-anchor: the ids just emitted (they have text) become the window's settled start.
             # Tokens without text (skipped specials, ids past the vocabulary) cannot anchor one: the window
             # keeps its start, and they are just settled.
-            self._window = self._window[self._read :]
-            self._prefix_text = self._decode(self._window)
-        self._read = len(self._window)
+            window = window[self._read :]
+            self._prefix_text = self._decode(window)
+        else:
+            self._prefix_text = text  # decode(window[:read]) with read = len(window)
+        self._window, self._read = window, len(window)
         return delta
 
     def _track_byte_run(self, token_id: int) -> None:

@@ -20,7 +20,7 @@ from blink.ring.layout import (
     HEADER_DTYPE, LAYOUT_VERSION, RECORD_DTYPE, RING_MAGIC, EngineKind, EngineState,
     FinishReason, RingGeometry, SlotRequest, encode_slot,
 )
-from blink.ring.shm import ShmSegment, ShmTransport
+from blink.ring.shm import RingTransport, ShmSegment, ShmTransport
 
 log = logging.getLogger("blink.frontend")
 
@@ -65,28 +65,39 @@ class RequestHandle:
     request_id: int
     instance: int
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Tokens | Finished | Exception
-    seen: int = 0                 # tokens already read from the record
     cancelled: bool = False
     stop_matched: bool = False    # cancelled because a stop string matched: a finish, not a cancel
     done: bool = False            # the engine finished it (or it was failed locally)
 
 
-def _open_ring(ring_name: str) -> tuple[ShmTransport, EngineInfo]:
-    """Attaches to the segment and checks its header; raises EngineUnavailable."""
+def _open_ring(ring_name: str, dialer=None) -> tuple[RingTransport, EngineInfo]:
+    """Attaches to the ring, in /dev/shm or, given an RdmaDialer, over RDMA (one step of its
+    connection: EngineUnavailable until it is made), and checks its header; raises
+    EngineUnavailable."""
+    if dialer is None:
+        where = f"/dev/shm/{ring_name}"
+        try:
+            transport = ShmTransport(ShmSegment.attach(ring_name))
+        except (FileNotFoundError, PermissionError) as e:
+            raise EngineUnavailable(f"no engine ring at {where}: {e}") from None
+    else:
+        from blink.ring.rdma import RdmaError
+        where = f"rdma://{dialer.where}"
+        try:
+            transport = dialer.step()
+        except RdmaError as e:
+            raise EngineUnavailable(str(e)) from None
+        if transport is None:
+            raise EngineUnavailable(f"connecting to the engine ring at {where}")
     try:
-        segment = ShmSegment.attach(ring_name)
-    except (FileNotFoundError, PermissionError) as e:
-        raise EngineUnavailable(f"no engine ring at /dev/shm/{ring_name}: {e}") from None
-    transport = ShmTransport(segment)
-    try:
-        if segment.size < HEADER_DTYPE.itemsize:
+        if transport.size < HEADER_DTYPE.itemsize:
             raise EngineUnavailable("ring segment is truncated")
         h = np.frombuffer(transport.read(0, HEADER_DTYPE.itemsize), HEADER_DTYPE)[0]
         if int(h["magic"]) != RING_MAGIC or int(h["layout_version"]) != LAYOUT_VERSION:
-            raise EngineUnavailable(f"ring at /dev/shm/{ring_name} has an unknown layout "
+            raise EngineUnavailable(f"ring at {where} has an unknown layout "
                                     f"(version {int(h['layout_version'])}, want {LAYOUT_VERSION})")
         geom = RingGeometry.from_header(h)
-        if geom.total_bytes != int(h["total_bytes"]) or segment.size < geom.total_bytes:
+        if geom.total_bytes != int(h["total_bytes"]) or transport.size < geom.total_bytes:
             raise EngineUnavailable("ring header and segment size disagree")
         if int(h["engine_state"]) != EngineState.SERVING:
             raise EngineUnavailable("engine is not serving yet")
@@ -111,12 +122,24 @@ ENGINE_COUNTERS = ("requests_admitted", "requests_finished", "requests_cancelled
 class EngineLink:
     def __init__(self, ring_name: str, *, queue_timeout_s: float = 30.0,
                  max_queued: int = 1024, engine_timeout_s: float = 3.0,
-                 poll_interval_s: float = 0.0005, attach_interval_s: float = 0.2,
+                 poll_interval_s: float = 0.0005, stream_interval_s: float = 0.0,
+                 attach_interval_s: float = 0.2,
                  on_alive_change: Callable[[bool], None] | None = None,
-                 worker: tuple[int, int] = (0, 1)):
+                 worker: tuple[int, int] = (0, 1), rdma_engine: tuple[str, int] | None = None):
         """worker: (index, count) of the front-end processes sharing this ring; this one uses
-        its contiguous share of the slots, and request ids that order all of theirs in time."""
+        its contiguous share of the slots, and request ids that order all of theirs in time.
+        rdma_engine: (IP, port) of the engine's RDMA CM listener, to reach its ring over RDMA
+        (blink.ring.rdma) instead of in /dev/shm/ring_name.
+        stream_interval_s: a live request's new tokens are handed on at most once per this many
+        seconds (its first token and its finish at once), so an engine faster than that has
+        several tokens go out in one message; 0: as soon as a poll finds them."""
         self.ring_name = ring_name
+        self._dialer = None
+        self.ring_where = f"/dev/shm/{ring_name}"
+        if rdma_engine is not None:
+            from blink.ring.rdma import RdmaDialer
+            self._dialer = RdmaDialer(*rdma_engine)
+            self.ring_where = f"rdma://{self._dialer.where}"
         self.worker_index, self.workers = worker
         if not 0 <= self.worker_index < self.workers:
             raise ValueError(f"worker {worker}: the index must be in [0, count)")
@@ -124,16 +147,23 @@ class EngineLink:
         self.max_queued = max_queued
         self.engine_timeout_s = engine_timeout_s
         self.poll_interval_s = poll_interval_s
+        self.stream_interval_s = stream_interval_s
         self.attach_interval_s = attach_interval_s
         self.on_alive_change = on_alive_change
         self.info: EngineInfo | None = None
         self.alive = False
         self.attachments = 0
-        self._transport: ShmTransport | None = None
+        self._transport: RingTransport | None = None
         self._free: deque[int] = deque()
         self._next_gen: list[int] = []
         self._waiters: deque[asyncio.Future] = deque()
         self._live: dict[int, RequestHandle] = {}   # slot -> handle
+        # The record pass's view of the live handles, per slot of this worker's share (index =
+        # slot - share.start), so one poll compares every record at once (_poll_records):
+        self._share = range(0)
+        self._want_gen = np.zeros(0, np.int64)  # [len(share)] the live handle's gen; -1: none
+        self._seen = np.zeros(0, np.int64)      # [len(share)] tokens already read from the record
+        self._due = np.zeros(0)                 # [len(share)] monotonic s new tokens wait for
         self._last_request_id = 0
         self._last_beat = 0
         self._last_beat_change = 0.0
@@ -222,6 +252,8 @@ class EngineLink:
         self._transport.write(base, np.uint32(gen).tobytes())
         handle = RequestHandle(slot, gen, request_id, instance)
         self._live[slot] = handle
+        i = slot - self._share.start
+        self._want_gen[i], self._seen[i], self._due[i] = gen, 0, 0.0
         return handle
 
     def cancel(self, handle: RequestHandle, *, stop_matched: bool = False) -> None:
@@ -282,7 +314,7 @@ class EngineLink:
 
     def _try_attach(self) -> None:
         try:
-            transport, info = _open_ring(self.ring_name)
+            transport, info = _open_ring(self.ring_name, self._dialer)
         except EngineUnavailable as e:
             log.debug("attach: %s", e)
             return
@@ -312,12 +344,16 @@ class EngineLink:
                       geom.num_slots, self.workers)
             return
         self._free = deque(share)
+        self._share = share
+        self._want_gen = np.full(len(share), -1, np.int64)
+        self._seen = np.zeros(len(share), np.int64)
+        self._due = np.zeros(len(share))
         # alive only once the heartbeat moves: a killed engine leaves a SERVING header behind
         self._last_beat = beat
         if not self.alive:
             self._last_beat_change = time.monotonic()
-        log.info("attached to engine ring /dev/shm/%s (instance %x): model %s, %d slots",
-                 self.ring_name, info.instance, info.model_name, geom.num_slots)
+        log.info("attached to engine ring %s (instance %x): model %s, %d slots",
+                 self.ring_where, info.instance, info.model_name, geom.num_slots)
 
     def heartbeat_age(self) -> float | None:
         """Seconds since the heartbeat of the engine instance attached last moved (it keeps
@@ -352,7 +388,7 @@ class EngineLink:
         self._transport, self.info = None, None
 
     def _poll_once(self) -> None:
-        t, geom = self._transport, self.info.geometry
+        t = self._transport
         h = np.frombuffer(t.read(0, HEADER_DTYPE.itemsize), HEADER_DTYPE)[0]
         now = time.monotonic()
         if int(h["engine_instance"]) != self.info.instance or not t.is_current():
@@ -368,29 +404,63 @@ class EngineLink:
             self._dead_beats[self.info.instance] = beat
             return self._detach(EngineUnavailable(
                 f"the engine stopped answering (no heartbeat for {self.engine_timeout_s:g} s)"))
-        if not self._live:
+        if self._live:
+            self._poll_records()
+
+    def _poll_records(self) -> None:
+        """Reads this worker's output records in one vectorised pass and turns the ones that
+        moved into events; Python work is per moved record, not per live one.
+
+        Three strided reads over the share, one field each, in the protocol's order (layout.py),
+        each a read of its own so that no transport reorders them:
+          1. gen: the engine resets a record before it publishes gen, so once gen matches, what
+             is read after it belongs to the handle's generation;
+          2. finish_reason, then 3. num_tokens: a count read after the finish reason is final
+             (one read of whole rows would take the count before the finish reason).
+        """
+        t, geom, share = self._transport, self.info.geometry, self._share
+        base, stride, n = geom.record_offset(share.start), geom.record_bytes, len(share)
+
+        def column(name: str) -> np.ndarray:  # [n] u4: one field of every record in the share
+            offset = base + RECORD_DTYPE.fields[name][1]
+            return np.frombuffer(t.read_strided(offset, stride, n, 4), "<u4")
+
+        gen = column("gen")
+        finish = column("finish_reason")
+        count = column("num_tokens").astype(np.int64)
+        seen, now = self._seen, time.monotonic()
+        # a record moved: new tokens that are due (stream_interval_s after the last ones), or a
+        # finish (at once, with whatever tokens wait)
+        ready = ((count > seen) & (self._due <= now)) | (finish != FinishReason.NONE)
+        moved = np.flatnonzero((gen == self._want_gen) & ready)
+        if not moved.size:
             return
-        # the fixed part of every output record in one strided read
-        recs = np.frombuffer(t.read_strided(geom.records_offset, geom.record_bytes,
-                                            geom.num_slots, RECORD_DTYPE.itemsize), RECORD_DTYPE)
-        for slot, handle in list(self._live.items()):
-            rec = recs[slot]
-            if int(rec["gen"]) != handle.gen:
-                continue  # the engine has not admitted it yet
-            finish = int(rec["finish_reason"])   # read before the count: see layout.py
-            count = int(rec["num_tokens"])
-            if count > handle.seen:
-                off = geom.record_offset(slot) + RECORD_DTYPE.itemsize + 4 * handle.seen
-                ids = np.frombuffer(t.read(off, 4 * (count - handle.seen)), "<i4").tolist()
-                handle.seen = count
+        self._due[moved] = now + self.stream_interval_s
+        counts, firsts, finishes = count[moved].tolist(), seen[moved].tolist(), \
+            finish[moved].tolist()
+        seen[moved] = count[moved]  # a matching record's count never goes down
+        tokens = base + RECORD_DTYPE.itemsize  # tokens[] of the share's first record
+        for i, new_count, first, reason in zip(moved.tolist(), counts, firsts, finishes):
+            handle = self._live[share.start + i]
+            if new_count > first:
+                off = tokens + i * stride + 4 * first
+                ids = np.frombuffer(t.read(off, 4 * (new_count - first)), "<i4").tolist()
                 if not handle.cancelled:
                     handle.events.put_nowait(Tokens(ids))
-            if finish != FinishReason.NONE:
-                if finish == FinishReason.CANCELLED and handle.stop_matched:
-                    self._stop_string_finishes += 1
-                handle.done = True
-                handle.events.put_nowait(Finished(FinishReason(finish), int(rec["detail"]),
-                                                  int(rec["prompt_len"]),
-                                                  int(rec["preemptions"])))
-                del self._live[slot]
-                self._release_slot(slot)
+            if reason != FinishReason.NONE:
+                self._finish(handle, FinishReason(reason))
+
+    def _finish(self, handle: RequestHandle, reason: FinishReason) -> None:
+        """The engine finished the handle's generation: the last event, and the slot is free."""
+        slot = handle.slot
+        # detail, prompt_len and preemptions are written before the finish reason
+        rec = np.frombuffer(self._transport.read(self.info.geometry.record_offset(slot),
+                                                 RECORD_DTYPE.itemsize), RECORD_DTYPE)[0]
+        if reason == FinishReason.CANCELLED and handle.stop_matched:
+            self._stop_string_finishes += 1
+        handle.done = True
+        handle.events.put_nowait(Finished(reason, int(rec["detail"]), int(rec["prompt_len"]),
+                                          int(rec["preemptions"])))
+        del self._live[slot]
+        self._want_gen[slot - self._share.start] = -1
+        self._release_slot(slot)

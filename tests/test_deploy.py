@@ -63,19 +63,39 @@ def test_envoy_config():
         Bootstrap().from_dict({**config, "admin": {"adress": {}}})
 
 
+def systemd_unit(name: str):
+    """A unit of deploy/systemd and its ExecStart parsed by Blink's CLI."""
+    unit = configparser.ConfigParser(strict=True, interpolation=None)
+    unit.optionxform = str
+    unit.read(DEPLOY / "systemd" / f"{name}.service")
+    assert {"Unit", "Service", "Install"} <= set(unit.sections())
+    argv = shlex.split(unit["Service"]["ExecStart"])
+    assert argv[0].endswith("/blink")
+    return unit, parse_blink(argv[1:])
+
+
 def test_systemd_units():
-    units = {}
-    for name in ("blink-engine", "blink-frontend"):
-        unit = configparser.ConfigParser(strict=True, interpolation=None)
-        unit.optionxform = str
-        unit.read(DEPLOY / "systemd" / f"{name}.service")
-        assert {"Unit", "Service", "Install"} <= set(unit.sections())
-        argv = shlex.split(unit["Service"]["ExecStart"])
-        assert argv[0].endswith("/blink")
-        units[name] = (unit, parse_blink(argv[1:]))
-    (engine_unit, engine), (frontend_unit, frontend) = units.values()
+    (engine_unit, engine), (frontend_unit, frontend) = map(systemd_unit, ("blink-engine",
+                                                                          "blink-frontend"))
     assert (engine.command, frontend.command) == ("engine", "frontend")
+    assert engine.transport == frontend.transport == "shm"
     assert engine.ring_name == frontend.ring_name and engine.model == frontend.model
     # stopped in reverse start order: the front end (After= the engine) drains first
     assert "blink-engine.service" in frontend_unit["Unit"]["After"]
+    assert float(frontend_unit["Service"]["TimeoutStopSec"]) > frontend.shutdown_timeout
+
+
+def test_dpu_host_systemd_units():
+    """deploy/README.md's DPU + host pair: the engine on the host serves its ring by RDMA where
+    the front end on the DPU dials it; both may pin memory (ring registration)."""
+    (engine_unit, engine), (frontend_unit, frontend) = map(
+        systemd_unit, ("blink-engine-rdma", "blink-frontend-dpu"))
+    assert (engine.command, frontend.command) == ("engine", "frontend")
+    assert engine.transport == frontend.transport == "rdma"
+    assert engine.rdma_addr == frontend.rdma_addr and engine.rdma_addr[0] != "0.0.0.0"
+    assert engine.model == frontend.model   # the same path on both machines (README)
+    assert engine_unit["Service"]["LimitMEMLOCK"] == frontend_unit["Service"]["LimitMEMLOCK"] \
+        == "infinity"
+    # two machines: neither unit waits for the other (the front end dials until it answers)
+    assert "blink-engine" not in frontend_unit["Unit"].get("After", "")
     assert float(frontend_unit["Service"]["TimeoutStopSec"]) > frontend.shutdown_timeout

@@ -238,3 +238,145 @@ def test_generated_c_header_is_current_and_compiles(tmp_path):
     src.write_text(f'#include "{header}"\nint main() {{ return 0; }}\n')
     # the header's static_asserts check every offset and size against layout.py's
     subprocess.run(["g++", "-std=c++17", "-fsyntax-only", str(src)], check=True)
+
+
+
+class LinkedRing:
+    """An engine's ring of one slot (RingServer, driven by the test) and a front end's EngineLink
+    attached to it, alive."""
+
+    def __init__(self, **link_args):
+        import asyncio
+
+        from blink.nic_service.engine_link import EngineLink
+        self.name = f"blink-test-{secrets.token_hex(6)}"
+        self.server = RingServer(self.name, RingGeometry(1, max_prompt_tokens=63,
+                                                         max_output_tokens=64),
+                                 model_name="unit", vocab_size=VOCAB, context_length=64,
+                                 eos_ids=(2,))
+        self.server.set_state(layout.EngineState.SERVING)
+        self.loop = asyncio.new_event_loop()
+        self.link = EngineLink(self.name, engine_timeout_s=1e9, **link_args)
+        self.server.beat()
+        self.link._try_attach()
+        self.server.beat()
+        self.link._poll_once()
+        assert self.link.alive
+
+    def submit(self, max_tokens: int = 3):
+        return self.loop.run_until_complete(self.link.submit(dict(
+            prompt=np.asarray([5, 6], np.int32), max_tokens=max_tokens)))
+
+    def admit(self):
+        """The engine takes the submitted request: its record now belongs to it."""
+        (r,), _ = self.server.poll(LIMITS)
+        self.server.open_record(r.slot, r.gen, len(r.prompt))
+        return r
+
+    def close(self) -> None:
+        self.loop.close()
+        self.link._detach(RuntimeError("test over"))
+        self.server.close()
+        assert not shm_path(self.name).exists()
+
+
+def drain(handle) -> tuple[list[list[int]], FinishReason | None]:
+    """(the token lists of the handle's events so far, its finish reason or None)."""
+    from blink.nic_service.engine_link import Finished
+    chunks, reason = [], None
+    while not handle.events.empty():
+        event = handle.events.get_nowait()
+        if isinstance(event, Finished):
+            reason = event.reason
+        else:
+            chunks.append(event.ids)
+    return chunks, reason
+
+
+class _MoveAfterRead:
+    """A front-end transport on which the engine makes one move right after the front end's k-th
+    read: the protocol orders a front end's reads one after another, never the bytes in one."""
+
+    def __init__(self, inner, k: int, move):
+        self.inner, self.k, self.move, self.reads = inner, k, move, 0
+
+    def _done(self, data: bytes) -> bytes:
+        self.reads += 1
+        if self.reads == self.k:
+            self.move()
+        return data
+
+    def read(self, offset: int, length: int) -> bytes:
+        return self._done(self.inner.read(offset, length))
+
+    def read_strided(self, offset: int, stride: int, count: int, length: int) -> bytes:
+        return self._done(self.inner.read_strided(offset, stride, count, length))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_front_end_record_reads_miss_no_move_of_the_engine(k):
+    """EngineLink reads a record's gen, then its finish_reason, then its num_tokens: after
+    whichever of its reads the engine appends the last token and finishes, no token is lost
+    (a count read before the finish would miss it); after whichever the engine admits the
+    slot's next request, that request gets nothing of the previous one's record."""
+    ring = LinkedRing()
+    server, link = ring.server, ring.link
+    plain = link._transport
+
+    def poll_with_move(move) -> None:
+        link._transport = _MoveAfterRead(plain, k, move)
+        for _ in range(3):  # the move lands in the first poll, or (k past its reads) the second
+            link._poll_once()
+        link._transport = plain
+
+    try:
+        first = ring.submit()
+        a = ring.admit()
+        for i, tok in enumerate((10, 11)):
+            server.append_token(a.slot, i, tok)
+
+        def last_token_and_finish():
+            server.append_token(a.slot, 2, 12)
+            server.finish(a.slot, a.gen, FinishReason.LENGTH)
+        poll_with_move(last_token_and_finish)
+        chunks, reason = drain(first)
+        assert sum(chunks, []) == [10, 11, 12] and reason is FinishReason.LENGTH
+
+        second = ring.submit()  # the ring's only slot again, its record still the first's
+        admitted = []
+        poll_with_move(lambda: admitted.append(ring.admit()))
+        assert admitted and drain(second) == ([], None)
+        b = admitted[0]
+        server.append_token(b.slot, 0, 20)
+        server.finish(b.slot, b.gen, FinishReason.LENGTH)
+        link._poll_once()
+        assert drain(second) == ([[20]], FinishReason.LENGTH)
+    finally:
+        ring.close()
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 3600.0])
+def test_stream_interval_holds_tokens_but_not_the_first_or_the_finish(interval_s):
+    """With stream_interval_s, the tokens after a request's first wait in the record until the
+    interval has passed, to go out together; the finish brings whatever waits at once."""
+    ring = LinkedRing(stream_interval_s=interval_s)
+    server, link = ring.server, ring.link
+    try:
+        handle = ring.submit(max_tokens=4)
+        r = ring.admit()
+        for i, tok in enumerate((10, 11, 12)):
+            server.append_token(r.slot, i, tok)
+            link._poll_once()
+        if interval_s:
+            assert drain(handle) == ([[10]], None)  # the first token at once, then held
+        else:
+            assert drain(handle) == ([[10], [11], [12]], None)
+        server.append_token(r.slot, 3, 13)
+        server.finish(r.slot, r.gen, FinishReason.LENGTH)
+        link._poll_once()
+        assert drain(handle) == ([[11, 12, 13]] if interval_s else [[13]], FinishReason.LENGTH)
+    finally:
+        ring.close()

@@ -78,8 +78,8 @@ def run_schedule(seed: int, cases: int) -> dict:
     server.set_state(EngineState.SERVING)
     opened = []
 
-    def open_rdma_like(ring_name):
-        transport, info = real_open(ring_name)
+    def open_rdma_like(ring_name, dialer=None):
+        transport, info = real_open(ring_name, dialer)
         sim = RdmaLikeTransport(transport.segment, rng)
         opened.append(sim)
         return sim, info

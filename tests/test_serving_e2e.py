@@ -126,3 +126,19 @@ def test_64_concurrent_streams_equal_solo_runs(stacks, checkpoints):
     stats = BlinkClient(stack.target).stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert int(stats.get("ring_slots_in_use", 0)) == 0
+
+
+def test_stream_interval_sends_fewer_messages_with_the_same_tokens(stacks, checkpoints, make_stack):
+    """--stream-interval-ms through a real front end: the same greedy tokens as one message per
+    token, in fewer messages (several tokens each), the first one alone."""
+    prompt, sampling = [5, 6, 7, 8], Sampling(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def chunks(stack):
+        with BlinkClient(stack.target) as client:
+            return [list(d.token_ids) for d in client.stream(prompt, sampling,
+                                                             return_token_ids=True)]
+    every = chunks(stacks("llama"))
+    grouped = chunks(make_stack(checkpoints["llama"], frontend_args=["--stream-interval-ms",
+                                                                      "100"]))
+    assert sum(every, []) == sum(grouped, []) and len(sum(every, [])) == 40
+    assert len(grouped[0]) == 1 and len(grouped) < len(every) and max(map(len, grouped)) > 1

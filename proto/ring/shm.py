@@ -1,13 +1,15 @@
 """Ring transports: how bytes reach the other side's memory.
 
 The front end only ever does one-sided operations on the engine's ring: `write` a byte range,
-`read` a byte range. `RingTransport` is that interface; the RDMA transport (pyverbs, a later
-issue) implements it with RDMA WRITE/READ, and `ShmTransport` implements it on one host over a
-POSIX shared-memory segment that the engine creates with owner-only permissions.
+`read` a byte range. `RingTransport` is that interface; `ShmTransport` implements it on one host
+over a POSIX shared-memory segment that the engine creates with owner-only permissions, and
+`blink.ring.rdma.RdmaTransport` with RDMA WRITE/READ from another machine (a DPU's Arm cores).
+What is written where, and in what order, is the front end's EngineLink, the same for both.
 
 Ordering: on x86 (TSO) stores from one thread become visible in program order, so writing the
 payload and then the doorbell word is enough for the shared-memory case. A transport without
-that guarantee (RDMA) must complete the payload write before it issues the doorbell write.
+that guarantee (RDMA) must complete the payload write before it issues the doorbell write: a
+`write` returns only once its bytes are in the engine's memory.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ SHM_DIR = Path("/dev/shm")
 
 
 class RingTransport(Protocol):
+    size: int  # bytes of the ring reachable through the transport
     def read(self, offset: int, length: int) -> bytes: ...
     def write(self, offset: int, data: bytes) -> None: ...
     # `count` ranges of `length` bytes, `stride` apart, concatenated (RDMA: one batch of READs)
@@ -30,6 +33,14 @@ class RingTransport(Protocol):
     # False once the memory behind the transport is known to be gone (e.g. replaced segment)
     def is_current(self) -> bool: ...
     def close(self) -> None: ...
+
+
+def gather_strided(mem, offset: int, stride: int, count: int, length: int) -> bytes:
+    """`count` ranges of `length` bytes, `stride` apart from `offset` in `mem` (a buffer of the
+    ring: a memoryview, a [size] u8 array), concatenated; each range one opaque item."""
+    if count and offset + (count - 1) * stride + length > mem.nbytes:
+        raise ValueError("strided read past the end of the ring")
+    return np.ndarray((count,), f"V{length}", mem, offset, (stride,)).tobytes()
 
 
 def shm_path(name: str) -> Path:
@@ -115,6 +126,7 @@ class ShmTransport:
 
     def __init__(self, segment: ShmSegment):
         self.segment = segment
+        self.size = segment.size
         self._mem = memoryview(segment.mmap)
 
     def read(self, offset: int, length: int) -> bytes:
@@ -127,11 +139,7 @@ class ShmTransport:
         return self.segment.is_current()
 
     def read_strided(self, offset: int, stride: int, count: int, length: int) -> bytes:
-        if count and offset + (count - 1) * stride + length > self.segment.size:
-            raise ValueError("strided read past the end of the segment")
-        rows = np.lib.stride_tricks.as_strided(self.segment.array()[offset:],
-                                               shape=(count, length), strides=(stride, 1))
-        return rows.tobytes()
+        return gather_strided(self._mem, offset, stride, count, length)
 
     def close(self) -> None:
         self._mem.release()

@@ -1,0 +1,356 @@
+"""--transport rdma: the start-up check on every machine (a real subprocess of the CLI: the
+message, the exit status, nothing left behind), and the real RDMA path where a device exists
+(soft-RoCE counts; deploy/README.md, "RDMA tests with soft-RoCE"), skipped elsewhere with the
+reason."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blink.gpu_engine.ring_server import ModelLimits, RingServer
+from blink.nic_service.engine_link import EngineLink, EngineUnavailable, Finished, Tokens
+from blink.ring.layout import EngineState, FinishReason, RingGeometry
+from blink.ring.rdma import rdma_unavailable_reason
+from blink.ring.shm import shm_path
+
+VOCAB = 500
+LIMITS = ModelLimits(vocab_size=VOCAB, context_length=64, kv_capacity_tokens=4096)
+
+
+def blink(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "blink.client.cli", *args], capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+# -- the start-up check: on every machine ----------------------------------------------------
+
+ROLES = {  # command -> its arguments besides the transport's
+    "engine": [],
+    "frontend": ["--port", "{port}"],
+    "serve": ["--port", "{port}", "--engine", "cpu"],
+}
+
+
+def refused_start(command: str, tmp_path: Path, env: dict | None = None) -> str:
+    """Runs `blink COMMAND --transport rdma` and checks it started nothing; returns stderr."""
+    ring, port = f"blink-test-rdma-{secrets.token_hex(4)}", free_port()
+    argv = [command, "--transport", "rdma", "--rdma-addr", "127.0.0.1:7471",
+            "--ring-name", ring, "--model", str(tmp_path / "not-a-checkpoint"),
+            *(a.format(port=port) for a in ROLES[command])]
+    started = time.monotonic()
+    out = blink(*argv, env=env)
+    assert out.returncode == 1, out.stderr   # sys.exit with a message
+    assert out.stdout == ""
+    assert not shm_path(ring).exists()       # no ring created
+    assert port_is_free(port)                # no port bound
+    # checked before the model folder (which does not exist) and before any engine: the only
+    # line is the transport's
+    assert out.stderr.count("\n") == 1 and "not-a-checkpoint" not in out.stderr
+    assert time.monotonic() - started < 60
+    return out.stderr
+
+
+@pytest.mark.parametrize("command", ROLES)
+def test_rdma_without_pyverbs_refuses_to_start(command, tmp_path):
+    if importlib.util.find_spec("pyverbs") is not None:
+        pytest.skip("pyverbs is installed here: the no-device check below covers this machine")
+    err = refused_start(command, tmp_path)
+    assert err.startswith("blink: --transport rdma needs pyverbs, which does not import here")
+    assert "pip install 'blink-serve[rdma]'" in err and "rdma-core >= 57" in err
+
+
+@pytest.mark.parametrize("command", ROLES)
+def test_rdma_without_a_device_refuses_to_start(command, tmp_path):
+    """pyverbs imports (a stand-in package on PYTHONPATH whose device list is empty, as on a
+    machine with rdma-core but no RDMA NIC and no soft-RoCE)."""
+    fake = tmp_path / "fake" / "pyverbs"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "device.py").write_text("def get_device_list():\n    return []\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(fake.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    err = refused_start(command, tmp_path, env)
+    assert err.startswith("blink: --transport rdma found no RDMA device (ibv_devices lists none")
+    assert "rdma link add rxe0 type rxe netdev" in err
+
+
+def test_rdma_transport_flags(tmp_path):
+    out = blink("engine", "--transport", "rdma", "--ring-name", "x")
+    assert out.returncode == 1 and "--transport rdma needs --rdma-addr IP:PORT" in out.stderr
+    out = blink("frontend", "--rdma-addr", "10.0.0.1:7471")
+    assert out.returncode == 1 and "--rdma-addr is an option of --transport rdma" in out.stderr
+    out = blink("engine", "--transport", "rdma", "--rdma-addr", "10.0.0.1")
+    assert out.returncode == 2 and "'10.0.0.1' is not IP:PORT" in out.stderr
+
+
+# -- the real RDMA path: where a device exists -----------------------------------------------
+
+def device_ip() -> str | None:
+    """$BLINK_TEST_RDMA_IP, else an IPv4 address of the first RDMA device's network interface."""
+    if os.environ.get("BLINK_TEST_RDMA_IP"):
+        return os.environ["BLINK_TEST_RDMA_IP"]
+    for ndev in sorted(Path("/sys/class/infiniband").glob("*/ports/*/gid_attrs/ndevs/*")):
+        try:
+            netdev = ndev.read_text().strip()
+            out = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", netdev],
+                                 capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        for line in out.splitlines():
+            fields = line.split()
+            if "inet" in fields:
+                return fields[fields.index("inet") + 1].split("/")[0]
+    return None
+
+
+@pytest.fixture(params=["standin", "device"])
+def rdma_ip(request, monkeypatch) -> str:
+    """standin: pyverbs replaced by tests/pyverbs_standin.py (this module's logic, in CI);
+    device: the real pyverbs and RDMA device, where there is one."""
+    if request.param == "standin":
+        import pyverbs_standin
+        pyverbs_standin.install(monkeypatch)
+        return "127.0.0.1"
+    reason = rdma_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no RDMA here: --transport rdma {reason}")
+    ip = device_ip()
+    if ip is None:
+        pytest.skip("no IPv4 address on an RDMA device's network interface (set "
+                    "BLINK_TEST_RDMA_IP)")
+    return ip
+
+
+class RdmaRing:
+    """An engine's ring (RingServer) exported over RDMA in this process, and a front end's
+    EngineLink reaching it through a real queue pair."""
+
+    def __init__(self, ip: str, slots: int = 4):
+        from blink.ring.rdma import RingExport
+        self.name = f"blink-test-rdma-{secrets.token_hex(4)}"
+        self.addr = (ip, 20000 + secrets.randbelow(20000))
+        self.server = RingServer(self.name, RingGeometry(slots, max_prompt_tokens=63,
+                                                         max_output_tokens=64),
+                                 model_name="rdma", vocab_size=VOCAB, context_length=64,
+                                 eos_ids=(1,))
+        self.fatal: list[str] = []
+        self.export = RingExport(*self.addr, self.name, on_fatal=self.fatal.append)
+        self.export.start()
+        self.server.set_state(EngineState.SERVING)
+        self.link = EngineLink(self.name, rdma_engine=self.addr, engine_timeout_s=1e9)
+        self.loop = asyncio.new_event_loop()
+
+    def attach(self, timeout_s: float = 20) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.link._transport is None:
+            assert not self.fatal and time.monotonic() < deadline, self.fatal
+            self.link._try_attach()
+            time.sleep(0.01)
+        self.server.beat()
+        self.link._poll_once()
+        assert self.link.alive and self.link.ring_where == f"rdma://{self.addr[0]}:{self.addr[1]}"
+
+    def submit(self, prompt, max_tokens=4):
+        return self.loop.run_until_complete(self.link.submit(dict(
+            prompt=np.asarray(prompt, np.int32), max_tokens=max_tokens)))
+
+    def admitted(self, timeout_s: float = 5):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            new, rejected = self.server.poll(LIMITS)
+            assert rejected == []
+            if new:
+                return new
+            time.sleep(0.001)
+        raise AssertionError("the engine never saw the request")
+
+    def events(self, handle) -> list:
+        self.server.beat()
+        self.link._poll_once()
+        out = []
+        while not handle.events.empty():
+            out.append(handle.events.get_nowait())
+        return out
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.link.stop())
+        self.loop.close()
+        self.export.close()
+        self.server.close()
+
+
+def test_ring_round_trip_over_rdma(rdma_ip):
+    ring = RdmaRing(rdma_ip)
+    try:
+        ring.attach()
+        handle = ring.submit([5, 6, 7], max_tokens=3)
+        (req,) = ring.admitted()
+        assert (req.slot, req.gen, req.prompt) == (handle.slot, handle.gen, [5, 6, 7])
+        ring.server.open_record(req.slot, req.gen, 3)
+        for i, token in enumerate([9, 10, 11]):
+            ring.server.append_token(req.slot, i, token)
+        ring.server.finish(req.slot, req.gen, FinishReason.LENGTH)
+        events = ring.events(handle)
+        assert [e.ids for e in events if isinstance(e, Tokens)] == [[9, 10, 11]]
+        assert isinstance(events[-1], Finished) and events[-1].reason == FinishReason.LENGTH
+
+        second = ring.submit([8], max_tokens=50)   # the cancel word, by RDMA WRITE
+        (req,) = ring.admitted()
+        ring.server.open_record(req.slot, req.gen, 1)
+        ring.link.cancel(second)
+        deadline = time.monotonic() + 5
+        while not ring.server.cancel_requested(req.slot, req.gen):
+            assert time.monotonic() < deadline, "the cancel word never landed"
+            time.sleep(0.001)
+        ring.server.finish(req.slot, req.gen, FinishReason.CANCELLED)
+        assert ring.events(second)[-1].reason == FinishReason.CANCELLED
+
+        with pytest.raises(ValueError, match="not in the request slots"):
+            ring.link._transport.write(0, b"\0" * 8)   # the header is not the front end's
+    finally:
+        ring.close()
+    assert not ring.fatal
+
+
+def test_engine_side_gone_then_back(rdma_ip):
+    """The export closes its connections (as when the engine process dies): the link says so
+    and fails the stream in flight; a new export on the same address: the link reconnects."""
+    from blink.ring.rdma import RingExport
+    ring = RdmaRing(rdma_ip)
+    try:
+        ring.attach()
+        handle = ring.submit([5], max_tokens=50)
+        ring.export.close()
+        deadline = time.monotonic() + 10
+        while ring.link._transport is not None:
+            assert time.monotonic() < deadline, "the link never noticed"
+            try:
+                ring.link._poll_once()
+            except Exception as e:  # what EngineLink._run does with a failed poll
+                ring.link._detach(EngineUnavailable(f"ring poll failed: {e}"))
+            time.sleep(0.01)
+        assert isinstance(handle.events.get_nowait(), EngineUnavailable)
+        ring.export = RingExport(*ring.addr, ring.name, on_fatal=ring.fatal.append)
+        ring.export.start()
+        ring.attach()
+        ring.submit([6])
+        assert [r.prompt for r in ring.admitted()] == [[6]]
+    finally:
+        ring.close()
+
+
+def test_many_slots_in_bounded_batches(rdma_ip):
+    """More slots than work requests in flight: each strided read is several chained batches
+    (the stand-in refuses a chain longer than the send queue, or a completion queue overrun)."""
+    from blink.ring.rdma import MAX_OUTSTANDING
+    ring = RdmaRing(rdma_ip, slots=2 * MAX_OUTSTANDING + 3)
+    try:
+        ring.attach()
+        handles = [ring.submit([i + 2], max_tokens=1) for i in range(2 * MAX_OUTSTANDING + 3)]
+        new = []
+        while len(new) < len(handles):
+            new += ring.admitted()
+        for r in new:
+            ring.server.open_record(r.slot, r.gen, 1)
+            ring.server.append_token(r.slot, 0, r.prompt[0] + 100)
+            ring.server.finish(r.slot, r.gen, FinishReason.LENGTH)
+        ring.server.beat()
+        ring.link._poll_once()
+        for h in handles:
+            events = [h.events.get_nowait() for _ in range(h.events.qsize())]
+            assert events[0].ids == [h.slot + 102] and events[-1].reason == FinishReason.LENGTH
+    finally:
+        ring.close()
+
+
+def test_front_end_reconnect_replaces_its_connection(rdma_ip):
+    """The front end drops its connection (as on a queue pair error) and dials again: the
+    engine closes the earlier one (the same token), so it keeps one per front end."""
+    ring = RdmaRing(rdma_ip)
+    try:
+        ring.attach()
+        ring.link._detach(EngineUnavailable("dropped by the test"))
+        ring.attach()
+        deadline = time.monotonic() + 5
+        while len(ring.export.connections) != 1:
+            assert time.monotonic() < deadline, ring.export.connections
+            time.sleep(0.01)
+        ring.submit([7])
+        assert [r.prompt for r in ring.admitted()] == [[7]]
+    finally:
+        ring.close()
+
+
+def test_refusals_are_said(monkeypatch):
+    """Against the stand-in: nothing listening, an address without an RDMA device, a write
+    the engine's memory regions do not allow (the front end's own check bypassed), a Hello of
+    another layout version."""
+    import pyverbs_standin
+    pyverbs_standin.install(monkeypatch)
+    from blink.ring import rdma
+    dialer = rdma.RdmaDialer("127.0.0.1", 7471)
+    with pytest.raises(rdma.RdmaError, match=r"nothing accepts RDMA connections at "
+                                             r"127.0.0.1:7471 \(is the engine up"):
+        while dialer.step() is None:
+            pass
+    with pytest.raises(rdma.RdmaUnavailable, match="cannot take RDMA CM address 203.0.113.9"):
+        rdma.RingExport("203.0.113.9", 7471, "x", on_fatal=print)
+    ring = RdmaRing("127.0.0.1")
+    try:
+        ring.attach()
+        t = ring.link._transport
+        with pytest.raises(rdma.RdmaPeerGone, match="IBV_WC_REM_ACCESS_ERR"):
+            t._run([t._wr(t.v.WR_WRITE, 0, 8)])
+        assert not t.is_current()
+    finally:
+        ring.close()
+    hello = np.zeros((), rdma.HELLO_DTYPE)
+    hello["magic"], hello["layout_version"], hello["token"] = rdma.RING_MAGIC, 1, 5
+    assert rdma._read_hello(hello.tobytes()) == (0, "ring layout version 2 here, 1 in the "
+                                                    "front end")
+    hello["layout_version"] = rdma.LAYOUT_VERSION
+    assert rdma._read_hello(hello.tobytes().ljust(56, b"\0")) == (5, None)
+
+
+@pytest.mark.slow
+def test_engine_and_frontend_processes_over_rdma(checkpoints, make_stack):
+    """`blink engine` and `blink frontend` with --transport rdma, as on a host and its DPU: the
+    engine process exports its ring, the front end reaches it through the device, greedy tokens
+    come back."""
+    from blink.client.sdk import BlinkClient, Sampling
+    reason, ip = rdma_unavailable_reason(), device_ip()
+    if reason is not None or ip is None:
+        pytest.skip(f"no RDMA here: --transport rdma {reason}" if reason else
+                    "no IPv4 address on an RDMA device's network interface")
+    rdma = ["--transport", "rdma", "--rdma-addr", f"{ip}:{20000 + secrets.randbelow(20000)}"]
+    stack = make_stack(checkpoints["llama"], engine_args=["--engine", "cpu", *rdma],
+                       frontend_args=rdma)
+    with BlinkClient(stack.target) as client:
+        done = client.generate("Hello", Sampling(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert (done.finish_reason, done.completion_tokens) == ("length", 8)
+    assert "attached to engine ring rdma://" in stack.logs()
