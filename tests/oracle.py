@@ -74,3 +74,32 @@ def _assert_near_tie(logits: np.ndarray, ours: int, where: str) -> None:
     assert ours in top2.tolist() and gap < NEAR_TIE, (
         f"{where}; reference top-2 {top2.tolist()} gap {gap:.3g} is not a near-tie "
         f"(< {NEAR_TIE})")
+
+
+# -- the bf16 reference for the CUDA engine (transformers in bf16 on the GPU) --------------------
+
+def hf_bf16(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+
+
+def hf_logits(model, tokens: list[int]) -> np.ndarray:
+    import torch
+    with torch.no_grad():
+        return model(torch.tensor([tokens], device="cuda")).logits[0].float().cpu().numpy()
+
+
+def check_against_bf16_reference(model, prompt: list[int], ours: list[int], tol: float) -> int:
+    """Every token is the reference argmax on our own prefix, or a runner-up within `tol`.
+    Returns the number of near-tie steps."""
+    logits = hf_logits(model, prompt + ours)[len(prompt) - 1:-1]
+    ties = 0
+    for k, (row, tok) in enumerate(zip(logits, ours)):
+        best = int(np.argmax(row))
+        if tok != best:
+            gap = float(row[best] - row[tok])
+            assert gap < tol, f"step {k}: ours {tok} (logit {row[tok]:.4f}), reference {best} " \
+                              f"({row[best]:.4f}): gap {gap:.4f} is not within {tol:.4f}"
+            ties += 1
+    return ties

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import pytest
 from gpu import requires_gpu
+from oracle import check_against_bf16_reference, hf_bf16, hf_logits
 
 from blink.client.sdk import AsyncBlinkClient, BlinkClient, Sampling
 
@@ -31,33 +32,6 @@ TIE_FACTOR = 2.0
 # explicit KV size: several engines share the GPU during the tests
 CUDA = ["--engine", "cuda", "--num-kv-blocks", "2048"]
 GREEDY = Sampling(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-def hf_bf16(model_dir):
-    import torch
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-
-
-def hf_logits(model, tokens: list[int]) -> np.ndarray:
-    import torch
-    with torch.no_grad():
-        return model(torch.tensor([tokens], device="cuda")).logits[0].float().cpu().numpy()
-
-
-def check_against_bf16_reference(model, prompt: list[int], ours: list[int], tol: float) -> int:
-    """Every token is the reference argmax on our own prefix, or a runner-up within `tol`.
-    Returns the number of near-tie steps."""
-    logits = hf_logits(model, prompt + ours)[len(prompt) - 1:-1]
-    ties = 0
-    for k, (row, tok) in enumerate(zip(logits, ours)):
-        best = int(np.argmax(row))
-        if tok != best:
-            gap = float(row[best] - row[tok])
-            assert gap < tol, f"step {k}: ours {tok} (logit {row[tok]:.4f}), reference {best} " \
-                              f"({row[best]:.4f}): gap {gap:.4f} is not within {tol:.4f}"
-            ties += 1
-    return ties
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,18 @@ def engine_args(engine: str, extra=()) -> list[str]:
     return ["--engine", engine, *(["--num-kv-blocks", "4096"] if sized else []), *extra]
 
 
+def assert_unaffected(engine, model_dir, prompt: list[int], alone, beside_others) -> None:
+    """A greedy request's tokens do not depend on what else ran in its batches. The CPU engine
+    computes each row alone, so its tokens are equal. The CUDA engine's bf16 sums change with
+    the batch's shape (bucket, split counts), so there each token must be the transformers
+    bf16 argmax on its own prefix, or a near-tie of it (tests/oracle.py)."""
+    if engine == "cpu" or alone.token_ids == beside_others.token_ids:
+        assert alone.token_ids == beside_others.token_ids
+        return
+    from oracle import check_against_bf16_reference, hf_bf16
+    check_against_bf16_reference(hf_bf16(model_dir), prompt, list(beside_others.token_ids), 0.25)
+
+
 @pytest.fixture
 def engine_stack(engine, make_stack):
     """make_stack with this module's engine."""
@@ -260,15 +272,15 @@ BAD_REQUESTS = [
 ]
 
 
-def test_bad_input_is_invalid_argument_and_others_keep_going(stack, client):
-    expected = client.generate("a stream running beside bad requests", GREEDY,
-                               return_token_ids=True)
+def test_bad_input_is_invalid_argument_and_others_keep_going(engine, stack, client,
+                                                            checkpoints):
+    beside_bad = [11, 12, 13, 14, 15]
+    expected = client.generate(beside_bad, GREEDY, return_token_ids=True)
     results = {}
 
     def background():
         with BlinkClient(stack.target) as c:
-            results["bg"] = c.generate("a stream running beside bad requests", GREEDY,
-                                       return_token_ids=True)
+            results["bg"] = c.generate(beside_bad, GREEDY, return_token_ids=True)
 
     t = threading.Thread(target=background)
     t.start()
@@ -280,7 +292,7 @@ def test_bad_input_is_invalid_argument_and_others_keep_going(stack, client):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (req, err.value)
             assert message in err.value.details(), (message, err.value.details())
     t.join(60)
-    assert results["bg"].token_ids == expected.token_ids
+    assert_unaffected(engine, checkpoints["llama"], beside_bad, expected, results["bg"])
     assert client.generate("still serving", GREEDY).completion_tokens == 24
 
 
@@ -310,21 +322,22 @@ def test_cancel_frees_slot_and_blocks(long_stack):
     assert after["requests_cancelled"] == before["requests_cancelled"] + 1
 
 
-def test_deadline_frees_slot_and_blocks_others_unaffected(long_stack):
+def test_deadline_frees_slot_and_blocks_others_unaffected(engine, long_stack, long_checkpoint):
     stack = long_stack
     client = BlinkClient(stack.target)
-    expected = client.generate("bystander", GREEDY, return_token_ids=True)
+    bystander_prompt = [21, 22, 23, 24]
+    expected = client.generate(bystander_prompt, GREEDY, return_token_ids=True)
     before = client.stats()
 
     async def run():
         async with AsyncBlinkClient(stack.target) as c:
             slow = c.generate("deadline me", LONG, timeout=1.0)
-            bystander = c.generate("bystander", GREEDY, return_token_ids=True, timeout=60)
+            bystander = c.generate(bystander_prompt, GREEDY, return_token_ids=True, timeout=60)
             return await asyncio.gather(slow, bystander, return_exceptions=True)
 
     slow, bystander = asyncio.run(run())
     assert isinstance(slow, BlinkError) and slow.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert bystander.token_ids == expected.token_ids
+    assert_unaffected(engine, long_checkpoint, bystander_prompt, expected, bystander)
     assert wait_for(lambda: engine_idle(client)), client.stats()
     assert client.stats()["requests_cancelled"] == before["requests_cancelled"] + 1
 

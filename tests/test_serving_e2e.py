@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from oracle import check_greedy, check_teacher_forced, hf_greedy
@@ -130,15 +131,19 @@ def test_64_concurrent_streams_equal_solo_runs(stacks, checkpoints):
 
 def test_stream_interval_sends_fewer_messages_with_the_same_tokens(stacks, checkpoints, make_stack):
     """--stream-interval-ms through a real front end: the same greedy tokens as one message per
-    token, in fewer messages (several tokens each), the first one alone."""
+    step, in fewer messages (several tokens each): after the first message, at most one per
+    interval, plus the last."""
     prompt, sampling = [5, 6, 7, 8], Sampling(max_tokens=40, temperature=0.0, ignore_eos=True)
 
     def chunks(stack):
         with BlinkClient(stack.target) as client:
-            return [list(d.token_ids) for d in client.stream(prompt, sampling,
-                                                             return_token_ids=True)]
-    every = chunks(stacks("llama"))
-    grouped = chunks(make_stack(checkpoints["llama"], frontend_args=["--stream-interval-ms",
-                                                                      "100"]))
+            t0 = time.monotonic()
+            got = [list(d.token_ids) for d in client.stream(prompt, sampling,
+                                                            return_token_ids=True)]
+            return [c for c in got if c], time.monotonic() - t0  # (the end may carry none)
+    every, _ = chunks(stacks("llama"))
+    grouped, elapsed = chunks(make_stack(checkpoints["llama"],
+                                         frontend_args=["--stream-interval-ms", "100"]))
     assert sum(every, []) == sum(grouped, []) and len(sum(every, [])) == 40
-    assert len(grouped[0]) == 1 and len(grouped) < len(every) and max(map(len, grouped)) > 1
+    assert len(grouped) < len(every) and max(map(len, grouped)) > 1
+    assert len(grouped) <= 2 + elapsed / 0.1, (len(grouped), elapsed)
