@@ -6,11 +6,19 @@ Open loop: arrivals at --request-rate per second, gaps drawn from a gamma distri
 every system under the same seed; rate inf sends everything at once. --concurrency caps the
 requests in flight (with rate inf: a closed loop of that many clients, each sending its next
 request when the last one finished).
+
+One Python client process takes roughly 10 us of CPU per streamed token, so past about 80,000
+tokens/s the client, not the server, would set the pace: `run_in_processes` spreads the requests
+over several client processes (each its own event loop and connections) that keep one common
+arrival schedule, and merges what they saw.
 """
 from __future__ import annotations
 
 import asyncio
 import math
+import multiprocessing
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,15 +70,19 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
                        burstiness: float = 1.0, concurrency: int | None = None,
                        ignore_eos: bool = True, seed: int = 0, timeout: float = 3600.0,
                        connections: int = 1, run_timeout: float | None = None,
-                       on_done: Callable[[RequestRecord], None] | None = None
+                       on_done: Callable[[RequestRecord], None] | None = None,
+                       offsets: np.ndarray | None = None, start: float | None = None
                        ) -> tuple[list[RequestRecord], float, ClientLoad]:
     """Sends every request (greedy, max_tokens = its output length) on the schedule, round
     robin over `connections` TCP connections (a server with several front-end workers on one
     port gets connections, not requests, spread over them); returns the records in request
     order, the wall time from the first send to the last token, and the client's CPU use. A
     failed request keeps its error and does not stop the others. run_timeout: seconds after
-    which requests not yet finished (or sent) are cancelled and recorded as failed."""
-    offsets = arrival_offsets(len(requests), rate, burstiness, seed)
+    which requests not yet finished (or sent) are cancelled and recorded as failed.
+    offsets, start: this process's share of a schedule drawn elsewhere, and the perf_counter
+    time its offsets count from (run_in_processes)."""
+    if offsets is None:
+        offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     records = [RequestRecord(len(r.prompt), r.output_len) for r in requests]
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     # gRPC shares one connection among a process's channels to a target unless told not to
@@ -116,7 +128,7 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
                 raise
 
         loop_cpu0 = time.thread_time()
-        cpu0, start = time.process_time(), time.perf_counter()
+        cpu0, start = time.process_time(), start or time.perf_counter()
         try:
             await asyncio.wait_for(send_all(), run_timeout)
         except asyncio.TimeoutError:
@@ -132,3 +144,78 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
     ends = [r.token_times[-1] for r in records if r.token_times]
     wall = (max(ends) if ends else time.perf_counter()) - start
     return records, wall, load
+
+
+def _client_process(requests: list[BenchRequest], offsets: np.ndarray, options: dict,
+                    ready, go, start, results, index: int) -> None:
+    """One client process of run_in_processes: waits for the common start, runs its share."""
+    ready.wait()
+    go.wait()
+    try:
+        records, _, load = asyncio.run(run_requests(options.pop("target"), requests,
+                                                    offsets=offsets, start=start.value,
+                                                    **options))
+        results.put((index, records, load))
+    except BaseException as e:  # the parent reports it; a silent child would hang the run
+        results.put((index, None, f"{type(e).__name__}: {e}"))
+
+
+def run_in_processes(processes: int, target: str, requests: list[BenchRequest], *,
+                     rate: float = math.inf, burstiness: float = 1.0,
+                     concurrency: int | None = None, seed: int = 0, connections: int = 1,
+                     **options) -> tuple[list[RequestRecord], float, ClientLoad]:
+    """run_requests spread over `processes` client processes: request i goes to process
+    i % processes with its arrival time from the one schedule, concurrency and connections are
+    shared out, and the records come back in request order. The merged ClientLoad sums the
+    processes' CPU and keeps the busiest event loop's (what tells a saturated client)."""
+    if processes <= 1:
+        return asyncio.run(run_requests(target, requests, rate=rate, burstiness=burstiness,
+                                        concurrency=concurrency, seed=seed,
+                                        connections=connections, **options))
+    offsets = arrival_offsets(len(requests), rate, burstiness, seed)
+    ctx = multiprocessing.get_context("spawn")  # no copy of the parent's gRPC state
+    ready, go = ctx.Barrier(processes + 1), ctx.Event()
+    start, results = ctx.Value("d", 0.0), ctx.Queue()
+    workers = []
+    for k in range(processes):
+        share = dict(options, target=target,
+                     connections=max(1, -(-connections // processes)),
+                     concurrency=(concurrency // processes + (k < concurrency % processes)
+                                  if concurrency else None))
+        workers.append(ctx.Process(target=_client_process, daemon=True, args=(
+            requests[k::processes], offsets[k::processes], share, ready, go, start,
+            results, k)))
+    for worker in workers:
+        worker.start()
+    try:
+        ready.wait(timeout=120)        # every process has imported and is waiting
+        start.value = time.perf_counter() + 0.05  # CLOCK_MONOTONIC: one clock for all
+        go.set()
+        shares = {}
+        while len(shares) < processes:
+            try:
+                index, records, load = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a client process died (exit code {dead[0]})")
+                continue
+            if records is None:
+                raise RuntimeError(f"client process {index}: {load}")
+            shares[index] = (records, load)
+    except threading.BrokenBarrierError:
+        raise RuntimeError("the client processes did not start within 120 s") from None
+    finally:
+        for worker in workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.kill()
+    records: list[RequestRecord] = [None] * len(requests)  # type: ignore[list-item]
+    for k, (share, _) in shares.items():
+        records[k::processes] = share
+    loads = [load for _, load in shares.values()]
+    busiest = max(loads, key=lambda load: load.loop_busy)
+    ends = [r.token_times[-1] for r in records if r.token_times]
+    wall = (max(ends) if ends else time.perf_counter()) - start.value
+    return records, wall, ClientLoad(sum(load.process_cpu_s for load in loads),
+                                     busiest.loop_cpu_s, busiest.wall_s)

@@ -21,7 +21,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 cores=$(python3 -c "import os; print(len(os.sched_getaffinity(0)))")
 hogs=$(( 2 * (cores - 2) ))
-common=(--dataset sharegpt --num-prompts "${BENCH_PROMPTS:-64}" --repeats 2 --cpu-hog "$hogs"
+common=(--dataset sharegpt --num-prompts "${BENCH_PROMPTS:-48}" --repeats 2 --cpu-hog "$hogs"
         --hog-rates inf --max-model-len 4096)
 status=0
 for shape in ${BENCH_SHAPES:-llama-3.2-1b llama-3.1-8b}; do
@@ -37,7 +37,7 @@ for shape in ${BENCH_SHAPES:-llama-3.2-1b llama-3.1-8b}; do
   if [[ " ${BENCH_PEER_SHAPES:-llama-3.2-1b llama-3.1-8b} " == *" $shape "* ]]; then
     timeout "${BENCH_PEER_TIMEOUT:-180}" python3 -m blink.client.cli bench --shape "$shape" \
       --systems ${BENCH_PEERS:-hf hf-static} --request-rate inf \
-      --run-timeout "${BENCH_PEER_RUN_S:-10}" "${common[@]}" --out "$dir/peers" \
+      --run-timeout "${BENCH_PEER_RUN_S:-5}" "${common[@]}" --out "$dir/peers" \
       2>&1 | tee "$OUT/bench-$shape-peers.log" || status=1
     parts+=("$dir/peers/bench.json")
   fi

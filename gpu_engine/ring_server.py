@@ -124,7 +124,12 @@ class RingServer:
                            + geom.num_slots * geom.record_bytes].reshape(geom.num_slots,
                                                                           geom.record_bytes)
         self.slot_fixed = [s[:SLOT_DTYPE.itemsize].view(SLOT_DTYPE)[0] for s in self.slots]
-        self.seq_end = [s[geom.seq_end_offset:].view("<u4") for s in self.slots]
+        # every slot's seq_begin and seq_end words as one strided column each: poll reads the
+        # whole ring in two numpy reads and visits only slots with a new generation
+        begin = SLOT_DTYPE.fields["seq_begin"][1]
+        self.begin_column = self.slots[:, begin:begin + 4].view("<u4")[:, 0]
+        self.end_column = self.slots[:, geom.seq_end_offset:geom.seq_end_offset + 4] \
+            .view("<u4")[:, 0]
         self.rec_fixed = [r[:RECORD_DTYPE.itemsize].view(RECORD_DTYPE)[0] for r in self.records]
         self.rec_tokens = [r[RECORD_DTYPE.itemsize:].view("<i4") for r in self.records]
         self.consumed_gen = np.zeros(geom.num_slots, np.uint32)
@@ -164,10 +169,11 @@ class RingServer:
         """Consumes every slot holding a complete new generation; FCFS by request id."""
         new, rejected = [], []
         now = None
-        for i, fixed in enumerate(self.slot_fixed):
-            gen = int(fixed["seq_begin"])
-            if gen == self.consumed_gen[i] or gen != int(self.seq_end[i][0]):
-                continue  # nothing new, or a write still landing
+        begins = self.begin_column.copy()  # seq_begin before seq_end, as the protocol says
+        ends = self.end_column.copy()
+        # slots whose generation is new and whose write has landed (seq_end caught up)
+        for i in np.flatnonzero((begins != self.consumed_gen) & (begins == ends)).tolist():
+            fixed, gen = self.slot_fixed[i], int(begins[i])
             plen = min(int(fixed["prompt_len"]), self.geom.max_prompt_tokens)
             if payload_crc(self.slots[i].data, plen, gen) != int(fixed["payload_crc"]):
                 now = now or time.monotonic()
@@ -224,6 +230,7 @@ class RingServer:
         self.set_state(EngineState.STOPPED)
         self.segment.unlink()
         # views into the mapping stay referenced; drop them before closing
-        self.slot_fixed = self.rec_fixed = self.rec_tokens = self.seq_end = []
+        self.slot_fixed = self.rec_fixed = self.rec_tokens = []
+        self.begin_column = self.end_column = None
         self.header = self.slots = self.records = None
         self.segment.close()
