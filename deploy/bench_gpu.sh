@@ -11,10 +11,11 @@
 #     they run only at saturation (all requests at once), each run cut at BENCH_PEER_RUN_S;
 #     cut requests count as failed, and their tokens as streamed (the table shows both).
 # The two parts of a shape are merged into one table and one set of plots (blink bench
-# --report). Time, from the H200 runs of 2026-11-30 (a run is bound by the longest ShareGPT
-# reply, not by the prompt count): blink + host-cuda ~1.5 min on the 1B shape and ~3.5 on the
-# 8B shape, the peers ~2 min a shape: about 9 minutes, one lent-machine command; each part is
-# also cut by its own timeout. BENCH_SHAPES=llama-3.2-1b (or llama-3.1-8b) runs one shape.
+# --report). Time, from the H200 run of 2026-11-30 (48 prompts; a run is bound by the longest
+# ShareGPT reply, not by the prompt count): blink + host-cuda 1.5 min on the 1B shape and 3.3
+# on the 8B shape, the peers 2 min a shape (start-up and torch.compile included): 528 s in all,
+# one lent-machine command; each part is also cut by its own timeout.
+# BENCH_SHAPES=llama-3.2-1b (or llama-3.1-8b) runs one shape.
 #   deploy/bench_gpu.sh        (BENCH_SHAPES, BENCH_PROMPTS, BENCH_SYSTEMS, BENCH_PEERS,
 #                               BENCH_PEER_SHAPES, BENCH_PEER_RUN_S override)
 set -uo pipefail
