@@ -39,4 +39,4 @@ class KvBlockPool:
     def release(self, seq: Sequence) -> None:
         # Freed blocks go to the front: a just-freed block is the most likely still in cache.
         self._free.extendleft(reversed(seq.block_table))
-        seq.block_table = []
+        del seq.block_table[:]

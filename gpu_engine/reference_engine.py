@@ -178,8 +178,9 @@ class ReferenceEngine:
         self._honour_cancels()
 
     def _honour_cancels(self) -> None:
+        cancels = self.ring.cancel_words()
         for seq in list(self.core.active.values()):
-            if self.ring.cancel_requested(seq.slot, seq.gen):
+            if cancels[seq.slot] == seq.gen:
                 self.counters["requests_cancelled"] += 1
                 self._retire(seq, FinishReason.CANCELLED, 0)
 

@@ -130,6 +130,8 @@ class RingServer:
         self.begin_column = self.slots[:, begin:begin + 4].view("<u4")[:, 0]
         self.end_column = self.slots[:, geom.seq_end_offset:geom.seq_end_offset + 4] \
             .view("<u4")[:, 0]
+        cancel = SLOT_DTYPE.fields["cancel_gen"][1]
+        self.cancel_column = self.slots[:, cancel:cancel + 4].view("<u4")[:, 0]
         self.rec_fixed = [r[:RECORD_DTYPE.itemsize].view(RECORD_DTYPE)[0] for r in self.records]
         self.rec_tokens = [r[RECORD_DTYPE.itemsize:].view("<i4") for r in self.records]
         self.consumed_gen = np.zeros(geom.num_slots, np.uint32)
@@ -224,13 +226,17 @@ class RingServer:
         rec["finish_reason"] = reason  # last: the front end may free the slot after this
 
     def cancel_requested(self, slot: int, gen: int) -> bool:
-        return int(self.slot_fixed[slot]["cancel_gen"]) == gen
+        return int(self.cancel_column[slot]) == gen
+
+    def cancel_words(self) -> list[int]:
+        """Every slot's cancel word in one read (a step checks all its sequences against it)."""
+        return self.cancel_column.tolist()
 
     def close(self) -> None:
         self.set_state(EngineState.STOPPED)
         self.segment.unlink()
         # views into the mapping stay referenced; drop them before closing
         self.slot_fixed = self.rec_fixed = self.rec_tokens = []
-        self.begin_column = self.end_column = None
+        self.begin_column = self.end_column = self.cancel_column = None
         self.header = self.slots = self.records = None
         self.segment.close()

@@ -1,6 +1,7 @@
 """Per-request state on the engine side: one `Sequence` per admitted ring slot."""
 from __future__ import annotations
 
+import array
 import enum
 from dataclasses import dataclass, field
 
@@ -34,7 +35,9 @@ class Sequence:
     # num_computed <= num_tokens, and the sequence samples exactly when a step brings
     # num_computed up to num_tokens (the last known token has been computed).
     num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # KV blocks in order; an int32 array rather than a list so that a step copies each table into
+    # the batch's block_tables with one memcpy (a list is converted element by element)
+    block_table: array.array = field(default_factory=lambda: array.array("i"))
     status: SeqStatus = SeqStatus.WAITING
     preemptions: int = 0
 

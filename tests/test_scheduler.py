@@ -38,7 +38,7 @@ def check_invariants(sched: Scheduler) -> None:
     for s in sched.running:
         assert len(s.block_table) >= blocks_for(s.num_computed, sched.pool.block_size)
     for s in sched.waiting:
-        assert s.block_table == [] and s.num_computed == 0 and s.status is SeqStatus.WAITING
+        assert len(s.block_table) == 0 and s.num_computed == 0 and s.status is SeqStatus.WAITING
 
 
 def test_token_budget_and_chunked_prefill():
