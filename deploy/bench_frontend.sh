@@ -8,7 +8,7 @@
 #      end with --workers 1 and 4: idle, then with one busy process on every server core; the
 #      busy/idle ratios close each table.
 # Logs and bench.json files under $OUT/frontend-*/.
-#   deploy/bench_frontend.sh        (FRONTEND_WORKERS, FRONTEND_1B_WORKERS override)
+#   deploy/bench_frontend.sh        (FRONTEND_WORKERS, FRONTEND_1B_WORKERS override; empty: skip)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 client_procs=4
@@ -28,13 +28,13 @@ bench() {  # name, timeout, bench arguments...: the run lines on stdout, the who
     --out "$OUT/$name" "$@" > "$OUT/$name/bench.log" 2>&1 || status=1
   grep -E "run [0-9]|warning|rror|^\| (system|synthetic|blink|---)" "$OUT/$name/bench.log"
 }
-for workers in ${FRONTEND_WORKERS:-1 2 4 8}; do
+for workers in ${FRONTEND_WORKERS-1 2 4 8}; do
   bench "frontend-synthetic-w$workers" 120 --systems synthetic --dataset random \
     --random-input-len 16 --random-output-len 1024 --num-prompts 1024 --concurrency 256 \
     --client-procs "$client_procs" --connections 32 --repeats 2 \
     --frontend-arg=--workers="$workers"
 done
-for workers in ${FRONTEND_1B_WORKERS:-1 4}; do
+for workers in ${FRONTEND_1B_WORKERS-1 4}; do
   bench "frontend-1b-w$workers" 150 --shape llama-3.2-1b --dataset random \
     --random-input-len 256 --random-output-len 256 --num-prompts 512 --concurrency 128 \
     --client-procs 2 --connections 16 --repeats 2 --cpu-hog "$nserver" --max-model-len 4096 \
