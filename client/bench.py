@@ -128,6 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="request rates of the busy-CPU runs (default: every --request-rate)")
     cpu.add_argument("--hog-memory", action="store_true",
                      help="hogs copy memory (bandwidth) instead of spinning")
+    cpu.add_argument("--server-nice", type=int, default=0,
+                     help="niceness of the started servers' processes, as `nice -n N blink "
+                          "serve` (below 0: ahead of the hogs; needs root or CAP_SYS_NICE)")
     cpu.add_argument("--server-cores", type=parse_cores, default=None,
                      help="cores for the started servers (default: all but two, which the "
                           "client takes, on machines with 4 or more)")
@@ -160,9 +163,32 @@ def check_arguments(args) -> None:
         raise BenchError("give --model or --shape, not both")
     if args.cpu_hog < 0:
         raise BenchError("--cpu-hog must be >= 0")
+    if args.server_nice and args.target:
+        raise BenchError("--server-nice applies to the servers blink bench starts: drop it with "
+                         "--target (start that server with `nice -n N` instead)")
+    if not -20 <= args.server_nice <= 19:
+        raise BenchError("--server-nice must be between -20 and 19")
+    if args.server_nice < 0 and not _may_raise_priority(args.server_nice):
+        raise BenchError("--server-nice below 0 needs root or CAP_SYS_NICE")
     if args.dataset == "sharegpt" and args.target and not args.tokenizer:
         raise BenchError("--dataset sharegpt against --target needs --tokenizer (the served "
                          "model's tokenizer.json)")
+
+
+def _may_raise_priority(nice: int) -> bool:
+    """Whether this process may start children at niceness `nice` < 0: root, CAP_SYS_NICE, or an
+    RLIMIT_NICE of at least 20 - nice."""
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    if os.geteuid() == 0 or soft == resource.RLIM_INFINITY or 20 - soft <= nice:
+        return True
+    try:  # CAP_SYS_NICE is bit 23 of the effective capabilities
+        status = Path("/proc/self/status").read_text()
+        caps = int(next(line.split()[1] for line in status.splitlines()
+                        if line.startswith("CapEff:")), 16)
+        return bool(caps >> 23 & 1)
+    except (OSError, StopIteration, ValueError):
+        return False
 
 
 def split_cores(args) -> tuple[list[int], list[int]]:
@@ -288,7 +314,8 @@ def serving(args, system: str, model_dir: Path | None, cores: list[int]):
     t0 = time.monotonic()
     try:
         server = Server(model_dir, args.out, engine_flags(args, system), name=system,
-                        cores=set(cores), frontend_flags=args.frontend_arg)
+                        cores=set(cores), frontend_flags=args.frontend_arg,
+                        nice=args.server_nice)
     except RuntimeError as e:
         raise BenchError(f"{system}: {e}") from None
     print(f"blink bench: {system} up in {time.monotonic() - t0:.0f} s "

@@ -42,11 +42,13 @@ def process_tree_cpu(pid: int) -> float:
 
 class Server:
     """An engine and a front end as two processes, started with the given engine flags.
-    cores: the CPU cores both may run on (None: all); logs go to workdir/{name}-*.log."""
+    cores: the CPU cores both may run on (None: all); nice: their niceness (as `nice -n N blink
+    serve` would start them; below 0 needs root or CAP_SYS_NICE); logs go to
+    workdir/{name}-*.log."""
 
     def __init__(self, model_dir: Path, workdir: Path, engine_flags: list[str], *,
                  name: str = "server", cores: set[int] | None = None,
-                 frontend_flags: list[str] = ()):
+                 frontend_flags: list[str] = (), nice: int = 0):
         self.ring = f"blink-bench-{secrets.token_hex(4)}"
         self.cores = cores
         cli = [sys.executable, "-m", "blink.client.cli"]
@@ -54,7 +56,11 @@ class Server:
         ready = workdir / f"ready-{self.ring}"
         self.logs = [open(workdir / f"{name}-{n}.log", "w") for n in ("engine", "frontend")]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+        def pin() -> None:  # in each child before exec
+            if cores:
+                os.sched_setaffinity(0, cores)
+            if nice:
+                os.nice(nice)
         self.engine = subprocess.Popen([*cli, "engine", *common, *engine_flags],
                                        stdout=self.logs[0], stderr=subprocess.STDOUT, env=env,
                                        preexec_fn=pin)

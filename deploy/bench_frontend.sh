@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The front end's capacity on a GPU host (issue 10), about 4 minutes, in two parts:
+# The front end's capacity on a GPU host (issue 10), about 4.5 minutes, in two parts:
 #   1. the front end alone: the synthetic engine (no model: every step a token for each running
 #      sequence, as fast as its Python loop goes), 256 closed-loop streams of 16 + 1024 tokens,
 #      front end with --workers 1, 2, 4 and 8; the client in 4 processes on 4 cores of its own.
 #      Each run prints streamed tokens/s and the front end's CPU per streamed token.
 #   2. the Llama-3.2-1B shape on the GPU at saturation (128 streams of 256 + 256 tokens), front
-#      end with --workers 1 and 4: idle, then with one busy process on every server core; the
+#      end with --workers 1 and 4, then 4 with the servers at niceness -10 (as `nice -n -10 blink
+#      serve`; as root only): idle, then with one busy process on every server core; the
 #      busy/idle ratios close each table.
 # Logs and bench.json files under $OUT/frontend-*/.
-#   deploy/bench_frontend.sh        (FRONTEND_WORKERS, FRONTEND_1B_WORKERS override; empty: skip)
+#   deploy/bench_frontend.sh        (FRONTEND_WORKERS, FRONTEND_1B_RUNS override; empty: skip)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 client_procs=4
@@ -34,10 +35,14 @@ for workers in ${FRONTEND_WORKERS-1 2 4 8}; do
     --client-procs "$client_procs" --connections 32 --repeats 2 \
     --frontend-arg=--workers="$workers"
 done
-for workers in ${FRONTEND_1B_WORKERS-1 4}; do
-  bench "frontend-1b-w$workers" 150 --shape llama-3.2-1b --dataset random \
+default_1b="1 4"
+[[ $(id -u) == 0 ]] && default_1b="1 4 4:-10"
+for run in ${FRONTEND_1B_RUNS-$default_1b}; do   # WORKERS[:NICENESS]
+  workers=${run%%:*} nice=0
+  [[ $run == *:* ]] && nice=${run#*:}
+  bench "frontend-1b-w$workers-nice$nice" 150 --shape llama-3.2-1b --dataset random \
     --random-input-len 256 --random-output-len 256 --num-prompts 512 --concurrency 128 \
     --client-procs 2 --connections 16 --repeats 2 --cpu-hog "$nserver" --max-model-len 4096 \
-    --frontend-arg=--workers="$workers"
+    --frontend-arg=--workers="$workers" --server-nice "$nice"
 done
 exit $status

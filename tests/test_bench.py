@@ -149,7 +149,9 @@ def test_bench_arguments_fail_clearly(capsys):
     for argv, message in ((["--target", "h:1", "--systems", "hf"], "--target measures"),
                           (["--dataset", "sharegpt", "--target", "h:1"], "--tokenizer"),
                           (["--model", "x", "--shape", "llama-3.2-1b"], "not both"),
-                          (["--report", "b.json", "--model", "x"], "measures nothing")):
+                          (["--report", "b.json", "--model", "x"], "measures nothing"),
+                          (["--target", "h:1", "--server-nice", "5"], "servers blink bench"),
+                          (["--server-nice", "25"], "between -20 and 19")):
         with pytest.raises(SystemExit, match=message):
             bench.cmd_bench(parser.parse_args(["bench", *argv]))
 
@@ -288,6 +290,23 @@ def test_front_end_capacity_with_the_synthetic_engine(bench_checkpoint, tmp_path
     assert [q["tokens"] for q in run["requests"]] == [64] * 32
     assert run["server"]["frontend_cpu_s"] > 0 and run["server"]["engine_cpu_s"] > 0
     assert 0 < run["server"]["frontend_cpu_us_per_token"] < 10_000
+
+
+def test_server_nice_starts_both_processes_at_that_niceness(bench_checkpoint, tmp_path):
+    """--server-nice N starts the engine and the front end as `nice -n N blink serve` would:
+    both processes run at N above this one's niceness."""
+    from blink.client.bench_server import Server
+    server = Server(bench_checkpoint, tmp_path, ["--engine", "cpu"], nice=3)
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert [os.getpriority(os.PRIO_PROCESS, p.pid) for p in (server.engine, server.frontend)] \
+            == [min(19, base + 3)] * 2
+        with BlinkClient(server.target) as client:
+            assert client.generate([1, 2, 3], Sampling(max_tokens=2, temperature=0.0,
+                                                             ignore_eos=True)) \
+                .completion_tokens == 2
+    finally:
+        server.stop()
 
 
 def test_client_in_several_processes_keeps_request_order(bench_checkpoint, tmp_path):
