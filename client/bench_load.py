@@ -168,7 +168,9 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
     i % processes with its arrival time from the one schedule, concurrency and connections are
     shared out, and the records come back in request order. The merged ClientLoad sums the
     processes' CPU and keeps the busiest event loop's (what tells a saturated client)."""
-    if processes <= 1:
+    # no process without a request, or without a share of the concurrency cap
+    processes = max(1, min(processes, len(requests), concurrency or processes))
+    if processes == 1:
         return asyncio.run(run_requests(target, requests, rate=rate, burstiness=burstiness,
                                         concurrency=concurrency, seed=seed,
                                         connections=connections, **options))

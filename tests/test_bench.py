@@ -328,6 +328,24 @@ def test_client_in_several_processes_keeps_request_order(bench_checkpoint, tmp_p
     assert run["metrics"]["failed"] == 0 and run["client"]["process_cpu_s"] > 0
 
 
+def test_client_processes_share_the_concurrency_cap(bench_checkpoint, tmp_path):
+    """A closed loop of 2 over 4 client processes: never more than 2 requests in flight (a
+    process whose share of the cap would be 0 is not started)."""
+    from blink.client.bench_load import run_in_processes
+    from blink.client.bench_server import Server
+    server = Server(bench_checkpoint, tmp_path, ["--engine", "cpu"])
+    try:
+        vocab = json.loads((bench_checkpoint / "config.json").read_text())["vocab_size"]
+        requests = random_requests(8, 8, 24, vocab, seed=3)
+        records, _, _ = run_in_processes(4, server.target, requests, concurrency=2)
+    finally:
+        server.stop()
+    assert [r.tokens for r in records] == [24] * 8
+    events = sorted([(r.sent, 1) for r in records] + [(r.token_times[-1], -1) for r in records])
+    in_flight = np.cumsum([step for _, step in events])
+    assert in_flight.max() == 2
+
+
 def test_run_timeout_bounds_a_run(bench_checkpoint, tmp_path):
     args = build_parser().parse_args([
         "bench", "--model", str(bench_checkpoint), "--num-prompts", "8",
