@@ -277,7 +277,7 @@ def measure(target: str, requests: list[BenchRequest], args, rate: float, desc: 
             args.client_procs, target, requests, rate=rate, burstiness=args.burstiness,
             concurrency=args.concurrency, ignore_eos=not args.respect_eos, seed=args.seed,
             timeout=args.timeout, connections=args.connections, run_timeout=args.run_timeout,
-            **({"on_done": lambda _: bar.update()} if bar and args.client_procs == 1 else {}))
+            on_done=(lambda _: bar.update()) if bar else None)
     except RuntimeError as e:
         raise BenchError(f"{desc}: {e}") from None
     finally:

@@ -170,10 +170,11 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
     processes' CPU and keeps the busiest event loop's (what tells a saturated client)."""
     # no process without a request, or without a share of the concurrency cap
     processes = max(1, min(processes, len(requests), concurrency or processes))
+    on_done = options.pop("on_done", None)  # called here: a callback does not cross processes
     if processes == 1:
         return asyncio.run(run_requests(target, requests, rate=rate, burstiness=burstiness,
                                         concurrency=concurrency, seed=seed,
-                                        connections=connections, **options))
+                                        connections=connections, on_done=on_done, **options))
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     ctx = multiprocessing.get_context("spawn")  # no copy of the parent's gRPC state
     ready, go = ctx.Barrier(processes + 1), ctx.Event()
@@ -215,6 +216,8 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
     records: list[RequestRecord] = [None] * len(requests)  # type: ignore[list-item]
     for k, (share, _) in shares.items():
         records[k::processes] = share
+    for record in records if on_done else ():
+        on_done(record)
     loads = [load for _, load in shares.values()]
     busiest = max(loads, key=lambda load: load.loop_busy)
     ends = [r.token_times[-1] for r in records if r.token_times]
