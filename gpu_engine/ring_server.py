@@ -124,14 +124,14 @@ class RingServer:
                            + geom.num_slots * geom.record_bytes].reshape(geom.num_slots,
                                                                           geom.record_bytes)
         self.slot_fixed = [s[:SLOT_DTYPE.itemsize].view(SLOT_DTYPE)[0] for s in self.slots]
-        # every slot's seq_begin and seq_end words as one strided column each: poll reads the
-        # whole ring in two numpy reads and visits only slots with a new generation
-        begin = SLOT_DTYPE.fields["seq_begin"][1]
-        self.begin_column = self.slots[:, begin:begin + 4].view("<u4")[:, 0]
-        self.end_column = self.slots[:, geom.seq_end_offset:geom.seq_end_offset + 4] \
-            .view("<u4")[:, 0]
-        cancel = SLOT_DTYPE.fields["cancel_gen"][1]
-        self.cancel_column = self.slots[:, cancel:cancel + 4].view("<u4")[:, 0]
+        # one u32 word of every slot as a strided column: poll reads the whole ring's seq_begin
+        # and seq_end in two numpy reads and visits only slots with a new generation; a step
+        # reads every cancel word at once
+        def word_column(offset: int) -> np.ndarray:
+            return self.slots[:, offset:offset + 4].view("<u4")[:, 0]
+        self.begin_column = word_column(SLOT_DTYPE.fields["seq_begin"][1])
+        self.end_column = word_column(geom.seq_end_offset)
+        self.cancel_column = word_column(SLOT_DTYPE.fields["cancel_gen"][1])
         self.rec_fixed = [r[:RECORD_DTYPE.itemsize].view(RECORD_DTYPE)[0] for r in self.records]
         self.rec_tokens = [r[RECORD_DTYPE.itemsize:].view("<i4") for r in self.records]
         self.consumed_gen = np.zeros(geom.num_slots, np.uint32)
