@@ -196,12 +196,18 @@ class ForwardKernels:
         self.attention_max_splits = self._constant("blink_attention_max_splits")
         if self.head_dim != head_dim:
             raise CudaError(f"module built for head_dim {self.head_dim}, wanted {head_dim}")
-        for name, smem in (("blink_paged_attention", self.attention_smem),
-                           ("blink_paged_attention_small", self.attention_small_smem)):
+        # CTAs of each attention variant one SM holds (registers and shared memory decide)
+        self.attention_ctas_per_sm: dict[bool, int] = {}
+        for small, name, smem in ((False, "blink_paged_attention", self.attention_smem),
+                                  (True, "blink_paged_attention_small",
+                                   self.attention_small_smem)):
             check(driver.cuFuncSetAttribute(
                 self.fn[name],
                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem), f"cuFuncSetAttribute({name} smem)")
+            self.attention_ctas_per_sm[small] = check(
+                driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    self.fn[name], self.attention_threads, smem), f"occupancy of {name}")
 
     def _constant(self, name: str) -> int:
         ptr, size = check(driver.cuModuleGetGlobal(self.module, name.encode()), name)
@@ -408,12 +414,22 @@ class _Layer:
 
 
 def default_buckets(max_num_batched_tokens: int) -> list[int]:
-    """1, 2, 4, ... below the cap, then the cap itself."""
-    out, b = [], 1
-    while b < max_num_batched_tokens:
-        out.append(b)
-        b *= 2
-    return out + [max_num_batched_tokens]
+    """1, 2, 4, ... 128, then four buckets an octave (160, 192, 224, 256, 320, ...; two an
+    octave where four would pass MAX_BUCKETS), below the cap, then the cap itself. A step runs
+    its bucket's graph, padded to the bucket's size; prefill-heavy steps are compute-bound, so
+    padding costs its share of the step: with powers of two only, a 600-token step (the
+    256-stream saturation's usual size) ran as 1,024 tokens."""
+    from blink.gpu_engine.engine_layout import MAX_BUCKETS
+    for per_octave in (4, 2, 1):
+        out, b = [], 1
+        while b < max_num_batched_tokens:
+            out.append(b)
+            octave = 1 << (b.bit_length() - 1)  # the power of two at or below b
+            b += octave // per_octave if b >= 128 else b
+        if len(out) < MAX_BUCKETS:
+            return out + [max_num_batched_tokens]
+    raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} needs more than "
+                     f"{MAX_BUCKETS} buckets")
 
 
 class CudaForward:
@@ -753,21 +769,31 @@ class CudaForward:
     # --- for the scheduler kernel ---------------------------------------------------------------
 
     def attention_splits(self, bucket: int) -> int:
-        """The most CTAs that may share one decode token's (or query tile's) keys in a bucket:
-        enough for ~4 CTAs per SM when every token of the bucket decodes, at most the kernel's
-        attention_max_splits (64, what its split merge is sized for). A
-        sequence uses fewer when its keys are short (whole key tiles per split), so short
+        """The most CTAs that may share one decode token's (or query tile's) keys in a bucket,
+        at most the kernel's attention_max_splits (64, what its split merge is sized for):
+        when every token of the bucket decodes, the count up to about two waves whose CTAs
+        fill the GPU's attention slots (CTAs per SM x SMs) in whole waves best, the larger of
+        equally good ones. A partial last wave costs a whole CTA's time for a few CTAs. Measured on the H200
+        (bench_decode, Llama-3.1-8B shape): batch 1 at 8,192 keys, 49 splits (392 CTAs in 396
+        slots) 5.03 ms a step against 5.20 with 64 (1.3 waves); batch 32 at 4,096 keys, 3
+        splits (768 CTAs, 1.94 waves) 11.90 ms against 13.65 with 1 (a wave 65% full).
+        A sequence uses fewer when its keys are short (whole key tiles per split), so short
         contexts stay one or a few CTAs and long ones spread over the GPU."""
+        k = self.kernels
+        slots = k.attention_ctas_per_sm[self.attention_small(bucket)] * k.sm_count
         ctas = bucket * self.cfg.num_kv_heads
-        return max(1, min(self.kernels.attention_max_splits,
-                          -(-4 * self.kernels.sm_count // ctas)))
 
-    # Decode tokens attending to at least this many keys take the flash-decoding path (keys
-    # streamed through a 4-deep cp.async pipeline, CUDA cores); shorter ones go in the tensor-core
-    # query tiles. Measured on the H200 (bench_decode --tile-attention, batch 1 and 32): the
-    # tiles win at 512 keys on both shapes and at 2048 on the 8B shape, the decode path at 4096
-    # and 8192 on both and at 2048 on the 1B shape.
-    DECODE_MIN_KEYS = 3072
+        def fill(splits):
+            return ctas * splits / (-(-ctas * splits // slots) * slots)
+        most = max(1, min(k.attention_max_splits, -(-2 * slots // ctas)))
+        return max(range(1, most + 1), key=lambda s: (fill(s), s))
+
+    # Decode tokens attending to at least this many keys take the flash-decoding path; shorter
+    # ones go in the query tiles. Measured on the H200 (bench_decode --tile-attention
+    # --decode-attention, batch 1 and 32 at 512 to 8,192 keys, both shapes): the decode path
+    # is as fast or faster everywhere (8B, 32 x 2048: 7.41 ms a step against 8.47), so every
+    # decode token takes it; the tiles remain for prefill chunks and for GQA groups over 8.
+    DECODE_MIN_KEYS = 0
 
     def attention_small(self, bucket: int) -> bool:
         """Decode-sized buckets use the attention variant with fewer query rows per CTA."""

@@ -30,7 +30,7 @@ from blink.ring.layout import (
 )
 
 MAX_SLOTS = 1024         # ring slots at most: the kernel's per-slot shared-memory lists
-MAX_BUCKETS = 16         # forward graphs (token buckets) at most
+MAX_BUCKETS = 32         # forward graphs (token buckets) at most
 SCHEDULER_THREADS = 256  # the scheduler CTA: its launch bounds and the host's launch
 
 

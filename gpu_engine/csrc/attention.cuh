@@ -4,18 +4,21 @@
 // tokens is cut into tiles at positions that are multiples of rows-per-CTA / group;
 // the CTA whose token starts a tile (the first token of its sequence's run, or one at a tile
 // boundary) computes the whole tile for one kv head; the other CTAs exit at once. A tile's query
-// rows are (token, head of the group) pairs, row = token_offset * group + g, so every key and value
-// tile loaded into shared memory serves all of them. The keys 0 .. last position of the tile are
-// streamed in tiles of kAttnKeys through shared memory; S = Q K^T and O += P V run on tensor cores
-// (WMMA, bf16 in, fp32 accumulate); the softmax is online in fp32 with the running max and sum per
-// row (exp2 with log2(e) folded into the scale). Each query attends to cache positions 0..its own
-// position, all of which the RoPE/KV-write kernel wrote earlier in the same graph.
+// rows are (token, head of the group) pairs, row = token_offset * group + g, so every key and
+// value the CTA reads serves all of them. The keys 0 .. last position of the tile are streamed
+// once per CTA; S = Q K^T and O += P V run on tensor cores (bf16 in, fp32 accumulate); the
+// softmax is online in fp32 with the running max and sum per row (exp2 with log2(e) folded into
+// the scale). Each query attends to cache positions 0..its own position, all of which the
+// RoPE/KV-write kernel wrote earlier in the same graph. Head dims 64 and 128 run the tiles on
+// mma.sync with every operand in registers, a warp per 16 rows (TileAttentionMmaCta); other
+// head dims on WMMA through shared memory (PagedAttentionCta).
 //
 // Decode tokens (a sequence with a single token in the batch) take a separate path in the same
-// kernel, DecodeAttentionCta: no query tile to fill, so CUDA cores instead of tensor cores, one
-// pass of each key and value row from the cache for all query heads of the KV head's group, and
-// many CTAs per sequence (flash-decoding): grid.z splits the keys into ranges of whole 64-key
-// tiles.
+// kernel, DecodeAttentionCta: one pass of each key and value row, straight from the cache into
+// registers, for all query heads of the KV head's group at once; each warp its own keys and
+// online softmax on tensor cores (mma.sync with the group's heads as 8 of the MMA's columns);
+// and many CTAs per sequence (flash-decoding): grid.z splits the keys into ranges of whole
+// 64-key chunks.
 //
 // Split keys, both paths: the CTAs of a tile write their unnormalized output and (max, sum) per
 // row to a workspace, and the last of them to finish (a counter per tile and KV head, reset by
@@ -69,8 +72,11 @@ struct AttentionSmem {
 
 // Merges the split partials of one tile: `m` tokens from t0, the `group` query heads of
 // kv_head. out = sum_z 2^(m_z - M) O_z / sum_z 2^(m_z - M) l_z with M = max_z m_z over the
-// tile's active splits; a split that saw no unmasked key of a row (m_z = -inf) weighs nothing
-// and its partial output is not read. Other CTAs wrote the partials: read through L2 (ld.cg).
+// tile's active splits (<= 64; split 0 holds key 0, so M is finite); a split that saw no
+// unmasked key of a row (m_z = -inf, its partial output zeros) weighs nothing. A warp per row:
+// its lanes read the splits' statistics at once (lane z: splits z and z + 32), and the
+// partial outputs are read 8 splits at a time, so the merge costs a few L2 round trips rather
+// than one per split. Other CTAs wrote the partials: read through L2 (ld.cg).
 template <int kHeadDim>
 __device__ __forceinline__ void CombineTileCta(int t0, int m, int kv_head, int group,
                                                int num_heads, int num_splits, int active_splits,
@@ -83,23 +89,30 @@ __device__ __forceinline__ void CombineTileCta(int t0, int m, int kv_head, int g
     const size_t head = static_cast<size_t>(t0 + r / group) * num_heads + kv_head * group +
                         r % group;
     const float* stats = partial_stats + head * num_splits * 2;
-    float max_all = -INFINITY;
-    for (int z = 0; z < active_splits; ++z) max_all = fmaxf(max_all, __ldcg(stats + 2 * z));
+    float split_max[2], split_sum[2], weight[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int z = lane + kWarpSize * i;
+      split_max[i] = z < active_splits ? __ldcg(stats + 2 * z) : -INFINITY;
+      split_sum[i] = z < active_splits ? __ldcg(stats + 2 * z + 1) : 0.f;
+    }
+    const float max_all = WarpMax(fmaxf(split_max[0], split_max[1]));
+#pragma unroll
+    for (int i = 0; i < 2; ++i) weight[i] = exp2f(split_max[i] - max_all);  // 0 at -inf
+    const float inv_total =
+        1.f / WarpSum(weight[0] * split_sum[0] + weight[1] * split_sum[1]);
     float acc[kPerLane] = {};
-    float total = 0.f;
+    const float* o = partial_out + head * num_splits * kHeadDim;
+#pragma unroll 8
     for (int z = 0; z < active_splits; ++z) {
-      const float mz = __ldcg(stats + 2 * z);
-      if (mz == -INFINITY) continue;
-      const float w = exp2f(mz - max_all);
-      total += w * __ldcg(stats + 2 * z + 1);
-      const float* o = partial_out + (head * num_splits + z) * kHeadDim;
+      const float w =
+          __shfl_sync(kFullMask, z < kWarpSize ? weight[0] : weight[1], z % kWarpSize);
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
         const int c = lane + kWarpSize * i;
-        if (c < kHeadDim) acc[i] += w * __ldcg(o + c);
+        if (c < kHeadDim) acc[i] += w * __ldcg(o + z * kHeadDim + c);
       }
     }
-    const float inv_total = 1.f / total;
     bf16* dst = out + head * kHeadDim;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
@@ -139,6 +152,68 @@ __device__ __forceinline__ void FinishSplitCta(int t0, int m, int kv_head, int g
   if (threadIdx.x == 0) *sem = 0;
 }
 
+// The query tile a CTA of the tile paths computes: tokens t0 .. t0 + m - 1 of one sequence (a
+// run of its tokens in the batch, cut at positions that are multiples of rows-per-CTA / group),
+// `rows` = m * group query rows (row = token offset * group + head of the group), and this
+// CTA's split of the keys 0 .. the last token's position: [key_begin, key_end), whole
+// kAttnKeys tiles per split.
+struct QueryTile {
+  int t0, m, rows, seq, num_keys, key_begin, key_end, active_splits;
+};
+
+// The tile of CTA (blockIdx.x, ., blockIdx.z) with kRows rows per CTA; false when the CTA has
+// none (its token is not a tile's first, or its split is past the tile's keys).
+template <int kRows>
+__device__ __forceinline__ bool FindQueryTile(const BatchDesc* desc, const int32_t* positions,
+                                              const int32_t* token_seq, int group,
+                                              int num_splits, QueryTile* tile) {
+  const int t0 = blockIdx.x;
+  const int num_tokens = desc->num_tokens;
+  if (t0 >= num_tokens) return false;
+  const int tile_tokens = kRows / group;
+  const int seq = token_seq[t0];
+  if (t0 > 0 && token_seq[t0 - 1] == seq && positions[t0] % tile_tokens != 0) return false;
+  int m = 1;
+  while (m < tile_tokens && t0 + m < num_tokens && token_seq[t0 + m] == seq &&
+         positions[t0 + m] % tile_tokens != 0) {
+    ++m;
+  }
+  const int num_keys = positions[t0 + m - 1] + 1;
+  const int span = (num_keys + num_splits - 1) / num_splits;
+  const int split_keys = (span + kAttnKeys - 1) / kAttnKeys * kAttnKeys;
+  const int active_splits = (num_keys + split_keys - 1) / split_keys;
+  if (static_cast<int>(blockIdx.z) >= active_splits) return false;  // uniform over the CTA
+  const int key_begin = blockIdx.z * split_keys;
+  *tile = QueryTile{t0, m, m * group, seq, num_keys, key_begin,
+                    min(key_begin + split_keys, num_keys), active_splits};
+  return true;
+}
+
+// Where one KV head's rows sit in a layer's paged cache ([blocks, block_size, kv_heads, D]):
+// the element offset of a key's row, -1 where the table maps no block. Shifts for the usual
+// power-of-two block sizes, a division otherwise.
+template <int kHeadDim>
+struct KeyRows {
+  const int32_t* table;  // the sequence's block table
+  int block_size, block_shift, num_kv_heads, kv_head;
+  bool pow2;
+
+  __device__ KeyRows(const int32_t* block_tables, int max_blocks_per_seq, int seq,
+                     int block_size_, int num_kv_heads_, int kv_head_)
+      : table(block_tables + static_cast<size_t>(seq) * max_blocks_per_seq),
+        block_size(block_size_), block_shift(__ffs(block_size_) - 1),
+        num_kv_heads(num_kv_heads_), kv_head(kv_head_),
+        pow2((block_size_ & (block_size_ - 1)) == 0) {}
+
+  __device__ __forceinline__ int64_t offset(int key) const {
+    const int block = table[pow2 ? key >> block_shift : key / block_size];
+    if (block < 0) return -1;
+    const int row = pow2 ? key & (block_size - 1) : key % block_size;
+    return ((static_cast<int64_t>(block) * block_size + row) * num_kv_heads + kv_head) *
+           kHeadDim;
+  }
+};
+
 // q: [bucket, num_heads, D] bf16 (after RoPE); k_cache, v_cache: this layer's
 // [num_blocks, block_size, num_kv_heads, D] bf16; out: [bucket, num_heads, D] bf16.
 // Needs AttentionSmem<D, kRows>::kBytes of dynamic shared memory and kAttnThreads threads;
@@ -160,30 +235,15 @@ __device__ __forceinline__ void PagedAttentionCta(
   constexpr int kLoads = kAttnKeys * kChunks / kAttnThreads;  // K (and V) chunks per thread
   static_assert(kAttnKeys * kChunks % kAttnThreads == 0, "whole chunks per thread");
 
-  const int t0 = blockIdx.x, kv_head = blockIdx.y;
-  const int num_tokens = desc->num_tokens;
-  if (t0 >= num_tokens) return;
+  const int kv_head = blockIdx.y, split = blockIdx.z;
   const int group = num_heads / num_kv_heads;
-  const int tile_tokens = kRows / group;
-  const int seq = token_seq[t0];
-  if (t0 > 0 && token_seq[t0 - 1] == seq && positions[t0] % tile_tokens != 0) return;
-  int m = 1;  // tokens in this tile
-  while (m < tile_tokens && t0 + m < num_tokens && token_seq[t0 + m] == seq &&
-         positions[t0 + m] % tile_tokens != 0) {
-    ++m;
-  }
-  const int rows = m * group;
+  QueryTile tile;
+  if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, &tile)) return;
+  const int t0 = tile.t0, m = tile.m, rows = tile.rows, key_begin = tile.key_begin;
+  const int key_end = tile.key_end, active_splits = tile.active_splits;
   const int row_tiles = (rows + 15) / 16;
   const int padded_rows = row_tiles * 16;
-  const int num_keys = positions[t0 + m - 1] + 1;
-  const int split = blockIdx.z;
-  const int span = (num_keys + num_splits - 1) / num_splits;
-  const int split_keys = (span + kAttnKeys - 1) / kAttnKeys * kAttnKeys;
-  const int active_splits = (num_keys + split_keys - 1) / split_keys;
-  if (split >= active_splits) return;  // uniform over the CTA
-  const int key_begin = split * split_keys;
-  const int key_end = min(key_begin + split_keys, num_keys);
-  const int32_t* table = block_tables + static_cast<size_t>(seq) * max_blocks_per_seq;
+  const int32_t* table = block_tables + static_cast<size_t>(tile.seq) * max_blocks_per_seq;
 
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* s_q = reinterpret_cast<bf16*>(smem + L::kQ);
@@ -348,142 +408,256 @@ __device__ __forceinline__ void PagedAttentionCta(
   }
 }
 
+// Keys per warp step of the mma.sync paths (TileAttentionMmaCta, DecodeAttentionCta): one MMA's k.
+static constexpr int kMmaKeys = 16;
+
+// The query tiles on mma.sync (head dims 64 and 128; others take PagedAttentionCta), for prefill
+// chunks: warp w owns query rows 16 w .. 16 w + 15 of the tile (kRows / 16 warps work) and runs
+// its own online softmax over the split's keys, 16 at a time, FlashAttention-2 style: S = Q K^T
+// and O = P V with every operand in registers.
+// - Q is the A operand (rows g and g + 8 of the warp's 16), K the col-major B operand (column
+//   n: key n of an 8-key tile); lane (g, t) loads 16 bytes, dims 32 s + 8 t .. + 7, of each
+//   (the k order inside an MMA is free, as in gemv.cuh).
+// - The scores' C layout is P's A layout for O = P V (k = the 16 keys).
+// - V is the col-major B operand: column n of output tile j is dim n * D / 8 + j, so a lane
+//   loads D / 8 contiguous dims of keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9 and byte permutes pair
+//   them; lane (g, t) ends holding dims 2 t * D / 8 .. (2 t + 2) * D / 8 - 1 of rows g, g + 8.
+// The CTA's warps read the same keys and values, so loads go through L1 (ld.ca): one L2 read a
+// CTA. A warp stops at the last key its rows may see (causal). Partials and the split merge
+// as in PagedAttentionCta.
+template <int kHeadDim, int kRows>
+__device__ __forceinline__ void TileAttentionMmaCta(
+    const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
+    const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
+    const bf16* v_cache, int block_size, int num_heads, int num_kv_heads, float scale, bf16* out,
+    int num_splits, float* partial_out, float* partial_stats, uint32_t* tile_sems) {
+  constexpr int kSteps = kHeadDim / 32;       // 32-dim steps of S = Q K^T (two MMAs each)
+  constexpr int kOutTiles = kHeadDim / 8;     // 8-column tiles of O = P V
+  constexpr int kLaneDims = kHeadDim / 8;     // contiguous dims of a value row per lane
+  constexpr int kValueLoads = kLaneDims / 8;  // their 16-byte loads
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128");
+  static_assert(kRows % 16 == 0 && kRows / 16 <= kAttnWarps, "a warp per 16 rows");
+  const int kv_head = blockIdx.y, split = blockIdx.z;
+  const int group = num_heads / num_kv_heads;
+  QueryTile tile;
+  if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, &tile)) return;
+  const int key_end = tile.key_end;
+  const KeyRows<kHeadDim> cache_rows(block_tables, max_blocks_per_seq, tile.seq, block_size,
+                                     num_kv_heads, kv_head);
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int g = lane / 4, tq = lane % 4;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+
+  // This lane's two rows (h = 0: row g, h = 1: row g + 8 of the warp's): query head, position
+  // (-1 for rows past the tile: every key masked) and Q's 16-byte pieces.
+  size_t head[2];
+  int pos[2];
+  uint4 qr[2][kSteps];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = 16 * warp + g + 8 * h;
+    const bool live = r < tile.rows;
+    head[h] = static_cast<size_t>(tile.t0 + r / group) * num_heads + kv_head * group + r % group;
+    pos[h] = live ? positions[tile.t0 + r / group] : -1;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      qr[h][s] = live ? *reinterpret_cast<const uint4*>(q + head[h] * kHeadDim + 32 * s + 8 * tq)
+                      : zero;
+    }
+  }
+  const int key_stop = min(key_end, __reduce_max_sync(kFullMask, max(pos[0], pos[1])) + 1);
+  const float scale_log2 = scale * 1.4426950408889634f;
+  float o[kOutTiles][4];
+#pragma unroll
+  for (int j = 0; j < kOutTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.f, 0.f};  // run_sum: lane's keys
+
+  for (int key0 = tile.key_begin; key0 < key_stop; key0 += kMmaKeys) {
+    float sc[2][4];  // [8-key tile n][C fragment]
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int key = key0 + 8 * n + g;
+      const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
+      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const uint4 kv = off >= 0 ? __ldca(reinterpret_cast<const uint4*>(
+                                        k_cache + off + 32 * s + 8 * tq))
+                                  : zero;
+        MmaBf16(sc[n], qr[0][s].x, qr[1][s].x, qr[0][s].y, qr[1][s].y, kv.x, kv.y);
+        MmaBf16(sc[n], qr[0][s].z, qr[1][s].z, qr[0][s].w, qr[1][s].w, kv.z, kv.w);
+      }
+    }
+    // Online softmax of rows g (h = 0: C elements 0, 1) and g + 8 (h = 1: elements 2, 3) over
+    // keys key0 + 8 n + 2 t + e; a row may have no live key yet (-inf: p = 0, alpha = 0).
+    uint32_t pa[2][2];  // P's A fragment: [h][n]
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sv[2][2], step_max = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = key0 + 8 * n + 2 * tq + e;
+          sv[n][e] = key < key_end && key <= pos[h] ? sc[n][2 * h + e] * scale_log2 : -INFINITY;
+          step_max = fmaxf(step_max, sv[n][e]);
+        }
+      step_max = fmaxf(step_max, __shfl_xor_sync(kFullMask, step_max, 1));
+      step_max = fmaxf(step_max, __shfl_xor_sync(kFullMask, step_max, 2));
+      const float new_max = fmaxf(run_max[h], step_max);
+      const float ref_max = new_max == -INFINITY ? 0.f : new_max;
+      alpha[h] = exp2f(run_max[h] - ref_max);
+      run_max[h] = new_max;
+      float p_sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const __nv_bfloat162 pair =
+            __floats2bfloat162_rn(exp2f(sv[n][0] - ref_max), exp2f(sv[n][1] - ref_max));
+        const float2 rounded = __bfloat1622float2(pair);  // sum what P V will use
+        p_sum += rounded.x + rounded.y;
+        pa[h][n] = *reinterpret_cast<const uint32_t*>(&pair);
+      }
+      run_sum[h] = run_sum[h] * alpha[h] + p_sum;
+    }
+    // O = O * alpha + P V, the values of this lane's four keys loaded 16 bytes at a time
+#pragma unroll
+    for (int c = 0; c < kValueLoads; ++c) {
+      uint4 vr[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = key0 + 2 * tq + (i & 1) + 8 * (i >> 1);
+        const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
+        vr[i] = off >= 0 ? __ldca(reinterpret_cast<const uint4*>(
+                               v_cache + off + g * kLaneDims + 8 * c))
+                         : zero;
+      }
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = 8 * c + jj;
+        const uint32_t sel = jj % 2 ? 0x7632u : 0x5410u;  // the high or low bf16 of a word
+        auto word = [&](const uint4& v) {
+          return jj / 2 == 0 ? v.x : jj / 2 == 1 ? v.y : jj / 2 == 2 ? v.z : v.w;
+        };
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+        MmaBf16(o[j], pa[0][0], pa[1][0], pa[0][1], pa[1][1],
+                __byte_perm(word(vr[0]), word(vr[1]), sel),
+                __byte_perm(word(vr[2]), word(vr[3]), sel));
+      }
+    }
+  }
+
+  // Each row: its sum over its four lanes, then out (one split) or the partials.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    run_sum[h] += __shfl_xor_sync(kFullMask, run_sum[h], 1);
+    run_sum[h] += __shfl_xor_sync(kFullMask, run_sum[h], 2);
+    if (pos[h] < 0) continue;
+    if (tile.active_splits == 1) {
+      const float inv_sum = 1.f / run_sum[h];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // dims (2 t + e) * D / 8 + j: 16-byte stores
+        bf16* dst = out + head[h] * kHeadDim + (2 * tq + e) * kLaneDims;
+#pragma unroll
+        for (int j = 0; j < kOutTiles; j += 8) {
+          uint4 packed;
+          uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const __nv_bfloat162 pair = __floats2bfloat162_rn(
+                o[j + 2 * i][2 * h + e] * inv_sum, o[j + 2 * i + 1][2 * h + e] * inv_sum);
+            words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+          }
+          *reinterpret_cast<uint4*>(dst + j) = packed;
+        }
+      }
+    } else {
+      const size_t part = head[h] * num_splits + split;
+      float* dst = partial_out + part * kHeadDim;
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int j = 0; j < kOutTiles; ++j) dst[(2 * tq + e) * kLaneDims + j] = o[j][2 * h + e];
+      if (tq == 0) {
+        partial_stats[2 * part] = run_max[h];
+        partial_stats[2 * part + 1] = run_sum[h];
+      }
+    }
+  }
+  if (tile.active_splits > 1) {
+    FinishSplitCta<kHeadDim>(tile.t0, tile.m, kv_head, group, num_heads, num_kv_heads,
+                             num_splits, tile.active_splits, partial_out, partial_stats,
+                             tile_sems, out);
+  }
+}
+
 // --- decode tokens -------------------------------------------------------------------------
 
 static constexpr int kDecodeMaxGroup = 8;    // larger GQA groups take the tile path
 static constexpr int kDecodeMaxSplits = 64;  // the host's attention_splits() stays within it
+static constexpr int kDecodeChunk = kMmaKeys * kAttnWarps;  // keys per CTA step
 
-// The decode path splits a head vector over lanes in 16-byte pieces: head dims whose piece count
-// divides the warp (16, 32, 64, 128, 256); others take the tile path for every token.
+// The decode path holds a lane's share of a head vector in 16-byte loads of D / 8 dims (see
+// DecodeAttentionCta) and its accumulators in registers: head dims 64 and 128. Others take the
+// tile path for every token.
 template <int kHeadDim>
 __host__ __device__ constexpr bool DecodePathFits() {
-  return kHeadDim % 8 == 0 && kHeadDim / 8 <= kWarpSize && kWarpSize % (kHeadDim / 8) == 0;
-}
-
-// 16 bytes global -> shared without passing through registers (cp.async, cached in L2 only);
-// `valid` false writes zeros and reads nothing.
-__device__ __forceinline__ void CopyAsync16(void* smem_dst, const void* src, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-               :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void CopyAsyncCommit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void CopyAsyncWait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(kPending) : "memory");
+  return kHeadDim == 64 || kHeadDim == 128;
 }
 
 __host__ __device__ constexpr size_t MaxBytes(size_t a, size_t b) { return a > b ? a : b; }
 
-// Sums kValues partial values (one per query head) over the kLanes consecutive lanes that share
-// a key, with kValues - 1 + log2(kLanes / kValues) shuffles instead of kValues * log2(kLanes):
-// while more than one value is left, each exchange hands the partner the half it keeps and keeps
-// the other half. Afterwards a lane holds kKept sums, of heads *first_head .. + kKept - 1; the
-// lanes of a key hold each head's sum several times when kLanes > kValues, and `*writer` marks
-// one lane per head. v: [kValues], results in v[0 .. kKept).
-template <int kValues, int kLanes>
-struct TransposedLaneSum {
-  static constexpr int kKept = kValues > kLanes ? kValues / kLanes : 1;
-
-  __device__ __forceinline__ static void Run(float (&v)[kValues], int lane, int* first_head,
-                                             bool* writer) {
-    int head = 0;
-    bool lead = true;
-    int count = kValues;  // constant in each unrolled step
-#pragma unroll
-    for (int o = kLanes / 2; o >= 1; o >>= 1) {
-      const bool upper = (lane & o) != 0;
-      if (count > 1) {
-        const int half = count / 2;
-#pragma unroll
-        for (int i = 0; i < kValues / 2; ++i) {
-          if (i < half) {
-            const float keep = upper ? v[i + half] : v[i];
-            const float give = upper ? v[i] : v[i + half];
-            v[i] = keep + __shfl_xor_sync(kFullMask, give, o);
-          }
-        }
-        head += upper ? half : 0;
-        count = half;
-      } else {
-        v[0] += __shfl_xor_sync(kFullMask, v[0], o);
-        lead = lead && !upper;
-      }
-    }
-    *first_head = head;
-    *writer = lead;
-  }
-};
-
-// Thread roles of DecodeAttentionCta: kLanesPerKey threads share one key (16 bytes of it each),
-// kKeysPerPass keys per pass of the CTA, kUnroll passes per key tile. A tile's keys and values
-// are staged in shared memory by cp.async, kStages tiles deep, each thread copying and reading
-// only its own 16-byte pieces (so only the scores need barriers). Regions in bytes; after the
-// tile loop the staging area is reused for the cross-warp sums and the split merge.
-template <int kHeadDim, int kGroup>
+// Shared memory of DecodeAttentionCta, after its key loop: each warp's running max and sum per
+// query head and its unnormalized output, for the merge of the CTA's warps; then the split
+// merge's weights (f32 [kDecodeMaxGroup][kDecodeMaxSplits]).
+template <int kHeadDim>
 struct DecodeLayout {
-  static constexpr int kLanesPerKey = kHeadDim / 8;
-  static_assert(kLanesPerKey <= kWarpSize && kWarpSize % kLanesPerKey == 0, "keys within warps");
-  static constexpr int kKeysPerPass = kAttnThreads / kLanesPerKey;
-  // 4 passes (2 for groups of 8, whose accumulators take twice the registers) within the
-  // register cap of kAttnMinCtas CTAs per SM
-  static constexpr int kMaxUnroll = kGroup >= 8 ? 2 : 4;
-  static constexpr int kUnroll = 64 / kKeysPerPass < 1 ? 1 : (64 / kKeysPerPass > kMaxUnroll
-                                                                ? kMaxUnroll : 64 / kKeysPerPass);
-  static constexpr int kTileKeys = kKeysPerPass * kUnroll;  // <= 64: two per lane in softmax
-  // 4 stages: 3 tiles in flight while one is computed on. 2 left the loads of 3 CTAs per SM
-  // too few to cover the memory latency under load (measured: 8B shape, batch 32, 55 us/layer
-  // for 64 MB, 1.2 TB/s).
-  static constexpr int kStages = 4;
-  static constexpr size_t kStageBytes = sizeof(bf16) * 2 * kTileKeys * kHeadDim;  // K then V
-  // The staging area, reused after the tile loop for the cross-warp sums
-  // (f32 [kAttnWarps][kGroup][kHeadDim]) and then for the split merge (f32 [2][kGroup][splits]).
-  static constexpr size_t kReduceBytes = sizeof(float) * kAttnWarps * kGroup * kHeadDim;
-  static constexpr size_t kMergeBytes = sizeof(float) * 2 * kGroup * kDecodeMaxSplits;
-  static constexpr size_t kReusedBytes =
-      MaxBytes(MaxBytes(kStages * kStageBytes, kReduceBytes), kMergeBytes);
-  static constexpr size_t kStaging = 0, kReduce = 0, kMergeWeights = 0;
-  static constexpr size_t kScores = kReusedBytes;  // f32 [2][kGroup][kTileKeys]
-  static constexpr size_t kMax = kScores + sizeof(float) * 2 * kGroup * kTileKeys;
-  static constexpr size_t kSum = kMax + sizeof(float) * kGroup;
-  static constexpr size_t kAlpha = kSum + sizeof(float) * kGroup;
-  static constexpr size_t kBytes = kAlpha + sizeof(float) * kGroup;
+  static constexpr size_t kWarpOut = 0;  // f32 [kAttnWarps][kDecodeMaxGroup][kHeadDim]
+  static constexpr size_t kWarpMax =
+      kWarpOut + sizeof(float) * kAttnWarps * kDecodeMaxGroup * kHeadDim;
+  static constexpr size_t kWarpSum = kWarpMax + sizeof(float) * kAttnWarps * kDecodeMaxGroup;
+  static constexpr size_t kMergeWeights = kWarpSum + sizeof(float) * kAttnWarps * kDecodeMaxGroup;
+  static constexpr size_t kBytes =
+      kMergeWeights + sizeof(float) * kDecodeMaxGroup * kDecodeMaxSplits;
 };
 
 // The last CTA of a decode token's splits merges them, all threads at once (this runs on the
-// critical path of every decode step): the splits' (max, sum) become normalized weights
-// w_z = 2^(m_z - M) / sum_z' 2^(m_z' - M) l_z' in shared memory, then every output element is
-// a weighted sum of independent L2 reads. Every split of a decode token saw a live key, so each
-// m_z is finite. s_weight, s_max: [kGroup][kDecodeMaxSplits] f32 each.
+// critical path of every decode step): a warp per query head turns the splits' (max, sum) into
+// normalized weights w_z = 2^(m_z - M) / sum_z' 2^(m_z' - M) l_z' in shared memory (lane z:
+// splits z and z + 32), then every output element is a weighted sum of independent L2 reads.
+// Every split of a decode token saw a live key, so each m_z is finite.
+// s_weight: [kGroup][kDecodeMaxSplits] f32.
 template <int kHeadDim>
 __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int group,
                                                      int num_heads, int num_splits,
                                                      int active_splits, const float* partial_out,
                                                      const float* partial_stats, bf16* out,
-                                                     float* s_weight, float* s_max) {
+                                                     float* s_weight) {
+  static_assert(kDecodeMaxSplits <= 2 * kWarpSize, "two splits per lane");
   const size_t head0 = static_cast<size_t>(t) * num_heads + kv_head * group;
-  for (int i = threadIdx.x; i < group * active_splits; i += blockDim.x) {
-    const int g = i / active_splits, z = i % active_splits;
-    const float* stat = partial_stats + 2 * ((head0 + g) * num_splits + z);
-    s_max[g * kDecodeMaxSplits + z] = __ldcg(stat);
-    s_weight[g * kDecodeMaxSplits + z] = __ldcg(stat + 1);  // l_z until turned into w_z
-  }
-  __syncthreads();
-  if (threadIdx.x < group) {
-    float* m = s_max + threadIdx.x * kDecodeMaxSplits;
-    float* w = s_weight + threadIdx.x * kDecodeMaxSplits;
-    float max_all = -INFINITY;
-    for (int z = 0; z < active_splits; ++z) max_all = fmaxf(max_all, m[z]);
-    float total = 0.f;
-    for (int z = 0; z < active_splits; ++z) {
-      const float scale = exp2f(m[z] - max_all);
-      total += scale * w[z];
-      w[z] = scale;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  for (int g = warp; g < group; g += blockDim.x / kWarpSize) {
+    const float* stats = partial_stats + 2 * (head0 + g) * num_splits;
+    float split_max[2], split_sum[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int z = lane + kWarpSize * i;
+      split_max[i] = z < active_splits ? __ldcg(stats + 2 * z) : -INFINITY;
+      split_sum[i] = z < active_splits ? __ldcg(stats + 2 * z + 1) : 0.f;
     }
-    const float inv_total = 1.f / total;
-    for (int z = 0; z < active_splits; ++z) w[z] *= inv_total;
+    const float max_all = WarpMax(fmaxf(split_max[0], split_max[1]));
+    float weight[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) weight[i] = exp2f(split_max[i] - max_all);  // 0 past the splits
+    const float inv_total = 1.f / WarpSum(weight[0] * split_sum[0] + weight[1] * split_sum[1]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int z = lane + kWarpSize * i;
+      if (z < active_splits) s_weight[g * kDecodeMaxSplits + z] = weight[i] * inv_total;
+    }
   }
   __syncthreads();
   // 4 consecutive dims per thread (16-byte loads), 16 splits' loads in flight at a time
@@ -508,215 +682,222 @@ __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int gro
 }
 
 // One query token t that is alone in its sequence this step (a decode token), one KV head, one
-// split of its keys: keys [0, positions[t]] in tiles of kTileKeys, tiles dealt to the
-// num_splits CTAs (grid.z) in contiguous ranges. Scores in fp32 with the online softmax per
-// tile; P V on CUDA cores in fp32. The next tile's keys and values are in flight (cp.async)
-// while this one is computed, and its block-table entries one tile further ahead. group <=
-// kGroup <= kDecodeMaxGroup. Workspaces as in PagedAttentionCta; shared memory:
-// DecodeLayout<kHeadDim, kGroup>::kBytes of the dynamic buffer.
-template <int kHeadDim, int kGroup>
+// split of its keys [0, position]: whole chunks of kDecodeChunk keys per split, and in each
+// chunk warp w takes keys 16 w .. 16 w + 15. Each warp runs its own online softmax on tensor
+// cores, straight from global memory into registers (no shared-memory staging, no barrier in
+// the key loop), and the CTA's warps merge at the end.
+//
+// Per warp step (16 keys; lane = (g = lane / 4, t = lane % 4) as in mma.sync m16n8k16):
+// - S = Q K^T, Q as the A operand (row g: query head g of the group, rows past the group and
+//   rows 8..15 zero), K as the col-major B operand (column n: key n of an 8-key tile). Within
+//   an MMA the order of the k terms (head dims) is free, so lane (g, t) loads 16 bytes, dims
+//   32 s + 8 t .. + 7, of Q row g and of key g, as the skinny projections do (gemv.cuh).
+// - The scores' C layout (row g, keys 2 t, 2 t + 1 of each 8-key tile) is the A layout of P in
+//   O = P V (k = the 16 keys), so the probabilities never leave registers.
+// - O^T = V^T P^T, with P's fragment as the col-major B operand (column g: query head g) and
+//   V^T as the A operand: rows g and g + 8 (head dims), k = keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9.
+//   Every accumulator is then a live (head, dim) pair (a 16 x 8 tile: 16 dims of 8 heads),
+//   not half of them padding as with O = P V. The dims are permuted: row r of tile j is dim
+//   r * D / 16 + j, so that a lane loads D / 16 contiguous dims of each of its four keys for
+//   row g and as many for row g + 8, and byte permutes pair the keys up. Lane (g, t) ends
+//   holding heads 2 t and 2 t + 1 at dims g * D / 16 .. + D / 16 - 1 and (g + 8) * D / 16 ..
+// The next step's keys are loaded into the registers the current step's scores have freed, and
+// its values into those the P V product has freed. Keys are read through L2 only (ld.cg: the
+// newest one was written by this graph's qkv kernel, and a coherent load stays below the wait).
+// group <= kDecodeMaxGroup. Workspaces as in PagedAttentionCta.
+template <int kHeadDim>
 __device__ __forceinline__ void DecodeAttentionCta(
     int t, int seq, int position, const int32_t* block_tables, int max_blocks_per_seq,
     const bf16* q, const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,
     int num_kv_heads, float scale, bf16* out, int num_splits, float* partial_out,
     float* partial_stats, uint32_t* tile_sems) {
-  using L = DecodeLayout<kHeadDim, kGroup>;
-  constexpr int kLanes = L::kLanesPerKey, kPass = L::kKeysPerPass, kUnroll = L::kUnroll;
-  constexpr int kTile = L::kTileKeys;
+  static_assert(DecodePathFits<kHeadDim>(), "head dims 64 and 128");
+  using L = DecodeLayout<kHeadDim>;
+  constexpr int kSteps = kHeadDim / 32;     // 32-dim steps of S = Q K^T (two MMAs each)
+  constexpr int kOutTiles = kHeadDim / 16;  // 16-dim tiles of O^T = V^T P^T
+  constexpr int kLaneDims = kHeadDim / 16;  // dims of a value row per lane, per row half
+  constexpr int kLaneWords = kLaneDims / 2;
+  using ValueLoad = std::conditional_t<kLaneDims == 8, uint4, uint2>;  // 16 or 8 bytes
   const int kv_head = blockIdx.y, split = blockIdx.z;
   const int group = num_heads / num_kv_heads;
   const int num_keys = position + 1;
-  const int tiles = (num_keys + kTile - 1) / kTile;
-  const int tiles_per_split = (tiles + num_splits - 1) / num_splits;
-  const int active_splits = (tiles + tiles_per_split - 1) / tiles_per_split;
+  const int chunks = (num_keys + kDecodeChunk - 1) / kDecodeChunk;
+  const int chunks_per_split = (chunks + num_splits - 1) / num_splits;
+  const int active_splits = (chunks + chunks_per_split - 1) / chunks_per_split;
   if (split >= active_splits) return;
-  const int key_begin = split * tiles_per_split * kTile;
-  const int key_end = min(key_begin + tiles_per_split * kTile, num_keys);
-  const int my_tiles = (key_end - key_begin + kTile - 1) / kTile;
-  const int32_t* table = block_tables + static_cast<size_t>(seq) * max_blocks_per_seq;
+  const int key_begin = split * chunks_per_split * kDecodeChunk;
+  const int key_end = min(key_begin + chunks_per_split * kDecodeChunk, num_keys);
+  const KeyRows<kHeadDim> cache_rows(block_tables, max_blocks_per_seq, seq, block_size,
+                                     num_kv_heads, kv_head);
+  // -1 past the split's keys
+  auto row_offset = [&](int key) -> int64_t {
+    return key < key_end ? cache_rows.offset(key) : -1;
+  };
 
   extern __shared__ __align__(128) unsigned char smem[];
-  bf16* s_staging = reinterpret_cast<bf16*>(smem + L::kStaging);
-  float* s_scores = reinterpret_cast<float*>(smem + L::kScores);
-  float* s_max = reinterpret_cast<float*>(smem + L::kMax);
-  float* s_sum = reinterpret_cast<float*>(smem + L::kSum);
-  float* s_alpha = reinterpret_cast<float*>(smem + L::kAlpha);
-
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int key_lane = tid / kLanes, col = (tid % kLanes) * 8;
+  const int g = lane / 4, tq = lane % 4;
 
-  // Key -> (block, row): shifts for the usual power-of-two block sizes, a division otherwise.
-  const bool pow2_blocks = (block_size & (block_size - 1)) == 0;
-  const int block_shift = __ffs(block_size) - 1;
-  auto block_index = [&](int key) { return pow2_blocks ? key >> block_shift : key / block_size; };
-  auto block_row = [&](int key) { return pow2_blocks ? key & (block_size - 1) : key % block_size; };
-  // Block ids of this thread's keys in tile i of the split (-1 past the end).
-  auto fetch_blocks = [&](int i, int (&blocks)[kUnroll]) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  // Keys g and 8 + g of the step at key0: dims 32 s + 8 t .. + 7.
+  auto load_keys = [&](int key0, uint4 (&kr)[2][kSteps]) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int key = key_begin + i * kTile + key_lane + u * kPass;
-      blocks[u] = i < my_tiles && key < key_end ? table[block_index(key)] : -1;
-    }
-  };
-  // This thread's 16-byte pieces of tile i's keys and values into stage i % kStages, as one
-  // commit group (empty past the last tile, so that groups and tiles stay in step).
-  auto stage = [&](int i, const int (&blocks)[kUnroll]) {
-    bf16* k_dst = s_staging + (i % L::kStages) * 2 * kTile * kHeadDim;
-    bf16* v_dst = k_dst + kTile * kHeadDim;
-    if (i < my_tiles) {
+    for (int n = 0; n < 2; ++n) {
+      const int64_t off = row_offset(key0 + 8 * n + g);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int j = key_lane + u * kPass, key = key_begin + i * kTile + j;
-        const bool valid = blocks[u] >= 0;
-        const size_t off = valid ? ((static_cast<size_t>(blocks[u]) * block_size +
-                                     block_row(key)) * num_kv_heads + kv_head) * kHeadDim + col
-                                 : 0;
-        CopyAsync16(k_dst + j * kHeadDim + col, k_cache + off, valid);
-        CopyAsync16(v_dst + j * kHeadDim + col, v_cache + off, valid);
+      for (int s = 0; s < kSteps; ++s) {
+        kr[n][s] = off >= 0 ? __ldcg(reinterpret_cast<const uint4*>(
+                                  k_cache + off + 32 * s + 8 * tq))
+                            : zero;
       }
     }
-    CopyAsyncCommit();
   };
-
-  // Block ids of the first kStages - 1 tiles, all loads in flight at once.
-  int first_blocks[L::kStages - 1][kUnroll];
+  // Values of keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of the step (i = 0..3), dims
+  // r * D / 16 .. + D / 16 - 1 for rows r = g (h = 0) and g + 8 (h = 1), as bf16 pairs.
+  auto load_values = [&](int key0, uint32_t (&vr)[4][2][kLaneWords]) {
 #pragma unroll
-  for (int i = 0; i < L::kStages - 1; ++i) fetch_blocks(i, first_blocks[i]);
-  // this lane's 8 dims of each query head of the group, as floats (zeros past the group), and
-  // scale * log2(e) applied to each score
-  const float scale_log2 = scale * 1.4426950408889634f;
-  float qf[kGroup][8], acc[kGroup][8];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t off = row_offset(key0 + 2 * tq + (i & 1) + 8 * (i >> 1));
 #pragma unroll
-  for (int g = 0; g < kGroup; ++g) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qf[g][i] = acc[g][i] = 0.f;
-    if (g < group) {
-      LoadBf16x8(q + (static_cast<size_t>(t) * num_heads + kv_head * group + g) * kHeadDim + col,
-                 qf[g]);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < L::kStages - 1; ++i) stage(i, first_blocks[i]);
-  int blocks[kUnroll];  // of tile i + kStages - 1 during iteration i
-  fetch_blocks(L::kStages - 1, blocks);
-  if (tid < kGroup) {
-    s_max[tid] = -INFINITY;
-    s_sum[tid] = 0.f;
-  }
-
-  for (int i = 0; i < my_tiles; ++i) {
-    const int key0 = key_begin + i * kTile;
-    stage(i + L::kStages - 1, blocks);
-    fetch_blocks(i + L::kStages, blocks);
-    // tile i has landed (this thread's pieces, the only ones it reads): of the groups
-    // committed so far only the newest kStages - 1 (tiles i + 1 ..) may still be in flight
-    CopyAsyncWait<L::kStages - 1>();
-    const bf16* k_tile = s_staging + (i % L::kStages) * 2 * kTile * kHeadDim;
-    const bf16* v_tile = k_tile + kTile * kHeadDim;
-    float* scores = s_scores + (i % 2) * kGroup * kTile;  // [kGroup][kTile], double-buffered
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = key_lane + u * kPass;
-      float kf[8];
-      LoadBf16x8(k_tile + j * kHeadDim + col, kf);
-      float dots[kGroup];
-#pragma unroll
-      for (int g = 0; g < kGroup; ++g) {
-        dots[g] = 0.f;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) dots[g] = fmaf(qf[g][c], kf[c], dots[g]);
-      }
-      using Sum = TransposedLaneSum<kGroup, kLanes>;
-      int first_head;
-      bool writer;
-      Sum::Run(dots, lane, &first_head, &writer);
-      if (writer) {
-#pragma unroll
-        for (int h = 0; h < Sum::kKept; ++h) {
-          if (first_head + h < group) {
-            scores[(first_head + h) * kTile + j] =
-                key0 + j < key_end ? dots[h] * scale_log2 : -INFINITY;
-          }
+      for (int h = 0; h < 2; ++h) {
+        ValueLoad v{};
+        if (off >= 0) {
+          v = __ldcg(reinterpret_cast<const ValueLoad*>(v_cache + off +
+                                                        (g + 8 * h) * kLaneDims));
         }
+        *reinterpret_cast<ValueLoad*>(vr[i][h]) = v;
       }
     }
-    __syncthreads();
-    // Online softmax, one warp per head: every tile holds at least one live key (key0 < key_end),
-    // so the new max is finite; masked keys give p = 0, and alpha = 0 on the first tile.
-    for (int g = warp; g < group; g += kAttnWarps) {
-      float* row = scores + g * kTile;
-      const float s0 = lane < kTile ? row[lane] : -INFINITY;
-      const float s1 = lane + kWarpSize < kTile ? row[lane + kWarpSize] : -INFINITY;
-      const float old_max = s_max[g];
-      const float new_max = fmaxf(old_max, WarpMax(fmaxf(s0, s1)));
-      const float p0 = exp2f(s0 - new_max), p1 = exp2f(s1 - new_max);
-      if (lane < kTile) row[lane] = p0;
-      if (lane + kWarpSize < kTile) row[lane + kWarpSize] = p1;
-      const float p_sum = WarpSum(p0 + p1);
-      if (lane == 0) {
-        const float alpha = exp2f(old_max - new_max);
-        s_max[g] = new_max;
-        s_sum[g] = s_sum[g] * alpha + p_sum;
-        s_alpha[g] = alpha;
+  };
+
+  // Query head g of the group (zeros past it): dims 32 s + 8 t .. + 7.
+  uint4 qr[kSteps];
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    qr[s] = g < group ? *reinterpret_cast<const uint4*>(
+                            q + (static_cast<size_t>(t) * num_heads + kv_head * group + g) *
+                                    kHeadDim + 32 * s + 8 * tq)
+                      : zero;
+  }
+  const float scale_log2 = scale * 1.4426950408889634f;
+  float o[kOutTiles][4];
+#pragma unroll
+  for (int j = 0; j < kOutTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float run_max = -INFINITY, run_sum = 0.f;  // of head g; run_sum: this lane's keys only
+
+  int key0 = key_begin + kMmaKeys * warp;
+  uint4 kr[2][kSteps];
+  uint32_t vr[4][2][kLaneWords];
+  if (key0 < key_end) {
+    load_keys(key0, kr);
+    load_values(key0, vr);
+  }
+  for (; key0 < key_end; key0 += kDecodeChunk) {
+    const int next = key0 + kDecodeChunk;
+    float sc[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        MmaBf16(sc[n], qr[s].x, 0u, qr[s].y, 0u, kr[n][s].x, kr[n][s].y);
+        MmaBf16(sc[n], qr[s].z, 0u, qr[s].w, 0u, kr[n][s].z, kr[n][s].w);
       }
     }
-    __syncthreads();
-    // acc += P V over this lane's keys (masked keys: p = 0 times zero-filled values). The next
-    // tile writes the other score buffer, and s_alpha only after its first barrier.
+    if (next < key_end) load_keys(next, kr);
+
+    // Online softmax of row g over this step's keys 8 n + 2 t + e (the four lanes of the row
+    // hold its 16 keys); the step's first key is live, so the new max is finite.
+    float p[2][2], step_max = -INFINITY;
 #pragma unroll
-    for (int g = 0; g < kGroup; ++g) {
-      if (g >= group) continue;
-      const float alpha = s_alpha[g];
+    for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int c = 0; c < 8; ++c) acc[g][c] *= alpha;
+      for (int e = 0; e < 2; ++e) {
+        const bool live = key0 + 8 * n + 2 * tq + e < key_end;
+        p[n][e] = live ? sc[n][e] * scale_log2 : -INFINITY;
+        step_max = fmaxf(step_max, p[n][e]);
+      }
+    step_max = fmaxf(step_max, __shfl_xor_sync(kFullMask, step_max, 1));
+    step_max = fmaxf(step_max, __shfl_xor_sync(kFullMask, step_max, 2));
+    const float new_max = fmaxf(run_max, step_max);
+    const float alpha = exp2f(run_max - new_max);  // 0 on the first step
+    run_max = new_max;
+    uint32_t pb[2];  // P^T's B fragment, column g: keys 2 t, 2 t + 1 (n = 0) and 8 + 2 t, ..
+    float p_sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const __nv_bfloat162 pair =
+          __floats2bfloat162_rn(exp2f(p[n][0] - new_max), exp2f(p[n][1] - new_max));
+      const float2 rounded = __bfloat1622float2(pair);  // sum what P V will use
+      p_sum += rounded.x + rounded.y;
+      pb[n] = *reinterpret_cast<const uint32_t*>(&pair);
     }
+    run_sum = run_sum * alpha + p_sum;
+
+    // O^T = O^T * alpha + V^T P^T; this lane's accumulators are heads 2 t and 2 t + 1, whose
+    // alphas the lanes of rows 2 t and 2 t + 1 hold.
+    const float alpha0 = __shfl_sync(kFullMask, alpha, 8 * tq);
+    const float alpha1 = __shfl_sync(kFullMask, alpha, 8 * tq + 4);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = key_lane + u * kPass;
-      float vf[8];
-      LoadBf16x8(v_tile + j * kHeadDim + col, vf);
+    for (int j = 0; j < kOutTiles; ++j) {
+      const uint32_t sel = j % 2 ? 0x7632u : 0x5410u;  // the high or low bf16 of each word
+      const int w = j / 2;
+      o[j][0] *= alpha0;
+      o[j][1] *= alpha1;
+      o[j][2] *= alpha0;
+      o[j][3] *= alpha1;
+      MmaBf16(o[j], __byte_perm(vr[0][0][w], vr[1][0][w], sel),
+              __byte_perm(vr[0][1][w], vr[1][1][w], sel),
+              __byte_perm(vr[2][0][w], vr[3][0][w], sel),
+              __byte_perm(vr[2][1][w], vr[3][1][w], sel), pb[0], pb[1]);
+    }
+    if (next < key_end) load_values(next, vr);
+  }
+
+  // The row's sum over its four lanes; then the warps' (max, sum, output) meet in shared memory
+  // (a warp without keys: max -inf, sum 0, output 0).
+  run_sum += __shfl_xor_sync(kFullMask, run_sum, 1);
+  run_sum += __shfl_xor_sync(kFullMask, run_sum, 2);
+  float* s_out = reinterpret_cast<float*>(smem + L::kWarpOut);
+  float* s_max = reinterpret_cast<float*>(smem + L::kWarpMax);
+  float* s_sum = reinterpret_cast<float*>(smem + L::kWarpSum);
 #pragma unroll
-      for (int g = 0; g < kGroup; ++g) {
-        if (g >= group) continue;
-        const float p = scores[g * kTile + j];
+  for (int e = 0; e < 2; ++e) {  // heads 2 t + e
+    if (2 * tq + e < group) {
+      float* row = s_out + (warp * kDecodeMaxGroup + 2 * tq + e) * kHeadDim;
 #pragma unroll
-        for (int c = 0; c < 8; ++c) acc[g][c] = fmaf(p, vf[c], acc[g][c]);
+      for (int j = 0; j < kOutTiles; ++j) {
+        row[g * kLaneDims + j] = o[j][e];
+        row[(g + 8) * kLaneDims + j] = o[j][2 + e];
       }
     }
   }
-
-  // Sum the key lanes: within the warp by shuffles, across warps in shared memory (the staging
-  // area: every copy has landed and been read once all threads pass the barrier).
-#pragma unroll
-  for (int g = 0; g < kGroup; ++g)
-#pragma unroll
-    for (int c = 0; c < 8; ++c)
-#pragma unroll
-      for (int o = kLanes; o < kWarpSize; o <<= 1)
-        acc[g][c] += __shfl_xor_sync(kFullMask, acc[g][c], o);
-  __syncthreads();
-  float* s_reduce = reinterpret_cast<float*>(smem + L::kReduce);  // [warp][kGroup][kHeadDim]
-  if (lane < kLanes) {
-#pragma unroll
-    for (int g = 0; g < kGroup; ++g)
-#pragma unroll
-      for (int c = 0; c < 8; ++c) s_reduce[(warp * kGroup + g) * kHeadDim + col + c] = acc[g][c];
+  if (g < group && tq == 0) {
+    s_max[warp * kDecodeMaxGroup + g] = run_max;
+    s_sum[warp * kDecodeMaxGroup + g] = run_sum;
   }
   __syncthreads();
   const size_t head0 = static_cast<size_t>(t) * num_heads + kv_head * group;
   for (int e = tid; e < group * kHeadDim; e += kAttnThreads) {
-    const int g = e / kHeadDim, d = e % kHeadDim;
-    float v = 0.f;
+    const int h = e / kHeadDim, d = e % kHeadDim;
+    float cta_max = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) v += s_reduce[(w * kGroup + g) * kHeadDim + d];
+    for (int w = 0; w < kAttnWarps; ++w) cta_max = fmaxf(cta_max, s_max[w * kDecodeMaxGroup + h]);
+    float v = 0.f, sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) {
+      const float weight = exp2f(s_max[w * kDecodeMaxGroup + h] - cta_max);  // 0 at -inf
+      v += weight * s_out[(w * kDecodeMaxGroup + h) * kHeadDim + d];
+      sum += weight * s_sum[w * kDecodeMaxGroup + h];
+    }
     if (active_splits == 1) {
-      out[(head0 + g) * kHeadDim + d] = __float2bfloat16(v / s_sum[g]);
+      out[(head0 + h) * kHeadDim + d] = __float2bfloat16(v / sum);
     } else {
-      const size_t part = (head0 + g) * num_splits + split;
+      const size_t part = (head0 + h) * num_splits + split;
       partial_out[part * kHeadDim + d] = v;
       if (d == 0) {
-        partial_stats[2 * part] = s_max[g];
-        partial_stats[2 * part + 1] = s_sum[g];
+        partial_stats[2 * part] = cta_max;
+        partial_stats[2 * part + 1] = sum;
       }
     }
   }
@@ -724,22 +905,18 @@ __device__ __forceinline__ void DecodeAttentionCta(
   // The last of the token's splits to arrive merges them.
   uint32_t* sem = tile_sems + static_cast<size_t>(t) * num_kv_heads + kv_head;
   if (!LastSplitToArrive(sem, active_splits)) return;
-  float* s_weight = reinterpret_cast<float*>(smem + L::kMergeWeights);
   MergeDecodeSplitsCta<kHeadDim>(t, kv_head, group, num_heads, num_splits, active_splits,
-                                 partial_out, partial_stats, out, s_weight,
-                                 s_weight + kGroup * kDecodeMaxSplits);
+                                 partial_out, partial_stats, out,
+                                 reinterpret_cast<float*>(smem + L::kMergeWeights));
   if (tid == 0) *sem = 0;
 }
 
-// Dynamic shared memory of the attention kernel: the larger of its two paths' needs.
+// Dynamic shared memory of the attention kernel: the decode path's (the mma.sync query tiles
+// need none), or the WMMA query tiles' for the other head dims.
 template <int kHeadDim, int kRows>
 __host__ __device__ constexpr size_t AttentionKernelSmem() {
   if constexpr (DecodePathFits<kHeadDim>()) {
-    // every group bound the dispatcher instantiates (their tiles differ, so any may be largest)
-    return MaxBytes(MaxBytes(AttentionSmem<kHeadDim, kRows>::kBytes,
-                             MaxBytes(DecodeLayout<kHeadDim, 1>::kBytes,
-                                      DecodeLayout<kHeadDim, 2>::kBytes)),
-                    MaxBytes(DecodeLayout<kHeadDim, 4>::kBytes, DecodeLayout<kHeadDim, 8>::kBytes));
+    return DecodeLayout<kHeadDim>::kBytes;
   } else {
     return AttentionSmem<kHeadDim, kRows>::kBytes;
   }
@@ -749,8 +926,8 @@ __host__ __device__ constexpr size_t AttentionKernelSmem() {
 // AttentionKernelSmem<kHeadDim, kRows>() bytes of dynamic shared memory. A token alone in its
 // sequence this step that attends to at least decode_min_keys keys goes to DecodeAttentionCta
 // when its GQA group fits; every other token belongs to a query tile of PagedAttentionCta.
-// (Measured on the H200: the tensor-core tiles are faster up to ~2k keys, the pipelined
-// decode path beyond; gpu_engine/cuda_forward.py sets the threshold.)
+// (gpu_engine/cuda_forward.py sets the threshold: 0, the decode path is the faster one at every
+// context measured.)
 template <int kHeadDim, int kRows>
 __device__ __forceinline__ void AttentionCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
@@ -769,28 +946,25 @@ __device__ __forceinline__ void AttentionCta(
   if (t >= num_tokens) return;
   if constexpr (DecodePathFits<kHeadDim>()) {
     const bool alone = prev_seq != seq && (t + 1 == num_tokens || next_seq != seq);
-    const int group = num_heads / num_kv_heads;
-    // one dispatch point: the runtime group becomes the template bound kGroup >= group
-    auto decode = [&](auto bound) {
-      DecodeAttentionCta<kHeadDim, decltype(bound)::value>(
-          t, seq, position, block_tables, max_blocks_per_seq, q, k_cache, v_cache, block_size,
-          num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats,
-          tile_sems);
-    };
-    if (alone && group <= kDecodeMaxGroup && position + 1 >= decode_min_keys) {
-      // (the same bounds AttentionKernelSmem sizes shared memory for)
-      static_assert(kDecodeMaxGroup == 8, "bounds 1, 2, 4, 8");
-      if (group == 1) decode(std::integral_constant<int, 1>{});
-      else if (group == 2) decode(std::integral_constant<int, 2>{});
-      else if (group <= 4) decode(std::integral_constant<int, 4>{});
-      else decode(std::integral_constant<int, 8>{});
+    if (alone && num_heads / num_kv_heads <= kDecodeMaxGroup &&
+        position + 1 >= decode_min_keys) {
+      DecodeAttentionCta<kHeadDim>(t, seq, position, block_tables, max_blocks_per_seq, q,
+                                   k_cache, v_cache, block_size, num_heads, num_kv_heads, scale,
+                                   out, num_splits, partial_out, partial_stats, tile_sems);
       return;
     }
   }
-  PagedAttentionCta<kHeadDim, kRows>(desc, positions, token_seq, block_tables,
-                                     max_blocks_per_seq, q, k_cache, v_cache, block_size,
-                                     num_heads, num_kv_heads, scale, out, num_splits,
-                                     partial_out, partial_stats, tile_sems);
+  if constexpr (DecodePathFits<kHeadDim>()) {
+    TileAttentionMmaCta<kHeadDim, kRows>(desc, positions, token_seq, block_tables,
+                                         max_blocks_per_seq, q, k_cache, v_cache, block_size,
+                                         num_heads, num_kv_heads, scale, out, num_splits,
+                                         partial_out, partial_stats, tile_sems);
+  } else {
+    PagedAttentionCta<kHeadDim, kRows>(desc, positions, token_seq, block_tables,
+                                       max_blocks_per_seq, q, k_cache, v_cache, block_size,
+                                       num_heads, num_kv_heads, scale, out, num_splits,
+                                       partial_out, partial_stats, tile_sems);
+  }
 }
 
 }  // namespace blink

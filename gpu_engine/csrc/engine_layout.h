@@ -7,7 +7,7 @@
 namespace blink::engine {
 
 static constexpr int32_t kMaxSlots = 1024;
-static constexpr int32_t kMaxBuckets = 16;
+static constexpr int32_t kMaxBuckets = 32;
 static constexpr int32_t kSchedulerThreads = 256;
 static_assert(sizeof(void*) == 8, "the host writes addresses as u64");
 
@@ -76,10 +76,10 @@ struct ForwardPtrs {
   int32_t* sampled;  // @104 [max_seqs] out: the token sampled for logits row l
   int32_t max_blocks_per_seq;  // @112 block_tables' row width: sched::max_blocks_per_seq
   int32_t num_buckets;  // @116 <= kMaxBuckets
-  int32_t bucket_tokens[16];  // @120 ascending: graph b takes up to this many tokens
-  uint64_t graph_execs[16];  // @184 cudaGraphExec_t, instantiated for device launch
+  int32_t bucket_tokens[32];  // @120 ascending: graph b takes up to this many tokens
+  uint64_t graph_execs[32];  // @248 cudaGraphExec_t, instantiated for device launch
 };
-static_assert(sizeof(ForwardPtrs) == 312, "ForwardPtrs size");
+static_assert(sizeof(ForwardPtrs) == 504, "ForwardPtrs size");
 static_assert(offsetof(ForwardPtrs, num_tokens) == 0, "ForwardPtrs.num_tokens");
 static_assert(offsetof(ForwardPtrs, done_counter) == 8, "ForwardPtrs.done_counter");
 static_assert(offsetof(ForwardPtrs, token_ids) == 16, "ForwardPtrs.token_ids");
@@ -97,7 +97,7 @@ static_assert(offsetof(ForwardPtrs, sampled) == 104, "ForwardPtrs.sampled");
 static_assert(offsetof(ForwardPtrs, max_blocks_per_seq) == 112, "ForwardPtrs.max_blocks_per_seq");
 static_assert(offsetof(ForwardPtrs, num_buckets) == 116, "ForwardPtrs.num_buckets");
 static_assert(offsetof(ForwardPtrs, bucket_tokens) == 120, "ForwardPtrs.bucket_tokens");
-static_assert(offsetof(ForwardPtrs, graph_execs) == 184, "ForwardPtrs.graph_execs");
+static_assert(offsetof(ForwardPtrs, graph_execs) == 248, "ForwardPtrs.graph_execs");
 
 struct EngineSizes {
   uint64_t engine_bytes;  // @0 sizeof(EngineDevice)
@@ -115,34 +115,34 @@ struct EngineInit {
   SchedConfig sched;  // @0
   RingView ring;  // @24
   ForwardPtrs fwd;  // @72
-  Control* control;  // @384 mapped host memory
-  uint32_t* consumed_gen;  // @392 [num_slots] last generation consumed per slot
-  uint64_t* corrupt_since;  // @400 [num_slots] when a CRC mismatch was first seen
-  uint8_t* scratch_slot;  // @408 [slot_bytes] a candidate slot, copied out of the ring
-  int32_t* staged_prompts;  // @416 [num_slots, max_prompt_tokens]
-  uint32_t vocab_size;  // @424
-  uint32_t context_length;  // @428
-  uint32_t kv_capacity_tokens;  // @432 num_blocks * block_size
-  int32_t num_eos;  // @436 <= ring::kMaxEosIds
-  int32_t eos_ids[8];  // @440
-  uint64_t corrupt_grace_ns;  // @472 a slot whose CRC stays wrong this long is rejected
-  uint32_t idle_sleep_ns;  // @480 __nanosleep after an iteration with nothing to schedule
+  Control* control;  // @576 mapped host memory
+  uint32_t* consumed_gen;  // @584 [num_slots] last generation consumed per slot
+  uint64_t* corrupt_since;  // @592 [num_slots] when a CRC mismatch was first seen
+  uint8_t* scratch_slot;  // @600 [slot_bytes] a candidate slot, copied out of the ring
+  int32_t* staged_prompts;  // @608 [num_slots, max_prompt_tokens]
+  uint32_t vocab_size;  // @616
+  uint32_t context_length;  // @620
+  uint32_t kv_capacity_tokens;  // @624 num_blocks * block_size
+  int32_t num_eos;  // @628 <= ring::kMaxEosIds
+  int32_t eos_ids[8];  // @632
+  uint64_t corrupt_grace_ns;  // @664 a slot whose CRC stays wrong this long is rejected
+  uint32_t idle_sleep_ns;  // @672 __nanosleep after an iteration with nothing to schedule
 };
-static_assert(sizeof(EngineInit) == 488, "EngineInit size");
+static_assert(sizeof(EngineInit) == 680, "EngineInit size");
 static_assert(offsetof(EngineInit, sched) == 0, "EngineInit.sched");
 static_assert(offsetof(EngineInit, ring) == 24, "EngineInit.ring");
 static_assert(offsetof(EngineInit, fwd) == 72, "EngineInit.fwd");
-static_assert(offsetof(EngineInit, control) == 384, "EngineInit.control");
-static_assert(offsetof(EngineInit, consumed_gen) == 392, "EngineInit.consumed_gen");
-static_assert(offsetof(EngineInit, corrupt_since) == 400, "EngineInit.corrupt_since");
-static_assert(offsetof(EngineInit, scratch_slot) == 408, "EngineInit.scratch_slot");
-static_assert(offsetof(EngineInit, staged_prompts) == 416, "EngineInit.staged_prompts");
-static_assert(offsetof(EngineInit, vocab_size) == 424, "EngineInit.vocab_size");
-static_assert(offsetof(EngineInit, context_length) == 428, "EngineInit.context_length");
-static_assert(offsetof(EngineInit, kv_capacity_tokens) == 432, "EngineInit.kv_capacity_tokens");
-static_assert(offsetof(EngineInit, num_eos) == 436, "EngineInit.num_eos");
-static_assert(offsetof(EngineInit, eos_ids) == 440, "EngineInit.eos_ids");
-static_assert(offsetof(EngineInit, corrupt_grace_ns) == 472, "EngineInit.corrupt_grace_ns");
-static_assert(offsetof(EngineInit, idle_sleep_ns) == 480, "EngineInit.idle_sleep_ns");
+static_assert(offsetof(EngineInit, control) == 576, "EngineInit.control");
+static_assert(offsetof(EngineInit, consumed_gen) == 584, "EngineInit.consumed_gen");
+static_assert(offsetof(EngineInit, corrupt_since) == 592, "EngineInit.corrupt_since");
+static_assert(offsetof(EngineInit, scratch_slot) == 600, "EngineInit.scratch_slot");
+static_assert(offsetof(EngineInit, staged_prompts) == 608, "EngineInit.staged_prompts");
+static_assert(offsetof(EngineInit, vocab_size) == 616, "EngineInit.vocab_size");
+static_assert(offsetof(EngineInit, context_length) == 620, "EngineInit.context_length");
+static_assert(offsetof(EngineInit, kv_capacity_tokens) == 624, "EngineInit.kv_capacity_tokens");
+static_assert(offsetof(EngineInit, num_eos) == 628, "EngineInit.num_eos");
+static_assert(offsetof(EngineInit, eos_ids) == 632, "EngineInit.eos_ids");
+static_assert(offsetof(EngineInit, corrupt_grace_ns) == 664, "EngineInit.corrupt_grace_ns");
+static_assert(offsetof(EngineInit, idle_sleep_ns) == 672, "EngineInit.idle_sleep_ns");
 
 }  // namespace blink::engine

@@ -68,34 +68,23 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
                                   num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks);
 }
 
-__global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHeadDim>)
-    blink_paged_attention(const BatchDesc* desc, const int32_t* positions,
-                          const int32_t* token_seq, const int32_t* block_tables,
-                          int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
-                          const bf16* v_cache, int block_size, int num_heads, int num_kv_heads,
-                          float scale, bf16* out, int num_splits, float* partial_out,
-                          float* partial_stats, uint32_t* tile_sems, int decode_min_keys) {
-  blink::AwaitPriorKernel();
-  blink::AttentionCta<kHeadDim, blink::kAttnRows>(
-      desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,
-      block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats,
-      tile_sems, decode_min_keys);
-}
-
-__global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHeadDim>)
-    blink_paged_attention_small(const BatchDesc* desc, const int32_t* positions,
-                                const int32_t* token_seq, const int32_t* block_tables,
-                                int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
-                                const bf16* v_cache, int block_size, int num_heads,
-                                int num_kv_heads, float scale, bf16* out, int num_splits,
-                                float* partial_out, float* partial_stats, uint32_t* tile_sems,
-                                int decode_min_keys) {
-  blink::AwaitPriorKernel();
-  blink::AttentionCta<kHeadDim, blink::kAttnRowsSmall>(
-      desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,
-      block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out, partial_stats,
-      tile_sems, decode_min_keys);
-}
+// The attention entries, with query tiles of kAttnRows or kAttnRowsSmall rows.
+#define BLINK_PAGED_ATTENTION(NAME, ROWS)                                                    \
+  __global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHeadDim>)     \
+      NAME(const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,        \
+           const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,               \
+           const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,          \
+           int num_kv_heads, float scale, bf16* out, int num_splits, float* partial_out,     \
+           float* partial_stats, uint32_t* tile_sems, int decode_min_keys) {                 \
+    blink::AwaitPriorKernel();                                                               \
+    blink::AttentionCta<kHeadDim, ROWS>(                                                     \
+        desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,   \
+        block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out,            \
+        partial_stats, tile_sems, decode_min_keys);                                          \
+  }
+BLINK_PAGED_ATTENTION(blink_paged_attention, blink::kAttnRows)
+BLINK_PAGED_ATTENTION(blink_paged_attention_small, blink::kAttnRowsSmall)
+#undef BLINK_PAGED_ATTENTION
 
 // Skinny linear layers (gemv.cuh), one entry per (row tiles, column tiles) shape; the _norm
 // entries take the residual stream's bf16 shadow and fold its RMSNorm in (decode-sized buckets:

@@ -59,15 +59,6 @@ __device__ __forceinline__ uint4 LoadActivation16(const void* p) {
   return v;
 }
 
-__device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // 16-byte loads in flight per lane per 32-k step: 2 per row tile (rows g, g + 8), 1 per column
 // tile. Steps are unrolled so that about 16 such loads are in flight per lane.
 template <int kRowTiles, int kColTiles>

@@ -70,6 +70,17 @@ __device__ __forceinline__ void ReleaseNextKernel() {
 #endif
 }
 
+// D += A B on tensor cores, mma.sync m16n8k16 (bf16 in, fp32 accumulate); fragments as the PTX
+// ISA lays them out: lane (g = lane / 4, t = lane % 4) holds A rows g and g + 8, B column g.
+__device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 template <typename T>
 __device__ __forceinline__ T WarpSum(T v) {
 #pragma unroll
