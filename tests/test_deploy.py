@@ -83,6 +83,8 @@ def test_systemd_units():
     # stopped in reverse start order: the front end (After= the engine) drains first
     assert "blink-engine.service" in frontend_unit["Unit"]["After"]
     assert float(frontend_unit["Service"]["TimeoutStopSec"]) > frontend.shutdown_timeout
+    # beside busy neighbours the front end keeps its throughput only ahead of them (README)
+    assert int(frontend_unit["Service"]["Nice"]) < 0 and frontend.workers > 1
 
 
 def test_dpu_host_systemd_units():
