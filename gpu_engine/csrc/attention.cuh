@@ -600,15 +600,13 @@ static constexpr int kDecodeMaxGroup = 8;    // larger GQA groups take the tile 
 static constexpr int kDecodeMaxSplits = 64;  // the host's attention_splits() stays within it
 static constexpr int kDecodeChunk = kMmaKeys * kAttnWarps;  // keys per CTA step
 
-// The decode path holds a lane's share of a head vector in 16-byte loads of D / 8 dims (see
-// DecodeAttentionCta) and its accumulators in registers: head dims 64 and 128. Others take the
-// tile path for every token.
+// The mma.sync paths (DecodeAttentionCta, TileAttentionMmaCta) load a lane's share of a head
+// vector in whole 8- or 16-byte pieces and keep their accumulators in registers: head dims 64
+// and 128. Other head dims take the WMMA query tiles (PagedAttentionCta) for every token.
 template <int kHeadDim>
-__host__ __device__ constexpr bool DecodePathFits() {
+__host__ __device__ constexpr bool MmaPathsFit() {
   return kHeadDim == 64 || kHeadDim == 128;
 }
-
-__host__ __device__ constexpr size_t MaxBytes(size_t a, size_t b) { return a > b ? a : b; }
 
 // Shared memory of DecodeAttentionCta, after its key loop: each warp's running max and sum per
 // query head and its unnormalized output, for the merge of the CTA's warps; then the split
@@ -711,7 +709,7 @@ __device__ __forceinline__ void DecodeAttentionCta(
     const bf16* q, const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,
     int num_kv_heads, float scale, bf16* out, int num_splits, float* partial_out,
     float* partial_stats, uint32_t* tile_sems) {
-  static_assert(DecodePathFits<kHeadDim>(), "head dims 64 and 128");
+  static_assert(MmaPathsFit<kHeadDim>(), "head dims 64 and 128");
   using L = DecodeLayout<kHeadDim>;
   constexpr int kSteps = kHeadDim / 32;     // 32-dim steps of S = Q K^T (two MMAs each)
   constexpr int kOutTiles = kHeadDim / 16;  // 16-dim tiles of O^T = V^T P^T
@@ -915,7 +913,7 @@ __device__ __forceinline__ void DecodeAttentionCta(
 // need none), or the WMMA query tiles' for the other head dims.
 template <int kHeadDim, int kRows>
 __host__ __device__ constexpr size_t AttentionKernelSmem() {
-  if constexpr (DecodePathFits<kHeadDim>()) {
+  if constexpr (MmaPathsFit<kHeadDim>()) {
     return DecodeLayout<kHeadDim>::kBytes;
   } else {
     return AttentionSmem<kHeadDim, kRows>::kBytes;
@@ -944,7 +942,7 @@ __device__ __forceinline__ void AttentionCta(
   const int next_seq = t + 1 < bucket ? token_seq[t + 1] : -1;
   const int position = positions[t];
   if (t >= num_tokens) return;
-  if constexpr (DecodePathFits<kHeadDim>()) {
+  if constexpr (MmaPathsFit<kHeadDim>()) {
     const bool alone = prev_seq != seq && (t + 1 == num_tokens || next_seq != seq);
     if (alone && num_heads / num_kv_heads <= kDecodeMaxGroup &&
         position + 1 >= decode_min_keys) {
@@ -954,7 +952,7 @@ __device__ __forceinline__ void AttentionCta(
       return;
     }
   }
-  if constexpr (DecodePathFits<kHeadDim>()) {
+  if constexpr (MmaPathsFit<kHeadDim>()) {
     TileAttentionMmaCta<kHeadDim, kRows>(desc, positions, token_seq, block_tables,
                                          max_blocks_per_seq, q, k_cache, v_cache, block_size,
                                          num_heads, num_kv_heads, scale, out, num_splits,
