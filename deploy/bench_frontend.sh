@@ -2,14 +2,17 @@
 # The front end's capacity on a GPU host (issue 10), about 4.5 minutes, in two parts:
 #   1. the front end alone: the synthetic engine (no model: every step a token for each running
 #      sequence, as fast as its Python loop goes), 256 closed-loop streams of 16 + 1024 tokens,
-#      front end with --workers 1, 2, 4 and 8; the client in 4 processes on 4 cores of its own.
-#      Each run prints streamed tokens/s and the front end's CPU per streamed token.
+#      front end with --workers 1, 2, 4 and 8, then 2 and 4 with --stream-interval-ms 5 (a
+#      stream's tokens leave at most every 5 ms, several to a message); the client in 4
+#      processes on 4 cores of its own. Each run prints streamed tokens/s and the front end's
+#      CPU per streamed token.
 #   2. the Llama-3.2-1B shape on the GPU at saturation (128 streams of 256 + 256 tokens), front
 #      end with --workers 1 and 4, then 4 with the servers at niceness -10 (as `nice -n -10 blink
 #      serve`; as root only): idle, then with one busy process on every server core; the
 #      busy/idle ratios close each table.
 # Logs and bench.json files under $OUT/frontend-*/.
-#   deploy/bench_frontend.sh        (FRONTEND_WORKERS, FRONTEND_1B_RUNS override; empty: skip)
+#   deploy/bench_frontend.sh        (FRONTEND_WORKERS: WORKERS[:INTERVAL_MS] runs of part 1,
+#                                    FRONTEND_1B_RUNS: WORKERS[:NICENESS] of part 2; empty: skip)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 client_procs=4
@@ -29,11 +32,13 @@ bench() {  # name, timeout, bench arguments...: the run lines on stdout, the who
     --out "$OUT/$name" "$@" > "$OUT/$name/bench.log" 2>&1 || status=1
   grep -E "run [0-9]|warning|rror|^\| (system|synthetic|blink|---)" "$OUT/$name/bench.log"
 }
-for workers in ${FRONTEND_WORKERS-1 2 4 8}; do
-  bench "frontend-synthetic-w$workers" 120 --systems synthetic --dataset random \
-    --random-input-len 16 --random-output-len 1024 --num-prompts 1024 --concurrency 256 \
-    --client-procs "$client_procs" --connections 32 --repeats 2 \
-    --frontend-arg=--workers="$workers"
+for run in ${FRONTEND_WORKERS-1 2 4 8 2:5 4:5}; do   # WORKERS[:INTERVAL_MS]
+  workers=${run%%:*} interval=0
+  [[ $run == *:* ]] && interval=${run#*:}
+  bench "frontend-synthetic-w$workers-interval$interval" 120 --systems synthetic \
+    --dataset random --random-input-len 16 --random-output-len 1024 --num-prompts 1024 \
+    --concurrency 256 --client-procs "$client_procs" --connections 32 --repeats 2 \
+    --frontend-arg=--workers="$workers" --frontend-arg=--stream-interval-ms="$interval"
 done
 default_1b="1 4"
 [[ $(id -u) == 0 ]] && default_1b="1 4 4:-10"
