@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The front end's capacity on a GPU host (issue 10), about 4.5 minutes, in two parts:
+# The front end's capacity on a GPU host (issue 10), about 6 minutes, in two parts:
 #   1. the front end alone: the synthetic engine (no model: every step a token for each running
 #      sequence, as fast as its Python loop goes), 256 closed-loop streams of 16 + 1024 tokens,
 #      front end with --workers 1, 2, 4 and 8, then 2 and 4 with --stream-interval-ms 5 (a
