@@ -773,10 +773,11 @@ class CudaForward:
         at most the kernel's attention_max_splits (64, what its split merge is sized for):
         when every token of the bucket decodes, the count up to about two waves whose CTAs
         fill the GPU's attention slots (CTAs per SM x SMs) in whole waves best, the larger of
-        equally good ones. A partial last wave costs a whole CTA's time for a few CTAs. Measured on the H200
-        (bench_decode, Llama-3.1-8B shape): batch 1 at 8,192 keys, 49 splits (392 CTAs in 396
-        slots) 5.03 ms a step against 5.20 with 64 (1.3 waves); batch 32 at 4,096 keys, 3
-        splits (768 CTAs, 1.94 waves) 11.90 ms against 13.65 with 1 (a wave 65% full).
+        equally good ones. A partial last wave costs a whole CTA's time for a few CTAs.
+        Measured on the H200 (bench_decode, Llama-3.1-8B shape, with the previous, CUDA-core
+        decode path): batch 1 at 8,192 keys, 49 splits (392 CTAs in 396 slots) 5.03 ms a step
+        against 5.20 with 64 (1.3 waves); batch 32 at 4,096 keys, 3 splits (768 CTAs, 1.94
+        waves) 11.90 ms against 13.65 with 1 (a wave 65% full).
         A sequence uses fewer when its keys are short (whole key tiles per split), so short
         contexts stay one or a few CTAs and long ones spread over the GPU."""
         k = self.kernels
