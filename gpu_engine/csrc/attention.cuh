@@ -422,9 +422,9 @@ static constexpr int kMmaKeys = 16;
 // - V is the col-major B operand: column n of output tile j is dim n * D / 8 + j, so a lane
 //   loads D / 8 contiguous dims of keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9 and byte permutes pair
 //   them; lane (g, t) ends holding dims 2 t * D / 8 .. (2 t + 2) * D / 8 - 1 of rows g, g + 8.
-// The CTA's warps read the same keys and values, so loads go through L1 (ld.ca): one L2 read a
-// CTA. A warp stops at the last key its rows may see (causal). Partials and the split merge
-// as in PagedAttentionCta.
+// The CTA's warps read the same keys and values, so loads go through L1 (ld.ca), where the
+// warps after the first mostly hit. A warp stops at the last key its rows may see (causal).
+// Partials and the split merge as in PagedAttentionCta.
 template <int kHeadDim, int kRows>
 __device__ __forceinline__ void TileAttentionMmaCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
