@@ -3,6 +3,7 @@ every microsecond of a step goes.
 
     python -m blink.gpu_engine.bench_decode [--shapes llama-3.2-1b llama-3.1-8b]
         [--points 1x512 32x512 1x8192 32x4096] [--breakdown 1x512 32x512] [--cublas]
+        [--prefill 2048x4096 2048x8192]
 
 Weights are random bf16 generated on the GPU (no hub is reachable here); the cost of a decode
 step does not depend on their values. A point BxC decodes B sequences whose new token sits at
@@ -16,6 +17,11 @@ layer), each group captured alone in a graph of its launches across all layers a
 same way; per step, per launch, and as achieved bandwidth for the ops whose bytes are known.
 The sum of the groups can exceed the whole step: alone, each group pays its own launch
 latencies, which inside the step overlap the previous kernel's tail.
+
+--prefill CHUNKxCONTEXT: one sequence computing a CHUNK-token prefill chunk whose last token
+sits at position CONTEXT - 1 (the last chunk of a CONTEXT-token prompt), timed the same way and
+broken down by op, with the FLOPs each op does (roofline.step_flops) per second: a chunk of
+thousands of tokens is bound by compute, not by reading its weights.
 
 --cublas: every point also with the projections on cuBLAS (CudaForward(skinny=False)), the
 engine's state before the skinny linear kernel. --tile-attention / --decode-attention: also with
@@ -36,7 +42,7 @@ import numpy as np
 
 from blink.gpu_engine.checkpoint import ModelConfig
 from blink.gpu_engine.roofline import BF16_BYTES, decode_step_bytes, kv_bytes_per_token, \
-    projection_weights
+    projection_weights, step_flops
 
 SHAPES = {
     "llama-3.2-1b": ModelConfig(
@@ -63,21 +69,48 @@ BLOCK = 16
 
 @dataclass(frozen=True)
 class Point:
+    """`batch` sequences, each computing `chunk` tokens whose last sits at position context - 1
+    (chunk 1: a decode step; a larger chunk: a prefill chunk after context - chunk cached
+    tokens)."""
     batch: int
     context: int
+    chunk: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.chunk
+
+    @property
+    def positions(self) -> np.ndarray:
+        return np.tile(np.arange(self.context - self.chunk, self.context, dtype=np.int32),
+                       self.batch)
 
     @classmethod
     def parse(cls, text: str) -> "Point":
-        try:
-            b, c = (int(v) for v in text.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected BATCHxCONTEXT, e.g. 32x512")
-        if b < 1 or c < 1:
-            raise argparse.ArgumentTypeError(f"{text!r}: batch and context must be >= 1")
+        b, c = _two_ints(text, "BATCHxCONTEXT, e.g. 32x512")
         return cls(b, c)
 
+    @classmethod
+    def parse_prefill(cls, text: str) -> "Point":
+        n, c = _two_ints(text, "CHUNKxCONTEXT, e.g. 2048x8192")
+        if n > c:
+            raise argparse.ArgumentTypeError(f"{text!r}: a chunk cannot exceed its context")
+        return cls(1, c, n)
+
     def __str__(self) -> str:
+        if self.chunk > 1:
+            return f"chunk {self.chunk} to context {self.context}"
         return f"batch {self.batch} context {self.context}"
+
+
+def _two_ints(text: str, expected: str) -> tuple[int, int]:
+    try:
+        a, b = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
+    if a < 1 or b < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: both must be >= 1")
+    return a, b
 
 
 def copy_bandwidth() -> float:
@@ -112,32 +145,34 @@ def median_seconds(stream, launch, steps: int = STEPS, repeats: int = REPEATS) -
     return statistics.median(runs)
 
 
-def decode_batch(point: Point, blocks_per_seq: int):
-    """point.batch sequences, each decoding its token at position point.context - 1."""
+def step_batch(point: Point, blocks_per_seq: int):
+    """point.batch sequences, each computing its point.chunk tokens up to position
+    point.context - 1 (its last token's logits wanted)."""
     from blink.gpu_engine.forward_batch import ForwardBatch
     b = point.batch
     tables = np.arange(b * blocks_per_seq, dtype=np.int32).reshape(b, blocks_per_seq)
-    return ForwardBatch(np.full(b, 100, np.int32), np.full(b, point.context - 1, np.int32),
-                        np.arange(b + 1, dtype=np.int32), np.full(b, point.context, np.int32),
-                        tables, np.arange(b, dtype=np.int32))
+    return ForwardBatch(np.full(point.tokens, 100, np.int32), point.positions,
+                        np.arange(b + 1, dtype=np.int32) * point.chunk,
+                        np.full(b, point.context, np.int32), tables, np.arange(b, dtype=np.int32))
 
 
 def make_forward(cfg: ModelConfig, points: list[Point], **options):
     from blink.gpu_engine.cuda_forward import CudaForward
-    max_batch = max(p.batch for p in points)
+    max_tokens = max(p.tokens for p in points)
+    max_seqs = max(p.batch for p in points)
     blocks_per_seq = max(p.context for p in points) // BLOCK + 1
     fwd = CudaForward.random_weights(cfg, seed=0, block_size=BLOCK,
-                                     max_num_batched_tokens=max_batch, max_num_seqs=max_batch,
+                                     max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
                                      max_model_len=blocks_per_seq * BLOCK,
-                                     num_blocks=max_batch * blocks_per_seq, **options)
+                                     num_blocks=max_seqs * blocks_per_seq, **options)
     fwd.fill_kv_cache(0x3C)  # keys and values 0.0115: not zeros, which can time differently
     return fwd, blocks_per_seq
 
 
 def time_step(fwd, point: Point, blocks_per_seq: int) -> float:
     from blink.gpu_engine import cuda_runtime as cr
-    fwd.run(decode_batch(point, blocks_per_seq))  # writes the batch arrays; warms the graph
-    graph = fwd.graph_execs[fwd.bucket_for(point.batch)]
+    fwd.run(step_batch(point, blocks_per_seq))  # writes the batch arrays; warms the graph
+    graph = fwd.graph_execs[fwd.bucket_for(point.tokens)]
     return median_seconds(fwd.stream, lambda: cr.check(cr.cu.cuGraphLaunch(graph, fwd.stream)))
 
 
@@ -156,12 +191,24 @@ def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
     return None
 
 
+def op_flops(cfg: ModelConfig, label: str, point: Point) -> int | None:
+    """FLOPs of one launch of a labelled op at a prefill point, if known."""
+    w = projection_weights(cfg)
+    weights = {"qkv proj": w["qkv"], "o proj + residual": w["o"], "gate|up proj": w["gate_up"],
+               "down proj + residual": w["down"], "lm head": w["lm_head"]}
+    if label in weights:
+        return 2 * weights[label] * (point.batch if label == "lm head" else point.tokens)
+    if label == "attention":
+        return step_flops(cfg, list(point.positions), point.batch).attention // cfg.num_layers
+    return None
+
+
 def breakdown(fwd, point: Point, blocks_per_seq: int) -> list[tuple[str, int, float]]:
     """[(label, launches per step, seconds per step)] in first-launch order, plus the whole
     step last as ('whole step', kernels, seconds)."""
     from blink.gpu_engine import cuda_runtime as cr
     whole = time_step(fwd, point, blocks_per_seq)
-    bucket = fwd.bucket_for(point.batch)
+    bucket = fwd.bucket_for(point.tokens)
     groups: dict[str, list] = {}
     for label, enqueue in fwd.ops(bucket):
         groups.setdefault(label, []).append(enqueue)
@@ -183,14 +230,19 @@ def print_breakdown(name: str, cfg: ModelConfig, point: Point, rows, bw: float, 
     whole = rows[-1][2]
     print(f"\nbreakdown {name} {point} ({impl}): whole step {whole * 1e6:.0f} us, "
           f"{rows[-1][1]} kernels")
-    print("| op | launches | us per step | us per launch | share of step | achieved GB/s "
-          "(copy rate %.0f) |" % (bw / 1e9))
+    prefill = point.chunk > 1
+    print("| op | launches | us per step | us per launch | share of step | " +
+          ("achieved TFLOP/s |" if prefill else "achieved GB/s (copy rate %.0f) |" % (bw / 1e9)))
     print("| --- | --- | --- | --- | --- | --- |")
     total = 0.0
     for label, count, seconds in rows[:-1]:
         total += seconds
-        nbytes = op_bytes(cfg, label, point)
-        rate = f"{nbytes * count / seconds / 1e9:.0f}" if nbytes else ""
+        if prefill:
+            flops = op_flops(cfg, label, point)
+            rate = f"{flops * count / seconds / 1e12:.0f}" if flops else ""
+        else:
+            nbytes = op_bytes(cfg, label, point)
+            rate = f"{nbytes * count / seconds / 1e9:.0f}" if nbytes else ""
         print(f"| {label} | {count} | {seconds * 1e6:.1f} | {seconds / count * 1e6:.2f} | "
               f"{seconds / whole:.0%} | {rate} |")
     print(f"| sum of ops alone | | {total * 1e6:.1f} | | {total / whole:.0%} | |")
@@ -204,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="BATCHxCONTEXT decode points (default 1x512 32x512)")
     parser.add_argument("--breakdown", nargs="*", type=Point.parse, default=[],
                         help="BATCHxCONTEXT points to break down by op")
+    parser.add_argument("--prefill", nargs="*", type=Point.parse_prefill, default=[],
+                        help="CHUNKxCONTEXT prefill chunks (one sequence), timed and broken "
+                             "down by op")
     parser.add_argument("--cublas", action="store_true",
                         help="also time every point with cuBLAS for every projection")
     parser.add_argument("--tile-attention", action="store_true",
@@ -217,11 +272,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     bw = copy_bandwidth()
     print(f"bench copy bandwidth: {bw / 1e12:.2f} TB/s (device-to-device, read + write)")
-    table = []
+    table, prefill_table = [], []
     for name in args.shapes:
         cfg = SHAPES[name]
-        points = sorted(set(args.points) | set(args.breakdown),
-                        key=lambda p: (p.batch, p.context))
+        points = sorted(set(args.points) | set(args.breakdown) | set(args.prefill),
+                        key=lambda p: (p.chunk, p.batch, p.context))
         impls = [("default", {})]
         if args.cublas:
             impls.append(("cublas", {"skinny": False}))
@@ -246,6 +301,16 @@ def main(argv: list[str] | None = None) -> None:
                       f"(floor {floor * 1e3:.3f} ms = {need.describe()}; "
                       f"{seconds / floor:.2f}x floor), median of {REPEATS} x {STEPS} graph "
                       f"replays")
+            for point in args.prefill:
+                rows = breakdown(fwd, point, blocks_per_seq)
+                seconds = rows[-1][2]
+                work = step_flops(cfg, list(point.positions), point.batch)
+                prefill_table.append((name, point, impl, seconds, work))
+                print(f"bench prefill {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step, "
+                      f"{point.tokens / seconds:,.0f} tok/s, {work.total / seconds / 1e12:.0f} "
+                      f"TFLOP/s ({work.projections / 1e12:.2f} TFLOP projections + "
+                      f"{work.attention / 1e12:.2f} TFLOP attention)")
+                print_breakdown(name, cfg, point, rows, bw, impl)
             for point in args.breakdown:
                 print_breakdown(name, cfg, point, breakdown(fwd, point, blocks_per_seq), bw,
                                 impl)
@@ -255,6 +320,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, point, impl, seconds, floor in table:
         print(f"| {name} | {point.batch} | {point.context} | {impl} | {seconds * 1e3:.3f} | "
               f"{floor * 1e3:.3f} | {seconds / floor:.2f} |")
+    if prefill_table:
+        print("\n| shape | chunk | context | variant | ms per step | tok/s | TFLOP/s |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for name, point, impl, seconds, work in prefill_table:
+            print(f"| {name} | {point.chunk} | {point.context} | {impl} | {seconds * 1e3:.3f} "
+                  f"| {point.tokens / seconds:,.0f} | {work.total / seconds / 1e12:.0f} |")
     sys.stdout.flush()
 
 

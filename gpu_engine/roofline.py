@@ -58,3 +58,25 @@ def decode_step_bytes(cfg: ModelConfig, context_lens: list[int]) -> StepBytes:
     return StepBytes(weights=linear_weight_bytes(cfg),
                      embedding=len(context_lens) * cfg.hidden_size * BF16_BYTES,
                      kv=sum(context_lens) * kv_bytes_per_token(cfg))
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    projections: int  # every linear layer over the step's tokens, the LM head over its logit rows
+    attention: int    # S = Q K^T and O = P V, each token over the keys it sees (causal)
+
+    @property
+    def total(self) -> int:
+        return self.projections + self.attention
+
+
+def step_flops(cfg: ModelConfig, positions: list[int], logit_rows: int) -> StepFlops:
+    """Multiply-add work (2 FLOPs each) of one step over tokens at `positions` (a token at
+    position p attends to p + 1 keys), `logit_rows` of them through the LM head: what bounds a
+    prefill chunk, where the weights are read once for thousands of tokens."""
+    w = projection_weights(cfg)
+    per_token = w["qkv"] + w["o"] + w["gate_up"] + w["down"]
+    keys = sum(int(p) + 1 for p in positions)  # Python ints: numpy's int32 would overflow
+    return StepFlops(
+        projections=2 * (len(positions) * cfg.num_layers * per_token + logit_rows * w["lm_head"]),
+        attention=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys)

@@ -10,7 +10,7 @@ import pytest
 
 from blink.gpu_engine.checkpoint import load_config
 from blink.gpu_engine.demo_model import write_random_checkpoint
-from blink.gpu_engine.roofline import decode_step_bytes, kv_bytes_per_token
+from blink.gpu_engine.roofline import decode_step_bytes, kv_bytes_per_token, step_flops
 
 
 def tensor_bytes(model_dir) -> dict[str, int]:
@@ -49,3 +49,24 @@ def test_a_weightless_folder_for_dummy_weights(tmp_path):
     assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == (64, 2, 4096)
     assert (model / "tokenizer.json").is_file()
     assert np.isfinite(decode_step_bytes(cfg, [8]).total)
+
+
+def test_step_flops_match_the_checkpoint(tmp_path):
+    """A prefill chunk's work: every 2-D projection tensor of the checkpoint (not the embedding)
+    once per token, the LM head once per logit row, and attention counted from the causal mask
+    itself: one (query, key) pair per unmasked cell, head_dim multiply-adds for Q K^T and as
+    many for P V, per head and layer."""
+    model = write_random_checkpoint(tmp_path / "m", hidden_size=64, intermediate_size=160,
+                                    num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=2304)
+    cfg = load_config(model)
+    raw = (model / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    layer_weights = sum(int(np.prod(e["shape"])) for name, e in header.items()
+                        if name.startswith("model.layers.") and len(e["shape"]) == 2)
+    lm_head = int(np.prod(header["lm_head.weight"]["shape"]))
+    positions = list(range(40, 57))  # a 17-token chunk after 40 cached tokens
+    mask = np.arange(57)[None, :] <= np.array(positions)[:, None]
+    got = step_flops(cfg, positions, logit_rows=1)
+    assert got.projections == 2 * (len(positions) * layer_weights + lm_head)
+    assert got.attention == 2 * 2 * int(mask.sum()) * cfg.head_dim * cfg.num_heads * 3
+    assert got.total == got.projections + got.attention

@@ -10,8 +10,8 @@
 // softmax is online in fp32 with the running max and sum per row (exp2 with log2(e) folded into
 // the scale). Each query attends to cache positions 0..its own position, all of which the
 // RoPE/KV-write kernel wrote earlier in the same graph. Head dims 64 and 128 run the tiles on
-// mma.sync with every operand in registers, a warp per 16 rows (TileAttentionMmaCta); other
-// head dims on WMMA through shared memory (PagedAttentionCta).
+// mma.sync, a warp per 16 rows, keys and values copied into shared memory a tile ahead
+// (TileAttentionMmaCta); other head dims on WMMA through shared memory (PagedAttentionCta).
 //
 // Decode tokens (a sequence with a single token in the batch) take a separate path in the same
 // kernel, DecodeAttentionCta: one pass of each key and value row, straight from the cache into
@@ -411,19 +411,41 @@ __device__ __forceinline__ void PagedAttentionCta(
 // Keys per warp step of the mma.sync paths (TileAttentionMmaCta, DecodeAttentionCta): one MMA's k.
 static constexpr int kMmaKeys = 16;
 
+// Shared memory of TileAttentionMmaCta: kStages stages of kKeys keys (a query tile's rows: 64
+// keys, or 16 in the decode-sized variant), each stage the keys' K rows then their V rows.
+template <int kHeadDim, int kRows>
+struct TileStages {
+  static constexpr int kKeys = kRows;
+  static constexpr int kStages = 2;
+  static constexpr int kPieces = kHeadDim / 8;  // 16-byte pieces of a row
+  static constexpr size_t kStageBytes = 2 * kKeys * kHeadDim * sizeof(bf16);
+  static constexpr size_t kBytes = kStages * kStageBytes;
+
+  // Where piece p of row r sits: p XOR f(r), f(r) = r mod 8 rotated right by one bit. A row
+  // is a multiple of 128 bytes, so a piece's bank group is its index mod 8, and the reads are
+  // conflict-free: ldmatrix's 8 rows r .. r + 7 of one piece (f is a bijection mod 8), and a
+  // quarter warp's key fragments, rows 2 i and 2 i + 1 with pieces 4 s .. 4 s + 3 each (f of
+  // the two differs in bit 2).
+  static __device__ __forceinline__ int Swizzle(int r, int p) {
+    return p ^ (((r >> 1) | (r << 2)) & 7);
+  }
+};
+
 // The query tiles on mma.sync (head dims 64 and 128; others take PagedAttentionCta), for prefill
 // chunks: warp w owns query rows 16 w .. 16 w + 15 of the tile (kRows / 16 warps work) and runs
-// its own online softmax over the split's keys, 16 at a time, FlashAttention-2 style: S = Q K^T
-// and O = P V with every operand in registers.
+// its own online softmax over the split's keys, FlashAttention-2 style: S = Q K^T and O = P V
+// with Q, the scores, the probabilities and O in registers.
+// - Keys and values come through shared memory: all the CTA's threads copy the next kKeys keys'
+//   K and V rows (cp.async, zeros past the tile's keys) while the warps compute on the current
+//   ones, two stages; so each key is read from L2 once per CTA and no warp waits on a global
+//   load. A warp takes 32 keys as one softmax block: one rescale of O per block, and the
+//   causal mask only in blocks that cross a row's position or the split's end.
 // - Q is the A operand (rows g and g + 8 of the warp's 16), K the col-major B operand (column
-//   n: key n of an 8-key tile); lane (g, t) loads 16 bytes, dims 32 s + 8 t .. + 7, of each
+//   n: key n of an 8-key tile); lane (g, t) reads 16 bytes, dims 32 s + 8 t .. + 7, of each
 //   (the k order inside an MMA is free, as in gemv.cuh).
-// - The scores' C layout is P's A layout for O = P V (k = the 16 keys).
-// - V is the col-major B operand: column n of output tile j is dim n * D / 8 + j, so a lane
-//   loads D / 8 contiguous dims of keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9 and byte permutes pair
-//   them; lane (g, t) ends holding dims 2 t * D / 8 .. (2 t + 2) * D / 8 - 1 of rows g, g + 8.
-// The CTA's warps read the same keys and values, so loads go through L1 (ld.ca), where the
-// warps after the first mostly hit. A warp stops at the last key its rows may see (causal).
+// - The scores' C layout is P's A layout for O = P V (k = 16 keys).
+// - V is the B operand, read with ldmatrix.trans: two 8-dim output tiles per ldmatrix.x4.
+// A warp stops at the last key its rows may see (causal); the copies run to the tile's last.
 // Partials and the split merge as in PagedAttentionCta.
 template <int kHeadDim, int kRows>
 __device__ __forceinline__ void TileAttentionMmaCta(
@@ -431,126 +453,187 @@ __device__ __forceinline__ void TileAttentionMmaCta(
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
     const bf16* v_cache, int block_size, int num_heads, int num_kv_heads, float scale, bf16* out,
     int num_splits, float* partial_out, float* partial_stats, uint32_t* tile_sems) {
-  constexpr int kSteps = kHeadDim / 32;       // 32-dim steps of S = Q K^T (two MMAs each)
-  constexpr int kOutTiles = kHeadDim / 8;     // 8-column tiles of O = P V
-  constexpr int kLaneDims = kHeadDim / 8;     // contiguous dims of a value row per lane
-  constexpr int kValueLoads = kLaneDims / 8;  // their 16-byte loads
+  using Stages = TileStages<kHeadDim, kRows>;
+  constexpr int kKeys = Stages::kKeys, kPieces = Stages::kPieces;
+  constexpr int kSteps = kHeadDim / 32;    // 32-dim steps of S = Q K^T (two MMAs each)
+  constexpr int kOutTiles = kHeadDim / 8;  // 8-dim tiles of O = P V
+  // Keys per softmax block: 32 (64 would rescale O half as often, but its scores and
+  // probabilities spill registers at head dim 128)
+  constexpr int kBlockKeys = kKeys < 32 ? kKeys : 32;
+  constexpr int kKeyTiles = kBlockKeys / 8;  // 8-key tiles of S
+  constexpr int kCopyThreads = kAttnThreads / kKeys;  // threads copying one key row
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128");
   static_assert(kRows % 16 == 0 && kRows / 16 <= kAttnWarps, "a warp per 16 rows");
+  static_assert(kAttnThreads % kKeys == 0 && kPieces % kCopyThreads == 0 && kKeys % 16 == 0,
+                "every thread copies whole pieces of one row; whole MMA k-steps of keys");
   const int kv_head = blockIdx.y, split = blockIdx.z;
   const int group = num_heads / num_kv_heads;
   QueryTile tile;
   if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, &tile)) return;
   const int key_end = tile.key_end;
+  // The tile's last token sees the most keys.
+  const int tile_stop = min(key_end, positions[tile.t0 + tile.m - 1] + 1);
+  const int num_key_tiles = (tile_stop - tile.key_begin + kKeys - 1) / kKeys;
   const KeyRows<kHeadDim> cache_rows(block_tables, max_blocks_per_seq, tile.seq, block_size,
                                      num_kv_heads, kv_head);
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int g = lane / 4, tq = lane % 4;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
 
-  // This lane's two rows (h = 0: row g, h = 1: row g + 8 of the warp's): query head, position
-  // (-1 for rows past the tile: every key masked) and Q's 16-byte pieces.
-  size_t head[2];
+  extern __shared__ __align__(128) unsigned char smem[];
+  auto stage_keys = [&](int stage) {
+    return reinterpret_cast<bf16*>(smem + stage * Stages::kStageBytes);
+  };
+  // All threads: keys key_tile * kKeys .. of the split into stage key_tile % 2, then commit.
+  // kCopyThreads threads per key row (one block-table lookup each): pieces p, p + kCopyThreads,
+  // .. of its K and V rows, p = tid % kCopyThreads.
+  auto copy_key_tile = [&](int key_tile) {
+    bf16* dst = stage_keys(key_tile % Stages::kStages);
+    const int r = tid / kCopyThreads, key = tile.key_begin + key_tile * kKeys + r;
+    const int64_t off = key < tile_stop ? cache_rows.offset(key) : -1;
+    const int bytes = off >= 0 ? 16 : 0;
+    const bf16* k_row = k_cache + (off >= 0 ? off : 0);
+    const bf16* v_row = v_cache + (off >= 0 ? off : 0);
+#pragma unroll
+    for (int i = 0; i < kPieces / kCopyThreads; ++i) {
+      const int p = tid % kCopyThreads + kCopyThreads * i;
+      const int at = r * kHeadDim + 8 * Stages::Swizzle(r, p);
+      CpAsync16(dst + at, k_row + 8 * p, bytes);
+      CpAsync16(dst + kKeys * kHeadDim + at, v_row + 8 * p, bytes);
+    }
+    CpAsyncCommit();
+  };
+  copy_key_tile(0);  // in flight while Q is read
+
+  // This lane's two rows (h = 0: row g, h = 1: row g + 8 of the warp's): query head (computed
+  // where used, not held through the key loop), position (-1 for rows past the tile: every key
+  // masked) and Q's 16-byte pieces.
+  auto query_head = [&](int h) {
+    const int r = 16 * warp + g + 8 * h;
+    return static_cast<size_t>(tile.t0 + r / group) * num_heads + kv_head * group + r % group;
+  };
   int pos[2];
   uint4 qr[2][kSteps];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = 16 * warp + g + 8 * h;
-    const bool live = r < tile.rows;
-    head[h] = static_cast<size_t>(tile.t0 + r / group) * num_heads + kv_head * group + r % group;
-    pos[h] = live ? positions[tile.t0 + r / group] : -1;
+    const bool live = 16 * warp + g + 8 * h < tile.rows;
+    pos[h] = live ? positions[tile.t0 + (16 * warp + g + 8 * h) / group] : -1;
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
-      qr[h][s] = live ? *reinterpret_cast<const uint4*>(q + head[h] * kHeadDim + 32 * s + 8 * tq)
-                      : zero;
+      qr[h][s] = live ? *reinterpret_cast<const uint4*>(q + query_head(h) * kHeadDim + 32 * s +
+                                                        8 * tq)
+                      : make_uint4(0, 0, 0, 0);
     }
   }
+  // The warp's keys: up to its last row's; unmasked below the first row's (and the split's end).
   const int key_stop = min(key_end, __reduce_max_sync(kFullMask, max(pos[0], pos[1])) + 1);
+  const int unmasked_stop =
+      min(key_end, static_cast<int>(__reduce_min_sync(
+                       kFullMask, static_cast<unsigned>(min(pos[0], pos[1]) + 1))));
   const float scale_log2 = scale * 1.4426950408889634f;
   float o[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.f, 0.f};  // run_sum: lane's keys
 
-  for (int key0 = tile.key_begin; key0 < key_stop; key0 += kMmaKeys) {
-    float sc[2][4];  // [8-key tile n][C fragment]
+  // One softmax block: keys key0 .. key0 + kBlockKeys - 1, rows r0 .. of the stage, masked or
+  // not.
+  auto key_block = [&](const bf16* k_tile, const bf16* v_tile, int r0, int key0, auto masked) {
+    float sc[kKeyTiles][4];  // [8-key tile n][C fragment]: rows g, g + 8; keys 8 n + 2 t (+1)
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int key = key0 + 8 * n + g;
-      const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
+    for (int n = 0; n < kKeyTiles; ++n) {
+      const int r = r0 + 8 * n + g;
       sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        const uint4 kv = off >= 0 ? __ldca(reinterpret_cast<const uint4*>(
-                                        k_cache + off + 32 * s + 8 * tq))
-                                  : zero;
+        const uint4 kv = *reinterpret_cast<const uint4*>(
+            k_tile + r * kHeadDim + 8 * Stages::Swizzle(r, 4 * s + tq));
         MmaBf16(sc[n], qr[0][s].x, qr[1][s].x, qr[0][s].y, qr[1][s].y, kv.x, kv.y);
         MmaBf16(sc[n], qr[0][s].z, qr[1][s].z, qr[0][s].w, qr[1][s].w, kv.z, kv.w);
       }
     }
-    // Online softmax of rows g (h = 0: C elements 0, 1) and g + 8 (h = 1: elements 2, 3) over
-    // keys key0 + 8 n + 2 t + e; a row may have no live key yet (-inf: p = 0, alpha = 0).
-    uint32_t pa[2][2];  // P's A fragment: [h][n]
+    // Online softmax of rows g (h = 0: C elements 0, 1) and g + 8 (h = 1: elements 2, 3); a
+    // row may have no live key yet (-inf: p = 0, alpha = 0).
+    uint32_t pa[2][kKeyTiles];  // P's A fragments: [h][n]
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float sv[2][2], step_max = -INFINITY;
+      float block_max = -INFINITY;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+      for (int n = 0; n < kKeyTiles; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int key = key0 + 8 * n + 2 * tq + e;
-          sv[n][e] = key < key_end && key <= pos[h] ? sc[n][2 * h + e] * scale_log2 : -INFINITY;
-          step_max = fmaxf(step_max, sv[n][e]);
+          float& v = sc[n][2 * h + e];
+          if constexpr (decltype(masked)::value) {
+            const int key = key0 + 8 * n + 2 * tq + e;
+            v = key < key_end && key <= pos[h] ? v * scale_log2 : -INFINITY;
+          } else {
+            v *= scale_log2;
+          }
+          block_max = fmaxf(block_max, v);
         }
-      step_max = fmaxf(step_max, __shfl_xor_sync(kFullMask, step_max, 1));
-      step_max = fmaxf(step_max, __shfl_xor_sync(kFullMask, step_max, 2));
-      const float new_max = fmaxf(run_max[h], step_max);
+      block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 1));
+      block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 2));
+      const float new_max = fmaxf(run_max[h], block_max);
       const float ref_max = new_max == -INFINITY ? 0.f : new_max;
       alpha[h] = exp2f(run_max[h] - ref_max);
       run_max[h] = new_max;
       float p_sum = 0.f;
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        const __nv_bfloat162 pair =
-            __floats2bfloat162_rn(exp2f(sv[n][0] - ref_max), exp2f(sv[n][1] - ref_max));
-        const float2 rounded = __bfloat1622float2(pair);  // sum what P V will use
-        p_sum += rounded.x + rounded.y;
+      for (int n = 0; n < kKeyTiles; ++n) {
+        const float p0 = exp2f(sc[n][2 * h] - ref_max), p1 = exp2f(sc[n][2 * h + 1] - ref_max);
+        p_sum += p0 + p1;
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
         pa[h][n] = *reinterpret_cast<const uint32_t*>(&pair);
       }
       run_sum[h] = run_sum[h] * alpha[h] + p_sum;
     }
-    // O = O * alpha + P V, the values of this lane's four keys loaded 16 bytes at a time
 #pragma unroll
-    for (int c = 0; c < kValueLoads; ++c) {
-      uint4 vr[4];
+    for (int j = 0; j < kOutTiles; ++j) {
+      o[j][0] *= alpha[0];
+      o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1];
+      o[j][3] *= alpha[1];
+    }
+    // O += P V, 16 keys (k) at a time; ldmatrix.trans: lanes 8 i .. 8 i + 7 address rows
+    // (keys) 8 (i % 2) .. of dims 8 (i / 2) .. of a 16-dim pair of output tiles.
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int key = key0 + 2 * tq + (i & 1) + 8 * (i >> 1);
-        const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
-        vr[i] = off >= 0 ? __ldca(reinterpret_cast<const uint4*>(
-                               v_cache + off + g * kLaneDims + 8 * c))
-                         : zero;
-      }
+    for (int kc = 0; kc < kBlockKeys / 16; ++kc) {
+      const int r = r0 + 16 * kc + (lane & 7) + 8 * ((lane >> 3) & 1);
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = 8 * c + jj;
-        const uint32_t sel = jj % 2 ? 0x7632u : 0x5410u;  // the high or low bf16 of a word
-        auto word = [&](const uint4& v) {
-          return jj / 2 == 0 ? v.x : jj / 2 == 1 ? v.y : jj / 2 == 2 ? v.z : v.w;
-        };
-        o[j][0] *= alpha[0];
-        o[j][1] *= alpha[0];
-        o[j][2] *= alpha[1];
-        o[j][3] *= alpha[1];
-        MmaBf16(o[j], pa[0][0], pa[1][0], pa[0][1], pa[1][1],
-                __byte_perm(word(vr[0]), word(vr[1]), sel),
-                __byte_perm(word(vr[2]), word(vr[3]), sel));
+      for (int jp = 0; jp < kOutTiles / 2; ++jp) {
+        uint32_t b[4];
+        LdMatrixX4Trans(b, v_tile + r * kHeadDim + 8 * Stages::Swizzle(r, 2 * jp + (lane >> 4)));
+        MmaBf16(o[2 * jp], pa[0][2 * kc], pa[1][2 * kc], pa[0][2 * kc + 1], pa[1][2 * kc + 1],
+                b[0], b[1]);
+        MmaBf16(o[2 * jp + 1], pa[0][2 * kc], pa[1][2 * kc], pa[0][2 * kc + 1],
+                pa[1][2 * kc + 1], b[2], b[3]);
       }
     }
+  };
+
+  for (int key_tile = 0; key_tile < num_key_tiles; ++key_tile) {
+    if (key_tile + 1 < num_key_tiles) {
+      copy_key_tile(key_tile + 1);  // its stage's last readers passed the barrier below
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();  // every thread's copies of this key tile have landed
+    const bf16* k_tile = stage_keys(key_tile % Stages::kStages);
+#pragma unroll 1
+    for (int r0 = 0; r0 < kKeys; r0 += kBlockKeys) {
+      const int key0 = tile.key_begin + key_tile * kKeys + r0;
+      if (key0 + kBlockKeys <= unmasked_stop) {  // warp-uniform branches
+        key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0, std::false_type{});
+      } else if (key0 < key_stop) {
+        key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0, std::true_type{});
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before it is copied over
   }
 
-  // Each row: its sum over its four lanes, then out (one split) or the partials.
+  // Each row: its sum over its four lanes, then out (one split) or the partials; lane (g, t)
+  // holds dims 8 j + 2 t and 8 j + 2 t + 1 of its rows.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     run_sum[h] += __shfl_xor_sync(kFullMask, run_sum[h], 1);
@@ -558,29 +641,19 @@ __device__ __forceinline__ void TileAttentionMmaCta(
     if (pos[h] < 0) continue;
     if (tile.active_splits == 1) {
       const float inv_sum = 1.f / run_sum[h];
+      bf16* dst = out + query_head(h) * kHeadDim + 2 * tq;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {  // dims (2 t + e) * D / 8 + j: 16-byte stores
-        bf16* dst = out + head[h] * kHeadDim + (2 * tq + e) * kLaneDims;
-#pragma unroll
-        for (int j = 0; j < kOutTiles; j += 8) {
-          uint4 packed;
-          uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const __nv_bfloat162 pair = __floats2bfloat162_rn(
-                o[j + 2 * i][2 * h + e] * inv_sum, o[j + 2 * i + 1][2 * h + e] * inv_sum);
-            words[i] = *reinterpret_cast<const uint32_t*>(&pair);
-          }
-          *reinterpret_cast<uint4*>(dst + j) = packed;
-        }
+      for (int j = 0; j < kOutTiles; ++j) {
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+            __floats2bfloat162_rn(o[j][2 * h] * inv_sum, o[j][2 * h + 1] * inv_sum);
       }
     } else {
-      const size_t part = head[h] * num_splits + split;
-      float* dst = partial_out + part * kHeadDim;
+      const size_t part = query_head(h) * num_splits + split;
+      float* dst = partial_out + part * kHeadDim + 2 * tq;
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-#pragma unroll
-        for (int j = 0; j < kOutTiles; ++j) dst[(2 * tq + e) * kLaneDims + j] = o[j][2 * h + e];
+      for (int j = 0; j < kOutTiles; ++j) {
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+      }
       if (tq == 0) {
         partial_stats[2 * part] = run_max[h];
         partial_stats[2 * part + 1] = run_sum[h];
@@ -909,12 +982,14 @@ __device__ __forceinline__ void DecodeAttentionCta(
   if (tid == 0) *sem = 0;
 }
 
-// Dynamic shared memory of the attention kernel: the decode path's (the mma.sync query tiles
-// need none), or the WMMA query tiles' for the other head dims.
+// Dynamic shared memory of the attention kernel: the more of the decode path's and the mma.sync
+// query tiles' (a CTA takes one path), or the WMMA query tiles' for the other head dims.
 template <int kHeadDim, int kRows>
 __host__ __device__ constexpr size_t AttentionKernelSmem() {
   if constexpr (MmaPathsFit<kHeadDim>()) {
-    return DecodeLayout<kHeadDim>::kBytes;
+    return DecodeLayout<kHeadDim>::kBytes > TileStages<kHeadDim, kRows>::kBytes
+               ? DecodeLayout<kHeadDim>::kBytes
+               : TileStages<kHeadDim, kRows>::kBytes;
   } else {
     return AttentionSmem<kHeadDim, kRows>::kBytes;
   }

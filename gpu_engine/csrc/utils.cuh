@@ -81,6 +81,35 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Asynchronous 16-byte copies global -> shared (cp.async, sm_80+), L2 only (the source may
+// have been written by the previous kernel of the graph). `bytes` 0 fills the 16 bytes with
+// zeros and reads nothing. Copies issued since the last commit form a group; CpAsyncWait<N>
+// returns once at most N of this thread's groups are still in flight.
+__device__ __forceinline__ void CpAsync16(void* smem_dst, const void* src, int bytes) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int kInFlight>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kInFlight) : "memory");
+}
+
+// Four 8x8 bf16 matrices from shared memory, transposed: lanes 8 i .. 8 i + 7 give the row
+// addresses (16 bytes each) of matrix i, and lane (g, t) receives in b[i] its elements
+// (2 t, g) and (2 t + 1, g): as an mma.sync B fragment, k = rows 2 t, 2 t + 1, n = column g.
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&b)[4], const void* smem_row) {
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+               : "r"(at));
+}
+
 template <typename T>
 __device__ __forceinline__ T WarpSum(T v) {
 #pragma unroll
