@@ -421,14 +421,17 @@ struct TileStages {
   static constexpr size_t kStageBytes = 2 * kKeys * kHeadDim * sizeof(bf16);
   static constexpr size_t kBytes = kStages * kStageBytes;
 
-  // Where piece p of row r sits: p XOR f(r), f(r) = r mod 8 rotated right by one bit. A row
-  // is a multiple of 128 bytes, so a piece's bank group is its index mod 8, and the reads are
-  // conflict-free: ldmatrix's 8 rows r .. r + 7 of one piece (f is a bijection mod 8), and a
-  // quarter warp's key fragments, rows 2 i and 2 i + 1 with pieces 4 s .. 4 s + 3 each (f of
-  // the two differs in bit 2).
-  static __device__ __forceinline__ int Swizzle(int r, int p) {
-    return p ^ (((r >> 1) | (r << 2)) & 7);
+  // Where piece p of row r sits: p XOR RowMask(r), the mask r mod 8 rotated right by one bit.
+  // A row is a multiple of 128 bytes, so a piece's bank group is its index mod 8, and the
+  // reads are conflict-free: ldmatrix's 8 rows r .. r + 7 of one piece (the mask is a
+  // bijection mod 8), and a quarter warp's key fragments, rows 2 i and 2 i + 1 with pieces
+  // 4 s .. 4 s + 3 each (their masks differ in bit 2). The mask depends on r mod 8 only, so a
+  // lane whose rows are all alike mod 8 computes it once.
+  static __device__ __forceinline__ int RowMask(int r) {
+    const int m = r & 7;
+    return (m >> 1 | m << 2) & 7;
   }
+  static __device__ __forceinline__ int Swizzle(int r, int p) { return p ^ RowMask(r); }
 };
 
 // The query tiles on mma.sync (head dims 64 and 128; others take PagedAttentionCta), for prefill
@@ -535,18 +538,23 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   for (int j = 0; j < kOutTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.f, 0.f};  // run_sum: lane's keys
 
+  // The lane's stage rows: key fragments from rows = g (mod 8), ldmatrix addresses from rows
+  // = lane (mod 8) (r0 and every tile offset below are multiples of 8).
+  const int key_mask = Stages::RowMask(g), value_mask = Stages::RowMask(lane & 7);
+  const int value_row = (lane & 7) + 8 * ((lane >> 3) & 1), value_piece = lane >> 4;
+
   // One softmax block: keys key0 .. key0 + kBlockKeys - 1, rows r0 .. of the stage, masked or
-  // not.
+  // not. Scores stay unscaled until the exponent (scale > 0: the max commutes with it).
   auto key_block = [&](const bf16* k_tile, const bf16* v_tile, int r0, int key0, auto masked) {
     float sc[kKeyTiles][4];  // [8-key tile n][C fragment]: rows g, g + 8; keys 8 n + 2 t (+1)
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n) {
-      const int r = r0 + 8 * n + g;
+      const bf16* k_row = k_tile + (r0 + 8 * n + g) * kHeadDim;
       sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        const uint4 kv = *reinterpret_cast<const uint4*>(
-            k_tile + r * kHeadDim + 8 * Stages::Swizzle(r, 4 * s + tq));
+        const uint4 kv =
+            *reinterpret_cast<const uint4*>(k_row + 8 * ((4 * s + tq) ^ key_mask));
         MmaBf16(sc[n], qr[0][s].x, qr[1][s].x, qr[0][s].y, qr[1][s].y, kv.x, kv.y);
         MmaBf16(sc[n], qr[0][s].z, qr[1][s].z, qr[0][s].w, qr[1][s].w, kv.z, kv.w);
       }
@@ -565,44 +573,46 @@ __device__ __forceinline__ void TileAttentionMmaCta(
           float& v = sc[n][2 * h + e];
           if constexpr (decltype(masked)::value) {
             const int key = key0 + 8 * n + 2 * tq + e;
-            v = key < key_end && key <= pos[h] ? v * scale_log2 : -INFINITY;
-          } else {
-            v *= scale_log2;
+            if (key >= key_end || key > pos[h]) v = -INFINITY;
           }
           block_max = fmaxf(block_max, v);
         }
       block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 1));
       block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 2));
-      const float new_max = fmaxf(run_max[h], block_max);
+      const float new_max = fmaxf(run_max[h], block_max * scale_log2);
       const float ref_max = new_max == -INFINITY ? 0.f : new_max;
-      alpha[h] = exp2f(run_max[h] - ref_max);
+      alpha[h] = FastExp2(run_max[h] - ref_max);
       run_max[h] = new_max;
       float p_sum = 0.f;
 #pragma unroll
       for (int n = 0; n < kKeyTiles; ++n) {
-        const float p0 = exp2f(sc[n][2 * h] - ref_max), p1 = exp2f(sc[n][2 * h + 1] - ref_max);
+        const float p0 = FastExp2(fmaf(sc[n][2 * h], scale_log2, -ref_max));
+        const float p1 = FastExp2(fmaf(sc[n][2 * h + 1], scale_log2, -ref_max));
         p_sum += p0 + p1;
         const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
         pa[h][n] = *reinterpret_cast<const uint32_t*>(&pair);
       }
       run_sum[h] = run_sum[h] * alpha[h] + p_sum;
     }
+    // Once the rows' maxima settle (most blocks of a long context), O needs no rescaling.
+    if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int j = 0; j < kOutTiles; ++j) {
-      o[j][0] *= alpha[0];
-      o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1];
-      o[j][3] *= alpha[1];
+      for (int j = 0; j < kOutTiles; ++j) {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+      }
     }
     // O += P V, 16 keys (k) at a time; ldmatrix.trans: lanes 8 i .. 8 i + 7 address rows
     // (keys) 8 (i % 2) .. of dims 8 (i / 2) .. of a 16-dim pair of output tiles.
 #pragma unroll
     for (int kc = 0; kc < kBlockKeys / 16; ++kc) {
-      const int r = r0 + 16 * kc + (lane & 7) + 8 * ((lane >> 3) & 1);
+      const bf16* v_row = v_tile + (r0 + 16 * kc + value_row) * kHeadDim;
 #pragma unroll
       for (int jp = 0; jp < kOutTiles / 2; ++jp) {
         uint32_t b[4];
-        LdMatrixX4Trans(b, v_tile + r * kHeadDim + 8 * Stages::Swizzle(r, 2 * jp + (lane >> 4)));
+        LdMatrixX4Trans(b, v_row + 8 * ((2 * jp + value_piece) ^ value_mask));
         MmaBf16(o[2 * jp], pa[0][2 * kc], pa[1][2 * kc], pa[0][2 * kc + 1], pa[1][2 * kc + 1],
                 b[0], b[1]);
         MmaBf16(o[2 * jp + 1], pa[0][2 * kc], pa[1][2 * kc], pa[0][2 * kc + 1],

@@ -81,6 +81,15 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// 2^x by the SFU alone (ex2.approx.ftz: no denormal results, 2^-inf = 0), where exp2f adds
+// range fix-ups around it: the softmax's probabilities, far from the denormal range that
+// matters.
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Asynchronous 16-byte copies global -> shared (cp.async, sm_80+), L2 only (the source may
 // have been written by the previous kernel of the graph). `bytes` 0 fills the 16 bytes with
 // zeros and reads nothing. Copies issued since the last commit form a group; CpAsyncWait<N>
