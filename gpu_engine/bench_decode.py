@@ -21,7 +21,7 @@ latencies, which inside the step overlap the previous kernel's tail.
 --prefill CHUNKxCONTEXT: one sequence computing a CHUNK-token prefill chunk whose last token
 sits at position CONTEXT - 1 (the last chunk of a CONTEXT-token prompt), timed the same way and
 broken down by op, with the FLOPs each op does (roofline.step_flops) per second: a chunk of
-thousands of tokens is bound by compute, not by reading its weights.
+thousands of tokens is bound by compute, not by reading its weights. Default variant only.
 
 --cublas: every point also with the projections on cuBLAS (CudaForward(skinny=False)), the
 engine's state before the skinny linear kernel. --tile-attention / --decode-attention: also with
@@ -195,9 +195,9 @@ def op_flops(cfg: ModelConfig, label: str, point: Point) -> int | None:
     """FLOPs of one launch of a labelled op at a prefill point, if known."""
     w = projection_weights(cfg)
     weights = {"qkv proj": w["qkv"], "o proj + residual": w["o"], "gate|up proj": w["gate_up"],
-               "down proj + residual": w["down"], "lm head": w["lm_head"]}
+               "down proj + residual": w["down"]}  # the LM head: one row a sequence, a GEMV
     if label in weights:
-        return 2 * weights[label] * (point.batch if label == "lm head" else point.tokens)
+        return 2 * weights[label] * point.tokens
     if label == "attention":
         return step_flops(cfg, list(point.positions), point.batch).attention // cfg.num_layers
     return None
@@ -251,9 +251,10 @@ def print_breakdown(name: str, cfg: ModelConfig, point: Point, rows, bw: float, 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--points", nargs="+", type=Point.parse,
+    parser.add_argument("--points", nargs="*", type=Point.parse,
                         default=[Point(1, 512), Point(32, 512)],
-                        help="BATCHxCONTEXT decode points (default 1x512 32x512)")
+                        help="BATCHxCONTEXT decode points (default 1x512 32x512; none: "
+                             "--points alone)")
     parser.add_argument("--breakdown", nargs="*", type=Point.parse, default=[],
                         help="BATCHxCONTEXT points to break down by op")
     parser.add_argument("--prefill", nargs="*", type=Point.parse_prefill, default=[],
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"(floor {floor * 1e3:.3f} ms = {need.describe()}; "
                       f"{seconds / floor:.2f}x floor), median of {REPEATS} x {STEPS} graph "
                       f"replays")
-            for point in args.prefill:
+            for point in args.prefill if impl == "default" else []:
                 rows = breakdown(fwd, point, blocks_per_seq)
                 seconds = rows[-1][2]
                 work = step_flops(cfg, list(point.positions), point.batch)
@@ -315,8 +316,9 @@ def main(argv: list[str] | None = None) -> None:
                 print_breakdown(name, cfg, point, breakdown(fwd, point, blocks_per_seq), bw,
                                 impl)
             fwd.close()
-    print("\n| shape | batch | context | variant | ms per step | floor (ms) | x floor |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    if table:
+        print("\n| shape | batch | context | variant | ms per step | floor (ms) | x floor |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, point, impl, seconds, floor in table:
         print(f"| {name} | {point.batch} | {point.context} | {impl} | {seconds * 1e3:.3f} | "
               f"{floor * 1e3:.3f} | {seconds / floor:.2f} |")
