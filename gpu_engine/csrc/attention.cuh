@@ -35,10 +35,12 @@
 namespace blink {
 
 // Query rows (tokens x group heads) per CTA: 64 for prefill-sized buckets; 16 for decode-sized
-// ones, where a tile rarely has more rows and the smaller footprint fits 4 CTAs per SM.
+// ones, where a tile rarely has more rows (both variants hold 3 CTAs an SM at head dim 128:
+// registers decide).
 static constexpr int kAttnRows = 64;
 static constexpr int kAttnRowsSmall = 16;
-static constexpr int kAttnKeys = 64;     // keys per shared-memory tile
+// Keys per tile of PagedAttentionCta; both tile paths' splits hold whole ones.
+static constexpr int kAttnKeys = 64;
 static constexpr int kAttnThreads = 128;
 static constexpr int kAttnWarps = kAttnThreads / kWarpSize;
 // CTAs per SM the kernel's registers must allow (a register cap of 168 per thread at 3; head
@@ -408,7 +410,7 @@ __device__ __forceinline__ void PagedAttentionCta(
   }
 }
 
-// Keys per warp step of the mma.sync paths (TileAttentionMmaCta, DecodeAttentionCta): one MMA's k.
+// Keys per warp step of DecodeAttentionCta: one MMA's k.
 static constexpr int kMmaKeys = 16;
 
 // Shared memory of TileAttentionMmaCta: kStages stages of kKeys keys (a query tile's rows: 64
@@ -440,9 +442,13 @@ struct TileStages {
 // with Q, the scores, the probabilities and O in registers.
 // - Keys and values come through shared memory: all the CTA's threads copy the next kKeys keys'
 //   K and V rows (cp.async, zeros past the tile's keys) while the warps compute on the current
-//   ones, two stages; so each key is read from L2 once per CTA and no warp waits on a global
-//   load. A warp takes 32 keys as one softmax block: one rescale of O per block, and the
-//   causal mask only in blocks that cross a row's position or the split's end.
+//   ones, two stages; so each key is read from L2 once per CTA, and the warps wait on global
+//   memory only for the block-table lookups that start each copy. A warp takes 32 keys as one
+//   softmax block: one rescale of O per block (none once its rows' maxima stop moving), and
+//   the causal mask only in blocks that cross a row's position or the split's end (warps with
+//   rows past the tile take the masked blocks throughout).
+// - The row sums add the fp32 probabilities, P V their bf16 roundings (as FlashAttention-2;
+//   the other two paths sum the rounded values): a relative difference of at most 2^-9.
 // - Q is the A operand (rows g and g + 8 of the warp's 16), K the col-major B operand (column
 //   n: key n of an 8-key tile); lane (g, t) reads 16 bytes, dims 32 s + 8 t .. + 7, of each
 //   (the k order inside an MMA is free, as in gemv.cuh).
@@ -461,7 +467,7 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   constexpr int kSteps = kHeadDim / 32;    // 32-dim steps of S = Q K^T (two MMAs each)
   constexpr int kOutTiles = kHeadDim / 8;  // 8-dim tiles of O = P V
   // Keys per softmax block: 32 (64 would rescale O half as often, but its scores and
-  // probabilities spill registers at head dim 128)
+  // probabilities spill 232 bytes of registers at head dim 128, where 32 spill 24)
   constexpr int kBlockKeys = kKeys < 32 ? kKeys : 32;
   constexpr int kKeyTiles = kBlockKeys / 8;  // 8-key tiles of S
   constexpr int kCopyThreads = kAttnThreads / kKeys;  // threads copying one key row
@@ -474,7 +480,7 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   QueryTile tile;
   if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, &tile)) return;
   const int key_end = tile.key_end;
-  // The tile's last token sees the most keys.
+  // The tile's last token sees the most keys (this is key_end: a split ends at or before it).
   const int tile_stop = min(key_end, positions[tile.t0 + tile.m - 1] + 1);
   const int num_key_tiles = (tile_stop - tile.key_begin + kKeys - 1) / kKeys;
   const KeyRows<kHeadDim> cache_rows(block_tables, max_blocks_per_seq, tile.seq, block_size,
@@ -683,9 +689,10 @@ static constexpr int kDecodeMaxGroup = 8;    // larger GQA groups take the tile 
 static constexpr int kDecodeMaxSplits = 64;  // the host's attention_splits() stays within it
 static constexpr int kDecodeChunk = kMmaKeys * kAttnWarps;  // keys per CTA step
 
-// The mma.sync paths (DecodeAttentionCta, TileAttentionMmaCta) load a lane's share of a head
-// vector in whole 8- or 16-byte pieces and keep their accumulators in registers: head dims 64
-// and 128. Other head dims take the WMMA query tiles (PagedAttentionCta) for every token.
+// The mma.sync paths (DecodeAttentionCta from global memory, TileAttentionMmaCta from shared
+// memory) read a lane's share of a head vector in whole 8- or 16-byte pieces and keep their
+// accumulators in registers: head dims 64 and 128. Other head dims take the WMMA query tiles
+// (PagedAttentionCta) for every token.
 template <int kHeadDim>
 __host__ __device__ constexpr bool MmaPathsFit() {
   return kHeadDim == 64 || kHeadDim == 128;
@@ -1008,7 +1015,8 @@ __host__ __device__ constexpr size_t AttentionKernelSmem() {
 // The attention kernel's body: grid (bucket, num_kv_heads, num_splits), kAttnThreads threads,
 // AttentionKernelSmem<kHeadDim, kRows>() bytes of dynamic shared memory. A token alone in its
 // sequence this step that attends to at least decode_min_keys keys goes to DecodeAttentionCta
-// when its GQA group fits; every other token belongs to a query tile of PagedAttentionCta.
+// when its GQA group fits; every other token belongs to a query tile (TileAttentionMmaCta for
+// head dims 64 and 128, PagedAttentionCta for the others).
 // (gpu_engine/cuda_forward.py sets the threshold: 0, the decode path is the faster one at every
 // context measured.)
 template <int kHeadDim, int kRows>
