@@ -316,19 +316,24 @@ def main(argv: list[str] | None = None) -> None:
                 print_breakdown(name, cfg, point, breakdown(fwd, point, blocks_per_seq), bw,
                                 impl)
             fwd.close()
-    if table:
-        print("\n| shape | batch | context | variant | ms per step | floor (ms) | x floor |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, point, impl, seconds, floor in table:
-        print(f"| {name} | {point.batch} | {point.context} | {impl} | {seconds * 1e3:.3f} | "
-              f"{floor * 1e3:.3f} | {seconds / floor:.2f} |")
-    if prefill_table:
-        print("\n| shape | chunk | context | variant | ms per step | tok/s | TFLOP/s |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
-        for name, point, impl, seconds, work in prefill_table:
-            print(f"| {name} | {point.chunk} | {point.context} | {impl} | {seconds * 1e3:.3f} "
-                  f"| {point.tokens / seconds:,.0f} | {work.total / seconds / 1e12:.0f} |")
+    print_table(["shape", "batch", "context", "variant", "ms per step", "floor (ms)", "x floor"],
+                [(name, point.batch, point.context, impl, f"{seconds * 1e3:.3f}",
+                  f"{floor * 1e3:.3f}", f"{seconds / floor:.2f}")
+                 for name, point, impl, seconds, floor in table])
+    print_table(["shape", "chunk", "context", "variant", "ms per step", "tok/s", "TFLOP/s"],
+                [(name, point.chunk, point.context, impl, f"{seconds * 1e3:.3f}",
+                  f"{point.tokens / seconds:,.0f}", f"{work.total / seconds / 1e12:.0f}")
+                 for name, point, impl, seconds, work in prefill_table])
     sys.stdout.flush()
+
+
+def print_table(header: list[str], rows: list[tuple]) -> None:
+    """A markdown table after a blank line; nothing when there are no rows."""
+    if rows:
+        print("\n| " + " | ".join(header) + " |")
+        print("|" + " --- |" * len(header))
+        for row in rows:
+            print("| " + " | ".join(str(v) for v in row) + " |")
 
 
 if __name__ == "__main__":
