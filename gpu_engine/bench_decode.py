@@ -270,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time every point with plain (not programmatic) launches")
     parser.add_argument("--no-fuse", action="store_true",
                         help="also time every point with RMSNorm and RoPE as separate kernels")
+    parser.add_argument("--options", nargs="*", default=[], type=parse_options,
+                        help="NAME:KEY=INT,...: also time every point with CudaForward(KEY=INT, "
+                             "...), e.g. few:max_attention_splits=2")
     args = parser.parse_args(argv)
     bw = copy_bandwidth()
     print(f"bench copy bandwidth: {bw / 1e12:.2f} TB/s (device-to-device, read + write)")
@@ -289,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
             impls.append(("no pdl", {"programmatic_launch": False}))
         if args.no_fuse:
             impls.append(("no fuse", {"fuse_norm_rope": False}))
+        impls += args.options
         for impl, options in impls:
             fwd, blocks_per_seq = make_forward(cfg, points, **options)
             for point in points:
@@ -325,6 +329,13 @@ def main(argv: list[str] | None = None) -> None:
                   f"{point.tokens / seconds:,.0f}", f"{work.total / seconds / 1e12:.0f}")
                  for name, point, impl, seconds, work in prefill_table])
     sys.stdout.flush()
+
+
+def parse_options(text: str) -> tuple[str, dict[str, int]]:
+    """NAME:KEY=INT,... -> (NAME, {KEY: INT, ...})."""
+    label, _, items = text.partition(":")
+    return label, {key: int(value) for key, value in
+                   (item.split("=", 1) for item in items.split(",") if item)}
 
 
 def print_table(header: list[str], rows: list[tuple]) -> None:

@@ -275,7 +275,8 @@ class ForwardKernels:
                   small=False, decode_min_keys=0):
         """One kernel: decode tokens with at least decode_min_keys keys on the flash-decoding
         path, every other token in tensor-core query tiles.
-        num_splits > 1 lets up to that many CTAs share a tile's (or a decode token's) keys; they
+        num_splits > 1 lets up to that many CTAs share a tile's (or a decode token's, as many as
+        the kernel's DecodeChunksPerSplit finds fastest) keys; they
         meet in partial_out: [rows, num_heads, num_splits, D] f32, partial_stats:
         [rows, num_heads, num_splits, 2] f32 and tile_sems: [rows, num_kv_heads] u32 (zero
         before the first launch; each use leaves it zero). small: the tile variant with
@@ -294,7 +295,8 @@ class ForwardKernels:
                      _i32(max_blocks_per_seq), _ptr(q), _ptr(k_cache), _ptr(v_cache),
                      _i32(block_size), _i32(num_heads), _i32(num_kv_heads), _f32(scale),
                      _ptr(out), _i32(num_splits), _ptr(partial_out), _ptr(partial_stats),
-                     _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1))],
+                     _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1)),
+                     _i32(self.attention_ctas_per_sm[small] * self.sm_count)],
                     stream, smem=self.attention_small_smem if small else self.attention_smem)
 
     @classmethod
@@ -377,7 +379,7 @@ class ForwardKernels:
         """gate_up: [rows, 2 inter] bf16 in the interleaved 16-feature layout
         (interleave_gate_up); out: [rows, inter] bf16."""
         self._need(inter % 16 == 0, f"intermediate size {inter} must be a multiple of 16")
-        self.launch("blink_silu_mul", (rows,), (256,),
+        self.launch("blink_silu_mul", (rows, -(-inter // (8 * 256))), (256,),
                     [_ptr(desc), _ptr(gate_up), _ptr(out), _i32(inter)], stream)
 
     def sample(self, stream, rows, desc, logits, vocab, temperature, top_p, top_k, seed, step,
@@ -451,7 +453,7 @@ class CudaForward:
                  workspace_bytes: int = 32 << 20, device: int = 0, capture: bool = True,
                  random_seed: int = 0, skinny: bool = True,
                  decode_min_keys: int | None = None, programmatic_launch: bool = True,
-                 fuse_norm_rope: bool = True):
+                 fuse_norm_rope: bool = True, max_attention_splits: int | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -461,7 +463,9 @@ class CudaForward:
         path; a huge value: none does). programmatic_launch: see ForwardKernels.
         fuse_norm_rope: buckets of up to SKINNY_NORM_MAX_ROWS rows run each RMSNorm inside the
         projection that follows it and RoPE + KV write inside the qkv projection (False: as
-        kernels of their own, the comparison bench_decode --no-fuse makes)."""
+        kernels of their own, the comparison bench_decode --no-fuse makes).
+        max_attention_splits: caps attention_splits below the kernel's own cap (the comparison
+        bench_decode --options makes)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -480,6 +484,7 @@ class CudaForward:
         self.max_tokens = self.buckets[-1]
         self.skinny = skinny
         self.fuse_norm_rope = fuse_norm_rope
+        self.max_attention_splits = max_attention_splits
         self.decode_min_keys = (self.DECODE_MIN_KEYS if decode_min_keys is None
                                 else decode_min_keys)
         self._memory: list[DeviceArray] = []
@@ -769,11 +774,13 @@ class CudaForward:
     # --- for the scheduler kernel ---------------------------------------------------------------
 
     def attention_splits(self, bucket: int) -> int:
-        """The most CTAs that may share one decode token's (or query tile's) keys in a bucket,
-        at most the kernel's attention_max_splits (64, what its split merge is sized for):
-        when every token of the bucket decodes, the count up to about two waves whose CTAs
-        fill the GPU's attention slots (CTAs per SM x SMs) in whole waves best, the larger of
-        equally good ones. A partial last wave costs a whole CTA's time for a few CTAs.
+        """The most CTAs that may share one decode token's (or query tile's) keys in a bucket
+        (the grid's z), at most the kernel's attention_max_splits (64, what its split merge is
+        sized for): when every token of the bucket decodes, the count up to about two waves
+        whose CTAs fill the GPU's attention slots (CTAs per SM x SMs) in whole waves best, the
+        larger of equally good ones. A partial last wave costs a whole CTA's time for a few
+        CTAs. A decode token may use fewer: the kernel weighs waves against keys per CTA for its
+        context (attention.cuh DecodeChunksPerSplit; batch 32 at 512 keys takes one split).
         Measured on the H200 (bench_decode, Llama-3.1-8B shape, with the previous, CUDA-core
         decode path): batch 1 at 8,192 keys, 49 splits (392 CTAs in 396 slots) 5.03 ms a step
         against 5.20 with 64 (1.3 waves); batch 32 at 4,096 keys, 3 splits (768 CTAs, 1.94
@@ -786,7 +793,8 @@ class CudaForward:
 
         def fill(splits):
             return ctas * splits / (-(-ctas * splits // slots) * slots)
-        most = max(1, min(k.attention_max_splits, -(-2 * slots // ctas)))
+        cap = min(k.attention_max_splits, self.max_attention_splits or k.attention_max_splits)
+        most = max(1, min(cap, -(-2 * slots // ctas)))
         return max(range(1, most + 1), key=lambda s: (fill(s), s))
 
     # Decode tokens attending to at least this many keys take the flash-decoding path; shorter

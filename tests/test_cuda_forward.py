@@ -328,10 +328,10 @@ def test_rms_norm(cf, stream, tokens, mode):
 
 
 @pytest.mark.parametrize("tokens", [1, 19, 99])
-def test_silu_mul(cf, stream, tokens):
+@pytest.mark.parametrize("inter", [272, 4112])  # one CTA a row; three, the last partial
+def test_silu_mul(cf, stream, tokens, inter):
     k = kernels(cf)
     rng = np.random.default_rng(tokens)
-    inter = 272
     gate = rb(rng.standard_normal((BUCKET, inter)) * 4)
     up = rb(rng.standard_normal((BUCKET, inter)) * 4)
     # the fused projection's output layout: the row of interleave_gate_up's weight layout

@@ -5,9 +5,12 @@
 
 namespace blink {
 
-// One CTA per token row t < num_tokens: out[t, i] = silu(gate[i]) * up[i], fp32 math, with the
-// fused projection's features interleaved in 16-wide groups (gpu_engine/cuda_forward.py
-// interleave_gate_up): gate[i] at gate_up[t, 32 (i / 16) + i % 16], up[i] 16 further on.
+// Grid (bucket, feature chunks): CTA (t, y) takes token row t < num_tokens and features from
+// 8 (y * blockDim.x + thread) on, stepping by 8 gridDim.y * blockDim.x (one step each when the
+// host covers the row: a decode step's few rows spread over many SMs, and every load of a thread
+// is issued at once). out[t, i] = silu(gate[i]) * up[i], fp32 math, with the fused projection's
+// features interleaved in 16-wide groups (gpu_engine/cuda_forward.py interleave_gate_up):
+// gate[i] at gate_up[t, 32 (i / 16) + i % 16], up[i] 16 further on.
 // gate_up: [bucket, 2 inter] bf16; out: [bucket, inter] bf16; inter % 16 == 0.
 __device__ __forceinline__ void SiluMulCta(const BatchDesc* desc, const bf16* gate_up, bf16* out,
                                            int inter) {
@@ -15,7 +18,8 @@ __device__ __forceinline__ void SiluMulCta(const BatchDesc* desc, const bf16* ga
   if (t >= desc->num_tokens) return;
   const bf16* row = gate_up + static_cast<size_t>(t) * 2 * inter;
   bf16* dst = out + static_cast<size_t>(t) * inter;
-  for (int i = threadIdx.x * 8; i < inter; i += blockDim.x * 8) {
+  const int stride = 8 * gridDim.y * blockDim.x;
+  for (int i = 8 * (blockIdx.y * blockDim.x + threadIdx.x); i < inter; i += stride) {
     const bf16* gate = row + 2 * (i - i % 16) + i % 16;
     float g[8], u[8];
     LoadBf16x8(gate, g);

@@ -688,6 +688,48 @@ __device__ __forceinline__ void TileAttentionMmaCta(
 static constexpr int kDecodeMaxGroup = 8;    // larger GQA groups take the tile path
 static constexpr int kDecodeMaxSplits = 64;  // the host's attention_splits() stays within it
 static constexpr int kDecodeChunk = kMmaKeys * kAttnWarps;  // keys per CTA step
+// What a decode CTA costs beyond streaming its chunks (block-table and key latencies before its
+// first chunk, the partial write and the split merge), in chunk times: fitted on the H200 to
+// bench_decode with the split count capped (Llama-3.1-8B and 3.2-1B shapes, batch 1 and 32 at
+// 512 to 8,192 keys), where it picks the fastest measured count at every point.
+static constexpr int kDecodeSplitCostChunks = 6;
+
+// Chunks per split of a decode token with `chunks` key chunks: the split count s <= num_splits
+// that minimizes the estimated time waves(s) * (kDecodeSplitCostChunks + ceil(chunks / s)), with
+// waves(s) = ceil(ctas * s / slots) for `ctas` (token, kv head) pairs on `slots` CTA slots, as
+// if every token of the batch had this one's keys; ties go to more splits. A short context
+// then keeps its keys in a wave of one or a few CTAs each (batch 32 at 512 keys: one split,
+// where filling the GPU's slots took two waves), a long one spreads over the GPU.
+// Every lane of a warp calls it (lane l weighs s = l + 1 and l + 33) and gets the same answer.
+__device__ __forceinline__ int DecodeChunksPerSplit(int chunks, int num_splits, int ctas,
+                                                    int slots) {
+  static_assert(kDecodeMaxSplits <= 2 * kWarpSize, "two split counts per lane");
+  const int lane = threadIdx.x % kWarpSize;
+  uint32_t best_cost = ~0u, best_chunks = 0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int s = lane + 1 + kWarpSize * i;
+    if (s > num_splits) continue;
+    const int per_split = (chunks + s - 1) / s;
+    const int active = (chunks + per_split - 1) / per_split;  // the splits that get chunks
+    const uint32_t waves = (static_cast<uint32_t>(ctas) * active + slots - 1) / slots;
+    const uint32_t cost = waves * (kDecodeSplitCostChunks + per_split);
+    if (cost < best_cost || (cost == best_cost && per_split < best_chunks)) {
+      best_cost = cost;
+      best_chunks = per_split;
+    }
+  }
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) {
+    const uint32_t cost = __shfl_xor_sync(kFullMask, best_cost, o);
+    const uint32_t per_split = __shfl_xor_sync(kFullMask, best_chunks, o);
+    if (cost < best_cost || (cost == best_cost && per_split < best_chunks)) {
+      best_cost = cost;
+      best_chunks = per_split;
+    }
+  }
+  return static_cast<int>(best_chunks);
+}
 
 // The mma.sync paths (DecodeAttentionCta from global memory, TileAttentionMmaCta from shared
 // memory) read a lane's share of a head vector in whole 8- or 16-byte pieces and keep their
@@ -770,7 +812,8 @@ __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int gro
 }
 
 // One query token t that is alone in its sequence this step (a decode token), one KV head, one
-// split of its keys [0, position]: whole chunks of kDecodeChunk keys per split, and in each
+// split of its keys [0, position]: whole chunks of kDecodeChunk keys per split
+// (DecodeChunksPerSplit: at most num_splits splits, ctas and slots as there), and in each
 // chunk warp w takes keys 16 w .. 16 w + 15. Each warp runs its own online softmax on tensor
 // cores, straight from global memory into registers (no shared-memory staging, no barrier in
 // the key loop), and the CTA's warps merge at the end.
@@ -797,8 +840,8 @@ template <int kHeadDim>
 __device__ __forceinline__ void DecodeAttentionCta(
     int t, int seq, int position, const int32_t* block_tables, int max_blocks_per_seq,
     const bf16* q, const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,
-    int num_kv_heads, float scale, bf16* out, int num_splits, float* partial_out,
-    float* partial_stats, uint32_t* tile_sems) {
+    int num_kv_heads, float scale, bf16* out, int num_splits, int ctas, int slots,
+    float* partial_out, float* partial_stats, uint32_t* tile_sems) {
   static_assert(MmaPathsFit<kHeadDim>(), "head dims 64 and 128");
   using L = DecodeLayout<kHeadDim>;
   constexpr int kSteps = kHeadDim / 32;     // 32-dim steps of S = Q K^T (two MMAs each)
@@ -810,9 +853,9 @@ __device__ __forceinline__ void DecodeAttentionCta(
   const int group = num_heads / num_kv_heads;
   const int num_keys = position + 1;
   const int chunks = (num_keys + kDecodeChunk - 1) / kDecodeChunk;
-  const int chunks_per_split = (chunks + num_splits - 1) / num_splits;
+  const int chunks_per_split = DecodeChunksPerSplit(chunks, num_splits, ctas, slots);
   const int active_splits = (chunks + chunks_per_split - 1) / chunks_per_split;
-  if (split >= active_splits) return;
+  if (split >= active_splits) return;  // (split 0 of the token waits for the prior kernel)
   const int key_begin = split * chunks_per_split * kDecodeChunk;
   const int key_end = min(key_begin + chunks_per_split * kDecodeChunk, num_keys);
   const KeyRows<kHeadDim> cache_rows(block_tables, max_blocks_per_seq, seq, block_size,
@@ -858,15 +901,6 @@ __device__ __forceinline__ void DecodeAttentionCta(
     }
   };
 
-  // Query head g of the group (zeros past it): dims 32 s + 8 t .. + 7.
-  uint4 qr[kSteps];
-#pragma unroll
-  for (int s = 0; s < kSteps; ++s) {
-    qr[s] = g < group ? *reinterpret_cast<const uint4*>(
-                            q + (static_cast<size_t>(t) * num_heads + kv_head * group + g) *
-                                    kHeadDim + 32 * s + 8 * tq)
-                      : zero;
-  }
   const float scale_log2 = scale * 1.4426950408889634f;
   float o[kOutTiles][4];
 #pragma unroll
@@ -876,9 +910,27 @@ __device__ __forceinline__ void DecodeAttentionCta(
   int key0 = key_begin + kMmaKeys * warp;
   uint4 kr[2][kSteps];
   uint32_t vr[4][2][kLaneWords];
-  if (key0 < key_end) {
+  // A warp whose first step lies wholly before the token's own key (written this step by the
+  // qkv kernel) loads it before waiting for that kernel (programmatic dependent launch): those
+  // keys and values were written by earlier steps.
+  const bool first_step_early = key0 + kMmaKeys <= position;
+  if (first_step_early) {
     load_keys(key0, kr);
     load_values(key0, vr);
+  }
+  AwaitPriorKernel();
+  if (!first_step_early && key0 < key_end) {
+    load_keys(key0, kr);
+    load_values(key0, vr);
+  }
+  // Query head g of the group (zeros past it): dims 32 s + 8 t .. + 7.
+  uint4 qr[kSteps];
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    qr[s] = g < group ? *reinterpret_cast<const uint4*>(
+                            q + (static_cast<size_t>(t) * num_heads + kv_head * group + g) *
+                                    kHeadDim + 32 * s + 8 * tq)
+                      : zero;
   }
   for (; key0 < key_end; key0 += kDecodeChunk) {
     const int next = key0 + kDecodeChunk;
@@ -1018,33 +1070,41 @@ __host__ __device__ constexpr size_t AttentionKernelSmem() {
 // when its GQA group fits; every other token belongs to a query tile (TileAttentionMmaCta for
 // head dims 64 and 128, PagedAttentionCta for the others).
 // (gpu_engine/cuda_forward.py sets the threshold: 0, the decode path is the faster one at every
-// context measured.)
+// context measured.) slots: the CTAs of this kernel the GPU holds at once (CTAs an SM x SMs).
 template <int kHeadDim, int kRows>
 __device__ __forceinline__ void AttentionCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
     const bf16* v_cache, int block_size, int num_heads, int num_kv_heads, float scale, bf16* out,
     int num_splits, float* partial_out, float* partial_stats, uint32_t* tile_sems,
-    int decode_min_keys) {
+    int decode_min_keys, int slots) {
   // Everything the path choice needs, loaded at once (one memory latency, not a chain): rows
-  // up to the bucket exist, so t - 1 and t + 1 may be read before the bounds test.
+  // up to the bucket exist, so t - 1 and t + 1 may be read before the bounds test. The batch
+  // arrays are written before the graph launches, so these loads precede the wait for the
+  // previous kernel (programmatic dependent launch); each path waits before it reads what the
+  // step's earlier kernels wrote.
   const int t = blockIdx.x, bucket = gridDim.x;
   const int num_tokens = desc->num_tokens;
   const int seq = token_seq[t];
   const int prev_seq = t > 0 ? token_seq[t - 1] : -1;
   const int next_seq = t + 1 < bucket ? token_seq[t + 1] : -1;
   const int position = positions[t];
-  if (t >= num_tokens) return;
+  if (t >= num_tokens) {
+    AwaitPriorKernel();  // an empty batch's grid must not complete before its predecessor
+    return;
+  }
   if constexpr (MmaPathsFit<kHeadDim>()) {
     const bool alone = prev_seq != seq && (t + 1 == num_tokens || next_seq != seq);
     if (alone && num_heads / num_kv_heads <= kDecodeMaxGroup &&
         position + 1 >= decode_min_keys) {
       DecodeAttentionCta<kHeadDim>(t, seq, position, block_tables, max_blocks_per_seq, q,
                                    k_cache, v_cache, block_size, num_heads, num_kv_heads, scale,
-                                   out, num_splits, partial_out, partial_stats, tile_sems);
+                                   out, num_splits, num_tokens * num_kv_heads, slots,
+                                   partial_out, partial_stats, tile_sems);
       return;
     }
   }
+  AwaitPriorKernel();  // the query tiles read this step's keys, values and q throughout
   if constexpr (MmaPathsFit<kHeadDim>()) {
     TileAttentionMmaCta<kHeadDim, kRows>(desc, positions, token_seq, block_tables,
                                          max_blocks_per_seq, q, k_cache, v_cache, block_size,

@@ -3,7 +3,9 @@
 //
 // Every entry first waits for the previous kernel (utils.cuh AwaitPriorKernel): the forward
 // graph is captured with programmatic dependent launch, so an entry may start early. The skinny
-// projections wait inside SkinnyAccumulate, once their first weight loads are in flight.
+// projections wait inside SkinnyAccumulate, once their first weight loads are in flight; the
+// attention entries inside AttentionCta, once the batch arrays (and a decode token's first keys
+// from earlier steps) are loaded.
 //
 // One dispatch point: the model's head_dim arrives as -DBLINK_HEAD_DIM=<d> (the module is built
 // per model); an unsupported value stops the build here.
@@ -75,12 +77,11 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
            const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,               \
            const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,          \
            int num_kv_heads, float scale, bf16* out, int num_splits, float* partial_out,     \
-           float* partial_stats, uint32_t* tile_sems, int decode_min_keys) {                 \
-    blink::AwaitPriorKernel();                                                               \
-    blink::AttentionCta<kHeadDim, ROWS>(                                                     \
+           float* partial_stats, uint32_t* tile_sems, int decode_min_keys, int slots) {      \
+    blink::AttentionCta<kHeadDim, ROWS>(  /* it waits for the previous kernel */           \
         desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,   \
         block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out,            \
-        partial_stats, tile_sems, decode_min_keys);                                          \
+        partial_stats, tile_sems, decode_min_keys, slots);                                   \
   }
 BLINK_PAGED_ATTENTION(blink_paged_attention, blink::kAttnRows)
 BLINK_PAGED_ATTENTION(blink_paged_attention_small, blink::kAttnRowsSmall)
