@@ -72,6 +72,26 @@ struct AttentionSmem {
                 "WMMA regions must be 32-byte aligned");
 };
 
+// The merge weights of one query row's splits, a warp at once: lane z gets weight[i] =
+// 2^(m_z - M) of splits z and z + 32 (0 past active_splits <= 64, or where m_z = -inf) with
+// M = max_z m_z, and every lane the return value 1 / sum_z 2^(m_z - M) l_z. stats: the row's
+// [splits][2] (running max in log2 units, sum), written by other CTAs: read through L2 (ld.cg).
+__device__ __forceinline__ float SplitWeights(const float* stats, int active_splits,
+                                              float (&weight)[2]) {
+  const int lane = threadIdx.x % kWarpSize;
+  float split_max[2], split_sum[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int z = lane + kWarpSize * i;
+    split_max[i] = z < active_splits ? __ldcg(stats + 2 * z) : -INFINITY;
+    split_sum[i] = z < active_splits ? __ldcg(stats + 2 * z + 1) : 0.f;
+  }
+  const float max_all = WarpMax(fmaxf(split_max[0], split_max[1]));
+#pragma unroll
+  for (int i = 0; i < 2; ++i) weight[i] = exp2f(split_max[i] - max_all);  // 0 at -inf
+  return 1.f / WarpSum(weight[0] * split_sum[0] + weight[1] * split_sum[1]);
+}
+
 // Merges the split partials of one tile: `m` tokens from t0, the `group` query heads of
 // kv_head. out = sum_z 2^(m_z - M) O_z / sum_z 2^(m_z - M) l_z with M = max_z m_z over the
 // tile's active splits (<= 64; split 0 holds key 0, so M is finite); a split that saw no
@@ -90,19 +110,9 @@ __device__ __forceinline__ void CombineTileCta(int t0, int m, int kv_head, int g
   for (int r = warp; r < m * group; r += num_warps) {
     const size_t head = static_cast<size_t>(t0 + r / group) * num_heads + kv_head * group +
                         r % group;
-    const float* stats = partial_stats + head * num_splits * 2;
-    float split_max[2], split_sum[2], weight[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int z = lane + kWarpSize * i;
-      split_max[i] = z < active_splits ? __ldcg(stats + 2 * z) : -INFINITY;
-      split_sum[i] = z < active_splits ? __ldcg(stats + 2 * z + 1) : 0.f;
-    }
-    const float max_all = WarpMax(fmaxf(split_max[0], split_max[1]));
-#pragma unroll
-    for (int i = 0; i < 2; ++i) weight[i] = exp2f(split_max[i] - max_all);  // 0 at -inf
+    float weight[2];
     const float inv_total =
-        1.f / WarpSum(weight[0] * split_sum[0] + weight[1] * split_sum[1]);
+        SplitWeights(partial_stats + head * num_splits * 2, active_splits, weight);
     float acc[kPerLane] = {};
     const float* o = partial_out + head * num_splits * kHeadDim;
 #pragma unroll 8
@@ -479,10 +489,9 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   const int group = num_heads / num_kv_heads;
   QueryTile tile;
   if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, &tile)) return;
+  // The tile's last token sees the most keys: the split ends at or before its key.
   const int key_end = tile.key_end;
-  // The tile's last token sees the most keys (this is key_end: a split ends at or before it).
-  const int tile_stop = min(key_end, positions[tile.t0 + tile.m - 1] + 1);
-  const int num_key_tiles = (tile_stop - tile.key_begin + kKeys - 1) / kKeys;
+  const int num_key_tiles = (key_end - tile.key_begin + kKeys - 1) / kKeys;
   const KeyRows<kHeadDim> cache_rows(block_tables, max_blocks_per_seq, tile.seq, block_size,
                                      num_kv_heads, kv_head);
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
@@ -498,7 +507,7 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   auto copy_key_tile = [&](int key_tile) {
     bf16* dst = stage_keys(key_tile % Stages::kStages);
     const int r = tid / kCopyThreads, key = tile.key_begin + key_tile * kKeys + r;
-    const int64_t off = key < tile_stop ? cache_rows.offset(key) : -1;
+    const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
     const int bytes = off >= 0 ? 16 : 0;
     const bf16* k_row = k_cache + (off >= 0 ? off : 0);
     const bf16* v_row = v_cache + (off >= 0 ? off : 0);
@@ -770,19 +779,9 @@ __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int gro
   const size_t head0 = static_cast<size_t>(t) * num_heads + kv_head * group;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   for (int g = warp; g < group; g += blockDim.x / kWarpSize) {
-    const float* stats = partial_stats + 2 * (head0 + g) * num_splits;
-    float split_max[2], split_sum[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int z = lane + kWarpSize * i;
-      split_max[i] = z < active_splits ? __ldcg(stats + 2 * z) : -INFINITY;
-      split_sum[i] = z < active_splits ? __ldcg(stats + 2 * z + 1) : 0.f;
-    }
-    const float max_all = WarpMax(fmaxf(split_max[0], split_max[1]));
-    float weight[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) weight[i] = exp2f(split_max[i] - max_all);  // 0 past the splits
-    const float inv_total = 1.f / WarpSum(weight[0] * split_sum[0] + weight[1] * split_sum[1]);
+    float weight[2];  // 0 past the splits
+    const float inv_total =
+        SplitWeights(partial_stats + 2 * (head0 + g) * num_splits, active_splits, weight);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int z = lane + kWarpSize * i;
