@@ -29,7 +29,9 @@ every decode token in the tensor-core query tiles / on the flash-decoding path (
 switches between them at CudaForward.DECODE_MIN_KEYS keys). --no-pdl: also with plain kernel
 launches (no programmatic dependent launch: each kernel starts after the previous one ends).
 --no-fuse: also with RMSNorm and RoPE + KV write as kernels of their own in the decode buckets
-(CudaForward(fuse_norm_rope=False)), not inside the projections.
+(CudaForward(fuse_norm_rope=False)), not inside the projections. --options NAME:KEY=INT,...: also
+with CudaForward(KEY=INT, ...), e.g. s1:max_attention_splits=1 (at most one CTA a decode token's
+keys).
 """
 from __future__ import annotations
 
