@@ -715,6 +715,13 @@ __device__ __forceinline__ int DecodeChunksPerSplit(int chunks, int num_splits, 
   static_assert(kDecodeMaxSplits <= 2 * kWarpSize, "two split counts per lane");
   const int lane = threadIdx.x % kWarpSize;
   uint32_t best_cost = ~0u, best_chunks = 0;
+  // the cheaper count, and of equal costs the one with fewer chunks a split
+  auto keep_better = [&](uint32_t cost, uint32_t per_split) {
+    if (cost < best_cost || (cost == best_cost && per_split < best_chunks)) {
+      best_cost = cost;
+      best_chunks = per_split;
+    }
+  };
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int s = lane + 1 + kWarpSize * i;
@@ -722,21 +729,12 @@ __device__ __forceinline__ int DecodeChunksPerSplit(int chunks, int num_splits, 
     const int per_split = (chunks + s - 1) / s;
     const int active = (chunks + per_split - 1) / per_split;  // the splits that get chunks
     const uint32_t waves = (static_cast<uint32_t>(ctas) * active + slots - 1) / slots;
-    const uint32_t cost = waves * (kDecodeSplitCostChunks + per_split);
-    if (cost < best_cost || (cost == best_cost && per_split < best_chunks)) {
-      best_cost = cost;
-      best_chunks = per_split;
-    }
+    keep_better(waves * (kDecodeSplitCostChunks + per_split), per_split);
   }
 #pragma unroll
-  for (int o = kWarpSize / 2; o > 0; o >>= 1) {
-    const uint32_t cost = __shfl_xor_sync(kFullMask, best_cost, o);
-    const uint32_t per_split = __shfl_xor_sync(kFullMask, best_chunks, o);
-    if (cost < best_cost || (cost == best_cost && per_split < best_chunks)) {
-      best_cost = cost;
-      best_chunks = per_split;
-    }
-  }
+  for (int o = kWarpSize / 2; o > 0; o >>= 1)
+    keep_better(__shfl_xor_sync(kFullMask, best_cost, o),
+                __shfl_xor_sync(kFullMask, best_chunks, o));
   return static_cast<int>(best_chunks);
 }
 
