@@ -178,28 +178,30 @@ def time_step(fwd, point: Point, blocks_per_seq: int) -> float:
     return median_seconds(fwd.stream, lambda: cr.check(cr.cu.cuGraphLaunch(graph, fwd.stream)))
 
 
+# The projection (roofline.projection_weights' key) whose weights an op label reads
+# (CudaForward.ops' labels, fused and unfused).
+LABEL_PROJECTION = {"qkv proj": "qkv", "rmsnorm + qkv proj": "qkv",
+                    "rmsnorm + qkv proj + rope + kv write": "qkv", "o proj + residual": "o",
+                    "gate|up proj": "gate_up", "gate|up proj + silu*mul": "gate_up",
+                    "rmsnorm + gate|up proj + silu*mul": "gate_up",
+                    "down proj + residual": "down", "lm head": "lm_head"}
+
+
 def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
     """Bytes one launch of a labelled op must read (weights, or keys and values), if known."""
-    w = projection_weights(cfg)
-    weights = {"qkv proj": w["qkv"], "rmsnorm + qkv proj": w["qkv"],
-               "rmsnorm + qkv proj + rope + kv write": w["qkv"], "o proj + residual": w["o"],
-               "gate|up proj + silu*mul": w["gate_up"], "gate|up proj": w["gate_up"],
-               "rmsnorm + gate|up proj + silu*mul": w["gate_up"],
-               "down proj + residual": w["down"], "lm head": w["lm_head"]}
-    if label in weights:
-        return BF16_BYTES * weights[label]
+    if label in LABEL_PROJECTION:
+        return BF16_BYTES * projection_weights(cfg)[LABEL_PROJECTION[label]]
     if label == "attention":
         return point.batch * point.context * kv_bytes_per_token(cfg) // cfg.num_layers
     return None
 
 
 def op_flops(cfg: ModelConfig, label: str, point: Point) -> int | None:
-    """FLOPs of one launch of a labelled op at a prefill point, if known."""
-    w = projection_weights(cfg)
-    weights = {"qkv proj": w["qkv"], "o proj + residual": w["o"], "gate|up proj": w["gate_up"],
-               "down proj + residual": w["down"]}  # the LM head: one row a sequence, a GEMV
-    if label in weights:
-        return 2 * weights[label] * point.tokens
+    """FLOPs of one launch of a labelled op at a prefill point, if known (not the LM head's:
+    one row a sequence, a GEMV)."""
+    projection = LABEL_PROJECTION.get(label)
+    if projection is not None and projection != "lm_head":
+        return 2 * projection_weights(cfg)[projection] * point.tokens
     if label == "attention":
         return step_flops(cfg, list(point.positions), point.batch).attention // cfg.num_layers
     return None
