@@ -523,13 +523,30 @@ def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, s
     """Mixed batches and decode batches against float64; every output row written, nothing
     past num_tokens written, no unreadable cache slot read (NaN there), the tile counters back
     at zero after each launch, and a second launch bit-identical (fixed merge order)."""
+    _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, small,
+                     decode_min_keys, block_size=16)
+
+
+# Block sizes other than 16: multiples of 16 (the decode path's one block-table lookup a warp
+# step: 32, and 48, which is not a power of two) and others (a lookup a key: 8, 24, 5).
+@pytest.mark.parametrize("block_size", [32, 48, 8, 24, 5])
+@pytest.mark.parametrize("batch", [19, "decode"])
+@pytest.mark.parametrize("splits", [1, 64])
+def test_paged_attention_block_sizes(cf, stream, block_size, batch, splits):
+    """As test_paged_attention, with other block sizes (Llama-3.1-8B's heads, the decode path
+    for every decode token)."""
+    _check_attention(cf, stream, 128, 32, 8, batch, splits, False, 0, block_size=block_size)
+
+
+def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, small,
+                     decode_min_keys, block_size):
     k = kernels(cf, head_dim)
     if small and num_heads // num_kv_heads > k.attention_small_rows:
         pytest.skip("GQA group larger than the small variant's rows")
     seqs = ATTENTION_BATCHES[batch]
     tokens = sum(n for _, n in seqs)
     rng = np.random.default_rng(head_dim * num_heads + tokens)
-    D, bs = head_dim, 16
+    D, bs = head_dim, block_size
     pb = PagedBatch(seqs, bs, rng)
     q = rb(rng.standard_normal((BUCKET, num_heads, D)))
     kc = rb(rng.standard_normal((pb.num_blocks, bs, num_kv_heads, D)))
@@ -571,7 +588,8 @@ def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, s
                          vc.astype(np.float64), pb, num_heads, num_kv_heads)
     err = rel_err(bf16_to_f32(got[:tokens]), ref)
     REPORT["errors"][f"attention D={D} heads={num_heads}/{num_kv_heads} batch={batch} "
-                     f"splits={splits} small={small} decode_min_keys={decode_min_keys}"] = err
+                     f"splits={splits} small={small} decode_min_keys={decode_min_keys}"
+                     + ("" if bs == 16 else f" block_size={bs}")] = err
     assert np.isfinite(bf16_to_f32(got[:tokens])).all()
     assert err < 1e-2
     assert (got[tokens:] == POISON_BF16).all()

@@ -218,8 +218,15 @@ struct KeyRows {
         pow2((block_size_ & (block_size_ - 1)) == 0) {}
 
   __device__ __forceinline__ int64_t offset(int key) const {
-    const int block = table[pow2 ? key >> block_shift : key / block_size];
-    if (block < 0) return -1;
+    const int block = block_of(key);
+    return block < 0 ? -1 : offset_in(block, key);
+  }
+  // The table's entry for key (-1: no block).
+  __device__ __forceinline__ int block_of(int key) const {
+    return table[pow2 ? key >> block_shift : key / block_size];
+  }
+  // The offset of key's row, given its block (block_of(key) >= 0).
+  __device__ __forceinline__ int64_t offset_in(int block, int key) const {
     const int row = pow2 ? key & (block_size - 1) : key % block_size;
     return ((static_cast<int64_t>(block) * block_size + row) * num_kv_heads + kv_head) *
            kHeadDim;
@@ -833,7 +840,7 @@ __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int gro
 // its values into those the P V product has freed. Keys are read through L2 only (ld.cg: the
 // newest one was written by this graph's qkv kernel, and a coherent load stays below the wait).
 // group <= kDecodeMaxGroup. Workspaces as in PagedAttentionCta.
-template <int kHeadDim>
+template <int kHeadDim, bool kStepInOneBlock>
 __device__ __forceinline__ void DecodeAttentionCta(
     int t, int seq, int position, const int32_t* block_tables, int max_blocks_per_seq,
     const bf16* q, const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,
@@ -867,25 +874,56 @@ __device__ __forceinline__ void DecodeAttentionCta(
   const int g = lane / 4, tq = lane % 4;
 
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  // Keys g and 8 + g of the step at key0: dims 32 s + 8 t .. + 7.
-  auto load_keys = [&](int key0, uint4 (&kr)[2][kSteps]) {
+  // The step's keys this lane loads: key g + 8 n of S = Q K^T (n = 0, 1) and value key
+  // value_key(i) of O^T = V^T P^T (i = 0..3).
+  auto value_key = [&](int i) { return 2 * tq + (i & 1) + 8 * (i >> 1); };
+  const int row_stride = num_kv_heads * kHeadDim;
+  // kStepInOneBlock (block_size a multiple of 16, which a step's first key is): the step's 16
+  // keys are consecutive rows of one block, row_stride elements apart, so a step needs one
+  // block-table entry, not one a key. The entries are read ahead, 32 steps at a time: lane l
+  // holds that of the warp's step 32 w + l (window w), so a step's block is a shuffle away and
+  // the table's latency stays off the chain that leads to its keys (ncu: 13% of the stall
+  // samples waited on the entries when each step read its own).
+  const int warp_key0 = key_begin + kMmaKeys * warp;
+  auto window_blocks = [&](int window) {
+    const int key = warp_key0 + (kWarpSize * window + lane) * kDecodeChunk;
+    return kStepInOneBlock && key < key_end ? cache_rows.block_of(key) : 0;
+  };
+  int window = 0, window_block = window_blocks(0);
+  // The row of the step's first key (kStepInOneBlock; every lane, steps in order).
+  auto step_row = [&](int key0) -> int64_t {
+    if (!kStepInOneBlock) return 0;
+    const int step = (key0 - warp_key0) / kDecodeChunk;
+    if (step / kWarpSize != window) {  // past 2,048 keys of the warp's split (8,192 of its CTA)
+      window = step / kWarpSize;
+      window_block = window_blocks(window);
+    }
+    return cache_rows.offset_in(__shfl_sync(kFullMask, window_block, step % kWarpSize), key0);
+  };
+  // Keys g and 8 + g of the step at key0 (first row `row`): dims 32 s + 8 t .. + 7. In one
+  // block, keys past the split are read too (their rows exist; the scores mask them out).
+  auto load_keys = [&](int key0, int64_t row, uint4 (&kr)[2][kSteps]) {
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
-      const int64_t off = row_offset(key0 + 8 * n + g);
+      const int64_t off = kStepInOneBlock ? row + (8 * n + g) * row_stride
+                                          : row_offset(key0 + 8 * n + g);
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        kr[n][s] = off >= 0 ? __ldcg(reinterpret_cast<const uint4*>(
-                                  k_cache + off + 32 * s + 8 * tq))
-                            : zero;
+        const uint4* p = reinterpret_cast<const uint4*>(k_cache + off + 32 * s + 8 * tq);
+        kr[n][s] = kStepInOneBlock || off >= 0 ? __ldcg(p) : zero;
       }
     }
   };
   // Values of keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of the step (i = 0..3), dims
-  // r * D / 16 .. + D / 16 - 1 for rows r = g (h = 0) and g + 8 (h = 1), as bf16 pairs.
-  auto load_values = [&](int key0, uint32_t (&vr)[4][2][kLaneWords]) {
+  // r * D / 16 .. + D / 16 - 1 for rows r = g (h = 0) and g + 8 (h = 1), as bf16 pairs; zeros
+  // past the split (P is 0 there, and 0 times a stale NaN would not be).
+  auto load_values = [&](int key0, int64_t row, uint32_t (&vr)[4][2][kLaneWords]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int64_t off = row_offset(key0 + 2 * tq + (i & 1) + 8 * (i >> 1));
+      const int key = key0 + value_key(i);
+      const int64_t off = kStepInOneBlock
+                              ? (key < key_end ? row + value_key(i) * row_stride : -1)
+                              : row_offset(key);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         ValueLoad v{};
@@ -904,21 +942,22 @@ __device__ __forceinline__ void DecodeAttentionCta(
   for (int j = 0; j < kOutTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float run_max = -INFINITY, run_sum = 0.f;  // of head g; run_sum: this lane's keys only
 
-  int key0 = key_begin + kMmaKeys * warp;
+  int key0 = warp_key0;
   uint4 kr[2][kSteps];
   uint32_t vr[4][2][kLaneWords];
   // A warp whose first step lies wholly before the token's own key (written this step by the
   // qkv kernel) loads it before waiting for that kernel (programmatic dependent launch): those
-  // keys and values were written by earlier steps.
+  // keys and values were written by earlier steps, the block tables before the graph launched.
   const bool first_step_early = key0 + kMmaKeys <= position;
+  const int64_t first_row = key0 < key_end ? step_row(key0) : 0;
   if (first_step_early) {
-    load_keys(key0, kr);
-    load_values(key0, vr);
+    load_keys(key0, first_row, kr);
+    load_values(key0, first_row, vr);
   }
   AwaitPriorKernel();
   if (!first_step_early && key0 < key_end) {
-    load_keys(key0, kr);
-    load_values(key0, vr);
+    load_keys(key0, first_row, kr);
+    load_values(key0, first_row, vr);
   }
   // Query head g of the group (zeros past it): dims 32 s + 8 t .. + 7.
   uint4 qr[kSteps];
@@ -931,6 +970,7 @@ __device__ __forceinline__ void DecodeAttentionCta(
   }
   for (; key0 < key_end; key0 += kDecodeChunk) {
     const int next = key0 + kDecodeChunk;
+    const int64_t next_row = next < key_end ? step_row(next) : 0;
     float sc[2][4];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
@@ -941,7 +981,7 @@ __device__ __forceinline__ void DecodeAttentionCta(
         MmaBf16(sc[n], qr[s].z, 0u, qr[s].w, 0u, kr[n][s].z, kr[n][s].w);
       }
     }
-    if (next < key_end) load_keys(next, kr);
+    if (next < key_end) load_keys(next, next_row, kr);
 
     // Online softmax of row g over this step's keys 8 n + 2 t + e (the four lanes of the row
     // hold its 16 keys); the step's first key is live, so the new max is finite.
@@ -988,7 +1028,7 @@ __device__ __forceinline__ void DecodeAttentionCta(
               __byte_perm(vr[2][0][w], vr[3][0][w], sel),
               __byte_perm(vr[2][1][w], vr[3][1][w], sel), pb[0], pb[1]);
     }
-    if (next < key_end) load_values(next, vr);
+    if (next < key_end) load_values(next, next_row, vr);
   }
 
   // The row's sum over its four lanes; then the warps' (max, sum, output) meet in shared memory
@@ -1094,10 +1134,18 @@ __device__ __forceinline__ void AttentionCta(
     const bool alone = prev_seq != seq && (t + 1 == num_tokens || next_seq != seq);
     if (alone && num_heads / num_kv_heads <= kDecodeMaxGroup &&
         position + 1 >= decode_min_keys) {
-      DecodeAttentionCta<kHeadDim>(t, seq, position, block_tables, max_blocks_per_seq, q,
-                                   k_cache, v_cache, block_size, num_heads, num_kv_heads, scale,
-                                   out, num_splits, num_tokens * num_kv_heads, slots,
-                                   partial_out, partial_stats, tile_sems);
+      const int ctas = num_tokens * num_kv_heads;
+      if (block_size % kMmaKeys == 0) {
+        DecodeAttentionCta<kHeadDim, true>(t, seq, position, block_tables, max_blocks_per_seq,
+                                           q, k_cache, v_cache, block_size, num_heads,
+                                           num_kv_heads, scale, out, num_splits, ctas, slots,
+                                           partial_out, partial_stats, tile_sems);
+      } else {
+        DecodeAttentionCta<kHeadDim, false>(t, seq, position, block_tables, max_blocks_per_seq,
+                                            q, k_cache, v_cache, block_size, num_heads,
+                                            num_kv_heads, scale, out, num_splits, ctas, slots,
+                                            partial_out, partial_stats, tile_sems);
+      }
       return;
     }
   }
