@@ -40,6 +40,11 @@ def samples_now(seq: Sequence, n: int) -> bool:
     return seq.num_computed + n == seq.num_tokens
 
 
+def plan_samplers(plan: StepPlan) -> list[Sequence]:
+    """The plan's sequences that sample a token this step, in plan order (before commit)."""
+    return [seq for seq, n in plan.scheduled if samples_now(seq, n)]
+
+
 class StepCore:
     """The active sequences by slot and the step's decisions over them. queue / drop put a
     sequence into / take it out of whatever schedules it (default: the scheduler; the
@@ -76,7 +81,7 @@ class StepCore:
     def commit(plan: StepPlan) -> list[Sequence]:
         """After the forward pass: the computed counts; returns the sequences that sample, in
         plan order."""
-        samplers = [seq for seq, n in plan.scheduled if samples_now(seq, n)]
+        samplers = plan_samplers(plan)
         for seq, n in plan.scheduled:
             seq.num_computed += n
         return samplers

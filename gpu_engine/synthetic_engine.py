@@ -17,7 +17,7 @@ from blink.gpu_engine.checkpoint import ModelConfig
 from blink.gpu_engine.reference_engine import EngineConfig, ReferenceEngine
 from blink.gpu_engine.scheduler import StepPlan
 from blink.gpu_engine.sequence import Sequence
-from blink.gpu_engine.step_core import samples_now
+from blink.gpu_engine.step_core import plan_samplers
 from blink.ring.layout import EngineKind
 
 
@@ -45,8 +45,7 @@ class SyntheticEngine(ReferenceEngine):
     def _build_batch(self, plan: StepPlan) -> tuple[StepTokens, list[Sequence]]:
         # no token, position or block-table arrays: nothing computes on them (they were a
         # quarter of this engine's time a step, which sets the pace of a front-end benchmark)
-        samplers = [seq for seq, n in plan.scheduled if samples_now(seq, n)]
-        return StepTokens(sum(n for _, n in plan.scheduled)), samplers
+        return StepTokens(plan.num_tokens), plan_samplers(plan)
 
     def _forward_sample(self, batch: StepTokens, samplers: list[Sequence]) -> list[int]:
         if self.step_s:
