@@ -136,6 +136,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights generated on the GPU in the checkpoint's shapes, "
                         "for benchmarks (cuda engine only; the folder needs no weight files)")
+    p.add_argument("--no-gemm-tuning", dest="gemm_tuning", action="store_false",
+                   help="cuda and host-cuda engines: run every cuBLAS GEMM with cuBLAS's own "
+                        "choice of kernel, not the fastest of cuBLASLt's candidates timed at "
+                        "start-up (choices are cached in $BLINK_CACHE_DIR/gemm, default "
+                        "~/.cache/blink/gemm)")
 
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:
@@ -187,7 +192,8 @@ def _engine_config(args, model_dir: Path):
                         block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb << 20,
                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_batched_tokens,
-                        max_model_len=args.max_model_len, load_format=args.load_format)
+                        max_model_len=args.max_model_len, load_format=args.load_format,
+                        gemm_tuning=args.gemm_tuning)
 
 
 def _auth_token(path: Path | None) -> str | None:
@@ -389,6 +395,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.hf_static_cache:
         argv.append("--hf-static-cache")
+    if not args.gemm_tuning:
+        argv.append("--no-gemm-tuning")
     if args.transport == "rdma":
         host, port = args.rdma_addr
         host = f"[{host}]" if ":" in host else host  # an IPv6 address

@@ -21,7 +21,7 @@ latencies, which inside the step overlap the previous kernel's tail.
 --prefill CHUNKxCONTEXT: one sequence computing a CHUNK-token prefill chunk whose last token
 sits at position CONTEXT - 1 (the last chunk of a CONTEXT-token prompt), timed the same way and
 broken down by op, with the FLOPs each op does (roofline.step_flops) per second: a chunk of
-thousands of tokens is bound by compute, not by reading its weights. Default variant only.
+thousands of tokens is bound by compute, not by reading its weights. Every variant.
 
 --cublas: every point also with the projections on cuBLAS (CudaForward(skinny=False)), the
 engine's state before the skinny linear kernel. --tile-attention / --decode-attention: also with
@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         impls += args.options
         for impl, options in impls:
             fwd, blocks_per_seq = make_forward(cfg, points, **options)
+            if fwd.gemm_tuner is not None:
+                print(f"gemm tuning {name} ({impl}): {fwd.gemm_tuner.summary()}")
             for point in points:
                 if point not in args.points:
                     continue
@@ -310,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"(floor {floor * 1e3:.3f} ms = {need.describe()}; "
                       f"{seconds / floor:.2f}x floor), median of {REPEATS} x {STEPS} graph "
                       f"replays")
-            for point in args.prefill if impl == "default" else []:
+            for point in args.prefill:
                 rows = breakdown(fwd, point, blocks_per_seq)
                 seconds = rows[-1][2]
                 work = step_flops(cfg, list(point.positions), point.batch)

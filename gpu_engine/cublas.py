@@ -1,5 +1,6 @@
 """A tiny ctypes binding of cuBLAS: a handle bound to one stream and one user workspace, and
-GemmEx with bf16 operands and fp32 accumulation.
+GemmEx with bf16 operands and fp32 accumulation; for shapes where a tuner found a faster one
+(gemm_tuning.py), cuBLASLt's matmul with that algorithm.
 
 A user workspace is what makes cuBLAS calls capturable into a graph that is instantiated for
 device launch: without one cuBLAS may allocate inside the capture. No dependency beyond ctypes;
@@ -7,11 +8,13 @@ the caller owns the CUDA context (cuBLAS uses the device's primary context).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import glob
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 # cublasOperation_t
@@ -24,6 +27,58 @@ COMPUTE_32F = 68
 GEMM_DEFAULT = -1
 # cublasPointerMode_t
 POINTER_MODE_HOST, POINTER_MODE_DEVICE = 0, 1
+# cublasLt attributes: cublasLtMatmulDescAttributes_t, cublasLtMatmulPreferenceAttributes_t,
+# cublasLtMatmulAlgoConfigAttributes_t
+LT_DESC_TRANSA, LT_DESC_TRANSB = 3, 4
+LT_PREF_MAX_WORKSPACE_BYTES = 1
+LT_CONFIG_ID, LT_CONFIG_TILE_ID, LT_CONFIG_SPLITK_NUM = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One projection as Cublas.linear computes it: row-major out[rows, out_features] (+)=
+    x[rows, in_features] @ w[out_features, in_features]^T, x and w bf16."""
+    rows: int
+    in_features: int
+    out_features: int
+    out_type: int      # R_16BF or R_32F
+    accumulate: bool   # beta = 1: added into an fp32 out (the residual stream)
+
+    @property
+    def key(self) -> str:
+        out = "f32+=" if self.accumulate else "f32" if self.out_type == R_32F else "bf16"
+        return f"{self.rows}x{self.in_features}->{self.out_features}:{out}"
+
+
+@dataclass(frozen=True)
+class GemmCall:
+    """A linear() call as recorded (Cublas.recording): its shape and device pointers."""
+    shape: GemmShape
+    x: int
+    w: int
+    out: int
+
+
+class LtAlgo(ctypes.Structure):
+    """cublasLtMatmulAlgo_t: opaque, 64 bytes; the library documents that it may be stored and
+    restored for use with the same cuBLAS version, which is how tuned choices are cached."""
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+    def to_hex(self) -> str:
+        return bytes(self).hex()
+
+    @classmethod
+    def from_hex(cls, text: str) -> "LtAlgo":
+        raw = bytes.fromhex(text)
+        if len(raw) != ctypes.sizeof(cls):
+            raise ValueError(f"a cublasLtMatmulAlgo_t is {ctypes.sizeof(cls)} bytes, not {len(raw)}")
+        return cls.from_buffer_copy(raw)
+
+
+class _LtHeuristicResult(ctypes.Structure):
+    """cublasLtMatmulHeuristicResult_t."""
+    _fields_ = [("algo", LtAlgo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
 class CublasError(RuntimeError):
@@ -111,6 +166,12 @@ class Cublas:
         self.handle = handle
         # Host scalars, read by cuBLAS at call time (captured by value into graphs).
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.stream, self.workspace, self.workspace_bytes = 0, 0, 0
+        # shape -> the cuBLASLt algorithm linear() runs it with (others: GemmEx's own choice)
+        self.algos: dict[GemmShape, LtAlgo] = {}
+        self._calls: list[GemmCall] | None = None  # linear() records here instead (recording)
+        self._lt = None         # (cublasLt functions, handle), made on first use
+        self._lt_plans = {}     # shape -> (matmul descriptor, A, B, C layouts)
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -125,10 +186,12 @@ class Cublas:
 
     def set_stream(self, stream: int) -> None:
         self._check(self._set_stream(self.handle, ctypes.c_void_p(stream)), "cublasSetStream")
+        self.stream = stream
 
     def set_workspace(self, ptr: int, nbytes: int) -> None:
         self._check(self._set_workspace(self.handle, ctypes.c_void_p(ptr), nbytes),
                     "cublasSetWorkspace")
+        self.workspace, self.workspace_bytes = ptr, nbytes
 
     def set_pointer_mode(self, device: bool) -> None:
         mode = POINTER_MODE_DEVICE if device else POINTER_MODE_HOST
@@ -145,20 +208,166 @@ class Cublas:
                                   b, b_type, ldb, ref(beta), c, c_type, ldc, compute, algo),
                     f"cublasGemmEx(m={m}, n={n}, k={k})")
 
+    _CHOSEN = object()  # linear()'s default algo: the one self.algos holds for the shape
+
     def linear(self, x: int, w: int, out: int, rows: int, in_features: int, out_features: int,
-               out_type: int = R_16BF, accumulate: bool = False) -> None:
+               out_type: int = R_16BF, accumulate: bool = False, algo=_CHOSEN) -> None:
         """Row-major out[rows, out_features] (+)= x[rows, in_features] @ w[out_features, in]^T.
 
         x and w bf16; out bf16 or fp32 (R_32F; accumulate=True adds into it, beta = 1, the
         residual add folded into the GEMM). Column-major view: out^T = w^T(op T) x^T.
+        algo: an LtAlgo runs cuBLASLt's matmul with it, None runs GemmEx (cuBLAS's own choice);
+        by default, self.algos's choice for the shape, else GemmEx.
         """
         if accumulate and out_type != R_32F:
             raise ValueError("accumulate needs an fp32 output")
+        shape = GemmShape(rows, in_features, out_features, out_type, accumulate)
+        if self._calls is not None:
+            self._calls.append(GemmCall(shape, x, w, out))
+            return
+        if algo is self._CHOSEN:
+            algo = self.algos.get(shape)
+        if algo is not None:
+            self._lt_matmul(shape, algo, x, w, out)
+            return
         self.gemm_ex(OP_T, OP_N, out_features, rows, in_features, self._one, w, R_16BF,
                      in_features, x, R_16BF, in_features,
                      self._one if accumulate else self._zero, out, out_type, out_features)
 
+    @contextlib.contextmanager
+    def recording(self):
+        """`with blas.recording() as calls:` linear() launches nothing and appends a GemmCall
+        to `calls` instead (how the tuner learns a forward pass's GEMMs and their operands)."""
+        calls: list[GemmCall] = []
+        self._calls = calls
+        try:
+            yield calls
+        finally:
+            self._calls = None
+
+    # --- cuBLASLt -------------------------------------------------------------------------------
+
+    def _lt_api(self):
+        if self._lt is None:
+            lib = self.lib  # libcublas depends on libcublasLt: its handle resolves Lt's symbols
+            if getattr(lib, "cublasLtCreate", None) is None:
+                folder = Path(self.path).parent if Path(self.path).is_absolute() else None
+                found = sorted(folder.glob("libcublasLt.so*"), reverse=True) if folder else []
+                lib = ctypes.CDLL(str(found[0]) if found else "libcublasLt.so")
+            p = ctypes.c_void_p
+            sig = {
+                "cublasLtCreate": [ctypes.POINTER(p)],
+                "cublasLtDestroy": [p],
+                "cublasLtMatmulDescCreate": [ctypes.POINTER(p), ctypes.c_int, ctypes.c_int],
+                "cublasLtMatmulDescDestroy": [p],
+                "cublasLtMatmulDescSetAttribute": [p, ctypes.c_int, p, ctypes.c_size_t],
+                "cublasLtMatrixLayoutCreate": [ctypes.POINTER(p), ctypes.c_int, ctypes.c_uint64,
+                                               ctypes.c_uint64, ctypes.c_int64],
+                "cublasLtMatrixLayoutDestroy": [p],
+                "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(p)],
+                "cublasLtMatmulPreferenceDestroy": [p],
+                "cublasLtMatmulPreferenceSetAttribute": [p, ctypes.c_int, p, ctypes.c_size_t],
+                "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, ctypes.c_int,
+                                                   ctypes.POINTER(_LtHeuristicResult),
+                                                   ctypes.POINTER(ctypes.c_int)],
+                "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(LtAlgo), ctypes.c_int,
+                                                         p, ctypes.c_size_t,
+                                                         ctypes.POINTER(ctypes.c_size_t)],
+                "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(LtAlgo), p,
+                                   ctypes.c_size_t, p],
+            }
+            api = {}
+            for name, argtypes in sig.items():
+                f = _fn(lib, name)
+                f.argtypes = argtypes
+                api[name] = f
+            handle = ctypes.c_void_p()
+            self._check(api["cublasLtCreate"](ctypes.byref(handle)), "cublasLtCreate")
+            self._lt = (api, handle)
+        return self._lt
+
+    def _lt_plan(self, shape: GemmShape):
+        """The matmul descriptor and layouts of a shape (column-major view as in linear())."""
+        plan = self._lt_plans.get(shape)
+        if plan is None:
+            api, _ = self._lt_api()
+            desc = ctypes.c_void_p()
+            self._check(api["cublasLtMatmulDescCreate"](ctypes.byref(desc), COMPUTE_32F, R_32F),
+                        "cublasLtMatmulDescCreate")
+            for attr, op in ((LT_DESC_TRANSA, OP_T), (LT_DESC_TRANSB, OP_N)):
+                value = ctypes.c_int(op)
+                self._check(api["cublasLtMatmulDescSetAttribute"](
+                    desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+                    "cublasLtMatmulDescSetAttribute")
+            layouts = []
+            for dtype, rows, cols in ((R_16BF, shape.in_features, shape.out_features),  # w^T
+                                      (R_16BF, shape.in_features, shape.rows),          # x^T
+                                      (shape.out_type, shape.out_features, shape.rows)):  # out^T
+                layout = ctypes.c_void_p()
+                self._check(api["cublasLtMatrixLayoutCreate"](ctypes.byref(layout), dtype, rows,
+                                                              cols, rows),
+                            "cublasLtMatrixLayoutCreate")
+                layouts.append(layout)
+            plan = self._lt_plans[shape] = (desc, *layouts)
+        return plan
+
+    def lt_candidates(self, shape: GemmShape, count: int = 16) -> list[LtAlgo]:
+        """cuBLASLt's heuristic's algorithms for the shape, best guess first, those that fit
+        the workspace (set_workspace first)."""
+        api, handle = self._lt_api()
+        desc, a, b, c = self._lt_plan(shape)
+        pref = ctypes.c_void_p()
+        self._check(api["cublasLtMatmulPreferenceCreate"](ctypes.byref(pref)),
+                    "cublasLtMatmulPreferenceCreate")
+        try:
+            limit = ctypes.c_uint64(self.workspace_bytes)
+            self._check(api["cublasLtMatmulPreferenceSetAttribute"](
+                pref, LT_PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), ctypes.sizeof(limit)),
+                "cublasLtMatmulPreferenceSetAttribute")
+            results = (_LtHeuristicResult * count)()
+            found = ctypes.c_int()
+            status = api["cublasLtMatmulAlgoGetHeuristic"](handle, desc, a, b, c, c, pref, count,
+                                                           results, ctypes.byref(found))
+        finally:
+            api["cublasLtMatmulPreferenceDestroy"](pref)
+        if status != 0:
+            return []  # CUBLAS_STATUS_NOT_SUPPORTED: no algorithm for this shape
+        return [LtAlgo.from_buffer_copy(r.algo) for r in results[:found.value]
+                if r.state == 0 and r.workspace_size <= self.workspace_bytes]
+
+    def lt_describe(self, algo: LtAlgo) -> str:
+        """The algorithm's id, tile and split-K count, for logs."""
+        api, _ = self._lt_api()
+        parts = []
+        for attr, name in ((LT_CONFIG_ID, "id"), (LT_CONFIG_TILE_ID, "tile"),
+                           (LT_CONFIG_SPLITK_NUM, "split-k")):
+            value, written = ctypes.c_uint32(), ctypes.c_size_t()
+            status = api["cublasLtMatmulAlgoConfigGetAttribute"](
+                ctypes.byref(algo), attr, ctypes.byref(value), ctypes.sizeof(value),
+                ctypes.byref(written))
+            parts.append(f"{name} {value.value if status == 0 else '?'}")
+        return " ".join(parts)
+
+    def _lt_matmul(self, shape: GemmShape, algo: LtAlgo, x: int, w: int, out: int) -> None:
+        api, handle = self._lt_api()
+        desc, a, b, c = self._lt_plan(shape)
+        beta = self._one if shape.accumulate else self._zero
+        self._check(api["cublasLtMatmul"](
+            handle, desc, ctypes.byref(self._one), ctypes.c_void_p(w), a, ctypes.c_void_p(x), b,
+            ctypes.byref(beta), ctypes.c_void_p(out), c, ctypes.c_void_p(out), c,
+            ctypes.byref(algo), ctypes.c_void_p(self.workspace), self.workspace_bytes,
+            ctypes.c_void_p(self.stream)), f"cublasLtMatmul({shape.key})")
+
     def close(self) -> None:
+        if self._lt is not None:
+            api, handle = self._lt
+            for desc, *layouts in self._lt_plans.values():
+                api["cublasLtMatmulDescDestroy"](desc)
+                for layout in layouts:
+                    api["cublasLtMatrixLayoutDestroy"](layout)
+            self._lt_plans.clear()
+            api["cublasLtDestroy"](handle)
+            self._lt = None
         if self.handle is not None:
             self._destroy(self.handle)
             self.handle = None

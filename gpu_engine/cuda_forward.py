@@ -14,6 +14,7 @@ cuda-python (cuda.bindings) and a driver; CPU code paths never import it.
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections import Counter
 from dataclasses import dataclass
 
@@ -25,8 +26,11 @@ from .cuda_runtime import CSRC, CudaError, check, new_stream, nvcc_cubin, primar
 
 from .checkpoint import ModelConfig, ModelWeights, rope_inv_freq
 from .cublas import R_32F, Cublas
+from .gemm_tuning import ChoiceCache, GemmTuner, cache_file
 from .demo_model import float32_to_bf16_bits
 from .forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
 
 
 # The Python view of blink::BatchDesc (csrc/batch.cuh); a test checks the two agree.
@@ -453,7 +457,8 @@ class CudaForward:
                  workspace_bytes: int = 32 << 20, device: int = 0, capture: bool = True,
                  random_seed: int = 0, skinny: bool = True,
                  decode_min_keys: int | None = None, programmatic_launch: bool = True,
-                 fuse_norm_rope: bool = True, max_attention_splits: int | None = None):
+                 fuse_norm_rope: bool = True, max_attention_splits: int | None = None,
+                 gemm_tuning: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -465,7 +470,9 @@ class CudaForward:
         projection that follows it and RoPE + KV write inside the qkv projection (False: as
         kernels of their own, the comparison bench_decode --no-fuse makes).
         max_attention_splits: caps attention_splits below the kernel's own cap (the comparison
-        bench_decode --options makes)."""
+        bench_decode --options makes). gemm_tuning: each cuBLAS GEMM shape runs the fastest of
+        cuBLAS's own choice and cuBLASLt's candidates, timed at start-up or read from the cache
+        (gemm_tuning.py; False: cuBLAS's own choice everywhere)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -496,6 +503,12 @@ class CudaForward:
         self.workspace = self._alloc(workspace_bytes, np.uint8)
         self.blas.set_workspace(self.workspace.ptr, workspace_bytes)
         self.blas.set_pointer_mode(device=False)
+        self.gemm_tuner = None
+        if gemm_tuning:
+            from .cuda_runtime import cache_dir
+            name = check(driver.cuDeviceGetName(256, self.kernels.device), "cuDeviceGetName")
+            path = cache_file(cache_dir("gemm"), name.split(b"\0")[0].decode(), self.blas.version)
+            self.gemm_tuner = GemmTuner(self.blas, self.stream, ChoiceCache(path))
 
         if weights is not None:
             self._upload_weights(weights)
@@ -556,6 +569,8 @@ class CudaForward:
         if capture:
             for b in self.buckets:
                 self.graph_execs[b] = self._capture(b)
+            if self.gemm_tuner is not None:
+                log.info("gemm tuning: %s", self.gemm_tuner.summary())
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -744,6 +759,10 @@ class CudaForward:
             enqueue()
 
     def _capture(self, rows: int):
+        if self.gemm_tuner is not None:
+            with self.blas.recording() as calls:  # the bucket's GEMMs, not launched
+                self._record(rows)
+            self.gemm_tuner.tune(calls)
         # One eager pass first (an empty batch: our kernels exit at once, the GEMMs run on
         # zeros) so that module loading and cuBLAS's first-call set-up stay out of the capture.
         self._record(rows)

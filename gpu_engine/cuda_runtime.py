@@ -68,9 +68,10 @@ def primary_context():
     return _context
 
 
-def _cache_dir() -> Path:
+def cache_dir(kind: str = "kernels") -> Path:
+    """BLINK_CACHE_DIR (default ~/.cache/blink)/kind: compiled kernels, tuned GEMM choices."""
     root = os.environ.get("BLINK_CACHE_DIR") or Path.home() / ".cache" / "blink"
-    path = Path(root) / "kernels"
+    path = Path(root) / kind
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -109,7 +110,7 @@ def nvcc_cubin(source: Path, *, arch: str = "90a", relocatable: bool = False,
     digest = hashlib.sha256(("\0".join(flags) + version).encode())
     for name, text in sorted(_sources(source).items()):
         digest.update(name.encode() + b"\0" + text.encode())
-    out = _cache_dir() / f"{source.stem}-{digest.hexdigest()[:24]}.cubin"
+    out = cache_dir() / f"{source.stem}-{digest.hexdigest()[:24]}.cubin"
     if not out.exists():
         with tempfile.TemporaryDirectory() as tmp:
             tmp_out = Path(tmp) / out.name

@@ -46,6 +46,9 @@ class EngineConfig:
     # "auto": the checkpoint's weights; "dummy": random weights generated on the GPU in the
     # checkpoint's shapes (CUDA engine only; for benchmarks of real shapes without the weights)
     load_format: str = "auto"
+    # CUDA engines: time cuBLAS's own GEMM choice against cuBLASLt's candidates at start-up and
+    # keep the fastest per shape (gpu_engine/gemm_tuning.py); False: cuBLAS's own everywhere
+    gemm_tuning: bool = True
 
     def __post_init__(self):
         if self.num_slots < 1 or self.block_size < 1:

@@ -151,6 +151,102 @@ def test_cublas_linear_bf16_and_fp32_accumulate(cf, stream, rows):
     blas.close()
 
 
+def _blas(cf, stream, workspace_bytes=8 << 20):
+    from blink.gpu_engine.cublas import Cublas
+    blas = Cublas()
+    blas.set_stream(int(stream))
+    workspace = cf.DeviceArray(workspace_bytes, np.uint8)
+    blas.set_workspace(workspace.ptr, workspace_bytes)
+    return blas, workspace
+
+
+@pytest.mark.parametrize("rows", [19, 160])
+def test_cublas_lt_every_candidate_computes_the_linear(cf, stream, rows):
+    """Every algorithm cuBLASLt offers for a shape (what the GEMM tuner may pick), bf16 out and
+    fp32 accumulate, against float64; and a recorded linear() launches nothing."""
+    from blink.gpu_engine.cublas import R_16BF, R_32F, GemmShape
+    rng = np.random.default_rng(rows)
+    k_in, n_out = 1024, 384
+    x = rb(rng.standard_normal((rows, k_in)))
+    w = rb(rng.standard_normal((n_out, k_in)) * k_in ** -0.5)
+    resid = rng.standard_normal((rows, n_out)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    blas, _ws = _blas(cf, stream)
+    dx, dw = dev(cf, float32_to_bf16_bits(x)), dev(cf, float32_to_bf16_bits(w))
+    for out_type, accumulate in ((R_16BF, False), (R_32F, True)):
+        algos = blas.lt_candidates(GemmShape(rows, k_in, n_out, out_type, accumulate))
+        assert algos, "cuBLASLt offered no algorithm"
+        for algo in algos:
+            if accumulate:
+                out = dev(cf, resid)
+                blas.linear(dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out, R_32F, True, algo=algo)
+                cf.synchronize(stream)
+                assert rel_err(out.download(), ref + resid) < 1e-5, blas.lt_describe(algo)
+            else:
+                out = dev(cf, np.zeros((rows, n_out), np.uint16), poison=True)
+                blas.linear(dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out, algo=algo)
+                cf.synchronize(stream)
+                assert rel_err(bf16_to_f32(out.download()), ref) < 1e-2, blas.lt_describe(algo)
+    out = dev(cf, np.zeros((rows, n_out), np.uint16), poison=True)
+    with blas.recording() as calls:
+        blas.linear(dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out)
+    cf.synchronize(stream)
+    assert [(c.shape, c.x, c.w, c.out) for c in calls] == [
+        (GemmShape(rows, k_in, n_out, R_16BF, False), dx.ptr, dw.ptr, out.ptr)]
+    assert (out.download() == POISON_BF16).all()
+    REPORT["env"][f"cublas_lt_candidates_{rows}_rows"] = len(algos)
+    blas.close()
+
+
+def test_gemm_tuner_times_caches_and_installs(cf, stream, tmp_path):
+    """The tuner times each recorded shape over all its calls (layers), installs the winners in
+    blas.algos, leaves the operands zero, and a second tuner takes every choice from the cache
+    (same algorithms, nothing timed); the tuned linear still computes x @ w^T."""
+    from blink.gpu_engine.cublas import R_16BF, R_32F, GemmShape
+    from blink.gpu_engine.gemm_tuning import ChoiceCache, GemmTuner
+    rng = np.random.default_rng(7)
+    layers, k_in, n_out = 4, 2048, 1024
+    ws = [dev(cf, float32_to_bf16_bits(rng.standard_normal((n_out, k_in)) * k_in ** -0.5))
+          for _ in range(layers)]
+    x = dev(cf, np.zeros((256, k_in), np.uint16))
+    out16 = dev(cf, np.zeros((256, n_out), np.uint16))
+    out32 = dev(cf, np.zeros((256, n_out), np.float32))
+    blas, _ws = _blas(cf, stream, 32 << 20)
+    cache = ChoiceCache(tmp_path / "gemm.json")
+    with blas.recording() as calls:
+        for rows in (24, 256):
+            for w in ws:
+                blas.linear(x.ptr, w.ptr, out16.ptr, rows, k_in, n_out)
+                blas.linear(x.ptr, w.ptr, out32.ptr, rows, k_in, n_out, R_32F, True)
+    tuner = GemmTuner(blas, stream, cache)
+    tuner.tune(calls)
+    shapes = {GemmShape(r, k_in, n_out, t, a) for r in (24, 256)
+              for t, a in ((R_16BF, False), (R_32F, True))}
+    assert set(tuner.choices) == {sh.key for sh in shapes} and tuner.timed == 4
+    for sh in shapes:
+        c = tuner.choices[sh.key]
+        assert c.default_us > 0 and c.best_us <= c.default_us
+        assert (blas.algos.get(sh) is None) == (c.algo is None)
+    assert not x.download().any() and not out32.download().any()
+    again, _ws2 = _blas(cf, stream, 32 << 20)
+    second = GemmTuner(again, stream, cache)
+    second.tune(calls)
+    assert second.timed == 0
+    assert {sh: bytes(a) for sh, a in again.algos.items()} == \
+        {sh: bytes(a) for sh, a in blas.algos.items()}
+    xs = rb(rng.standard_normal((256, k_in)))
+    x.upload(float32_to_bf16_bits(xs))
+    for rows in (24, 256):
+        blas.linear(x.ptr, ws[1].ptr, out16.ptr, rows, k_in, n_out)
+        cf.synchronize(stream)
+        ref = xs[:rows].astype(np.float64) @ bf16_to_f32(ws[1].download()).T.astype(np.float64)
+        got = bf16_to_f32(out16.download()[:rows])
+        assert rel_err(got, ref) < 1e-2
+    REPORT["env"]["gemm_tuner_test"] = tuner.summary()
+    blas.close()
+    again.close()
+
+
 def test_interleave_gate_up_layout(cf):
     gate = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
     up = -gate

@@ -1,0 +1,223 @@
+"""Start-up tuning of the forward graphs' cuBLAS GEMMs.
+
+cuBLAS picks a GEMM's kernel by a heuristic, and for some of the bucket sizes the forward graphs
+use it picks a slow one: measured on the H200 at Llama-3.1-8B's shapes (cuBLAS 13.1), the gate|up
+projection of a 448-row bucket ran 267 µs where another of cuBLASLt's candidates ran 145, and
+qkv at 224 and 320 rows, o at 192 and 224, down at 384 lost 12-20%. So before a bucket's graph
+is captured, each GEMM shape its forward pass runs (recorded, not launched: Cublas.recording)
+is timed with cuBLAS's own choice (GemmEx) and with each algorithm cuBLASLt's heuristic offers,
+on the model's own weights (every layer's, in order, as the step reads them, so no run finds
+its weights in L2), and the fastest is kept when it beats cuBLAS's own by at least MARGIN.
+
+Choices are cached on disk per GPU and cuBLAS version (an algorithm may be stored and restored
+for the same cuBLAS version), so every engine on a machine runs a shape the same way: the same
+bits from the same inputs, whichever process computes them, and start-up pays the timing once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .cublas import R_32F, Cublas, GemmCall, GemmShape, LtAlgo
+
+log = logging.getLogger(__name__)
+
+# A candidate replaces cuBLAS's own choice only when this much faster: timing noise must not
+# flip a choice between two equally good kernels. (At 2%, with each algorithm timed in turn
+# rather than round-robin, the choices for compute-bound 512- and 2,048-row chunks made 8B
+# prefill 1-2% slower: the first algorithm timed met a colder clock.)
+MARGIN = 0.03
+# Part of the cache's file name: a change to how choices are made starts a new cache.
+METHOD_VERSION = 1
+ROUNDS = 5        # each algorithm's graph replayed once a round; its fastest replay counts
+WARMUP_S = 0.02   # of GPU time before the first round
+
+
+@dataclass
+class Choice:
+    """The outcome of tuning one shape: algo None keeps cuBLAS's own (GemmEx) choice."""
+    algo: LtAlgo | None
+    default_us: float   # cuBLAS's own choice, per call
+    best_us: float      # the kept one, per call
+    described: str = ""
+
+    def to_json(self) -> dict:
+        return {"algo": self.algo.to_hex() if self.algo is not None else None,
+                "default_us": round(self.default_us, 2), "best_us": round(self.best_us, 2),
+                "described": self.described}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Choice":
+        algo = LtAlgo.from_hex(d["algo"]) if d.get("algo") else None
+        return cls(algo, float(d["default_us"]), float(d["best_us"]), d.get("described", ""))
+
+
+def choose(default_us: float, candidate_us: list[float], margin: float = MARGIN) -> int | None:
+    """Index of the candidate to use instead of the default, or None: the fastest candidate,
+    when it is at least `margin` faster than the default."""
+    if not candidate_us:
+        return None
+    best = min(range(len(candidate_us)), key=candidate_us.__getitem__)
+    return best if candidate_us[best] < default_us * (1 - margin) else None
+
+
+class ChoiceCache:
+    """shape key -> Choice, in one JSON file (written whole, by rename, merged with what other
+    processes wrote since it was read)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def load(self) -> dict[str, Choice]:
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            raw = json.loads(self.path.read_text())
+            return {key: Choice.from_json(d) for key, d in raw.items()}
+        except (ValueError, KeyError, TypeError):
+            return {}  # unreadable (a foreign or older format): tune again, then overwrite
+
+    def store(self, choices: dict[str, Choice]) -> None:
+        """Merges choices into the file; a cache that cannot be written costs only the next
+        start-up's timing (a warning, not an error)."""
+        if self.path is None:
+            return
+        merged = {**self.load(), **choices}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name,
+                                       suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({k: c.to_json() for k, c in sorted(merged.items())}, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("GEMM choices not cached (%s): the next start-up times them again", e)
+
+
+def cache_file(directory: Path, device_name: str, cublas_version: int) -> Path:
+    """Where one GPU model and cuBLAS version keep their choices."""
+    device = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower() or "gpu"
+    return directory / f"{device}-cublas{cublas_version}-v{METHOD_VERSION}.json"
+
+
+@dataclass
+class GemmTuner:
+    """Tunes the shapes of recorded calls (once each), installs the choices in blas.algos."""
+    blas: Cublas
+    stream: object                    # the CUstream blas runs on
+    cache: ChoiceCache
+    choices: dict[str, Choice] = field(default_factory=dict)  # by shape key, this process
+    seconds: float = 0.0              # spent timing
+    timed: int = 0                    # shapes timed here (not found in the cache)
+
+    def __post_init__(self):
+        self._cached = self.cache.load()
+
+    def tune(self, calls: list[GemmCall]) -> None:
+        by_shape: dict[GemmShape, list[GemmCall]] = {}
+        for call in calls:
+            by_shape.setdefault(call.shape, []).append(call)
+        fresh = {}
+        for shape, shape_calls in by_shape.items():
+            if shape.key in self.choices:
+                continue
+            choice = self._cached.get(shape.key)
+            if choice is not None and choice.algo is not None and bytes(choice.algo) not in {
+                    bytes(a) for a in self.blas.lt_candidates(shape)}:
+                choice = None  # not an algorithm this cuBLAS offers for the shape: time again
+            if choice is None:
+                t0 = time.monotonic()
+                choice = fresh[shape.key] = self._time(shape, shape_calls)
+                self.seconds += time.monotonic() - t0
+                self.timed += 1
+            self.choices[shape.key] = choice
+            if choice.algo is not None:
+                self.blas.algos[shape] = choice.algo
+            else:
+                self.blas.algos.pop(shape, None)
+        if fresh:
+            self.cache.store(fresh)
+
+    def summary(self) -> str:
+        switched = [c for c in self.choices.values() if c.algo is not None]
+        saved = sum(c.default_us - c.best_us for c in switched)
+        return (f"{len(self.choices)} GEMM shapes, {len(switched)} on a cuBLASLt algorithm "
+                f"faster than cuBLAS's own ({saved:.0f} µs a call summed over them); "
+                f"{self.timed} timed now in {self.seconds:.1f} s, the rest from {self.cache.path}")
+
+    def _time(self, shape: GemmShape, calls: list[GemmCall]) -> Choice:
+        """Times the shape's calls (all layers, in order) as one graph per algorithm."""
+        from cuda.bindings import driver as cu
+        from .cuda_runtime import check
+        # inputs non-zero (tensor cores draw less on zeros), outputs put back to zero after
+        spans = {(c.x, shape.rows * shape.in_features * 2) for c in calls}
+        outs = {(c.out, shape.rows * shape.out_features * (4 if shape.out_type == R_32F else 2))
+                for c in calls}
+        for ptr, nbytes in spans:
+            check(cu.cuMemsetD16Async(ptr, 0x3C00, nbytes // 2, self.stream))  # bf16 2^-7
+
+        def graph_of(algo):
+            check(cu.cuStreamBeginCapture(
+                self.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+            try:
+                for c in calls:
+                    self.blas.linear(c.x, c.w, c.out, shape.rows, shape.in_features,
+                                     shape.out_features, shape.out_type, shape.accumulate,
+                                     algo=algo)
+            finally:
+                graph = check(cu.cuStreamEndCapture(self.stream))
+            try:
+                return check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            finally:
+                check(cu.cuGraphDestroy(graph))
+
+        candidates = self.blas.lt_candidates(shape)
+        exes, best = [], []
+        start, end = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
+
+        def replay_us(exe) -> float:
+            check(cu.cuEventRecord(start, self.stream))
+            check(cu.cuGraphLaunch(exe, self.stream))
+            check(cu.cuEventRecord(end, self.stream))
+            check(cu.cuEventSynchronize(end))
+            return check(cu.cuEventElapsedTime(start, end)) * 1e3
+
+        try:
+            for algo in [None, *candidates]:
+                try:
+                    exes.append(graph_of(algo))
+                except Exception:  # an algorithm cuBLASLt offered but cannot run here
+                    exes.append(None)
+            # the clock first (WARMUP_S of cuBLAS's own graph), then every graph once a round:
+            # a clock still rising or a GPU heating up then favours no algorithm over another
+            if exes[0] is None:
+                raise RuntimeError(f"cuBLAS's own GEMM for {shape.key} could not be captured")
+            first = replay_us(exes[0])
+            for _ in range(min(100, int(WARMUP_S * 1e6 / max(first, 1.0)))):
+                check(cu.cuGraphLaunch(exes[0], self.stream))
+            best = [float("inf")] * len(exes)
+            for _ in range(ROUNDS):
+                for i, exe in enumerate(exes):
+                    if exe is not None:
+                        best[i] = min(best[i], replay_us(exe))
+        finally:
+            for exe in exes:
+                if exe is not None:
+                    cu.cuGraphExecDestroy(exe)
+            cu.cuEventDestroy(start)
+            cu.cuEventDestroy(end)
+            for ptr, nbytes in spans | outs:
+                check(cu.cuMemsetD8Async(ptr, 0, nbytes, self.stream))
+            check(cu.cuStreamSynchronize(self.stream))
+        default_us, candidate_us = best[0] / len(calls), [t / len(calls) for t in best[1:]]
+        pick = choose(default_us, candidate_us)
+        if pick is None:
+            return Choice(None, default_us, default_us)
+        algo = candidates[pick]
+        return Choice(algo, default_us, candidate_us[pick], self.blas.lt_describe(algo))
