@@ -138,9 +138,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "for benchmarks (cuda engine only; the folder needs no weight files)")
     p.add_argument("--no-gemm-tuning", dest="gemm_tuning", action="store_false",
                    help="cuda and host-cuda engines: run every cuBLAS GEMM with cuBLAS's own "
-                        "choice of kernel, not the fastest of cuBLASLt's candidates timed at "
-                        "start-up (choices are cached in $BLINK_CACHE_DIR/gemm, default "
-                        "~/.cache/blink/gemm)")
+                        "choice of kernel. By default a shape where one of cuBLASLt's "
+                        "candidates, timed at start-up, is at least 3%% faster runs that one "
+                        "(choices cached in $BLINK_CACHE_DIR/gemm, default ~/.cache/blink/gemm)")
 
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:

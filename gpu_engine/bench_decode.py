@@ -3,7 +3,7 @@ every microsecond of a step goes.
 
     python -m blink.gpu_engine.bench_decode [--shapes llama-3.2-1b llama-3.1-8b]
         [--points 1x512 32x512 1x8192 32x4096] [--breakdown 1x512 32x512] [--cublas]
-        [--prefill 2048x4096 2048x8192]
+        [--prefill 2048x4096 2048x8192] [--mixed 256x400+256x256]
 
 Weights are random bf16 generated on the GPU (no hub is reachable here); the cost of a decode
 step does not depend on their values. A point BxC decodes B sequences whose new token sits at
@@ -22,6 +22,10 @@ latencies, which inside the step overlap the previous kernel's tail.
 sits at position CONTEXT - 1 (the last chunk of a CONTEXT-token prompt), timed the same way and
 broken down by op, with the FLOPs each op does (roofline.step_flops) per second: a chunk of
 thousands of tokens is bound by compute, not by reading its weights. Every variant.
+
+--mixed BxC+NxQ[+...]: one step of B sequences decoding at context C and, per later term, one
+sequence's N-token prefill chunk to context Q (as the scheduler mixes them under load), timed
+and broken down the same way, rates in FLOP/s and bytes/s. Every variant.
 
 --cublas: every point also with the projections on cuBLAS (CudaForward(skinny=False)), the
 engine's state before the skinny linear kernel. --tile-attention / --decode-attention: also with
@@ -87,6 +91,14 @@ class Point:
         return np.tile(np.arange(self.context - self.chunk, self.context, dtype=np.int32),
                        self.batch)
 
+    @property
+    def context_lens(self) -> np.ndarray:  # [batch]: keys each sequence attends to at the end
+        return np.full(self.batch, self.context, np.int32)
+
+    @property
+    def seq_starts(self) -> np.ndarray:  # [batch + 1]
+        return np.arange(self.batch + 1, dtype=np.int32) * self.chunk
+
     @classmethod
     def parse(cls, text: str) -> "Point":
         b, c = _two_ints(text, "BATCHxCONTEXT, e.g. 32x512")
@@ -103,6 +115,54 @@ class Point:
         if self.chunk > 1:
             return f"chunk {self.chunk} to context {self.context}"
         return f"batch {self.batch} context {self.context}"
+
+
+@dataclass(frozen=True)
+class MixedPoint:
+    """One step of several groups, as the scheduler mixes them under load: e.g. 256 sequences
+    decoding at context 400 and a 256-token prompt's chunk, in one forward pass."""
+    groups: tuple[Point, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(g.tokens for g in self.groups)
+
+    @property
+    def batch(self) -> int:  # sequences
+        return sum(g.batch for g in self.groups)
+
+    @property
+    def context(self) -> int:
+        return max(g.context for g in self.groups)
+
+    @property
+    def chunk(self) -> int:
+        return max(g.chunk for g in self.groups)
+
+    @property
+    def positions(self) -> np.ndarray:
+        return np.concatenate([g.positions for g in self.groups])
+
+    @property
+    def context_lens(self) -> np.ndarray:
+        return np.concatenate([g.context_lens for g in self.groups])
+
+    @property
+    def seq_starts(self) -> np.ndarray:
+        lengths = np.concatenate([np.diff(g.seq_starts) for g in self.groups])
+        return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+    @classmethod
+    def parse(cls, text: str) -> "MixedPoint":
+        """BATCHxCONTEXT+CHUNKxCONTEXT[+...]: decodes, then one prefill chunk a term."""
+        decode, *chunks = text.split("+")
+        if not chunks:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected decodes and at least one "
+                                             f"prefill chunk, e.g. 256x400+256x256")
+        return cls((Point.parse(decode), *(Point.parse_prefill(c) for c in chunks)))
+
+    def __str__(self) -> str:
+        return " + ".join(str(g) for g in self.groups)
 
 
 def _two_ints(text: str, expected: str) -> tuple[int, int]:
@@ -147,15 +207,14 @@ def median_seconds(stream, launch, steps: int = STEPS, repeats: int = REPEATS) -
     return statistics.median(runs)
 
 
-def step_batch(point: Point, blocks_per_seq: int):
-    """point.batch sequences, each computing its point.chunk tokens up to position
-    point.context - 1 (its last token's logits wanted)."""
+def step_batch(point: Point | MixedPoint, blocks_per_seq: int):
+    """point.batch sequences, each computing its tokens up to its context - 1 (every last
+    token's logits wanted), each with blocks of its own."""
     from blink.gpu_engine.forward_batch import ForwardBatch
     b = point.batch
     tables = np.arange(b * blocks_per_seq, dtype=np.int32).reshape(b, blocks_per_seq)
-    return ForwardBatch(np.full(point.tokens, 100, np.int32), point.positions,
-                        np.arange(b + 1, dtype=np.int32) * point.chunk,
-                        np.full(b, point.context, np.int32), tables, np.arange(b, dtype=np.int32))
+    return ForwardBatch(np.full(point.tokens, 100, np.int32), point.positions, point.seq_starts,
+                        point.context_lens, tables, np.arange(b, dtype=np.int32))
 
 
 def make_forward(cfg: ModelConfig, points: list[Point], **options):
@@ -192,7 +251,7 @@ def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
     if label in LABEL_PROJECTION:
         return BF16_BYTES * projection_weights(cfg)[LABEL_PROJECTION[label]]
     if label == "attention":
-        return point.batch * point.context * kv_bytes_per_token(cfg) // cfg.num_layers
+        return int(point.context_lens.sum()) * kv_bytes_per_token(cfg) // cfg.num_layers
     return None
 
 
@@ -230,26 +289,33 @@ def breakdown(fwd, point: Point, blocks_per_seq: int) -> list[tuple[str, int, fl
     return out
 
 
-def print_breakdown(name: str, cfg: ModelConfig, point: Point, rows, bw: float, impl: str):
+def print_breakdown(name: str, cfg: ModelConfig, point: Point | MixedPoint, rows, bw: float,
+                    impl: str):
+    """The rates a step's kind is bound by: FLOP/s with prefill chunks, bytes/s with decodes
+    (a mixed step: both)."""
     whole = rows[-1][2]
     print(f"\nbreakdown {name} {point} ({impl}): whole step {whole * 1e6:.0f} us, "
           f"{rows[-1][1]} kernels")
-    prefill = point.chunk > 1
+    groups = point.groups if isinstance(point, MixedPoint) else (point,)
+    rates = ((["achieved TFLOP/s"] if any(g.chunk > 1 for g in groups) else []) +
+             (["achieved GB/s (copy rate %.0f)" % (bw / 1e9)]
+              if any(g.chunk == 1 for g in groups) else []))
     print("| op | launches | us per step | us per launch | share of step | " +
-          ("achieved TFLOP/s |" if prefill else "achieved GB/s (copy rate %.0f) |" % (bw / 1e9)))
-    print("| --- | --- | --- | --- | --- | --- |")
+          " | ".join(rates) + " |")
+    print("| --- | --- | --- | --- | --- |" + " --- |" * len(rates))
     total = 0.0
     for label, count, seconds in rows[:-1]:
         total += seconds
-        if prefill:
-            flops = op_flops(cfg, label, point)
-            rate = f"{flops * count / seconds / 1e12:.0f}" if flops else ""
-        else:
-            nbytes = op_bytes(cfg, label, point)
-            rate = f"{nbytes * count / seconds / 1e9:.0f}" if nbytes else ""
+        cells = []
+        for rate in rates:
+            amount = (op_flops(cfg, label, point) if "FLOP" in rate
+                      else op_bytes(cfg, label, point))
+            scale = 1e12 if "FLOP" in rate else 1e9
+            cells.append(f"{amount * count / seconds / scale:.0f}" if amount else "")
         print(f"| {label} | {count} | {seconds * 1e6:.1f} | {seconds / count * 1e6:.2f} | "
-              f"{seconds / whole:.0%} | {rate} |")
-    print(f"| sum of ops alone | | {total * 1e6:.1f} | | {total / whole:.0%} | |")
+              f"{seconds / whole:.0%} | " + " | ".join(cells) + " |")
+    print(f"| sum of ops alone | | {total * 1e6:.1f} | | {total / whole:.0%} |" +
+          " |" * len(rates))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -264,6 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill", nargs="*", type=Point.parse_prefill, default=[],
                         help="CHUNKxCONTEXT prefill chunks (one sequence), timed and broken "
                              "down by op")
+    parser.add_argument("--mixed", nargs="*", type=MixedPoint.parse, default=[],
+                        help="DECODESxCONTEXT+CHUNKxCONTEXT[+...] steps: decodes and prefill "
+                             "chunks in one step (as under load), timed and broken down by op")
     parser.add_argument("--cublas", action="store_true",
                         help="also time every point with cuBLAS for every projection")
     parser.add_argument("--tile-attention", action="store_true",
@@ -283,8 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     table, prefill_table = [], []
     for name in args.shapes:
         cfg = SHAPES[name]
-        points = sorted(set(args.points) | set(args.breakdown) | set(args.prefill),
-                        key=lambda p: (p.chunk, p.batch, p.context))
+        points = sorted(set(args.points) | set(args.breakdown) | set(args.prefill) |
+                        set(args.mixed), key=lambda p: (p.chunk, p.batch, p.context))
         impls = [("default", {})]
         if args.cublas:
             impls.append(("cublas", {"skinny": False}))
@@ -321,6 +390,16 @@ def main(argv: list[str] | None = None) -> None:
                       f"{point.tokens / seconds:,.0f} tok/s, {work.total / seconds / 1e12:.0f} "
                       f"TFLOP/s ({work.projections / 1e12:.2f} TFLOP projections + "
                       f"{work.attention / 1e12:.2f} TFLOP attention)")
+                print_breakdown(name, cfg, point, rows, bw, impl)
+            for point in args.mixed:
+                rows = breakdown(fwd, point, blocks_per_seq)
+                seconds = rows[-1][2]
+                work = step_flops(cfg, list(point.positions), point.batch)
+                kv = int(point.context_lens.sum()) * kv_bytes_per_token(cfg)
+                print(f"bench mixed {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step, "
+                      f"{point.tokens} tokens ({point.tokens / seconds:,.0f} tok/s), "
+                      f"{work.total / seconds / 1e12:.0f} TFLOP/s, {kv / 1e9:.2f} GB of keys "
+                      f"and values")
                 print_breakdown(name, cfg, point, rows, bw, impl)
             for point in args.breakdown:
                 print_breakdown(name, cfg, point, breakdown(fwd, point, blocks_per_seq), bw,

@@ -12,10 +12,13 @@ import contextlib
 import ctypes
 import ctypes.util
 import glob
+import logging
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # cublasOperation_t
 OP_N, OP_T = 0, 1
@@ -27,6 +30,8 @@ COMPUTE_32F = 68
 GEMM_DEFAULT = -1
 # cublasPointerMode_t
 POINTER_MODE_HOST, POINTER_MODE_DEVICE = 0, 1
+# cublasStatus_t
+STATUS_NOT_SUPPORTED = 15
 # cublasLt attributes: cublasLtMatmulDescAttributes_t, cublasLtMatmulPreferenceAttributes_t,
 # cublasLtMatmulAlgoConfigAttributes_t
 LT_DESC_TRANSA, LT_DESC_TRANSB = 3, 4
@@ -331,7 +336,10 @@ class Cublas:
         finally:
             api["cublasLtMatmulPreferenceDestroy"](pref)
         if status != 0:
-            return []  # CUBLAS_STATUS_NOT_SUPPORTED: no algorithm for this shape
+            if status != STATUS_NOT_SUPPORTED:  # anything else is unexpected: say so
+                log.warning("cublasLtMatmulAlgoGetHeuristic(%s): cublasStatus_t %d, no "
+                            "candidates", shape.key, status)
+            return []
         return [LtAlgo.from_buffer_copy(r.algo) for r in results[:found.value]
                 if r.state == 0 and r.workspace_size <= self.workspace_bytes]
 

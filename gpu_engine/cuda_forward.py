@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 from cuda.bindings import driver
 
-from .cuda_runtime import CSRC, CudaError, check, new_stream, nvcc_cubin, primary_context, \
-    synchronize
+from .cuda_runtime import CSRC, CudaError, cache_dir, check, new_stream, nvcc_cubin, \
+    primary_context, synchronize
 
 from .checkpoint import ModelConfig, ModelWeights, rope_inv_freq
 from .cublas import R_32F, Cublas
@@ -505,9 +505,9 @@ class CudaForward:
         self.blas.set_pointer_mode(device=False)
         self.gemm_tuner = None
         if gemm_tuning:
-            from .cuda_runtime import cache_dir
             name = check(driver.cuDeviceGetName(256, self.kernels.device), "cuDeviceGetName")
-            path = cache_file(cache_dir("gemm"), name.split(b"\0")[0].decode(), self.blas.version)
+            path = cache_file(cache_dir("gemm"), name.split(b"\0")[0].decode(),
+                              self.blas.version, workspace_bytes)
             self.gemm_tuner = GemmTuner(self.blas, self.stream, ChoiceCache(path))
 
         if weights is not None:
@@ -760,7 +760,9 @@ class CudaForward:
 
     def _capture(self, rows: int):
         if self.gemm_tuner is not None:
-            with self.blas.recording() as calls:  # the bucket's GEMMs, not launched
+            # the bucket's GEMMs recorded, not launched (its other kernels run, as in the
+            # eager pass below, on an empty batch)
+            with self.blas.recording() as calls:
                 self._record(rows)
             self.gemm_tuner.tune(calls)
         # One eager pass first (an empty batch: our kernels exit at once, the GEMMs run on

@@ -189,8 +189,12 @@ def capture_device_graph(stream, record) -> object:
     check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
     try:
         record(stream)
-    finally:
-        graph = check(cu.cuStreamEndCapture(stream))
+    except BaseException:
+        err, graph = cu.cuStreamEndCapture(stream)  # leave capture mode, drop what was captured
+        if int(err) == 0 and graph is not None:
+            cu.cuGraphDestroy(graph)
+        raise
+    graph = check(cu.cuStreamEndCapture(stream))
     try:
         exec_ = check(cu.cuGraphInstantiate(
             graph, cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH))

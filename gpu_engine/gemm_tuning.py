@@ -1,20 +1,24 @@
 """Start-up tuning of the forward graphs' cuBLAS GEMMs.
 
 cuBLAS picks a GEMM's kernel by a heuristic, and for some of the bucket sizes the forward graphs
-use it picks a slow one: measured on the H200 at Llama-3.1-8B's shapes (cuBLAS 13.1), the gate|up
-projection of a 448-row bucket ran 267 µs where another of cuBLASLt's candidates ran 145, and
-qkv at 224 and 320 rows, o at 192 and 224, down at 384 lost 12-20%. So before a bucket's graph
-is captured, each GEMM shape its forward pass runs (recorded, not launched: Cublas.recording)
+use it picks a slow one (README, *GEMM tuning*: Llama-3.1-8B's gate|up projection at 448 rows
+ran 264 µs where another of cuBLASLt's candidates ran 147). So before a bucket's graph is
+captured, its forward pass is recorded (Cublas.recording: the GEMMs' shapes and operands; the
+other kernels run as in the eager pass, on an empty batch), and each GEMM shape not yet known
 is timed with cuBLAS's own choice (GemmEx) and with each algorithm cuBLASLt's heuristic offers,
 on the model's own weights (every layer's, in order, as the step reads them, so no run finds
-its weights in L2), and the fastest is kept when it beats cuBLAS's own by at least MARGIN.
+its weights in L2). The fastest replaces cuBLAS's own when at least MARGIN faster.
 
-Choices are cached on disk per GPU and cuBLAS version (an algorithm may be stored and restored
-for the same cuBLAS version), so every engine on a machine runs a shape the same way: the same
-bits from the same inputs, whichever process computes them, and start-up pays the timing once.
+Choices are cached on disk per GPU model, cuBLAS version and workspace size (an algorithm may be
+stored and restored for the same cuBLAS version). Tuning holds a lock on the cache and reads it
+again once it has the lock, so engines starting together on one machine take each other's
+choices rather than time the same shapes twice: every engine there runs a shape with the same
+kernel, and the same bits from the same inputs.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -58,9 +62,11 @@ class Choice:
         return cls(algo, float(d["default_us"]), float(d["best_us"]), d.get("described", ""))
 
 
-def choose(default_us: float, candidate_us: list[float], margin: float = MARGIN) -> int | None:
+def choose(default_us: float, candidate_us: list[float], margin: float | None = None
+           ) -> int | None:
     """Index of the candidate to use instead of the default, or None: the fastest candidate,
-    when it is at least `margin` faster than the default."""
+    when it is at least `margin` (default MARGIN) faster than the default."""
+    margin = MARGIN if margin is None else margin
     if not candidate_us:
         return None
     best = min(range(len(candidate_us)), key=candidate_us.__getitem__)
@@ -68,20 +74,27 @@ def choose(default_us: float, candidate_us: list[float], margin: float = MARGIN)
 
 
 class ChoiceCache:
-    """shape key -> Choice, in one JSON file (written whole, by rename, merged with what other
-    processes wrote since it was read)."""
+    """shape key -> Choice, in one JSON file, written whole (by rename) and merged with what
+    other processes wrote since; `locked()` serializes the processes that tune."""
 
     def __init__(self, path: Path | None):
         self.path = path
 
     def load(self) -> dict[str, Choice]:
-        if self.path is None or not self.path.exists():
+        """The cached choices; none when the file is missing, unreadable or not ours (then
+        the shapes are timed again and the file rewritten)."""
+        if self.path is None:
             return {}
         try:
             raw = json.loads(self.path.read_text())
+            if not isinstance(raw, dict):
+                return {}
             return {key: Choice.from_json(d) for key, d in raw.items()}
-        except (ValueError, KeyError, TypeError):
-            return {}  # unreadable (a foreign or older format): tune again, then overwrite
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("GEMM choices in %s not used (%s): timing them again", self.path, e)
+            return {}
 
     def store(self, choices: dict[str, Choice]) -> None:
         """Merges choices into the file; a cache that cannot be written costs only the next
@@ -93,17 +106,43 @@ class ChoiceCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name,
                                        suffix=".tmp")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)  # as open() would make it, not mkstemp's 0600
             with os.fdopen(fd, "w") as f:
                 json.dump({k: c.to_json() for k, c in sorted(merged.items())}, f, indent=1)
             os.replace(tmp, self.path)
         except OSError as e:
             log.warning("GEMM choices not cached (%s): the next start-up times them again", e)
 
+    @contextlib.contextmanager
+    def locked(self):
+        """Holds an exclusive lock on the cache (a file beside it) while the body runs; without
+        one (no cache, a folder that cannot be written) the body runs unlocked."""
+        if self.path is None:
+            yield
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT,
+                         0o666)
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
-def cache_file(directory: Path, device_name: str, cublas_version: int) -> Path:
-    """Where one GPU model and cuBLAS version keep their choices."""
+
+def cache_file(directory: Path, device_name: str, cublas_version: int,
+               workspace_bytes: int) -> Path:
+    """Where one GPU model, cuBLAS version and workspace size keep their choices (the
+    workspace bounds which algorithms can run)."""
     device = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower() or "gpu"
-    return directory / f"{device}-cublas{cublas_version}-v{METHOD_VERSION}.json"
+    return directory / (f"{device}-cublas{cublas_version}-ws{workspace_bytes >> 20}m"
+                        f"-v{METHOD_VERSION}.json")
 
 
 @dataclass
@@ -115,46 +154,49 @@ class GemmTuner:
     choices: dict[str, Choice] = field(default_factory=dict)  # by shape key, this process
     seconds: float = 0.0              # spent timing
     timed: int = 0                    # shapes timed here (not found in the cache)
-
-    def __post_init__(self):
-        self._cached = self.cache.load()
+    failed: int = 0                   # candidates that could not be captured or run
 
     def tune(self, calls: list[GemmCall]) -> None:
         by_shape: dict[GemmShape, list[GemmCall]] = {}
         for call in calls:
-            by_shape.setdefault(call.shape, []).append(call)
-        fresh = {}
-        for shape, shape_calls in by_shape.items():
-            if shape.key in self.choices:
-                continue
-            choice = self._cached.get(shape.key)
-            if choice is not None and choice.algo is not None and bytes(choice.algo) not in {
-                    bytes(a) for a in self.blas.lt_candidates(shape)}:
-                choice = None  # not an algorithm this cuBLAS offers for the shape: time again
-            if choice is None:
-                t0 = time.monotonic()
-                choice = fresh[shape.key] = self._time(shape, shape_calls)
-                self.seconds += time.monotonic() - t0
-                self.timed += 1
-            self.choices[shape.key] = choice
-            if choice.algo is not None:
-                self.blas.algos[shape] = choice.algo
-            else:
-                self.blas.algos.pop(shape, None)
-        if fresh:
-            self.cache.store(fresh)
+            if call.shape.key not in self.choices:
+                by_shape.setdefault(call.shape, []).append(call)
+        if not by_shape:
+            return
+        with self.cache.locked():
+            cached = self.cache.load()  # read under the lock: what others tuned meanwhile
+            fresh = {}
+            for shape, shape_calls in by_shape.items():
+                choice = cached.get(shape.key)
+                if choice is not None and choice.algo is not None and bytes(choice.algo) not in {
+                        bytes(a) for a in self.blas.lt_candidates(shape)}:
+                    choice = None  # not an algorithm this cuBLAS offers the shape: time again
+                if choice is None:
+                    t0 = time.monotonic()
+                    choice = fresh[shape.key] = self._time(shape, shape_calls)
+                    self.seconds += time.monotonic() - t0
+                    self.timed += 1
+                self.choices[shape.key] = choice
+                if choice.algo is not None:
+                    self.blas.algos[shape] = choice.algo
+                else:
+                    self.blas.algos.pop(shape, None)
+            if fresh:
+                self.cache.store(fresh)
 
     def summary(self) -> str:
         switched = [c for c in self.choices.values() if c.algo is not None]
         saved = sum(c.default_us - c.best_us for c in switched)
+        failed = f", {self.failed} candidates failed (logged)" if self.failed else ""
         return (f"{len(self.choices)} GEMM shapes, {len(switched)} on a cuBLASLt algorithm "
                 f"faster than cuBLAS's own ({saved:.0f} µs a call summed over them); "
-                f"{self.timed} timed now in {self.seconds:.1f} s, the rest from {self.cache.path}")
+                f"{self.timed} timed now in {self.seconds:.1f} s{failed}, the rest from "
+                f"{self.cache.path}")
 
     def _time(self, shape: GemmShape, calls: list[GemmCall]) -> Choice:
         """Times the shape's calls (all layers, in order) as one graph per algorithm."""
         from cuda.bindings import driver as cu
-        from .cuda_runtime import check
+        from .cuda_runtime import capture_device_graph, check
         # inputs non-zero (tensor cores draw less on zeros), outputs put back to zero after
         spans = {(c.x, shape.rows * shape.in_features * 2) for c in calls}
         outs = {(c.out, shape.rows * shape.out_features * (4 if shape.out_type == R_32F else 2))
@@ -162,20 +204,15 @@ class GemmTuner:
         for ptr, nbytes in spans:
             check(cu.cuMemsetD16Async(ptr, 0x3C00, nbytes // 2, self.stream))  # bf16 2^-7
 
+        def run(c: GemmCall, algo) -> None:
+            self.blas.linear(c.x, c.w, c.out, shape.rows, shape.in_features, shape.out_features,
+                             shape.out_type, shape.accumulate, algo=algo)
+
         def graph_of(algo):
-            check(cu.cuStreamBeginCapture(
-                self.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-            try:
-                for c in calls:
-                    self.blas.linear(c.x, c.w, c.out, shape.rows, shape.in_features,
-                                     shape.out_features, shape.out_type, shape.accumulate,
-                                     algo=algo)
-            finally:
-                graph = check(cu.cuStreamEndCapture(self.stream))
-            try:
-                return check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-            finally:
-                check(cu.cuGraphDestroy(graph))
+            """The calls as one graph, instantiated as the forward graphs are (for device
+            launch), after one eager call that keeps first-call set-up out of the capture."""
+            run(calls[0], algo)
+            return capture_device_graph(self.stream, lambda _: [run(c, algo) for c in calls])
 
         candidates = self.blas.lt_candidates(shape)
         exes, best = [], []
@@ -189,15 +226,17 @@ class GemmTuner:
             return check(cu.cuEventElapsedTime(start, end)) * 1e3
 
         try:
-            for algo in [None, *candidates]:
+            exes.append(graph_of(None))  # cuBLAS's own choice: as the forward graphs run it
+            for algo in candidates:
                 try:
                     exes.append(graph_of(algo))
-                except Exception:  # an algorithm cuBLASLt offered but cannot run here
+                except Exception as e:  # offered by cuBLASLt, but it cannot run here
+                    log.warning("cuBLASLt algorithm (%s) for %s left out: %s",
+                                self.blas.lt_describe(algo), shape.key, e)
+                    self.failed += 1
                     exes.append(None)
             # the clock first (WARMUP_S of cuBLAS's own graph), then every graph once a round:
             # a clock still rising or a GPU heating up then favours no algorithm over another
-            if exes[0] is None:
-                raise RuntimeError(f"cuBLAS's own GEMM for {shape.key} could not be captured")
             first = replay_us(exes[0])
             for _ in range(min(100, int(WARMUP_S * 1e6 / max(first, 1.0)))):
                 check(cu.cuGraphLaunch(exes[0], self.stream))

@@ -198,12 +198,16 @@ def test_cublas_lt_every_candidate_computes_the_linear(cf, stream, rows):
     blas.close()
 
 
-def test_gemm_tuner_times_caches_and_installs(cf, stream, tmp_path):
-    """The tuner times each recorded shape over all its calls (layers), installs the winners in
-    blas.algos, leaves the operands zero, and a second tuner takes every choice from the cache
-    (same algorithms, nothing timed); the tuned linear still computes x @ w^T."""
-    from blink.gpu_engine.cublas import R_16BF, R_32F, GemmShape
-    from blink.gpu_engine.gemm_tuning import ChoiceCache, GemmTuner
+def test_gemm_tuner_times_caches_and_installs(cf, stream, tmp_path, monkeypatch):
+    """The tuner times each recorded shape over all its calls (layers), installs its choice in
+    blas.algos (here every shape takes its fastest cuBLASLt candidate: margin -100%), leaves
+    the operands zero; a second tuner takes every choice from the cache (same algorithms,
+    nothing timed), a third times again only the shape whose cached algorithm is not one
+    cuBLAS offers; the tuned (cuBLASLt) linear computes x @ w^T."""
+    from blink.gpu_engine import gemm_tuning
+    from blink.gpu_engine.cublas import R_16BF, R_32F, GemmShape, LtAlgo
+    from blink.gpu_engine.gemm_tuning import Choice, ChoiceCache, GemmTuner
+    monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)
     rng = np.random.default_rng(7)
     layers, k_in, n_out = 4, 2048, 1024
     ws = [dev(cf, float32_to_bf16_bits(rng.standard_normal((n_out, k_in)) * k_in ** -0.5))
@@ -222,18 +226,29 @@ def test_gemm_tuner_times_caches_and_installs(cf, stream, tmp_path):
     tuner.tune(calls)
     shapes = {GemmShape(r, k_in, n_out, t, a) for r in (24, 256)
               for t, a in ((R_16BF, False), (R_32F, True))}
-    assert set(tuner.choices) == {sh.key for sh in shapes} and tuner.timed == 4
+    assert set(tuner.choices) == {sh.key for sh in shapes}
+    assert tuner.timed == 4 and tuner.failed == 0
+    assert set(blas.algos) == shapes  # every shape on its fastest candidate
     for sh in shapes:
         c = tuner.choices[sh.key]
-        assert c.default_us > 0 and c.best_us <= c.default_us
-        assert (blas.algos.get(sh) is None) == (c.algo is None)
+        assert c.default_us > 0 and c.best_us > 0 and c.described.startswith("id ")
+        assert bytes(blas.algos[sh]) == bytes(c.algo)
     assert not x.download().any() and not out32.download().any()
+    assert not out16.download().any()
     again, _ws2 = _blas(cf, stream, 32 << 20)
     second = GemmTuner(again, stream, cache)
     second.tune(calls)
     assert second.timed == 0
     assert {sh: bytes(a) for sh, a in again.algos.items()} == \
         {sh: bytes(a) for sh, a in blas.algos.items()}
+    stale = GemmShape(24, k_in, n_out, R_16BF, False)
+    bogus = LtAlgo.from_hex("ff" * 64)
+    cache.store({stale.key: Choice(bogus, 1.0, 1.0)})
+    third_blas, _ws3 = _blas(cf, stream, 32 << 20)
+    third = GemmTuner(third_blas, stream, cache)
+    third.tune(calls)
+    assert third.timed == 1 and bytes(third_blas.algos[stale]) != bytes(bogus)
+    third_blas.close()
     xs = rb(rng.standard_normal((256, k_in)))
     x.upload(float32_to_bf16_bits(xs))
     for rows in (24, 256):

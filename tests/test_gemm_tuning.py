@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -44,8 +47,10 @@ def test_shape_keys_tell_every_field_apart():
 
 
 def test_cache_round_trip_merges_and_survives_garbage(tmp_path):
-    path = cache_file(tmp_path / "gemm", "NVIDIA H200 (141 GB)", 130100)
-    assert path.name == f"nvidia-h200-141-gb-cublas130100-v{METHOD_VERSION}.json"
+    path = cache_file(tmp_path / "gemm", "NVIDIA H200 (141 GB)", 130100, 32 << 20)
+    assert path.name == f"nvidia-h200-141-gb-cublas130100-ws32m-v{METHOD_VERSION}.json"
+    assert cache_file(tmp_path, "NVIDIA H200", 130100, 8 << 20) != \
+        cache_file(tmp_path, "NVIDIA H200", 130100, 32 << 20)
     cache = ChoiceCache(path)
     assert cache.load() == {}
     first = {"a": Choice(algo(1), 267.0, 145.4, "id 6 tile 20 split-k 1"),
@@ -59,12 +64,38 @@ def test_cache_round_trip_merges_and_survives_garbage(tmp_path):
     assert got["a"].described == "id 6 tile 20 split-k 1"
     assert bytes(got["b"].algo) == bytes(algo(4))
     assert list(tmp_path.glob("gemm/*.tmp")) == []
-    path.write_text("{not json")
-    assert cache.load() == {}
-    path.write_text(json.dumps({"a": {"algo": "zz"}}))
+    assert path.stat().st_mode & 0o777 == 0o666 & ~current_umask()  # others may read it
+    for garbage in ("{not json", json.dumps({"a": {"algo": "zz"}}), "[1, 2]", "null",
+                    json.dumps({"a": [1]})):
+        path.write_text(garbage)
+        assert cache.load() == {}, garbage
+    path.unlink()
+    path.mkdir()  # unreadable as a file
     assert cache.load() == {}
     assert ChoiceCache(None).load() == {}
     ChoiceCache(None).store(first)  # no file: nothing happens
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_the_lock_keeps_a_second_tuner_out(tmp_path):
+    """While one process holds the cache's lock, another cannot take it (flock is per open
+    file, so a child process is the real test)."""
+    cache = ChoiceCache(tmp_path / "gemm" / "choices.json")
+    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+             "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)")
+    lock = str(cache.path) + ".lock"
+    with cache.locked():
+        held = subprocess.run([sys.executable, "-c", probe, lock], capture_output=True)
+    free = subprocess.run([sys.executable, "-c", probe, lock], capture_output=True)
+    assert held.returncode != 0 and b"BlockingIOError" in held.stderr
+    assert free.returncode == 0, free.stderr
+    with ChoiceCache(None).locked():  # no cache: nothing to lock
+        pass
 
 
 def test_an_unwritable_cache_only_warns(tmp_path, caplog):
@@ -73,3 +104,5 @@ def test_an_unwritable_cache_only_warns(tmp_path, caplog):
     cache = ChoiceCache(blocker / "gemm" / "choices.json")  # its folder cannot be made
     cache.store({"a": Choice(None, 1.0, 1.0)})
     assert "not cached" in caplog.text and cache.load() == {}
+    with cache.locked():  # no lock to be had: the body still runs
+        pass

@@ -1,0 +1,43 @@
+"""bench_decode's points on the CPU: the batches it hands the forward pass are what the scheduler
+would build for those sequences (the timing itself needs the GPU)."""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from blink.gpu_engine.bench_decode import MixedPoint, Point, step_batch
+
+
+def check_batch(batch, want: list[tuple[int, int]], blocks_per_seq: int) -> None:
+    """want: (tokens computed, context after the step) per sequence, in order."""
+    assert batch.num_seqs == len(want)
+    assert batch.num_tokens == sum(n for n, _ in want)
+    for s, (n, context) in enumerate(want):
+        lo, hi = batch.seq_starts[s], batch.seq_starts[s + 1]
+        assert hi - lo == n
+        np.testing.assert_array_equal(batch.positions[lo:hi], np.arange(context - n, context))
+        assert batch.context_lens[s] == context
+    assert batch.block_tables.shape == (len(want), blocks_per_seq)
+    assert len(np.unique(batch.block_tables)) == batch.block_tables.size  # no block shared
+    np.testing.assert_array_equal(batch.logit_seqs, np.arange(len(want)))
+
+
+def test_decode_and_prefill_points_build_their_batches():
+    check_batch(step_batch(Point(3, 7), 2), [(1, 7)] * 3, 2)
+    check_batch(step_batch(Point.parse_prefill("5x9"), 1), [(5, 9)], 1)
+
+
+def test_a_mixed_point_is_its_decodes_then_its_chunks():
+    point = MixedPoint.parse("4x40+16x16+8x100")
+    assert point.groups == (Point(4, 40), Point(1, 16, 16), Point(1, 100, 8))
+    assert (point.tokens, point.batch, point.context, point.chunk) == (28, 6, 100, 16)
+    assert str(point) == "batch 4 context 40 + chunk 16 to context 16 + chunk 8 to context 100"
+    check_batch(step_batch(point, 7), [(1, 40)] * 4 + [(16, 16), (8, 100)], 7)
+
+
+@pytest.mark.parametrize("text", ["4x40", "4x40+", "4x40+17x16", "0x40+16x16", "4x40+axb"])
+def test_mixed_points_reject_what_is_not_one(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        MixedPoint.parse(text)
