@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # A candidate replaces cuBLAS's own choice only when this much faster: timing noise must not
 # flip a choice between two equally good kernels. (At 2%, with each algorithm timed in turn
 # rather than round-robin, the choices for compute-bound 512- and 2,048-row chunks made 8B
-# prefill 1-2% slower: the first algorithm timed met a colder clock.)
+# prefill 1-2% slower; most likely the first algorithm timed met a colder clock.)
 MARGIN = 0.03
 # Part of the cache's file name: a change to how choices are made starts a new cache.
 METHOD_VERSION = 1
