@@ -1,5 +1,7 @@
-"""The GEMM tuner's host side: the choice rule, the on-disk cache of choices and the shape keys.
-(The timing and cuBLASLt itself run on the GPU: test_cuda_forward.py.)"""
+"""The GEMM tuner's host side: the choice rule, the on-disk cache and its lock, the shape keys,
+and the tuner's timing logic with the GPU faked (round-robin replays, the margin, failed
+candidates, operands put back to zero, choices shared through the cache). cuBLASLt and real
+timings run on the GPU: test_cuda_forward.py."""
 from __future__ import annotations
 
 import ctypes
@@ -7,10 +9,11 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
-from blink.gpu_engine.cublas import R_16BF, R_32F, GemmShape, LtAlgo
+from blink.gpu_engine.cublas import R_16BF, R_32F, GemmCall, GemmShape, LtAlgo
 from blink.gpu_engine.gemm_tuning import MARGIN, METHOD_VERSION, Choice, ChoiceCache, \
     cache_file, choose
 
@@ -106,3 +109,148 @@ def test_an_unwritable_cache_only_warns(tmp_path, caplog):
     assert "not cached" in caplog.text and cache.load() == {}
     with cache.locked():  # no lock to be had: the body still runs
         pass
+
+
+# --- the tuner's logic with the GPU faked ------------------------------------------------------
+
+class FakeGpu:
+    """Stands in for cuda.bindings.driver and cuda_runtime: a 'graph' is the list of algorithms
+    its calls ran with; replaying it takes the sum of their per-call times."""
+
+    def __init__(self, per_call_us: dict):
+        self.per_call_us = per_call_us  # algorithm name (None: GemmEx) -> µs a call
+        self.launched = []              # graphs replayed, in order
+        self.memsets = []               # (value, ptr, count)
+        self.destroyed = 0
+        self._recording = None
+
+    # cuda_runtime
+    def check(self, result, what=""):
+        return result
+
+    def capture_device_graph(self, stream, record):
+        self._recording = []
+        record(stream)
+        graph, self._recording = tuple(self._recording), None
+        return graph
+
+    # driver
+    def cuMemsetD16Async(self, ptr, value, count, stream):
+        self.memsets.append((value, ptr, count))
+
+    def cuMemsetD8Async(self, ptr, value, count, stream):
+        self.memsets.append((value, ptr, count))
+
+    def cuStreamSynchronize(self, stream):
+        pass
+
+    def cuEventCreate(self, flags):
+        return types.SimpleNamespace(at=None)
+
+    def cuEventDestroy(self, event):
+        pass
+
+    def cuEventRecord(self, event, stream):
+        event.at = len(self.launched)
+
+    def cuEventSynchronize(self, event):
+        pass
+
+    def cuEventElapsedTime(self, start, end):  # ms: the graphs launched between the two
+        return sum(self.per_call_us[a] for g in self.launched[start.at:end.at] for a in g) / 1e3
+
+    def cuGraphLaunch(self, graph, stream):
+        self.launched.append(graph)
+
+    def cuGraphExecDestroy(self, graph):
+        self.destroyed += 1
+
+
+class FakeBlas:
+    def __init__(self, gpu: FakeGpu, candidates: list[str], broken: set[str] = frozenset()):
+        self.gpu, self.candidates, self.broken = gpu, candidates, broken
+        self.algos = {}
+
+    def lt_candidates(self, shape):
+        return [name_algo(n) for n in self.candidates]
+
+    def lt_describe(self, algo):
+        return f"id {algo_name(algo)}"
+
+    def linear(self, x, w, out, rows, in_f, out_f, out_type, accumulate, algo):
+        name = None if algo is None else algo_name(algo)
+        if name in self.broken:
+            raise RuntimeError(f"{name} cannot run")
+        if self.gpu._recording is not None:
+            self.gpu._recording.append(name)
+
+
+def name_algo(name: str) -> LtAlgo:
+    return LtAlgo.from_buffer_copy(name.encode().ljust(64, b"\0"))
+
+
+def algo_name(algo: LtAlgo) -> str:
+    return bytes(algo).rstrip(b"\0").decode()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    gpu = FakeGpu({None: 100.0, "slow": 110.0, "fast": 80.0, "close": 98.5, "broken": 1.0})
+    driver = types.ModuleType("cuda.bindings.driver")
+    for name in dir(gpu):
+        if name.startswith("cu"):
+            setattr(driver, name, getattr(gpu, name))
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = driver
+    runtime = types.ModuleType("blink.gpu_engine.cuda_runtime")
+    runtime.check, runtime.capture_device_graph = gpu.check, gpu.capture_device_graph
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
+    monkeypatch.setitem(sys.modules, "blink.gpu_engine.cuda_runtime", runtime)
+    return gpu
+
+
+def recorded(rows: int, layers: int = 3) -> list[GemmCall]:
+    shape = GemmShape(rows, 64, 32, R_32F, True)
+    return [GemmCall(shape, x=1000, w=2000 + i, out=3000) for i in range(layers)]
+
+
+def test_the_tuner_times_round_robin_and_keeps_the_fastest(fake_gpu, tmp_path, caplog):
+    from blink.gpu_engine.gemm_tuning import ROUNDS, GemmTuner
+    blas = FakeBlas(fake_gpu, ["slow", "fast", "broken"], broken={"broken"})
+    tuner = GemmTuner(blas, stream=None, cache=ChoiceCache(tmp_path / "c.json"))
+    calls = recorded(24)
+    tuner.tune(calls)
+    shape = calls[0].shape
+    assert algo_name(blas.algos[shape]) == "fast"
+    choice = tuner.choices[shape.key]
+    assert (choice.default_us, choice.best_us, choice.described) == (100.0, 80.0, "id fast")
+    assert tuner.timed == 1 and tuner.failed == 1 and "broken" in caplog.text
+    # each graph holds every layer's call; after the warm-up, one replay of each a round
+    default, slow, fast = (None,) * 3, ("slow",) * 3, ("fast",) * 3
+    timed = fake_gpu.launched[-3 * ROUNDS:]
+    assert timed == [default, slow, fast] * ROUNDS
+    assert fake_gpu.launched[0] == default and fake_gpu.destroyed == 3
+    # inputs set non-zero first, inputs and outputs zero again after
+    assert fake_gpu.memsets[0] == (0x3C00, 1000, 24 * 64)
+    assert sorted(fake_gpu.memsets[1:]) == [(0, 1000, 24 * 64 * 2), (0, 3000, 24 * 32 * 4)]
+    # a second tuner (another engine) takes the cached choice without timing it
+    again = GemmTuner(FakeBlas(fake_gpu, ["slow", "fast"]), None, ChoiceCache(tmp_path / "c.json"))
+    again.tune(calls)
+    assert again.timed == 0 and algo_name(again.blas.algos[shape]) == "fast"
+    # a cached algorithm this cuBLAS no longer offers is timed again
+    third = GemmTuner(FakeBlas(fake_gpu, ["slow"]), None, ChoiceCache(tmp_path / "c.json"))
+    third.tune(calls)
+    assert third.timed == 1 and shape not in third.blas.algos  # slow loses to GemmEx
+
+
+def test_the_tuner_keeps_cublas_within_the_margin(fake_gpu, tmp_path):
+    from blink.gpu_engine.gemm_tuning import GemmTuner
+    blas = FakeBlas(fake_gpu, ["close", "slow"])
+    tuner = GemmTuner(blas, None, ChoiceCache(tmp_path / "c.json"))
+    tuner.tune(recorded(160) + recorded(160))  # two passes' calls of one shape: timed once
+    assert blas.algos == {} and tuner.timed == 1
+    assert "0 on a cuBLASLt algorithm" in tuner.summary()
+    tuner.tune(recorded(160))  # known in this process: nothing timed, nothing read
+    assert tuner.timed == 1
