@@ -76,7 +76,8 @@ class LtAlgo(ctypes.Structure):
     def from_hex(cls, text: str) -> "LtAlgo":
         raw = bytes.fromhex(text)
         if len(raw) != ctypes.sizeof(cls):
-            raise ValueError(f"a cublasLtMatmulAlgo_t is {ctypes.sizeof(cls)} bytes, not {len(raw)}")
+            raise ValueError(f"a cublasLtMatmulAlgo_t is {ctypes.sizeof(cls)} bytes, "
+                             f"not {len(raw)}")
         return cls.from_buffer_copy(raw)
 
 

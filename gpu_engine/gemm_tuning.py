@@ -1,13 +1,14 @@
 """Start-up tuning of the forward graphs' cuBLAS GEMMs.
 
 cuBLAS picks a GEMM's kernel by a heuristic, and for some of the bucket sizes the forward graphs
-use it picks a slow one (README, *GEMM tuning*: Llama-3.1-8B's gate|up projection at 448 rows
-ran 264 µs where another of cuBLASLt's candidates ran 147). So before a bucket's graph is
-captured, its forward pass is recorded (Cublas.recording: the GEMMs' shapes and operands; the
-other kernels run as in the eager pass, on an empty batch), and each GEMM shape not yet known
-is timed with cuBLAS's own choice (GemmEx) and with each algorithm cuBLASLt's heuristic offers,
-on the model's own weights (every layer's, in order, as the step reads them, so no run finds
-its weights in L2). The fastest replaces cuBLAS's own when at least MARGIN faster.
+use it picks a slow one (docs/performance.md, *GEMM tuning*: Llama-3.1-8B's gate|up projection
+at 448 rows ran 264 µs where another of cuBLASLt's candidates ran 147). So before a bucket's
+graph is captured, its forward pass is recorded (Cublas.recording: the GEMMs' shapes and
+operands; the other kernels run as in the eager pass, on an empty batch), and each GEMM shape
+not yet known is timed with cuBLAS's own choice (GemmEx) and with each algorithm cuBLASLt's
+heuristic offers, on the model's own weights (every layer's, in order, as the step reads them,
+so no run finds its weights in L2). The fastest replaces cuBLAS's own when at least MARGIN
+faster.
 
 Choices are cached on disk per GPU model, cuBLAS version and workspace size (an algorithm may be
 stored and restored for the same cuBLAS version). Tuning holds a lock on the cache and reads it
