@@ -99,6 +99,10 @@ class Point:
     def seq_starts(self) -> np.ndarray:  # [batch + 1]
         return np.arange(self.batch + 1, dtype=np.int32) * self.chunk
 
+    @property
+    def groups(self) -> tuple["Point", ...]:  # as MixedPoint's: one group
+        return (self,)
+
     @classmethod
     def parse(cls, text: str) -> "Point":
         b, c = _two_ints(text, "BATCHxCONTEXT, e.g. 32x512")
@@ -149,7 +153,7 @@ class MixedPoint:
 
     @property
     def seq_starts(self) -> np.ndarray:
-        lengths = np.concatenate([np.diff(g.seq_starts) for g in self.groups])
+        lengths = np.concatenate([np.full(g.batch, g.chunk) for g in self.groups])
         return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
     @classmethod
@@ -296,22 +300,21 @@ def print_breakdown(name: str, cfg: ModelConfig, point: Point | MixedPoint, rows
     whole = rows[-1][2]
     print(f"\nbreakdown {name} {point} ({impl}): whole step {whole * 1e6:.0f} us, "
           f"{rows[-1][1]} kernels")
-    groups = point.groups if isinstance(point, MixedPoint) else (point,)
-    rates = ((["achieved TFLOP/s"] if any(g.chunk > 1 for g in groups) else []) +
-             (["achieved GB/s (copy rate %.0f)" % (bw / 1e9)]
-              if any(g.chunk == 1 for g in groups) else []))
+    rates = []  # (column, amount of one launch of a labelled op, unit)
+    if any(g.chunk > 1 for g in point.groups):
+        rates.append(("achieved TFLOP/s", op_flops, 1e12))
+    if any(g.chunk == 1 for g in point.groups):
+        rates.append(("achieved GB/s (copy rate %.0f)" % (bw / 1e9), op_bytes, 1e9))
     print("| op | launches | us per step | us per launch | share of step | " +
-          " | ".join(rates) + " |")
+          " | ".join(column for column, _, _ in rates) + " |")
     print("| --- | --- | --- | --- | --- |" + " --- |" * len(rates))
     total = 0.0
     for label, count, seconds in rows[:-1]:
         total += seconds
         cells = []
-        for rate in rates:
-            amount = (op_flops(cfg, label, point) if "FLOP" in rate
-                      else op_bytes(cfg, label, point))
-            scale = 1e12 if "FLOP" in rate else 1e9
-            cells.append(f"{amount * count / seconds / scale:.0f}" if amount else "")
+        for _, amount_of, unit in rates:
+            amount = amount_of(cfg, label, point)
+            cells.append(f"{amount * count / seconds / unit:.0f}" if amount else "")
         print(f"| {label} | {count} | {seconds * 1e6:.1f} | {seconds / count * 1e6:.2f} | "
               f"{seconds / whole:.0%} | " + " | ".join(cells) + " |")
     print(f"| sum of ops alone | | {total * 1e6:.1f} | | {total / whole:.0%} |" +

@@ -117,7 +117,7 @@ def load_library() -> tuple[ctypes.CDLL, str]:
         path = Path(cand)
         if path.is_absolute():
             # Load cublasLt from the same folder first, so the pair always match.
-            for lt in sorted(path.parent.glob("libcublasLt.so*"), reverse=True):
+            for lt in _lt_beside(path):
                 try:
                     ctypes.CDLL(str(lt), mode=ctypes.RTLD_GLOBAL)
                     break
@@ -128,6 +128,11 @@ def load_library() -> tuple[ctypes.CDLL, str]:
         except OSError as e:
             errors.append(f"{cand}: {e}")
     raise CublasError("libcublas not found; set BLINK_LIBCUBLAS. Tried:\n  " + "\n  ".join(errors))
+
+
+def _lt_beside(libcublas: Path) -> list[Path]:
+    """The libcublasLt files in libcublas's folder, newest name first."""
+    return sorted(libcublas.parent.glob("libcublasLt.so*"), reverse=True)
 
 
 def _fn(lib: ctypes.CDLL, *names: str):
@@ -257,8 +262,8 @@ class Cublas:
         if self._lt is None:
             lib = self.lib  # libcublas depends on libcublasLt: its handle resolves Lt's symbols
             if getattr(lib, "cublasLtCreate", None) is None:
-                folder = Path(self.path).parent if Path(self.path).is_absolute() else None
-                found = sorted(folder.glob("libcublasLt.so*"), reverse=True) if folder else []
+                path = Path(self.path)
+                found = _lt_beside(path) if path.is_absolute() else []
                 lib = ctypes.CDLL(str(found[0]) if found else "libcublasLt.so")
             p = ctypes.c_void_p
             sig = {

@@ -125,18 +125,25 @@ def test_batch_desc_layout_matches_header(cf):
     assert cf.BATCH_DESC_DTYPE.itemsize == 16
 
 
+def _blas(cf, stream, workspace_bytes=8 << 20):
+    """A cuBLAS handle on the stream with a workspace of its own (keep the workspace alive)."""
+    from blink.gpu_engine.cublas import Cublas
+    blas = Cublas()
+    blas.set_stream(int(stream))
+    workspace = cf.DeviceArray(workspace_bytes, np.uint8)
+    blas.set_workspace(workspace.ptr, workspace_bytes)
+    return blas, workspace
+
+
 @pytest.mark.parametrize("rows", [1, 19, 99])
 def test_cublas_linear_bf16_and_fp32_accumulate(cf, stream, rows):
-    from blink.gpu_engine.cublas import R_32F, Cublas
+    from blink.gpu_engine.cublas import R_32F
     rng = np.random.default_rng(rows)
     k_in, n_out = 264, 136
     x = rb(rng.standard_normal((rows, k_in)))
     w = rb(rng.standard_normal((n_out, k_in)) * k_in ** -0.5)
     resid = rng.standard_normal((rows, n_out)).astype(np.float32)
-    blas = Cublas()
-    blas.set_stream(int(stream))
-    workspace = cf.DeviceArray(4 << 20, np.uint8)
-    blas.set_workspace(workspace.ptr, 4 << 20)
+    blas, _workspace = _blas(cf, stream, 4 << 20)
     dx, dw = dev(cf, float32_to_bf16_bits(x)), dev(cf, float32_to_bf16_bits(w))
     out16 = dev(cf, np.zeros((rows, n_out), np.uint16), poison=True)
     out32 = dev(cf, resid)
@@ -149,15 +156,6 @@ def test_cublas_linear_bf16_and_fp32_accumulate(cf, stream, rows):
     REPORT["env"]["cublas_library"] = blas.path
     REPORT["env"]["cublas_version"] = blas.version
     blas.close()
-
-
-def _blas(cf, stream, workspace_bytes=8 << 20):
-    from blink.gpu_engine.cublas import Cublas
-    blas = Cublas()
-    blas.set_stream(int(stream))
-    workspace = cf.DeviceArray(workspace_bytes, np.uint8)
-    blas.set_workspace(workspace.ptr, workspace_bytes)
-    return blas, workspace
 
 
 @pytest.mark.parametrize("rows", [19, 160])
