@@ -141,6 +141,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "choice of kernel. By default a shape where one of cuBLASLt's "
                         "candidates, timed at start-up, is at least 3%% faster runs that one "
                         "(choices cached in $BLINK_CACHE_DIR/gemm, default ~/.cache/blink/gemm)")
+    p.add_argument("--sm-count-target", type=int, default=None,
+                   help="cuda and host-cuda engines: the SMs the forward pass's kernels are "
+                        "sized for (cuBLAS's SM count target, the attention grids); default: "
+                        "the GPU's, less the one the cuda engine's scheduler kernel holds; 0: "
+                        "all of them")
 
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:
@@ -193,7 +198,7 @@ def _engine_config(args, model_dir: Path):
                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_batched_tokens,
                         max_model_len=args.max_model_len, load_format=args.load_format,
-                        gemm_tuning=args.gemm_tuning)
+                        gemm_tuning=args.gemm_tuning, sm_count_target=args.sm_count_target)
 
 
 def _auth_token(path: Path | None) -> str | None:
@@ -397,6 +402,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv.append("--hf-static-cache")
     if not args.gemm_tuning:
         argv.append("--no-gemm-tuning")
+    if args.sm_count_target is not None:
+        argv += ["--sm-count-target", str(args.sm_count_target)]
     if args.transport == "rdma":
         host, port = args.rdma_addr
         host = f"[{host}]" if ":" in host else host  # an IPv6 address

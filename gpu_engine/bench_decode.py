@@ -9,8 +9,10 @@ Weights are random bf16 generated on the GPU (no hub is reachable here); the cos
 step does not depend on their values. A point BxC decodes B sequences whose new token sits at
 position C - 1 (C keys each) by replaying the bucket-B forward graph, the graph the scheduler
 kernel launches, timed with CUDA events: the median of REPEATS runs of STEPS replays, after
-~0.3 s of replays so the SM clock has left idle. Floor: roofline.decode_step_bytes over the
-device-to-device copy rate measured in the same run.
+~0.3 s of replays so the SM clock has left idle. The replays run beside a CTA that holds one SM,
+as the scheduler kernel's does while the graphs it launched run (CudaForward.holding_sms;
+`--options free:held_sms=0` times them on the whole GPU). Floor: roofline.decode_step_bytes
+over the device-to-device copy rate measured in the same run.
 
 --breakdown BxC: the step's ops grouped by label (CudaForward.ops: the same label in every
 layer), each group captured alone in a graph of its launches across all layers and timed the
@@ -238,7 +240,9 @@ def time_step(fwd, point: Point, blocks_per_seq: int) -> float:
     from blink.gpu_engine import cuda_runtime as cr
     fwd.run(step_batch(point, blocks_per_seq))  # writes the batch arrays; warms the graph
     graph = fwd.graph_execs[fwd.bucket_for(point.tokens)]
-    return median_seconds(fwd.stream, lambda: cr.check(cr.cu.cuGraphLaunch(graph, fwd.stream)))
+    with fwd.holding_sms():
+        return median_seconds(fwd.stream,
+                              lambda: cr.check(cr.cu.cuGraphLaunch(graph, fwd.stream)))
 
 
 # The projection (roofline.projection_weights' key) whose weights an op label reads
@@ -283,9 +287,10 @@ def breakdown(fwd, point: Point, blocks_per_seq: int) -> list[tuple[str, int, fl
     for label, enqueues in groups.items():
         # each enqueue() launches on fwd.stream, the stream being captured
         exe = cr.capture_device_graph(fwd.stream, lambda _: [enqueue() for enqueue in enqueues])
-        seconds = median_seconds(fwd.stream,
-                                 lambda: cr.check(cr.cu.cuGraphLaunch(exe, fwd.stream)),
-                                 steps=10)
+        with fwd.holding_sms():
+            seconds = median_seconds(fwd.stream,
+                                     lambda: cr.check(cr.cu.cuGraphLaunch(exe, fwd.stream)),
+                                     steps=10)
         cr.check(cr.cu.cuGraphExecDestroy(exe))
         out.append((label, len(enqueues), seconds))
     kernels = sum(fwd.graph_node_types[bucket].values())

@@ -34,7 +34,7 @@ POINTER_MODE_HOST, POINTER_MODE_DEVICE = 0, 1
 STATUS_NOT_SUPPORTED = 15
 # cublasLt attributes: cublasLtMatmulDescAttributes_t, cublasLtMatmulPreferenceAttributes_t,
 # cublasLtMatmulAlgoConfigAttributes_t
-LT_DESC_TRANSA, LT_DESC_TRANSB = 3, 4
+LT_DESC_TRANSA, LT_DESC_TRANSB, LT_DESC_SM_COUNT_TARGET = 3, 4, 15
 LT_PREF_MAX_WORKSPACE_BYTES = 1
 LT_CONFIG_ID, LT_CONFIG_TILE_ID, LT_CONFIG_SPLITK_NUM = 0, 1, 2
 
@@ -157,6 +157,7 @@ class Cublas:
         self._set_workspace = _fn(lib, "cublasSetWorkspace_v2", "cublasSetWorkspace")
         self._set_pointer_mode = _fn(lib, "cublasSetPointerMode_v2", "cublasSetPointerMode")
         self._get_version = _fn(lib, "cublasGetVersion_v2", "cublasGetVersion")
+        self._set_sm_count_target = _fn(lib, "cublasSetSmCountTarget")
         self._gemm_ex = _fn(lib, "cublasGemmEx")
         self._create.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         self._destroy.argtypes = [ctypes.c_void_p]
@@ -164,6 +165,7 @@ class Cublas:
         self._set_workspace.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         self._set_pointer_mode.argtypes = [ctypes.c_void_p, ctypes.c_int]
         self._get_version.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        self._set_sm_count_target.argtypes = [ctypes.c_void_p, ctypes.c_int]
         self._gemm_ex.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int,                      # handle, transa, transb
             ctypes.c_int, ctypes.c_int, ctypes.c_int,                         # m, n, k
@@ -178,6 +180,7 @@ class Cublas:
         # Host scalars, read by cuBLAS at call time (captured by value into graphs).
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.stream, self.workspace, self.workspace_bytes = 0, 0, 0
+        self.sm_count_target = 0  # 0: the device's SMs
         # shape -> the cuBLASLt algorithm linear() runs it with (others: GemmEx's own choice)
         self.algos: dict[GemmShape, LtAlgo] = {}
         self._calls: list[GemmCall] | None = None  # linear() records here instead (recording)
@@ -203,6 +206,14 @@ class Cublas:
         self._check(self._set_workspace(self.handle, ctypes.c_void_p(ptr), nbytes),
                     "cublasSetWorkspace")
         self.workspace, self.workspace_bytes = ptr, nbytes
+
+    def set_sm_count_target(self, sms: int) -> None:
+        """Size GEMMs for `sms` SMs (0: the device's), as when another kernel holds the rest:
+        cublasSetSmCountTarget for GemmEx, the matmul descriptors' SM_COUNT_TARGET for
+        cuBLASLt (its heuristic's candidates, and the calls)."""
+        self._check(self._set_sm_count_target(self.handle, sms), "cublasSetSmCountTarget")
+        self.sm_count_target = sms
+        self._destroy_lt_plans()  # their descriptors carry the old target
 
     def set_pointer_mode(self, device: bool) -> None:
         mode = POINTER_MODE_DEVICE if device else POINTER_MODE_HOST
@@ -305,8 +316,9 @@ class Cublas:
             desc = ctypes.c_void_p()
             self._check(api["cublasLtMatmulDescCreate"](ctypes.byref(desc), COMPUTE_32F, R_32F),
                         "cublasLtMatmulDescCreate")
-            for attr, op in ((LT_DESC_TRANSA, OP_T), (LT_DESC_TRANSB, OP_N)):
-                value = ctypes.c_int(op)
+            for attr, v in ((LT_DESC_TRANSA, OP_T), (LT_DESC_TRANSB, OP_N),
+                            (LT_DESC_SM_COUNT_TARGET, self.sm_count_target)):
+                value = ctypes.c_int32(v)
                 self._check(api["cublasLtMatmulDescSetAttribute"](
                     desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
                     "cublasLtMatmulDescSetAttribute")
@@ -372,14 +384,19 @@ class Cublas:
             ctypes.byref(algo), ctypes.c_void_p(self.workspace), self.workspace_bytes,
             ctypes.c_void_p(self.stream)), f"cublasLtMatmul({shape.key})")
 
-    def close(self) -> None:
+    def _destroy_lt_plans(self) -> None:
         if self._lt is not None:
-            api, handle = self._lt
+            api, _ = self._lt
             for desc, *layouts in self._lt_plans.values():
                 api["cublasLtMatmulDescDestroy"](desc)
                 for layout in layouts:
                     api["cublasLtMatrixLayoutDestroy"](layout)
-            self._lt_plans.clear()
+        self._lt_plans.clear()
+
+    def close(self) -> None:
+        self._destroy_lt_plans()
+        if self._lt is not None:
+            api, handle = self._lt
             api["cublasLtDestroy"](handle)
             self._lt = None
         if self.handle is not None:

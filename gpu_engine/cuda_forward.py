@@ -13,6 +13,7 @@ cuda-python (cuda.bindings) and a driver; CPU code paths never import it.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 from collections import Counter
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 from cuda.bindings import driver
 
-from .cuda_runtime import CSRC, CudaError, cache_dir, check, new_stream, nvcc_cubin, \
+from .cuda_runtime import CSRC, CudaError, cache_dir, check, launch, new_stream, nvcc_cubin, \
     primary_context, synchronize
 
+from . import engine_layout
 from .checkpoint import ModelConfig, ModelWeights, rope_inv_freq
 from .cublas import R_32F, Cublas
 from .gemm_tuning import ChoiceCache, GemmTuner, cache_file
@@ -159,14 +161,19 @@ class ForwardKernels:
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
                     "blink_paged_attention", "blink_paged_attention_small", "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform", "blink_signal_done",
+                    "blink_hold_sm",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
                     *(f"blink_skinny_{kind}_{a}x1" for kind in ("linear_norm", "qkv_rope")
                       for a in (1, 2)))
 
-    def __init__(self, head_dim: int, device: int = 0, programmatic_launch: bool = True):
+    def __init__(self, head_dim: int, device: int = 0, programmatic_launch: bool = True,
+                 held_sms: int = 0, sm_count_target: int | None = None):
         """programmatic_launch: launch every kernel with programmatic stream serialization
         (each may start while its predecessor runs and waits for it in-kernel; utils.cuh
-        AwaitPriorKernel). False: plain launches, the comparison bench_decode --no-pdl makes."""
+        AwaitPriorKernel). False: plain launches, the comparison bench_decode --no-pdl makes.
+        held_sms: SMs another kernel holds while these kernels run (the scheduler kernel's
+        CTA); sm_count_target: the SMs grids are sized for (sm_count), by default the device's
+        less held_sms, 0 all the device's."""
         if head_dim % 16 or not 16 <= head_dim <= 256:
             raise ValueError(f"head_dim {head_dim} is not supported "
                              f"(needs a multiple of 16 in [16, 256])")
@@ -177,8 +184,16 @@ class ForwardKernels:
             attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device))
         minor = check(driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device))
-        self.sm_count = check(driver.cuDeviceGetAttribute(
+        self.device_sm_count = check(driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device))
+        if not 0 <= held_sms < self.device_sm_count:
+            raise ValueError(f"held_sms {held_sms} not in [0, {self.device_sm_count})")
+        self.held_sms = held_sms
+        self.sm_count = (self.device_sm_count - held_sms if sm_count_target is None
+                         else sm_count_target or self.device_sm_count)
+        if not 1 <= self.sm_count <= self.device_sm_count:
+            raise ValueError(f"sm_count_target {sm_count_target} not in [0, "
+                             f"{self.device_sm_count}]")
         if major < 8:
             raise CudaError(f"compute capability {major}.{minor}: bf16 tensor cores need >= 8.0")
         self.programmatic_launch = programmatic_launch and major >= 9  # PDL needs sm_90
@@ -458,7 +473,8 @@ class CudaForward:
                  random_seed: int = 0, skinny: bool = True,
                  decode_min_keys: int | None = None, programmatic_launch: bool = True,
                  fuse_norm_rope: bool = True, max_attention_splits: int | None = None,
-                 gemm_tuning: bool = True):
+                 gemm_tuning: bool = True, held_sms: int = 1,
+                 sm_count_target: int | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -472,7 +488,13 @@ class CudaForward:
         max_attention_splits: caps attention_splits below the kernel's own cap (the comparison
         bench_decode --options makes). gemm_tuning: each cuBLAS GEMM shape runs the fastest of
         cuBLAS's own choice and cuBLASLt's candidates, timed at start-up or read from the cache
-        (gemm_tuning.py; False: cuBLAS's own choice everywhere)."""
+        (gemm_tuning.py; False: cuBLAS's own choice everywhere).
+        held_sms: SMs another kernel holds while the graphs run: the scheduler kernel's one CTA
+        (0 where the host launches them). The graphs' kernels are sized for the other SMs
+        (cuBLAS's SM count target, the attention grids), and bench_decode and the GEMM tuner
+        time them beside held_sms spinning CTAs (holding_sms). sm_count_target: size them for
+        this many SMs instead (0: all the device's; the comparison bench_decode --options
+        makes)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -496,19 +518,25 @@ class CudaForward:
                                 else decode_min_keys)
         self._memory: list[DeviceArray] = []
 
-        self.kernels = ForwardKernels(D, device, programmatic_launch)
+        self.kernels = k = ForwardKernels(D, device, programmatic_launch, held_sms,
+                                          sm_count_target)
         self.stream = new_stream()
         self.blas = Cublas()
         self.blas.set_stream(int(self.stream))  # before set_workspace: it resets the workspace
         self.workspace = self._alloc(workspace_bytes, np.uint8)
         self.blas.set_workspace(self.workspace.ptr, workspace_bytes)
         self.blas.set_pointer_mode(device=False)
+        # cuBLAS sizes its persistent GEMMs' grids for the device's SMs: with one held, one CTA
+        # of such a grid waits for a second round
+        self.blas.set_sm_count_target(0 if k.sm_count == k.device_sm_count else k.sm_count)
+        self._hold_release = self._alloc(1, np.uint32) if k.held_sms else None
         self.gemm_tuner = None
         if gemm_tuning:
-            name = check(driver.cuDeviceGetName(256, self.kernels.device), "cuDeviceGetName")
+            name = check(driver.cuDeviceGetName(256, k.device), "cuDeviceGetName")
             path = cache_file(cache_dir("gemm"), name.split(b"\0")[0].decode(),
-                              self.blas.version, workspace_bytes)
-            self.gemm_tuner = GemmTuner(self.blas, self.stream, ChoiceCache(path))
+                              self.blas.version, workspace_bytes, self.blas.sm_count_target)
+            self.gemm_tuner = GemmTuner(self.blas, self.stream, ChoiceCache(path),
+                                        beside=self.holding_sms)
 
         if weights is not None:
             self._upload_weights(weights)
@@ -926,6 +954,27 @@ class CudaForward:
             raise CudaError(f"done_counter moved from {before} to {self.done_count()}, not by 1")
         logits = self.logits.download(L * cfg.vocab_size).reshape(L, cfg.vocab_size)
         return logits, self.sampled.download(L)
+
+    @contextlib.contextmanager
+    def holding_sms(self):
+        """`with fwd.holding_sms():` held_sms CTAs (blink_hold_sm, the scheduler kernel's
+        thread count) spin on their own stream while the body runs graphs on self.stream, as
+        the scheduler kernel's CTA holds its SM while the graphs it launched run."""
+        if self._hold_release is None:
+            yield
+            return
+        k = self.kernels
+        self._hold_release.fill_bytes(0)
+        hold, release = new_stream(), new_stream()
+        try:
+            launch(k.fn["blink_hold_sm"], k.held_sms, engine_layout.SCHEDULER_THREADS,
+                   (self._hold_release.ptr,), (ctypes.c_void_p,), hold)
+            yield
+        finally:  # the release comes on a stream of its own: the holding one is busy
+            check(driver.cuMemsetD32Async(self._hold_release.ptr, 1, 1, release))
+            synchronize(hold)
+            driver.cuStreamDestroy(hold)
+            driver.cuStreamDestroy(release)
 
     def close(self) -> None:
         for exe in self.graph_execs.values():

@@ -10,11 +10,12 @@ heuristic offers, on the model's own weights (every layer's, in order, as the st
 so no run finds its weights in L2). The fastest replaces cuBLAS's own when at least MARGIN
 faster.
 
-Choices are cached on disk per GPU model, cuBLAS version and workspace size (an algorithm may be
-stored and restored for the same cuBLAS version). Tuning holds a lock on the cache and reads it
-again once it has the lock, so engines starting together on one machine take each other's
-choices rather than time the same shapes twice: every engine there runs a shape with the same
-kernel, and the same bits from the same inputs.
+The timing runs beside what the live engine's graphs run beside (`beside`: the scheduler
+kernel's held SM). Choices are cached on disk per GPU model, cuBLAS version, workspace size and
+SM count target (an algorithm may be stored and restored for the same cuBLAS version). Tuning
+holds a lock on the cache and reads it again once it has the lock, so engines starting together
+on one machine take each other's choices rather than time the same shapes twice: every engine
+there runs a shape with the same kernel, and the same bits from the same inputs.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,11 +140,13 @@ class ChoiceCache:
 
 
 def cache_file(directory: Path, device_name: str, cublas_version: int,
-               workspace_bytes: int) -> Path:
-    """Where one GPU model, cuBLAS version and workspace size keep their choices (the
-    workspace bounds which algorithms can run)."""
+               workspace_bytes: int, sm_count_target: int = 0) -> Path:
+    """Where one GPU model, cuBLAS version, workspace size and SM count target (0: the
+    device's) keep their choices (the workspace bounds which algorithms can run, the target
+    how cuBLAS sizes them)."""
     device = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower() or "gpu"
-    return directory / (f"{device}-cublas{cublas_version}-ws{workspace_bytes >> 20}m"
+    sms = f"-sms{sm_count_target}" if sm_count_target else ""
+    return directory / (f"{device}-cublas{cublas_version}-ws{workspace_bytes >> 20}m{sms}"
                         f"-v{METHOD_VERSION}.json")
 
 
@@ -152,6 +156,8 @@ class GemmTuner:
     blas: Cublas
     stream: object                    # the CUstream blas runs on
     cache: ChoiceCache
+    # a context the timing runs in: CudaForward.holding_sms, the scheduler kernel's held SM
+    beside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     choices: dict[str, Choice] = field(default_factory=dict)  # by shape key, this process
     seconds: float = 0.0              # spent timing
     timed: int = 0                    # shapes timed here (not found in the cache)
@@ -238,14 +244,15 @@ class GemmTuner:
                     exes.append(None)
             # the clock first (WARMUP_S of cuBLAS's own graph), then every graph once a round:
             # a clock still rising or a GPU heating up then favours no algorithm over another
-            first = replay_us(exes[0])
-            for _ in range(min(100, int(WARMUP_S * 1e6 / max(first, 1.0)))):
-                check(cu.cuGraphLaunch(exes[0], self.stream))
-            best = [float("inf")] * len(exes)
-            for _ in range(ROUNDS):
-                for i, exe in enumerate(exes):
-                    if exe is not None:
-                        best[i] = min(best[i], replay_us(exe))
+            with self.beside():
+                first = replay_us(exes[0])
+                for _ in range(min(100, int(WARMUP_S * 1e6 / max(first, 1.0)))):
+                    check(cu.cuGraphLaunch(exes[0], self.stream))
+                best = [float("inf")] * len(exes)
+                for _ in range(ROUNDS):
+                    for i, exe in enumerate(exes):
+                        if exe is not None:
+                            best[i] = min(best[i], replay_us(exe))
         finally:
             for exe in exes:
                 if exe is not None:

@@ -49,6 +49,9 @@ class EngineConfig:
     # CUDA engines: time cuBLAS's own GEMM choice against cuBLASLt's candidates at start-up and
     # keep the fastest per shape (gpu_engine/gemm_tuning.py); False: cuBLAS's own everywhere
     gemm_tuning: bool = True
+    # CUDA engines: the SMs the forward pass's kernels are sized for (cuBLAS's SM count target,
+    # the attention grids); None: the device's less those the scheduler kernel holds; 0: all
+    sm_count_target: int | None = None
 
     def __post_init__(self):
         if self.num_slots < 1 or self.block_size < 1:

@@ -1016,6 +1016,37 @@ def test_forward_programmatic_launch_matches_plain_launches(cf, models):
         plain.close()
 
 
+def test_forward_sized_for_the_sms_the_scheduler_leaves(cf, models):
+    """The scheduler kernel's CTA holds an SM while the graphs it launched run: by default the
+    forward's kernels are sized for the others (cuBLAS's SM count target, the attention grids),
+    and holding_sms holds one as it does (what bench_decode and the GEMM tuner time beside).
+    A graph run beside the held SM gives the logits it gives alone, and the SM is let go."""
+    cfg, w, engine = models["llama"]
+    k = engine.kernels
+    assert (k.held_sms, k.sm_count) == (1, k.device_sm_count - 1)
+    assert engine.blas.sm_count_target == k.sm_count
+    batch = make_batch([(prompt(cfg, 40, seed=9), 0, np.arange(6))])
+    engine.fill_kv_cache(0)
+    alone, _ = engine.run(batch)
+    with engine.holding_sms():
+        beside, _ = engine.run(batch)
+    np.testing.assert_array_equal(alone, beside)
+    again, _ = engine.run(batch)  # after the release: nothing left spinning in the way
+    np.testing.assert_array_equal(alone, again)
+    whole = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                           max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
+                           capture=False, held_sms=0)  # host-launched graphs
+    try:
+        assert whole.kernels.sm_count == k.device_sm_count and whole.blas.sm_count_target == 0
+        with whole.holding_sms():  # nothing to hold
+            pass
+    finally:
+        whole.close()
+    with pytest.raises(ValueError, match="held_sms"):
+        cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK, capture=False,
+                       held_sms=k.device_sm_count)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_forward_fused_norm_rope_matches_separate_kernels(cf, models, arch):
     """Decode buckets run RMSNorm inside the projections and RoPE + KV write inside the qkv

@@ -4,6 +4,7 @@ candidates, operands put back to zero, choices shared through the cache). cuBLAS
 timings run on the GPU: test_cuda_forward.py."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -54,6 +55,9 @@ def test_cache_round_trip_merges_and_survives_garbage(tmp_path):
     assert path.name == f"nvidia-h200-141-gb-cublas130100-ws32m-v{METHOD_VERSION}.json"
     assert cache_file(tmp_path, "NVIDIA H200", 130100, 8 << 20) != \
         cache_file(tmp_path, "NVIDIA H200", 130100, 32 << 20)
+    # GEMMs sized for the SMs the scheduler leaves are other kernels: their own file
+    assert cache_file(tmp_path, "NVIDIA H200", 130100, 32 << 20, 131).name == \
+        f"nvidia-h200-cublas130100-ws32m-sms131-v{METHOD_VERSION}.json"
     cache = ChoiceCache(path)
     assert cache.load() == {}
     first = {"a": Choice(algo(1), 267.0, 145.4, "id 6 tile 20 split-k 1"),
@@ -219,9 +223,18 @@ def recorded(rows: int, layers: int = 3) -> list[GemmCall]:
 def test_the_tuner_times_round_robin_and_keeps_the_fastest(fake_gpu, tmp_path, caplog):
     from blink.gpu_engine.gemm_tuning import ROUNDS, GemmTuner
     blas = FakeBlas(fake_gpu, ["slow", "fast", "broken"], broken={"broken"})
-    tuner = GemmTuner(blas, stream=None, cache=ChoiceCache(tmp_path / "c.json"))
+    beside = []  # (first, end) launches while the held SM's context was open
+
+    @contextlib.contextmanager
+    def holding_sms():
+        first = len(fake_gpu.launched)
+        yield
+        beside.append((first, len(fake_gpu.launched)))
+    tuner = GemmTuner(blas, stream=None, cache=ChoiceCache(tmp_path / "c.json"),
+                      beside=holding_sms)
     calls = recorded(24)
     tuner.tune(calls)
+    assert beside == [(0, len(fake_gpu.launched))]  # every replay timed beside it
     shape = calls[0].shape
     assert algo_name(blas.algos[shape]) == "fast"
     choice = tuner.choices[shape.key]

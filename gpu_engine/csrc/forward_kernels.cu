@@ -152,4 +152,13 @@ __global__ void blink_signal_done(BatchDesc* desc) {
   blink::SignalDoneCta(desc);
 }
 
+// Not part of the forward pass: a CTA that holds its SM until *release is nonzero, as the
+// scheduler kernel's CTA holds one while the forward graphs it launched run. bench_decode and
+// the GEMM tuner time graphs beside it (CudaForward.holding_sms) so that they see the GPU the
+// live engine sees. Launched with the scheduler's thread count: like its CTA, it leaves no room
+// on its SM for a cuBLAS CTA or a third attention CTA.
+__global__ void blink_hold_sm(const volatile uint32_t* release) {
+  while (*release == 0) __nanosleep(2000);
+}
+
 }  // extern "C"
