@@ -53,6 +53,8 @@ def _check_engine_args(args) -> None:
         sys.exit("blink: --gpu-memory-utilization must be in (0, 1]")
     if args.hf_static_cache and args.engine != "hf":
         sys.exit("blink: --hf-static-cache is an option of --engine hf")
+    if args.step_log is not None and args.engine not in ("cuda", "auto"):
+        sys.exit("blink: --step-log is an option of the cuda engine")
 
 
 def _rdma_addr(text: str) -> tuple[str, int]:
@@ -146,6 +148,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "sized for (cuBLAS's SM count target, the attention grids); default: "
                         "the GPU's, less the one the cuda engine's scheduler kernel holds; 0: "
                         "all of them")
+    p.add_argument("--step-log", type=Path, default=None, metavar="PATH",
+                   help="cuda engine: time every step's phases on the GPU and write the last "
+                        "262,144 steps to PATH (.npy) when the engine stops; "
+                        "python -m blink.gpu_engine.step_log PATH summarizes them")
 
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:
@@ -254,11 +260,13 @@ def cmd_engine(args) -> None:
     config = _engine_config(args, _model_dir(
         args.model, need_weights=args.load_format != "dummy" and args.engine != "synthetic"))
     kind = choose_engine(args.engine)
+    if args.step_log is not None and kind != "cuda":
+        sys.exit(f"blink engine: --step-log is an option of the cuda engine, not {kind}")
     export = _ring_export(args)
     try:
         if kind == "cuda":
             from blink.gpu_engine.cuda_engine import run_cuda_engine
-            run_cuda_engine(config, args.gpu_memory_utilization)
+            run_cuda_engine(config, args.gpu_memory_utilization, step_log=args.step_log)
             return
         from blink.gpu_engine.reference_engine import run_engine
         if kind == "host-cuda":
@@ -404,6 +412,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv.append("--no-gemm-tuning")
     if args.sm_count_target is not None:
         argv += ["--sm-count-target", str(args.sm_count_target)]
+    if args.step_log is not None:
+        argv += ["--step-log", str(args.step_log.resolve())]
     if args.transport == "rdma":
         host, port = args.rdma_addr
         host = f"[{host}]" if ":" in host else host  # an IPv6 address

@@ -6,6 +6,11 @@ launchable forward graph per token bucket, initialise the scheduler state and la
 scheduler graph. From then on the host does no per-request or per-step work: it sleeps, checks
 the control block for a device-side error once in a while, and on SIGTERM asks the kernel to
 stop and waits for it.
+
+With a step log (`--step-log PATH`), the kernel also times every step's phases into device
+memory (engine_layout.StepRecord: batch description, forward graph, samples), the last
+STEP_LOG_CAPACITY of them, and the host writes them to PATH when the engine stops
+(gpu_engine/step_log.py summarizes them).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -23,6 +29,7 @@ from blink.gpu_engine.checkpoint import load_config, load_weights
 from blink.gpu_engine.cuda_forward import CudaForward
 from blink.gpu_engine.reference_engine import EngineConfig, served_context_length
 from blink.gpu_engine.ring_server import CORRUPT_GRACE_S, RingServer
+from blink.gpu_engine.step_log import save_step_log
 from blink.ring.layout import EngineKind, EngineState, RingGeometry
 
 log = logging.getLogger("blink.engine")
@@ -34,6 +41,8 @@ KERNEL_SOURCE = cr.CSRC / "scheduler_kernel.cu"
 # (__nanosleep sleeps up to twice that) delays a new request's admission by a few us at most,
 # small next to one forward step.
 IDLE_SLEEP_NS = 2000
+# Steps a step log keeps (the last ones): 10 MiB of device memory, minutes of a busy engine.
+STEP_LOG_CAPACITY = 1 << 18
 
 P = ctypes.c_void_p  # every kernel argument here is a device address
 
@@ -59,7 +68,8 @@ class MappedControl:
 
 
 class CudaEngine:
-    def __init__(self, config: EngineConfig, *, gpu_memory_utilization: float = 0.9):
+    def __init__(self, config: EngineConfig, *, gpu_memory_utilization: float = 0.9,
+                 step_log: Path | None = None):
         if config.num_slots > el.MAX_SLOTS:
             raise ValueError(f"the CUDA engine supports at most {el.MAX_SLOTS} slots")
         self.config = config
@@ -93,6 +103,11 @@ class CudaEngine:
         self.module = cr.Module(cr.link_device_runtime(cr.nvcc_cubin(KERNEL_SOURCE,
                                                                       relocatable=True)))
         self.control = MappedControl()
+        self.step_log_path = step_log
+        self.step_log = None
+        if step_log is not None:
+            self.step_log = cr.DeviceBuffer(STEP_LOG_CAPACITY * el.STEP_RECORD_DTYPE.itemsize)
+            self.step_log.zero()
         self._init_device_state(geom, num_blocks)
         self.stream = cr.new_stream()
         fn = self.module.function("scheduler_run")
@@ -141,7 +156,9 @@ class CudaEngine:
             forward_pointers={n: self.forward.pointer("desc" if n == "num_tokens" else n)
                               for n in el.FORWARD_POINTERS},
             max_blocks_per_seq=self.forward.max_blocks_per_seq,
-            graph_execs={b: cr.graph_exec_handle(e) for b, e in self.forward.graph_execs.items()})
+            graph_execs={b: cr.graph_exec_handle(e) for b, e in self.forward.graph_execs.items()},
+            step_log=self.step_log.ptr if self.step_log else 0,
+            step_log_capacity=STEP_LOG_CAPACITY if self.step_log else 0)
         init_buf = cr.DeviceBuffer(el.ENGINE_INIT_DTYPE.itemsize)
         init_buf.upload(init.tobytes())
         cr.launch(self.module.function("engine_init"), 1, 1,
@@ -166,14 +183,22 @@ class CudaEngine:
         cr.check(cr.cu.cuStreamSynchronize(self.stream))
 
     def close(self) -> None:
+        if self.step_log is not None and int(self.control.read()["exited"]):
+            records = np.frombuffer(self.step_log.download(), el.STEP_RECORD_DTYPE)
+            steps = int(self.ring.header["engine_steps"])
+            save_step_log(self.step_log_path, records, steps)
+            log.info("step log: the last %d of %d steps written to %s",
+                     min(steps, len(records)), steps, self.step_log_path)
         self.ring.set_state(EngineState.STOPPED)
         self.ring_map.close()
         self.ring.close()
         log.info("engine stopped")
 
 
-def run_cuda_engine(config: EngineConfig, gpu_memory_utilization: float = 0.9) -> None:
-    engine = CudaEngine(config, gpu_memory_utilization=gpu_memory_utilization)
+def run_cuda_engine(config: EngineConfig, gpu_memory_utilization: float = 0.9,
+                    step_log: Path | None = None) -> None:
+    engine = CudaEngine(config, gpu_memory_utilization=gpu_memory_utilization,
+                        step_log=step_log)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: engine.stop_event.set())
     engine.start()

@@ -117,6 +117,22 @@ ENGINE_SIZES_DTYPE = struct("EngineSizes", [
     ("config_ok", doc("<u4", "1 when sched::config_error accepts the config")),
 ])
 
+# One step that ran a forward pass, as the scheduler kernel times it (globaltimer ns), for
+# profiling (`--step-log`): the engine keeps the last step_log_capacity of them in device memory,
+# step n at n % capacity, and writes them out when it stops (gpu_engine/step_log.py reads them).
+STEP_RECORD_DTYPE = struct("StepRecord", [
+    ("start_ns", doc("<u8", "globaltimer when the step began writing its batch description")),
+    ("tokens", doc("<u4", "tokens the forward pass computed (prefill chunks + decode tokens)")),
+    ("seqs", doc("<u4", "sequences scheduled")),
+    ("rows", doc("<u4", "logits rows: sequences that sample this step")),
+    ("bucket", doc("<u4", "the forward graph's token count")),
+    ("build_ns", doc("<u4", "writing the batch description")),
+    ("forward_ns", doc("<u4", "the graph's launch (retries included) until its done counter "
+                              "moved")),
+    ("finish_ns", doc("<u4", "samples to records, stop checks, retirement")),
+    ("launch_retries", doc("<u4", "launches refused while the previous one retired")),
+])
+
 # engine_init's one argument: everything the engine's state starts from.
 ENGINE_INIT_DTYPE = struct("EngineInit", [
     ("sched", SCHED_CONFIG_DTYPE),
@@ -134,10 +150,12 @@ ENGINE_INIT_DTYPE = struct("EngineInit", [
     ("eos_ids", ("<i4", (MAX_EOS_IDS,))),
     ("corrupt_grace_ns", doc("<u8", "a slot whose CRC stays wrong this long is rejected")),
     ("idle_sleep_ns", doc("<u4", "__nanosleep after an iteration with nothing to schedule")),
+    ("step_log", pointer("StepRecord*", "[step_log_capacity], or null: no step log")),
+    ("step_log_capacity", "<u4"),
 ])
 
 STRUCTS = (CONTROL_DTYPE, SCHED_CONFIG_DTYPE, RING_VIEW_DTYPE, FORWARD_PTRS_DTYPE,
-           ENGINE_SIZES_DTYPE, ENGINE_INIT_DTYPE)  # in declaration order
+           ENGINE_SIZES_DTYPE, STEP_RECORD_DTYPE, ENGINE_INIT_DTYPE)  # in declaration order
 
 
 def sched_config(**fields: int) -> np.ndarray:
@@ -156,13 +174,16 @@ def engine_init_record(*, sched: np.ndarray, ring_base: int, geom: RingGeometry,
                        staged_prompts: int, vocab_size: int, context_length: int,
                        kv_capacity_tokens: int, eos_ids: Sequence[int], corrupt_grace_ns: int,
                        idle_sleep_ns: int, forward_pointers: Mapping[str, int],
-                       max_blocks_per_seq: int, graph_execs: Mapping[int, int]) -> np.ndarray:
+                       max_blocks_per_seq: int, graph_execs: Mapping[int, int],
+                       step_log: int = 0, step_log_capacity: int = 0) -> np.ndarray:
     """The EngineInit record (shape ()) whose bytes engine_init reads.
 
     sched: a `sched_config` record. Addresses are device addresses. forward_pointers: a device
     address for each of FORWARD_POINTERS. graph_execs: bucket token count -> its
-    cudaGraphExec_t handle.
+    cudaGraphExec_t handle. step_log: room for step_log_capacity StepRecords (0: none).
     """
+    if bool(step_log) != bool(step_log_capacity):
+        raise ValueError("a step log needs both its address and its capacity")
     if sorted(forward_pointers) != sorted(FORWARD_POINTERS):
         raise ValueError(f"forward pointers {sorted(forward_pointers)} are not ForwardPtrs' "
                          f"{sorted(FORWARD_POINTERS)}")
@@ -198,6 +219,8 @@ def engine_init_record(*, sched: np.ndarray, ring_base: int, geom: RingGeometry,
     rec["eos_ids"][:len(eos_ids)] = eos_ids
     rec["corrupt_grace_ns"] = corrupt_grace_ns
     rec["idle_sleep_ns"] = idle_sleep_ns
+    rec["step_log"] = step_log
+    rec["step_log_capacity"] = step_log_capacity
     return rec
 
 

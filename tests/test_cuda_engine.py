@@ -17,6 +17,7 @@ import signal
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -402,17 +403,27 @@ def test_cuda_engine_llama_1b_shape(tmp_path_factory, cuda_stacks):
 
 def test_cuda_engine_stops_cleanly(checkpoints, tmp_path):
     """SIGTERM: the host asks the scheduler kernel to stop, the kernel exits (no relaunch), the
-    process ends with status 0, the ring is removed and the front end reports NOT_SERVING."""
+    process ends with status 0, the ring is removed and the front end reports NOT_SERVING. The
+    engine ran with a step log: it holds every step, and its phases add up to the engine's own
+    counters (steps, tokens, busy time)."""
     from conftest import BlinkStack
 
+    from blink.gpu_engine.step_log import format_table, load_step_log, summarize
     from blink.ring.shm import shm_path
-    stack = BlinkStack(checkpoints["llama"], tmp_path, engine_args=CUDA)
+    step_log = tmp_path / "steps.npy"
+    stack = BlinkStack(checkpoints["llama"], tmp_path, engine_args=[*CUDA, "--step-log",
+                                                                    str(step_log)])
     try:
         stack.start_engine()
         stack.start_frontend()
         stack.wait_serving(timeout=120)
         with BlinkClient(stack.target) as client:
             assert client.generate("before stop", GREEDY).completion_tokens == 16
+            prompts = [f"a step-log prompt {i} " * (1 + i % 5) for i in range(8)]
+            with ThreadPoolExecutor(8) as pool:
+                assert all(r.completion_tokens == 16
+                           for r in pool.map(lambda p: client.generate(p, GREEDY), prompts))
+            stats = client.stats()
             stack.engine.send_signal(signal.SIGTERM)
             assert stack.engine.wait(15) == 0, stack.logs()
             assert not shm_path(stack.ring_name).exists()
@@ -420,6 +431,16 @@ def test_cuda_engine_stops_cleanly(checkpoints, tmp_path):
             while client.health() != "NOT_SERVING" and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert client.health() == "NOT_SERVING"
+        steps = load_step_log(step_log)
+        assert len(steps) == stats["engine_steps"] > 16  # the first request alone took 16
+        assert int(steps["tokens"].sum()) == stats["engine_step_tokens"]
+        phases = steps["build_ns"].astype(np.int64) + steps["forward_ns"] + steps["finish_ns"]
+        assert int(phases.sum()) == stats["engine_busy_ns"]
+        assert (np.diff(steps["start_ns"].astype(np.int64)) >= phases[:-1]).all()  # in order
+        assert (steps["forward_ns"] > 0).all() and (steps["bucket"] >= steps["tokens"]).all()
+        assert (steps["rows"] <= steps["seqs"]).all() and (steps["seqs"] <= steps["tokens"]).all()
+        assert steps["seqs"].max() > 1  # the concurrent requests shared steps
+        print(format_table(summarize(steps)))
         print("engine stop: SIGTERM -> kernel exited, status 0, ring removed")
     finally:
         stack.stop()

@@ -111,6 +111,28 @@ static_assert(offsetof(EngineSizes, sched_bytes) == 8, "EngineSizes.sched_bytes"
 static_assert(offsetof(EngineSizes, max_blocks_per_seq) == 16, "EngineSizes.max_blocks_per_seq");
 static_assert(offsetof(EngineSizes, config_ok) == 20, "EngineSizes.config_ok");
 
+struct StepRecord {
+  uint64_t start_ns;  // @0 globaltimer when the step began writing its batch description
+  uint32_t tokens;  // @8 tokens the forward pass computed (prefill chunks + decode tokens)
+  uint32_t seqs;  // @12 sequences scheduled
+  uint32_t rows;  // @16 logits rows: sequences that sample this step
+  uint32_t bucket;  // @20 the forward graph's token count
+  uint32_t build_ns;  // @24 writing the batch description
+  uint32_t forward_ns;  // @28 the graph's launch (retries included) until its done counter moved
+  uint32_t finish_ns;  // @32 samples to records, stop checks, retirement
+  uint32_t launch_retries;  // @36 launches refused while the previous one retired
+};
+static_assert(sizeof(StepRecord) == 40, "StepRecord size");
+static_assert(offsetof(StepRecord, start_ns) == 0, "StepRecord.start_ns");
+static_assert(offsetof(StepRecord, tokens) == 8, "StepRecord.tokens");
+static_assert(offsetof(StepRecord, seqs) == 12, "StepRecord.seqs");
+static_assert(offsetof(StepRecord, rows) == 16, "StepRecord.rows");
+static_assert(offsetof(StepRecord, bucket) == 20, "StepRecord.bucket");
+static_assert(offsetof(StepRecord, build_ns) == 24, "StepRecord.build_ns");
+static_assert(offsetof(StepRecord, forward_ns) == 28, "StepRecord.forward_ns");
+static_assert(offsetof(StepRecord, finish_ns) == 32, "StepRecord.finish_ns");
+static_assert(offsetof(StepRecord, launch_retries) == 36, "StepRecord.launch_retries");
+
 struct EngineInit {
   SchedConfig sched;  // @0
   RingView ring;  // @24
@@ -127,8 +149,10 @@ struct EngineInit {
   int32_t eos_ids[8];  // @632
   uint64_t corrupt_grace_ns;  // @664 a slot whose CRC stays wrong this long is rejected
   uint32_t idle_sleep_ns;  // @672 __nanosleep after an iteration with nothing to schedule
+  StepRecord* step_log;  // @680 [step_log_capacity], or null: no step log
+  uint32_t step_log_capacity;  // @688
 };
-static_assert(sizeof(EngineInit) == 680, "EngineInit size");
+static_assert(sizeof(EngineInit) == 696, "EngineInit size");
 static_assert(offsetof(EngineInit, sched) == 0, "EngineInit.sched");
 static_assert(offsetof(EngineInit, ring) == 24, "EngineInit.ring");
 static_assert(offsetof(EngineInit, fwd) == 72, "EngineInit.fwd");
@@ -144,5 +168,7 @@ static_assert(offsetof(EngineInit, num_eos) == 628, "EngineInit.num_eos");
 static_assert(offsetof(EngineInit, eos_ids) == 632, "EngineInit.eos_ids");
 static_assert(offsetof(EngineInit, corrupt_grace_ns) == 664, "EngineInit.corrupt_grace_ns");
 static_assert(offsetof(EngineInit, idle_sleep_ns) == 672, "EngineInit.idle_sleep_ns");
+static_assert(offsetof(EngineInit, step_log) == 680, "EngineInit.step_log");
+static_assert(offsetof(EngineInit, step_log_capacity) == 688, "EngineInit.step_log_capacity");
 
 }  // namespace blink::engine

@@ -11,8 +11,10 @@
 // one `SchedState`; carve them from one buffer with `state_layout` + `state_bind`.
 //
 // Threading: everything is serial (called by one thread, thread 0 of the scheduler CTA) except
-// the `*_cta` functions at the end, which every thread of the CTA calls together, and
-// `prompt_tokens_in_range`, which each thread may call on its own strided share.
+// the `*_cta` functions at the end, which every thread of the CTA calls together,
+// `prompt_tokens_in_range`, which each thread may call on its own strided share, and the
+// per-entry pieces of a step (`entry_samples`, `describe_entry`, `commit_entry`, and
+// `consume_sample` for one logits row), which touch only their own sequence: a thread each.
 //
 // Cost on one H200 thread (1.98 GHz), 256 running sequences, state in global memory: a decode
 // step's schedule_step + commit_step ~137 k cycles (~0.27 us a sequence; ~108 k when the caller
@@ -455,9 +457,13 @@ BLINK_HD inline void schedule_step(SchedState& s, StepPlan& plan) {
 }
 
 // After the forward pass: the scheduled tokens are computed (ReferenceEngine.step).
+// Plan entry k's share of commit_step (entries have distinct slots: one thread each may run it).
+BLINK_HD inline void commit_entry(SchedState& s, const StepPlan& plan, int32_t k) {
+  s.seqs[plan.slots[k]].num_computed += plan.num_new_tokens[k];
+}
+
 BLINK_HD inline void commit_step(SchedState& s, const StepPlan& plan) {
-  for (int32_t k = 0; k < plan.num_scheduled; ++k)
-    s.seqs[plan.slots[k]].num_computed += plan.num_new_tokens[k];
+  for (int32_t k = 0; k < plan.num_scheduled; ++k) commit_entry(s, plan, k);
 }
 
 // After commit_step: whether this scheduled sequence samples (its last known token was just
@@ -549,26 +555,42 @@ struct BatchSize {
   int32_t num_rows;       // logits rows: the sequences that sample this step, in plan order
 };
 
+// Before commit_step: whether plan entry k samples this step (samples_now after commit_step).
+BLINK_HD inline bool entry_samples(const SchedState& s, const StepPlan& plan, int32_t k) {
+  const SeqState& q = s.seqs[plan.slots[k]];
+  return q.num_computed + plan.num_new_tokens[k] == q.num_tokens;
+}
+
+// Plan entry k's share of describe_batch, given where its tokens start in the batch (`start`:
+// the new tokens of the entries before it) and the logits row it takes if it samples (`row`:
+// the entries before it that sample). Entries write disjoint elements: one thread each may run
+// it once those two sums are known (the scheduler kernel's BuildBatch scans them).
+BLINK_HD inline void describe_entry(const SchedState& s, const StepPlan& plan, int32_t k,
+                                    int32_t start, int32_t row, const BatchView& out) {
+  const SeqState& q = s.seqs[plan.slots[k]];
+  const int32_t end = q.num_computed + plan.num_new_tokens[k];
+  out.starts[k + 1] = start + plan.num_new_tokens[k];
+  out.context_lens[k] = end;
+  if (end == q.num_tokens) {  // entry_samples
+    out.logit_token[row] = out.starts[k + 1] - 1;
+    out.temperature[row] = q.params.temperature;
+    out.top_p[row] = q.params.top_p;
+    out.top_k[row] = q.params.top_k;
+    out.seed[row] = q.params.seed;
+    out.step[row] = q.num_output;
+    out.row_slot[row] = q.slot;
+  }
+}
+
 // ReferenceEngine._build_batch, before commit_step (num_computed is still the step's first position).
 BLINK_HD inline BatchSize describe_batch(const SchedState& s, const StepPlan& plan,
                                          const BatchView& out) {
   int32_t rows = 0;
   out.starts[0] = 0;
   for (int32_t k = 0; k < plan.num_scheduled; ++k) {
-    const SeqState& q = s.seqs[plan.slots[k]];
-    const int32_t end = q.num_computed + plan.num_new_tokens[k];
-    out.starts[k + 1] = out.starts[k] + plan.num_new_tokens[k];
-    out.context_lens[k] = end;
-    if (end == q.num_tokens) {  // samples this step (samples_now after commit_step)
-      out.logit_token[rows] = out.starts[k + 1] - 1;
-      out.temperature[rows] = q.params.temperature;
-      out.top_p[rows] = q.params.top_p;
-      out.top_k[rows] = q.params.top_k;
-      out.seed[rows] = q.params.seed;
-      out.step[rows] = q.num_output;
-      out.row_slot[rows] = q.slot;
-      ++rows;
-    }
+    const bool samples = entry_samples(s, plan, k);
+    describe_entry(s, plan, k, out.starts[k], rows, out);
+    rows += samples ? 1 : 0;
   }
   return {out.starts[plan.num_scheduled], rows};
 }

@@ -29,10 +29,13 @@ using engine::EngineSizes;
 using engine::ForwardPtrs;
 using engine::kMaxBuckets;
 using engine::RingView;
+using engine::StepRecord;
 using sched::kMaxSlots;  // ring slots at most (config_error refuses more)
 using sched::SchedConfig;
 
 static constexpr int kThreads = engine::kSchedulerThreads;
+static constexpr int kWarpSize = 32;
+static constexpr unsigned kFullMask = 0xffffffffu;
 
 struct Counters {
   uint64_t requests_admitted, requests_finished, requests_cancelled, requests_rejected;
@@ -55,6 +58,8 @@ struct EngineDevice {
   int32_t eos_ids[ring::kMaxEosIds];
   uint64_t corrupt_grace_ns;
   uint32_t idle_sleep_ns;
+  StepRecord* step_log;  // [step_log_capacity] or null: step n at n % step_log_capacity
+  uint32_t step_log_capacity;
   Counters counters;
   sched::StepPlan plan;
   // admission, per iteration: accepted requests (sorted by request id before add_seq)
@@ -270,37 +275,84 @@ __device__ void PublishStats(EngineDevice& e) {
 
 // --- one forward step --------------------------------------------------------------------------
 
-// Writes the batch description of e.plan into the forward graphs' arrays (whole CTA).
+// Inclusive sums of a and of b over the CTA's threads in thread order (two scans at once);
+// *total_a, *total_b: the whole CTA's. Every thread calls it.
+__device__ void CtaInclusiveSums(int32_t& a, int32_t& b, int32_t* total_a, int32_t* total_b) {
+  constexpr int kWarps = kThreads / kWarpSize;
+  __shared__ int32_t s_warp[2][kWarps];
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  for (int o = 1; o < kWarpSize; o <<= 1) {
+    const int32_t x = __shfl_up_sync(kFullMask, a, o), y = __shfl_up_sync(kFullMask, b, o);
+    if (lane >= o) {
+      a += x;
+      b += y;
+    }
+  }
+  if (lane == kWarpSize - 1) {
+    s_warp[0][warp] = a;
+    s_warp[1][warp] = b;
+  }
+  __syncthreads();
+  int32_t sum_a = 0, sum_b = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    if (w == warp) {
+      a += sum_a;
+      b += sum_b;
+    }
+    sum_a += s_warp[0][w];
+    sum_b += s_warp[1][w];
+  }
+  *total_a = sum_a;
+  *total_b = sum_b;
+  __syncthreads();  // s_warp may be reused
+}
+
+// Writes the batch description of e.plan into the forward graphs' arrays, the whole CTA:
+// describe_batch's entries a thread each (two CTA-wide sums give each entry's first token and
+// logits row, as describe_batch's running sums do), then each entry's tokens and block table a
+// warp each. (Thread 0 walking the entries one after another, each an L2 round trip or more,
+// took 440 us a step at 256 sequences: --step-log's build time.)
 __device__ int BuildBatch(EngineDevice& e) {
+  static_assert(sched::kMaxStepSeqs <= kThreads, "a thread per plan entry");
   __shared__ int32_t s_start[sched::kMaxStepSeqs + 1];
   const sched::StepPlan& plan = e.plan;
   ForwardPtrs& f = e.fwd;
-  if (threadIdx.x == 0) {
-    const sched::BatchSize size = sched::describe_batch(
-        e.sched, plan, {s_start, f.context_lens, f.logit_token, f.temperature, f.top_p, f.top_k,
-                        f.seed, f.step, e.row_slot});
-    e.num_rows = size.num_rows;
-    f.num_tokens[0] = size.num_tokens;
-    f.num_tokens[1] = plan.num_scheduled;
-    f.num_tokens[2] = size.num_rows;
+  const int n = plan.num_scheduled, k = threadIdx.x;
+  const bool live = k < n;
+  const int32_t new_tokens = live ? plan.num_new_tokens[k] : 0;
+  const int32_t samples = live && sched::entry_samples(e.sched, plan, k) ? 1 : 0;
+  int32_t tokens_through = new_tokens, rows_through = samples, num_tokens, num_rows;
+  CtaInclusiveSums(tokens_through, rows_through, &num_tokens, &num_rows);
+  if (k == 0) s_start[0] = 0;
+  if (live) {
+    sched::describe_entry(e.sched, plan, k, tokens_through - new_tokens, rows_through - samples,
+                          {s_start, f.context_lens, f.logit_token, f.temperature, f.top_p,
+                           f.top_k, f.seed, f.step, e.row_slot});
+  }
+  if (k == 0) {
+    e.num_rows = num_rows;
+    f.num_tokens[0] = num_tokens;
+    f.num_tokens[1] = n;
+    f.num_tokens[2] = num_rows;
   }
   __syncthreads();
-  for (int k = 0; k < plan.num_scheduled; ++k) {
-    const sched::SeqState& q = e.sched.seqs[plan.slots[k]];
+  const int lane = threadIdx.x % kWarpSize;
+  for (int j = threadIdx.x / kWarpSize; j < n; j += kThreads / kWarpSize) {
+    const sched::SeqState& q = e.sched.seqs[plan.slots[j]];
     const int32_t* row = sched::seq_tokens(e.sched, q.slot);
-    for (int t = threadIdx.x; t < plan.num_new_tokens[k]; t += kThreads) {
-      const int32_t pos = q.num_computed + t;
-      f.token_ids[s_start[k] + t] = row[pos];
-      f.positions[s_start[k] + t] = pos;
-      f.token_seq[s_start[k] + t] = k;
+    const int32_t first = s_start[j], computed = q.num_computed;
+    for (int t = lane; t < plan.num_new_tokens[j]; t += kWarpSize) {
+      f.token_ids[first + t] = row[computed + t];
+      f.positions[first + t] = computed + t;
+      f.token_seq[first + t] = j;
     }
     const int32_t* table = sched::block_table(e.sched, q.slot);
-    for (int b = threadIdx.x; b < q.num_blocks; b += kThreads)
-      f.block_tables[k * f.max_blocks_per_seq + b] = table[b];
+    for (int b = lane; b < q.num_blocks; b += kWarpSize)
+      f.block_tables[j * f.max_blocks_per_seq + b] = table[b];
   }
   __threadfence();
   __syncthreads();
-  return s_start[plan.num_scheduled];
+  return num_tokens;
 }
 
 __device__ int BucketFor(const ForwardPtrs& f, int num_tokens) {
@@ -310,52 +362,52 @@ __device__ int BucketFor(const ForwardPtrs& f, int num_tokens) {
 }
 
 // Whole CTA, after the forward graph finished: tokens to records, stop checks, retirement.
-// Thread 0 makes the decisions (consume_sample per logits row, in row order); all threads then
-// publish the step's
-// tokens, then their counts, then thread 0 the finish reasons, each phase behind one system
-// fence per thread (rather than one fence per token: at 256 sequences a step those dominated).
-// A reader that sees a count sees its token; one that sees a finish reason sees the final count.
+// commit_step and consume_sample a thread per plan entry and logits row (their sequences are
+// distinct, and they touch only their own); all threads then publish the step's tokens, then
+// their counts, each phase behind one system fence per thread (rather than one fence per token:
+// at 256 sequences a step those dominated); then thread 0 retires, in row order as the serial
+// loop did (the rows whose history is full first, then the stops), since finish_seq's order is
+// the KV blocks' order on the free list. A reader that sees a count sees its token; one that
+// sees a finish reason sees the final count. (Thread 0 consuming row after row took 390 us a
+// step at 256 sequences: --step-log's finish time.)
 __device__ void ConsumeSamples(EngineDevice& e) {
-  __shared__ int32_t s_slot[sched::kMaxStepSeqs], s_index[sched::kMaxStepSeqs],
-      s_token[sched::kMaxStepSeqs];
+  static_assert(sched::kMaxStepSeqs <= kThreads, "a thread per logits row");
+  __shared__ int32_t s_index[sched::kMaxStepSeqs];
+  __shared__ bool s_taken[sched::kMaxStepSeqs];
   __shared__ sched::StopResult s_stop[sched::kMaxStepSeqs];
-  __shared__ int s_count;
-  if (threadIdx.x == 0) {
-    sched::commit_step(e.sched, e.plan);
-    int n = 0;
-    for (int l = 0; l < e.num_rows; ++l) {
-      const int32_t slot = e.row_slot[l], token = e.fwd.sampled[l];
-      s_slot[n] = slot;
-      s_index[n] = e.sched.seqs[slot].num_output;
-      s_token[n] = token;
-      if (sched::consume_sample(e.sched, slot, token, e.eos_ids, e.num_eos, e.context_length,
-                                &s_stop[n])) {
-        ++e.counters.tokens_generated;
-        ++n;
-      } else {  // its row is full (stop_check prevents it): end it rather than spin on it
-        Retire(e, slot, ring::FinishReason::kContextFull, 0);
-      }
-    }
-    s_count = n;
-  }
+  const int l = threadIdx.x, rows = e.num_rows;
+  if (l < e.plan.num_scheduled) sched::commit_entry(e.sched, e.plan, l);
   __syncthreads();
-  for (int i = threadIdx.x; i < s_count; i += kThreads) {
-    vstore32(record_ptr(e, s_slot[i]) + sizeof(ring::OutputRecordFixed) +
-                 4 * static_cast<uint64_t>(s_index[i]), s_token[i]);
+  int32_t slot = 0, token = 0;
+  bool taken = false;
+  if (l < rows) {
+    slot = e.row_slot[l];
+    token = e.fwd.sampled[l];
+    s_index[l] = e.sched.seqs[slot].num_output;
+    taken = sched::consume_sample(e.sched, slot, token, e.eos_ids, e.num_eos, e.context_length,
+                                  &s_stop[l]);
+    s_taken[l] = taken;
+  }
+  const int generated = __syncthreads_count(taken);
+  if (taken) {
+    vstore32(record_ptr(e, slot) + sizeof(ring::OutputRecordFixed) +
+                 4 * static_cast<uint64_t>(s_index[l]), token);
   }
   __threadfence_system();  // tokens before their counts
   __syncthreads();
-  for (int i = threadIdx.x; i < s_count; i += kThreads) {
-    vstore32(FIELD(ring::OutputRecordFixed, record_ptr(e, s_slot[i]), num_tokens),
-             s_index[i] + 1);
+  if (taken) {
+    vstore32(FIELD(ring::OutputRecordFixed, record_ptr(e, slot), num_tokens), s_index[l] + 1);
   }
   __threadfence_system();  // counts before finish reasons
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int i = 0; i < s_count; ++i) {
-      if (s_stop[i].reason != ring::FinishReason::kNone) {
-        Retire(e, s_slot[i], s_stop[i].reason, s_stop[i].detail);
-      }
+    e.counters.tokens_generated += generated;
+    for (int i = 0; i < rows; ++i) {  // its row is full (stop_check prevents it): end it
+      if (!s_taken[i]) Retire(e, e.row_slot[i], ring::FinishReason::kContextFull, 0);
+    }
+    for (int i = 0; i < rows; ++i) {
+      if (s_taken[i] && s_stop[i].reason != ring::FinishReason::kNone)
+        Retire(e, e.row_slot[i], s_stop[i].reason, s_stop[i].detail);
     }
   }
   __syncthreads();
@@ -406,13 +458,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) scheduler_run(EngineDe
     }
     const uint64_t step_start = global_timer_ns();
     const int num_tokens = BuildBatch(*e);
+    uint64_t launched_at = 0, done_at = 0;  // thread 0's: for the step log
+    uint32_t retries = 0;
     if (threadIdx.x == 0) {
+      launched_at = global_timer_ns();
       s_bucket = BucketFor(e->fwd, num_tokens);
       if (s_bucket < 0) {
         SetControl(reinterpret_cast<uint32_t*>(&e->control->error), 0xFFFFFFFFu);  // no bucket: a host bug
       } else {
         const uint32_t target = load_acquire_gpu(e->fwd.done_counter) + 1;
-        uint32_t retries = 0;
         const cudaError_t err = LaunchGraphRetrying(
             reinterpret_cast<cudaGraphExec_t>(e->fwd.graph_execs[s_bucket]), &retries);
         e->counters.launch_retries += retries;
@@ -421,6 +475,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) scheduler_run(EngineDe
           s_bucket = -1;
         } else {
           WaitCounter(e->fwd.done_counter, target);
+          done_at = global_timer_ns();
         }
       }
     }
@@ -431,8 +486,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) scheduler_run(EngineDe
     }
     ConsumeSamples(*e);
     if (threadIdx.x == 0) {
+      const uint64_t end = global_timer_ns();
+      if (e->step_log != nullptr) {
+        e->step_log[e->counters.engine_steps % e->step_log_capacity] = StepRecord{
+            step_start, static_cast<uint32_t>(num_tokens),
+            static_cast<uint32_t>(e->plan.num_scheduled), static_cast<uint32_t>(e->num_rows),
+            static_cast<uint32_t>(e->fwd.bucket_tokens[s_bucket]),
+            static_cast<uint32_t>(launched_at - step_start),
+            static_cast<uint32_t>(done_at - launched_at), static_cast<uint32_t>(end - done_at),
+            retries};
+      }
       ++e->counters.engine_steps;
-      e->counters.busy_ns += global_timer_ns() - step_start;
+      e->counters.busy_ns += end - step_start;
       e->counters.step_tokens += num_tokens;
     }
     ++launches;
@@ -479,6 +544,8 @@ extern "C" __global__ void engine_init(EngineDevice* e, void* sched_mem, const E
   for (int i = 0; i < e->num_eos; ++i) e->eos_ids[i] = init->eos_ids[i];
   e->corrupt_grace_ns = init->corrupt_grace_ns;
   e->idle_sleep_ns = init->idle_sleep_ns;
+  e->step_log = init->step_log_capacity > 0 ? init->step_log : nullptr;
+  e->step_log_capacity = init->step_log_capacity;
   for (int32_t i = 0; i < init->sched.num_slots; ++i) {
     e->consumed_gen[i] = 0;
     e->corrupt_since[i] = 0;

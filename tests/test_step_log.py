@@ -1,0 +1,82 @@
+"""The CUDA engine's step log on the host side: records kept in a ring come out oldest first,
+the summary by bucket is the arithmetic of its records, and only the cuda engine takes the
+flag. (The kernel's records against the engine's own counters: test_cuda_engine.py.)"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from blink.gpu_engine.engine_layout import STEP_RECORD_DTYPE, engine_init_record
+from blink.gpu_engine.step_log import format_table, load_step_log, main, save_step_log, \
+    summarize
+
+
+def records(n: int, first: int = 0) -> np.ndarray:
+    """Steps first .. first + n - 1: step k starts at 1000 k µs, 100 tokens, bucket 128."""
+    r = np.zeros(n, STEP_RECORD_DTYPE)
+    k = np.arange(first, first + n)
+    r["start_ns"] = 1_000_000 * k
+    r["tokens"], r["seqs"], r["rows"], r["bucket"] = 100, 10, 8, 128
+    r["build_ns"], r["forward_ns"], r["finish_ns"] = 10_000, 500_000, 20_000
+    return r
+
+
+@pytest.mark.parametrize("steps", [0, 5, 8, 13, 24])
+def test_saved_oldest_first_from_the_ring(tmp_path, steps):
+    capacity = 8
+    ring = np.zeros(capacity, STEP_RECORD_DTYPE)
+    for k in range(steps):  # as the kernel writes them: step n at n % capacity
+        ring[k % capacity] = records(1, first=k)[0]
+    save_step_log(tmp_path / "log", ring, steps)
+    got = load_step_log(tmp_path / "log")
+    kept = min(steps, capacity)
+    np.testing.assert_array_equal(got, records(kept, first=steps - kept))
+
+
+def test_summary_by_bucket(tmp_path, capsys):
+    r = np.concatenate([records(3), records(2, first=3)])
+    r["bucket"][3:] = 2048
+    r["tokens"][3:] = 2000
+    r["forward_ns"][3:] = 700_000  # ends 730 µs after its start: the last gap 270 µs
+    rows = summarize(r)
+    assert [row["bucket"] for row in rows] == [128, 2048, "all"]
+    small, large, total = rows
+    assert (small["steps"], large["steps"], total["steps"]) == (3, 2, 5)
+    assert small["forward_ms"] == 0.5 and large["forward_ms"] == 0.7
+    assert total["tokens"] == (3 * 100 + 2 * 2000) / 5
+    assert small["gap_us"] == 470.0 and large["gap_us"] == 270.0  # the last step has no gap
+    span = 4_000_000 + 730_000
+    assert total["share"] == pytest.approx((3 * 530_000 + 2 * 730_000) / span)
+    assert summarize(r[:0]) == []
+    table = format_table(rows)
+    assert table.splitlines()[2].startswith("| 128 | 3 |") and "| all | 5 |" in table
+    save_step_log(tmp_path / "log", r, len(r))
+    main([str(tmp_path / "log")])
+    assert "5 steps over 0.004 s, 4300 tokens" in capsys.readouterr().out
+
+
+def test_a_file_that_is_not_a_step_log_is_refused(tmp_path):
+    np.save(tmp_path / "other.npy", np.zeros(3))
+    with pytest.raises(ValueError, match="not a step log"):
+        load_step_log(tmp_path / "other.npy")
+
+
+def test_engine_init_takes_a_whole_step_log_or_none():
+    with pytest.raises(ValueError, match="step log"):
+        engine_init_record(sched=None, ring_base=0, geom=None, control=0, consumed_gen=0,
+                           corrupt_since=0, scratch_slot=0, staged_prompts=0, vocab_size=0,
+                           context_length=0, kv_capacity_tokens=0, eos_ids=[],
+                           corrupt_grace_ns=0, idle_sleep_ns=0, forward_pointers={},
+                           max_blocks_per_seq=0, graph_execs={}, step_log=0x1000)
+
+
+@pytest.mark.parametrize("engine", ["cpu", "hf", "synthetic"])
+def test_only_the_cuda_engine_takes_a_step_log(tmp_path, engine):
+    proc = subprocess.run([sys.executable, "-m", "blink.client.cli", "engine", "--engine", engine,
+                           "--step-log", str(tmp_path / "log")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--step-log is an option of the cuda engine" in proc.stderr
+    assert not (tmp_path / "log").exists()
