@@ -11,6 +11,10 @@ over the run: batch building, forward pass, sampling, publishing; client and gRP
 Decode workloads print their floor: roofline.decode_step_bytes for `concurrency` sequences at
 the run's mean context (prompt + output / 2) over the device-to-device copy rate measured first.
 Prefill workloads (one request, one output token) print prompt tokens / TTFT.
+
+--step-log: the engine also times each step's phases on the GPU (`--step-log`, see
+gpu_engine/step_log.py); once it stops, each workload's steps are printed by forward graph:
+batch description, forward pass, samples, and the scheduler's own time between steps.
 """
 from __future__ import annotations
 
@@ -79,6 +83,7 @@ class Result:
     engine_step_ms: float
     tokens_per_step: float
     floor_ms: float | None
+    steps: tuple[int, int]  # the engine's step count before and after the workload
 
     def line(self) -> str:
         w = self.workload
@@ -123,7 +128,7 @@ def run_workload(server: Server, shape: str, w: Workload, bandwidth: float) -> R
         tokens_per_s=m["output_throughput"],
         engine_step_ms=(after["engine_busy_ns"] - before["engine_busy_ns"]) / steps / 1e6,
         tokens_per_step=(after["engine_step_tokens"] - before["engine_step_tokens"]) / steps,
-        floor_ms=floor)
+        floor_ms=floor, steps=(before["engine_steps"], after["engine_steps"]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=8448)
     parser.add_argument("--engine-flag", action="append", default=[],
                         help="extra flag for the engine (repeatable), e.g. --engine-flag=--x")
+    parser.add_argument("--step-log", action="store_true",
+                        help="time each step's phases on the GPU and print every workload's "
+                             "steps by forward graph once the engine stops")
     args = parser.parse_args(argv)
     from blink.gpu_engine.bench_decode import SHAPES, copy_bandwidth
     unknown = set(args.shapes) - set(SHAPES)
@@ -153,17 +161,24 @@ def main(argv: list[str] | None = None) -> None:
                      "--max-num-seqs", str(args.max_num_seqs),
                      "--max-batched-tokens", str(args.max_batched_tokens),
                      "--max-model-len", str(args.max_model_len), *args.engine_flag]
+            step_log = Path(tmp) / f"steps-{shape}.npy"
+            if args.step_log:
+                flags += ["--step-log", str(step_log)]
             t0 = time.monotonic()
             server = Server(folder, Path(tmp), flags)
             print(f"bench serving {shape}: engine up in {time.monotonic() - t0:.0f} s "
                   f"({' '.join(flags)})", flush=True)
+            shape_results = []
             try:
                 for w in workloads:
                     result = run_workload(server, shape, w, bandwidth)
-                    results.append(result)
+                    shape_results.append(result)
                     print(result.line(), flush=True)
             finally:
                 server.stop()
+            results += shape_results
+            if args.step_log:
+                print_step_log(step_log, shape, shape_results)
     print("\n| shape | workload | TPOT p50 (ms) | floor (ms) | x floor | TTFT p50 (ms) "
           "| generated tok/s | engine ms/step | tokens/step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -174,6 +189,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r.shape} | {r.workload.name} | {tpot} | {floor} | {ratio} | "
               f"{r.ttft_ms:.1f} | {r.tokens_per_s:,.0f} | {r.engine_step_ms:.3f} | "
               f"{r.tokens_per_step:.1f} |")
+
+
+def print_step_log(path: Path, shape: str, results: list[Result]) -> None:
+    """Each workload's steps from the engine's step log, by forward graph."""
+    from blink.gpu_engine.step_log import format_table, load_step_log, select_steps, summarize
+    if not path.exists():
+        print(f"bench serving {shape}: no step log (the engine did not stop cleanly)")
+        return
+    records = load_step_log(path)
+    total = results[-1].steps[1] if results else len(records)
+    for r in results:
+        steps = select_steps(records, total, *r.steps)
+        print(f"\nstep log {shape} {r.workload.name}: {len(steps)} of its "
+              f"{r.steps[1] - r.steps[0]} steps")
+        print(format_table(summarize(steps)))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,13 @@ def load_step_log(path: Path) -> np.ndarray:
     return records
 
 
+def select_steps(records: np.ndarray, total_steps: int, first: int, last: int) -> np.ndarray:
+    """Steps first .. last - 1 of an engine that ran total_steps, from its log (which holds the
+    last len(records) of them): those the log still holds."""
+    kept_first = total_steps - len(records)
+    return records[max(first, kept_first) - kept_first:max(last, kept_first) - kept_first]
+
+
 def summarize(records: np.ndarray) -> list[dict]:
     """One row per bucket (ascending), then 'all': steps, their share of the logged time, means
     per step of tokens, sequences and each phase, and the median gap to the next step."""

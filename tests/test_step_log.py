@@ -80,3 +80,28 @@ def test_only_the_cuda_engine_takes_a_step_log(tmp_path, engine):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "--step-log is an option of the cuda engine" in proc.stderr
     assert not (tmp_path / "log").exists()
+
+
+def test_a_workloads_steps_from_a_log_that_may_have_wrapped():
+    from blink.gpu_engine.step_log import select_steps
+    log = records(10, first=0)
+    np.testing.assert_array_equal(select_steps(log, 10, 3, 7), records(4, first=3))
+    wrapped = records(10, first=90)  # the last 10 of 100 steps
+    np.testing.assert_array_equal(select_steps(wrapped, 100, 85, 95), records(5, first=90))
+    assert len(select_steps(wrapped, 100, 20, 40)) == 0
+
+
+def test_bench_serving_prints_each_workloads_steps(tmp_path, capsys):
+    from blink.client.bench_serving import Result, Workload, print_step_log
+    log = np.concatenate([records(4), records(6, first=4)])
+    log["bucket"][4:], log["tokens"][4:] = 2048, 2000
+    save_step_log(tmp_path / "steps.npy", log, len(log))
+    results = [Result("tiny", Workload(name, "throughput", 1, 1, 1, 1), 1.0, 1.0, 1.0, 1.0,
+                      1.0, None, steps) for name, steps in (("first", (0, 4)), ("second", (4, 10)))]
+    print_step_log(tmp_path / "steps.npy", "tiny", results)
+    out = capsys.readouterr().out
+    first, second = out.split("step log tiny second")
+    assert "step log tiny first: 4 of its 4 steps" in first and "| 128 | 4 |" in first
+    assert "2048" not in first and "| 2048 | 6 |" in second
+    print_step_log(tmp_path / "absent.npy", "tiny", results)
+    assert "no step log" in capsys.readouterr().out
