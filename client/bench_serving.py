@@ -193,12 +193,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def print_step_log(path: Path, shape: str, results: list[Result]) -> None:
     """Each workload's steps from the engine's step log, by forward graph."""
-    from blink.gpu_engine.step_log import format_table, load_step_log, select_steps, summarize
+    from blink.gpu_engine.step_log import STEP_LOG_CAPACITY, format_table, load_step_log, \
+        select_steps, summarize
     if not path.exists():
         print(f"bench serving {shape}: no step log (the engine did not stop cleanly)")
         return
     records = load_step_log(path)
-    total = results[-1].steps[1] if results else len(records)
+    # a log that never wrapped holds every step (the client's last count could lag it by one)
+    total = (results[-1].steps[1] if results and len(records) == STEP_LOG_CAPACITY
+             else len(records))
     for r in results:
         steps = select_steps(records, total, *r.steps)
         print(f"\nstep log {shape} {r.workload.name}: {len(steps)} of its "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import threading
 import time
@@ -29,7 +30,7 @@ from blink.gpu_engine.checkpoint import load_config, load_weights
 from blink.gpu_engine.cuda_forward import CudaForward
 from blink.gpu_engine.reference_engine import EngineConfig, served_context_length
 from blink.gpu_engine.ring_server import CORRUPT_GRACE_S, RingServer
-from blink.gpu_engine.step_log import save_step_log
+from blink.gpu_engine.step_log import STEP_LOG_CAPACITY, save_step_log
 from blink.ring.layout import EngineKind, EngineState, RingGeometry
 
 log = logging.getLogger("blink.engine")
@@ -41,8 +42,6 @@ KERNEL_SOURCE = cr.CSRC / "scheduler_kernel.cu"
 # (__nanosleep sleeps up to twice that) delays a new request's admission by a few us at most,
 # small next to one forward step.
 IDLE_SLEEP_NS = 2000
-# Steps a step log keeps (the last ones): 10 MiB of device memory, minutes of a busy engine.
-STEP_LOG_CAPACITY = 1 << 18
 
 P = ctypes.c_void_p  # every kernel argument here is a device address
 
@@ -106,6 +105,9 @@ class CudaEngine:
         self.step_log_path = step_log
         self.step_log = None
         if step_log is not None:
+            if not step_log.parent.is_dir() or not os.access(step_log.parent, os.W_OK):
+                raise ValueError(f"--step-log {step_log}: {step_log.parent} is not a folder "
+                                 f"this process can write")
             self.step_log = cr.DeviceBuffer(STEP_LOG_CAPACITY * el.STEP_RECORD_DTYPE.itemsize)
             self.step_log.zero()
         self._init_device_state(geom, num_blocks)
@@ -183,16 +185,19 @@ class CudaEngine:
         cr.check(cr.cu.cuStreamSynchronize(self.stream))
 
     def close(self) -> None:
-        if self.step_log is not None and int(self.control.read()["exited"]):
-            records = np.frombuffer(self.step_log.download(), el.STEP_RECORD_DTYPE)
-            steps = int(self.ring.header["engine_steps"])
-            save_step_log(self.step_log_path, records, steps)
-            log.info("step log: the last %d of %d steps written to %s",
-                     min(steps, len(records)), steps, self.step_log_path)
-        self.ring.set_state(EngineState.STOPPED)
-        self.ring_map.close()
-        self.ring.close()
-        log.info("engine stopped")
+        try:
+            if self.step_log is not None and int(self.control.read()["exited"]):
+                records = np.frombuffer(self.step_log.download(), el.STEP_RECORD_DTYPE)
+                kept = save_step_log(self.step_log_path, records)
+                log.info("step log: %d of %d steps written to %s", kept,
+                         int(self.ring.header["engine_steps"]), self.step_log_path)
+        except OSError as e:  # the ring still comes down
+            log.error("step log not written to %s: %s", self.step_log_path, e)
+        finally:
+            self.ring.set_state(EngineState.STOPPED)
+            self.ring_map.close()
+            self.ring.close()
+            log.info("engine stopped")
 
 
 def run_cuda_engine(config: EngineConfig, gpu_memory_utilization: float = 0.9,

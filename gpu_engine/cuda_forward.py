@@ -530,6 +530,7 @@ class CudaForward:
         # of such a grid waits for a second round
         self.blas.set_sm_count_target(0 if k.sm_count == k.device_sm_count else k.sm_count)
         self._hold_release = self._alloc(1, np.uint32) if k.held_sms else None
+        self._holding = False
         self.gemm_tuner = None
         if gemm_tuning:
             name = check(driver.cuDeviceGetName(256, k.device), "cuDeviceGetName")
@@ -959,18 +960,25 @@ class CudaForward:
     def holding_sms(self):
         """`with fwd.holding_sms():` held_sms CTAs (blink_hold_sm, the scheduler kernel's
         thread count) spin on their own stream while the body runs graphs on self.stream, as
-        the scheduler kernel's CTA holds its SM while the graphs it launched run."""
+        the scheduler kernel's CTA holds its SM while the graphs it launched run. Nothing in
+        the body may wait for the whole context (cuCtxSynchronize, a free, fill_bytes): it
+        would wait for the spinning CTAs. So it cannot nest."""
         if self._hold_release is None:
             yield
             return
+        if self._holding:
+            raise RuntimeError("holding_sms does not nest: the inner one would wait for the "
+                               "outer one's spinning CTAs")
         k = self.kernels
-        self._hold_release.fill_bytes(0)
         hold, release = new_stream(), new_stream()
-        try:
+        self._holding = True
+        try:  # the flag reset in stream order before the launch: no context-wide wait
+            check(driver.cuMemsetD32Async(self._hold_release.ptr, 0, 1, hold))
             launch(k.fn["blink_hold_sm"], k.held_sms, engine_layout.SCHEDULER_THREADS,
                    (self._hold_release.ptr,), (ctypes.c_void_p,), hold)
             yield
         finally:  # the release comes on a stream of its own: the holding one is busy
+            self._holding = False
             check(driver.cuMemsetD32Async(self._hold_release.ptr, 1, 1, release))
             synchronize(hold)
             driver.cuStreamDestroy(hold)

@@ -21,6 +21,9 @@ import numpy as np
 
 from blink.gpu_engine.engine_layout import STEP_RECORD_DTYPE
 
+# Steps a step log keeps (the last ones): 10 MiB of device memory, minutes of a busy engine.
+STEP_LOG_CAPACITY = 1 << 18
+
 # StepRecord's layout without the header comments its dtype carries (.npy files drop them, and
 # NumPy warns that it does)
 FILE_DTYPE = np.dtype({"names": list(STEP_RECORD_DTYPE.names),
@@ -31,17 +34,16 @@ FILE_DTYPE = np.dtype({"names": list(STEP_RECORD_DTYPE.names),
                        "itemsize": STEP_RECORD_DTYPE.itemsize})
 
 
-def save_step_log(path: Path, records: np.ndarray, steps: int) -> None:
-    """Writes the steps a log of len(records) kept, oldest first: all of them when `steps`
-    (the engine's step count) fits, else the last len(records) (step n sits at n % capacity)."""
-    capacity = len(records)
-    if steps <= capacity:
-        ordered = records[:steps]
-    else:
-        start = steps % capacity
-        ordered = np.concatenate([records[start:], records[:start]])
+def save_step_log(path: Path, records: np.ndarray) -> int:
+    """Writes the steps the engine's log holds (all of them, or the last len(records) once the
+    ring wrapped), oldest first, and returns how many. The order comes from the records' own
+    start times (a record never written starts at 0), not from a step count read elsewhere,
+    which could lag the log by a step."""
+    kept = records[records["start_ns"] != 0]
+    ordered = kept[np.argsort(kept["start_ns"], kind="stable")]
     with open(path, "wb") as f:
         np.save(f, np.ascontiguousarray(ordered).view(FILE_DTYPE))
+    return len(ordered)
 
 
 def load_step_log(path: Path) -> np.ndarray:
@@ -53,7 +55,8 @@ def load_step_log(path: Path) -> np.ndarray:
 
 def select_steps(records: np.ndarray, total_steps: int, first: int, last: int) -> np.ndarray:
     """Steps first .. last - 1 of an engine that ran total_steps, from its log (which holds the
-    last len(records) of them): those the log still holds."""
+    last len(records) of them): those the log still holds. A log that never wrapped holds
+    every step: then total_steps = len(records), whatever a counter read earlier said."""
     kept_first = total_steps - len(records)
     return records[max(first, kept_first) - kept_first:max(last, kept_first) - kept_first]
 

@@ -1030,6 +1030,9 @@ def test_forward_sized_for_the_sms_the_scheduler_leaves(cf, models):
     alone, _ = engine.run(batch)
     with engine.holding_sms():
         beside, _ = engine.run(batch)
+        with pytest.raises(RuntimeError, match="does not nest"):
+            with engine.holding_sms():
+                pass
     np.testing.assert_array_equal(alone, beside)
     again, _ = engine.run(batch)  # after the release: nothing left spinning in the way
     np.testing.assert_array_equal(alone, again)

@@ -15,10 +15,10 @@ from blink.gpu_engine.step_log import format_table, load_step_log, main, save_st
 
 
 def records(n: int, first: int = 0) -> np.ndarray:
-    """Steps first .. first + n - 1: step k starts at 1000 k µs, 100 tokens, bucket 128."""
+    """Steps first .. first + n - 1: step k starts at 1000 (k + 1) µs, 100 tokens, bucket 128."""
     r = np.zeros(n, STEP_RECORD_DTYPE)
     k = np.arange(first, first + n)
-    r["start_ns"] = 1_000_000 * k
+    r["start_ns"] = 1_000_000 * (k + 1)
     r["tokens"], r["seqs"], r["rows"], r["bucket"] = 100, 10, 8, 128
     r["build_ns"], r["forward_ns"], r["finish_ns"] = 10_000, 500_000, 20_000
     return r
@@ -30,9 +30,9 @@ def test_saved_oldest_first_from_the_ring(tmp_path, steps):
     ring = np.zeros(capacity, STEP_RECORD_DTYPE)
     for k in range(steps):  # as the kernel writes them: step n at n % capacity
         ring[k % capacity] = records(1, first=k)[0]
-    save_step_log(tmp_path / "log", ring, steps)
-    got = load_step_log(tmp_path / "log")
     kept = min(steps, capacity)
+    assert save_step_log(tmp_path / "log", ring) == kept
+    got = load_step_log(tmp_path / "log")
     np.testing.assert_array_equal(got, records(kept, first=steps - kept))
 
 
@@ -53,7 +53,7 @@ def test_summary_by_bucket(tmp_path, capsys):
     assert summarize(r[:0]) == []
     table = format_table(rows)
     assert table.splitlines()[2].startswith("| 128 | 3 |") and "| all | 5 |" in table
-    save_step_log(tmp_path / "log", r, len(r))
+    save_step_log(tmp_path / "log", r)
     main([str(tmp_path / "log")])
     assert "5 steps over 0.004 s, 4300 tokens" in capsys.readouterr().out
 
@@ -71,6 +71,13 @@ def test_engine_init_takes_a_whole_step_log_or_none():
                            context_length=0, kv_capacity_tokens=0, eos_ids=[],
                            corrupt_grace_ns=0, idle_sleep_ns=0, forward_pointers={},
                            max_blocks_per_seq=0, graph_execs={}, step_log=0x1000)
+
+
+def test_a_step_log_folder_that_cannot_be_written_is_refused_at_start(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "blink.client.cli", "engine", "--engine", "cuda",
+                           "--step-log", str(tmp_path / "missing" / "log")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "its folder does not exist" in proc.stderr
 
 
 @pytest.mark.parametrize("engine", ["cpu", "hf", "synthetic"])
@@ -95,7 +102,7 @@ def test_bench_serving_prints_each_workloads_steps(tmp_path, capsys):
     from blink.client.bench_serving import Result, Workload, print_step_log
     log = np.concatenate([records(4), records(6, first=4)])
     log["bucket"][4:], log["tokens"][4:] = 2048, 2000
-    save_step_log(tmp_path / "steps.npy", log, len(log))
+    save_step_log(tmp_path / "steps.npy", log)
     results = [Result("tiny", Workload(name, "throughput", 1, 1, 1, 1), 1.0, 1.0, 1.0, 1.0,
                       1.0, None, steps) for name, steps in (("first", (0, 4)), ("second", (4, 10)))]
     print_step_log(tmp_path / "steps.npy", "tiny", results)
