@@ -535,7 +535,8 @@ class CudaForward:
         if gemm_tuning:
             name = check(driver.cuDeviceGetName(256, k.device), "cuDeviceGetName")
             path = cache_file(cache_dir("gemm"), name.split(b"\0")[0].decode(),
-                              self.blas.version, workspace_bytes, self.blas.sm_count_target)
+                              self.blas.version, workspace_bytes, self.blas.sm_count_target,
+                              k.held_sms)
             self.gemm_tuner = GemmTuner(self.blas, self.stream, ChoiceCache(path),
                                         beside=self.holding_sms)
 

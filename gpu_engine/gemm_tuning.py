@@ -140,12 +140,13 @@ class ChoiceCache:
 
 
 def cache_file(directory: Path, device_name: str, cublas_version: int,
-               workspace_bytes: int, sm_count_target: int = 0) -> Path:
-    """Where one GPU model, cuBLAS version, workspace size and SM count target (0: the
-    device's) keep their choices (the workspace bounds which algorithms can run, the target
-    how cuBLAS sizes them)."""
+               workspace_bytes: int, sm_count_target: int = 0, held_sms: int = 0) -> Path:
+    """Where one GPU model, cuBLAS version, workspace size, SM count target (0: the device's)
+    and count of SMs held beside the timing keep their choices (the workspace bounds which
+    algorithms can run, the target how cuBLAS sizes them, the held SMs what they run beside)."""
     device = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower() or "gpu"
-    sms = f"-sms{sm_count_target}" if sm_count_target else ""
+    sms = (f"-sms{sm_count_target}" if sm_count_target else "") + \
+        (f"-held{held_sms}" if held_sms else "")
     return directory / (f"{device}-cublas{cublas_version}-ws{workspace_bytes >> 20}m{sms}"
                         f"-v{METHOD_VERSION}.json")
 

@@ -56,6 +56,9 @@ def test_cache_round_trip_merges_and_survives_garbage(tmp_path):
     assert cache_file(tmp_path, "NVIDIA H200", 130100, 8 << 20) != \
         cache_file(tmp_path, "NVIDIA H200", 130100, 32 << 20)
     # GEMMs sized for the SMs the scheduler leaves are other kernels: their own file
+    assert cache_file(tmp_path, "NVIDIA H200", 130100, 32 << 20, 131, 1).name == \
+        f"nvidia-h200-cublas130100-ws32m-sms131-held1-v{METHOD_VERSION}.json"
+    # the same target timed on the whole GPU (a host-launched engine): other timings
     assert cache_file(tmp_path, "NVIDIA H200", 130100, 32 << 20, 131).name == \
         f"nvidia-h200-cublas130100-ws32m-sms131-v{METHOD_VERSION}.json"
     cache = ChoiceCache(path)
