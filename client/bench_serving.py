@@ -83,7 +83,7 @@ class Result:
     engine_step_ms: float
     tokens_per_step: float
     floor_ms: float | None
-    steps: tuple[int, int]  # the engine's step count before and after the workload
+    step_range: tuple[int, int]  # the engine's step count before and after the workload
 
     def line(self) -> str:
         w = self.workload
@@ -128,7 +128,7 @@ def run_workload(server: Server, shape: str, w: Workload, bandwidth: float) -> R
         tokens_per_s=m["output_throughput"],
         engine_step_ms=(after["engine_busy_ns"] - before["engine_busy_ns"]) / steps / 1e6,
         tokens_per_step=(after["engine_step_tokens"] - before["engine_step_tokens"]) / steps,
-        floor_ms=floor, steps=(before["engine_steps"], after["engine_steps"]))
+        floor_ms=floor, step_range=(before["engine_steps"], after["engine_steps"]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -200,12 +200,12 @@ def print_step_log(path: Path, shape: str, results: list[Result]) -> None:
         return
     records = load_step_log(path)
     # a log that never wrapped holds every step (the client's last count could lag it by one)
-    total = (results[-1].steps[1] if results and len(records) == STEP_LOG_CAPACITY
+    total = (results[-1].step_range[1] if results and len(records) == STEP_LOG_CAPACITY
              else len(records))
     for r in results:
-        steps = select_steps(records, total, *r.steps)
-        print(f"\nstep log {shape} {r.workload.name}: {len(steps)} of its "
-              f"{r.steps[1] - r.steps[0]} steps")
+        first, last = r.step_range
+        steps = select_steps(records, total, first, last)
+        print(f"\nstep log {shape} {r.workload.name}: {len(steps)} of its {last - first} steps")
         print(format_table(summarize(steps)))
 
 
