@@ -12,6 +12,9 @@ Decode workloads print their floor: roofline.decode_step_bytes for `concurrency`
 the run's mean context (prompt + output / 2) over the device-to-device copy rate measured first.
 Prefill workloads (one request, one output token) print prompt tokens / TTFT.
 
+Every workload also prints the GPU's SM clock and power over its run (gpu_monitor.py, NVML): a
+sustained run meets the board's power limit and runs at a lower clock than a short one.
+
 --step-log: the engine also times each step's phases on the GPU (`--step-log`, see
 gpu_engine/step_log.py); once it stops, each workload's steps are printed by forward graph:
 batch description, forward pass, samples, and the scheduler's own time between steps.
@@ -31,6 +34,7 @@ from blink.client.bench_load import run_requests
 from blink.client.bench_metrics import summarize
 from blink.client.bench_server import Server, shape_folder
 from blink.client.sdk import BlinkClient
+from blink.gpu_engine.gpu_monitor import GpuClocks, GpuMonitor
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,11 @@ SUITES = {
         Workload("256+256 x 128 streams", "throughput", 128, 256, 256, 256),
         Workload("256+256 x 256 streams", "throughput", 256, 512, 256, 256),
     ],
+    # Eight requests a stream: long enough that the first wave's burst of prompts and the last
+    # wave's drain are a small part of the run, so it shows the engine's sustained rate.
+    "sustained": [
+        Workload("256+256 x 256 streams, 2048 requests", "throughput", 256, 2048, 256, 256),
+    ],
     "long": [
         Workload("prefill 4000", "prefill", 1, 2, 4000, 1),
         Workload("prefill 8000", "prefill", 1, 2, 8000, 1),
@@ -84,6 +93,7 @@ class Result:
     tokens_per_step: float
     floor_ms: float | None
     step_range: tuple[int, int]  # the engine's step count before and after the workload
+    gpu: GpuClocks | None        # the SM clock and power over the workload (None: not sampled)
 
     def line(self) -> str:
         w = self.workload
@@ -99,13 +109,17 @@ class Result:
         if self.floor_ms:
             parts.append(f"(floor {self.floor_ms:.3f} ms/step at batch {w.concurrency}, context "
                          f"{w.mean_context}; TPOT {self.tpot_ms / self.floor_ms:.2f}x floor)")
+        if self.gpu is not None:
+            parts.append(f"[{self.gpu.describe()}]")
         return " ".join(parts)
 
 
-def run_workload(server: Server, shape: str, w: Workload, bandwidth: float) -> Result:
+def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
+                 monitor: GpuMonitor) -> Result:
     from blink.gpu_engine.bench_decode import SHAPES
     from blink.gpu_engine.roofline import decode_step_bytes
     with BlinkClient(server.target) as client:
+        since = monitor.mark()
         before = client.stats()
         info = client.model_info()
         requests = random_requests(w.requests, w.prompt_tokens, w.output_tokens,
@@ -128,7 +142,8 @@ def run_workload(server: Server, shape: str, w: Workload, bandwidth: float) -> R
         tokens_per_s=m["output_throughput"],
         engine_step_ms=(after["engine_busy_ns"] - before["engine_busy_ns"]) / steps / 1e6,
         tokens_per_step=(after["engine_step_tokens"] - before["engine_step_tokens"]) / steps,
-        floor_ms=floor, step_range=(before["engine_steps"], after["engine_steps"]))
+        floor_ms=floor, step_range=(before["engine_steps"], after["engine_steps"]),
+        gpu=monitor.summary(since))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,9 +166,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown shapes {sorted(unknown)}; choose from {sorted(SHAPES)}")
     bandwidth = copy_bandwidth()
     print(f"bench copy bandwidth: {bandwidth / 1e12:.2f} TB/s (device-to-device, read + write)")
+    monitor = GpuMonitor.for_cuda_device(0)
+    if monitor.unavailable:
+        print(f"bench serving: the SM clock and power are not reported: {monitor.unavailable}")
     workloads = [w for suite in args.suite for w in SUITES[suite]]
     results = []
-    with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp, monitor:
         for shape in args.shapes:
             folder = shape_folder(shape, Path(tmp), args.max_model_len)
             flags = ["--engine", "cuda", "--load-format", "dummy",
@@ -171,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             shape_results = []
             try:
                 for w in workloads:
-                    result = run_workload(server, shape, w, bandwidth)
+                    result = run_workload(server, shape, w, bandwidth, monitor)
                     shape_results.append(result)
                     print(result.line(), flush=True)
             finally:
@@ -180,15 +198,21 @@ def main(argv: list[str] | None = None) -> None:
             if args.step_log:
                 print_step_log(step_log, shape, shape_results)
     print("\n| shape | workload | TPOT p50 (ms) | floor (ms) | x floor | TTFT p50 (ms) "
-          "| generated tok/s | engine ms/step | tokens/step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| generated tok/s | engine ms/step | tokens/step | SM MHz, W (power-capped) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         tpot = f"{r.tpot_ms:.3f}" if r.tpot_ms is not None else ""
         floor = f"{r.floor_ms:.3f}" if r.floor_ms else ""
         ratio = f"{r.tpot_ms / r.floor_ms:.2f}" if r.floor_ms and r.tpot_ms else ""
         print(f"| {r.shape} | {r.workload.name} | {tpot} | {floor} | {ratio} | "
               f"{r.ttft_ms:.1f} | {r.tokens_per_s:,.0f} | {r.engine_step_ms:.3f} | "
-              f"{r.tokens_per_step:.1f} |")
+              f"{r.tokens_per_step:.1f} | {gpu_cell(r.gpu)} |")
+
+
+def gpu_cell(gpu: GpuClocks | None) -> str:
+    if gpu is None:
+        return ""
+    return f"{gpu.sm_mhz_median:,.0f}, {gpu.power_w_median:.0f} ({gpu.power_capped:.0%})"
 
 
 def print_step_log(path: Path, shape: str, results: list[Result]) -> None:

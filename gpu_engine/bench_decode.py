@@ -12,7 +12,9 @@ kernel launches, timed with CUDA events: the median of REPEATS runs of STEPS rep
 ~0.3 s of replays so the SM clock has left idle. The replays run beside a CTA that holds one SM,
 as the scheduler kernel's does while the graphs it launched run (CudaForward.holding_sms;
 `--options free:held_sms=0` times them on the whole GPU). Floor: roofline.decode_step_bytes
-over the device-to-device copy rate measured in the same run.
+over the device-to-device copy rate measured in the same run. Every timed line ends with the
+SM clock and power over its timing (gpu_monitor.py): the replays come in bursts, and run at a
+higher clock than a sustained live run under the board's power limit.
 
 --breakdown BxC: the step's ops grouped by label (CudaForward.ops: the same label in every
 layer), each group captured alone in a graph of its launches across all layers and timed the
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blink.gpu_engine.checkpoint import ModelConfig
+from blink.gpu_engine.gpu_monitor import GpuMonitor
 from blink.gpu_engine.roofline import BF16_BYTES, decode_step_bytes, kv_bytes_per_token, \
     projection_weights, step_flops
 
@@ -213,14 +216,17 @@ def median_seconds(stream, launch, steps: int = STEPS, repeats: int = REPEATS) -
     return statistics.median(runs)
 
 
-def step_batch(point: Point | MixedPoint, blocks_per_seq: int):
+def step_batch(point: Point | MixedPoint, blocks_per_seq: int, vocab_size: int = 1000):
     """point.batch sequences, each computing its tokens up to its context - 1 (every last
-    token's logits wanted), each with blocks of its own."""
+    token's logits wanted), each with blocks of its own. The tokens are random ids below
+    vocab_size (seeded): one repeated token makes every row of the step's activations alike,
+    which toggles fewer bits in the GEMMs and draws less power than a live step."""
     from blink.gpu_engine.forward_batch import ForwardBatch
     b = point.batch
     tables = np.arange(b * blocks_per_seq, dtype=np.int32).reshape(b, blocks_per_seq)
-    return ForwardBatch(np.full(point.tokens, 100, np.int32), point.positions, point.seq_starts,
-                        point.context_lens, tables, np.arange(b, dtype=np.int32))
+    tokens = np.random.default_rng(point.tokens).integers(0, vocab_size, point.tokens, np.int32)
+    return ForwardBatch(tokens, point.positions, point.seq_starts, point.context_lens, tables,
+                        np.arange(b, dtype=np.int32))
 
 
 def make_forward(cfg: ModelConfig, points: list[Point], **options):
@@ -232,13 +238,13 @@ def make_forward(cfg: ModelConfig, points: list[Point], **options):
                                      max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
                                      max_model_len=blocks_per_seq * BLOCK,
                                      num_blocks=max_seqs * blocks_per_seq, **options)
-    fwd.fill_kv_cache(0x3C)  # keys and values 0.0115: not zeros, which can time differently
+    fwd.randomize_kv_cache(seed=1)
     return fwd, blocks_per_seq
 
 
 def time_step(fwd, point: Point, blocks_per_seq: int) -> float:
     from blink.gpu_engine import cuda_runtime as cr
-    fwd.run(step_batch(point, blocks_per_seq))  # writes the batch arrays; warms the graph
+    fwd.run(step_batch(point, blocks_per_seq, fwd.cfg.vocab_size))  # the batch arrays, warm
     graph = fwd.graph_execs[fwd.bucket_for(point.tokens)]
     with fwd.holding_sms():
         return median_seconds(fwd.stream,
@@ -357,6 +363,25 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     bw = copy_bandwidth()
     print(f"bench copy bandwidth: {bw / 1e12:.2f} TB/s (device-to-device, read + write)")
+    monitor = GpuMonitor.for_cuda_device(0)
+    if monitor.unavailable:
+        print(f"bench decode: the SM clock and power are not reported: {monitor.unavailable}")
+    with monitor:
+        table, prefill_table = run_points(args, bw, monitor)
+    print_table(["shape", "batch", "context", "variant", "ms per step", "floor (ms)", "x floor"],
+                [(name, point.batch, point.context, impl, f"{seconds * 1e3:.3f}",
+                  f"{floor * 1e3:.3f}", f"{seconds / floor:.2f}")
+                 for name, point, impl, seconds, floor in table])
+    print_table(["shape", "chunk", "context", "variant", "ms per step", "tok/s", "TFLOP/s"],
+                [(name, point.chunk, point.context, impl, f"{seconds * 1e3:.3f}",
+                  f"{point.tokens / seconds:,.0f}", f"{work.total / seconds / 1e12:.0f}")
+                 for name, point, impl, seconds, work in prefill_table])
+    sys.stdout.flush()
+
+
+def run_points(args, bw: float, monitor: GpuMonitor) -> tuple[list, list]:
+    """Every shape, variant and point of the command line, timed and printed as it goes (each
+    line with the SM clock and power over its timing); the summary tables' rows."""
     table, prefill_table = [], []
     for name in args.shapes:
         cfg = SHAPES[name]
@@ -381,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
             for point in points:
                 if point not in args.points:
                     continue
+                since = monitor.mark()
                 seconds = time_step(fwd, point, blocks_per_seq)
                 need = decode_step_bytes(cfg, [point.context] * point.batch)
                 floor = need.total / bw
@@ -388,8 +414,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"bench decode {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step "
                       f"(floor {floor * 1e3:.3f} ms = {need.describe()}; "
                       f"{seconds / floor:.2f}x floor), median of {REPEATS} x {STEPS} graph "
-                      f"replays")
+                      f"replays{clocks_note(monitor, since)}")
             for point in args.prefill:
+                since = monitor.mark()
                 rows = breakdown(fwd, point, blocks_per_seq)
                 seconds = rows[-1][2]
                 work = step_flops(cfg, list(point.positions), point.batch)
@@ -397,9 +424,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"bench prefill {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step, "
                       f"{point.tokens / seconds:,.0f} tok/s, {work.total / seconds / 1e12:.0f} "
                       f"TFLOP/s ({work.projections / 1e12:.2f} TFLOP projections + "
-                      f"{work.attention / 1e12:.2f} TFLOP attention)")
+                      f"{work.attention / 1e12:.2f} TFLOP attention){clocks_note(monitor, since)}")
                 print_breakdown(name, cfg, point, rows, bw, impl)
             for point in args.mixed:
+                since = monitor.mark()
                 rows = breakdown(fwd, point, blocks_per_seq)
                 seconds = rows[-1][2]
                 work = step_flops(cfg, list(point.positions), point.batch)
@@ -407,21 +435,19 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"bench mixed {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step, "
                       f"{point.tokens} tokens ({point.tokens / seconds:,.0f} tok/s), "
                       f"{work.total / seconds / 1e12:.0f} TFLOP/s, {kv / 1e9:.2f} GB of keys "
-                      f"and values")
+                      f"and values{clocks_note(monitor, since)}")
                 print_breakdown(name, cfg, point, rows, bw, impl)
             for point in args.breakdown:
                 print_breakdown(name, cfg, point, breakdown(fwd, point, blocks_per_seq), bw,
                                 impl)
             fwd.close()
-    print_table(["shape", "batch", "context", "variant", "ms per step", "floor (ms)", "x floor"],
-                [(name, point.batch, point.context, impl, f"{seconds * 1e3:.3f}",
-                  f"{floor * 1e3:.3f}", f"{seconds / floor:.2f}")
-                 for name, point, impl, seconds, floor in table])
-    print_table(["shape", "chunk", "context", "variant", "ms per step", "tok/s", "TFLOP/s"],
-                [(name, point.chunk, point.context, impl, f"{seconds * 1e3:.3f}",
-                  f"{point.tokens / seconds:,.0f}", f"{work.total / seconds / 1e12:.0f}")
-                 for name, point, impl, seconds, work in prefill_table])
-    sys.stdout.flush()
+    return table, prefill_table
+
+
+def clocks_note(monitor: GpuMonitor, since: float) -> str:
+    """'; <SM clock and power since then>', or nothing when they were not sampled."""
+    clocks = monitor.summary(since)
+    return f"; {clocks.describe()}" if clocks is not None else ""
 
 
 def parse_options(text: str) -> tuple[str, dict[str, int]]:

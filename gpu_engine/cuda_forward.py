@@ -517,6 +517,7 @@ class CudaForward:
         self.decode_min_keys = (self.DECODE_MIN_KEYS if decode_min_keys is None
                                 else decode_min_keys)
         self._memory: list[DeviceArray] = []
+        self._fill_kernel = None  # random_fill.cu's, loaded on first use
 
         self.kernels = k = ForwardKernels(D, device, programmatic_launch, held_sms,
                                           sm_count_target)
@@ -621,20 +622,26 @@ class CudaForward:
         of real model shapes, where the values do not change the cost of a step."""
         return cls(cfg, None, random_seed=seed, **kwargs)
 
-    def _random_weights(self, seed: int) -> None:
+    def _fill_uniform(self, arr: DeviceArray, seed: int, scale: float, offset: float = 0.0):
+        """arr's bf16 elements set to offset + uniform [-scale, scale) on the GPU (seeded)."""
         from blink.gpu_engine import cuda_runtime as cr
-        fill = cr.Module(cr.nvcc_cubin(CSRC / "random_fill.cu")).function("fill_uniform_bf16")
+        if self._fill_kernel is None:
+            self._fill_kernel = cr.Module(cr.nvcc_cubin(CSRC / "random_fill.cu")).function(
+                "fill_uniform_bf16")
+        n = arr.nbytes // 2
+        cr.launch(self._fill_kernel, min(4096, (n + 255) // 256), 256,
+                  (arr.ptr, n, seed, scale, offset),
+                  (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float,
+                   ctypes.c_float), self.stream)
+
+    def _random_weights(self, seed: int) -> None:
         cfg, counter = self.cfg, [seed]
 
         def tensor(*shape, fan_in=None, const=None):
             arr = self._alloc(shape, BF16)
-            n = int(np.prod(shape))
             scale, offset = (0.0, const) if const is not None else (fan_in ** -0.5 * 1.7, 0.0)
             counter[0] += 1
-            cr.launch(fill, min(4096, (n + 255) // 256), 256, (arr.ptr, n, counter[0], scale,
-                                                               offset),
-                      (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float,
-                       ctypes.c_float), self.stream)
+            self._fill_uniform(arr, counter[0], scale, offset)
             return arr
 
         H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -887,6 +894,14 @@ class CudaForward:
         """Every KV-cache byte set to `byte` (0xFF = NaN: tests prove unwritten slots unread)."""
         self.k_cache.fill_bytes(byte)
         self.v_cache.fill_bytes(byte)
+
+    def randomize_kv_cache(self, seed: int) -> None:
+        """Keys and values uniform in [-1, 1), for benchmarks: a cache of one repeated value
+        toggles no bits on its way through the attention kernel and draws less power than the
+        cache of a live run (docs/performance.md, *Power*)."""
+        self._fill_uniform(self.k_cache, seed, 1.0)
+        self._fill_uniform(self.v_cache, seed + 1, 1.0)
+        synchronize(self.stream)
 
     # --- the host-side test path ------------------------------------------------------------
 

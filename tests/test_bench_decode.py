@@ -29,6 +29,16 @@ def test_decode_and_prefill_points_build_their_batches():
     check_batch(step_batch(Point.parse_prefill("5x9"), 1), [(5, 9)], 1)
 
 
+def test_a_step_holds_many_tokens_not_one_repeated():
+    """Alike rows toggle fewer bits in the GEMMs than a live step's (a power-capped GPU then
+    clocks higher): the tokens are spread over the vocabulary, the same from run to run."""
+    point = Point(256, 400)
+    tokens = step_batch(point, 26, vocab_size=128256).token_ids
+    assert tokens.min() >= 0 and tokens.max() < 128256
+    assert len(np.unique(tokens)) > 250
+    np.testing.assert_array_equal(tokens, step_batch(point, 26, vocab_size=128256).token_ids)
+
+
 def test_a_mixed_point_is_its_decodes_then_its_chunks():
     point = MixedPoint.parse("4x40+16x16+8x100")
     assert point.groups == (Point(4, 40), Point(1, 16, 16), Point(1, 100, 8))

@@ -1,0 +1,64 @@
+"""The benchmarks' SM clock and power readings: a window's summary is the statistics of its
+non-idle samples, a machine without NVML says why and reports nothing, and on a GPU the
+monitor reads the device CUDA numbers 0 while it works."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+
+from blink.gpu_engine.gpu_monitor import GPU_IDLE, POWER_CAP, GpuMonitor, GpuSample, summarize
+from gpu import requires_gpu
+
+
+def test_a_window_leaves_idle_samples_out():
+    samples = [GpuSample(0.0, 345, 80, GPU_IDLE),        # between workloads
+               GpuSample(0.1, 1980, 450, 0),
+               GpuSample(0.2, 1605, 691, POWER_CAP),
+               GpuSample(0.3, 1530, 693, POWER_CAP | 0x20),  # and a thermal slowdown
+               GpuSample(0.4, 1710, 688, POWER_CAP)]
+    got = summarize(samples, power_limit_w=700)
+    busy = samples[1:]
+    assert got.samples == 4
+    assert got.sm_mhz_median == statistics.median(s.sm_mhz for s in busy) == 1657.5
+    assert got.sm_mhz_min == 1530
+    assert got.power_w_median == statistics.median(s.power_w for s in busy) == 689.5
+    assert (got.power_capped, got.thermal) == (0.75, 0.25)
+    assert "1,658 MHz median (min 1,530), 690 W median of 700 W, power-capped 75% of 4" in \
+        got.describe()
+    assert summarize(samples[:1], power_limit_w=700) is None  # only idle: nothing to say
+
+
+def test_without_nvml_it_says_why_and_reports_nothing():
+    monitor = GpuMonitor(None, unavailable="no CUDA device 0 (test)")
+    with monitor:
+        since = monitor.mark()
+    assert monitor.unavailable == "no CUDA device 0 (test)"
+    assert monitor.summary(since) is None
+
+
+@pytest.mark.gpu
+@requires_gpu()
+def test_it_reads_the_gpu_while_it_works():
+    pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed (the gpu extra has it)")
+    from blink.gpu_engine import cuda_runtime as cr
+    monitor = GpuMonitor.for_cuda_device(0)
+    assert monitor.unavailable is None, monitor.unavailable
+    assert monitor.power_limit_w > 0
+    cr.primary_context()
+    n = 1 << 30
+    a, b = cr.DeviceBuffer(n), cr.DeviceBuffer(n)
+    stream = cr.new_stream()
+    with monitor:
+        since = monitor.mark()
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:  # copies back to back: the GPU is busy, not idle
+            for _ in range(20):
+                cr.check(cr.cu.cuMemcpyDtoDAsync(b.ptr, a.ptr, n, stream))
+            cr.synchronize(stream)
+        got = monitor.summary(since)
+    a.free(), b.free()
+    assert got is not None and got.samples >= 5
+    assert 100 < got.sm_mhz_min <= got.sm_mhz_median < 5000
+    assert 0 < got.power_w_median <= 1.5 * monitor.power_limit_w
