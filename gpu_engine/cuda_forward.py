@@ -974,11 +974,11 @@ class CudaForward:
 
     @contextlib.contextmanager
     def holding_sms(self):
-        """`with fwd.holding_sms():` held_sms CTAs (blink_hold_sm, the scheduler kernel's
-        thread count) spin on their own stream while the body runs graphs on self.stream, as
-        the scheduler kernel's CTA holds its SM while the graphs it launched run. Nothing in
-        the body may wait for the whole context (cuCtxSynchronize, a free, fill_bytes): it
-        would wait for the spinning CTAs. So it cannot nest."""
+        """`with fwd.holding_sms():` held_sms CTAs (blink_hold_sm: the scheduler kernel's
+        threads, registers and shared memory) spin on their own stream while the body runs
+        graphs on self.stream, as the scheduler kernel's CTA holds its SM while the graphs it
+        launched run. Nothing in the body may wait for the whole context (cuCtxSynchronize, a
+        free, fill_bytes): it would wait for the spinning CTAs. So it cannot nest."""
         if self._hold_release is None:
             yield
             return

@@ -1036,6 +1036,19 @@ def test_forward_sized_for_the_sms_the_scheduler_leaves(cf, models):
     np.testing.assert_array_equal(alone, beside)
     again, _ = engine.run(batch)  # after the release: nothing left spinning in the way
     np.testing.assert_array_equal(alone, again)
+    # the held SM's CTA takes what the scheduler kernel's takes, in the units the SM hands out
+    # (registers 8 a thread, shared memory 128 bytes): the same kernels fit beside either
+    from blink.gpu_engine import cuda_runtime as cr
+    from blink.gpu_engine.cuda_engine import KERNEL_SOURCE
+    scheduler = cr.Module(cr.link_device_runtime(cr.nvcc_cubin(KERNEL_SOURCE, relocatable=True)))
+    attr = cr.cu.CUfunction_attribute
+
+    def footprint(fn):
+        regs = cr.check(cr.cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, fn))
+        smem = cr.check(cr.cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn))
+        return -(-regs // 8), -(-smem // 128)
+    held, running = footprint(k.fn["blink_hold_sm"]), footprint(scheduler.function("scheduler_run"))
+    assert held == running, f"blink_hold_sm takes {held}, scheduler_run {running}"
     whole = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
                            max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
                            capture=False, held_sms=0)  # host-launched graphs

@@ -155,10 +155,35 @@ __global__ void blink_signal_done(BatchDesc* desc) {
 // Not part of the forward pass: a CTA that holds its SM until *release is nonzero, as the
 // scheduler kernel's CTA holds one while the forward graphs it launched run. bench_decode and
 // the GEMM tuner time graphs beside it (CudaForward.holding_sms) so that they see the GPU the
-// live engine sees. Launched with the scheduler's thread count: like its CTA, it leaves no room
-// on its SM for a cuBLAS CTA or a third attention CTA.
-__global__ void blink_hold_sm(const volatile uint32_t* release) {
-  while (*release == 0) __nanosleep(2000);
+// live engine sees. Launched with the scheduler's thread count, it also takes the scheduler
+// kernel's registers and static shared memory (scheduler_kernel.cu's scheduler_run: ptxas's
+// 82 registers, and 4,104 bytes of its own plus 15,824 in the functions it calls, which the
+// link puts in its CTA; test_cuda_forward checks both against the loaded kernel): what fits beside
+// a CTA depends on both (beside the 6 registers a thread this kernel used to take, a skinny
+// projection's 114-register CTA fit twice on its SM; beside the scheduler's 82 it fits once).
+static constexpr int kSchedulerRegisters = 82;
+static constexpr int kSchedulerSmemBytes = 4104 + 15824;
+__global__ void __launch_bounds__(256, 1) blink_hold_sm(const volatile uint32_t* release) {
+  volatile __shared__ uint32_t held_smem[kSchedulerSmemBytes / sizeof(uint32_t)];
+  for (int i = threadIdx.x; i < kSchedulerSmemBytes / 4; i += blockDim.x) held_smem[i] = 0;
+  // values live across the loop (each iteration mixes each with the next, so none can be
+  // recomputed from fewer; a hash of them is stored at the end), so that ptxas allocates
+  // kSchedulerRegisters a thread
+  constexpr int kLive = kSchedulerRegisters - 8;  // 8: ptxas's own (the flag, the loop, ...)
+  uint32_t live[kLive];
+#pragma unroll
+  for (int i = 0; i < kLive; ++i) live[i] = threadIdx.x * (i + 1);
+  while (*release == 0) {
+    __nanosleep(2000);
+    const uint32_t first = live[0];
+#pragma unroll
+    for (int i = 0; i < kLive; ++i)
+      live[i] = live[i] * 1664525u + (i + 1 < kLive ? live[i + 1] : first);
+  }
+  uint32_t sum = 0;
+#pragma unroll
+  for (int i = 0; i < kLive; ++i) sum ^= live[i] * (2 * i + 1);
+  held_smem[threadIdx.x % (kSchedulerSmemBytes / 4)] = sum;
 }
 
 }  // extern "C"
