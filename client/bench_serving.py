@@ -93,7 +93,8 @@ class Result:
     tokens_per_step: float
     floor_ms: float | None
     step_range: tuple[int, int]  # the engine's step count before and after the workload
-    gpu: GpuClocks | None        # the SM clock and power over the workload (None: not sampled)
+    gpu: GpuClocks | None = None  # the SM clock, power, energy over the workload (None: not read)
+    generated_tokens: int = 0
 
     def line(self) -> str:
         w = self.workload
@@ -110,7 +111,10 @@ class Result:
             parts.append(f"(floor {self.floor_ms:.3f} ms/step at batch {w.concurrency}, context "
                          f"{w.mean_context}; TPOT {self.tpot_ms / self.floor_ms:.2f}x floor)")
         if self.gpu is not None:
-            parts.append(f"[{self.gpu.describe()}]")
+            per_token = (f", {self.gpu.energy_j / self.generated_tokens * 1e3:.1f} mJ a "
+                         f"generated token" if self.gpu.energy_j and self.generated_tokens
+                         else "")
+            parts.append(f"[{self.gpu.describe()}{per_token}]")
         return " ".join(parts)
 
 
@@ -143,7 +147,7 @@ def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
         engine_step_ms=(after["engine_busy_ns"] - before["engine_busy_ns"]) / steps / 1e6,
         tokens_per_step=(after["engine_step_tokens"] - before["engine_step_tokens"]) / steps,
         floor_ms=floor, step_range=(before["engine_steps"], after["engine_steps"]),
-        gpu=monitor.summary(since))
+        gpu=monitor.summary(since), generated_tokens=m["output_tokens"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,8 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = copy_bandwidth()
     print(f"bench copy bandwidth: {bandwidth / 1e12:.2f} TB/s (device-to-device, read + write)")
     monitor = GpuMonitor.for_cuda_device(0)
-    if monitor.unavailable:
-        print(f"bench serving: the SM clock and power are not reported: {monitor.unavailable}")
+    unread = monitor.unavailable
+    if unread:
+        print(f"bench serving: the SM clock and power are not reported: {unread}")
     workloads = [w for suite in args.suite for w in SUITES[suite]]
     results = []
     with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp, monitor:
@@ -197,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
             results += shape_results
             if args.step_log:
                 print_step_log(step_log, shape, shape_results)
+    if monitor.unavailable != unread:
+        print(f"bench serving: the SM clock and power stopped: {monitor.unavailable}")
     print("\n| shape | workload | TPOT p50 (ms) | floor (ms) | x floor | TTFT p50 (ms) "
           "| generated tok/s | engine ms/step | tokens/step | SM MHz, W (power-capped) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -212,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
 def gpu_cell(gpu: GpuClocks | None) -> str:
     if gpu is None:
         return ""
-    return f"{gpu.sm_mhz_median:,.0f}, {gpu.power_w_median:.0f} ({gpu.power_capped:.0%})"
+    return f"{gpu.sm_mhz_median:,.0f}, {gpu.power_w_median:.0f} ({gpu.power_capped_share:.0%})"
 
 
 def print_step_log(path: Path, shape: str, results: list[Result]) -> None:

@@ -244,7 +244,8 @@ def make_forward(cfg: ModelConfig, points: list[Point], **options):
 
 def time_step(fwd, point: Point, blocks_per_seq: int) -> float:
     from blink.gpu_engine import cuda_runtime as cr
-    fwd.run(step_batch(point, blocks_per_seq, fwd.cfg.vocab_size))  # the batch arrays, warm
+    # writes the batch arrays, and warms the graph
+    fwd.run(step_batch(point, blocks_per_seq, fwd.cfg.vocab_size))
     graph = fwd.graph_execs[fwd.bucket_for(point.tokens)]
     with fwd.holding_sms():
         return median_seconds(fwd.stream,
@@ -280,11 +281,13 @@ def op_flops(cfg: ModelConfig, label: str, point: Point) -> int | None:
     return None
 
 
-def breakdown(fwd, point: Point, blocks_per_seq: int) -> list[tuple[str, int, float]]:
+def breakdown(fwd, point: Point, blocks_per_seq: int,
+              whole: float | None = None) -> list[tuple[str, int, float]]:
     """[(label, launches per step, seconds per step)] in first-launch order, plus the whole
-    step last as ('whole step', kernels, seconds)."""
+    step last as ('whole step', kernels, seconds): `whole` when the caller timed it."""
     from blink.gpu_engine import cuda_runtime as cr
-    whole = time_step(fwd, point, blocks_per_seq)
+    if whole is None:
+        whole = time_step(fwd, point, blocks_per_seq)
     bucket = fwd.bucket_for(point.tokens)
     groups: dict[str, list] = {}
     for label, enqueue in fwd.ops(bucket):
@@ -364,10 +367,13 @@ def main(argv: list[str] | None = None) -> None:
     bw = copy_bandwidth()
     print(f"bench copy bandwidth: {bw / 1e12:.2f} TB/s (device-to-device, read + write)")
     monitor = GpuMonitor.for_cuda_device(0)
-    if monitor.unavailable:
-        print(f"bench decode: the SM clock and power are not reported: {monitor.unavailable}")
+    unread = monitor.unavailable
+    if unread:
+        print(f"bench decode: the SM clock and power are not reported: {unread}")
     with monitor:
         table, prefill_table = run_points(args, bw, monitor)
+    if monitor.unavailable != unread:
+        print(f"bench decode: the SM clock and power stopped: {monitor.unavailable}")
     print_table(["shape", "batch", "context", "variant", "ms per step", "floor (ms)", "x floor"],
                 [(name, point.batch, point.context, impl, f"{seconds * 1e3:.3f}",
                   f"{floor * 1e3:.3f}", f"{seconds / floor:.2f}")
@@ -406,36 +412,33 @@ def run_points(args, bw: float, monitor: GpuMonitor) -> tuple[list, list]:
             for point in points:
                 if point not in args.points:
                     continue
-                since = monitor.mark()
-                seconds = time_step(fwd, point, blocks_per_seq)
+                seconds, clocks = timed_step(fwd, point, blocks_per_seq, monitor)
                 need = decode_step_bytes(cfg, [point.context] * point.batch)
                 floor = need.total / bw
                 table.append((name, point, impl, seconds, floor))
                 print(f"bench decode {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step "
                       f"(floor {floor * 1e3:.3f} ms = {need.describe()}; "
                       f"{seconds / floor:.2f}x floor), median of {REPEATS} x {STEPS} graph "
-                      f"replays{clocks_note(monitor, since)}")
+                      f"replays{clocks}")
             for point in args.prefill:
-                since = monitor.mark()
-                rows = breakdown(fwd, point, blocks_per_seq)
-                seconds = rows[-1][2]
+                seconds, clocks = timed_step(fwd, point, blocks_per_seq, monitor)
+                rows = breakdown(fwd, point, blocks_per_seq, whole=seconds)
                 work = step_flops(cfg, list(point.positions), point.batch)
                 prefill_table.append((name, point, impl, seconds, work))
                 print(f"bench prefill {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step, "
                       f"{point.tokens / seconds:,.0f} tok/s, {work.total / seconds / 1e12:.0f} "
                       f"TFLOP/s ({work.projections / 1e12:.2f} TFLOP projections + "
-                      f"{work.attention / 1e12:.2f} TFLOP attention){clocks_note(monitor, since)}")
+                      f"{work.attention / 1e12:.2f} TFLOP attention){clocks}")
                 print_breakdown(name, cfg, point, rows, bw, impl)
             for point in args.mixed:
-                since = monitor.mark()
-                rows = breakdown(fwd, point, blocks_per_seq)
-                seconds = rows[-1][2]
+                seconds, clocks = timed_step(fwd, point, blocks_per_seq, monitor)
+                rows = breakdown(fwd, point, blocks_per_seq, whole=seconds)
                 work = step_flops(cfg, list(point.positions), point.batch)
                 kv = int(point.context_lens.sum()) * kv_bytes_per_token(cfg)
                 print(f"bench mixed {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step, "
                       f"{point.tokens} tokens ({point.tokens / seconds:,.0f} tok/s), "
                       f"{work.total / seconds / 1e12:.0f} TFLOP/s, {kv / 1e9:.2f} GB of keys "
-                      f"and values{clocks_note(monitor, since)}")
+                      f"and values{clocks}")
                 print_breakdown(name, cfg, point, rows, bw, impl)
             for point in args.breakdown:
                 print_breakdown(name, cfg, point, breakdown(fwd, point, blocks_per_seq), bw,
@@ -444,10 +447,12 @@ def run_points(args, bw: float, monitor: GpuMonitor) -> tuple[list, list]:
     return table, prefill_table
 
 
-def clocks_note(monitor: GpuMonitor, since: float) -> str:
-    """'; <SM clock and power since then>', or nothing when they were not sampled."""
+def timed_step(fwd, point: Point, blocks_per_seq: int, monitor: GpuMonitor) -> tuple[float, str]:
+    """time_step, and '; <the SM clock and power over its replays>' (empty when not read)."""
+    since = monitor.mark()
+    seconds = time_step(fwd, point, blocks_per_seq)
     clocks = monitor.summary(since)
-    return f"; {clocks.describe()}" if clocks is not None else ""
+    return seconds, f"; {clocks.describe()}" if clocks is not None else ""
 
 
 def parse_options(text: str) -> tuple[str, dict[str, int]]:

@@ -1,41 +1,49 @@
-"""The benchmarks' SM clock and power readings: a window's summary is the statistics of its
-non-idle samples, a machine without NVML says why and reports nothing, and on a GPU the
-monitor reads the device CUDA numbers 0 while it works."""
+"""The benchmarks' SM clock, power and energy readings: a window's summary is the statistics of
+its busy samples and the energy between its ends, a machine without NVML says why and reports
+nothing, and on a GPU the monitor reads the device CUDA numbers 0 while it works."""
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import pytest
 
-from blink.gpu_engine.gpu_monitor import GPU_IDLE, POWER_CAP, GpuMonitor, GpuSample, summarize
+from blink.gpu_engine.gpu_monitor import GPU_IDLE, POWER_CAP, THERMAL, GpuMonitor, GpuSample, \
+    summarize
 from gpu import requires_gpu
 
 
-def test_a_window_leaves_idle_samples_out():
-    samples = [GpuSample(0.0, 345, 80, GPU_IDLE),        # between workloads
-               GpuSample(0.1, 1980, 450, 0),
-               GpuSample(0.2, 1605, 691, POWER_CAP),
-               GpuSample(0.3, 1530, 693, POWER_CAP | 0x20),  # and a thermal slowdown
-               GpuSample(0.4, 1710, 688, POWER_CAP)]
+def test_a_window_leaves_idle_samples_out_of_its_medians():
+    samples = [GpuSample(0.0, 345, 80, GPU_IDLE, 1000.0),        # between workloads
+               GpuSample(0.1, 1980, 450, 0, 1030.0),
+               GpuSample(0.2, 1605, 691, POWER_CAP, 1100.0),
+               GpuSample(0.3, 1530, 693, POWER_CAP | THERMAL, 1170.0),
+               GpuSample(0.4, 1710, 688, POWER_CAP, 1240.0)]
     got = summarize(samples, power_limit_w=700)
     busy = samples[1:]
     assert got.samples == 4
     assert got.sm_mhz_median == statistics.median(s.sm_mhz for s in busy) == 1657.5
     assert got.sm_mhz_min == 1530
     assert got.power_w_median == statistics.median(s.power_w for s in busy) == 689.5
-    assert (got.power_capped, got.thermal) == (0.75, 0.25)
-    assert "1,658 MHz median (min 1,530), 690 W median of 700 W, power-capped 75% of 4" in \
-        got.describe()
+    assert (got.power_capped_share, got.thermal_share) == (0.75, 0.25)
+    assert got.energy_j == 240.0  # over the whole window, idle sample included
+    assert got.describe() == ("SM clock 1,658 MHz median (min 1,530), 690 W median of 700 W, "
+                              "power-capped 75% of 4 samples, thermal slowdown 25%, 240 J")
     assert summarize(samples[:1], power_limit_w=700) is None  # only idle: nothing to say
+    no_counter = [GpuSample(s.t, s.sm_mhz, s.power_w, s.reasons, None) for s in samples]
+    assert summarize(no_counter, power_limit_w=700).energy_j is None
 
 
-def test_without_nvml_it_says_why_and_reports_nothing():
-    monitor = GpuMonitor(None, unavailable="no CUDA device 0 (test)")
+def test_without_nvml_it_says_why_and_reports_nothing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # as if nvidia-ml-py were not installed
+    monitor = GpuMonitor(b"0000:00:06.0")
+    assert monitor.unavailable.startswith("no NVML (ModuleNotFoundError")
     with monitor:
         since = monitor.mark()
-    assert monitor.unavailable == "no CUDA device 0 (test)"
     assert monitor.summary(since) is None
+    no_device = GpuMonitor(None, unavailable="no CUDA device 0 (test)")
+    assert no_device.unavailable == "no CUDA device 0 (test)"
 
 
 @pytest.mark.gpu
@@ -62,3 +70,6 @@ def test_it_reads_the_gpu_while_it_works():
     assert got is not None and got.samples >= 5
     assert 100 < got.sm_mhz_min <= got.sm_mhz_median < 5000
     assert 0 < got.power_w_median <= 1.5 * monitor.power_limit_w
+    # about a second of copies: joules between a tenth of the limit's and all of it
+    assert got.energy_j is None or 0.05 * monitor.power_limit_w < got.energy_j \
+        < 1.5 * monitor.power_limit_w

@@ -13,6 +13,7 @@
 #include "attention.cuh"
 #include "batch.cuh"
 #include "embedding.cuh"
+#include "engine_layout.h"
 #include "gemv.cuh"
 #include "norm.cuh"
 #include "rope.cuh"
@@ -163,7 +164,8 @@ __global__ void blink_signal_done(BatchDesc* desc) {
 // projection's 114-register CTA fit twice on its SM; beside the scheduler's 82 it fits once).
 static constexpr int kSchedulerRegisters = 82;
 static constexpr int kSchedulerSmemBytes = 4104 + 15824;
-__global__ void __launch_bounds__(256, 1) blink_hold_sm(const volatile uint32_t* release) {
+__global__ void __launch_bounds__(blink::engine::kSchedulerThreads, 1)
+    blink_hold_sm(const volatile uint32_t* release) {
   volatile __shared__ uint32_t held_smem[kSchedulerSmemBytes / sizeof(uint32_t)];
   for (int i = threadIdx.x; i < kSchedulerSmemBytes / 4; i += blockDim.x) held_smem[i] = 0;
   // values live across the loop (each iteration mixes each with the next, so none can be
