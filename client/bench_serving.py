@@ -170,13 +170,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown shapes {sorted(unknown)}; choose from {sorted(SHAPES)}")
     bandwidth = copy_bandwidth()
     print(f"bench copy bandwidth: {bandwidth / 1e12:.2f} TB/s (device-to-device, read + write)")
-    monitor = GpuMonitor.for_cuda_device(0)
-    unread = monitor.unavailable
-    if unread:
-        print(f"bench serving: the SM clock and power are not reported: {unread}")
     workloads = [w for suite in args.suite for w in SUITES[suite]]
     results = []
-    with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp, monitor:
+    with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp, \
+            GpuMonitor.for_cuda_device(0).reporting("bench serving") as monitor:
         for shape in args.shapes:
             folder = shape_folder(shape, Path(tmp), args.max_model_len)
             flags = ["--engine", "cuda", "--load-format", "dummy",
@@ -202,8 +199,6 @@ def main(argv: list[str] | None = None) -> None:
             results += shape_results
             if args.step_log:
                 print_step_log(step_log, shape, shape_results)
-    if monitor.unavailable != unread:
-        print(f"bench serving: the SM clock and power stopped: {monitor.unavailable}")
     print("\n| shape | workload | TPOT p50 (ms) | floor (ms) | x floor | TTFT p50 (ms) "
           "| generated tok/s | engine ms/step | tokens/step | SM MHz, W (power-capped) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -55,8 +55,8 @@ def _check_engine_args(args) -> None:
         sys.exit("blink: --hf-static-cache is an option of --engine hf")
     if args.step_log is not None and args.engine not in ("cuda", "auto"):
         sys.exit("blink: --step-log is an option of the cuda engine")
-    if args.step_log is not None and not (args.step_log.resolve().parent.is_dir()
-                                          and os.access(args.step_log.resolve().parent, os.W_OK)):
+    folder = args.step_log.resolve().parent if args.step_log is not None else None
+    if folder is not None and not (folder.is_dir() and os.access(folder, os.W_OK)):
         sys.exit(f"blink: --step-log {args.step_log}: its folder does not exist or cannot be "
                  f"written")
 

@@ -366,14 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     bw = copy_bandwidth()
     print(f"bench copy bandwidth: {bw / 1e12:.2f} TB/s (device-to-device, read + write)")
-    monitor = GpuMonitor.for_cuda_device(0)
-    unread = monitor.unavailable
-    if unread:
-        print(f"bench decode: the SM clock and power are not reported: {unread}")
-    with monitor:
+    with GpuMonitor.for_cuda_device(0).reporting("bench decode") as monitor:
         table, prefill_table = run_points(args, bw, monitor)
-    if monitor.unavailable != unread:
-        print(f"bench decode: the SM clock and power stopped: {monitor.unavailable}")
     print_table(["shape", "batch", "context", "variant", "ms per step", "floor (ms)", "x floor"],
                 [(name, point.batch, point.context, impl, f"{seconds * 1e3:.3f}",
                   f"{floor * 1e3:.3f}", f"{seconds / floor:.2f}")

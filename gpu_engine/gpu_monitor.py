@@ -18,6 +18,7 @@ held by the power cap, and the energy used.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -157,6 +158,19 @@ class GpuMonitor:
             self._stop.set()
             self._thread.join()
             self._thread = None
+
+    @contextlib.contextmanager
+    def reporting(self, who: str):
+        """`with monitor.reporting("bench decode"):` samples in the block, and prints why the
+        clock and power are missing from its lines: before it (never read) or after it (NVML
+        stopped answering)."""
+        unread = self.unavailable
+        if unread:
+            print(f"{who}: the SM clock and power are not reported: {unread}")
+        with self:
+            yield self
+        if self.unavailable != unread:
+            print(f"{who}: the SM clock and power stopped: {self.unavailable}")
 
     def mark(self) -> float:
         """A point in time to summarize from."""

@@ -35,13 +35,15 @@ def test_a_window_leaves_idle_samples_out_of_its_medians():
     assert summarize(no_counter, power_limit_w=700).energy_j is None
 
 
-def test_without_nvml_it_says_why_and_reports_nothing(monkeypatch):
+def test_without_nvml_it_says_why_and_reports_nothing(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # as if nvidia-ml-py were not installed
     monitor = GpuMonitor(b"0000:00:06.0")
     assert monitor.unavailable.startswith("no NVML (ModuleNotFoundError")
-    with monitor:
+    with monitor.reporting("bench x"):
         since = monitor.mark()
     assert monitor.summary(since) is None
+    assert capsys.readouterr().out == (f"bench x: the SM clock and power are not reported: "
+                                       f"{monitor.unavailable}\n")
     no_device = GpuMonitor(None, unavailable="no CUDA device 0 (test)")
     assert no_device.unavailable == "no CUDA device 0 (test)"
 
