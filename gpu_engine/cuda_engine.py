@@ -82,7 +82,8 @@ class CudaEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.context_length, num_blocks=config.num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, gemm_tuning=config.gemm_tuning,
-            held_sms=1, sm_count_target=config.sm_count_target)  # the scheduler's CTA
+            held_sms=1, sm_count_target=config.sm_count_target,  # the scheduler's CTA
+            decode_weight_copy=config.decode_weight_copy)
         num_blocks = self.forward.num_blocks
         log.info("weights, KV cache (%d blocks of %d tokens) and %d forward graphs ready in "
                  "%.1f s", num_blocks, config.block_size, len(self.forward.graph_execs),

@@ -17,7 +17,7 @@ import contextlib
 import ctypes
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from cuda.bindings import driver
@@ -161,7 +161,7 @@ class ForwardKernels:
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
                     "blink_paged_attention", "blink_paged_attention_small", "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform", "blink_signal_done",
-                    "blink_hold_sm",
+                    "blink_hold_sm", "blink_tile_weights",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
                     *(f"blink_skinny_{kind}_{a}x1" for kind in ("linear_norm", "qkv_rope")
                       for a in (1, 2)))
@@ -320,9 +320,24 @@ class ForwardKernels:
 
     @classmethod
     def skinny_fits(cls, rows: int, in_features: int, out_features: int) -> bool:
-        """Whether skinny_linear can take this shape."""
+        """Whether skinny_linear can take this shape (in either weight layout)."""
         return (1 <= rows <= cls.SKINNY_MAX_ROWS and in_features % 32 == 0
-                and out_features * in_features < 2 ** 31)
+                and cls.tiled_rows(out_features) * in_features < 2 ** 31)
+
+    @staticmethod
+    def tiled_rows(rows: int) -> int:
+        """A weight's rows in the skinny kernels' tiled layout: whole 16-row tiles."""
+        return -(-rows // 16) * 16
+
+    def tile_weights(self, stream, w, tiled, rows: int, cols: int) -> None:
+        """tiled = w [rows, cols] bf16 row-major in the skinny kernels' tiled layout (gemv.cuh:
+        16-row tiles of 32-column steps, 1 KB each, the last tile padded with zeros); tiled
+        holds tiled_rows(rows) * cols elements."""
+        self._need(cols % 32 == 0, f"tiled weights need columns % 32 == 0, got {cols}")
+        pieces = self.tiled_rows(rows) * cols // 8
+        self.launch("blink_tile_weights", (min(65535, -(-pieces // 256)),), (256,),
+                    [_ptr(w), _ptr(tiled), _i32(rows), _i32(cols), ctypes.c_uint64(pieces)],
+                    stream)
 
     # Where the skinny kernel beats cuBLAS (H200, bench_decode --breakdown --cublas, Llama-3.1-8B
     # and 3.2-1B shapes): at up to 8 token rows, for every projection whose output it fuses
@@ -355,20 +370,21 @@ class ForwardKernels:
         return row_tiles, col_tiles
 
     def skinny_linear(self, stream, x, w, out, rows, in_features, out_features, mode, *,
-                      shadow=0, norm_eps=None):
+                      shadow=0, norm_eps=None, w_tiled=False):
         """out[rows, out_features] (mode: SKINNY_BF16 / _F32 / _F32_ADD) = x[rows, in] @ w^T
         for rows <= SKINNY_MAX_ROWS, w: [out_features, in_features] bf16, all dense. SILU_MUL:
         w is gate|up interleaved in 16-row groups (interleave_gate_up) and
         out[rows, out_features/2] = silu(gate) * up in bf16. F32_ADD with shadow: the sums
         also go to shadow [rows, out_features] as bf16. norm_eps: x is the residual stream's
         bf16 shadow and each row's result is scaled by 1 / sqrt(mean(x^2) + norm_eps) (the
-        RMSNorm whose weight is folded into w; rows <= SKINNY_NORM_MAX_ROWS)."""
+        RMSNorm whose weight is folded into w; rows <= SKINNY_NORM_MAX_ROWS). w_tiled: w is in
+        the tiled layout (tile_weights), else row-major."""
         silu = mode == SKINNY_SILU_MUL
         row_tiles, col_tiles = self._skinny_tiles(rows, in_features, out_features, silu,
                                                   norm_eps is not None)
         ldo = out_features // 2 if silu else out_features
-        args = [_ptr(x), _i32(in_features), _i32(rows), _ptr(w), _i32(out_features),
-                _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
+        args = [_ptr(x), _i32(in_features), _i32(rows), _ptr(w), _i32(w_tiled),
+                _i32(out_features), _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
         if norm_eps is None:
             name, args = f"blink_skinny_linear_{row_tiles}x{col_tiles}", args + [_ptr(shadow)]
         else:
@@ -379,18 +395,19 @@ class ForwardKernels:
 
     def skinny_qkv_rope(self, stream, rows, desc, x, w, hidden, eps, positions, token_seq,
                         block_tables, max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
-                        num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks):
+                        num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks, *,
+                        w_tiled=False):
         """The qkv projection with its input RMSNorm folded in (as skinny_linear with norm_eps)
         and RoPE + KV write as its epilogue (rope_kv_write's outputs, without per-head q/k
         norms). w: [(num_heads + 2 num_kv_heads) * head_dim, hidden], q and k rows in the RoPE
-        pair layout (rope_pair_order); qkv_bias likewise or 0."""
+        pair layout (rope_pair_order), row-major or tiled (w_tiled); qkv_bias likewise or 0."""
         out_features = (num_heads + 2 * num_kv_heads) * self.head_dim
         row_tiles, _ = self._skinny_tiles(rows, hidden, out_features, False, True)
         self.launch(f"blink_skinny_qkv_rope_{row_tiles}x1",
                     (-(-out_features // (16 * row_tiles)),), (self.gemv_threads,),
-                    [_ptr(x), _i32(hidden), _i32(rows), _ptr(w), _i32(out_features),
-                     _i32(hidden), _f32(eps), _ptr(desc), _ptr(positions), _ptr(token_seq),
-                     _ptr(block_tables), _i32(max_blocks_per_seq), _ptr(qkv_bias),
+                    [_ptr(x), _i32(hidden), _i32(rows), _ptr(w), _i32(w_tiled),
+                     _i32(out_features), _i32(hidden), _f32(eps), _ptr(desc), _ptr(positions),
+                     _ptr(token_seq), _ptr(block_tables), _i32(max_blocks_per_seq), _ptr(qkv_bias),
                      _ptr(inv_freq), _i32(num_heads), _i32(num_kv_heads), _ptr(q_out),
                      _ptr(k_cache), _ptr(v_cache), _i32(block_size), _i32(num_blocks)], stream)
 
@@ -432,6 +449,9 @@ class _Layer:
     wgu: DeviceArray            # [2 I, H] bf16: gate_proj, up_proj interleaved in 16 rows,
     #                             post_attention_layernorm folded
     wdown: DeviceArray          # [H, I] bf16
+    # the skinny kernels' copies of wqkv, wo, wgu and wdown in their tiled layout
+    # (ForwardKernels.tile_weights), by name; empty without CudaForward's decode_weight_copy
+    tiled: dict[str, DeviceArray] = field(default_factory=dict)
 
 
 def default_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -474,7 +494,7 @@ class CudaForward:
                  decode_min_keys: int | None = None, programmatic_launch: bool = True,
                  fuse_norm_rope: bool = True, max_attention_splits: int | None = None,
                  gemm_tuning: bool = True, held_sms: int = 1,
-                 sm_count_target: int | None = None):
+                 sm_count_target: int | None = None, decode_weight_copy: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -494,7 +514,10 @@ class CudaForward:
         (cuBLAS's SM count target, the attention grids), and bench_decode and the GEMM tuner
         time them beside held_sms spinning CTAs (holding_sms). sm_count_target: size them for
         this many SMs instead (0: all the device's; the comparison bench_decode --options
-        makes)."""
+        makes). decode_weight_copy: the skinny kernels read their own copy of each layer's
+        projections in a tiled layout (gemv.cuh), which streams faster than the row-major
+        weights cuBLAS reads; it costs the memory of those weights a second time (False:
+        they read the row-major weights)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -545,6 +568,8 @@ class CudaForward:
             self._upload_weights(weights)
         else:
             self._random_weights(random_seed)
+        if decode_weight_copy and skinny:
+            self._tile_projections()
 
         T, S, V = self.max_tokens, max_num_seqs, cfg.vocab_size
         self.desc = self._alloc(1, BATCH_DESC_DTYPE)
@@ -688,6 +713,25 @@ class CudaForward:
                 wdown=self._bf16(lw.down_proj),
             ))
 
+    def _projections(self) -> list[tuple[str, int, int]]:
+        """(weight, rows, columns) of a layer's projections, which the skinny kernels take in
+        decode-sized buckets."""
+        cfg = self.cfg
+        H, I, Q, KV = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+        return [("wqkv", Q + 2 * KV, H), ("wo", H, Q), ("wgu", 2 * I, H), ("wdown", H, I)]
+
+    def _tile_projections(self) -> None:
+        """Each layer's tiled copies of its projections (_Layer.tiled), made on the GPU."""
+        k = self.kernels
+        for lw in self.layers:
+            for name, rows, cols in self._projections():
+                if cols % 32:
+                    continue  # no skinny kernel takes it
+                copy = self._alloc(k.tiled_rows(rows) * cols, BF16)
+                k.tile_weights(self.stream, getattr(lw, name).ptr, copy.ptr, rows, cols)
+                lw.tiled[name] = copy
+        synchronize(self.stream)
+
     def ops(self, rows: int) -> list[tuple[str, object]]:
         """One forward pass over `rows` token rows (a bucket) as (label, enqueue) pairs in
         launch order; each enqueue() puts one op's kernel(s) on self.stream. Labels name what
@@ -705,12 +749,20 @@ class CudaForward:
         def skinny(in_f, out_f, fused):
             return self.skinny and k.skinny_preferred(rows, in_f, out_f, fused)
 
-        def linear(label, x, w, dst, in_f, out_f, accumulate=False, shadow=0):
-            """dst (+)= x @ w^T: bf16 out, or fp32 added into dst (the residual stream, and
-            into its bf16 shadow when given)."""
+        def skinny_weight(lw, name) -> tuple[int, bool]:
+            """What a skinny kernel reads of lw's weight `name`: its tiled copy where there
+            is one, else the row-major weight; and whether it is the tiled copy."""
+            tiled = lw.tiled.get(name)
+            return (tiled or getattr(lw, name)).ptr, tiled is not None
+
+        def linear(label, x, lw, name, dst, in_f, out_f, accumulate=False, shadow=0):
+            """dst (+)= x @ lw.<name>^T: bf16 out, or fp32 added into dst (the residual
+            stream, and into its bf16 shadow when given)."""
+            w = getattr(lw, name).ptr
             if skinny(in_f, out_f, accumulate):
+                w, tiled = skinny_weight(lw, name)
                 op(label, k.skinny_linear, s, x, w, dst, rows, in_f, out_f,
-                   SKINNY_F32_ADD if accumulate else SKINNY_BF16, shadow=shadow)
+                   SKINNY_F32_ADD if accumulate else SKINNY_BF16, shadow=shadow, w_tiled=tiled)
             elif accumulate:
                 if shadow:
                     raise ValueError(f"{label}: only the skinny kernel writes the shadow")
@@ -735,18 +787,21 @@ class CudaForward:
                          self.max_blocks_per_seq)
             cache_args = (self.q.ptr, k_layer, v_layer, self.block_size, self.num_blocks)
             if fuse and lw.q_norm is None:
+                wqkv, tiled = skinny_weight(lw, "wqkv")
                 op("rmsnorm + qkv proj + rope + kv write", k.skinny_qkv_rope, s, rows, d,
-                   self.x_shadow.ptr, lw.wqkv.ptr, H, eps, *rope_args,
+                   self.x_shadow.ptr, wqkv, H, eps, *rope_args,
                    lw.bqkv.ptr if lw.bqkv else 0, self.inv_freq.ptr, cfg.num_heads,
-                   cfg.num_kv_heads, *cache_args)
+                   cfg.num_kv_heads, *cache_args, w_tiled=tiled)
             else:
                 if fuse:  # Qwen3's per-head q/k norms need whole heads: RoPE stays a kernel
-                    op("rmsnorm + qkv proj", k.skinny_linear, s, self.x_shadow.ptr, lw.wqkv.ptr,
-                       self.qkv.ptr, rows, H, Q + 2 * KV, SKINNY_BF16, norm_eps=eps)
+                    wqkv, tiled = skinny_weight(lw, "wqkv")
+                    op("rmsnorm + qkv proj", k.skinny_linear, s, self.x_shadow.ptr, wqkv,
+                       self.qkv.ptr, rows, H, Q + 2 * KV, SKINNY_BF16, norm_eps=eps,
+                       w_tiled=tiled)
                 else:
                     op("input rmsnorm", k.rms_norm, s, rows, d, self.x.ptr, self.unit_norm.ptr,
                        self.h.ptr, H, eps)
-                    linear("qkv proj", self.h.ptr, lw.wqkv.ptr, self.qkv.ptr, H, Q + 2 * KV)
+                    linear("qkv proj", self.h.ptr, lw, "wqkv", self.qkv.ptr, H, Q + 2 * KV)
                 op("rope + kv write", k.rope_kv_write, s, rows, d, *rope_args, self.qkv.ptr,
                    lw.bqkv.ptr if lw.bqkv else 0, lw.q_norm.ptr if lw.q_norm else 0,
                    lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr, cfg.num_heads,
@@ -760,21 +815,24 @@ class CudaForward:
             # x += attn @ Wo^T: the residual add rides in the projection (fp32 output); o_proj's
             # bias (where a model has one) is added by the norm kernel, so it stays a kernel
             fuse_post = fuse and lw.bo is None
-            linear("o proj + residual", self.attn.ptr, lw.wo.ptr, self.x.ptr, Q, H,
+            linear("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
                    accumulate=True, shadow=shadow if fuse_post else 0)
             if fuse_post:
+                wgu, tiled = skinny_weight(lw, "wgu")
                 op("rmsnorm + gate|up proj + silu*mul", k.skinny_linear, s, self.x_shadow.ptr,
-                   lw.wgu.ptr, self.act.ptr, rows, H, 2 * I, SKINNY_SILU_MUL, norm_eps=eps)
+                   wgu, self.act.ptr, rows, H, 2 * I, SKINNY_SILU_MUL, norm_eps=eps,
+                   w_tiled=tiled)
             else:
                 op("post-attention rmsnorm", k.rms_norm, s, rows, d, self.x.ptr,
                    self.unit_norm.ptr, self.h.ptr, H, eps, bias=lw.bo.ptr if lw.bo else 0)
                 if skinny(H, 2 * I, True):
-                    op("gate|up proj + silu*mul", k.skinny_linear, s, self.h.ptr, lw.wgu.ptr,
-                       self.act.ptr, rows, H, 2 * I, SKINNY_SILU_MUL)
+                    wgu, tiled = skinny_weight(lw, "wgu")
+                    op("gate|up proj + silu*mul", k.skinny_linear, s, self.h.ptr, wgu,
+                       self.act.ptr, rows, H, 2 * I, SKINNY_SILU_MUL, w_tiled=tiled)
                 else:
-                    linear("gate|up proj", self.h.ptr, lw.wgu.ptr, self.gate_up.ptr, H, 2 * I)
+                    linear("gate|up proj", self.h.ptr, lw, "wgu", self.gate_up.ptr, H, 2 * I)
                     op("silu*mul", k.silu_mul, s, rows, d, self.gate_up.ptr, self.act.ptr, I)
-            linear("down proj + residual", self.act.ptr, lw.wdown.ptr, self.x.ptr, I, H,
+            linear("down proj + residual", self.act.ptr, lw, "wdown", self.x.ptr, I, H,
                    accumulate=True, shadow=shadow)
         logit_rows = min(rows, self.max_num_seqs)
         op("final rmsnorm", k.rms_norm, s, logit_rows, d, self.x.ptr, self.final_norm.ptr,

@@ -52,6 +52,10 @@ class EngineConfig:
     # CUDA engines: the SMs the forward pass's kernels are sized for (cuBLAS's SM count target,
     # the attention grids); None: the device's less those the scheduler kernel holds; 0: all
     sm_count_target: int | None = None
+    # CUDA engines: the skinny decode kernels read their own tiled copy of each layer's
+    # projections, which streams faster than the row-major weights cuBLAS reads, at the cost of
+    # those weights' memory a second time (CudaForward's decode_weight_copy)
+    decode_weight_copy: bool = True
 
     def __post_init__(self):
         if self.num_slots < 1 or self.block_size < 1:

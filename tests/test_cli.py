@@ -101,16 +101,18 @@ def test_serve_generate_and_engine_restart(checkpoints, tmp_path):
     assert serve.returncode == 0
 
 
-def test_gemm_tuning_flag_reaches_the_engine(tmp_path):
-    """--no-gemm-tuning: `blink serve` passes it to the engine process it starts, and the
-    engine's config turns tuning off (on by default)."""
+@pytest.mark.parametrize("flag,field", [("--no-gemm-tuning", "gemm_tuning"),
+                                        ("--no-decode-weight-copy", "decode_weight_copy")])
+def test_engine_off_flags_reach_the_engine(tmp_path, flag, field):
+    """--no-gemm-tuning, --no-decode-weight-copy: `blink serve` passes each to the engine
+    process it starts, and the engine's config turns that feature off (on by default)."""
     from blink.client.cli import _engine_argv, _engine_config, build_parser
     parser = build_parser()
     on = parser.parse_args(["serve", "--model", str(tmp_path)])
-    off = parser.parse_args(["serve", "--model", str(tmp_path), "--no-gemm-tuning"])
-    assert _engine_config(on, tmp_path).gemm_tuning is True
-    assert "--no-gemm-tuning" not in _engine_argv(on, tmp_path)
+    off = parser.parse_args(["serve", "--model", str(tmp_path), flag])
+    assert getattr(_engine_config(on, tmp_path), field) is True
+    assert flag not in _engine_argv(on, tmp_path)
     argv = _engine_argv(off, tmp_path)
-    assert "--no-gemm-tuning" in argv
+    assert flag in argv
     engine = parser.parse_args(argv[argv.index("engine"):])
-    assert _engine_config(engine, tmp_path).gemm_tuning is False
+    assert getattr(_engine_config(engine, tmp_path), field) is False

@@ -270,6 +270,28 @@ def test_interleave_gate_up_layout(cf):
     np.testing.assert_array_equal(w[48:], up[16:])
 
 
+def tiled(w_bits: np.ndarray) -> np.ndarray:
+    """The skinny kernels' tiled weight layout, from its definition (gemv.cuh): rows padded with
+    zeros to whole 16-row tiles, each tile's 32-column steps one after another, a step's 16 rows
+    x 32 columns contiguous."""
+    n, k = w_bits.shape
+    padded = np.zeros((-(-n // 16) * 16, k), w_bits.dtype)
+    padded[:n] = w_bits
+    return padded.reshape(-1, 16, k // 32, 32).transpose(0, 2, 1, 3).copy()
+
+
+@pytest.mark.parametrize("rows,cols", [(16, 32), (200, 544), (6144, 4096)])
+def test_tile_weights(cf, stream, rows, cols):
+    """The tiling kernel writes the layout's definition (padding included), element for element."""
+    k = kernels(cf)
+    w = np.random.default_rng(rows).integers(0, 2 ** 16, (rows, cols), dtype=np.uint16)
+    src = dev(cf, w)
+    dst = dev(cf, np.zeros(k.tiled_rows(rows) * cols, np.uint16), poison=True)
+    k.tile_weights(stream, src.ptr, dst.ptr, rows, cols)
+    cf.synchronize(stream)
+    np.testing.assert_array_equal(dst.download(), tiled(w).ravel())
+
+
 # (rows, in_features, out_features): 1..32 token rows (every column-tile count and partial
 # tiles), in_features with and without a remainder of 32-k steps past the unrolled batches,
 # out_features with a partial last row tile, and one wide enough for two row tiles per CTA.
@@ -279,9 +301,11 @@ SKINNY_CASES = [(1, 256, 200), (3, 96, 48), (8, 544, 1000), (13, 256, 136), (16,
 
 @pytest.mark.parametrize("rows,k_in,n_out", SKINNY_CASES)
 @pytest.mark.parametrize("mode", ["bf16", "f32", "f32_add", "silu_mul"])
-def test_skinny_linear(cf, stream, rows, k_in, n_out, mode):
-    """The skinny linear kernel against float64 on the same bf16 inputs; every output element
-    written once (poison first) and nothing past row `rows` or column `n_out` touched."""
+@pytest.mark.parametrize("layout", ["row-major", "tiled"])
+def test_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout):
+    """The skinny linear kernel against float64 on the same bf16 inputs, with the weights in
+    either layout; every output element written once (poison first) and nothing past row
+    `rows` or column `n_out` touched."""
     k = kernels(cf)
     rng = np.random.default_rng(rows * 7 + k_in)
     cap = 40  # allocated rows: rows .. cap must stay poisoned
@@ -289,7 +313,9 @@ def test_skinny_linear(cf, stream, rows, k_in, n_out, mode):
     x = rb(rng.standard_normal((cap, k_in)))
     w = rb(rng.standard_normal((n_w, k_in)) * k_in ** -0.5)
     ref = x[:rows].astype(np.float64) @ w.T.astype(np.float64)
-    dx, dw = dev(cf, float32_to_bf16_bits(x)), dev(cf, float32_to_bf16_bits(w))
+    w_tiled = layout == "tiled"
+    dx = dev(cf, float32_to_bf16_bits(x))
+    dw = dev(cf, tiled(float32_to_bf16_bits(w)) if w_tiled else float32_to_bf16_bits(w))
     if mode in ("bf16", "silu_mul"):
         expect, launch_mode = ref, cf.SKINNY_BF16
         if mode == "silu_mul":
@@ -301,7 +327,8 @@ def test_skinny_linear(cf, stream, rows, k_in, n_out, mode):
             expect, launch_mode = gate / (1 + np.exp(-gate.astype(np.float64))) * up, \
                 cf.SKINNY_SILU_MUL
         out = dev(cf, np.zeros((cap, expect.shape[1]), np.uint16), poison=True)
-        k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_w, launch_mode)
+        k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_w, launch_mode,
+                        w_tiled=w_tiled)
         cf.synchronize(stream)
         got = out.download()
         assert rel_err(bf16_to_f32(got[:rows]), expect) < 1e-2
@@ -313,7 +340,7 @@ def test_skinny_linear(cf, stream, rows, k_in, n_out, mode):
     shadow = dev(cf, np.zeros((cap, n_out), np.uint16), poison=True)
     k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out,
                     cf.SKINNY_F32_ADD if mode == "f32_add" else cf.SKINNY_F32,
-                    shadow=shadow.ptr if mode == "f32_add" else 0)
+                    shadow=shadow.ptr if mode == "f32_add" else 0, w_tiled=w_tiled)
     cf.synchronize(stream)
     got = out.download()
     expect = ref + resid[:rows] if mode == "f32_add" else ref
@@ -340,9 +367,11 @@ def _rms_scale(x, eps):
                                              (5, 2048, 132 * 64 + 48), (1, 4096, 6144),
                                              (7, 4192, 3000)])
 @pytest.mark.parametrize("mode", ["bf16", "silu_mul"])
-def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode):
+@pytest.mark.parametrize("layout", ["row-major", "tiled"])
+def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode, layout):
     """The RMSNorm-folding variant (x: the residual stream's bf16 shadow, the norm weight
-    already in w) against float64: rms_norm(x) @ w^T, and silu(gate) * up of it."""
+    already in w) against float64: rms_norm(x) @ w^T, and silu(gate) * up of it, with the
+    weights in either layout."""
     k = kernels(cf)
     rng = np.random.default_rng(rows * 5 + k_in)
     cap, eps = 12, 1e-5
@@ -355,10 +384,13 @@ def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode):
         pairs = ref.reshape(rows, inter // 16, 2, 16)
         gate, up = rb(pairs[:, :, 0].reshape(rows, inter)), rb(pairs[:, :, 1].reshape(rows, inter))
         ref = gate / (1 + np.exp(-gate.astype(np.float64))) * up
-    dx, dw = dev(cf, float32_to_bf16_bits(x)), dev(cf, float32_to_bf16_bits(w))
+    w_tiled = layout == "tiled"
+    dx = dev(cf, float32_to_bf16_bits(x))
+    dw = dev(cf, tiled(float32_to_bf16_bits(w)) if w_tiled else float32_to_bf16_bits(w))
     out = dev(cf, np.zeros((cap, ref.shape[1]), np.uint16), poison=True)
     k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_w,
-                    cf.SKINNY_SILU_MUL if mode == "silu_mul" else cf.SKINNY_BF16, norm_eps=eps)
+                    cf.SKINNY_SILU_MUL if mode == "silu_mul" else cf.SKINNY_BF16, norm_eps=eps,
+                    w_tiled=w_tiled)
     cf.synchronize(stream)
     got = out.download()
     assert rel_err(bf16_to_f32(got[:rows]), ref) < 1e-2
@@ -566,7 +598,8 @@ def test_rope_kv_write(cf, stream, head_dim, tokens, variant):
 @pytest.mark.parametrize("variant", ["plain", "bias", "llama3"])
 @pytest.mark.parametrize("wide", [False, True])  # one and two row tiles per CTA
 @pytest.mark.parametrize("hidden", [256, 4096])  # remainder steps only; whole batches too
-def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden):
+@pytest.mark.parametrize("layout", ["row-major", "tiled"])
+def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, layout):
     """The qkv projection with its RMSNorm and RoPE + KV write fused, against float64:
     rms_norm(x) @ w^T, then RoPE, q to its buffer, k and v into the paged cache. Rows past the
     live tokens (the bucket is 8 rows) write nothing. tokens 19: its first 8 tokens only."""
@@ -579,12 +612,14 @@ def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden):
     case.tokens, rows = live, 8
     x = rb(rng.standard_normal((rows, hidden)) * 5)
     w = rb(rng.standard_normal((case.width, hidden)) * hidden ** -0.5)
-    d_x, d_w = dev(cf, float32_to_bf16_bits(x)), dev(cf, float32_to_bf16_bits(w[case.order]))
+    w_bits = float32_to_bf16_bits(w[case.order])
+    d_x, d_w = dev(cf, float32_to_bf16_bits(x)), dev(cf, tiled(w_bits) if layout == "tiled"
+                                                      else w_bits)
     k.skinny_qkv_rope(stream, rows, desc(cf, live, len(case.pb.seqs)).ptr, d_x.ptr, d_w.ptr,
                       hidden, case.eps, case.d["positions"].ptr, case.d["token_seq"].ptr,
                       case.d["tables"].ptr, case.pb.max_blocks, case.ptr["bias"],
                       case.d["inv_freq"].ptr, case.nh, case.nkv, case.q_out.ptr, case.kc.ptr,
-                      case.vc.ptr, case.bs, case.pb.num_blocks)
+                      case.vc.ptr, case.bs, case.pb.num_blocks, w_tiled=layout == "tiled")
     cf.synchronize(stream)
     h = x[:live] * _rms_scale(x[:live], case.eps)
     case.check(rb(h @ w.T.astype(np.float64)).astype(np.float64))
@@ -1014,6 +1049,35 @@ def test_forward_programmatic_launch_matches_plain_launches(cf, models):
                 ids.append(int(a_sampled[0]))
     finally:
         plain.close()
+
+
+def test_forward_decode_weight_copy_matches_row_major(cf, models):
+    """By default the skinny kernels read a tiled copy of each layer's projections
+    (decode_weight_copy); the same kernels on the row-major weights sum the same products in the
+    same order, so prefill + decode give bit-identical logits either way."""
+    cfg, w, engine = models["llama"]
+    assert all(set(lw.tiled) == {"wqkv", "wo", "wgu", "wdown"} for lw in engine.layers)
+    shared = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                            max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
+                            decode_weight_copy=False)
+    try:
+        assert all(not lw.tiled for lw in shared.layers)
+        table = np.arange(6)
+        ids = list(prompt(cfg, 40, seed=10))
+        for fwd in (engine, shared):
+            fwd.fill_kv_cache(0)
+        pos = 0
+        for n in (33, 7, 1, 1, 1):  # chunked prefill, then decode steps fed the greedy token
+            batch = make_batch([(np.array(ids[pos:pos + n]), pos, table)])
+            a, a_sampled = engine.run(batch)
+            b, b_sampled = shared.run(batch)
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a_sampled, b_sampled)
+            pos += n
+            if pos == len(ids):
+                ids.append(int(a_sampled[0]))
+    finally:
+        shared.close()
 
 
 def test_forward_sized_for_the_sms_the_scheduler_leaves(cf, models):

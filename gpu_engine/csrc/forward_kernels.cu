@@ -93,9 +93,11 @@ BLINK_PAGED_ATTENTION(blink_paged_attention_small, blink::kAttnRowsSmall)
 // one column tile), the qkv_rope ones also apply RoPE and write q and the KV cache (rope.cuh).
 #define BLINK_SKINNY_LINEAR(A, C)                                                            \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
-      blink_skinny_linear_##A##x##C(const bf16* x, int ldx, int M, const bf16* w, int N,     \
-                                    int K, void* out, int ldo, int mode, bf16* shadow) {     \
-    blink::SkinnyLinearCta<A, C, false>(x, ldx, M, w, N, K, out, ldo, mode, shadow, 0.f);    \
+      blink_skinny_linear_##A##x##C(const bf16* x, int ldx, int M, const bf16* w,            \
+                                    int w_tiled, int N, int K, void* out, int ldo, int mode, \
+                                    bf16* shadow) {                                          \
+    blink::SkinnyLinearCta<A, C, false>(x, ldx, M, w, w_tiled, N, K, out, ldo, mode, shadow, \
+                                        0.f);                                                \
   }
 BLINK_SKINNY_LINEAR(1, 1)
 BLINK_SKINNY_LINEAR(1, 2)
@@ -107,19 +109,21 @@ BLINK_SKINNY_LINEAR(2, 4)
 
 #define BLINK_SKINNY_NORM_LINEAR(A)                                                          \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
-      blink_skinny_linear_norm_##A##x1(const bf16* x, int ldx, int M, const bf16* w, int N,  \
-                                       int K, void* out, int ldo, int mode, float eps) {     \
-    blink::SkinnyLinearCta<A, 1, true>(x, ldx, M, w, N, K, out, ldo, mode, nullptr, eps);    \
+      blink_skinny_linear_norm_##A##x1(const bf16* x, int ldx, int M, const bf16* w,         \
+                                       int w_tiled, int N, int K, void* out, int ldo,        \
+                                       int mode, float eps) {                                \
+    blink::SkinnyLinearCta<A, 1, true>(x, ldx, M, w, w_tiled, N, K, out, ldo, mode, nullptr, \
+                                       eps);                                                 \
   }                                                                                          \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
       blink_skinny_qkv_rope_##A##x1(                                                         \
-          const bf16* x, int ldx, int M, const bf16* w, int N, int K, float eps,             \
+          const bf16* x, int ldx, int M, const bf16* w, int w_tiled, int N, int K, float eps,\
           const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,         \
           const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,         \
           const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out,               \
           bf16* k_cache, bf16* v_cache, int block_size, int num_blocks) {                    \
     __shared__ blink::GemvSums<A, 1> sums;                                                   \
-    blink::SkinnyAccumulate<A, 1, true>(x, ldx, M, w, N, K, eps, sums);                      \
+    blink::SkinnyAccumulate<A, 1, true>(x, ldx, M, w, w_tiled, N, K, eps, sums);             \
     blink::SkinnyStoreQkvRope<kHeadDim>(sums, M, desc, positions, token_seq, block_tables,   \
                                         max_blocks_per_seq, qkv_bias, inv_freq, num_heads,   \
                                         num_kv_heads, q_out, k_cache, v_cache, block_size,   \
@@ -128,6 +132,16 @@ BLINK_SKINNY_LINEAR(2, 4)
 BLINK_SKINNY_NORM_LINEAR(1)
 BLINK_SKINNY_NORM_LINEAR(2)
 #undef BLINK_SKINNY_NORM_LINEAR
+
+// The skinny kernels' tiled weights from row-major ones (gemv.cuh TileWeightsThread); not
+// part of the forward pass: run once, when the weights are in.
+__global__ void __launch_bounds__(256)
+    blink_tile_weights(const bf16* w, bf16* tiled, int N, int K, size_t pieces) {
+  blink::AwaitPriorKernel();
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < pieces;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    blink::TileWeightsThread(w, tiled, N, K, i);
+}
 
 __global__ void __launch_bounds__(256)
     blink_silu_mul(const BatchDesc* desc, const bf16* gate_up, bf16* out, int inter) {
