@@ -155,7 +155,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decode-weight-copy", dest="decode_weight_copy", action="store_false",
                    help="cuda and host-cuda engines: the decode-sized steps' projections read "
                         "the row-major weights cuBLAS reads. By default they read a copy in a "
-                        "tiled layout that streams faster (8B shape at batch 1: ~7%% a step), "
+                        "tiled layout that streams faster (8B shape at batch 1: ~9%% a step), "
                         "which takes the projections' memory a second time (~14 GB for 8B)")
     p.add_argument("--step-log", type=Path, default=None, metavar="PATH",
                    help="cuda engine: time every step's phases on the GPU and write the last "
