@@ -1015,6 +1015,25 @@ def test_forward_graphs_cover_every_bucket(models):
         assert set(types_) == {"KERNEL"}
 
 
+def assert_same_steps(cfg, a_fwd, b_fwd, seed: int) -> None:
+    """A 40-token prompt prefilled in chunks of 33 and 7, then three decode steps fed the greedy
+    token, through both forwards (caches zeroed first): bit-identical logits and samples."""
+    table = np.arange(6)
+    ids = list(prompt(cfg, 40, seed=seed))
+    for fwd in (a_fwd, b_fwd):
+        fwd.fill_kv_cache(0)
+    pos = 0
+    for n in (33, 7, 1, 1, 1):
+        batch = make_batch([(np.array(ids[pos:pos + n]), pos, table)])
+        a, a_sampled = a_fwd.run(batch)
+        b, b_sampled = b_fwd.run(batch)
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a_sampled, b_sampled)
+        pos += n
+        if pos == len(ids):
+            ids.append(int(a_sampled[0]))
+
+
 def test_forward_programmatic_launch_matches_plain_launches(cf, models):
     """The graphs are captured with programmatic dependent launch (every kernel may start before
     its predecessor ends and waits for it in-kernel): their edges say so, and prefill + decode
@@ -1033,20 +1052,7 @@ def test_forward_programmatic_launch_matches_plain_launches(cf, models):
             assert "PROGRAMMATIC" not in plain.graph_edge_types[bucket]
         REPORT["env"]["graph edges llama bucket 1 / 128"] = \
             f"{engine.graph_edge_types[1]} / {engine.graph_edge_types[MAX_TOKENS]}"
-        table = np.arange(6)
-        ids = list(prompt(cfg, 40, seed=8))
-        for fwd in (engine, plain):
-            fwd.fill_kv_cache(0)
-        pos = 0
-        for n in (33, 7, 1, 1, 1):  # chunked prefill, then decode steps fed the greedy token
-            batch = make_batch([(np.array(ids[pos:pos + n]), pos, table)])
-            a, a_sampled = engine.run(batch)
-            b, b_sampled = plain.run(batch)
-            np.testing.assert_array_equal(a, b)
-            np.testing.assert_array_equal(a_sampled, b_sampled)
-            pos += n
-            if pos == len(ids):
-                ids.append(int(a_sampled[0]))
+        assert_same_steps(cfg, engine, plain, seed=8)
     finally:
         plain.close()
 
@@ -1062,20 +1068,7 @@ def test_forward_decode_weight_copy_matches_row_major(cf, models):
                             decode_weight_copy=False)
     try:
         assert all(not lw.tiled for lw in shared.layers)
-        table = np.arange(6)
-        ids = list(prompt(cfg, 40, seed=10))
-        for fwd in (engine, shared):
-            fwd.fill_kv_cache(0)
-        pos = 0
-        for n in (33, 7, 1, 1, 1):  # chunked prefill, then decode steps fed the greedy token
-            batch = make_batch([(np.array(ids[pos:pos + n]), pos, table)])
-            a, a_sampled = engine.run(batch)
-            b, b_sampled = shared.run(batch)
-            np.testing.assert_array_equal(a, b)
-            np.testing.assert_array_equal(a_sampled, b_sampled)
-            pos += n
-            if pos == len(ids):
-                ids.append(int(a_sampled[0]))
+        assert_same_steps(cfg, engine, shared, seed=10)
     finally:
         shared.close()
 
