@@ -157,14 +157,14 @@ class ForwardKernels:
     # (row tiles, column tiles) shapes of the skinny linear kernel (csrc/gemv.cuh)
     SKINNY_SHAPES = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4))
     SKINNY_MAX_ROWS = 32  # 4 column tiles of 8 token rows
-    SKINNY_NORM_MAX_ROWS = 8  # the RMSNorm-folding variants: one column tile
+    SKINNY_NORM_MAX_ROWS = 16  # the RMSNorm-folding variants: one or two column tiles
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
                     "blink_paged_attention", "blink_paged_attention_small", "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform", "blink_signal_done",
                     "blink_hold_sm", "blink_tile_weights",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
-                    *(f"blink_skinny_{kind}_{a}x1" for kind in ("linear_norm", "qkv_rope")
-                      for a in (1, 2)))
+                    *(f"blink_skinny_{kind}_{a}x{c}" for kind in ("linear_norm", "qkv_rope")
+                      for a in (1, 2) for c in (1, 2)))
 
     def __init__(self, head_dim: int, device: int = 0, programmatic_launch: bool = True,
                  held_sms: int = 0, sm_count_target: int | None = None):
@@ -291,7 +291,7 @@ class ForwardKernels:
     def attention(self, stream, rows, desc, positions, token_seq, block_tables,
                   max_blocks_per_seq, q, k_cache, v_cache, block_size, num_heads, num_kv_heads,
                   scale, out, num_splits=1, partial_out=0, partial_stats=0, tile_sems=0,
-                  small=False, decode_min_keys=0):
+                  small=False, decode_min_keys=0, release_next=False):
         """One kernel: decode tokens with at least decode_min_keys keys on the flash-decoding
         path, every other token in tensor-core query tiles.
         num_splits > 1 lets up to that many CTAs share a tile's (or a decode token's, as many as
@@ -315,7 +315,8 @@ class ForwardKernels:
                      _i32(block_size), _i32(num_heads), _i32(num_kv_heads), _f32(scale),
                      _ptr(out), _i32(num_splits), _ptr(partial_out), _ptr(partial_stats),
                      _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1)),
-                     _i32(self.attention_ctas_per_sm[small] * self.sm_count)],
+                     _i32(self.attention_ctas_per_sm[small] * self.sm_count),
+                     _i32(int(release_next))],
                     stream, smem=self.attention_small_smem if small else self.attention_smem)
 
     @classmethod
@@ -339,23 +340,25 @@ class ForwardKernels:
                     [_ptr(w), _ptr(tiled), _i32(rows), _i32(cols), ctypes.c_uint64(pieces)],
                     stream)
 
-    # Where the skinny kernel beats cuBLAS (H200, bench_decode --breakdown --cublas, Llama-3.1-8B
-    # and 3.2-1B shapes): at up to 8 token rows, for every projection whose output it fuses
-    # (the residual add, SiLU * up) and for plain ones of up to 32 MiB of weights, where cuBLAS's
-    # fixed cost per call dominates; cuBLAS streams the large plain ones (8B's fused qkv, the LM
-    # head) faster, and from 16 rows on cuBLAS wins everywhere (the skinny kernel re-reads the
-    # activations once per 16 weight rows).
-    SKINNY_PREFERRED_ROWS = 8
+    # Where the skinny kernel beats cuBLAS (H200, bench_decode, Llama-3.1-8B and 3.2-1B shapes):
+    # at up to 16 token rows, for every projection whose output it fuses (the residual add,
+    # SiLU * up) or whose weights it reads in the tiled layout (CudaForward's
+    # decode_weight_copy), and for plain row-major ones of up to 32 MiB, where cuBLAS's fixed
+    # cost per call dominates; cuBLAS streams large row-major weights faster. Steps at 16 rows,
+    # tiled weights, 2026-12-01: 8B 5.26 -> 4.90 ms, 1B 1.30 -> 1.12 with the skinny kernel; at
+    # 32 rows it loses (8B 5.60 -> 5.77 ms): it re-reads the activations once per 16 weight rows.
+    SKINNY_PREFERRED_ROWS = 16
     SKINNY_PREFERRED_PLAIN_BYTES = 32 << 20
 
     @classmethod
     def skinny_preferred(cls, rows: int, in_features: int, out_features: int,
-                         fused: bool) -> bool:
-        """Whether the forward pass should use skinny_linear rather than cuBLAS; fused: the
-        output mode is SKINNY_F32_ADD or SKINNY_SILU_MUL."""
+                         any_size: bool) -> bool:
+        """Whether the forward pass should use skinny_linear rather than cuBLAS; any_size: the
+        output mode is SKINNY_F32_ADD or SKINNY_SILU_MUL, or the weights are tiled."""
         return (cls.skinny_fits(rows, in_features, out_features)
                 and rows <= cls.SKINNY_PREFERRED_ROWS
-                and (fused or 2 * in_features * out_features <= cls.SKINNY_PREFERRED_PLAIN_BYTES))
+                and (any_size
+                     or 2 * in_features * out_features <= cls.SKINNY_PREFERRED_PLAIN_BYTES))
 
     def _skinny_tiles(self, rows, in_features, out_features, silu, norm):
         self._need(self.skinny_fits(rows, in_features, out_features),
@@ -389,7 +392,8 @@ class ForwardKernels:
             name, args = f"blink_skinny_linear_{row_tiles}x{col_tiles}", args + [_ptr(shadow)]
         else:
             self._need(not shadow, "a normalizing projection writes no shadow")
-            name, args = f"blink_skinny_linear_norm_{row_tiles}x1", args + [_f32(norm_eps)]
+            name = f"blink_skinny_linear_norm_{row_tiles}x{col_tiles}"
+            args = args + [_f32(norm_eps)]
         self.launch(name, (-(-out_features // (16 * row_tiles)),), (self.gemv_threads,), args,
                     stream)
 
@@ -402,8 +406,8 @@ class ForwardKernels:
         norms). w: [(num_heads + 2 num_kv_heads) * head_dim, hidden], q and k rows in the RoPE
         pair layout (rope_pair_order), row-major or tiled (w_tiled); qkv_bias likewise or 0."""
         out_features = (num_heads + 2 * num_kv_heads) * self.head_dim
-        row_tiles, _ = self._skinny_tiles(rows, hidden, out_features, False, True)
-        self.launch(f"blink_skinny_qkv_rope_{row_tiles}x1",
+        row_tiles, col_tiles = self._skinny_tiles(rows, hidden, out_features, False, True)
+        self.launch(f"blink_skinny_qkv_rope_{row_tiles}x{col_tiles}",
                     (-(-out_features // (16 * row_tiles)),), (self.gemv_threads,),
                     [_ptr(x), _i32(hidden), _i32(rows), _ptr(w), _i32(w_tiled),
                      _i32(out_features), _i32(hidden), _f32(eps), _ptr(desc), _ptr(positions),
@@ -515,9 +519,10 @@ class CudaForward:
         time them beside held_sms spinning CTAs (holding_sms). sm_count_target: size them for
         this many SMs instead (0: all the device's; the comparison bench_decode --options
         makes). decode_weight_copy: the skinny kernels read their own copy of each layer's
-        projections in a tiled layout (gemv.cuh), which streams faster than the row-major
-        weights cuBLAS reads; it costs the memory of those weights a second time (False:
-        they read the row-major weights)."""
+        projections and of the LM head in a tiled layout (gemv.cuh), which streams faster than
+        the row-major weights cuBLAS reads, and take the LM head from cuBLAS in decode-sized
+        steps; it costs the memory of those weights a second time (False: they read the
+        row-major weights, and cuBLAS runs the LM head)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -537,6 +542,7 @@ class CudaForward:
         self.skinny = skinny
         self.fuse_norm_rope = fuse_norm_rope
         self.max_attention_splits = max_attention_splits
+        self.lm_head_tiled: DeviceArray | None = None  # the skinny LM head's (decode_weight_copy)
         self.decode_min_keys = (self.DECODE_MIN_KEYS if decode_min_keys is None
                                 else decode_min_keys)
         self._memory: list[DeviceArray] = []
@@ -721,15 +727,22 @@ class CudaForward:
         return [("wqkv", Q + 2 * KV, H), ("wo", H, Q), ("wgu", 2 * I, H), ("wdown", H, I)]
 
     def _tile_projections(self) -> None:
-        """Each layer's tiled copies of its projections (_Layer.tiled), made on the GPU."""
-        k = self.kernels
+        """Each layer's tiled copies of its projections (_Layer.tiled), and the LM head's
+        (lm_head_tiled), made on the GPU."""
+        k, cfg = self.kernels, self.cfg
+
+        def tiled_copy(w: DeviceArray, rows: int, cols: int) -> DeviceArray | None:
+            if cols % 32:
+                return None  # no skinny kernel takes it
+            copy = self._alloc(k.tiled_rows(rows) * cols, BF16)
+            k.tile_weights(self.stream, w.ptr, copy.ptr, rows, cols)
+            return copy
         for lw in self.layers:
             for name, rows, cols in self._projections():
-                if cols % 32:
-                    continue  # no skinny kernel takes it
-                copy = self._alloc(k.tiled_rows(rows) * cols, BF16)
-                k.tile_weights(self.stream, getattr(lw, name).ptr, copy.ptr, rows, cols)
-                lw.tiled[name] = copy
+                copy = tiled_copy(getattr(lw, name), rows, cols)
+                if copy is not None:
+                    lw.tiled[name] = copy
+        self.lm_head_tiled = tiled_copy(self.lm_head, cfg.vocab_size, cfg.hidden_size)
         synchronize(self.stream)
 
     def ops(self, rows: int) -> list[tuple[str, object]]:
@@ -746,8 +759,8 @@ class CudaForward:
         def op(label, fn, *args, **kwargs):
             out.append((label, lambda: fn(*args, **kwargs)))
 
-        def skinny(in_f, out_f, fused):
-            return self.skinny and k.skinny_preferred(rows, in_f, out_f, fused)
+        def skinny(in_f, out_f, any_size):
+            return self.skinny and k.skinny_preferred(rows, in_f, out_f, any_size)
 
         def skinny_weight(lw, name) -> tuple[int, bool]:
             """What a skinny kernel reads of lw's weight `name`: its tiled copy where there
@@ -759,7 +772,7 @@ class CudaForward:
             """dst (+)= x @ lw.<name>^T: bf16 out, or fp32 added into dst (the residual
             stream, and into its bf16 shadow when given)."""
             w = getattr(lw, name).ptr
-            if skinny(in_f, out_f, accumulate):
+            if skinny(in_f, out_f, accumulate or name in lw.tiled):
                 w, tiled = skinny_weight(lw, name)
                 op(label, k.skinny_linear, s, x, w, dst, rows, in_f, out_f,
                    SKINNY_F32_ADD if accumulate else SKINNY_BF16, shadow=shadow, w_tiled=tiled)
@@ -811,7 +824,8 @@ class CudaForward:
                self.block_size, cfg.num_heads, cfg.num_kv_heads, D ** -0.5, self.attn.ptr,
                self.attention_splits(rows), self.attn_partial_out.ptr,
                self.attn_partial_stats.ptr, self.attn_tile_sems.ptr,
-               small=self.attention_small(rows), decode_min_keys=self.decode_min_keys)
+               small=self.attention_small(rows), decode_min_keys=self.decode_min_keys,
+               release_next=skinny(Q, H, True))
             # x += attn @ Wo^T: the residual add rides in the projection (fp32 output); o_proj's
             # bias (where a model has one) is added by the norm kernel, so it stays a kernel
             fuse_post = fuse and lw.bo is None
@@ -837,9 +851,11 @@ class CudaForward:
         logit_rows = min(rows, self.max_num_seqs)
         op("final rmsnorm", k.rms_norm, s, logit_rows, d, self.x.ptr, self.final_norm.ptr,
            self.h_logits.ptr, H, eps, gather=self.logit_token.ptr, max_rows=rows)
-        if self.skinny and k.skinny_preferred(logit_rows, H, V, False):
-            op("lm head", k.skinny_linear, s, self.h_logits.ptr, self.lm_head.ptr,
-               self.logits.ptr, logit_rows, H, V, SKINNY_F32)
+        lm_head_tiled = self.lm_head_tiled is not None
+        if self.skinny and k.skinny_preferred(logit_rows, H, V, lm_head_tiled):
+            op("lm head", k.skinny_linear, s, self.h_logits.ptr,
+               (self.lm_head_tiled if lm_head_tiled else self.lm_head).ptr, self.logits.ptr,
+               logit_rows, H, V, SKINNY_F32, w_tiled=lm_head_tiled)
         else:
             op("lm head", blas.linear, self.h_logits.ptr, self.lm_head.ptr, self.logits.ptr,
                logit_rows, H, V, R_32F)

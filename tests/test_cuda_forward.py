@@ -365,7 +365,8 @@ def _rms_scale(x, eps):
 # (4096 and 4192: a Llama-3.1-8B-sized qkv / gate|up input, and one with a remainder)
 @pytest.mark.parametrize("rows,k_in,n_out", [(1, 256, 200), (3, 96, 48), (8, 544, 1000),
                                              (5, 2048, 132 * 64 + 48), (1, 4096, 6144),
-                                             (7, 4192, 3000)])
+                                             (7, 4192, 3000), (12, 544, 1000),
+                                             (16, 4096, 6144)])
 @pytest.mark.parametrize("mode", ["bf16", "silu_mul"])
 @pytest.mark.parametrize("layout", ["row-major", "tiled"])
 def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode, layout):
@@ -374,7 +375,7 @@ def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode, layout)
     weights in either layout."""
     k = kernels(cf)
     rng = np.random.default_rng(rows * 5 + k_in)
-    cap, eps = 12, 1e-5
+    cap, eps = 20, 1e-5
     n_w = 2 * (-(-n_out // 32) * 16) if mode == "silu_mul" else n_out
     x = rb(rng.standard_normal((cap, k_in)) * 7)  # a residual stream's scale
     w = rb(rng.standard_normal((n_w, k_in)) * k_in ** -0.5)
@@ -396,7 +397,7 @@ def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode, layout)
     assert rel_err(bf16_to_f32(got[:rows]), ref) < 1e-2
     assert (got[rows:] == POISON_BF16).all()
     with pytest.raises(ValueError, match="RMSNorm"):
-        k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, 9, k_in, n_w, cf.SKINNY_BF16,
+        k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, 17, k_in, n_w, cf.SKINNY_BF16,
                         norm_eps=eps)
 
 
@@ -599,17 +600,18 @@ def test_rope_kv_write(cf, stream, head_dim, tokens, variant):
 @pytest.mark.parametrize("wide", [False, True])  # one and two row tiles per CTA
 @pytest.mark.parametrize("hidden", [256, 4096])  # remainder steps only; whole batches too
 @pytest.mark.parametrize("layout", ["row-major", "tiled"])
-def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, layout):
+@pytest.mark.parametrize("rows", [8, 16])  # one and two column tiles
+def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, layout, rows):
     """The qkv projection with its RMSNorm and RoPE + KV write fused, against float64:
     rms_norm(x) @ w^T, then RoPE, q to its buffer, k and v into the paged cache. Rows past the
-    live tokens (the bucket is 8 rows) write nothing. tokens 19: its first 8 tokens only."""
+    live tokens (the bucket's `rows`) write nothing. tokens 19: its first `rows` tokens only."""
     k = kernels(cf, head_dim)
     rng = np.random.default_rng(head_dim + tokens + wide)
     heads = ((64, 8) if head_dim == 128 else (128, 8)) if wide else (4, 2)
     case = RopeCase(cf, head_dim, tokens, variant, rng, *heads)
     assert k._skinny_tiles(8, 256, case.width, False, True)[0] == (2 if wide else 1)
-    live = min(tokens, 8)
-    case.tokens, rows = live, 8
+    live = min(tokens, rows)
+    case.tokens = live
     x = rb(rng.standard_normal((rows, hidden)) * 5)
     w = rb(rng.standard_normal((case.width, hidden)) * hidden ** -0.5)
     w_bits = float32_to_bf16_bits(w[case.order])
@@ -1058,16 +1060,20 @@ def test_forward_programmatic_launch_matches_plain_launches(cf, models):
 
 
 def test_forward_decode_weight_copy_matches_row_major(cf, models):
-    """By default the skinny kernels read a tiled copy of each layer's projections
-    (decode_weight_copy); the same kernels on the row-major weights sum the same products in the
-    same order, so prefill + decode give bit-identical logits either way."""
+    """By default the skinny kernels read a tiled copy of each layer's projections and of the
+    LM head (decode_weight_copy); the same kernels on the row-major weights sum the same products
+    in the same order, so prefill + decode give bit-identical logits either way. (This model's
+    LM head is small enough for the skinny kernel row-major too; a large one goes to cuBLAS
+    without the copy.)"""
     cfg, w, engine = models["llama"]
     assert all(set(lw.tiled) == {"wqkv", "wo", "wgu", "wdown"} for lw in engine.layers)
+    assert engine.lm_head_tiled is not None
+    assert engine.kernels.skinny_preferred(MAX_SEQS, cfg.hidden_size, cfg.vocab_size, False)
     shared = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
                             max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
                             decode_weight_copy=False)
     try:
-        assert all(not lw.tiled for lw in shared.layers)
+        assert all(not lw.tiled for lw in shared.layers) and shared.lm_head_tiled is None
         assert_same_steps(cfg, engine, shared, seed=10)
     finally:
         shared.close()
@@ -1131,17 +1137,17 @@ def test_forward_fused_norm_rope_matches_separate_kernels(cf, models, arch):
                               max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
                               fuse_norm_rope=False)
     try:
-        for bucket in (1, 8):  # 2 norms and RoPE (Qwen3: the 2 norms) a layer fewer
+        for bucket in (1, 8, 16):  # 2 norms and RoPE (Qwen3: the 2 norms) a layer fewer
             fused = sum(engine.graph_node_types[bucket].values())
             assert sum(separate.graph_node_types[bucket].values()) - fused == \
                 (2 if cfg.qk_norm else 3) * cfg.num_layers
-        assert engine.graph_node_types[16] == separate.graph_node_types[16]  # not fused
+        assert engine.graph_node_types[32] == separate.graph_node_types[32]  # not fused
         table = np.arange(6)
         ids = list(prompt(cfg, 40, seed=18))
         for fwd in (engine, separate):
             fwd.fill_kv_cache(0)
         pos, errors = 0, []
-        for n in (5, 8, 1, 1, 1, 1):  # prefill chunks in decode buckets, then decode steps
+        for n in (5, 8, 13, 1, 1, 1):  # prefill chunks in decode buckets, then decode steps
             batch = make_batch([(np.array(ids[pos:pos + n]), pos, table)])
             a, a_sampled = engine.run(batch)
             b, _ = separate.run(batch)

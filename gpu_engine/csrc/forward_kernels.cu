@@ -71,14 +71,18 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
                                   num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks);
 }
 
-// The attention entries, with query tiles of kAttnRows or kAttnRowsSmall rows.
+// The attention entries, with query tiles of kAttnRows or kAttnRowsSmall rows. release_next:
+// the next kernel may launch at once (the host sets it where that is a skinny projection,
+// which loads its first weights and then waits; utils.cuh).
 #define BLINK_PAGED_ATTENTION(NAME, ROWS)                                                    \
   __global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHeadDim>)     \
       NAME(const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,        \
            const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,               \
            const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,          \
            int num_kv_heads, float scale, bf16* out, int num_splits, float* partial_out,     \
-           float* partial_stats, uint32_t* tile_sems, int decode_min_keys, int slots) {      \
+           float* partial_stats, uint32_t* tile_sems, int decode_min_keys, int slots,        \
+           int release_next) {                                                               \
+    if (release_next) blink::ReleaseNextKernel();                                            \
     blink::AttentionCta<kHeadDim, ROWS>(  /* it waits for the previous kernel */           \
         desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,   \
         block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out,            \
@@ -90,7 +94,8 @@ BLINK_PAGED_ATTENTION(blink_paged_attention_small, blink::kAttnRowsSmall)
 
 // Skinny linear layers (gemv.cuh), one entry per (row tiles, column tiles) shape; the _norm
 // entries take the residual stream's bf16 shadow and fold its RMSNorm in (decode-sized buckets:
-// one column tile), the qkv_rope ones also apply RoPE and write q and the KV cache (rope.cuh).
+// one or two column tiles), the qkv_rope ones also apply RoPE and write q and the KV cache
+// (rope.cuh).
 #define BLINK_SKINNY_LINEAR(A, C)                                                            \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
       blink_skinny_linear_##A##x##C(const bf16* x, int ldx, int M, const bf16* w,            \
@@ -107,30 +112,32 @@ BLINK_SKINNY_LINEAR(2, 2)
 BLINK_SKINNY_LINEAR(2, 4)
 #undef BLINK_SKINNY_LINEAR
 
-#define BLINK_SKINNY_NORM_LINEAR(A)                                                          \
+#define BLINK_SKINNY_NORM_LINEAR(A, C)                                                       \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
-      blink_skinny_linear_norm_##A##x1(const bf16* x, int ldx, int M, const bf16* w,         \
-                                       int w_tiled, int N, int K, void* out, int ldo,        \
-                                       int mode, float eps) {                                \
-    blink::SkinnyLinearCta<A, 1, true>(x, ldx, M, w, w_tiled, N, K, out, ldo, mode, nullptr, \
+      blink_skinny_linear_norm_##A##x##C(const bf16* x, int ldx, int M, const bf16* w,       \
+                                         int w_tiled, int N, int K, void* out, int ldo,      \
+                                         int mode, float eps) {                              \
+    blink::SkinnyLinearCta<A, C, true>(x, ldx, M, w, w_tiled, N, K, out, ldo, mode, nullptr, \
                                        eps);                                                 \
   }                                                                                          \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
-      blink_skinny_qkv_rope_##A##x1(                                                         \
+      blink_skinny_qkv_rope_##A##x##C(                                                       \
           const bf16* x, int ldx, int M, const bf16* w, int w_tiled, int N, int K, float eps,\
           const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,         \
           const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,         \
           const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out,               \
           bf16* k_cache, bf16* v_cache, int block_size, int num_blocks) {                    \
-    __shared__ blink::GemvSums<A, 1> sums;                                                   \
-    blink::SkinnyAccumulate<A, 1, true>(x, ldx, M, w, w_tiled, N, K, eps, sums);             \
+    __shared__ blink::GemvSums<A, C> sums;                                                   \
+    blink::SkinnyAccumulate<A, C, true>(x, ldx, M, w, w_tiled, N, K, eps, sums);             \
     blink::SkinnyStoreQkvRope<kHeadDim>(sums, M, desc, positions, token_seq, block_tables,   \
                                         max_blocks_per_seq, qkv_bias, inv_freq, num_heads,   \
                                         num_kv_heads, q_out, k_cache, v_cache, block_size,   \
                                         num_blocks);                                         \
   }
-BLINK_SKINNY_NORM_LINEAR(1)
-BLINK_SKINNY_NORM_LINEAR(2)
+BLINK_SKINNY_NORM_LINEAR(1, 1)
+BLINK_SKINNY_NORM_LINEAR(2, 1)
+BLINK_SKINNY_NORM_LINEAR(1, 2)
+BLINK_SKINNY_NORM_LINEAR(2, 2)
 #undef BLINK_SKINNY_NORM_LINEAR
 
 // The skinny kernels' tiled weights from row-major ones (gemv.cuh TileWeightsThread); not
