@@ -346,7 +346,8 @@ class ForwardKernels:
     # decode_weight_copy), and for plain row-major ones of up to 32 MiB, where cuBLAS's fixed
     # cost per call dominates; cuBLAS streams large row-major weights faster. Steps at 16 rows,
     # tiled weights, 2026-12-01: 8B 5.26 -> 4.90 ms, 1B 1.30 -> 1.12 with the skinny kernel; at
-    # 32 rows it loses (8B 5.60 -> 5.77 ms): it re-reads the activations once per 16 weight rows.
+    # 32 rows it loses on 8B (5.65 -> 5.84 ms even with the norms folded in), where it re-reads
+    # the activations once per 16 weight rows, and wins only on 1B (1.39 -> 1.32).
     SKINNY_PREFERRED_ROWS = 16
     SKINNY_PREFERRED_PLAIN_BYTES = 32 << 20
 
