@@ -154,9 +154,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "all of them")
     p.add_argument("--no-decode-weight-copy", dest="decode_weight_copy", action="store_false",
                    help="cuda and host-cuda engines: the decode-sized steps' projections read "
-                        "the row-major weights cuBLAS reads, and cuBLAS runs their LM head. By "
+                        "the row-major weights cuBLAS reads, and cuBLAS runs the LM head. By "
                         "default they read a copy of the projections and the LM head in a "
-                        "tiled layout that streams faster (8B shape at batch 1: ~10%% a step), "
+                        "tiled layout that streams faster (8B shape at batch 1: ~10%% a step) "
+                        "and run the LM head of steps with up to 16 logit rows, "
                         "which takes those weights' memory a second time (~15 GB for 8B)")
     p.add_argument("--step-log", type=Path, default=None, metavar="PATH",
                    help="cuda engine: time every step's phases on the GPU and write the last "

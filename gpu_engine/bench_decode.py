@@ -290,7 +290,7 @@ def breakdown(fwd, point: Point, blocks_per_seq: int,
         whole = time_step(fwd, point, blocks_per_seq)
     bucket = fwd.bucket_for(point.tokens)
     groups: dict[str, list] = {}
-    for label, enqueue in fwd.ops(bucket):
+    for label, enqueue in fwd.ops(bucket, in_order=False):  # each label's launches alone
         groups.setdefault(label, []).append(enqueue)
     out = []
     for label, enqueues in groups.items():

@@ -521,9 +521,10 @@ class CudaForward:
         this many SMs instead (0: all the device's; the comparison bench_decode --options
         makes). decode_weight_copy: the skinny kernels read their own copy of each layer's
         projections and of the LM head in a tiled layout (gemv.cuh), which streams faster than
-        the row-major weights cuBLAS reads, and take the LM head from cuBLAS in decode-sized
-        steps; it costs the memory of those weights a second time (False: they read the
-        row-major weights, and cuBLAS runs the LM head)."""
+        the row-major weights cuBLAS reads, and take the LM head from cuBLAS in steps of up to
+        SKINNY_PREFERRED_ROWS logit rows (decode-sized steps; every step where max_num_seqs is
+        that small); it costs the memory of those weights a second time (False: they read the
+        row-major weights, and cuBLAS runs a large LM head)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -733,7 +734,7 @@ class CudaForward:
         k, cfg = self.kernels, self.cfg
 
         def tiled_copy(w: DeviceArray, rows: int, cols: int) -> DeviceArray | None:
-            if cols % 32:
+            if not k.skinny_fits(1, cols, rows):
                 return None  # no skinny kernel takes it
             copy = self._alloc(k.tiled_rows(rows) * cols, BF16)
             k.tile_weights(self.stream, w.ptr, copy.ptr, rows, cols)
@@ -746,11 +747,13 @@ class CudaForward:
         self.lm_head_tiled = tiled_copy(self.lm_head, cfg.vocab_size, cfg.hidden_size)
         synchronize(self.stream)
 
-    def ops(self, rows: int) -> list[tuple[str, object]]:
+    def ops(self, rows: int, in_order: bool = True) -> list[tuple[str, object]]:
         """One forward pass over `rows` token rows (a bucket) as (label, enqueue) pairs in
         launch order; each enqueue() puts one op's kernel(s) on self.stream. Labels name what
         an op computes, the same for every layer (the decode benchmark's breakdown groups by
-        them)."""
+        them). in_order=False: no kernel lets the next one launch early on the assumption that
+        the next is the op after it in this list (attention's release of the o projection),
+        for launching one label's ops on their own."""
         cfg, k, s, blas = self.cfg, self.kernels, self.stream, self.blas
         H, I, V, eps = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.rms_norm_eps
         Q, KV, D = cfg.q_size, cfg.kv_size, cfg.head_dim
@@ -826,7 +829,7 @@ class CudaForward:
                self.attention_splits(rows), self.attn_partial_out.ptr,
                self.attn_partial_stats.ptr, self.attn_tile_sems.ptr,
                small=self.attention_small(rows), decode_min_keys=self.decode_min_keys,
-               release_next=skinny(Q, H, True))
+               release_next=in_order and skinny(Q, H, True))
             # x += attn @ Wo^T: the residual add rides in the projection (fp32 output); o_proj's
             # bias (where a model has one) is added by the norm kernel, so it stays a kernel
             fuse_post = fuse and lw.bo is None

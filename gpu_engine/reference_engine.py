@@ -53,8 +53,9 @@ class EngineConfig:
     # the attention grids); None: the device's less those the scheduler kernel holds; 0: all
     sm_count_target: int | None = None
     # CUDA engines: the skinny decode kernels read their own tiled copy of each layer's
-    # projections, which streams faster than the row-major weights cuBLAS reads, at the cost of
-    # those weights' memory a second time (CudaForward's decode_weight_copy)
+    # projections and of the LM head, which streams faster than the row-major weights cuBLAS
+    # reads, at the cost of those weights' memory a second time (CudaForward's
+    # decode_weight_copy)
     decode_weight_copy: bool = True
 
     def __post_init__(self):

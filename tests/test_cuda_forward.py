@@ -491,7 +491,7 @@ def test_silu_mul(cf, stream, tokens, inter):
 # --- RoPE + KV write and paged attention ------------------------------------------------------
 
 # Mixed batches: (start position, tokens) per sequence: prefill chunks, decodes, a fresh prompt.
-MIXED = {1: [(0, 1)], 19: [(37, 15), (300, 1), (5, 1), (0, 2)],
+MIXED = {1: [(0, 1)], 12: [(20, 9), (3, 1), (0, 2)], 19: [(37, 15), (300, 1), (5, 1), (0, 2)],
          99: [(0, 61), (64, 20), (130, 1), (7, 1), (0, 16)]}
 
 
@@ -595,7 +595,7 @@ def test_rope_kv_write(cf, stream, head_dim, tokens, variant):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("tokens", [1, 19])
+@pytest.mark.parametrize("tokens", [1, 12, 19])
 @pytest.mark.parametrize("variant", ["plain", "bias", "llama3"])
 @pytest.mark.parametrize("wide", [False, True])  # one and two row tiles per CTA
 @pytest.mark.parametrize("hidden", [256, 4096])  # remainder steps only; whole batches too
@@ -604,12 +604,13 @@ def test_rope_kv_write(cf, stream, head_dim, tokens, variant):
 def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, layout, rows):
     """The qkv projection with its RMSNorm and RoPE + KV write fused, against float64:
     rms_norm(x) @ w^T, then RoPE, q to its buffer, k and v into the paged cache. Rows past the
-    live tokens (the bucket's `rows`) write nothing. tokens 19: its first `rows` tokens only."""
+    live tokens (the bucket's `rows`) write nothing. tokens 12 and 19: their first `rows` tokens
+    at most (12 of 16: the second column tile part live)."""
     k = kernels(cf, head_dim)
     rng = np.random.default_rng(head_dim + tokens + wide)
     heads = ((64, 8) if head_dim == 128 else (128, 8)) if wide else (4, 2)
     case = RopeCase(cf, head_dim, tokens, variant, rng, *heads)
-    assert k._skinny_tiles(8, 256, case.width, False, True)[0] == (2 if wide else 1)
+    assert k._skinny_tiles(rows, 256, case.width, False, True) == (2 if wide else 1, rows // 8)
     live = min(tokens, rows)
     case.tokens = live
     x = rb(rng.standard_normal((rows, hidden)) * 5)

@@ -15,7 +15,7 @@
 // region, where row-major rows put the CTA's 16 or 32 concurrent streams 2 x K bytes apart.
 // Measured on the H200 (gate|up of Llama-3.1-8B, 235 MB, the same kernel): 3.6 TB/s
 // row-major, 4.2 TB/s tiled. cuBLAS needs row-major, so the engine keeps a tiled copy of the
-// projections the skinny kernel takes (CudaForward's decode_weight_copy).
+// projections and the LM head the skinny kernel takes (CudaForward's decode_weight_copy).
 //
 // Work split: a CTA owns kRowTiles * 16 consecutive W rows; its warps take the 32-k steps
 // round-robin (deterministic split-K inside the CTA) and meet in shared memory for the sum.

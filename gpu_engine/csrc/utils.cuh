@@ -57,8 +57,9 @@ __device__ __forceinline__ void StoreF32x8(float* p, const float (&v)[8]) {
 // first batch of weight loads (into registers, a few KB a CTA) before their wait (gemv.cuh):
 // data nothing before them writes. Attention, a chain of latencies on a few SMs in
 // decode-sized steps, releases the skinny o projection at its start, so that projection's
-// first weights stream while attention runs (8B batch 1: 3.92 -> 3.90 ms, 1B 0.833 -> 0.827). Activations must be read after the wait with coherent
-// loads: ptxas moves ld.global.nc (__ldg) above griddepcontrol.wait.
+// first weights stream while attention runs (8B batch 1: 3.92 -> 3.90 ms, 1B 0.833 -> 0.827).
+// Activations must be read after the wait with coherent loads: ptxas moves ld.global.nc
+// (__ldg) above griddepcontrol.wait.
 __device__ __forceinline__ void AwaitPriorKernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
