@@ -9,10 +9,10 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 timeout "${BLINK_DECODE_TIMEOUT:-240}" python3 -m blink.gpu_engine.bench_decode \
-  --shapes llama-3.1-8b --points 1x512 32x512 1x8192 32x4096 --breakdown 1x512 32x512 --cublas \
+  --shapes llama-3.1-8b --points 1x512 16x512 32x512 1x8192 32x4096 --breakdown 1x512 32x512 --cublas \
   2>&1 | tee "$OUT/bench_decode_8b.log"
 timeout "${BLINK_DECODE_TIMEOUT:-240}" python3 -m blink.gpu_engine.bench_decode \
-  --shapes llama-3.2-1b --points 1x512 32x512 --breakdown 1x512 --cublas \
+  --shapes llama-3.2-1b --points 1x512 16x512 32x512 --breakdown 1x512 --cublas \
   2>&1 | tee "$OUT/bench_decode_1b.log"
 timeout "${BLINK_DECODE_TIMEOUT:-240}" python3 -m blink.gpu_engine.bench_decode \
   --points --prefill 2048x2048 2048x4096 2048x8192 \
