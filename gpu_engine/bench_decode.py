@@ -12,8 +12,10 @@ kernel launches, timed with CUDA events: the median of REPEATS runs of STEPS rep
 ~0.3 s of replays so the SM clock has left idle. The replays run beside a CTA that holds one SM,
 as the scheduler kernel's does while the graphs it launched run (CudaForward.holding_sms;
 `--options free:held_sms=0` times them on the whole GPU). Floor: roofline.decode_step_bytes
-over the device-to-device copy rate measured in the same run. Every timed line ends with the
-SM clock and power over its timing (gpu_monitor.py): the replays come in bursts, and run at a
+over the device-to-device copy rate measured in the same run; the summary also gives each step
+against the same bytes at the rate a kernel reads alone (read_bandwidth: 7% higher on the H200,
+as a copy also writes), the ceiling a weight stream can reach. Every timed line ends with the SM
+clock and power over its timing (gpu_monitor.py): the replays come in bursts, and run at a
 higher clock than a sustained live run under the board's power limit.
 
 --breakdown BxC: the step's ops grouped by label (CudaForward.ops: the same label in every
@@ -44,6 +46,8 @@ keys).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import statistics
 import sys
 from dataclasses import dataclass
@@ -197,6 +201,40 @@ def copy_bandwidth() -> float:
         times.append(t.seconds)
     a.free(), b.free()
     return 2 * n / statistics.median(times)
+
+
+@functools.cache
+def _read_stream_kernel():
+    from blink.gpu_engine import cuda_runtime as cr
+    from blink.gpu_engine.cuda_forward import CSRC
+    return cr.Module(cr.nvcc_cubin(CSRC / "bandwidth.cu")).function("read_stream")
+
+
+def read_stream(stream, data, words: int, total) -> None:
+    """csrc/bandwidth.cu's read_stream over `words` 16-byte words at data (device pointers):
+    each read once and added (uint32, wrapping) into the uint32 at total; two CTAs an SM."""
+    from blink.gpu_engine import cuda_runtime as cr
+    sms = cr.check(cr.cu.cuDeviceGetAttribute(
+        cr.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, 0))
+    cr.launch(_read_stream_kernel(), 2 * sms, 256, (int(data), words, int(total)),
+              (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p), stream)
+
+
+def read_bandwidth() -> float:
+    """A kernel's read rate in bytes/s (read_stream over 4 GiB, median of 5): what a kernel that
+    streams weights can reach, beside copy_bandwidth, which the floors count."""
+    from blink.gpu_engine import cuda_runtime as cr
+    n = 4 << 30
+    data, total = cr.DeviceBuffer(n), cr.DeviceBuffer(4)
+    stream = cr.new_stream()
+    read_stream(stream, data.ptr, n // 16, total.ptr)  # loads the module, warms the clock
+    times = []
+    for _ in range(5):
+        with cr.EventTimer(stream) as t:
+            read_stream(stream, data.ptr, n // 16, total.ptr)
+        times.append(t.seconds)
+    data.free(), total.free()
+    return n / statistics.median(times)
 
 
 def median_seconds(stream, launch, steps: int = STEPS, repeats: int = REPEATS) -> float:
@@ -366,11 +404,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     bw = copy_bandwidth()
     print(f"bench copy bandwidth: {bw / 1e12:.2f} TB/s (device-to-device, read + write)")
+    read_bw = read_bandwidth()
+    print(f"bench read bandwidth: {read_bw / 1e12:.2f} TB/s (a kernel's reads alone: what a "
+          f"weight stream can reach; the floors count the copy rate)")
     with GpuMonitor.for_cuda_device(0).reporting("bench decode") as monitor:
         table, prefill_table = run_points(args, bw, monitor)
-    print_table(["shape", "batch", "context", "variant", "ms per step", "floor (ms)", "x floor"],
+    print_table(["shape", "batch", "context", "variant", "ms per step", "floor (ms)", "x floor",
+                 "x floor at the read rate"],
                 [(name, point.batch, point.context, impl, f"{seconds * 1e3:.3f}",
-                  f"{floor * 1e3:.3f}", f"{seconds / floor:.2f}")
+                  f"{floor * 1e3:.3f}", f"{seconds / floor:.2f}",
+                  f"{seconds / (floor * bw / read_bw):.2f}")
                  for name, point, impl, seconds, floor in table])
     print_table(["shape", "chunk", "context", "variant", "ms per step", "tok/s", "TFLOP/s"],
                 [(name, point.chunk, point.context, impl, f"{seconds * 1e3:.3f}",
