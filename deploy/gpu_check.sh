@@ -3,7 +3,7 @@
 # installs Blink and the wheels in .device/wheels into /tmp, runs the GPU test suite and a short
 # decode benchmark, prints a summary table last.
 #   deploy/gpu_check.sh [pytest args]        (wheels: .device/wheels/, see README)
-# BLINK_TEST_TIMEOUT (default 540 s) bounds the tests: the whole suite took 420-470 s on the lent
+# BLINK_TEST_TIMEOUT (default 540 s) bounds the tests: the whole suite took 420-490 s on the lent
 # H200 (longer where the kernels' build cache is cold), so on a machine that stops a command at
 # 600 s set BLINK_SKIP_BENCH=1 for the whole suite and run the benchmark on its own.
 set -uo pipefail
