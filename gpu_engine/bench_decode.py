@@ -14,7 +14,7 @@ as the scheduler kernel's does while the graphs it launched run (CudaForward.hol
 `--options free:held_sms=0` times them on the whole GPU). Floor: roofline.decode_step_bytes
 over the device-to-device copy rate measured in the same run; the summary also gives each step
 against the same bytes at the rate a kernel reads alone (read_bandwidth: 7% higher on the H200,
-as a copy also writes), the ceiling a weight stream can reach. Every timed line ends with the SM
+as a copy also writes), what a weight stream can reach. Every timed line ends with the SM
 clock and power over its timing (gpu_monitor.py): the replays come in bursts, and run at a
 higher clock than a sustained live run under the board's power limit.
 
@@ -221,20 +221,17 @@ def read_stream(stream, data, words: int, total) -> None:
 
 
 def read_bandwidth() -> float:
-    """A kernel's read rate in bytes/s (read_stream over 4 GiB, median of 5): what a kernel that
-    streams weights can reach, beside copy_bandwidth, which the floors count."""
+    """A kernel's read rate in bytes/s (read_stream over 4 GiB, median_seconds' timing): what a
+    kernel that streams weights can reach, beside copy_bandwidth, which the floors count."""
     from blink.gpu_engine import cuda_runtime as cr
     n = 4 << 30
     data, total = cr.DeviceBuffer(n), cr.DeviceBuffer(4)
     stream = cr.new_stream()
-    read_stream(stream, data.ptr, n // 16, total.ptr)  # loads the module, warms the clock
-    times = []
-    for _ in range(5):
-        with cr.EventTimer(stream) as t:
-            read_stream(stream, data.ptr, n // 16, total.ptr)
-        times.append(t.seconds)
-    data.free(), total.free()
-    return n / statistics.median(times)
+    try:
+        return n / median_seconds(stream, lambda: read_stream(stream, data.ptr, n // 16,
+                                                              total.ptr), steps=1)
+    finally:
+        data.free(), total.free()
 
 
 def median_seconds(stream, launch, steps: int = STEPS, repeats: int = REPEATS) -> float:

@@ -65,10 +65,14 @@ def test_read_stream_reads_every_word_once(words):
     from blink.gpu_engine import cuda_runtime as cr
     data = np.random.default_rng(words).integers(0, 2 ** 32, words * 4, dtype=np.uint32)
     buf, total = cr.DeviceBuffer(data.nbytes), cr.DeviceBuffer(4)
-    buf.upload(data.tobytes())
-    total.zero()
-    stream = cr.new_stream()
-    read_stream(stream, buf.ptr, words, total.ptr)
-    cr.synchronize(stream)
-    assert np.frombuffer(total.download(), np.uint32)[0] == data.sum(dtype=np.uint64) % 2 ** 32
-    buf.free(), total.free()
+    try:
+        buf.upload(data.tobytes())
+        total.upload(bytes(4))
+        cr.check(cr.cu.cuCtxSynchronize())  # the copies land before the kernel's stream starts
+        stream = cr.new_stream()
+        read_stream(stream, buf.ptr, words, total.ptr)
+        cr.synchronize(stream)
+        assert (int(np.frombuffer(total.download(), np.uint32)[0])
+                == int(data.sum(dtype=np.uint64)) % 2 ** 32)
+    finally:
+        buf.free(), total.free()
