@@ -35,7 +35,7 @@
 namespace blink {
 
 // Query rows (tokens x group heads) per CTA: 64 for prefill-sized buckets; 16 for decode-sized
-// ones, where a tile rarely has more rows (both variants hold 3 CTAs an SM at head dim 128:
+// ones, where a tile rarely has more rows (both variants hold kAttnMinCtas CTAs an SM:
 // registers decide).
 static constexpr int kAttnRows = 64;
 static constexpr int kAttnRowsSmall = 16;
@@ -43,10 +43,14 @@ static constexpr int kAttnRowsSmall = 16;
 static constexpr int kAttnKeys = 64;
 static constexpr int kAttnThreads = 128;
 static constexpr int kAttnWarps = kAttnThreads / kWarpSize;
-// CTAs per SM the kernel's registers must allow (a register cap of 168 per thread at 3; head
-// dims above 128 need more than that without spilling)
+// CTAs per SM the kernel's registers must allow: a register cap of 168 per thread at 3, 128 at
+// 4. Head dims above 128 need more than 168 without spilling; 128 spills at a cap of 128 (the
+// 8B shape's steps 3-13% slower); 64 fits 128 without spilling, and its fourth CTA an SM pays
+// (H200, Llama-3.2-1B shape, against 3: 128 x 512 decodes 2.017 -> 1.944 ms a step,
+// 2,048-token prefill chunks to 8,192 keys 18.67 -> 17.63 ms; batch 1 and 32 unchanged;
+// at 5, with spills, every point slower).
 template <int kHeadDim>
-static constexpr int kAttnMinCtas = kHeadDim > 128 ? 2 : 3;
+static constexpr int kAttnMinCtas = kHeadDim > 128 ? 2 : kHeadDim > 64 ? 3 : 4;
 
 // Shared-memory layout, rows padded against bank conflicts; every region and every 16x16 WMMA
 // tile pointer stays 32-byte aligned (WMMA needs 256-bit aligned pointers).
