@@ -205,18 +205,20 @@ def copy_bandwidth() -> float:
 
 @functools.cache
 def _read_stream_kernel():
+    """csrc/bandwidth.cu's read_stream and its grid: two CTAs an SM."""
     from blink.gpu_engine import cuda_runtime as cr
     from blink.gpu_engine.cuda_forward import CSRC
-    return cr.Module(cr.nvcc_cubin(CSRC / "bandwidth.cu")).function("read_stream")
+    sms = cr.check(cr.cu.cuDeviceGetAttribute(
+        cr.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, 0))
+    return cr.Module(cr.nvcc_cubin(CSRC / "bandwidth.cu")).function("read_stream"), 2 * sms
 
 
 def read_stream(stream, data, words: int, total) -> None:
     """csrc/bandwidth.cu's read_stream over `words` 16-byte words at data (device pointers):
     each read once and added (uint32, wrapping) into the uint32 at total; two CTAs an SM."""
     from blink.gpu_engine import cuda_runtime as cr
-    sms = cr.check(cr.cu.cuDeviceGetAttribute(
-        cr.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, 0))
-    cr.launch(_read_stream_kernel(), 2 * sms, 256, (int(data), words, int(total)),
+    kernel, grid = _read_stream_kernel()
+    cr.launch(kernel, grid, 256, (int(data), words, int(total)),
               (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p), stream)
 
 
