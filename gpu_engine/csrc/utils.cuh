@@ -122,6 +122,15 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&b)[4], const void* sm
                : "r"(at));
 }
 
+// The transpose of an 8 x 8 matrix of 16-bit elements in mma.sync's fragment layout: lane
+// (g = lane / 4, t = lane % 4) gives elements (g, 2 t) (the low half) and (g, 2 t + 1) and
+// receives (2 t, g) and (2 t + 1, g) (movmatrix, sm_75+; every lane of the warp calls it).
+__device__ __forceinline__ uint32_t TransposeFragment16(uint32_t v) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(v));
+  return d;
+}
+
 template <typename T>
 __device__ __forceinline__ T WarpSum(T v) {
 #pragma unroll
