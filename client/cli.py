@@ -55,6 +55,12 @@ def _check_engine_args(args) -> None:
         sys.exit("blink: --hf-static-cache is an option of --engine hf")
     if args.step_log is not None and args.engine not in ("cuda", "auto"):
         sys.exit("blink: --step-log is an option of the cuda engine")
+    if args.ring_memory == "gpu":
+        if args.engine not in ("cuda", "auto"):
+            sys.exit("blink: --ring-memory gpu is an option of the cuda engine")
+        if args.transport != "rdma":
+            sys.exit("blink: --ring-memory gpu needs --transport rdma (a front end on this host "
+                     "reaches the ring in /dev/shm, and GPU memory is not there)")
     folder = args.step_log.resolve().parent if args.step_log is not None else None
     if folder is not None and not (folder.is_dir() and os.access(folder, os.W_OK)):
         sys.exit(f"blink: --step-log {args.step_log}: its folder does not exist or cannot be "
@@ -159,6 +165,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tiled layout that streams faster (8B shape at batch 1: ~10%% a step) "
                         "and run the LM head of steps with up to 16 logit rows, "
                         "which takes those weights' memory a second time (~15 GB for 8B)")
+    p.add_argument("--ring-memory", choices=["host", "gpu"], default="host",
+                   help="cuda engine: where the ring lives. host: page-locked host memory the "
+                        "GPU maps, reached in /dev/shm or by RDMA; gpu (with --transport rdma): "
+                        "GPU memory, which the NIC registers as dma-buf, so front ends' RDMA "
+                        "WRITEs and READs go to the GPU and the scheduler kernel polls its own "
+                        "memory, not across PCIe (needs NVIDIA's open kernel modules and a NIC "
+                        "driver that imports dma-buf)")
     p.add_argument("--step-log", type=Path, default=None, metavar="PATH",
                    help="cuda engine: time every step's phases on the GPU and write the last "
                         "262,144 steps to PATH (.npy) when the engine stops; "
@@ -274,11 +287,20 @@ def cmd_engine(args) -> None:
     kind = choose_engine(args.engine)
     if args.step_log is not None and kind != "cuda":
         sys.exit(f"blink engine: --step-log is an option of the cuda engine, not {kind}")
+    if args.ring_memory == "gpu":
+        if kind != "cuda":
+            sys.exit(f"blink engine: --ring-memory gpu is an option of the cuda engine, not "
+                     f"{kind}")
+        from blink.gpu_engine.cuda_runtime import dmabuf_unsupported_reason
+        reason = dmabuf_unsupported_reason()
+        if reason is not None:
+            sys.exit(f"blink engine: --ring-memory gpu: {reason}")
     export = _ring_export(args)
     try:
         if kind == "cuda":
             from blink.gpu_engine.cuda_engine import run_cuda_engine
-            run_cuda_engine(config, args.gpu_memory_utilization, step_log=args.step_log)
+            run_cuda_engine(config, args.gpu_memory_utilization, step_log=args.step_log,
+                            ring_memory=args.ring_memory, ring_export=export)
             return
         from blink.gpu_engine.reference_engine import run_engine
         if kind == "host-cuda":
@@ -428,6 +450,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv.append("--no-decode-weight-copy")
     if args.step_log is not None:
         argv += ["--step-log", str(args.step_log.resolve())]
+    if args.ring_memory != "host":
+        argv += ["--ring-memory", args.ring_memory]
     if args.transport == "rdma":
         host, port = args.rdma_addr
         host = f"[{host}]" if ":" in host else host  # an IPv6 address

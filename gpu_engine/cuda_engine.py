@@ -7,6 +7,14 @@ scheduler graph. From then on the host does no per-request or per-step work: it 
 the control block for a device-side error once in a while, and on SIGTERM asks the kernel to
 stop and waits for it.
 
+Where the ring lives (`--ring-memory`): host, the default, is the /dev/shm segment the GPU maps
+(page-locked), which front ends reach in shared memory or through the NIC (RDMA, pinned host
+memory); gpu is a ring in GPU memory (cuda_runtime.DeviceRing), for front ends that reach it only
+by RDMA: the ring is built in the /dev/shm segment as always, copied to the GPU when the engine
+starts serving, and the segment's name removed (a front end on this host could not reach the
+GPU's copy); the kernel then polls its own memory instead of reading across PCIe, and the RDMA
+export registers the copy by its dma-buf.
+
 With a step log (`--step-log PATH`), the kernel also times every step's phases into device
 memory (engine_layout.StepRecord: batch description, forward graph, samples), the last
 STEP_LOG_CAPACITY of them, and the host writes them to PATH when the engine stops
@@ -30,13 +38,13 @@ from blink.gpu_engine.cuda_forward import CudaForward
 from blink.gpu_engine.reference_engine import EngineConfig, served_context_length
 from blink.gpu_engine.ring_server import CORRUPT_GRACE_S, RingServer
 from blink.gpu_engine.step_log import STEP_LOG_CAPACITY, save_step_log
-from blink.ring.layout import EngineKind, EngineState, RingGeometry
+from blink.ring.layout import HEADER_DTYPE, EngineKind, EngineState, RingGeometry
 
 log = logging.getLogger("blink.engine")
 
 KERNEL_SOURCE = cr.CSRC / "scheduler_kernel.cu"
 # With nothing to schedule, the scheduler CTA sleeps this long before it polls the ring again.
-# Each poll reads three words of every slot across PCIe (the ring is mapped host memory), so
+# Each poll reads three words of every slot across PCIe (with the ring in host memory), so
 # polling back to back would load the bus and the front end's cache lines for nothing; 2 us
 # (__nanosleep sleeps up to twice that) delays a new request's admission by a few us at most,
 # small next to one forward step.
@@ -67,11 +75,20 @@ class MappedControl:
 
 class CudaEngine:
     def __init__(self, config: EngineConfig, *, gpu_memory_utilization: float = 0.9,
-                 step_log: Path | None = None):
+                 step_log: Path | None = None, ring_memory: str = "host", ring_export=None):
+        """ring_memory: "host" or "gpu" (the module docstring); ring_export: the RDMA export
+        (blink.ring.rdma.RingExport) to hand a GPU-memory ring to, by its dma-buf."""
         if config.num_slots > el.MAX_SLOTS:
             raise ValueError(f"the CUDA engine supports at most {el.MAX_SLOTS} slots")
+        if ring_memory not in ("host", "gpu"):
+            raise ValueError(f"ring_memory is host or gpu, not {ring_memory!r}")
         self.config = config
         cr.primary_context()
+        if ring_memory == "gpu" and ring_export is not None:
+            reason = cr.dmabuf_unsupported_reason()  # before anything is loaded
+            if reason is not None:
+                raise ValueError(f"--ring-memory gpu: {reason}")
+        self.ring_export = ring_export
         cfg = self.model_cfg = load_config(config.model_dir)
         self.context_length = served_context_length(config, cfg)
         t0 = time.monotonic()
@@ -94,7 +111,15 @@ class CudaEngine:
         self.ring = RingServer(config.ring_name, geom, model_name=cfg.name,
                                vocab_size=cfg.vocab_size, context_length=self.context_length,
                                eos_ids=cfg.eos_token_ids, engine_kind=EngineKind.CUDA)
-        self.ring_map = cr.HostMapping(self.ring.segment.mmap)
+        if ring_memory == "gpu":
+            self.ring_map, self.device_ring = None, cr.DeviceRing(geom.total_bytes)
+            ring_base = self.device_ring.ptr
+        else:
+            self.ring_map, self.device_ring = cr.HostMapping(self.ring.segment.mmap), None
+            ring_base = self.ring_map.device_ptr
+        log.info("ring: %s", "GPU memory (--ring-memory gpu), for front ends that reach it "
+                 "by RDMA" if self.device_ring else "pinned host memory, /dev/shm/"
+                 f"{config.ring_name}, mapped by the GPU (--ring-memory host)")
         h = self.ring.header
         h["kv_blocks_total"] = h["kv_blocks_free"] = num_blocks
         h["kv_block_size"] = config.block_size
@@ -107,14 +132,14 @@ class CudaEngine:
         if step_log is not None:  # (the CLI checked its folder; close() reports a failed save)
             self.step_log = cr.DeviceBuffer(STEP_LOG_CAPACITY * el.STEP_RECORD_DTYPE.itemsize)
             self.step_log.zero()
-        self._init_device_state(geom, num_blocks)
+        self._init_device_state(geom, num_blocks, ring_base)
         self.stream = cr.new_stream()
         fn = self.module.function("scheduler_run")
         self.scheduler_graph = cr.capture_device_graph(self.stream, lambda s: cr.launch(
             fn, 1, el.SCHEDULER_THREADS, (self.state.ptr,), (P,), s))
         self.stop_event = threading.Event()
 
-    def _init_device_state(self, geom: RingGeometry, num_blocks: int) -> None:
+    def _init_device_state(self, geom: RingGeometry, num_blocks: int, ring_base: int) -> None:
         """Allocates the scheduler's device state and fills it: engine_sizes says how much
         memory, engine_init reads one EngineInit record (gpu_engine/engine_layout.py)."""
         c = self.config
@@ -144,7 +169,7 @@ class CudaEngine:
         self.staged_prompts = cr.DeviceBuffer(4 * slots * geom.max_prompt_tokens)
         h = self.ring.header  # the EOS ids the ring publishes are the ones the kernel stops on
         init = el.engine_init_record(
-            sched=sched, ring_base=self.ring_map.device_ptr, geom=geom,
+            sched=sched, ring_base=ring_base, geom=geom,
             control=self.control.device_ptr, consumed_gen=self.consumed_gen.ptr,
             corrupt_since=self.corrupt_since.ptr, scratch_slot=self.scratch_slot.ptr,
             staged_prompts=self.staged_prompts.ptr, vocab_size=self.model_cfg.vocab_size,
@@ -168,7 +193,15 @@ class CudaEngine:
     # -- serving --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.ring.set_state(EngineState.SERVING)
+        if self.device_ring is None:
+            self.ring.set_state(EngineState.SERVING)
+        else:  # the host image never says SERVING: nothing may take it for the ring
+            self.ring.segment.unlink()
+            self.device_ring.upload(self.ring.segment.mmap)
+            self._set_device_ring_state(EngineState.SERVING)
+            if self.ring_export is not None:
+                self.ring_export.serve_device_ring(self.device_ring.export_dmabuf(),
+                                                   self.ring.geom)
         cr.check(cr.cu.cuGraphLaunch(self.scheduler_graph, self.stream))
         log.info("CUDA engine serving: the scheduler kernel owns the ring")
 
@@ -181,26 +214,45 @@ class CudaEngine:
         self.control.request_stop()
         cr.check(cr.cu.cuStreamSynchronize(self.stream))
 
+    def _set_device_ring_state(self, state: EngineState) -> None:
+        word = np.uint32(state).tobytes()
+        self.device_ring.upload(word, HEADER_DTYPE.fields["engine_state"][1])
+
+    def ring_header(self) -> np.void:
+        """The ring's header as the kernel left it (a copy where the ring is in GPU memory)."""
+        if self.device_ring is None:
+            return self.ring.header
+        return np.frombuffer(self.device_ring.download(HEADER_DTYPE.itemsize),
+                             HEADER_DTYPE)[0]
+
     def close(self) -> None:
         try:
             if self.step_log is not None and int(self.control.read()["exited"]):
                 records = np.frombuffer(self.step_log.download(), el.STEP_RECORD_DTYPE)
                 kept = save_step_log(self.step_log_path, records)
                 log.info("step log: %d of %d steps written to %s", kept,
-                         int(self.ring.header["engine_steps"]), self.step_log_path)
+                         int(self.ring_header()["engine_steps"]), self.step_log_path)
         except OSError as e:  # the ring still comes down
             log.error("step log not written to %s: %s", self.step_log_path, e)
         finally:
             self.ring.set_state(EngineState.STOPPED)
-            self.ring_map.close()
+            if self.device_ring is not None:
+                if self.ring_export is not None:  # its regions go before the memory does
+                    self.ring_export.close()
+                self._set_device_ring_state(EngineState.STOPPED)
+                self.device_ring.free()
+            else:
+                self.ring_map.close()
             self.ring.close()
             log.info("engine stopped")
 
 
 def run_cuda_engine(config: EngineConfig, gpu_memory_utilization: float = 0.9,
-                    step_log: Path | None = None) -> None:
+                    step_log: Path | None = None, ring_memory: str = "host",
+                    ring_export=None) -> None:
     engine = CudaEngine(config, gpu_memory_utilization=gpu_memory_utilization,
-                        step_log=step_log)
+                        step_log=step_log, ring_memory=ring_memory,
+                        ring_export=ring_export)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: engine.stop_event.set())
     engine.start()

@@ -233,6 +233,59 @@ class DeviceBuffer:
             self.ptr = 0
 
 
+# What a NIC can register of GPU memory: whole GPU pages (dma-buf ranges must be page-aligned).
+GPU_PAGE_BYTES = 1 << 16
+
+
+def dmabuf_unsupported_reason() -> str | None:
+    """None when device 0's memory can be exported as dma-buf (for a NIC to register), else why
+    not, said for an operator."""
+    try:
+        primary_context()
+        dev = check(cu.cuDeviceGet(0))
+        supported = check(cu.cuDeviceGetAttribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, dev))
+    except Exception as e:  # no driver, no device
+        return f"no usable CUDA GPU ({type(e).__name__}: {e})"
+    if not supported:
+        return ("the CUDA driver cannot export GPU memory as dma-buf here "
+                "(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0: it needs NVIDIA's open kernel "
+                "modules and a Linux kernel >= 5.12)")
+    return None
+
+
+class DeviceRing(DeviceBuffer):
+    """The ring in GPU memory, for a NIC to reach by RDMA (--ring-memory gpu): whole GPU pages,
+    zeroed, with synchronous memory operations (CU_POINTER_ATTRIBUTE_SYNC_MEMOPS: the driver
+    then orders its own copies to and from this range against what a peer device wrote, as
+    GPUDirect RDMA asks)."""
+
+    def __init__(self, nbytes: int):
+        # cuMemAlloc aligns small allocations to less than a GPU page: take one page more and
+        # start at the first page boundary in it
+        pages = -(-nbytes // GPU_PAGE_BYTES)
+        super().__init__((pages + 1) * GPU_PAGE_BYTES)
+        self.base = self.ptr
+        self.ptr = -(-self.base // GPU_PAGE_BYTES) * GPU_PAGE_BYTES
+        self.nbytes = pages * GPU_PAGE_BYTES
+        check(cu.cuPointerSetAttribute(
+            1, cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_SYNC_MEMOPS, self.ptr),
+            "cuPointerSetAttribute(SYNC_MEMOPS)")
+        self.zero()
+
+    def export_dmabuf(self) -> int:
+        """A new dma-buf file descriptor for the whole range (the caller closes it)."""
+        return int(check(cu.cuMemGetHandleForAddressRange(
+            self.ptr, self.nbytes,
+            cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0),
+            "cuMemGetHandleForAddressRange(DMA_BUF_FD)"))
+
+    def free(self) -> None:
+        if self.ptr:
+            cu.cuMemFree(self.base)
+            self.ptr = 0
+
+
 class HostMapping:
     """Page-locks a mapped region (e.g. the /dev/shm ring) and maps it into the GPU's address
     space, so kernels read and write it directly (system-scope atomics and fences order it)."""

@@ -16,6 +16,7 @@ import ctypes
 import enum
 import errno
 import itertools
+import mmap
 import os
 import sys
 import types
@@ -274,7 +275,8 @@ class QP:
         if (remote is None or not remote.access & need
                 or not remote.holds(wr.remote_addr, sge.length)):
             return IBV["IBV_WC_REM_ACCESS_ERR"]
-        src, dst = (sge.addr, wr.remote_addr) if write else (wr.remote_addr, sge.addr)
+        at = remote.local_address(wr.remote_addr)
+        src, dst = (sge.addr, at) if write else (at, sge.addr)
         ctypes.memmove(dst, src, sge.length)
         return IBV["IBV_WC_SUCCESS"]
 
@@ -305,19 +307,43 @@ def cqe_status_to_str(status):
 
 
 class MR:
+    """Memory at a user address; the address is also its I/O virtual address (remote address)."""
+
     def __init__(self, creator, length=0, access=0, address=None, implicit=False):
         assert isinstance(creator, PD) and address
-        assert creator.alive, "a memory region on a PD a closed CMID cleared"
-        self.buf, self.length, self.access = address, length, access
+        self._register(creator, length, access, iova=address)
+
+    def _register(self, pd, length, access, iova):
+        assert pd.alive, "a memory region on a PD a closed CMID cleared"
+        self.buf, self.length, self.access = iova, length, access
         self.lkey, self.rkey = next(FABRIC.keys), next(FABRIC.keys)
         FABRIC.regions[self.rkey] = FABRIC.regions[("l", self.lkey)] = self
 
     def holds(self, addr, length):
         return self.buf <= addr and addr + length <= self.buf + self.length
 
+    def local_address(self, addr):
+        return addr
+
     def close(self):
         FABRIC.regions.pop(self.rkey, None)
         FABRIC.regions.pop(("l", self.lkey), None)
+
+
+class DmaBufMR(MR):
+    """pyverbs >= 44's DmaBufMR(pd, length, access, dmabuf, offset) given a file descriptor:
+    bytes offset .. offset + length of the buffer, at I/O virtual address `offset` (what
+    ibv_reg_dmabuf_mr gets from pyverbs). Here any mmap-able descriptor serves as the dma-buf
+    (a /dev/shm file in the tests); it is mapped at registration, so the caller may close it."""
+
+    def __init__(self, pd, length, access, dmabuf=None, offset=0, gpu=0, gtt=0):
+        assert isinstance(pd, PD) and isinstance(dmabuf, int), "an fd, not a pyverbs DmaBuf"
+        self._map = mmap.mmap(dmabuf, offset + length)
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._register(pd, length, access, iova=offset)
+
+    def local_address(self, addr):
+        return self._base + addr
 
 
 class SGE:
@@ -353,7 +379,7 @@ def install(monkeypatch, device_ips=("127.0.0.1",)) -> Fabric:
     module("pyverbs.cmid", CMID=CMID, CMEvent=CMEvent, CMEventChannel=CMEventChannel,
            AddrInfo=AddrInfo, ConnParam=ConnParam)
     module("pyverbs.cq", CQ=CQ, cqe_status_to_str=cqe_status_to_str)
-    module("pyverbs.mr", MR=MR)
+    module("pyverbs.mr", MR=MR, DmaBufMR=DmaBufMR)
     module("pyverbs.qp", QP=QP, QPInitAttr=QPInitAttr, QPCap=QPCap)
     module("pyverbs.wr", SGE=SGE, SendWR=SendWR)
     module("pyverbs.libibverbs_enums", **IBV)

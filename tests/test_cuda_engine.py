@@ -55,9 +55,14 @@ def cuda_stacks(checkpoints, tmp_path_factory):
             stack.wait_serving(timeout=120)
         return started[name]
 
+    def stop_all():  # for a test that runs an engine in its own process
+        for stack in started.values():
+            stack.stop()
+        started.clear()
+
+    get.stop_all = stop_all
     yield get
-    for stack in started.values():
-        stack.stop()
+    stop_all()
 
 
 def teacher_forced_error(model_dir, prompt: list[int], model=None) -> tuple[float, float]:
@@ -444,3 +449,155 @@ def test_cuda_engine_stops_cleanly(checkpoints, tmp_path):
         print("engine stop: SIGTERM -> kernel exited, status 0, ring removed")
     finally:
         stack.stop()
+
+
+class DeviceRingTransport:
+    """RingTransport onto a ring in GPU memory, by the driver's copies on a stream of their own:
+    here it plays the NIC, whose one-sided WRITEs and READs land in the GPU's memory while the
+    scheduler kernel runs (what --ring-memory gpu serves to RDMA front ends)."""
+
+    def __init__(self, ring):
+        from blink.gpu_engine import cuda_runtime as cr
+        self.cr, self.ring, self.size = cr, ring, ring.nbytes
+        self.stream = cr.new_stream()
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.cr.check(self.cr.cu.cuMemcpyDtoHAsync(out, self.ring.ptr + offset, length,
+                                                   self.stream))
+        self.cr.synchronize(self.stream)
+        return bytes(out)
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.cr.check(self.cr.cu.cuMemcpyHtoDAsync(self.ring.ptr + offset, data, len(data),
+                                                   self.stream))
+        self.cr.synchronize(self.stream)  # (returns once the bytes are there, as RDMA's does)
+
+    def read_strided(self, offset: int, stride: int, count: int, length: int) -> bytes:
+        whole = self.read(offset, (count - 1) * stride + length) if count else b""
+        return b"".join(whole[i * stride:i * stride + length] for i in range(count))
+
+    def is_current(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def greedy_through_link(link, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt alone (one request in flight), greedy; the tokens the link streamed."""
+    from blink.nic_service.engine_link import Finished, Tokens
+
+    async def run():
+        await link.start()
+        deadline = time.monotonic() + 60
+        while not link.alive:
+            assert time.monotonic() < deadline, "the link never attached"
+            await asyncio.sleep(0.01)
+        out = []
+        for prompt in prompts:
+            handle = await link.submit(dict(prompt=np.asarray(prompt, np.int32),
+                                            max_tokens=max_tokens, temperature=0.0,
+                                            ignore_eos=True))
+            tokens = []
+            while True:
+                event = await asyncio.wait_for(handle.events.get(), 60)
+                if isinstance(event, Tokens):
+                    tokens += event.ids
+                elif isinstance(event, Finished):
+                    break
+                else:
+                    raise event
+            out.append(tokens)
+        await link.stop()
+        return out
+
+    return asyncio.run(run())
+
+
+def run_engine_in_process(model_dir, ring_memory: str, prompts, max_tokens: int):
+    """A CudaEngine in this process with its ring in `ring_memory`, the prompts' greedy tokens
+    through an EngineLink (in /dev/shm, or onto the GPU's copy of the ring), then a stop."""
+    import secrets
+
+    from blink.gpu_engine.cuda_engine import CudaEngine
+    from blink.gpu_engine.reference_engine import EngineConfig
+    from blink.nic_service.engine_link import EngineLink
+    from blink.ring.layout import EngineState
+    from blink.ring.shm import shm_path
+    name = f"blink-test-ring-{ring_memory}-{secrets.token_hex(4)}"
+    engine = CudaEngine(EngineConfig(model_dir, name, num_slots=8, num_kv_blocks=256,
+                                     max_num_seqs=8), ring_memory=ring_memory)
+    waiter = threading.Thread(target=engine.wait, daemon=True)
+    try:
+        engine.start()
+        waiter.start()
+        link = EngineLink(name, engine_timeout_s=30)
+        if ring_memory == "gpu":
+            assert not shm_path(name).exists()  # nothing on this host may take the image
+            transport = DeviceRingTransport(engine.device_ring)
+            link._dialer = type("Dialer", (), dict(where="gpu-memory",
+                                                   step=lambda self: transport))()
+        else:
+            assert engine.device_ring is None and shm_path(name).exists()
+        tokens = greedy_through_link(link, prompts, max_tokens)
+        header = engine.ring_header()
+        assert int(header["engine_state"]) == EngineState.SERVING
+        assert int(header["requests_finished"]) == len(prompts)
+        assert int(header["tokens_generated"]) == len(prompts) * max_tokens
+    finally:
+        engine.stop_event.set()
+        waiter.join(30)
+        assert not waiter.is_alive(), "the scheduler kernel did not stop"
+        engine.close()
+    assert int(engine.control.read()["exited"]) == 1
+    return tokens
+
+
+def test_cuda_engine_serves_its_ring_from_gpu_memory(checkpoints, cuda_stacks):
+    """--ring-memory gpu: the engine (in this process) serves a ring in GPU memory, whose slots
+    the front end writes and whose records it reads by the driver's copies, as a NIC's RDMA
+    would land them, with the /dev/shm name gone while it serves. Oracle: the same engine with
+    its ring in page-locked host memory, a front end in /dev/shm; one request at a time, the
+    steps are the same, so the greedy tokens must be equal, token for token."""
+    cuda_stacks.stop_all()  # one engine on the GPU at a time
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 200, size=n).tolist() for n in (5, 17, 40, 1)]
+    host = run_engine_in_process(checkpoints["llama"], "host", prompts, 12)
+    gpu = run_engine_in_process(checkpoints["llama"], "gpu", prompts, 12)
+    assert [len(t) for t in host] == [12] * len(prompts)
+    assert gpu == host
+    print(f"ring in GPU memory: {len(prompts)} prompts x 12 greedy tokens, equal to the "
+          f"host-memory ring's")
+
+
+def test_device_ring_exports_a_dmabuf_or_says_why_not(checkpoints):
+    """DeviceRing: whole GPU pages, zeroed; its dma-buf (what the RDMA export registers) is a
+    real dma-buf of the ring's size, or, where the driver cannot export one, --ring-memory gpu
+    with an RDMA export refuses before loading anything, saying why."""
+    from pathlib import Path
+
+    from blink.gpu_engine import cuda_runtime as cr
+    from blink.gpu_engine.cuda_engine import CudaEngine
+    from blink.gpu_engine.reference_engine import EngineConfig
+    ring = cr.DeviceRing(100_000)
+    try:
+        assert ring.nbytes == 2 * cr.GPU_PAGE_BYTES and ring.ptr % cr.GPU_PAGE_BYTES == 0
+        assert ring.download() == bytes(ring.nbytes)
+        reason = cr.dmabuf_unsupported_reason()
+        if reason is None:
+            fd = ring.export_dmabuf()
+            try:
+                assert os.lseek(fd, 0, os.SEEK_END) == ring.nbytes  # a dma-buf's size
+                assert "exp_name" in Path(f"/proc/self/fdinfo/{fd}").read_text()
+            finally:
+                os.close(fd)
+            print(f"dma-buf export: {ring.nbytes} bytes")
+        else:
+            assert "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0" in reason
+            with pytest.raises(ValueError, match="--ring-memory gpu: the CUDA driver cannot"):
+                CudaEngine(EngineConfig(checkpoints["llama"], "never-made"), ring_memory="gpu",
+                           ring_export=object())
+            print(f"dma-buf export: not here ({reason})")
+    finally:
+        ring.free()

@@ -106,6 +106,13 @@ def test_rdma_transport_flags(tmp_path):
     assert out.returncode == 1 and "--rdma-addr is an option of --transport rdma" in out.stderr
     out = blink("engine", "--transport", "rdma", "--rdma-addr", "10.0.0.1")
     assert out.returncode == 2 and "'10.0.0.1' is not IP:PORT" in out.stderr
+    out = blink("engine", "--ring-memory", "gpu", "--ring-name", "x")
+    assert out.returncode == 1 and out.stderr == (
+        "blink: --ring-memory gpu needs --transport rdma (a front end on this host reaches the "
+        "ring in /dev/shm, and GPU memory is not there)\n")
+    out = blink("serve", "--ring-memory", "gpu", "--engine", "cpu", "--ring-name", "x")
+    assert out.returncode == 1 and out.stderr == (
+        "blink: --ring-memory gpu is an option of the cuda engine\n")
 
 
 # -- the real RDMA path: where a device exists -----------------------------------------------
@@ -148,20 +155,23 @@ def rdma_ip(request, monkeypatch) -> str:
 
 class RdmaRing:
     """An engine's ring (RingServer) exported over RDMA in this process, and a front end's
-    EngineLink reaching it through a real queue pair."""
+    EngineLink reaching it through a real queue pair. dmabuf: the ring handed to the export as
+    a dma-buf file descriptor (serve_device_ring, as the CUDA engine hands its GPU-memory ring;
+    here the /dev/shm segment's own descriptor, which only the stand-in can register)."""
 
-    def __init__(self, ip: str, slots: int = 4):
+    def __init__(self, ip: str, slots: int = 4, dmabuf: bool = False):
         from blink.ring.rdma import RingExport
         self.name = f"blink-test-rdma-{secrets.token_hex(4)}"
         self.addr = (ip, 20000 + secrets.randbelow(20000))
-        self.server = RingServer(self.name, RingGeometry(slots, max_prompt_tokens=63,
-                                                         max_output_tokens=64),
-                                 model_name="rdma", vocab_size=VOCAB, context_length=64,
-                                 eos_ids=(1,))
+        geom = RingGeometry(slots, max_prompt_tokens=63, max_output_tokens=64)
+        self.server = RingServer(self.name, geom, model_name="rdma", vocab_size=VOCAB,
+                                 context_length=64, eos_ids=(1,))
         self.fatal: list[str] = []
         self.export = RingExport(*self.addr, self.name, on_fatal=self.fatal.append)
-        self.export.start()
         self.server.set_state(EngineState.SERVING)
+        if dmabuf:
+            self.export.serve_device_ring(os.open(shm_path(self.name), os.O_RDWR), geom)
+        self.export.start()
         self.link = EngineLink(self.name, rdma_engine=self.addr, engine_timeout_s=1e9)
         self.loop = asyncio.new_event_loop()
 
@@ -204,10 +214,22 @@ class RdmaRing:
         self.server.close()
 
 
-def test_ring_round_trip_over_rdma(rdma_ip):
-    ring = RdmaRing(rdma_ip)
+@pytest.mark.parametrize("memory", ["host", "dmabuf"])
+def test_ring_round_trip_over_rdma(rdma_ip, memory):
+    """A request written, admitted, answered, and a cancel, over RDMA; the ring registered as
+    host memory or by a dma-buf (the regions then addressed from 0, pyverbs' DmaBufMR's I/O
+    virtual address being its offset)."""
+    from pyverbs.mr import DmaBufMR
+    if memory == "dmabuf" and DmaBufMR.__module__ != "pyverbs_standin":
+        pytest.skip("a /dev/shm file is no dma-buf a real NIC registers: the GPU tests export "
+                    "a real one (test_device_ring_exports_a_dmabuf_or_says_why_not)")
+    ring = RdmaRing(rdma_ip, dmabuf=memory == "dmabuf")
     try:
         ring.attach()
+        assert ring.link._transport._remote == (0 if memory == "dmabuf" else
+                                                ring.export._mem.ctypes.data)
+        assert ring.export.memory.startswith("GPU memory" if memory == "dmabuf" else
+                                             "pinned host memory")
         handle = ring.submit([5, 6, 7], max_tokens=3)
         (req,) = ring.admitted()
         assert (req.slot, req.gen, req.prompt) == (handle.slot, handle.gen, [5, 6, 7])

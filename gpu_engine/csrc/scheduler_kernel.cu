@@ -11,8 +11,10 @@
 // sample consumption, stops) is a scheduler.cuh function that tests/csrc/sched_replay.cc also
 // runs against the Python engine's decisions; this file holds the mechanics around them.
 //
-// Ring memory is host memory mapped into the GPU: every access to it goes through volatile
-// pointers, and __threadfence_system() orders what the front end must see in order.
+// Ring memory is host memory mapped into the GPU, or GPU memory a NIC writes and reads by RDMA
+// (--ring-memory gpu): either way others change it under the kernel, so every access to it goes
+// through volatile pointers, and __threadfence_system() orders what the front end must see in
+// order.
 #include "device_loop.cuh"
 #include "engine_layout.h"
 #include "ring_layout.h"

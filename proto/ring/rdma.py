@@ -18,11 +18,14 @@ depend on it). `read` returns once the RDMA READ's data is in a local registered
 ring (same offsets), `read_strided` posts its READs in batches of at most MAX_OUTSTANDING.
 
 Engine side, RingExport (a thread of the engine process): binds IP:PORT with RDMA CM at once (a
-wrong address fails before the engine loads anything), waits until this process has published
-its ring in /dev/shm and serves, maps the same segment and registers it with the NIC: the whole
-ring readable, the request slots also writable, so a front end cannot write records or the
-header. The memory is the pinned host memory the GPU maps (today's layout); GPU memory exported
-as dma-buf (pyverbs DmaBufMR) is not built. Then it listens; each front end's connect request
+wrong address fails before the engine loads anything), waits until this process serves its ring
+and registers it with the NIC: the whole ring readable, the request slots also writable, so a
+front end cannot write records or the header. Where the ring lives is the engine's choice
+(`--ring-memory`): host, the default, is the pinned host memory the GPU maps, published in
+/dev/shm (the export maps the same segment and registers its pages); gpu is a ring in GPU
+memory that the CUDA engine hands over as a dma-buf file descriptor (serve_device_ring), which
+is registered with pyverbs' DmaBufMR, so a front end's WRITEs and READs go straight to the GPU's
+memory (GPUDirect RDMA; NOT RUN ON A DEVICE either). Then it listens; each front end's connect request
 (its Hello: layout version, a token) is answered with an RC queue pair and an Offer in the
 accept's private data: the ring's address, rkeys, geometry and layout version.
 
@@ -94,7 +97,7 @@ OFFER_DTYPE = np.dtype([
     ("num_slots", "<u4"),       # RingGeometry, as in the ring's header
     ("max_prompt_tokens", "<u4"),
     ("max_output_tokens", "<u4"),
-    ("addr", "<u8"),            # the ring's byte 0 in the engine's address space (both regions)
+    ("addr", "<u8"),            # the remote address of ring byte 0 (both regions; 0 for dma-buf)
 ])
 assert HELLO_DTYPE.itemsize <= 56 and OFFER_DTYPE.itemsize <= 196
 
@@ -254,6 +257,8 @@ class RingExport:
         self.on_fatal = on_fatal
         self.connections: dict[int, object] = {}   # a front end's token -> its CMID
         self.segment: ShmSegment | None = None     # this process's ring, mapped again here
+        self._device_ring: tuple[int, RingGeometry] | None = None  # (dma-buf fd, geometry)
+        self.memory = ""                           # what was registered, said for the log
         self._mem: np.ndarray | None = None        # [total_bytes] u8 view: the regions' address
         self._regions: list = []                   # the read MR, then the write MR
         self._offer = b""
@@ -279,6 +284,12 @@ class RingExport:
                                         daemon=True)
         self._thread.start()
 
+    def serve_device_ring(self, dmabuf_fd: int, geom: RingGeometry) -> None:
+        """The engine serves its ring from GPU memory: register that (a dma-buf of the whole
+        ring, byte 0 at offset 0, its header saying SERVING), not a /dev/shm segment. The
+        export closes the descriptor once it is registered (the regions keep the memory)."""
+        self._device_ring = (dmabuf_fd, geom)
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -286,6 +297,7 @@ class RingExport:
         _close(*self.connections.values(), *self._regions, self.cq, self.listen_id, self.events)
         self.connections.clear()
         self._regions = []
+        self.cq = self.listen_id = self.events = None  # a second close closes nothing again
         if self.segment is not None:
             self._mem = None
             self.segment.close()
@@ -298,9 +310,8 @@ class RingExport:
             if not self._register_ring():
                 return
             self.listen_id.listen(16)
-            log.info("RDMA: listening on %s for front ends (ring /dev/shm/%s registered as pinned "
-                     "host memory, the pages the GPU maps; GPU-memory dma-buf registration is "
-                     "not built)", self.where, self.ring_name)
+            log.info("RDMA: listening on %s for front ends (ring registered as %s)", self.where,
+                     self.memory)
             while not self._stop.is_set():
                 event = self.events.next(0.5)
                 if event is not None:
@@ -324,14 +335,16 @@ class RingExport:
 
     def _register_ring(self) -> bool:
         """Waits until this engine serves its ring, then registers it; False if stopped first."""
-        while self.segment is None:
-            if self._stop.wait(0.05):
-                return False
-            self.segment = self._own_ring()
         while True:
-            h = np.frombuffer(self.segment.mmap[:HEADER_DTYPE.itemsize], HEADER_DTYPE)[0]
-            if int(h["engine_state"]) == EngineState.SERVING:
-                break
+            if self._device_ring is not None:
+                self._register_device_ring(*self._device_ring)
+                return True
+            if self.segment is None:
+                self.segment = self._own_ring()
+            if self.segment is not None:
+                h = np.frombuffer(self.segment.mmap[:HEADER_DTYPE.itemsize], HEADER_DTYPE)[0]
+                if int(h["engine_state"]) == EngineState.SERVING:
+                    break
             if self._stop.wait(0.05):
                 return False
         if int(h["layout_version"]) != LAYOUT_VERSION:
@@ -343,12 +356,38 @@ class RingExport:
         v, pd = self.v, self.listen_id.pd
         self._mem = self.segment.array()
         addr = self._mem.ctypes.data
-        slots_bytes = geom.num_slots * geom.slot_bytes
         read_mr = v.mr.MR(pd, geom.total_bytes, v.REMOTE_READ, address=addr)
         self._regions.append(read_mr)
-        write_mr = v.mr.MR(pd, slots_bytes, v.LOCAL_WRITE | v.REMOTE_WRITE,
-                           address=addr + geom.slots_offset)
+        write_mr = v.mr.MR(pd, geom.num_slots * geom.slot_bytes,
+                           v.LOCAL_WRITE | v.REMOTE_WRITE, address=addr + geom.slots_offset)
         self._regions.append(write_mr)
+        self._make_offer(geom, addr)
+        self.memory = (f"pinned host memory, /dev/shm/{self.ring_name}: the pages the GPU maps "
+                       f"(--ring-memory host)")
+        return True
+
+    def _register_device_ring(self, fd: int, geom: RingGeometry) -> None:
+        """The ring in GPU memory, by its dma-buf. DmaBufMR's I/O virtual address is its
+        offset in the buffer, so a front end's remote address of ring byte n is n (addr 0)."""
+        v, pd = self.v, self.listen_id.pd
+        try:
+            read_mr = v.mr.DmaBufMR(pd, geom.total_bytes, v.REMOTE_READ, fd, 0)
+            self._regions.append(read_mr)
+            write_mr = v.mr.DmaBufMR(pd, geom.num_slots * geom.slot_bytes,
+                                     v.LOCAL_WRITE | v.REMOTE_WRITE, fd, geom.slots_offset)
+            self._regions.append(write_mr)
+        except v.Error as e:
+            raise RdmaError(f"the NIC could not register the GPU-memory ring's dma-buf ({e}): "
+                            f"the NIC's driver must import dma-buf (mlx5 on Linux >= 5.12), "
+                            f"else run the engine with --ring-memory host") from None
+        finally:
+            os.close(fd)
+        self._make_offer(geom, 0)
+        self.memory = (f"GPU memory, a {geom.total_bytes}-byte dma-buf (--ring-memory gpu: the "
+                       f"NIC reads and writes the GPU's memory, no host memory on the path)")
+
+    def _make_offer(self, geom: RingGeometry, addr: int) -> None:
+        read_mr, write_mr = self._regions
         offer = np.zeros((), OFFER_DTYPE)
         offer["magic"], offer["layout_version"] = RING_MAGIC, LAYOUT_VERSION
         offer["read_rkey"], offer["write_rkey"] = read_mr.rkey, write_mr.rkey
@@ -357,7 +396,6 @@ class RingExport:
         offer["max_output_tokens"] = geom.max_output_tokens
         offer["addr"] = addr
         self._offer = offer.tobytes()
-        return True
 
     def _on_event(self, event) -> None:
         v = self.v
