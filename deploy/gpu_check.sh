@@ -24,10 +24,14 @@ echo "| --- | --- |"
 # (a printed line may follow pytest's progress marks: dots, s for a skip, F for a failure)
 grep -hE "^[.sFE]*(device loop|forward|engine|bench)" "$OUT/gpu_tests.log" "$OUT/bench.log" 2>/dev/null \
   | sed -E 's/^[.sFE]*([^:]*): (.*)$/| \1 | \2 |/'
-if [ "$status" -eq 124 ]; then  # pytest printed no summary: say so, not an empty row
+summary=$(grep -E "(passed|failed|error).* in [0-9.]+s" "$OUT/gpu_tests.log" | tail -n 1)
+if [ "$status" -eq 124 ] && [ -z "$summary" ]; then  # say so, not an empty row
   echo "| GPU tests | STOPPED after ${test_timeout} s (BLINK_TEST_TIMEOUT) before the end:" \
        "no pytest summary, see $OUT/gpu_tests.log |"
+elif [ "$status" -eq 124 ]; then  # the summary came, then the timeout stopped the exit
+  echo "| GPU tests | $summary; the process was still exiting at ${test_timeout} s" \
+       "(BLINK_TEST_TIMEOUT) and was stopped |"
 else
-  echo "| GPU tests | $(grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 1) |"
+  echo "| GPU tests | ${summary:-$(grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 1)} |"
 fi
 exit "$status"
