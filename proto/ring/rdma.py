@@ -24,8 +24,9 @@ front end cannot write records or the header. Where the ring lives is the engine
 (`--ring-memory`): host, the default, is the pinned host memory the GPU maps, published in
 /dev/shm (the export maps the same segment and registers its pages); gpu is a ring in GPU
 memory that the CUDA engine hands over as a dma-buf file descriptor (serve_device_ring), which
-is registered with pyverbs' DmaBufMR, so a front end's WRITEs and READs go straight to the GPU's
-memory (GPUDirect RDMA; NOT RUN ON A DEVICE either). Then it listens; each front end's connect request
+is registered with pyverbs' DmaBufMR, so a front end's WRITEs and READs go straight to the
+GPU's memory (GPUDirect RDMA; NOT RUN ON A DEVICE either). Then it listens; each front end's
+connect request
 (its Hello: layout version, a token) is answered with an RC queue pair and an Offer in the
 accept's private data: the ring's address, rkeys, geometry and layout version.
 
@@ -298,6 +299,9 @@ class RingExport:
         self.connections.clear()
         self._regions = []
         self.cq = self.listen_id = self.events = None  # a second close closes nothing again
+        if self._device_ring is not None:  # handed over, never registered
+            os.close(self._device_ring[0])
+            self._device_ring = None
         if self.segment is not None:
             self._mem = None
             self.segment.close()
@@ -336,8 +340,9 @@ class RingExport:
     def _register_ring(self) -> bool:
         """Waits until this engine serves its ring, then registers it; False if stopped first."""
         while True:
-            if self._device_ring is not None:
-                self._register_device_ring(*self._device_ring)
+            taken, self._device_ring = self._device_ring, None
+            if taken is not None:
+                self._register_device_ring(*taken)
                 return True
             if self.segment is None:
                 self.segment = self._own_ring()
