@@ -208,8 +208,7 @@ def _read_stream_kernel():
     """csrc/bandwidth.cu's read_stream and its grid: two CTAs an SM."""
     from blink.gpu_engine import cuda_runtime as cr
     from blink.gpu_engine.cuda_forward import CSRC
-    sms = cr.check(cr.cu.cuDeviceGetAttribute(
-        cr.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, 0))
+    sms = cr.device_attribute("MULTIPROCESSOR_COUNT")
     return cr.Module(cr.nvcc_cubin(CSRC / "bandwidth.cu")).function("read_stream"), 2 * sms
 
 
@@ -233,7 +232,8 @@ def read_bandwidth() -> float:
         return n / median_seconds(stream, lambda: read_stream(stream, data.ptr, n // 16,
                                                               total.ptr), steps=1)
     finally:
-        data.free(), total.free()
+        data.free()
+        total.free()
 
 
 def median_seconds(stream, launch, steps: int = STEPS, repeats: int = REPEATS) -> float:

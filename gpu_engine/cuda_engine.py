@@ -117,9 +117,11 @@ class CudaEngine:
         else:
             self.ring_map, self.device_ring = cr.HostMapping(self.ring.segment.mmap), None
             ring_base = self.ring_map.device_ptr
-        log.info("ring: %s", "GPU memory (--ring-memory gpu), for front ends that reach it "
-                 "by RDMA" if self.device_ring else "pinned host memory, /dev/shm/"
-                 f"{config.ring_name}, mapped by the GPU (--ring-memory host)")
+        if self.device_ring is not None:
+            log.info("ring: GPU memory (--ring-memory gpu), for front ends that reach it by RDMA")
+        else:
+            log.info("ring: pinned host memory, /dev/shm/%s, mapped by the GPU "
+                     "(--ring-memory host)", config.ring_name)
         h = self.ring.header
         h["kv_blocks_total"] = h["kv_blocks_free"] = num_blocks
         h["kv_block_size"] = config.block_size

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from cuda.bindings import driver
 
-from .cuda_runtime import CSRC, CudaError, cache_dir, check, launch, new_stream, nvcc_cubin, \
-    primary_context, synchronize
+from .cuda_runtime import CSRC, CudaError, cache_dir, check, device_attribute, launch, \
+    new_stream, nvcc_cubin, primary_context, synchronize
 
 from . import engine_layout
 from .checkpoint import ModelConfig, ModelWeights, rope_inv_freq
@@ -179,13 +179,9 @@ class ForwardKernels:
                              f"(needs a multiple of 16 in [16, 256])")
         self.context = primary_context()  # initializes the driver
         self.device = check(driver.cuDeviceGet(device))
-        attr = driver.CUdevice_attribute
-        major = check(driver.cuDeviceGetAttribute(
-            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device))
-        minor = check(driver.cuDeviceGetAttribute(
-            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device))
-        self.device_sm_count = check(driver.cuDeviceGetAttribute(
-            attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device))
+        major = device_attribute("COMPUTE_CAPABILITY_MAJOR", device)
+        minor = device_attribute("COMPUTE_CAPABILITY_MINOR", device)
+        self.device_sm_count = device_attribute("MULTIPROCESSOR_COUNT", device)
         if not 0 <= held_sms < self.device_sm_count:
             raise ValueError(f"held_sms {held_sms} not in [0, {self.device_sm_count})")
         self.held_sms = held_sms

@@ -56,6 +56,13 @@ def gpu_unusable_reason() -> str | None:
 _context = None
 
 
+def device_attribute(name: str, device: int = 0) -> int:
+    """CU_DEVICE_ATTRIBUTE_<name> of a device (MULTIPROCESSOR_COUNT, ...)."""
+    primary_context()
+    attribute = getattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
+    return int(check(cu.cuDeviceGetAttribute(attribute, check(cu.cuDeviceGet(device)))))
+
+
 def primary_context():
     """Retains and makes current the primary context of device 0 (shared with the runtime API,
     cuBLAS and PyCUDA's autoprimaryctx)."""
@@ -241,10 +248,7 @@ def dmabuf_unsupported_reason() -> str | None:
     """None when device 0's memory can be exported as dma-buf (for a NIC to register), else why
     not, said for an operator."""
     try:
-        primary_context()
-        dev = check(cu.cuDeviceGet(0))
-        supported = check(cu.cuDeviceGetAttribute(
-            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, dev))
+        supported = device_attribute("DMA_BUF_SUPPORTED")
     except Exception as e:  # no driver, no device
         return f"no usable CUDA GPU ({type(e).__name__}: {e})"
     if not supported:

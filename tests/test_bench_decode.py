@@ -75,4 +75,5 @@ def test_read_stream_reads_every_word_once(words):
         assert (int(np.frombuffer(total.download(), np.uint32)[0])
                 == int(data.sum(dtype=np.uint64)) % 2 ** 32)
     finally:
-        buf.free(), total.free()
+        buf.free()
+        total.free()
