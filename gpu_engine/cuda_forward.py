@@ -161,7 +161,7 @@ class ForwardKernels:
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
                     "blink_paged_attention", "blink_paged_attention_small", "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform", "blink_signal_done",
-                    "blink_hold_sm", "blink_tile_weights",
+                    "blink_hold_sm", "blink_tile_weights", "blink_splitk_add_linear",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
                     *(f"blink_skinny_{kind}_{a}x{c}" for kind in ("linear_norm", "qkv_rope")
                       for a in (1, 2) for c in (1, 2)))
@@ -209,6 +209,16 @@ class ForwardKernels:
         self.sample_threads = self._constant("blink_sample_threads")
         self.gemv_threads = self._constant("blink_gemv_threads")
         self.attention_max_splits = self._constant("blink_attention_max_splits")
+        self.splitk_threads = self._constant("blink_splitk_threads")
+        self.splitk_rows = self._constant("blink_splitk_rows")
+        self.splitk_cols = self._constant("blink_splitk_cols")
+        self.splitk_chunk_align = self._constant("blink_splitk_chunk_align")
+        self.splitk_max_chunk = self._constant("blink_splitk_max_chunk")
+        # dynamic shared memory of each chunk size (a multiple of splitk_chunk_align)
+        self.splitk_smem = dict(zip(
+            range(self.splitk_chunk_align, self.splitk_max_chunk + 1, self.splitk_chunk_align),
+            self._constant("blink_splitk_smem_bytes", self.splitk_max_chunk
+                           // self.splitk_chunk_align)))
         if self.head_dim != head_dim:
             raise CudaError(f"module built for head_dim {self.head_dim}, wanted {head_dim}")
         # CTAs of each attention variant one SM holds (registers and shared memory decide)
@@ -223,12 +233,24 @@ class ForwardKernels:
             self.attention_ctas_per_sm[small] = check(
                 driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
                     self.fn[name], self.attention_threads, smem), f"occupancy of {name}")
+        name = "blink_splitk_add_linear"
+        max_smem = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(driver.cuFuncSetAttribute(self.fn[name], max_smem, max(self.splitk_smem.values())),
+              f"cuFuncSetAttribute({name} smem)")
+        # its CTAs an SM for each chunk size (the chunk of x in shared memory may decide)
+        self.splitk_ctas_per_sm = {
+            chunk: check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                self.fn[name], self.splitk_threads, smem), f"occupancy of {name}")
+            for chunk, smem in self.splitk_smem.items()}
 
-    def _constant(self, name: str) -> int:
+    def _constant(self, name: str, count: int | None = None):
+        """A uint32 the module defines for the host, or its array of `count` of them."""
         ptr, size = check(driver.cuModuleGetGlobal(self.module, name.encode()), name)
-        buf = np.zeros(1, np.uint32)
-        check(driver.cuMemcpyDtoH(buf.ctypes.data, ptr, 4), name)
-        return int(buf[0])
+        buf = np.zeros(count or 1, np.uint32)
+        if size != buf.nbytes:
+            raise CudaError(f"{name}: {size} bytes in the module, expected {buf.nbytes}")
+        check(driver.cuMemcpyDtoH(buf.ctypes.data, ptr, buf.nbytes), name)
+        return [int(v) for v in buf] if count else int(buf[0])
 
     def launch(self, name: str, grid, block, args, stream, smem: int = 0) -> None:
         grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -412,6 +434,54 @@ class ForwardKernels:
                      _ptr(inv_freq), _i32(num_heads), _i32(num_kv_heads), _ptr(q_out),
                      _ptr(k_cache), _ptr(v_cache), _i32(block_size), _i32(num_blocks)], stream)
 
+    # What a split-K CTA costs beyond streaming its chunk (the wait for the previous kernel, the
+    # copy of x's chunk before the first MMA, the adds), in columns of its chunk: splitk_chunk
+    # weighs it.
+    SPLITK_CTA_COST_COLUMNS = 256
+
+    def splitk_fits(self, rows: int, in_features: int, out_features: int) -> bool:
+        """Whether splitk_add_linear can take this shape (tiled weights)."""
+        return (1 <= rows <= self.splitk_cols and out_features % 4 == 0
+                and in_features % self.splitk_chunk_align == 0
+                and self.tiled_rows(out_features) * in_features < 2 ** 31)
+
+    def splitk_chunk(self, in_features: int, out_features: int) -> int:
+        """The columns of K each split-K CTA takes: of the chunks that divide in_features in
+        whole batches (at most splitk_max_chunk), the one that minimizes waves * (CTA cost +
+        chunk), waves = ceil(CTAs / slots) on the SMs the forward is sized for; ties go to the
+        larger chunk (fewer adds). 8B on the H200: the o projection (K 4,096) takes 512, 256
+        CTAs in one wave; the down projection (K 14,336) 896, 512 CTAs in two."""
+        blocks = -(-out_features // self.splitk_rows)
+
+        def cost(chunk):
+            waves = -(-blocks * (in_features // chunk)
+                      // (self.splitk_ctas_per_sm[chunk] * self.sm_count))
+            return waves * (self.SPLITK_CTA_COST_COLUMNS + chunk), -chunk
+
+        return min((c for c in self.splitk_smem if in_features % c == 0), key=cost)
+
+    def splitk_add_linear(self, stream, x, w_tiled, out, rows, in_features, out_features, *,
+                          desc=0, chunk=None):
+        """out[rows, out_features] (f32) += x[rows, in_features] (bf16) @ w^T, w in the tiled
+        layout (tile_weights), K split across CTAs whose sums are added into out atomically (in
+        an order that varies: the low bits of out are not reproducible); rows <= splitk_cols.
+        desc: only the live rows (BatchDesc.num_tokens) are added. chunk: K's columns a CTA
+        (default splitk_chunk's)."""
+        self._need(self.splitk_fits(rows, in_features, out_features),
+                   f"split-K linear takes rows <= {self.splitk_cols}, in_features % "
+                   f"{self.splitk_chunk_align} == 0, out_features % 4 == 0, got {rows} x "
+                   f"{in_features} -> {out_features}")
+        chunk = chunk or self.splitk_chunk(in_features, out_features)
+        self._need(chunk in self.splitk_smem and in_features % chunk == 0,
+                   f"split-K chunk {chunk} does not divide {in_features} in whole batches of "
+                   f"at most {self.splitk_max_chunk}")
+        self.launch("blink_splitk_add_linear",
+                    (-(-out_features // self.splitk_rows), in_features // chunk),
+                    (self.splitk_threads,),
+                    [_ptr(desc), _ptr(x), _i32(in_features), _i32(rows), _ptr(w_tiled),
+                     _i32(out_features), _i32(in_features), _i32(chunk), _ptr(out),
+                     _i32(out_features)], stream, smem=self.splitk_smem[chunk])
+
     def silu_mul(self, stream, rows, desc, gate_up, out, inter):
         """gate_up: [rows, 2 inter] bf16 in the interleaved 16-feature layout
         (interleave_gate_up); out: [rows, inter] bf16."""
@@ -495,7 +565,8 @@ class CudaForward:
                  decode_min_keys: int | None = None, programmatic_launch: bool = True,
                  fuse_norm_rope: bool = True, max_attention_splits: int | None = None,
                  gemm_tuning: bool = True, held_sms: int = 1,
-                 sm_count_target: int | None = None, decode_weight_copy: bool = True):
+                 sm_count_target: int | None = None, decode_weight_copy: bool = True,
+                 splitk_residual: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -520,7 +591,10 @@ class CudaForward:
         the row-major weights cuBLAS reads, and take the LM head from cuBLAS in steps of up to
         SKINNY_PREFERRED_ROWS logit rows (decode-sized steps; every step where max_num_seqs is
         that small); it costs the memory of those weights a second time (False: they read the
-        row-major weights, and cuBLAS runs a large LM head)."""
+        row-major weights, and cuBLAS runs a large LM head). splitk_residual: in steps of
+        SKINNY_PREFERRED_ROWS + 1 to splitk_cols rows, the residual-adding projections (o and
+        down) run ForwardKernels.splitk_add_linear on the tiled copies, not cuBLAS (False:
+        cuBLAS; without the copies cuBLAS anyway)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -539,6 +613,7 @@ class CudaForward:
         self.max_tokens = self.buckets[-1]
         self.skinny = skinny
         self.fuse_norm_rope = fuse_norm_rope
+        self.splitk_residual = splitk_residual
         self.max_attention_splits = max_attention_splits
         self.lm_head_tiled: DeviceArray | None = None  # the skinny LM head's (decode_weight_copy)
         self.decode_min_keys = (self.DECODE_MIN_KEYS if decode_min_keys is None
@@ -768,6 +843,11 @@ class CudaForward:
             tiled = lw.tiled.get(name)
             return (tiled or getattr(lw, name)).ptr, tiled is not None
 
+        def splitk(lw, name, in_f, out_f):
+            """Whether the residual-adding projection lw.<name> runs the split-K kernel."""
+            return (self.splitk_residual and not skinny(in_f, out_f, True) and name in lw.tiled
+                    and k.splitk_fits(rows, in_f, out_f))
+
         def linear(label, x, lw, name, dst, in_f, out_f, accumulate=False, shadow=0):
             """dst (+)= x @ lw.<name>^T: bf16 out, or fp32 added into dst (the residual
             stream, and into its bf16 shadow when given)."""
@@ -779,7 +859,11 @@ class CudaForward:
             elif accumulate:
                 if shadow:
                     raise ValueError(f"{label}: only the skinny kernel writes the shadow")
-                op(label, blas.linear, x, w, dst, rows, in_f, out_f, R_32F, accumulate=True)
+                if splitk(lw, name, in_f, out_f):
+                    op(label, k.splitk_add_linear, s, x, lw.tiled[name].ptr, dst, rows, in_f,
+                       out_f, desc=d)
+                else:
+                    op(label, blas.linear, x, w, dst, rows, in_f, out_f, R_32F, accumulate=True)
             else:
                 op(label, blas.linear, x, w, dst, rows, in_f, out_f)
 
@@ -825,7 +909,7 @@ class CudaForward:
                self.attention_splits(rows), self.attn_partial_out.ptr,
                self.attn_partial_stats.ptr, self.attn_tile_sems.ptr,
                small=self.attention_small(rows), decode_min_keys=self.decode_min_keys,
-               release_next=in_order and skinny(Q, H, True))
+               release_next=in_order and (skinny(Q, H, True) or splitk(lw, "wo", Q, H)))
             # x += attn @ Wo^T: the residual add rides in the projection (fp32 output); o_proj's
             # bias (where a model has one) is added by the norm kernel, so it stays a kernel
             fuse_post = fuse and lw.bo is None

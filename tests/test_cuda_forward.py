@@ -408,6 +408,56 @@ def test_skinny_linear_refuses_shapes_it_does_not_take(cf, stream):
         k.skinny_linear(stream, 0, 0, 0, 33, 256, 64, cf.SKINNY_BF16)
 
 
+# (rows, in_features, out_features, chunk): 17..32 token rows and fewer (partial column
+# tiles); K in one chunk of one batch up to many chunks of several batches, even and odd counts
+# (8B's o and down projections: 4,096 and 14,336, split into 512- and 896-column chunks on the
+# H200; chunk None: splitk_chunk's); N with a partial CTA of rows and a partial 16-row tile.
+SPLITK_CASES = [(17, 128, 132, None), (32, 512, 300, None), (24, 4096, 520, 512),
+                (29, 14336, 264, 896), (3, 1152, 1000, None), (32, 2048, 4096, 1024),
+                (20, 4096, 4096, None), (32, 14336, 4096, None)]
+
+
+@pytest.mark.parametrize("rows,k_in,n_out,chunk", SPLITK_CASES)
+@pytest.mark.parametrize("live", [None, 13])
+def test_splitk_add_linear(cf, stream, rows, k_in, n_out, chunk, live):
+    """The split-K kernel adds x @ w^T into an fp32 output, against float64 on the same bf16
+    inputs: every chunk of K added once (one missed or added twice is off by its share) and
+    nothing past row `rows` touched, nor, given a BatchDesc of `live` tokens, past those."""
+    k = kernels(cf)
+    d = desc(cf, live) if live else None
+    rows_in = rows
+    rows = min(rows, live or rows)
+    rng = np.random.default_rng(rows * 11 + k_in)
+    cap = 40  # allocated rows: rows .. cap must stay as they were
+    x = rb(rng.standard_normal((cap, k_in)))
+    w = rb(rng.standard_normal((n_out, k_in)) * k_in ** -0.5)
+    resid = rng.standard_normal((cap, n_out)).astype(np.float32)
+    expect = resid[:rows] + x[:rows].astype(np.float64) @ w.T.astype(np.float64)
+    dx = dev(cf, float32_to_bf16_bits(x))
+    dw = dev(cf, tiled(float32_to_bf16_bits(w)))
+    out = dev(cf, resid)
+    k.splitk_add_linear(stream, dx.ptr, dw.ptr, out.ptr, rows_in, k_in, n_out, chunk=chunk,
+                        desc=d.ptr if d else 0)
+    cf.synchronize(stream)
+    got = out.download()
+    assert rel_err(got[:rows], expect) < 1e-5
+    np.testing.assert_array_equal(got[rows:], resid[rows:])
+
+
+def test_splitk_add_linear_refuses_shapes_it_does_not_take(cf, stream):
+    k = kernels(cf)
+    assert not k.splitk_fits(33, 256, 64) and not k.splitk_fits(4, 100, 64)
+    assert not k.splitk_fits(4, 256, 66)  # 16-byte adds: whole groups of 4 columns
+    with pytest.raises(ValueError, match="split-K linear"):
+        k.splitk_add_linear(stream, 0, 0, 0, 33, 256, 64)
+    with pytest.raises(ValueError, match="split-K chunk 384"):
+        k.splitk_add_linear(stream, 0, 0, 0, 32, 1024, 64, chunk=384)
+    # the default chunk divides K in whole batches, and leaves several where the grid needs them
+    chunk = k.splitk_chunk(14336, 4096)
+    assert 14336 % chunk == 0 and chunk % k.splitk_chunk_align == 0
+    assert 4096 // k.splitk_chunk(4096, 4096) > 1
+
+
 # --- elementwise kernels -------------------------------------------------------------------
 
 BUCKET = 128

@@ -19,6 +19,8 @@
 #include "rope.cuh"
 #include "sampling.cuh"
 
+#include <utility>
+
 #ifndef BLINK_HEAD_DIM
 #error "build with -DBLINK_HEAD_DIM=<head_dim>"
 #endif
@@ -42,6 +44,23 @@ extern "C" __device__ const uint32_t blink_attention_small_smem_bytes =
 extern "C" __device__ const uint32_t blink_sample_threads = blink::kSampleThreads;
 extern "C" __device__ const uint32_t blink_attention_max_splits = blink::kDecodeMaxSplits;
 extern "C" __device__ const uint32_t blink_gemv_threads = blink::kGemvThreads;
+extern "C" __device__ const uint32_t blink_splitk_threads = blink::kSplitKThreads;
+extern "C" __device__ const uint32_t blink_splitk_rows = blink::kSplitKRows;
+extern "C" __device__ const uint32_t blink_splitk_cols = blink::kSplitKCols;
+extern "C" __device__ const uint32_t blink_splitk_chunk_align = blink::kSplitKChunkAlign;
+extern "C" __device__ const uint32_t blink_splitk_max_chunk = blink::kSplitKMaxChunk;
+// SplitKSmemBytes of each chunk, c * kSplitKChunkAlign columns at index c - 1
+template <int... kIndex>
+struct SplitKSmemTable {
+  uint32_t bytes[sizeof...(kIndex)] = {blink::SplitKSmemBytes((kIndex + 1) *
+                                                              blink::kSplitKChunkAlign)...};
+};
+template <int... kIndex>
+constexpr SplitKSmemTable<kIndex...> MakeSplitKSmemTable(std::integer_sequence<int, kIndex...>) {
+  return {};
+}
+extern "C" __device__ const auto blink_splitk_smem_bytes = MakeSplitKSmemTable(
+    std::make_integer_sequence<int, blink::kSplitKMaxChunk / blink::kSplitKChunkAlign>());
 
 extern "C" {
 
@@ -72,8 +91,8 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
 }
 
 // The attention entries, with query tiles of kAttnRows or kAttnRowsSmall rows. release_next:
-// the next kernel may launch at once (the host sets it where that is a skinny projection,
-// which loads its first weights and then waits; utils.cuh).
+// the next kernel may launch at once (the host sets it where that is a skinny or split-K
+// projection, which loads its first weights and then waits; utils.cuh).
 #define BLINK_PAGED_ATTENTION(NAME, ROWS)                                                    \
   __global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHeadDim>)     \
       NAME(const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,        \
@@ -139,6 +158,14 @@ BLINK_SKINNY_NORM_LINEAR(2, 1)
 BLINK_SKINNY_NORM_LINEAR(1, 2)
 BLINK_SKINNY_NORM_LINEAR(2, 2)
 #undef BLINK_SKINNY_NORM_LINEAR
+
+// Split-K linear with shared activations, added into fp32 (gemv.cuh SplitKAddLinearCta): the
+// residual-adding projections of 17..32-row steps.
+__global__ void __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)
+    blink_splitk_add_linear(const BatchDesc* desc, const bf16* x, int ldx, int M, const bf16* w,
+                            int N, int K, int k_chunk, float* out, int ldo) {
+  blink::SplitKAddLinearCta(desc, x, ldx, M, w, N, K, k_chunk, out, ldo);
+}
 
 // The skinny kernels' tiled weights from row-major ones (gemv.cuh TileWeightsThread); not
 // part of the forward pass: run once, when the weights are in.

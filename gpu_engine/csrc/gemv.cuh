@@ -35,6 +35,7 @@
 // cost the qkv projection 3 us and the gate|up one 2 us more.) The residual adds (kGemvF32Add)
 // write that shadow copy as they update the stream, so no norm kernel runs between projections.
 #pragma once
+#include "batch.cuh"
 #include "utils.cuh"
 
 namespace blink {
@@ -336,6 +337,156 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, c
     if (mode == kGemvSiluMul) return SkinnyStoreSiluMul(sums, M, N, static_cast<bf16*>(out), ldo);
   }
   SkinnyStore(sums, M, N, out, ldo, mode, shadow);
+}
+
+// --- split K with shared activations: 17 to 32 token rows, added into the residual stream -------
+//
+// At 17..32 token rows a skinny CTA re-reads all 32 rows of x for each of its 16-row tiles (one
+// or two bytes of x from L1 / L2 for every byte of weights), and cuBLAS wins there. Here a CTA's
+// kSplitKWarps warps take consecutive 16-row tiles (kSplitKRows weight rows) over the same chunk
+// of K, and that chunk of x (kSplitKCols rows) is copied into shared memory once: a quarter of a
+// byte of x from L2 per byte of weights, and the MMAs read it from shared memory. K is split
+// across CTAs (grid.y, k_chunk columns each) so that the grid fills the GPU, and the chunks'
+// sums meet in the output itself: red.global.add into the fp32 residual stream (x += attn Wo^T,
+// x += act Wdown^T), so no CTA waits for another. (Measured with the chunks meeting in a
+// workspace, the last CTA adding them: its fence and the arrival count cost 16-27% of the
+// rate.) The adds' order varies from run to run, so at these row counts the residual stream's
+// low bits are not reproducible. The weights are tiled (tile_weights below); each warp streams
+// its tile's steps in order, kSplitKUnroll steps a batch, one batch in flight while the other's
+// MMAs run, the first two issued before waiting for the previous kernel (it takes part in
+// programmatic dependent launch, where cuBLAS's kernels start cold).
+//
+// Measured on the H200 (bench_decode, Llama-3.1-8B shape, 32 rows at 512 keys, against cuBLAS in
+// the same call): o 14.4 -> 11.8 us a layer, down 35.0 -> 33.6, the step 5.61 -> 5.42 ms (5.55 ->
+// 5.39 in a second call); 1B's step 1.40 -> 1.31. The projections stream at only 2.9-3.5 TB/s;
+// most of the gain is the two cold starts a layer. Tried and not kept: the qkv and gate|up
+// projections this way (fp32 sums that the RoPE and SiLU kernels read and zero): 2.7 and 3.5
+// TB/s against cuBLAS's 3.1 and 3.9, the step 5.39 -> 5.74 ms; 4 warps a CTA (64 rows, so that
+// a CTA fits beside attention's): o and down 378 -> 398 and 1,070 -> 1,140 us a step; a CTA
+// looping over several row blocks with one copy of x: down 1,069 -> 1,049 us, the step the same.
+// Timed with wrong results, the loop streams 8% faster without x's copy and 3% without the adds.
+static constexpr int kSplitKWarps = 8;
+static constexpr int kSplitKThreads = kSplitKWarps * kWarpSize;
+static constexpr int kSplitKMinCtas = 16 / kSplitKWarps;  // a cap of 128 registers a thread
+static constexpr int kSplitKRows = 16 * kSplitKWarps;  // weight rows a CTA
+static constexpr int kSplitKCols = 32;                 // token rows at most: 4 column tiles
+static constexpr int kSplitKUnroll = 4;                // 32-k steps a batch
+static constexpr int kSplitKChunkAlign = 32 * kSplitKUnroll;  // k_chunk: whole batches
+static constexpr int kSplitKMaxChunk = 1024;
+// x's rows in shared memory are k_chunk + kSplitKPad elements apart: with k_chunk a multiple
+// of 64, a row pitch of 64 bytes past a multiple of 128 makes the 8 lanes of each quarter-warp
+// (rows g, g + 1, k 8 t .. + 7) hit distinct banks.
+static constexpr int kSplitKPad = 32;
+static constexpr int kSplitKOutLd = kSplitKRows + 4;  // the epilogue's [token][row] f32 tile
+
+// Dynamic shared memory of SplitKAddLinearCta for a chunk of k_chunk columns: the x slab, which
+// the epilogue's output tile reuses.
+__host__ __device__ constexpr int SplitKSmemBytes(int k_chunk) {
+  return kSplitKCols * (k_chunk + kSplitKPad) * 2 > kSplitKCols * kSplitKOutLd * 4
+             ? kSplitKCols * (k_chunk + kSplitKPad) * 2
+             : kSplitKCols * kSplitKOutLd * 4;
+}
+
+__device__ __forceinline__ void RedAddF32x4(float* p, const float4& v) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y),
+               "f"(v.z), "f"(v.w)
+               : "memory");
+}
+
+// out[m, n] += sum_k x[m, k] W[n, k] for m < M <= kSplitKCols (and m < desc->num_tokens, the
+// live rows, when desc is given), n < N, k in this CTA's chunk [blockIdx.y * k_chunk, +
+// k_chunk). w: tiled [ceil(N / 16) * 16, K]; N % 4 == 0, ldo % 4 == 0 (16-byte adds); k_chunk a
+// multiple of kSplitKChunkAlign, at most kSplitKMaxChunk, dividing K; grid (ceil(N /
+// kSplitKRows), K / k_chunk), kSplitKThreads threads, SplitKSmemBytes(k_chunk) bytes of dynamic
+// shared memory.
+__device__ __forceinline__ void SplitKAddLinearCta(const BatchDesc* desc, const bf16* x, int ldx,
+                                                   int M, const bf16* w, int N, int K,
+                                                   int k_chunk, float* out, int ldo) {
+  extern __shared__ __align__(16) unsigned char splitk_smem[];
+  // the batch arrays are written before the graph launches: read before the wait
+  if (desc != nullptr) M = min(M, desc->num_tokens);
+  if (M <= 0) {
+    AwaitPriorKernel();  // an empty step's grid must not complete before its predecessor
+    return;
+  }
+  bf16* slab = reinterpret_cast<bf16*>(splitk_smem);
+  const int pitch = k_chunk + kSplitKPad;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  const int n0 = blockIdx.x * kSplitKRows, k0 = blockIdx.y * k_chunk;
+  // a warp past N reads the last tile again and drops its results
+  const int tile = min(n0 / 16 + warp, (N - 1) / 16);
+  // lane's first element: rows g (+ 256 elements: g + 8) of the tile's step k0 / 32, k 8 t
+  const uint32_t w_lane = static_cast<uint32_t>(tile) * 16 * K + (k0 / 32) * 512 + g * 32 + 8 * t;
+  using Batch = uint4[kSplitKUnroll][2];
+  auto load_batch = [&](int b, Batch& wv) {
+#pragma unroll
+    for (int u = 0; u < kSplitKUnroll; ++u) {
+      const uint32_t o = w_lane + static_cast<uint32_t>(b * kSplitKUnroll + u) * 512;
+      wv[u][0] = LoadStreaming16(w + o);
+      wv[u][1] = LoadStreaming16(w + o + 256);
+    }
+  };
+  float acc[kSplitKCols / 8][4];
+#pragma unroll
+  for (int j = 0; j < kSplitKCols / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  // x rows 8 j + g, k 32 s + 8 t .. + 7 from the slab (rows past M are row M - 1 again)
+  auto mma_batch = [&](int b, const Batch& wv) {
+#pragma unroll
+    for (int u = 0; u < kSplitKUnroll; ++u) {
+      const int k = 32 * (b * kSplitKUnroll + u) + 8 * t;
+#pragma unroll
+      for (int j = 0; j < kSplitKCols / 8; ++j) {
+        const uint4 xv = *reinterpret_cast<const uint4*>(slab + (8 * j + g) * pitch + k);
+        const uint4 lo = wv[u][0], hi = wv[u][1];
+        MmaBf16(acc[j], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+        MmaBf16(acc[j], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+      }
+    }
+  };
+
+  const int batches = k_chunk / kSplitKChunkAlign;
+  Batch even, odd;
+  // the first two batches of weights before waiting for the previous kernel (nothing in this
+  // graph writes them): they stream while that kernel ends and while x's chunk is copied
+  load_batch(0, even);
+  if (batches > 1) load_batch(1, odd);
+  AwaitPriorKernel();
+  const int pieces_per_row = k_chunk / 8;
+  for (int i = threadIdx.x; i < kSplitKCols * pieces_per_row; i += blockDim.x) {
+    const int m = i / pieces_per_row, c = i % pieces_per_row;
+    CpAsync16(slab + m * pitch + 8 * c, x + static_cast<size_t>(min(m, M - 1)) * ldx + k0 + 8 * c,
+              16);
+  }
+  CpAsyncCommit();
+  CpAsyncWait<0>();
+  __syncthreads();
+  for (int b = 0; b < batches; b += 2) {
+    mma_batch(b, even);
+    if (b + 2 < batches) load_batch(b + 2, even);
+    if (b + 1 < batches) {
+      mma_batch(b + 1, odd);
+      if (b + 3 < batches) load_batch(b + 3, odd);
+    }
+  }
+  ReleaseNextKernel();  // every weight is read: the next kernel may take freed SM slots
+
+  // Accumulator element e of column tile j: weight row 16 warp + g + 8 (e / 2) of the CTA, token
+  // 8 j + 2 t + e % 2; through shared memory as [token][row], then 16-byte adds along the rows.
+  __syncthreads();  // every warp is done with the slab
+  float* tile_out = reinterpret_cast<float*>(splitk_smem);
+#pragma unroll
+  for (int j = 0; j < kSplitKCols / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      tile_out[(8 * j + 2 * t + e % 2) * kSplitKOutLd + 16 * warp + g + 8 * (e / 2)] = acc[j][e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < kSplitKCols * kSplitKRows / 4; i += blockDim.x) {
+    const int m = i / (kSplitKRows / 4), r = 4 * (i % (kSplitKRows / 4));
+    if (m >= M || n0 + r >= N) continue;
+    RedAddF32x4(out + static_cast<size_t>(m) * ldo + n0 + r,
+                *reinterpret_cast<const float4*>(tile_out + m * kSplitKOutLd + r));
+  }
 }
 
 // W [N, K] row-major -> tiled (the layout above), one 16-byte piece (8 k) a thread: piece i of
