@@ -441,8 +441,8 @@ class ForwardKernels:
 
     def splitk_fits(self, rows: int, in_features: int, out_features: int) -> bool:
         """Whether splitk_add_linear can take this shape (tiled weights)."""
-        return (1 <= rows <= self.splitk_cols and out_features % 4 == 0
-                and in_features % self.splitk_chunk_align == 0
+        return (1 <= rows <= self.splitk_cols and out_features > 0 and out_features % 4 == 0
+                and in_features > 0 and in_features % self.splitk_chunk_align == 0
                 and self.tiled_rows(out_features) * in_features < 2 ** 31)
 
     def splitk_chunk(self, in_features: int, out_features: int) -> int:
@@ -471,10 +471,14 @@ class ForwardKernels:
                    f"split-K linear takes rows <= {self.splitk_cols}, in_features % "
                    f"{self.splitk_chunk_align} == 0, out_features % 4 == 0, got {rows} x "
                    f"{in_features} -> {out_features}")
-        chunk = chunk or self.splitk_chunk(in_features, out_features)
+        if chunk is None:
+            chunk = self.splitk_chunk(in_features, out_features)
         self._need(chunk in self.splitk_smem and in_features % chunk == 0,
                    f"split-K chunk {chunk} does not divide {in_features} in whole batches of "
                    f"at most {self.splitk_max_chunk}")
+        # 16-byte copies of x and adds into out (tiled weights are whole 1 KB steps)
+        self._need(int(x) % 16 == 0 and int(out) % 16 == 0 and int(w_tiled) % 16 == 0,
+                   "split-K linear needs x, w and out 16-byte aligned")
         self.launch("blink_splitk_add_linear",
                     (-(-out_features // self.splitk_rows), in_features // chunk),
                     (self.splitk_threads,),

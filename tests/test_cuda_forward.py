@@ -418,30 +418,31 @@ SPLITK_CASES = [(17, 128, 132, None), (32, 512, 300, None), (24, 4096, 520, 512)
 
 
 @pytest.mark.parametrize("rows,k_in,n_out,chunk", SPLITK_CASES)
-@pytest.mark.parametrize("live", [None, 13])
+@pytest.mark.parametrize("live", [None, 13, 0])
 def test_splitk_add_linear(cf, stream, rows, k_in, n_out, chunk, live):
     """The split-K kernel adds x @ w^T into an fp32 output, against float64 on the same bf16
     inputs: every chunk of K added once (one missed or added twice is off by its share) and
-    nothing past row `rows` touched, nor, given a BatchDesc of `live` tokens, past those."""
+    nothing past row `rows` touched, nor, given a BatchDesc of `live` tokens, past those (none
+    for an empty step). x has exactly `rows` rows (compute-sanitizer sees a read past them)."""
     k = kernels(cf)
-    d = desc(cf, live) if live else None
-    rows_in = rows
-    rows = min(rows, live or rows)
+    d = desc(cf, live) if live is not None else None
+    added = rows if live is None else min(rows, live)
     rng = np.random.default_rng(rows * 11 + k_in)
-    cap = 40  # allocated rows: rows .. cap must stay as they were
-    x = rb(rng.standard_normal((cap, k_in)))
+    cap = 40  # the output's rows: added .. cap must stay as they were
+    x = rb(rng.standard_normal((rows, k_in)))
     w = rb(rng.standard_normal((n_out, k_in)) * k_in ** -0.5)
     resid = rng.standard_normal((cap, n_out)).astype(np.float32)
-    expect = resid[:rows] + x[:rows].astype(np.float64) @ w.T.astype(np.float64)
+    expect = resid[:added] + x[:added].astype(np.float64) @ w.T.astype(np.float64)
     dx = dev(cf, float32_to_bf16_bits(x))
     dw = dev(cf, tiled(float32_to_bf16_bits(w)))
     out = dev(cf, resid)
-    k.splitk_add_linear(stream, dx.ptr, dw.ptr, out.ptr, rows_in, k_in, n_out, chunk=chunk,
+    k.splitk_add_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out, chunk=chunk,
                         desc=d.ptr if d else 0)
     cf.synchronize(stream)
     got = out.download()
-    assert rel_err(got[:rows], expect) < 1e-5
-    np.testing.assert_array_equal(got[rows:], resid[rows:])
+    if added:
+        assert rel_err(got[:added], expect) < 1e-5
+    np.testing.assert_array_equal(got[added:], resid[added:])
 
 
 def test_splitk_add_linear_refuses_shapes_it_does_not_take(cf, stream):
@@ -450,8 +451,11 @@ def test_splitk_add_linear_refuses_shapes_it_does_not_take(cf, stream):
     assert not k.splitk_fits(4, 256, 66)  # 16-byte adds: whole groups of 4 columns
     with pytest.raises(ValueError, match="split-K linear"):
         k.splitk_add_linear(stream, 0, 0, 0, 33, 256, 64)
+    assert not k.splitk_fits(4, 0, 64) and not k.splitk_fits(4, 256, 0)
     with pytest.raises(ValueError, match="split-K chunk 384"):
         k.splitk_add_linear(stream, 0, 0, 0, 32, 1024, 64, chunk=384)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        k.splitk_add_linear(stream, 8, 0, 0, 32, 1024, 64)
     # the default chunk divides K in whole batches, and leaves several where the grid needs them
     chunk = k.splitk_chunk(14336, 4096)
     assert 14336 % chunk == 0 and chunk % k.splitk_chunk_align == 0

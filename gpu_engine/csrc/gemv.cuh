@@ -357,11 +357,12 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, c
 // programmatic dependent launch, where cuBLAS's kernels start cold).
 //
 // Measured on the H200 (bench_decode, Llama-3.1-8B shape, 32 rows at 512 keys, against cuBLAS in
-// the same call): o 14.4 -> 11.8 us a layer, down 35.0 -> 33.6, the step 5.61 -> 5.42 ms (5.55 ->
-// 5.39 in a second call); 1B's step 1.40 -> 1.31. The projections stream at only 2.9-3.5 TB/s;
-// most of the gain is the two cold starts a layer. Tried and not kept: the qkv and gate|up
-// projections this way (fp32 sums that the RoPE and SiLU kernels read and zero): 2.7 and 3.5
-// TB/s against cuBLAS's 3.1 and 3.9, the step 5.39 -> 5.74 ms; 4 warps a CTA (64 rows, so that
+// the same call): o 14.4 -> 11.8 us a layer, down 35.0 -> 33.6, the step 5.61 -> 5.42 ms (5.62 ->
+// 5.44 in a later call, with the second batch of weights also issued before the wait: o 11.7,
+// down 33.2); 1B's step 1.407 -> 1.325. The projections stream at only 2.8-3.5 TB/s; most of
+// the gain is two cold starts a layer. Tried and not kept: the qkv and gate|up projections
+// this way (fp32 sums that the RoPE and SiLU kernels read and zero): 2.7 and 3.5 TB/s against
+// cuBLAS's 3.1 and 3.95, the step 5.39 -> 5.74 ms; 4 warps a CTA (64 rows, so that
 // a CTA fits beside attention's): o and down 378 -> 398 and 1,070 -> 1,140 us a step; a CTA
 // looping over several row blocks with one copy of x: down 1,069 -> 1,049 us, the step the same.
 // Timed with wrong results, the loop streams 8% faster without x's copy and 3% without the adds.
@@ -387,10 +388,18 @@ __host__ __device__ constexpr int SplitKSmemBytes(int k_chunk) {
              : kSplitKCols * kSplitKOutLd * 4;
 }
 
+// 16 bytes added to fp32 memory in one reduction (sm_90+; four before).
 __device__ __forceinline__ void RedAddF32x4(float* p, const float4& v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y),
                "f"(v.z), "f"(v.w)
                : "memory");
+#else
+  atomicAdd(p, v.x);
+  atomicAdd(p + 1, v.y);
+  atomicAdd(p + 2, v.z);
+  atomicAdd(p + 3, v.w);
+#endif
 }
 
 // out[m, n] += sum_k x[m, k] W[n, k] for m < M <= kSplitKCols (and m < desc->num_tokens, the
