@@ -1040,6 +1040,31 @@ def test_forward_chunked_prefill_then_decode(models, arch):
     pair.record("chunked prefill + decode")
 
 
+def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, monkeypatch):
+    """A step of 17..32 rows runs its o and down projections on the split-K kernel (one of 16
+    rows or fewer on the skinny kernel, of 33 or more on cuBLAS), and its logits follow the
+    reference's."""
+    pair = Pair(models, "llama")
+    k, layers = pair.engine.kernels, pair.cfg.num_layers
+    calls = []
+    splitk = k.splitk_add_linear
+
+    def counted(stream, x, w, out, rows, in_features, out_features, **kwargs):
+        calls.append(rows)
+        return splitk(stream, x, w, out, rows, in_features, out_features, **kwargs)
+
+    monkeypatch.setattr(k, "splitk_add_linear", counted)
+    table = np.random.default_rng(6).permutation(NUM_BLOCKS)[:6]
+    ids = prompt(pair.cfg, 62, seed=7)
+    pos = 0
+    for n, want in ((9, []), (20, [32] * 2 * layers), (33, [])):  # buckets 16, 32, 64
+        calls.clear()
+        pair.step([(ids[pos:pos + n], pos, table)], eager=True)  # ops() runs again: counted
+        assert calls == want, f"{n} tokens"
+        pos += n
+    pair.record("split-K steps")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_forward_mixed_batch(models, arch):
     pair = Pair(models, arch)
