@@ -581,8 +581,7 @@ __device__ __forceinline__ void TileAttentionMmaCta(
       for (int s = 0; s < kSteps; ++s) {
         const uint4 kv =
             *reinterpret_cast<const uint4*>(k_row + 8 * ((4 * s + tq) ^ key_mask));
-        MmaBf16(sc[n], qr[0][s].x, qr[1][s].x, qr[0][s].y, qr[1][s].y, kv.x, kv.y);
-        MmaBf16(sc[n], qr[0][s].z, qr[1][s].z, qr[0][s].w, qr[1][s].w, kv.z, kv.w);
+        MmaBf16Step32(sc[n], qr[0][s], qr[1][s], kv);
       }
     }
     // Online softmax of rows g (h = 0: C elements 0, 1) and g + 8 (h = 1: elements 2, 3); a

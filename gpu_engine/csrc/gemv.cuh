@@ -175,11 +175,7 @@ __device__ __forceinline__ void SkinnyAccumulate(const bf16* x, int ldx, int M, 
 #pragma unroll
     for (int a = 0; a < kRowTiles; ++a)
 #pragma unroll
-      for (int j = 0; j < kColTiles; ++j) {
-        const uint4 lo = wv[a][0], hi = wv[a][1], b = xv[j];
-        MmaBf16(acc[a][j], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
-        MmaBf16(acc[a][j], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
-      }
+      for (int j = 0; j < kColTiles; ++j) MmaBf16Step32(acc[a][j], wv[a][0], wv[a][1], xv[j]);
     if constexpr (kNormIn) {
 #pragma unroll
       for (int j = 0; j < kColTiles; ++j) {
@@ -447,9 +443,7 @@ __device__ __forceinline__ void SplitKAddLinearCta(const BatchDesc* desc, const 
 #pragma unroll
       for (int j = 0; j < kSplitKCols / 8; ++j) {
         const uint4 xv = *reinterpret_cast<const uint4*>(slab + (8 * j + g) * pitch + k);
-        const uint4 lo = wv[u][0], hi = wv[u][1];
-        MmaBf16(acc[j], lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
-        MmaBf16(acc[j], lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+        MmaBf16Step32(acc[j], wv[u][0], wv[u][1], xv);
       }
     }
   };

@@ -84,6 +84,16 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One 32-k step of D += A B as two m16n8k16 MMAs, each lane holding 16-byte pieces (8
+// consecutive k) of A rows g (lo) and g + 8 (hi) and of B column g (b): within an MMA the order
+// of the k terms is free, so k 8 t .. 8 t + 3 go to the first MMA and 8 t + 4 .. + 7 to the
+// second, the same permutation in A and B.
+__device__ __forceinline__ void MmaBf16Step32(float (&c)[4], const uint4& lo, const uint4& hi,
+                                              const uint4& b) {
+  MmaBf16(c, lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+  MmaBf16(c, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+}
+
 // 2^x by the SFU alone (ex2.approx.ftz: no denormal results, 2^-inf = 0), where exp2f adds
 // range fix-ups around it: the softmax's probabilities, far from the denormal range that
 // matters.
