@@ -159,7 +159,9 @@ class ForwardKernels:
     SKINNY_MAX_ROWS = 32  # 4 column tiles of 8 token rows
     SKINNY_NORM_MAX_ROWS = 16  # the RMSNorm-folding variants: one or two column tiles
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
-                    "blink_paged_attention", "blink_paged_attention_small", "blink_silu_mul",
+                    "blink_paged_attention", "blink_paged_attention_small",
+                    "blink_paged_attention_any_block", "blink_paged_attention_small_any_block",
+                    "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform", "blink_signal_done",
                     "blink_hold_sm", "blink_tile_weights", "blink_splitk_add_linear",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
@@ -209,6 +211,7 @@ class ForwardKernels:
         self.sample_threads = self._constant("blink_sample_threads")
         self.gemv_threads = self._constant("blink_gemv_threads")
         self.attention_max_splits = self._constant("blink_attention_max_splits")
+        self.attention_step_keys = self._constant("blink_attention_step_keys")
         self.splitk_threads = self._constant("blink_splitk_threads")
         self.splitk_rows = self._constant("blink_splitk_rows")
         self.splitk_cols = self._constant("blink_splitk_cols")
@@ -221,18 +224,19 @@ class ForwardKernels:
                            // self.splitk_chunk_align)))
         if self.head_dim != head_dim:
             raise CudaError(f"module built for head_dim {self.head_dim}, wanted {head_dim}")
-        # CTAs of each attention variant one SM holds (registers and shared memory decide)
-        self.attention_ctas_per_sm: dict[bool, int] = {}
-        for small, name, smem in ((False, "blink_paged_attention", self.attention_smem),
-                                  (True, "blink_paged_attention_small",
-                                   self.attention_small_smem)):
-            check(driver.cuFuncSetAttribute(
-                self.fn[name],
-                driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem), f"cuFuncSetAttribute({name} smem)")
-            self.attention_ctas_per_sm[small] = check(
-                driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    self.fn[name], self.attention_threads, smem), f"occupancy of {name}")
+        # CTAs of each attention kernel one SM holds (registers and shared memory decide)
+        self.attention_ctas_per_sm: dict[str, int] = {}
+        for small in (False, True):
+            smem = self.attention_small_smem if small else self.attention_smem
+            for block_size in (self.attention_step_keys, 1):  # one of each block layout
+                name = self.attention_kernel(small, block_size)
+                check(driver.cuFuncSetAttribute(
+                    self.fn[name],
+                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem), f"cuFuncSetAttribute({name} smem)")
+                self.attention_ctas_per_sm[name] = check(
+                    driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                        self.fn[name], self.attention_threads, smem), f"occupancy of {name}")
         name = "blink_splitk_add_linear"
         max_smem = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         check(driver.cuFuncSetAttribute(self.fn[name], max_smem, max(self.splitk_smem.values())),
@@ -326,16 +330,29 @@ class ForwardKernels:
                    "num_splits > 1 needs the partial-output workspace and tile counters")
         self._need(1 <= num_splits <= self.attention_max_splits,
                    f"num_splits {num_splits} not in [1, {self.attention_max_splits}]")
-        self.launch("blink_paged_attention_small" if small else "blink_paged_attention",
-                    (rows, num_kv_heads, num_splits), (self.attention_threads,),
+        name = self.attention_kernel(small, block_size)
+        self.launch(name, (rows, num_kv_heads, num_splits), (self.attention_threads,),
                     [_ptr(desc), _ptr(positions), _ptr(token_seq), _ptr(block_tables),
                      _i32(max_blocks_per_seq), _ptr(q), _ptr(k_cache), _ptr(v_cache),
                      _i32(block_size), _i32(num_heads), _i32(num_kv_heads), _f32(scale),
                      _ptr(out), _i32(num_splits), _ptr(partial_out), _ptr(partial_stats),
                      _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1)),
-                     _i32(self.attention_ctas_per_sm[small] * self.sm_count),
+                     _i32(self.attention_slots(small, block_size)),
                      _i32(int(release_next))],
                     stream, smem=self.attention_small_smem if small else self.attention_smem)
+
+    def attention_kernel(self, small: bool, block_size: int) -> str:
+        """The attention kernel for query tiles of attention_small_rows (small) or
+        attention_rows and a KV cache of block_size rows a block: the decode path of block
+        sizes that are multiples of attention_step_keys (16) reads a warp step's keys from one
+        block; the others' (_any_block) look up each key's block (csrc/attention.cuh
+        AttentionCta)."""
+        return ("blink_paged_attention" + ("_small" if small else "")
+                + ("" if block_size % self.attention_step_keys == 0 else "_any_block"))
+
+    def attention_slots(self, small: bool, block_size: int) -> int:
+        """CTAs of that attention kernel the GPU holds at once."""
+        return self.attention_ctas_per_sm[self.attention_kernel(small, block_size)] * self.sm_count
 
     @classmethod
     def skinny_fits(cls, rows: int, in_features: int, out_features: int) -> bool:
@@ -1008,7 +1025,7 @@ class CudaForward:
         A sequence uses fewer when its keys are short (whole key tiles per split), so short
         contexts stay one or a few CTAs and long ones spread over the GPU."""
         k = self.kernels
-        slots = k.attention_ctas_per_sm[self.attention_small(bucket)] * k.sm_count
+        slots = k.attention_slots(self.attention_small(bucket), self.block_size)
         ctas = bucket * self.cfg.num_kv_heads
 
         def fill(splits):

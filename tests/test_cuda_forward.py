@@ -706,7 +706,9 @@ def _ref_attention(q, kc, vc, pb: PagedBatch, nh, nkv):
 # several thousand, so that splits hold one tile, many tiles, or none at all.
 DECODES = [(1000, 1), (63, 1), (64, 1), (0, 1), (2047, 1), (129, 1), (5, 1), (700, 1),
            (3000, 1), (31, 1), (32, 1)]
-ATTENTION_BATCHES = {**MIXED, "decode": DECODES}
+# One decode token at 4,000 keys (63 chunks of 64): with few (token, KV head) CTAs its keys
+# spread over more splits than the merge keeps loads in flight for (16).
+ATTENTION_BATCHES = {**MIXED, "decode": DECODES, "one long decode": [(3999, 1)]}
 
 
 # (head_dim, num_heads, num_kv_heads): GQA groups 1, 4 (Llama 8B), 3 and 7 (runtime groups under
@@ -737,6 +739,18 @@ def test_paged_attention_block_sizes(cf, stream, block_size, batch, splits):
     """As test_paged_attention, with other block sizes (Llama-3.1-8B's heads, the decode path
     for every decode token)."""
     _check_attention(cf, stream, 128, 32, 8, batch, splits, False, 0, block_size=block_size)
+
+
+# A decode token whose keys spread over more splits than the merge keeps loads in flight for
+# (16): at most 21 splits give 21 splits of 3 chunks; 64 give 63 splits of one chunk, or 32 of
+# two at 8 KV heads (8 x 63 CTAs would not fit one wave).
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads",
+                         [(64, 8, 2), (64, 12, 4), (128, 32, 8), (128, 28, 4)])
+@pytest.mark.parametrize("splits", [21, 64])
+def test_paged_attention_many_splits(cf, stream, head_dim, num_heads, num_kv_heads, splits):
+    """As test_paged_attention, for one decode token at 4,000 keys."""
+    _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, "one long decode", splits,
+                     False, 0, block_size=16)
 
 
 def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, small,

@@ -1126,7 +1126,14 @@ __host__ __device__ constexpr size_t AttentionKernelSmem() {
 // head dims 64 and 128, PagedAttentionCta for the others).
 // (gpu_engine/cuda_forward.py sets the threshold: 0, the decode path is the faster one at every
 // context measured.) slots: the CTAs of this kernel the GPU holds at once (CTAs an SM x SMs).
-template <int kHeadDim, int kRows>
+// kStepInOneBlock: block_size is a multiple of kMmaKeys (the host picks the kernel by block
+// size), and the decode path reads a warp step's keys from one block (DecodeAttentionCta).
+// Each block layout is its own kernel:
+// with both decode variants in one kernel (chosen by block_size at run time) every step ran
+// slower though only one variant ever runs, on the H200 (bench_decode, block size 16, ms a
+// step): 8B batch 1 at 512 and 8,192 keys 3.959 -> 3.920 and 4.313 -> 4.222, 32 x 512 5.446 ->
+// 5.327; 1B 0.831 -> 0.816, 0.905 -> 0.887 and 1.325 -> 1.269.
+template <int kHeadDim, int kRows, bool kStepInOneBlock>
 __device__ __forceinline__ void AttentionCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
@@ -1152,18 +1159,10 @@ __device__ __forceinline__ void AttentionCta(
     const bool alone = prev_seq != seq && (t + 1 == num_tokens || next_seq != seq);
     if (alone && num_heads / num_kv_heads <= kDecodeMaxGroup &&
         position + 1 >= decode_min_keys) {
-      const int ctas = num_tokens * num_kv_heads;
-      if (block_size % kMmaKeys == 0) {
-        DecodeAttentionCta<kHeadDim, true>(t, seq, position, block_tables, max_blocks_per_seq,
-                                           q, k_cache, v_cache, block_size, num_heads,
-                                           num_kv_heads, scale, out, num_splits, ctas, slots,
-                                           partial_out, partial_stats, tile_sems);
-      } else {
-        DecodeAttentionCta<kHeadDim, false>(t, seq, position, block_tables, max_blocks_per_seq,
-                                            q, k_cache, v_cache, block_size, num_heads,
-                                            num_kv_heads, scale, out, num_splits, ctas, slots,
-                                            partial_out, partial_stats, tile_sems);
-      }
+      DecodeAttentionCta<kHeadDim, kStepInOneBlock>(
+          t, seq, position, block_tables, max_blocks_per_seq, q, k_cache, v_cache, block_size,
+          num_heads, num_kv_heads, scale, out, num_splits, num_tokens * num_kv_heads, slots,
+          partial_out, partial_stats, tile_sems);
       return;
     }
   }

@@ -43,6 +43,8 @@ extern "C" __device__ const uint32_t blink_attention_small_smem_bytes =
     blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall>();
 extern "C" __device__ const uint32_t blink_sample_threads = blink::kSampleThreads;
 extern "C" __device__ const uint32_t blink_attention_max_splits = blink::kDecodeMaxSplits;
+// block sizes that are multiples of it take the attention kernels without _any_block
+extern "C" __device__ const uint32_t blink_attention_step_keys = blink::kMmaKeys;
 extern "C" __device__ const uint32_t blink_gemv_threads = blink::kGemvThreads;
 extern "C" __device__ const uint32_t blink_splitk_threads = blink::kSplitKThreads;
 extern "C" __device__ const uint32_t blink_splitk_rows = blink::kSplitKRows;
@@ -90,10 +92,11 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
                                   num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks);
 }
 
-// The attention entries, with query tiles of kAttnRows or kAttnRowsSmall rows. release_next:
-// the next kernel may launch at once (the host sets it where that is a skinny or split-K
-// projection, which loads its first weights and then waits; utils.cuh).
-#define BLINK_PAGED_ATTENTION(NAME, ROWS)                                                    \
+// The attention entries, with query tiles of kAttnRows or kAttnRowsSmall rows, for block sizes
+// that are multiples of 16 and (_any_block) for the others (attention.cuh AttentionCta).
+// release_next: the next kernel may launch at once (the host sets it where that is a skinny or
+// split-K projection, which loads its first weights and then waits; utils.cuh).
+#define BLINK_PAGED_ATTENTION(NAME, ROWS, STEP_IN_ONE_BLOCK)                                 \
   __global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHeadDim>)     \
       NAME(const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,        \
            const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,               \
@@ -102,13 +105,15 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
            float* partial_stats, uint32_t* tile_sems, int decode_min_keys, int slots,        \
            int release_next) {                                                               \
     if (release_next) blink::ReleaseNextKernel();                                            \
-    blink::AttentionCta<kHeadDim, ROWS>(  /* it waits for the previous kernel */           \
+    blink::AttentionCta<kHeadDim, ROWS, STEP_IN_ONE_BLOCK>(  /* it waits for the previous */ \
         desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,   \
         block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out,            \
         partial_stats, tile_sems, decode_min_keys, slots);                                   \
   }
-BLINK_PAGED_ATTENTION(blink_paged_attention, blink::kAttnRows)
-BLINK_PAGED_ATTENTION(blink_paged_attention_small, blink::kAttnRowsSmall)
+BLINK_PAGED_ATTENTION(blink_paged_attention, blink::kAttnRows, true)
+BLINK_PAGED_ATTENTION(blink_paged_attention_small, blink::kAttnRowsSmall, true)
+BLINK_PAGED_ATTENTION(blink_paged_attention_any_block, blink::kAttnRows, false)
+BLINK_PAGED_ATTENTION(blink_paged_attention_small_any_block, blink::kAttnRowsSmall, false)
 #undef BLINK_PAGED_ATTENTION
 
 // Skinny linear layers (gemv.cuh), one entry per (row tiles, column tiles) shape; the _norm
