@@ -1128,11 +1128,11 @@ __host__ __device__ constexpr size_t AttentionKernelSmem() {
 // context measured.) slots: the CTAs of this kernel the GPU holds at once (CTAs an SM x SMs).
 // kStepInOneBlock: block_size is a multiple of kMmaKeys (the host picks the kernel by block
 // size), and the decode path reads a warp step's keys from one block (DecodeAttentionCta).
-// Each block layout is its own kernel:
-// with both decode variants in one kernel (chosen by block_size at run time) every step ran
-// slower though only one variant ever runs, on the H200 (bench_decode, block size 16, ms a
-// step): 8B batch 1 at 512 and 8,192 keys 3.959 -> 3.920 and 4.313 -> 4.222, 32 x 512 5.446 ->
-// 5.327; 1B 0.831 -> 0.816, 0.905 -> 0.887 and 1.325 -> 1.269.
+// Each block layout is its own kernel. With both decode variants in one kernel (chosen by
+// block_size at run time) every step ran slower, though only one variant ever ran and its loop
+// compiled the same. On the H200 (bench_decode, block size 16, ms a step): 8B batch 1 at 512
+// and 8,192 keys 3.959 -> 3.920 and 4.313 -> 4.222, 32 x 512 5.446 -> 5.327; 1B 0.831 ->
+// 0.816, 0.905 -> 0.887 and 1.325 -> 1.269 (docs/performance.md, round 6).
 template <int kHeadDim, int kRows, bool kStepInOneBlock>
 __device__ __forceinline__ void AttentionCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
