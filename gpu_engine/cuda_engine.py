@@ -114,12 +114,10 @@ class CudaEngine:
         if ring_memory == "gpu":
             self.ring_map, self.device_ring = None, cr.DeviceRing(geom.total_bytes)
             ring_base = self.device_ring.ptr
+            log.info("ring: GPU memory (--ring-memory gpu), for front ends that reach it by RDMA")
         else:
             self.ring_map, self.device_ring = cr.HostMapping(self.ring.segment.mmap), None
             ring_base = self.ring_map.device_ptr
-        if self.device_ring is not None:
-            log.info("ring: GPU memory (--ring-memory gpu), for front ends that reach it by RDMA")
-        else:
             log.info("ring: pinned host memory, /dev/shm/%s, mapped by the GPU "
                      "(--ring-memory host)", config.ring_name)
         h = self.ring.header
