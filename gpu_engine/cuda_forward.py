@@ -159,8 +159,8 @@ class ForwardKernels:
     SKINNY_MAX_ROWS = 32  # 4 column tiles of 8 token rows
     SKINNY_NORM_MAX_ROWS = 16  # the RMSNorm-folding variants: one or two column tiles
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
-                    "blink_paged_attention", "blink_paged_attention_small",
-                    "blink_paged_attention_any_block", "blink_paged_attention_small_any_block",
+                    *(f"blink_paged_attention{variant}{layout}"
+                      for variant in ("", "_small", "_small_wide") for layout in ("", "_any_block")),
                     "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform", "blink_signal_done",
                     "blink_hold_sm", "blink_tile_weights", "blink_splitk_add_linear",
@@ -208,6 +208,8 @@ class ForwardKernels:
         self.attention_smem = self._constant("blink_attention_smem_bytes")
         self.attention_small_rows = self._constant("blink_attention_small_rows")
         self.attention_small_smem = self._constant("blink_attention_small_smem_bytes")
+        self.attention_wide_threads = self._constant("blink_attention_wide_threads")
+        self.attention_wide_smem = self._constant("blink_attention_wide_smem_bytes")
         self.sample_threads = self._constant("blink_sample_threads")
         self.gemv_threads = self._constant("blink_gemv_threads")
         self.attention_max_splits = self._constant("blink_attention_max_splits")
@@ -224,19 +226,24 @@ class ForwardKernels:
                            // self.splitk_chunk_align)))
         if self.head_dim != head_dim:
             raise CudaError(f"module built for head_dim {self.head_dim}, wanted {head_dim}")
-        # CTAs of each attention kernel one SM holds (registers and shared memory decide)
+        # each attention kernel's (threads, dynamic shared memory), and the CTAs of it one SM
+        # holds (registers and shared memory decide)
+        self.attention_launch: dict[str, tuple[int, int]] = {}
         self.attention_ctas_per_sm: dict[str, int] = {}
-        for small in (False, True):
-            smem = self.attention_small_smem if small else self.attention_smem
+        for small, wide, threads, smem in (
+                (False, False, self.attention_threads, self.attention_smem),
+                (True, False, self.attention_threads, self.attention_small_smem),
+                (True, True, self.attention_wide_threads, self.attention_wide_smem)):
             for block_size in (self.attention_step_keys, 1):  # one of each block layout
-                name = self.attention_kernel(small, block_size)
+                name = self.attention_kernel(small, block_size, wide)
                 check(driver.cuFuncSetAttribute(
                     self.fn[name],
                     driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     smem), f"cuFuncSetAttribute({name} smem)")
+                self.attention_launch[name] = threads, smem
                 self.attention_ctas_per_sm[name] = check(
                     driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                        self.fn[name], self.attention_threads, smem), f"occupancy of {name}")
+                        self.fn[name], threads, smem), f"occupancy of {name}")
         name = "blink_splitk_add_linear"
         max_smem = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         check(driver.cuFuncSetAttribute(self.fn[name], max_smem, max(self.splitk_smem.values())),
@@ -313,7 +320,7 @@ class ForwardKernels:
     def attention(self, stream, rows, desc, positions, token_seq, block_tables,
                   max_blocks_per_seq, q, k_cache, v_cache, block_size, num_heads, num_kv_heads,
                   scale, out, num_splits=1, partial_out=0, partial_stats=0, tile_sems=0,
-                  small=False, decode_min_keys=0, release_next=False):
+                  small=False, wide=False, decode_min_keys=0, release_next=False):
         """One kernel: decode tokens with at least decode_min_keys keys on the flash-decoding
         path, every other token in tensor-core query tiles.
         num_splits > 1 lets up to that many CTAs share a tile's (or a decode token's, as many as
@@ -321,7 +328,8 @@ class ForwardKernels:
         meet in partial_out: [rows, num_heads, num_splits, D] f32, partial_stats:
         [rows, num_heads, num_splits, 2] f32 and tile_sems: [rows, num_kv_heads] u32 (zero
         before the first launch; each use leaves it zero). small: the tile variant with
-        attention_small_rows query rows per CTA (decode-sized buckets)."""
+        attention_small_rows query rows per CTA (decode-sized buckets); wide (with small): its
+        kernel with attention_wide_threads threads a CTA (csrc/attention.cuh kAttnWideWarps)."""
         group = num_heads // num_kv_heads
         max_rows = self.attention_small_rows if small else self.attention_rows
         self._need(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
@@ -330,29 +338,33 @@ class ForwardKernels:
                    "num_splits > 1 needs the partial-output workspace and tile counters")
         self._need(1 <= num_splits <= self.attention_max_splits,
                    f"num_splits {num_splits} not in [1, {self.attention_max_splits}]")
-        name = self.attention_kernel(small, block_size)
-        self.launch(name, (rows, num_kv_heads, num_splits), (self.attention_threads,),
+        self._need(small or not wide, "the wide attention kernel has the small query tiles")
+        name = self.attention_kernel(small, block_size, wide)
+        threads, smem = self.attention_launch[name]
+        self.launch(name, (rows, num_kv_heads, num_splits), (threads,),
                     [_ptr(desc), _ptr(positions), _ptr(token_seq), _ptr(block_tables),
                      _i32(max_blocks_per_seq), _ptr(q), _ptr(k_cache), _ptr(v_cache),
                      _i32(block_size), _i32(num_heads), _i32(num_kv_heads), _f32(scale),
                      _ptr(out), _i32(num_splits), _ptr(partial_out), _ptr(partial_stats),
                      _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1)),
-                     _i32(self.attention_slots(small, block_size)),
+                     _i32(self.attention_slots(small, block_size, wide)),
                      _i32(int(release_next))],
-                    stream, smem=self.attention_small_smem if small else self.attention_smem)
+                    stream, smem=smem)
 
-    def attention_kernel(self, small: bool, block_size: int) -> str:
+    def attention_kernel(self, small: bool, block_size: int, wide: bool = False) -> str:
         """The attention kernel for query tiles of attention_small_rows (small) or
-        attention_rows and a KV cache of block_size rows a block: the decode path of block
+        attention_rows, with attention_wide_threads threads a CTA (wide) or
+        attention_threads, and a KV cache of block_size rows a block: the decode path of block
         sizes that are multiples of attention_step_keys (16) reads a warp step's keys from one
         block; the others' (_any_block) look up each key's block (csrc/attention.cuh
         AttentionCta)."""
-        return ("blink_paged_attention" + ("_small" if small else "")
+        return ("blink_paged_attention" + ("_small" if small else "") + ("_wide" if wide else "")
                 + ("" if block_size % self.attention_step_keys == 0 else "_any_block"))
 
-    def attention_slots(self, small: bool, block_size: int) -> int:
+    def attention_slots(self, small: bool, block_size: int, wide: bool = False) -> int:
         """CTAs of that attention kernel the GPU holds at once."""
-        return self.attention_ctas_per_sm[self.attention_kernel(small, block_size)] * self.sm_count
+        return (self.attention_ctas_per_sm[self.attention_kernel(small, block_size, wide)]
+                * self.sm_count)
 
     @classmethod
     def skinny_fits(cls, rows: int, in_features: int, out_features: int) -> bool:
@@ -929,7 +941,8 @@ class CudaForward:
                self.block_size, cfg.num_heads, cfg.num_kv_heads, D ** -0.5, self.attn.ptr,
                self.attention_splits(rows), self.attn_partial_out.ptr,
                self.attn_partial_stats.ptr, self.attn_tile_sems.ptr,
-               small=self.attention_small(rows), decode_min_keys=self.decode_min_keys,
+               small=self.attention_small(rows), wide=self.attention_wide(rows),
+               decode_min_keys=self.decode_min_keys,
                release_next=in_order and (skinny(Q, H, True) or splitk(lw, "wo", Q, H)))
             # x += attn @ Wo^T: the residual add rides in the projection (fp32 output); o_proj's
             # bias (where a model has one) is added by the norm kernel, so it stays a kernel
@@ -1025,7 +1038,8 @@ class CudaForward:
         A sequence uses fewer when its keys are short (whole key tiles per split), so short
         contexts stay one or a few CTAs and long ones spread over the GPU."""
         k = self.kernels
-        slots = k.attention_slots(self.attention_small(bucket), self.block_size)
+        slots = k.attention_slots(self.attention_small(bucket), self.block_size,
+                                  self.attention_wide(bucket))
         ctas = bucket * self.cfg.num_kv_heads
 
         def fill(splits):
@@ -1045,6 +1059,16 @@ class CudaForward:
         """Decode-sized buckets use the attention variant with fewer query rows per CTA."""
         group = self.cfg.num_heads // self.cfg.num_kv_heads
         return bucket <= 64 and group <= self.kernels.attention_small_rows
+
+    def attention_wide(self, bucket: int) -> bool:
+        """Decode-sized buckets whose (token, KV head) pairs fit one wave of the wide kernel's
+        CTAs take it (more warps a CTA: a decode token's keys in fewer splits; csrc/attention.cuh
+        kAttnWideWarps): Llama-3.1-8B's buckets of up to 16 tokens (one 8-warp CTA an SM), 1B's
+        of up to 32 (two)."""
+        k = self.kernels
+        return (self.attention_small(bucket) and k.attention_wide_threads > k.attention_threads
+                and bucket * self.cfg.num_kv_heads
+                <= k.attention_slots(True, self.block_size, wide=True))
 
     def bucket_for(self, num_tokens: int) -> int | None:
         """The smallest bucket holding num_tokens, None when it exceeds the largest."""

@@ -718,15 +718,16 @@ ATTENTION_BATCHES = {**MIXED, "decode": DECODES, "one long decode": [(3999, 1)]}
                           (128, 16, 2), (128, 32, 4), (128, 64, 1)])
 @pytest.mark.parametrize("batch", [1, 19, 99, "decode"])
 @pytest.mark.parametrize("splits", [1, 3, 64])
-@pytest.mark.parametrize("small", [False, True])
+# the kernel: 64-row query tiles, 16-row ones, 16-row ones with more warps a CTA
+@pytest.mark.parametrize("variant", ["", "small", "small_wide"])
 # decode tokens: all on the flash-decoding path, none, or split by context length in one launch
 @pytest.mark.parametrize("decode_min_keys", [0, 500, 2 ** 31 - 1])
-def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, small,
+def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant,
                          decode_min_keys):
     """Mixed batches and decode batches against float64; every output row written, nothing
     past num_tokens written, no unreadable cache slot read (NaN there), the tile counters back
     at zero after each launch, and a second launch bit-identical (fixed merge order)."""
-    _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, small,
+    _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant,
                      decode_min_keys, block_size=16)
 
 
@@ -735,10 +736,11 @@ def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, s
 @pytest.mark.parametrize("block_size", [32, 48, 8, 24, 5])
 @pytest.mark.parametrize("batch", [19, "decode"])
 @pytest.mark.parametrize("splits", [1, 64])
-def test_paged_attention_block_sizes(cf, stream, block_size, batch, splits):
+@pytest.mark.parametrize("variant", ["", "small_wide"])
+def test_paged_attention_block_sizes(cf, stream, block_size, batch, splits, variant):
     """As test_paged_attention, with other block sizes (Llama-3.1-8B's heads, the decode path
     for every decode token)."""
-    _check_attention(cf, stream, 128, 32, 8, batch, splits, False, 0, block_size=block_size)
+    _check_attention(cf, stream, 128, 32, 8, batch, splits, variant, 0, block_size=block_size)
 
 
 # A decode token whose keys spread over more splits than the merge keeps loads in flight for
@@ -747,15 +749,19 @@ def test_paged_attention_block_sizes(cf, stream, block_size, batch, splits):
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads",
                          [(64, 8, 2), (64, 12, 4), (128, 32, 8), (128, 28, 4)])
 @pytest.mark.parametrize("splits", [21, 64])
-def test_paged_attention_many_splits(cf, stream, head_dim, num_heads, num_kv_heads, splits):
+@pytest.mark.parametrize("variant", ["", "small_wide"])
+def test_paged_attention_many_splits(cf, stream, head_dim, num_heads, num_kv_heads, splits,
+                                     variant):
     """As test_paged_attention, for one decode token at 4,000 keys."""
     _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, "one long decode", splits,
-                     False, 0, block_size=16)
+                     variant, 0, block_size=16)
 
 
-def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, small,
+def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant,
                      decode_min_keys, block_size):
+    """variant: the kernel's name past blink_paged_attention ("", "small", "small_wide")."""
     k = kernels(cf, head_dim)
+    small, wide = variant.startswith("small"), variant.endswith("wide")
     if small and num_heads // num_kv_heads > k.attention_small_rows:
         pytest.skip("GQA group larger than the small variant's rows")
     seqs = ATTENTION_BATCHES[batch]
@@ -792,7 +798,7 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
         k.attention(stream, BUCKET, desc(cf, tokens, len(pb.seqs)).ptr, d["positions"].ptr,
                     d["token_seq"].ptr, d["tables"].ptr, pb.max_blocks, d["q"].ptr, d["kc"].ptr,
                     d["vc"].ptr, bs, num_heads, num_kv_heads, D ** -0.5, out.ptr, splits,
-                    part_out.ptr, part_stats.ptr, sems.ptr, small=small,
+                    part_out.ptr, part_stats.ptr, sems.ptr, small=small, wide=wide,
                     decode_min_keys=decode_min_keys)
         cf.synchronize(stream)
         assert (sems.download() == 0).all(), "a tile counter was left non-zero"
@@ -803,7 +809,8 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
                          vc.astype(np.float64), pb, num_heads, num_kv_heads)
     err = rel_err(bf16_to_f32(got[:tokens]), ref)
     REPORT["errors"][f"attention D={D} heads={num_heads}/{num_kv_heads} batch={batch} "
-                     f"splits={splits} small={small} decode_min_keys={decode_min_keys}"
+                     f"splits={splits} kernel={variant or 'large'} "
+                     f"decode_min_keys={decode_min_keys}"
                      + ("" if bs == 16 else f" block_size={bs}")] = err
     assert np.isfinite(bf16_to_f32(got[:tokens])).all()
     assert err < 1e-2
@@ -1363,27 +1370,28 @@ def test_kernel_timings(cf, stream, models):
     part_out = dev(cf, np.zeros(512 * nh * 64 * D, np.float32))
     part_stats = dev(cf, np.zeros(512 * nh * 64 * 2, np.float32))
     sems = dev(cf, np.zeros(512 * nkv, np.uint32))
-    for label, seqs, rows, splits, small in (
-            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 1, True),
-            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 64, True),
-            ("decode b32 ctx1024", [(ctx - 1, 1)] * 32, 32, 1, True),
-            ("decode b32 ctx1024", [(ctx - 1, 1)] * 32, 32, 3, True),
-            ("decode b64 ctx1024", [(ctx - 1, 1)] * 64, 64, 1, True),
-            ("decode b64 ctx1024", [(ctx - 1, 1)] * 64, 64, 2, True),
-            ("prefill 64 after 960", [(960, 64)], 64, 3, True),
-            ("prefill 64 after 960", [(960, 64)], 64, 1, False),
-            ("prefill 512 from 0", [(0, 512)], 512, 1, False),
-            ("prefill 512 after 512", [(512, 512)], 512, 1, False)):
+    for label, seqs, rows, splits, variant in (
+            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 1, "small"),
+            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 64, "small"),
+            ("decode b1 ctx1024", [(ctx - 1, 1)], 1, 64, "small_wide"),
+            ("decode b32 ctx1024", [(ctx - 1, 1)] * 32, 32, 1, "small"),
+            ("decode b32 ctx1024", [(ctx - 1, 1)] * 32, 32, 3, "small"),
+            ("decode b64 ctx1024", [(ctx - 1, 1)] * 64, 64, 1, "small"),
+            ("decode b64 ctx1024", [(ctx - 1, 1)] * 64, 64, 2, "small"),
+            ("prefill 64 after 960", [(960, 64)], 64, 3, "small"),
+            ("prefill 64 after 960", [(960, 64)], 64, 1, ""),
+            ("prefill 512 from 0", [(0, 512)], 512, 1, ""),
+            ("prefill 512 after 512", [(512, 512)], 512, 1, "")):
         pb = PagedBatch(seqs, bs, rng)
         pb.tables = np.arange(pb.tables.size, dtype=np.int32).reshape(pb.tables.shape) % blocks
         d = [dev(cf, a) for a in (pb.positions, pb.token_seq, pb.tables)]
         dd = desc(cf, pb.num_tokens, len(seqs))
         warm()
-        t[f"attention {label} splits={splits}{' small' if small else ''}"] = 1000 * _time_ms(
+        t[f"attention {label} splits={splits} {variant or 'large'}"] = 1000 * _time_ms(
             cf, stream, lambda: k.attention(
                 stream, rows, dd.ptr, d[0].ptr, d[1].ptr, d[2].ptr, pb.max_blocks, q.ptr, kc.ptr,
                 vc.ptr, bs, nh, nkv, D ** -0.5, out.ptr, splits, part_out.ptr, part_stats.ptr,
-                sems.ptr, small=small))
+                sems.ptr, small=variant.startswith("small"), wide=variant.endswith("wide")))
     vocab, rows = 128256, 64
     logits = dev(cf, (rng.standard_normal((rows, vocab)) * 3).astype(np.float32))
     for label, (temp, top_p, top_k) in (("greedy", (0.0, 1.0, 0)), ("T=1", (1.0, 1.0, 0)),

@@ -18,7 +18,7 @@
 // registers, for all query heads of the KV head's group at once; each warp its own keys and
 // online softmax on tensor cores (mma.sync with the group's heads as 8 of the MMA's columns);
 // and many CTAs per sequence (flash-decoding): grid.z splits the keys into ranges of whole
-// 64-key chunks.
+// chunks, 16 keys for each warp of the CTA.
 //
 // Split keys, both paths: the CTAs of a tile write their unnormalized output and (max, sum) per
 // row to a workspace, and the last of them to finish (a counter per tile and KV head, reset by
@@ -41,16 +41,42 @@ static constexpr int kAttnRows = 64;
 static constexpr int kAttnRowsSmall = 16;
 // Keys per tile of PagedAttentionCta; both tile paths' splits hold whole ones.
 static constexpr int kAttnKeys = 64;
-static constexpr int kAttnThreads = 128;
-static constexpr int kAttnWarps = kAttnThreads / kWarpSize;
-// CTAs per SM the kernel's registers must allow: a register cap of 168 per thread at 3, 128 at
-// 4. Head dims above 128 need more than 168 without spilling; 128 spills at a cap of 128 (the
-// 8B shape's steps 3-13% slower); 64 fits 128 without spilling, and its fourth CTA an SM pays
-// (H200, Llama-3.2-1B shape, against 3: 128 x 512 decodes 2.017 -> 1.944 ms a step,
-// 2,048-token prefill chunks to 8,192 keys 18.67 -> 17.63 ms; batch 1 and 32 unchanged;
-// at 5, with spills, every point slower).
+// Warps of a CTA: kAttnWarps, or kAttnWideWarps in the decode-sized buckets' wide kernel (below).
+static constexpr int kAttnWarps = 4;
+static constexpr int kAttnThreads = kAttnWarps * kWarpSize;
+
+// The mma.sync paths (DecodeAttentionCta from global memory, TileAttentionMmaCta from shared
+// memory) read a lane's share of a head vector in whole 8- or 16-byte pieces and keep their
+// accumulators in registers: head dims 64 and 128. Other head dims take the WMMA query tiles
+// (PagedAttentionCta) for every token.
 template <int kHeadDim>
-static constexpr int kAttnMinCtas = kHeadDim > 128 ? 2 : kHeadDim > 64 ? 3 : 4;
+__host__ __device__ constexpr bool MmaPathsFit() {
+  return kHeadDim == 64 || kHeadDim == 128;
+}
+
+// The wide kernel's warps. A decode token's keys are spread over its CTA's warps (16 keys a warp
+// step), then over CTAs (splits, which meet through global memory at the end): where a batch's
+// (token, KV head) pairs fit the GPU in one wave of 8-warp CTAs, twice the warps a CTA means
+// half the splits for the same keys a warp. The host takes the wide kernel only there
+// (CudaForward.attention_wide): at 8B's 32 x 512, 256 pairs in two waves of one CTA an SM,
+// every decode-sized bucket on 8 warps ran 5.329 -> 5.420 ms. Measured on the H200
+// (bench_decode, ms a step, 4 warps -> the wide kernel where it fits): Llama-3.1-8B batch 1 at
+// 512 and 8,192 keys 3.918 -> 3.862 and 4.218 -> 4.134 (32 x 512 and 32 x 4096, not wide,
+// alike); Llama-3.2-1B 0.816 -> 0.805, 0.887 -> 0.883, 32 x 512 1.270 -> 1.253, 32 x 4096
+// 2.199 -> 2.154. 12 warps (head dim 128 or 64) or 16 (64) were no faster anywhere, and slower
+// at 8,192 keys (8B 4.134 -> 4.203, 1B 0.884 -> 0.915 with 12).
+template <int kHeadDim>
+static constexpr int kAttnWideWarps = MmaPathsFit<kHeadDim>() ? 8 : kAttnWarps;
+
+// CTAs per SM the kernel's registers must allow, from the warps an SM they allow: 12 at head
+// dim 128 (a register cap of 168 a thread: 3 CTAs of 4 warps, 1 of 8), 16 at 64 (a cap of 128)
+// and 8 above 128. Head dims above 128 need more than 168 without spilling; 128 spills at a
+// cap of 128 (the 8B shape's steps 3-13% slower); 64 fits 128 without spilling, and its fourth
+// 4-warp CTA an SM pays (H200, Llama-3.2-1B shape, against 3: 128 x 512 decodes 2.017 -> 1.944
+// ms a step, 2,048-token prefill chunks to 8,192 keys 18.67 -> 17.63 ms; batch 1 and 32
+// unchanged; at 5, with spills, every point slower).
+template <int kHeadDim, int kWarps>
+static constexpr int kAttnMinCtas = (kHeadDim > 128 ? 8 : kHeadDim > 64 ? 12 : 16) / kWarps;
 
 // Shared-memory layout, rows padded against bank conflicts; every region and every 16x16 WMMA
 // tile pointer stays 32-byte aligned (WMMA needs 256-bit aligned pointers).
@@ -476,8 +502,8 @@ struct TileStages {
 // - The scores' C layout is P's A layout for O = P V (k = 16 keys).
 // - V is the B operand, read with ldmatrix.trans: two 8-dim output tiles per ldmatrix.x4.
 // A warp stops at the last key its rows may see (causal); the copies run to the tile's last.
-// Partials and the split merge as in PagedAttentionCta.
-template <int kHeadDim, int kRows>
+// Partials and the split merge as in PagedAttentionCta. kWarps * 32 threads.
+template <int kHeadDim, int kRows, int kWarps>
 __device__ __forceinline__ void TileAttentionMmaCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
@@ -491,10 +517,12 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   // probabilities spill 232 bytes of registers at head dim 128, where 32 spill 24)
   constexpr int kBlockKeys = kKeys < 32 ? kKeys : 32;
   constexpr int kKeyTiles = kBlockKeys / 8;  // 8-key tiles of S
-  constexpr int kCopyThreads = kAttnThreads / kKeys;  // threads copying one key row
+  // threads copying one key row (the CTA's first kKeys * kCopyThreads threads copy)
+  constexpr int kCopyThreads = kPieces < kWarps * kWarpSize / kKeys ? kPieces
+                                                                     : kWarps * kWarpSize / kKeys;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128");
-  static_assert(kRows % 16 == 0 && kRows / 16 <= kAttnWarps, "a warp per 16 rows");
-  static_assert(kAttnThreads % kKeys == 0 && kPieces % kCopyThreads == 0 && kKeys % 16 == 0,
+  static_assert(kRows % 16 == 0 && kRows / 16 <= kWarps, "a warp per 16 rows");
+  static_assert(kCopyThreads > 0 && kPieces % kCopyThreads == 0 && kKeys % 16 == 0,
                 "every thread copies whole pieces of one row; whole MMA k-steps of keys");
   const int kv_head = blockIdx.y, split = blockIdx.z;
   const int group = num_heads / num_kv_heads;
@@ -518,16 +546,19 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   auto copy_key_tile = [&](int key_tile) {
     bf16* dst = stage_keys(key_tile % Stages::kStages);
     const int r = tid / kCopyThreads, key = tile.key_begin + key_tile * kKeys + r;
-    const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
-    const int bytes = off >= 0 ? 16 : 0;
-    const bf16* k_row = k_cache + (off >= 0 ? off : 0);
-    const bf16* v_row = v_cache + (off >= 0 ? off : 0);
+    // every thread copies, unless the CTA has more threads than a key tile has pieces
+    if (kKeys * kCopyThreads == kWarps * kWarpSize || r < kKeys) {
+      const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
+      const int bytes = off >= 0 ? 16 : 0;
+      const bf16* k_row = k_cache + (off >= 0 ? off : 0);
+      const bf16* v_row = v_cache + (off >= 0 ? off : 0);
 #pragma unroll
-    for (int i = 0; i < kPieces / kCopyThreads; ++i) {
-      const int p = tid % kCopyThreads + kCopyThreads * i;
-      const int at = r * kHeadDim + 8 * Stages::Swizzle(r, p);
-      CpAsync16(dst + at, k_row + 8 * p, bytes);
-      CpAsync16(dst + kKeys * kHeadDim + at, v_row + 8 * p, bytes);
+      for (int i = 0; i < kPieces / kCopyThreads; ++i) {
+        const int p = tid % kCopyThreads + kCopyThreads * i;
+        const int at = r * kHeadDim + 8 * Stages::Swizzle(r, p);
+        CpAsync16(dst + at, k_row + 8 * p, bytes);
+        CpAsync16(dst + kKeys * kHeadDim + at, v_row + 8 * p, bytes);
+      }
     }
     CpAsyncCommit();
   };
@@ -706,7 +737,6 @@ __device__ __forceinline__ void TileAttentionMmaCta(
 
 static constexpr int kDecodeMaxGroup = 8;    // larger GQA groups take the tile path
 static constexpr int kDecodeMaxSplits = 64;  // the host's attention_splits() stays within it
-static constexpr int kDecodeChunk = kMmaKeys * kAttnWarps;  // keys per CTA step
 // What a decode CTA costs beyond streaming its chunks (block-table and key latencies before its
 // first chunk, the partial write and the split merge), in chunk times: fitted on the H200 to
 // bench_decode with the split count capped (Llama-3.1-8B and 3.2-1B shapes, batch 1 and 32 at
@@ -748,25 +778,15 @@ __device__ __forceinline__ int DecodeChunksPerSplit(int chunks, int num_splits, 
   return static_cast<int>(best_chunks);
 }
 
-// The mma.sync paths (DecodeAttentionCta from global memory, TileAttentionMmaCta from shared
-// memory) read a lane's share of a head vector in whole 8- or 16-byte pieces and keep their
-// accumulators in registers: head dims 64 and 128. Other head dims take the WMMA query tiles
-// (PagedAttentionCta) for every token.
-template <int kHeadDim>
-__host__ __device__ constexpr bool MmaPathsFit() {
-  return kHeadDim == 64 || kHeadDim == 128;
-}
-
 // Shared memory of DecodeAttentionCta, after its key loop: each warp's running max and sum per
 // query head and its unnormalized output, for the merge of the CTA's warps; then the split
 // merge's weights (f32 [kDecodeMaxGroup][kDecodeMaxSplits]).
-template <int kHeadDim>
+template <int kHeadDim, int kWarps>
 struct DecodeLayout {
-  static constexpr size_t kWarpOut = 0;  // f32 [kAttnWarps][kDecodeMaxGroup][kHeadDim]
-  static constexpr size_t kWarpMax =
-      kWarpOut + sizeof(float) * kAttnWarps * kDecodeMaxGroup * kHeadDim;
-  static constexpr size_t kWarpSum = kWarpMax + sizeof(float) * kAttnWarps * kDecodeMaxGroup;
-  static constexpr size_t kMergeWeights = kWarpSum + sizeof(float) * kAttnWarps * kDecodeMaxGroup;
+  static constexpr size_t kWarpOut = 0;  // f32 [kWarps][kDecodeMaxGroup][kHeadDim]
+  static constexpr size_t kWarpMax = kWarpOut + sizeof(float) * kWarps * kDecodeMaxGroup * kHeadDim;
+  static constexpr size_t kWarpSum = kWarpMax + sizeof(float) * kWarps * kDecodeMaxGroup;
+  static constexpr size_t kMergeWeights = kWarpSum + sizeof(float) * kWarps * kDecodeMaxGroup;
   static constexpr size_t kBytes =
       kMergeWeights + sizeof(float) * kDecodeMaxGroup * kDecodeMaxSplits;
 };
@@ -819,7 +839,7 @@ __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int gro
 }
 
 // One query token t that is alone in its sequence this step (a decode token), one KV head, one
-// split of its keys [0, position]: whole chunks of kDecodeChunk keys per split
+// split of its keys [0, position]: whole chunks of 16 * kWarps keys per split
 // (DecodeChunksPerSplit: at most num_splits splits, ctas and slots as there), and in each
 // chunk warp w takes keys 16 w .. 16 w + 15. Each warp runs its own online softmax on tensor
 // cores, straight from global memory into registers (no shared-memory staging, no barrier in
@@ -849,15 +869,17 @@ __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int gro
 // The next step's keys are loaded into the registers the current step's scores have freed, and
 // its values into those the P V product has freed. Keys are read through L2 only (ld.cg: the
 // newest one was written by this graph's qkv kernel, and a coherent load stays below the wait).
-// group <= kDecodeMaxGroup. Workspaces as in PagedAttentionCta.
-template <int kHeadDim, bool kStepInOneBlock>
+// group <= kDecodeMaxGroup. Workspaces as in PagedAttentionCta. kWarps * 32 threads.
+template <int kHeadDim, bool kStepInOneBlock, int kWarps>
 __device__ __forceinline__ void DecodeAttentionCta(
     int t, int seq, int position, const int32_t* block_tables, int max_blocks_per_seq,
     const bf16* q, const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,
     int num_kv_heads, float scale, bf16* out, int num_splits, int ctas, int slots,
     float* partial_out, float* partial_stats, uint32_t* tile_sems) {
   static_assert(MmaPathsFit<kHeadDim>(), "head dims 64 and 128");
-  using L = DecodeLayout<kHeadDim>;
+  using L = DecodeLayout<kHeadDim, kWarps>;
+  constexpr int kThreads = kWarps * kWarpSize;
+  constexpr int kChunk = kMmaKeys * kWarps;  // keys a CTA step
   constexpr int kSteps = kHeadDim / 32;     // 32-dim steps of S^T = K Q^T (two MMAs each)
   constexpr int kOutTiles = kHeadDim / 16;  // 16-dim tiles of O^T = V^T P^T
   constexpr int kLaneDims = kHeadDim / 16;  // dims of a value row per lane, per row half
@@ -866,12 +888,12 @@ __device__ __forceinline__ void DecodeAttentionCta(
   const int kv_head = blockIdx.y, split = blockIdx.z;
   const int group = num_heads / num_kv_heads;
   const int num_keys = position + 1;
-  const int chunks = (num_keys + kDecodeChunk - 1) / kDecodeChunk;
+  const int chunks = (num_keys + kChunk - 1) / kChunk;
   const int chunks_per_split = DecodeChunksPerSplit(chunks, num_splits, ctas, slots);
   const int active_splits = (chunks + chunks_per_split - 1) / chunks_per_split;
   if (split >= active_splits) return;  // (split 0 of the token waits for the prior kernel)
-  const int key_begin = split * chunks_per_split * kDecodeChunk;
-  const int key_end = min(key_begin + chunks_per_split * kDecodeChunk, num_keys);
+  const int key_begin = split * chunks_per_split * kChunk;
+  const int key_end = min(key_begin + chunks_per_split * kChunk, num_keys);
   const KeyRows<kHeadDim> cache_rows(block_tables, max_blocks_per_seq, seq, block_size,
                                      num_kv_heads, kv_head);
   // -1 past the split's keys
@@ -896,14 +918,14 @@ __device__ __forceinline__ void DecodeAttentionCta(
   // samples waited on the entries when each step read its own).
   const int warp_key0 = key_begin + kMmaKeys * warp;
   auto window_blocks = [&](int window) {
-    const int key = warp_key0 + (kWarpSize * window + lane) * kDecodeChunk;
+    const int key = warp_key0 + (kWarpSize * window + lane) * kChunk;
     return kStepInOneBlock && key < key_end ? cache_rows.block_of(key) : 0;
   };
   int window = 0, window_block = window_blocks(0);
   // The row of the step's first key (kStepInOneBlock; every lane, steps in order).
   auto step_row = [&](int key0) -> int64_t {
     if (!kStepInOneBlock) return 0;
-    const int step = (key0 - warp_key0) / kDecodeChunk;
+    const int step = (key0 - warp_key0) / kChunk;
     if (step / kWarpSize != window) {  // past 2,048 keys of the warp's split (8,192 of its CTA)
       window = step / kWarpSize;
       window_block = window_blocks(window);
@@ -979,8 +1001,8 @@ __device__ __forceinline__ void DecodeAttentionCta(
                                     kHeadDim + 32 * s + 8 * tq)
                       : zero;
   }
-  for (; key0 < key_end; key0 += kDecodeChunk) {
-    const int next = key0 + kDecodeChunk;
+  for (; key0 < key_end; key0 += kChunk) {
+    const int next = key0 + kChunk;
     const int64_t next_row = next < key_end ? step_row(next) : 0;
     float sc[2][4];
     // S^T = K Q^T: the step's keys are the MMA's rows (lane (g, t): keys g and g + 8, the same
@@ -1073,14 +1095,14 @@ __device__ __forceinline__ void DecodeAttentionCta(
   }
   __syncthreads();
   const size_t head0 = static_cast<size_t>(t) * num_heads + kv_head * group;
-  for (int e = tid; e < group * kHeadDim; e += kAttnThreads) {
+  for (int e = tid; e < group * kHeadDim; e += kThreads) {
     const int h = e / kHeadDim, d = e % kHeadDim;
     float cta_max = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) cta_max = fmaxf(cta_max, s_max[w * kDecodeMaxGroup + h]);
+    for (int w = 0; w < kWarps; ++w) cta_max = fmaxf(cta_max, s_max[w * kDecodeMaxGroup + h]);
     float v = 0.f, sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) {
+    for (int w = 0; w < kWarps; ++w) {
       const float weight = exp2f(s_max[w * kDecodeMaxGroup + h] - cta_max);  // 0 at -inf
       v += weight * s_out[(w * kDecodeMaxGroup + h) * kHeadDim + d];
       sum += weight * s_sum[w * kDecodeMaxGroup + h];
@@ -1108,19 +1130,20 @@ __device__ __forceinline__ void DecodeAttentionCta(
 
 // Dynamic shared memory of the attention kernel: the more of the decode path's and the mma.sync
 // query tiles' (a CTA takes one path), or the WMMA query tiles' for the other head dims.
-template <int kHeadDim, int kRows>
+template <int kHeadDim, int kRows, int kWarps>
 __host__ __device__ constexpr size_t AttentionKernelSmem() {
   if constexpr (MmaPathsFit<kHeadDim>()) {
-    return DecodeLayout<kHeadDim>::kBytes > TileStages<kHeadDim, kRows>::kBytes
-               ? DecodeLayout<kHeadDim>::kBytes
+    return DecodeLayout<kHeadDim, kWarps>::kBytes > TileStages<kHeadDim, kRows>::kBytes
+               ? DecodeLayout<kHeadDim, kWarps>::kBytes
                : TileStages<kHeadDim, kRows>::kBytes;
   } else {
     return AttentionSmem<kHeadDim, kRows>::kBytes;
   }
 }
 
-// The attention kernel's body: grid (bucket, num_kv_heads, num_splits), kAttnThreads threads,
-// AttentionKernelSmem<kHeadDim, kRows>() bytes of dynamic shared memory. A token alone in its
+// The attention kernel's body: grid (bucket, num_kv_heads, num_splits), kWarps * 32 threads
+// (kAttnWarps, or kAttnWideWarps<kHeadDim> with kRows = kAttnRowsSmall: the wide kernel),
+// AttentionKernelSmem<kHeadDim, kRows, kWarps>() bytes of dynamic shared memory. A token alone in its
 // sequence this step that attends to at least decode_min_keys keys goes to DecodeAttentionCta
 // when its GQA group fits; every other token belongs to a query tile (TileAttentionMmaCta for
 // head dims 64 and 128, PagedAttentionCta for the others).
@@ -1133,7 +1156,7 @@ __host__ __device__ constexpr size_t AttentionKernelSmem() {
 // compiled the same. On the H200 (bench_decode, block size 16, ms a step): 8B batch 1 at 512
 // and 8,192 keys 3.959 -> 3.920 and 4.313 -> 4.222, 32 x 512 5.446 -> 5.327; 1B 0.831 ->
 // 0.816, 0.905 -> 0.887 and 1.325 -> 1.269 (docs/performance.md, round 6).
-template <int kHeadDim, int kRows, bool kStepInOneBlock>
+template <int kHeadDim, int kRows, bool kStepInOneBlock, int kWarps>
 __device__ __forceinline__ void AttentionCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
@@ -1159,7 +1182,7 @@ __device__ __forceinline__ void AttentionCta(
     const bool alone = prev_seq != seq && (t + 1 == num_tokens || next_seq != seq);
     if (alone && num_heads / num_kv_heads <= kDecodeMaxGroup &&
         position + 1 >= decode_min_keys) {
-      DecodeAttentionCta<kHeadDim, kStepInOneBlock>(
+      DecodeAttentionCta<kHeadDim, kStepInOneBlock, kWarps>(
           t, seq, position, block_tables, max_blocks_per_seq, q, k_cache, v_cache, block_size,
           num_heads, num_kv_heads, scale, out, num_splits, num_tokens * num_kv_heads, slots,
           partial_out, partial_stats, tile_sems);
@@ -1168,11 +1191,13 @@ __device__ __forceinline__ void AttentionCta(
   }
   AwaitPriorKernel();  // the query tiles read this step's keys, values and q throughout
   if constexpr (MmaPathsFit<kHeadDim>()) {
-    TileAttentionMmaCta<kHeadDim, kRows>(desc, positions, token_seq, block_tables,
-                                         max_blocks_per_seq, q, k_cache, v_cache, block_size,
-                                         num_heads, num_kv_heads, scale, out, num_splits,
-                                         partial_out, partial_stats, tile_sems);
+    TileAttentionMmaCta<kHeadDim, kRows, kWarps>(desc, positions, token_seq, block_tables,
+                                                 max_blocks_per_seq, q, k_cache, v_cache,
+                                                 block_size, num_heads, num_kv_heads, scale,
+                                                 out, num_splits, partial_out, partial_stats,
+                                                 tile_sems);
   } else {
+    static_assert(kWarps == kAttnWarps, "the WMMA query tiles run on kAttnWarps warps");
     PagedAttentionCta<kHeadDim, kRows>(desc, positions, token_seq, block_tables,
                                        max_blocks_per_seq, q, k_cache, v_cache, block_size,
                                        num_heads, num_kv_heads, scale, out, num_splits,

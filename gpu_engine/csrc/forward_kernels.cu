@@ -30,6 +30,7 @@ static_assert(BLINK_HEAD_DIM % 16 == 0 && BLINK_HEAD_DIM >= 16 && BLINK_HEAD_DIM
 using blink::BatchDesc;
 using blink::bf16;
 static constexpr int kHeadDim = BLINK_HEAD_DIM;
+static constexpr int kAttnWideWarps = blink::kAttnWideWarps<kHeadDim>;
 
 // Launch constants the host reads back (cuModuleGetGlobal), so they are written once, here.
 extern "C" __device__ const uint32_t blink_head_dim = kHeadDim;
@@ -37,10 +38,16 @@ extern "C" __device__ const uint32_t blink_rope_threads = blink::kRopeThreads;
 extern "C" __device__ const uint32_t blink_attention_threads = blink::kAttnThreads;
 extern "C" __device__ const uint32_t blink_attention_rows = blink::kAttnRows;
 extern "C" __device__ const uint32_t blink_attention_smem_bytes =
-    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRows>();
+    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRows, blink::kAttnWarps>();
 extern "C" __device__ const uint32_t blink_attention_small_rows = blink::kAttnRowsSmall;
 extern "C" __device__ const uint32_t blink_attention_small_smem_bytes =
-    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall>();
+    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall, blink::kAttnWarps>();
+// the wide kernel (small query tiles; as many threads as the others where the head dim takes
+// the WMMA tiles, and then never chosen)
+extern "C" __device__ const uint32_t blink_attention_wide_threads =
+    kAttnWideWarps * blink::kWarpSize;
+extern "C" __device__ const uint32_t blink_attention_wide_smem_bytes =
+    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall, kAttnWideWarps>();
 extern "C" __device__ const uint32_t blink_sample_threads = blink::kSampleThreads;
 extern "C" __device__ const uint32_t blink_attention_max_splits = blink::kDecodeMaxSplits;
 // block sizes that are multiples of it take the attention kernels without _any_block
@@ -92,12 +99,14 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
                                   num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks);
 }
 
-// The attention entries, with query tiles of kAttnRows or kAttnRowsSmall rows, for block sizes
-// that are multiples of 16 and (_any_block) for the others (attention.cuh AttentionCta).
+// The attention entries, with query tiles of kAttnRows or kAttnRowsSmall rows (and kAttnWideWarps
+// warps: _wide), for block sizes that are multiples of 16 and (_any_block) for the others
+// (attention.cuh AttentionCta).
 // release_next: the next kernel may launch at once (the host sets it where that is a skinny or
 // split-K projection, which loads its first weights and then waits; utils.cuh).
-#define BLINK_PAGED_ATTENTION(NAME, ROWS, STEP_IN_ONE_BLOCK)                                 \
-  __global__ void __launch_bounds__(blink::kAttnThreads, blink::kAttnMinCtas<kHeadDim>)     \
+#define BLINK_PAGED_ATTENTION(NAME, ROWS, STEP_IN_ONE_BLOCK, WARPS)                          \
+  __global__ void __launch_bounds__(WARPS * blink::kWarpSize,                                \
+                                    blink::kAttnMinCtas<kHeadDim, WARPS>)                    \
       NAME(const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,        \
            const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,               \
            const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,          \
@@ -105,15 +114,20 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
            float* partial_stats, uint32_t* tile_sems, int decode_min_keys, int slots,        \
            int release_next) {                                                               \
     if (release_next) blink::ReleaseNextKernel();                                            \
-    blink::AttentionCta<kHeadDim, ROWS, STEP_IN_ONE_BLOCK>(  /* it waits for the previous */ \
-        desc, positions, token_seq, block_tables, max_blocks_per_seq, q, k_cache, v_cache,   \
-        block_size, num_heads, num_kv_heads, scale, out, num_splits, partial_out,            \
-        partial_stats, tile_sems, decode_min_keys, slots);                                   \
+    blink::AttentionCta<kHeadDim, ROWS, STEP_IN_ONE_BLOCK, WARPS>(/* it waits for the      \
+        previous kernel */ desc, positions, token_seq, block_tables, max_blocks_per_seq, q,  \
+        k_cache, v_cache, block_size, num_heads, num_kv_heads, scale, out, num_splits,       \
+        partial_out, partial_stats, tile_sems, decode_min_keys, slots);                      \
   }
-BLINK_PAGED_ATTENTION(blink_paged_attention, blink::kAttnRows, true)
-BLINK_PAGED_ATTENTION(blink_paged_attention_small, blink::kAttnRowsSmall, true)
-BLINK_PAGED_ATTENTION(blink_paged_attention_any_block, blink::kAttnRows, false)
-BLINK_PAGED_ATTENTION(blink_paged_attention_small_any_block, blink::kAttnRowsSmall, false)
+BLINK_PAGED_ATTENTION(blink_paged_attention, blink::kAttnRows, true, blink::kAttnWarps)
+BLINK_PAGED_ATTENTION(blink_paged_attention_small, blink::kAttnRowsSmall, true, blink::kAttnWarps)
+BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide, blink::kAttnRowsSmall, true,
+                      kAttnWideWarps)
+BLINK_PAGED_ATTENTION(blink_paged_attention_any_block, blink::kAttnRows, false, blink::kAttnWarps)
+BLINK_PAGED_ATTENTION(blink_paged_attention_small_any_block, blink::kAttnRowsSmall, false,
+                      blink::kAttnWarps)
+BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide_any_block, blink::kAttnRowsSmall, false,
+                      kAttnWideWarps)
 #undef BLINK_PAGED_ATTENTION
 
 // Skinny linear layers (gemv.cuh), one entry per (row tiles, column tiles) shape; the _norm
