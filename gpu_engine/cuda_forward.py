@@ -160,7 +160,8 @@ class ForwardKernels:
     SKINNY_NORM_MAX_ROWS = 16  # the RMSNorm-folding variants: one or two column tiles
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
                     *(f"blink_paged_attention{variant}{layout}"
-                      for variant in ("", "_small", "_small_wide") for layout in ("", "_any_block")),
+                      for variant in ("", "_small", "_small_wide")
+                      for layout in ("", "_any_block")),
                     "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform", "blink_signal_done",
                     "blink_hold_sm", "blink_tile_weights", "blink_splitk_add_linear",

@@ -1143,10 +1143,10 @@ __host__ __device__ constexpr size_t AttentionKernelSmem() {
 
 // The attention kernel's body: grid (bucket, num_kv_heads, num_splits), kWarps * 32 threads
 // (kAttnWarps, or kAttnWideWarps<kHeadDim> with kRows = kAttnRowsSmall: the wide kernel),
-// AttentionKernelSmem<kHeadDim, kRows, kWarps>() bytes of dynamic shared memory. A token alone in its
-// sequence this step that attends to at least decode_min_keys keys goes to DecodeAttentionCta
-// when its GQA group fits; every other token belongs to a query tile (TileAttentionMmaCta for
-// head dims 64 and 128, PagedAttentionCta for the others).
+// AttentionKernelSmem<kHeadDim, kRows, kWarps>() bytes of dynamic shared memory. A token alone
+// in its sequence this step that attends to at least decode_min_keys keys goes to
+// DecodeAttentionCta when its GQA group fits; every other token belongs to a query tile
+// (TileAttentionMmaCta for head dims 64 and 128, PagedAttentionCta for the others).
 // (gpu_engine/cuda_forward.py sets the threshold: 0, the decode path is the faster one at every
 // context measured.) slots: the CTAs of this kernel the GPU holds at once (CTAs an SM x SMs).
 // kStepInOneBlock: block_size is a multiple of kMmaKeys (the host picks the kernel by block
