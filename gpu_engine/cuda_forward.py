@@ -330,7 +330,7 @@ class ForwardKernels:
         [rows, num_heads, num_splits, 2] f32 and tile_sems: [rows, num_kv_heads] u32 (zero
         before the first launch; each use leaves it zero). small: the tile variant with
         attention_small_rows query rows per CTA (decode-sized buckets); wide (with small): its
-        kernel with attention_wide_threads threads a CTA (csrc/attention.cuh kAttnWideWarps)."""
+        kernel with attention_wide_threads threads a CTA (csrc/attention_common.cuh kAttnWideWarps)."""
         group = num_heads // num_kv_heads
         max_rows = self.attention_small_rows if small else self.attention_rows
         self._need(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
@@ -1031,7 +1031,7 @@ class CudaForward:
         whose CTAs fill the GPU's attention slots (CTAs per SM x SMs) in whole waves best, the
         larger of equally good ones. A partial last wave costs a whole CTA's time for a few
         CTAs. A decode token may use fewer: the kernel weighs waves against keys per CTA for its
-        context (attention.cuh DecodeChunksPerSplit; batch 32 at 512 keys takes one split).
+        context (attention_decode.cuh DecodeChunksPerSplit; batch 32 at 512 keys takes one split).
         Measured on the H200 (bench_decode, Llama-3.1-8B shape, with the previous, CUDA-core
         decode path): batch 1 at 8,192 keys, 49 splits (392 CTAs in 396 slots) 5.03 ms a step
         against 5.20 with 64 (1.3 waves); batch 32 at 4,096 keys, 3 splits (768 CTAs, 1.94
@@ -1063,9 +1063,9 @@ class CudaForward:
 
     def attention_wide(self, bucket: int) -> bool:
         """Decode-sized buckets whose (token, KV head) pairs fit one wave of the wide kernel's
-        CTAs take it (more warps a CTA: a decode token's keys in fewer splits; csrc/attention.cuh
-        kAttnWideWarps): Llama-3.1-8B's buckets of up to 16 tokens (one 8-warp CTA an SM), 1B's
-        of up to 32 (two)."""
+        CTAs take it (more warps a CTA: a decode token's keys in fewer splits;
+        csrc/attention_common.cuh kAttnWideWarps): Llama-3.1-8B's buckets of up to 16 tokens
+        (one 8-warp CTA an SM), 1B's of up to 32 (two)."""
         k = self.kernels
         return (self.attention_small(bucket) and k.attention_wide_threads > k.attention_threads
                 and bucket * self.cfg.num_kv_heads

@@ -1,0 +1,122 @@
+// What the attention kernel's paths share (attention.cuh has the kernel and its overview): the
+// CTA shapes and the registers they may use, where a KV head's rows sit in the paged cache, and
+// how the CTAs that split a tile's or a decode token's keys meet (the last to arrive merges).
+#pragma once
+#include "batch.cuh"
+#include "utils.cuh"
+
+namespace blink {
+
+// Query rows (tokens x group heads) per CTA: 64 for prefill-sized buckets; 16 for decode-sized
+// ones, where a tile rarely has more rows (both variants hold kAttnMinCtas CTAs an SM:
+// registers decide).
+static constexpr int kAttnRows = 64;
+static constexpr int kAttnRowsSmall = 16;
+// Keys per tile of PagedAttentionCta; both tile paths' splits hold whole ones.
+static constexpr int kAttnKeys = 64;
+// Warps of a CTA: kAttnWarps, or kAttnWideWarps in the decode-sized buckets' wide kernel (below).
+static constexpr int kAttnWarps = 4;
+static constexpr int kAttnThreads = kAttnWarps * kWarpSize;
+
+// The mma.sync paths (DecodeAttentionCta from global memory, TileAttentionMmaCta from shared
+// memory) read a lane's share of a head vector in whole 8- or 16-byte pieces and keep their
+// accumulators in registers: head dims 64 and 128. Other head dims take the WMMA query tiles
+// (PagedAttentionCta) for every token.
+template <int kHeadDim>
+__host__ __device__ constexpr bool MmaPathsFit() {
+  return kHeadDim == 64 || kHeadDim == 128;
+}
+
+// The wide kernel's warps. A decode token's keys are spread over its CTA's warps (16 keys a warp
+// step), then over CTAs (splits, which meet through global memory at the end): where a batch's
+// (token, KV head) pairs fit the GPU in one wave of 8-warp CTAs, twice the warps a CTA means
+// half the splits for the same keys a warp. The host takes the wide kernel only there
+// (CudaForward.attention_wide): at 8B's 32 x 512, 256 pairs in two waves of one CTA an SM,
+// every decode-sized bucket on 8 warps ran 5.329 -> 5.420 ms. Measured on the H200
+// (bench_decode, ms a step, 4 warps -> the wide kernel where it fits): Llama-3.1-8B batch 1 at
+// 512 and 8,192 keys 3.918 -> 3.862 and 4.218 -> 4.134 (32 x 512 and 32 x 4096, not wide,
+// alike); Llama-3.2-1B 0.816 -> 0.805, 0.887 -> 0.883, 32 x 512 1.270 -> 1.253, 32 x 4096
+// 2.199 -> 2.154. 12 warps (head dim 128 or 64) or 16 (64) were no faster anywhere, and slower
+// at 8,192 keys (8B 4.134 -> 4.203, 1B 0.884 -> 0.915 with 12).
+template <int kHeadDim>
+static constexpr int kAttnWideWarps = MmaPathsFit<kHeadDim>() ? 8 : kAttnWarps;
+
+// CTAs per SM the kernel's registers must allow, from the warps an SM they allow: 12 at head
+// dim 128 (a register cap of 168 a thread: 3 CTAs of 4 warps, 1 of 8), 16 at 64 (a cap of 128)
+// and 8 above 128. Head dims above 128 need more than 168 without spilling; 128 spills at a
+// cap of 128 (the 8B shape's steps 3-13% slower); 64 fits 128 without spilling, and its fourth
+// 4-warp CTA an SM pays (H200, Llama-3.2-1B shape, against 3: 128 x 512 decodes 2.017 -> 1.944
+// ms a step, 2,048-token prefill chunks to 8,192 keys 18.67 -> 17.63 ms; batch 1 and 32
+// unchanged; at 5, with spills, every point slower).
+template <int kHeadDim, int kWarps>
+static constexpr int kAttnMinCtas = (kHeadDim > 128 ? 8 : kHeadDim > 64 ? 12 : 16) / kWarps;
+
+// The merge weights of one query row's splits, a warp at once: lane z gets weight[i] =
+// 2^(m_z - M) of splits z and z + 32 (0 past active_splits <= 64, or where m_z = -inf) with
+// M = max_z m_z, and every lane the return value 1 / sum_z 2^(m_z - M) l_z. stats: the row's
+// [splits][2] (running max in log2 units, sum), written by other CTAs: read through L2 (ld.cg).
+__device__ __forceinline__ float SplitWeights(const float* stats, int active_splits,
+                                              float (&weight)[2]) {
+  const int lane = threadIdx.x % kWarpSize;
+  float split_max[2], split_sum[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int z = lane + kWarpSize * i;
+    split_max[i] = z < active_splits ? __ldcg(stats + 2 * z) : -INFINITY;
+    split_sum[i] = z < active_splits ? __ldcg(stats + 2 * z + 1) : 0.f;
+  }
+  const float max_all = WarpMax(fmaxf(split_max[0], split_max[1]));
+#pragma unroll
+  for (int i = 0; i < 2; ++i) weight[i] = exp2f(split_max[i] - max_all);  // 0 at -inf
+  return 1.f / WarpSum(weight[0] * split_sum[0] + weight[1] * split_sum[1]);
+}
+
+// Called by every CTA that wrote split partials, once they are written (all threads): true in
+// the last of the `active_splits` CTAs to arrive at the counter `sem`, whose reads of the other
+// CTAs' partials are then ordered after their writes (threadFenceReduction pattern: fence,
+// count, and the last one reads). That CTA merges, then resets *sem for the next launch.
+__device__ __forceinline__ bool LastSplitToArrive(uint32_t* sem, int active_splits) {
+  __shared__ int s_last;
+  __threadfence();  // this thread's partials are visible device-wide before the count moves
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s_last = atomicAdd(sem, 1u) == static_cast<uint32_t>(active_splits - 1);
+  }
+  __syncthreads();
+  if (s_last) __threadfence();
+  return s_last;
+}
+
+// Where one KV head's rows sit in a layer's paged cache ([blocks, block_size, kv_heads, D]):
+// the element offset of a key's row, -1 where the table maps no block. Shifts for the usual
+// power-of-two block sizes, a division otherwise.
+template <int kHeadDim>
+struct KeyRows {
+  const int32_t* table;  // the sequence's block table
+  int block_size, block_shift, num_kv_heads, kv_head;
+  bool pow2;
+
+  __device__ KeyRows(const int32_t* block_tables, int max_blocks_per_seq, int seq,
+                     int block_size_, int num_kv_heads_, int kv_head_)
+      : table(block_tables + static_cast<size_t>(seq) * max_blocks_per_seq),
+        block_size(block_size_), block_shift(__ffs(block_size_) - 1),
+        num_kv_heads(num_kv_heads_), kv_head(kv_head_),
+        pow2((block_size_ & (block_size_ - 1)) == 0) {}
+
+  __device__ __forceinline__ int64_t offset(int key) const {
+    const int block = block_of(key);
+    return block < 0 ? -1 : offset_in(block, key);
+  }
+  // The table's entry for key (-1: no block).
+  __device__ __forceinline__ int block_of(int key) const {
+    return table[pow2 ? key >> block_shift : key / block_size];
+  }
+  // The offset of key's row, given its block (block_of(key) >= 0).
+  __device__ __forceinline__ int64_t offset_in(int block, int key) const {
+    const int row = pow2 ? key & (block_size - 1) : key % block_size;
+    return ((static_cast<int64_t>(block) * block_size + row) * num_kv_heads + kv_head) *
+           kHeadDim;
+  }
+};
+
+}  // namespace blink

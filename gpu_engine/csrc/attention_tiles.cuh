@@ -1,0 +1,599 @@
+// The attention kernel's query tiles (attention.cuh): prefill chunks, and the decode tokens of
+// GQA groups over the decode path's bound. Head dims 64 and 128 run them on mma.sync, keys and
+// values copied into shared memory a tile ahead (TileAttentionMmaCta); other head dims on WMMA
+// through shared memory (PagedAttentionCta). A tile whose keys span several splits has its
+// partials merged by the last of its CTAs to finish (FinishSplitCta).
+#pragma once
+#include <mma.h>
+
+#include <type_traits>
+
+#include "attention_common.cuh"
+
+namespace blink {
+
+// Shared-memory layout, rows padded against bank conflicts; every region and every 16x16 WMMA
+// tile pointer stays 32-byte aligned (WMMA needs 256-bit aligned pointers).
+template <int kHeadDim, int kRows>
+struct AttentionSmem {
+  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 16 && kHeadDim <= 256,
+                "head_dim must be a multiple of 16 in [16, 256]");
+  static constexpr int kLdQ = kHeadDim + 8;    // bf16 Q, K, V rows
+  static constexpr int kLdS = kAttnKeys + 4;   // f32 scores
+  static constexpr int kLdP = kAttnKeys + 8;   // bf16 probabilities
+  static constexpr int kLdO = kHeadDim + 4;    // f32 output accumulator
+  static constexpr size_t kQ = 0;
+  static constexpr size_t kK = kQ + sizeof(bf16) * kRows * kLdQ;
+  static constexpr size_t kV = kK + sizeof(bf16) * kAttnKeys * kLdQ;
+  static constexpr size_t kS = kV + sizeof(bf16) * kAttnKeys * kLdQ;
+  static constexpr size_t kP = kS + sizeof(float) * kRows * kLdS;
+  static constexpr size_t kO = kP + sizeof(bf16) * kRows * kLdP;
+  static constexpr size_t kMax = kO + sizeof(float) * kRows * kLdO;  // running max per row
+  static constexpr size_t kSum = kMax + sizeof(float) * kRows;       // running sum per row
+  static constexpr size_t kPos = kSum + sizeof(float) * kRows;       // position per row
+  static constexpr size_t kBytes = kPos + sizeof(int) * kRows;
+  static_assert(kK % 32 == 0 && kV % 32 == 0 && kS % 32 == 0 && kP % 32 == 0 && kO % 32 == 0,
+                "WMMA regions must be 32-byte aligned");
+};
+
+// Merges the split partials of one tile: `m` tokens from t0, the `group` query heads of
+// kv_head. out = sum_z 2^(m_z - M) O_z / sum_z 2^(m_z - M) l_z with M = max_z m_z over the
+// tile's active splits (<= 64; split 0 holds key 0, so M is finite); a split that saw no
+// unmasked key of a row (m_z = -inf, its partial output zeros) weighs nothing. A warp per row:
+// its lanes read the splits' statistics at once (lane z: splits z and z + 32), and the
+// partial outputs are read 8 splits at a time, so the merge costs a few L2 round trips rather
+// than one per split. Other CTAs wrote the partials: read through L2 (ld.cg).
+template <int kHeadDim>
+__device__ __forceinline__ void CombineTileCta(int t0, int m, int kv_head, int group,
+                                               int num_heads, int num_splits, int active_splits,
+                                               const float* partial_out,
+                                               const float* partial_stats, bf16* out) {
+  constexpr int kPerLane = (kHeadDim + kWarpSize - 1) / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  for (int r = warp; r < m * group; r += num_warps) {
+    const size_t head = static_cast<size_t>(t0 + r / group) * num_heads + kv_head * group +
+                        r % group;
+    float weight[2];
+    const float inv_total =
+        SplitWeights(partial_stats + head * num_splits * 2, active_splits, weight);
+    float acc[kPerLane] = {};
+    const float* o = partial_out + head * num_splits * kHeadDim;
+#pragma unroll 8
+    for (int z = 0; z < active_splits; ++z) {
+      const float w =
+          __shfl_sync(kFullMask, z < kWarpSize ? weight[0] : weight[1], z % kWarpSize);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + kWarpSize * i;
+        if (c < kHeadDim) acc[i] += w * __ldcg(o + z * kHeadDim + c);
+      }
+    }
+    bf16* dst = out + head * kHeadDim;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int c = lane + kWarpSize * i;
+      if (c < kHeadDim) dst[c] = __float2bfloat16(acc[i] * inv_total);
+    }
+  }
+}
+
+// The tile path's ending for a split tile: the last CTA merges the tile's rows.
+template <int kHeadDim>
+__device__ __forceinline__ void FinishSplitCta(int t0, int m, int kv_head, int group,
+                                               int num_heads, int num_kv_heads, int num_splits,
+                                               int active_splits, const float* partial_out,
+                                               const float* partial_stats, uint32_t* tile_sems,
+                                               bf16* out) {
+  uint32_t* sem = tile_sems + static_cast<size_t>(t0) * num_kv_heads + kv_head;
+  if (!LastSplitToArrive(sem, active_splits)) return;
+  CombineTileCta<kHeadDim>(t0, m, kv_head, group, num_heads, num_splits, active_splits,
+                           partial_out, partial_stats, out);
+  if (threadIdx.x == 0) *sem = 0;
+}
+
+// The query tile a CTA of the tile paths computes: tokens t0 .. t0 + m - 1 of one sequence (a
+// run of its tokens in the batch, cut at positions that are multiples of rows-per-CTA / group),
+// `rows` = m * group query rows (row = token offset * group + head of the group), and this
+// CTA's split of the keys 0 .. the last token's position: [key_begin, key_end), whole
+// kAttnKeys tiles per split.
+struct QueryTile {
+  int t0, m, rows, seq, num_keys, key_begin, key_end, active_splits;
+};
+
+// The tile of CTA (blockIdx.x, ., blockIdx.z) with kRows rows per CTA; false when the CTA has
+// none (its token is not a tile's first, or its split is past the tile's keys).
+template <int kRows>
+__device__ __forceinline__ bool FindQueryTile(const BatchDesc* desc, const int32_t* positions,
+                                              const int32_t* token_seq, int group,
+                                              int num_splits, QueryTile* tile) {
+  const int t0 = blockIdx.x;
+  const int num_tokens = desc->num_tokens;
+  if (t0 >= num_tokens) return false;
+  const int tile_tokens = kRows / group;
+  const int seq = token_seq[t0];
+  if (t0 > 0 && token_seq[t0 - 1] == seq && positions[t0] % tile_tokens != 0) return false;
+  int m = 1;
+  while (m < tile_tokens && t0 + m < num_tokens && token_seq[t0 + m] == seq &&
+         positions[t0 + m] % tile_tokens != 0) {
+    ++m;
+  }
+  const int num_keys = positions[t0 + m - 1] + 1;
+  const int span = (num_keys + num_splits - 1) / num_splits;
+  const int split_keys = (span + kAttnKeys - 1) / kAttnKeys * kAttnKeys;
+  const int active_splits = (num_keys + split_keys - 1) / split_keys;
+  if (static_cast<int>(blockIdx.z) >= active_splits) return false;  // uniform over the CTA
+  const int key_begin = blockIdx.z * split_keys;
+  *tile = QueryTile{t0, m, m * group, seq, num_keys, key_begin,
+                    min(key_begin + split_keys, num_keys), active_splits};
+  return true;
+}
+
+// q: [bucket, num_heads, D] bf16 (after RoPE); k_cache, v_cache: this layer's
+// [num_blocks, block_size, num_kv_heads, D] bf16; out: [bucket, num_heads, D] bf16.
+// Needs AttentionSmem<D, kRows>::kBytes of dynamic shared memory and kAttnThreads threads;
+// num_heads / num_kv_heads <= kRows (checked by the host). The next key tile is fetched into
+// registers while the current one is computed on. When a tile's keys span more than one split
+// (grid.z = num_splits > 1): partial_out: [bucket, num_heads, num_splits, D] f32,
+// partial_stats: [.., num_splits, 2] f32 (running max in log2 units, sum), merged into `out` by
+// the tile's last CTA (FinishSplitCta; tile_sems: [bucket, num_kv_heads] u32, zero at rest).
+template <int kHeadDim, int kRows>
+__device__ __forceinline__ void PagedAttentionCta(
+    const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
+    const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
+    const bf16* v_cache, int block_size, int num_heads, int num_kv_heads, float scale, bf16* out,
+    int num_splits, float* partial_out, float* partial_stats, uint32_t* tile_sems) {
+  namespace wmma = nvcuda::wmma;
+  using L = AttentionSmem<kHeadDim, kRows>;
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per head vector
+  constexpr int kDimTiles = kHeadDim / 16, kKeyTiles = kAttnKeys / 16;
+  constexpr int kLoads = kAttnKeys * kChunks / kAttnThreads;  // K (and V) chunks per thread
+  static_assert(kAttnKeys * kChunks % kAttnThreads == 0, "whole chunks per thread");
+
+  const int kv_head = blockIdx.y, split = blockIdx.z;
+  const int group = num_heads / num_kv_heads;
+  QueryTile tile;
+  if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, &tile)) return;
+  const int t0 = tile.t0, m = tile.m, rows = tile.rows, key_begin = tile.key_begin;
+  const int key_end = tile.key_end, active_splits = tile.active_splits;
+  const int row_tiles = (rows + 15) / 16;
+  const int padded_rows = row_tiles * 16;
+  const int32_t* table = block_tables + static_cast<size_t>(tile.seq) * max_blocks_per_seq;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* s_q = reinterpret_cast<bf16*>(smem + L::kQ);
+  bf16* s_k = reinterpret_cast<bf16*>(smem + L::kK);
+  bf16* s_v = reinterpret_cast<bf16*>(smem + L::kV);
+  float* s_s = reinterpret_cast<float*>(smem + L::kS);
+  bf16* s_p = reinterpret_cast<bf16*>(smem + L::kP);
+  float* s_o = reinterpret_cast<float*>(smem + L::kO);
+  float* s_max = reinterpret_cast<float*>(smem + L::kMax);
+  float* s_sum = reinterpret_cast<float*>(smem + L::kSum);
+  int* s_pos = reinterpret_cast<int*>(smem + L::kPos);
+
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  for (int c = tid; c < padded_rows * kChunks; c += kAttnThreads) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < rows) {
+      const size_t head = static_cast<size_t>(t0 + r / group) * num_heads +
+                          kv_head * group + r % group;
+      v = *reinterpret_cast<const uint4*>(q + head * kHeadDim + col);
+    }
+    *reinterpret_cast<uint4*>(s_q + r * L::kLdQ + col) = v;
+  }
+  for (int c = tid; c < padded_rows * kHeadDim; c += kAttnThreads) {
+    s_o[(c / kHeadDim) * L::kLdO + c % kHeadDim] = 0.f;
+  }
+  for (int r = tid; r < kRows; r += kAttnThreads) {
+    s_max[r] = -INFINITY;
+    s_sum[r] = 0.f;
+    s_pos[r] = r < rows ? positions[t0 + r / group] : -1;
+  }
+  const float scale_log2 = scale * 1.4426950408889634f;
+
+  // Gathers a key tile's keys and values from their blocks into registers; keys past the end
+  // read as zeros.
+  uint4 k_reg[kLoads], v_reg[kLoads];
+  auto fetch = [&](int key0) {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int c = tid + i * kAttnThreads;
+      const int j = c / kChunks, col = (c % kChunks) * 8, key = key0 + j;
+      k_reg[i] = v_reg[i] = make_uint4(0, 0, 0, 0);
+      if (key < key_end) {
+        const int block = table[key / block_size];
+        if (block >= 0) {
+          const size_t off =
+              ((static_cast<size_t>(block) * block_size + key % block_size) * num_kv_heads +
+               kv_head) * kHeadDim + col;
+          k_reg[i] = *reinterpret_cast<const uint4*>(k_cache + off);
+          v_reg[i] = *reinterpret_cast<const uint4*>(v_cache + off);
+        }
+      }
+    }
+  };
+  if (key_begin < key_end) fetch(key_begin);
+  for (int key0 = key_begin; key0 < key_end; key0 += kAttnKeys) {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int c = tid + i * kAttnThreads;
+      const int j = c / kChunks, col = (c % kChunks) * 8;
+      *reinterpret_cast<uint4*>(s_k + j * L::kLdQ + col) = k_reg[i];
+      *reinterpret_cast<uint4*>(s_v + j * L::kLdQ + col) = v_reg[i];
+    }
+    __syncthreads();
+    if (key0 + kAttnKeys < key_end) fetch(key0 + kAttnKeys);  // in flight during this tile
+
+    // S = Q K^T: [padded_rows, kAttnKeys]
+    for (int tile = warp; tile < row_tiles * kKeyTiles; tile += kAttnWarps) {
+      const int mt = tile / kKeyTiles, nt = tile % kKeyTiles;
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+      for (int kk = 0; kk < kDimTiles; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b;
+        wmma::load_matrix_sync(a, s_q + mt * 16 * L::kLdQ + kk * 16, L::kLdQ);
+        wmma::load_matrix_sync(b, s_k + nt * 16 * L::kLdQ + kk * 16, L::kLdQ);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(s_s + mt * 16 * L::kLdS + nt * 16, acc, L::kLdS,
+                              wmma::mem_row_major);
+    }
+    __syncthreads();
+
+    // Online softmax, one warp per row; each lane owns keys lane and lane + 32 of the tile.
+    static_assert(kAttnKeys == 2 * kWarpSize, "softmax assumes two keys per lane");
+    for (int r = warp; r < padded_rows; r += kAttnWarps) {
+      bf16* p_row = s_p + r * L::kLdP;
+      if (r >= rows) {
+        p_row[lane] = p_row[lane + kWarpSize] = __float2bfloat16(0.f);
+        continue;
+      }
+      const float* s_row = s_s + r * L::kLdS;
+      const int qpos = s_pos[r];
+      const float s0 = key0 + lane <= qpos ? s_row[lane] * scale_log2 : -INFINITY;
+      const float s1 = key0 + lane + kWarpSize <= qpos ? s_row[lane + kWarpSize] * scale_log2
+                                                       : -INFINITY;
+      const float old_max = s_max[r];
+      const float new_max = fmaxf(old_max, WarpMax(fmaxf(s0, s1)));
+      // -inf while every key so far is masked (a split that starts past this row's position):
+      // exponentiate against 0 then, so that p = 0 and alpha = 0 rather than NaN.
+      const float ref_max = new_max == -INFINITY ? 0.f : new_max;
+      const bf16 p0 = __float2bfloat16(exp2f(s0 - ref_max));
+      const bf16 p1 = __float2bfloat16(exp2f(s1 - ref_max));
+      p_row[lane] = p0;
+      p_row[lane + kWarpSize] = p1;
+      // Sum the rounded probabilities that P V will use.
+      const float p_sum = WarpSum(__bfloat162float(p0) + __bfloat162float(p1));
+      const float alpha = exp2f(old_max - ref_max);  // 0 while old_max is -inf
+      float* o_row = s_o + r * L::kLdO;
+      for (int c = lane; c < kHeadDim; c += kWarpSize) o_row[c] *= alpha;
+      __syncwarp();
+      if (lane == 0) {
+        s_max[r] = new_max;
+        s_sum[r] = s_sum[r] * alpha + p_sum;
+      }
+    }
+    __syncthreads();
+
+    // O += P V: [padded_rows, D]
+    for (int tile = warp; tile < row_tiles * kDimTiles; tile += kAttnWarps) {
+      const int mt = tile / kDimTiles, dt = tile % kDimTiles;
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      float* o_tile = s_o + mt * 16 * L::kLdO + dt * 16;
+      wmma::load_matrix_sync(acc, o_tile, L::kLdO, wmma::mem_row_major);
+#pragma unroll
+      for (int kk = 0; kk < kKeyTiles; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
+        wmma::load_matrix_sync(a, s_p + mt * 16 * L::kLdP + kk * 16, L::kLdP);
+        wmma::load_matrix_sync(b, s_v + kk * 16 * L::kLdQ + dt * 16, L::kLdQ);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(o_tile, acc, L::kLdO, wmma::mem_row_major);
+    }
+    __syncthreads();
+  }
+
+  __syncthreads();  // s_max/s_sum/s_o complete
+  for (int r = warp; r < rows; r += kAttnWarps) {
+    const size_t head = static_cast<size_t>(t0 + r / group) * num_heads + kv_head * group +
+                        r % group;
+    if (active_splits == 1) {
+      const float inv_sum = 1.f / s_sum[r];
+      bf16* dst = out + head * kHeadDim;
+      for (int c = lane; c < kHeadDim; c += kWarpSize) {
+        dst[c] = __float2bfloat16(s_o[r * L::kLdO + c] * inv_sum);
+      }
+    } else {
+      const size_t part = head * num_splits + split;
+      float* dst = partial_out + part * kHeadDim;
+      for (int c = lane; c < kHeadDim; c += kWarpSize) dst[c] = s_o[r * L::kLdO + c];
+      if (lane == 0) {
+        partial_stats[2 * part] = s_max[r];
+        partial_stats[2 * part + 1] = s_sum[r];
+      }
+    }
+  }
+  if (active_splits > 1) {
+    FinishSplitCta<kHeadDim>(t0, m, kv_head, group, num_heads, num_kv_heads, num_splits,
+                             active_splits, partial_out, partial_stats, tile_sems, out);
+  }
+}
+
+// Shared memory of TileAttentionMmaCta: kStages stages of kKeys keys (a query tile's rows: 64
+// keys, or 16 in the decode-sized variant), each stage the keys' K rows then their V rows.
+template <int kHeadDim, int kRows>
+struct TileStages {
+  static constexpr int kKeys = kRows;
+  static constexpr int kStages = 2;
+  static constexpr int kPieces = kHeadDim / 8;  // 16-byte pieces of a row
+  static constexpr size_t kStageBytes = 2 * kKeys * kHeadDim * sizeof(bf16);
+  static constexpr size_t kBytes = kStages * kStageBytes;
+
+  // Where piece p of row r sits: p XOR RowMask(r), the mask r mod 8 rotated right by one bit.
+  // A row is a multiple of 128 bytes, so a piece's bank group is its index mod 8, and the
+  // reads are conflict-free: ldmatrix's 8 rows r .. r + 7 of one piece (the mask is a
+  // bijection mod 8), and a quarter warp's key fragments, rows 2 i and 2 i + 1 with pieces
+  // 4 s .. 4 s + 3 each (their masks differ in bit 2). The mask depends on r mod 8 only, so a
+  // lane whose rows are all alike mod 8 computes it once.
+  static __device__ __forceinline__ int RowMask(int r) {
+    const int m = r & 7;
+    return (m >> 1 | m << 2) & 7;
+  }
+  static __device__ __forceinline__ int Swizzle(int r, int p) { return p ^ RowMask(r); }
+};
+
+// The query tiles on mma.sync (head dims 64 and 128; others take PagedAttentionCta), for prefill
+// chunks: warp w owns query rows 16 w .. 16 w + 15 of the tile (kRows / 16 warps work) and runs
+// its own online softmax over the split's keys, FlashAttention-2 style: S = Q K^T and O = P V
+// with Q, the scores, the probabilities and O in registers.
+// - Keys and values come through shared memory: all the CTA's threads copy the next kKeys keys'
+//   K and V rows (cp.async, zeros past the tile's keys) while the warps compute on the current
+//   ones, two stages; so each key is read from L2 once per CTA, and the warps wait on global
+//   memory only for the block-table lookups that start each copy. A warp takes 32 keys as one
+//   softmax block: one rescale of O per block (none once its rows' maxima stop moving), and
+//   the causal mask only in blocks that cross a row's position or the split's end (warps with
+//   rows past the tile take the masked blocks throughout).
+// - The row sums add the fp32 probabilities, P V their bf16 roundings (as FlashAttention-2;
+//   the other two paths sum the rounded values): a relative difference of at most 2^-9.
+// - Q is the A operand (rows g and g + 8 of the warp's 16), K the col-major B operand (column
+//   n: key n of an 8-key tile); lane (g, t) reads 16 bytes, dims 32 s + 8 t .. + 7, of each
+//   (the k order inside an MMA is free, as in gemv.cuh).
+// - The scores' C layout is P's A layout for O = P V (k = 16 keys).
+// - V is the B operand, read with ldmatrix.trans: two 8-dim output tiles per ldmatrix.x4.
+// A warp stops at the last key its rows may see (causal); the copies run to the tile's last.
+// Partials and the split merge as in PagedAttentionCta. kWarps * 32 threads.
+template <int kHeadDim, int kRows, int kWarps>
+__device__ __forceinline__ void TileAttentionMmaCta(
+    const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
+    const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
+    const bf16* v_cache, int block_size, int num_heads, int num_kv_heads, float scale, bf16* out,
+    int num_splits, float* partial_out, float* partial_stats, uint32_t* tile_sems) {
+  using Stages = TileStages<kHeadDim, kRows>;
+  constexpr int kKeys = Stages::kKeys, kPieces = Stages::kPieces;
+  constexpr int kSteps = kHeadDim / 32;    // 32-dim steps of S = Q K^T (two MMAs each)
+  constexpr int kOutTiles = kHeadDim / 8;  // 8-dim tiles of O = P V
+  // Keys per softmax block: 32 (64 would rescale O half as often, but its scores and
+  // probabilities spill 232 bytes of registers at head dim 128, where 32 spill 24)
+  constexpr int kBlockKeys = kKeys < 32 ? kKeys : 32;
+  constexpr int kKeyTiles = kBlockKeys / 8;  // 8-key tiles of S
+  // threads copying one key row (the CTA's first kKeys * kCopyThreads threads copy)
+  constexpr int kCopyThreads = kPieces < kWarps * kWarpSize / kKeys ? kPieces
+                                                                     : kWarps * kWarpSize / kKeys;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128");
+  static_assert(kRows % 16 == 0 && kRows / 16 <= kWarps, "a warp per 16 rows");
+  static_assert(kCopyThreads > 0 && kPieces % kCopyThreads == 0 && kKeys % 16 == 0,
+                "every thread copies whole pieces of one row; whole MMA k-steps of keys");
+  const int kv_head = blockIdx.y, split = blockIdx.z;
+  const int group = num_heads / num_kv_heads;
+  QueryTile tile;
+  if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, &tile)) return;
+  // The tile's last token sees the most keys: the split ends at or before its key.
+  const int key_end = tile.key_end;
+  const int num_key_tiles = (key_end - tile.key_begin + kKeys - 1) / kKeys;
+  const KeyRows<kHeadDim> cache_rows(block_tables, max_blocks_per_seq, tile.seq, block_size,
+                                     num_kv_heads, kv_head);
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int g = lane / 4, tq = lane % 4;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  auto stage_keys = [&](int stage) {
+    return reinterpret_cast<bf16*>(smem + stage * Stages::kStageBytes);
+  };
+  // All threads: keys key_tile * kKeys .. of the split into stage key_tile % 2, then commit.
+  // kCopyThreads threads per key row (one block-table lookup each): pieces p, p + kCopyThreads,
+  // .. of its K and V rows, p = tid % kCopyThreads.
+  auto copy_key_tile = [&](int key_tile) {
+    bf16* dst = stage_keys(key_tile % Stages::kStages);
+    const int r = tid / kCopyThreads, key = tile.key_begin + key_tile * kKeys + r;
+    // every thread copies, unless the CTA has more threads than a key tile has pieces
+    if (kKeys * kCopyThreads == kWarps * kWarpSize || r < kKeys) {
+      const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
+      const int bytes = off >= 0 ? 16 : 0;
+      const bf16* k_row = k_cache + (off >= 0 ? off : 0);
+      const bf16* v_row = v_cache + (off >= 0 ? off : 0);
+#pragma unroll
+      for (int i = 0; i < kPieces / kCopyThreads; ++i) {
+        const int p = tid % kCopyThreads + kCopyThreads * i;
+        const int at = r * kHeadDim + 8 * Stages::Swizzle(r, p);
+        CpAsync16(dst + at, k_row + 8 * p, bytes);
+        CpAsync16(dst + kKeys * kHeadDim + at, v_row + 8 * p, bytes);
+      }
+    }
+    CpAsyncCommit();
+  };
+  copy_key_tile(0);  // in flight while Q is read
+
+  // This lane's two rows (h = 0: row g, h = 1: row g + 8 of the warp's): query head (computed
+  // where used, not held through the key loop), position (-1 for rows past the tile: every key
+  // masked) and Q's 16-byte pieces.
+  auto query_head = [&](int h) {
+    const int r = 16 * warp + g + 8 * h;
+    return static_cast<size_t>(tile.t0 + r / group) * num_heads + kv_head * group + r % group;
+  };
+  int pos[2];
+  uint4 qr[2][kSteps];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const bool live = 16 * warp + g + 8 * h < tile.rows;
+    pos[h] = live ? positions[tile.t0 + (16 * warp + g + 8 * h) / group] : -1;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      qr[h][s] = live ? *reinterpret_cast<const uint4*>(q + query_head(h) * kHeadDim + 32 * s +
+                                                        8 * tq)
+                      : make_uint4(0, 0, 0, 0);
+    }
+  }
+  // The warp's keys: up to its last row's; unmasked below the first row's (and the split's end).
+  const int key_stop = min(key_end, __reduce_max_sync(kFullMask, max(pos[0], pos[1])) + 1);
+  const int unmasked_stop =
+      min(key_end, static_cast<int>(__reduce_min_sync(
+                       kFullMask, static_cast<unsigned>(min(pos[0], pos[1]) + 1))));
+  const float scale_log2 = scale * 1.4426950408889634f;
+  float o[kOutTiles][4];
+#pragma unroll
+  for (int j = 0; j < kOutTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.f, 0.f};  // run_sum: lane's keys
+
+  // The lane's stage rows: key fragments from rows = g (mod 8), ldmatrix addresses from rows
+  // = lane (mod 8) (r0 and every tile offset below are multiples of 8).
+  const int key_mask = Stages::RowMask(g), value_mask = Stages::RowMask(lane & 7);
+  const int value_row = (lane & 7) + 8 * ((lane >> 3) & 1), value_piece = lane >> 4;
+
+  // One softmax block: keys key0 .. key0 + kBlockKeys - 1, rows r0 .. of the stage, masked or
+  // not. Scores stay unscaled until the exponent (scale > 0: the max commutes with it).
+  auto key_block = [&](const bf16* k_tile, const bf16* v_tile, int r0, int key0, auto masked) {
+    float sc[kKeyTiles][4];  // [8-key tile n][C fragment]: rows g, g + 8; keys 8 n + 2 t (+1)
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+      const bf16* k_row = k_tile + (r0 + 8 * n + g) * kHeadDim;
+      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const uint4 kv =
+            *reinterpret_cast<const uint4*>(k_row + 8 * ((4 * s + tq) ^ key_mask));
+        MmaBf16Step32(sc[n], qr[0][s], qr[1][s], kv);
+      }
+    }
+    // Online softmax of rows g (h = 0: C elements 0, 1) and g + 8 (h = 1: elements 2, 3); a
+    // row may have no live key yet (-inf: p = 0, alpha = 0).
+    uint32_t pa[2][kKeyTiles];  // P's A fragments: [h][n]
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float block_max = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& v = sc[n][2 * h + e];
+          if constexpr (decltype(masked)::value) {
+            const int key = key0 + 8 * n + 2 * tq + e;
+            if (key >= key_end || key > pos[h]) v = -INFINITY;
+          }
+          block_max = fmaxf(block_max, v);
+        }
+      block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 1));
+      block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 2));
+      const float new_max = fmaxf(run_max[h], block_max * scale_log2);
+      const float ref_max = new_max == -INFINITY ? 0.f : new_max;
+      alpha[h] = FastExp2(run_max[h] - ref_max);
+      run_max[h] = new_max;
+      float p_sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) {
+        const float p0 = FastExp2(fmaf(sc[n][2 * h], scale_log2, -ref_max));
+        const float p1 = FastExp2(fmaf(sc[n][2 * h + 1], scale_log2, -ref_max));
+        p_sum += p0 + p1;
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
+        pa[h][n] = *reinterpret_cast<const uint32_t*>(&pair);
+      }
+      run_sum[h] = run_sum[h] * alpha[h] + p_sum;
+    }
+    // Once the rows' maxima settle (most blocks of a long context), O needs no rescaling.
+    if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int j = 0; j < kOutTiles; ++j) {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+      }
+    }
+    // O += P V, 16 keys (k) at a time; ldmatrix.trans: lanes 8 i .. 8 i + 7 address rows
+    // (keys) 8 (i % 2) .. of dims 8 (i / 2) .. of a 16-dim pair of output tiles.
+#pragma unroll
+    for (int kc = 0; kc < kBlockKeys / 16; ++kc) {
+      const bf16* v_row = v_tile + (r0 + 16 * kc + value_row) * kHeadDim;
+#pragma unroll
+      for (int jp = 0; jp < kOutTiles / 2; ++jp) {
+        uint32_t b[4];
+        LdMatrixX4Trans(b, v_row + 8 * ((2 * jp + value_piece) ^ value_mask));
+        MmaBf16(o[2 * jp], pa[0][2 * kc], pa[1][2 * kc], pa[0][2 * kc + 1], pa[1][2 * kc + 1],
+                b[0], b[1]);
+        MmaBf16(o[2 * jp + 1], pa[0][2 * kc], pa[1][2 * kc], pa[0][2 * kc + 1],
+                pa[1][2 * kc + 1], b[2], b[3]);
+      }
+    }
+  };
+
+  for (int key_tile = 0; key_tile < num_key_tiles; ++key_tile) {
+    if (key_tile + 1 < num_key_tiles) {
+      copy_key_tile(key_tile + 1);  // its stage's last readers passed the barrier below
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();  // every thread's copies of this key tile have landed
+    const bf16* k_tile = stage_keys(key_tile % Stages::kStages);
+#pragma unroll 1
+    for (int r0 = 0; r0 < kKeys; r0 += kBlockKeys) {
+      const int key0 = tile.key_begin + key_tile * kKeys + r0;
+      if (key0 + kBlockKeys <= unmasked_stop) {  // warp-uniform branches
+        key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0, std::false_type{});
+      } else if (key0 < key_stop) {
+        key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0, std::true_type{});
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before it is copied over
+  }
+
+  // Each row: its sum over its four lanes, then out (one split) or the partials; lane (g, t)
+  // holds dims 8 j + 2 t and 8 j + 2 t + 1 of its rows.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    run_sum[h] += __shfl_xor_sync(kFullMask, run_sum[h], 1);
+    run_sum[h] += __shfl_xor_sync(kFullMask, run_sum[h], 2);
+    if (pos[h] < 0) continue;
+    if (tile.active_splits == 1) {
+      const float inv_sum = 1.f / run_sum[h];
+      bf16* dst = out + query_head(h) * kHeadDim + 2 * tq;
+#pragma unroll
+      for (int j = 0; j < kOutTiles; ++j) {
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+            __floats2bfloat162_rn(o[j][2 * h] * inv_sum, o[j][2 * h + 1] * inv_sum);
+      }
+    } else {
+      const size_t part = query_head(h) * num_splits + split;
+      float* dst = partial_out + part * kHeadDim + 2 * tq;
+#pragma unroll
+      for (int j = 0; j < kOutTiles; ++j) {
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+      }
+      if (tq == 0) {
+        partial_stats[2 * part] = run_max[h];
+        partial_stats[2 * part + 1] = run_sum[h];
+      }
+    }
+  }
+  if (tile.active_splits > 1) {
+    FinishSplitCta<kHeadDim>(tile.t0, tile.m, kv_head, group, num_heads, num_kv_heads,
+                             num_splits, tile.active_splits, partial_out, partial_stats,
+                             tile_sems, out);
+  }
+}
+
+}  // namespace blink
