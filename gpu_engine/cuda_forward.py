@@ -330,7 +330,8 @@ class ForwardKernels:
         [rows, num_heads, num_splits, 2] f32 and tile_sems: [rows, num_kv_heads] u32 (zero
         before the first launch; each use leaves it zero). small: the tile variant with
         attention_small_rows query rows per CTA (decode-sized buckets); wide (with small): its
-        kernel with attention_wide_threads threads a CTA (csrc/attention_common.cuh kAttnWideWarps)."""
+        kernel with attention_wide_threads threads a CTA (csrc/attention_common.cuh
+        kAttnWideWarps)."""
         group = num_heads // num_kv_heads
         max_rows = self.attention_small_rows if small else self.attention_rows
         self._need(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")

@@ -757,12 +757,17 @@ def test_paged_attention_many_splits(cf, stream, head_dim, num_heads, num_kv_hea
                      variant, 0, block_size=16)
 
 
+def _attention_flags(variant: str) -> dict[str, bool]:
+    """ForwardKernels.attention's kernel arguments for a variant ("", "small", "small_wide")."""
+    return dict(small=variant.startswith("small"), wide=variant.endswith("wide"))
+
+
 def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant,
                      decode_min_keys, block_size):
     """variant: the kernel's name past blink_paged_attention ("", "small", "small_wide")."""
     k = kernels(cf, head_dim)
-    small, wide = variant.startswith("small"), variant.endswith("wide")
-    if small and num_heads // num_kv_heads > k.attention_small_rows:
+    flags = _attention_flags(variant)
+    if flags["small"] and num_heads // num_kv_heads > k.attention_small_rows:
         pytest.skip("GQA group larger than the small variant's rows")
     seqs = ATTENTION_BATCHES[batch]
     tokens = sum(n for _, n in seqs)
@@ -798,7 +803,7 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
         k.attention(stream, BUCKET, desc(cf, tokens, len(pb.seqs)).ptr, d["positions"].ptr,
                     d["token_seq"].ptr, d["tables"].ptr, pb.max_blocks, d["q"].ptr, d["kc"].ptr,
                     d["vc"].ptr, bs, num_heads, num_kv_heads, D ** -0.5, out.ptr, splits,
-                    part_out.ptr, part_stats.ptr, sems.ptr, small=small, wide=wide,
+                    part_out.ptr, part_stats.ptr, sems.ptr, **flags,
                     decode_min_keys=decode_min_keys)
         cf.synchronize(stream)
         assert (sems.download() == 0).all(), "a tile counter was left non-zero"
@@ -1391,7 +1396,7 @@ def test_kernel_timings(cf, stream, models):
             cf, stream, lambda: k.attention(
                 stream, rows, dd.ptr, d[0].ptr, d[1].ptr, d[2].ptr, pb.max_blocks, q.ptr, kc.ptr,
                 vc.ptr, bs, nh, nkv, D ** -0.5, out.ptr, splits, part_out.ptr, part_stats.ptr,
-                sems.ptr, small=variant.startswith("small"), wide=variant.endswith("wide")))
+                sems.ptr, **_attention_flags(variant)))
     vocab, rows = 128256, 64
     logits = dev(cf, (rng.standard_normal((rows, vocab)) * 3).astype(np.float32))
     for label, (temp, top_p, top_k) in (("greedy", (0.0, 1.0, 0)), ("T=1", (1.0, 1.0, 0)),
