@@ -654,17 +654,19 @@ def test_rope_kv_write(cf, stream, head_dim, tokens, variant):
 @pytest.mark.parametrize("wide", [False, True])  # one and two row tiles per CTA
 @pytest.mark.parametrize("hidden", [256, 4096])  # remainder steps only; whole batches too
 @pytest.mark.parametrize("layout", ["row-major", "tiled"])
-@pytest.mark.parametrize("rows", [8, 16])  # one and two column tiles
+@pytest.mark.parametrize("rows", [8, 16, 32])  # one, two and four column tiles
 def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, layout, rows):
-    """The qkv projection with its RMSNorm and RoPE + KV write fused, against float64:
-    rms_norm(x) @ w^T, then RoPE, q to its buffer, k and v into the paged cache. Rows past the
-    live tokens (the bucket's `rows`) write nothing. tokens 12 and 19: their first `rows` tokens
-    at most (12 of 16: the second column tile part live)."""
+    """The qkv projection with RoPE + KV write fused, against float64: rms_norm(x) @ w^T (8
+    and 16 rows: the RMSNorm folded in) or x @ w^T (32 rows: x is the RMSNorm kernel's output),
+    then RoPE, q to its buffer, k and v into the paged cache. Rows past the live tokens (the
+    bucket's `rows`) write nothing. tokens 12 and 19: their first `rows` tokens at most (12 of
+    16: the second column tile part live; 19 of 32: the third)."""
     k = kernels(cf, head_dim)
     rng = np.random.default_rng(head_dim + tokens + wide)
     heads = ((64, 8) if head_dim == 128 else (128, 8)) if wide else (4, 2)
     case = RopeCase(cf, head_dim, tokens, variant, rng, *heads)
-    assert k._skinny_tiles(rows, 256, case.width, False, True) == (2 if wide else 1, rows // 8)
+    norm = rows <= k.SKINNY_NORM_MAX_ROWS
+    assert k._skinny_tiles(rows, 256, case.width, False, norm) == (2 if wide else 1, rows // 8)
     live = min(tokens, rows)
     case.tokens = live
     x = rb(rng.standard_normal((rows, hidden)) * 5)
@@ -673,12 +675,13 @@ def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, la
     d_x, d_w = dev(cf, float32_to_bf16_bits(x)), dev(cf, tiled(w_bits) if layout == "tiled"
                                                       else w_bits)
     k.skinny_qkv_rope(stream, rows, desc(cf, live, len(case.pb.seqs)).ptr, d_x.ptr, d_w.ptr,
-                      hidden, case.eps, case.d["positions"].ptr, case.d["token_seq"].ptr,
-                      case.d["tables"].ptr, case.pb.max_blocks, case.ptr["bias"],
-                      case.d["inv_freq"].ptr, case.nh, case.nkv, case.q_out.ptr, case.kc.ptr,
-                      case.vc.ptr, case.bs, case.pb.num_blocks, w_tiled=layout == "tiled")
+                      hidden, case.eps if norm else None, case.d["positions"].ptr,
+                      case.d["token_seq"].ptr, case.d["tables"].ptr, case.pb.max_blocks,
+                      case.ptr["bias"], case.d["inv_freq"].ptr, case.nh, case.nkv,
+                      case.q_out.ptr, case.kc.ptr, case.vc.ptr, case.bs, case.pb.num_blocks,
+                      w_tiled=layout == "tiled")
     cf.synchronize(stream)
-    h = x[:live] * _rms_scale(x[:live], case.eps)
+    h = x[:live] * _rms_scale(x[:live], case.eps) if norm else x[:live]
     case.check(rb(h @ w.T.astype(np.float64)).astype(np.float64))
 
 

@@ -132,8 +132,10 @@ BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide_any_block, blink::kAttnRo
 
 // Skinny linear layers (gemv.cuh), one entry per (row tiles, column tiles) shape; the _norm
 // entries take the residual stream's bf16 shadow and fold its RMSNorm in (decode-sized buckets:
-// one or two column tiles), the qkv_rope ones also apply RoPE and write q and the KV cache
-// (rope.cuh).
+// one or two column tiles). The qkv_rope entries also apply RoPE and write q and the KV cache
+// (rope.cuh SkinnyQkvRopeCta): qkv_rope_norm with the RMSNorm folded in (up to 16 rows),
+// qkv_rope after the RMSNorm kernel (17 to 32 rows: four column tiles; one signature for
+// both, eps unused there).
 #define BLINK_SKINNY_LINEAR(A, C)                                                            \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
       blink_skinny_linear_##A##x##C(const bf16* x, int ldx, int M, const bf16* w,            \
@@ -157,26 +159,32 @@ BLINK_SKINNY_LINEAR(2, 4)
                                          int mode, float eps) {                              \
     blink::SkinnyLinearCta<A, C, true>(x, ldx, M, w, w_tiled, N, K, out, ldo, mode, nullptr, \
                                        eps);                                                 \
-  }                                                                                          \
-  __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
-      blink_skinny_qkv_rope_##A##x##C(                                                       \
-          const bf16* x, int ldx, int M, const bf16* w, int w_tiled, int N, int K, float eps,\
-          const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,         \
-          const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,         \
-          const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out,               \
-          bf16* k_cache, bf16* v_cache, int block_size, int num_blocks) {                    \
-    __shared__ blink::GemvSums<A, C> sums;                                                   \
-    blink::SkinnyAccumulate<A, C, true>(x, ldx, M, w, w_tiled, N, K, eps, sums);             \
-    blink::SkinnyStoreQkvRope<kHeadDim>(sums, M, desc, positions, token_seq, block_tables,   \
-                                        max_blocks_per_seq, qkv_bias, inv_freq, num_heads,   \
-                                        num_kv_heads, q_out, k_cache, v_cache, block_size,   \
-                                        num_blocks);                                         \
   }
 BLINK_SKINNY_NORM_LINEAR(1, 1)
 BLINK_SKINNY_NORM_LINEAR(2, 1)
 BLINK_SKINNY_NORM_LINEAR(1, 2)
 BLINK_SKINNY_NORM_LINEAR(2, 2)
 #undef BLINK_SKINNY_NORM_LINEAR
+
+#define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM)                                              \
+  __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas) NAME(          \
+      const bf16* x, int ldx, int M, const bf16* w, int w_tiled, int N, int K, float eps,    \
+      const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,             \
+      const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,             \
+      const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out, bf16* k_cache,    \
+      bf16* v_cache, int block_size, int num_blocks) {                                       \
+    blink::SkinnyQkvRopeCta<kHeadDim, A, C, NORM>(                                           \
+        x, ldx, M, w, w_tiled, N, K, eps, desc, positions, token_seq, block_tables,          \
+        max_blocks_per_seq, qkv_bias, inv_freq, num_heads, num_kv_heads, q_out, k_cache,     \
+        v_cache, block_size, num_blocks);                                                    \
+  }
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1, 1, 1, true)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x1, 2, 1, true)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2, 1, 2, true)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x2, 2, 2, true)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_1x4, 1, 4, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false)
+#undef BLINK_SKINNY_QKV_ROPE
 
 // Split-K linear with shared activations, added into fp32 (gemv.cuh SplitKAddLinearCta): the
 // residual-adding projections of 17..32-row steps.

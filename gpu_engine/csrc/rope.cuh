@@ -187,4 +187,22 @@ __device__ __forceinline__ void SkinnyStoreQkvRope(
   }
 }
 
+// The qkv projection with RoPE + KV write as its epilogue (SkinnyAccumulate, then
+// SkinnyStoreQkvRope). kNormIn: x is the residual stream's bf16 shadow and the input RMSNorm is
+// folded in (decode buckets of up to 16 rows); else x is the RMSNorm's output (17 to 32 rows,
+// where the residual-adding projections are split-K ones and write no shadow).
+template <int kHeadDim, int kRowTiles, int kColTiles, bool kNormIn>
+__device__ __forceinline__ void SkinnyQkvRopeCta(
+    const bf16* x, int ldx, int M, const bf16* w, bool w_tiled, int N, int K, float eps,
+    const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
+    const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,
+    const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out, bf16* k_cache,
+    bf16* v_cache, int block_size, int num_blocks) {
+  __shared__ GemvSums<kRowTiles, kColTiles> sums;
+  SkinnyAccumulate<kRowTiles, kColTiles, kNormIn>(x, ldx, M, w, w_tiled, N, K, eps, sums);
+  SkinnyStoreQkvRope<kHeadDim>(sums, M, desc, positions, token_seq, block_tables,
+                               max_blocks_per_seq, qkv_bias, inv_freq, num_heads, num_kv_heads,
+                               q_out, k_cache, v_cache, block_size, num_blocks);
+}
+
 }  // namespace blink
