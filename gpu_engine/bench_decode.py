@@ -292,7 +292,8 @@ def time_step(fwd, point: Point, blocks_per_seq: int) -> float:
 # The projection (roofline.projection_weights' key) whose weights an op label reads
 # (CudaForward.ops' labels, fused and unfused).
 LABEL_PROJECTION = {"qkv proj": "qkv", "rmsnorm + qkv proj": "qkv",
-                    "rmsnorm + qkv proj + rope + kv write": "qkv", "o proj + residual": "o",
+                    "rmsnorm + qkv proj + rope + kv write": "qkv",
+                    "qkv proj + rope + kv write": "qkv", "o proj + residual": "o",
                     "gate|up proj": "gate_up", "gate|up proj + silu*mul": "gate_up",
                     "rmsnorm + gate|up proj + silu*mul": "gate_up",
                     "down proj + residual": "down", "lm head": "lm_head"}

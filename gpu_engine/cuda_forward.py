@@ -643,7 +643,8 @@ class CudaForward:
         cuBLAS; without the copies cuBLAS anyway). skinny_qkv_rope: in steps of
         SKINNY_NORM_MAX_ROWS + 1 to SKINNY_MAX_ROWS rows, the qkv projection runs the skinny
         kernel on its tiled copy after the RMSNorm kernel, RoPE + KV write as its epilogue
-        (False: cuBLAS, then RoPE + KV write as a kernel of their own)."""
+        (False: cuBLAS, then RoPE + KV write as a kernel of their own; so too without the
+        tiled copies, and for Qwen3, whose per-head q/k norms keep RoPE a kernel)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -927,9 +928,10 @@ class CudaForward:
         shadow = self.x_shadow.ptr if fuse else 0
         # 17 to 32 rows: the split-K projections write no shadow, so the RMSNorm stays a kernel,
         # but the qkv projection runs the skinny kernel on its tiled copy, RoPE + KV write in
-        # its epilogue. Alone it is no faster than cuBLAS and the RoPE kernel (8B, 32 rows: 599
-        # against 517 + 91 us a step), but the step is 3% shorter (5.25 -> 5.09 ms): a kernel
-        # fewer a layer, and the one it replaces is a cuBLAS GEMM, which starts cold (no PDL)
+        # its epilogue. Alone it is about as fast as cuBLAS and the RoPE kernel (8B, 32 rows:
+        # 599 against 517 + 91 us a step), but the step is 3% shorter (5.25 -> 5.09 ms): a
+        # kernel fewer a layer, and the one it replaces is a cuBLAS GEMM, which starts cold
+        # (no PDL)
         qkv_rope_after_norm = (self.skinny_qkv_rope and self.skinny
                                and rows > k.SKINNY_NORM_MAX_ROWS
                                and k.skinny_fits(rows, H, Q + 2 * KV))
