@@ -145,6 +145,10 @@ def _i32(v) -> ctypes.c_int32:
     return ctypes.c_int32(int(v))
 
 
+def _u32(v) -> ctypes.c_uint32:
+    return ctypes.c_uint32(v)
+
+
 def _f32(v) -> ctypes.c_float:
     return ctypes.c_float(float(v))
 
@@ -165,6 +169,7 @@ class ForwardKernels:
                     "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform", "blink_signal_done",
                     "blink_hold_sm", "blink_tile_weights", "blink_splitk_add_linear",
+                    "blink_rowblock_silu_mul",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
                     *(f"blink_skinny_{kind}_{a}x{c}" for kind in ("linear_norm", "qkv_rope_norm")
                       for a in (1, 2) for c in (1, 2)),
@@ -221,6 +226,8 @@ class ForwardKernels:
         self.splitk_cols = self._constant("blink_splitk_cols")
         self.splitk_chunk_align = self._constant("blink_splitk_chunk_align")
         self.splitk_max_chunk = self._constant("blink_splitk_max_chunk")
+        self.rowblock_chunk = self._constant("blink_rowblock_chunk")
+        self.rowblock_smem = self._constant("blink_rowblock_smem_bytes")
         # dynamic shared memory of each chunk size (a multiple of splitk_chunk_align)
         self.splitk_smem = dict(zip(
             range(self.splitk_chunk_align, self.splitk_max_chunk + 1, self.splitk_chunk_align),
@@ -250,6 +257,9 @@ class ForwardKernels:
         max_smem = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         check(driver.cuFuncSetAttribute(self.fn[name], max_smem, max(self.splitk_smem.values())),
               f"cuFuncSetAttribute({name} smem)")
+        check(driver.cuFuncSetAttribute(self.fn["blink_rowblock_silu_mul"], max_smem,
+                                        self.rowblock_smem),
+              "cuFuncSetAttribute(blink_rowblock_silu_mul smem)")
         # its CTAs an SM for each chunk size (the chunk of x in shared memory may decide)
         self.splitk_ctas_per_sm = {
             chunk: check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -373,22 +383,34 @@ class ForwardKernels:
     def skinny_fits(cls, rows: int, in_features: int, out_features: int) -> bool:
         """Whether skinny_linear can take this shape (in either weight layout)."""
         return (1 <= rows <= cls.SKINNY_MAX_ROWS and in_features % 32 == 0
-                and cls.tiled_rows(out_features) * in_features < 2 ** 31)
+                and cls.tiled_elements(out_features, in_features) < 2 ** 31)
 
-    @staticmethod
-    def tiled_rows(rows: int) -> int:
-        """A weight's rows in the skinny kernels' tiled layout: whole 16-row tiles."""
-        return -(-rows // 16) * 16
+    # Elements after each 16-row tile of the tiled layout (1 KB). Without it a tile of K =
+    # 4,096 columns is 128 KB, and the 8 concurrent tile streams of a split-K or row-block CTA
+    # start a power of two apart: a read-only probe of that pattern streamed 4.15 TB/s on 8B's
+    # gate|up, 4.51 with the pad (the skinny kernel's pattern: 4.53 either way;
+    # docs/performance.md round 8).
+    TILE_PAD = 512
+
+    @classmethod
+    def tile_stride(cls, cols: int) -> int:
+        """Elements from one 16-row tile of a tiled weight of `cols` columns to the next."""
+        return 16 * cols + cls.TILE_PAD
+
+    @classmethod
+    def tiled_elements(cls, rows: int, cols: int) -> int:
+        """A [rows, cols] weight's size in the tiled layout: whole 16-row tiles, each padded."""
+        return -(-rows // 16) * cls.tile_stride(cols)
 
     def tile_weights(self, stream, w, tiled, rows: int, cols: int) -> None:
         """tiled = w [rows, cols] bf16 row-major in the skinny kernels' tiled layout (gemv.cuh:
-        16-row tiles of 32-column steps, 1 KB each, the last tile padded with zeros); tiled
-        holds tiled_rows(rows) * cols elements."""
+        16-row tiles of 32-column steps, 1 KB each, tile_stride(cols) elements apart, the
+        last tile's rows and the pads zeros); tiled holds tiled_elements(rows, cols)."""
         self._need(cols % 32 == 0, f"tiled weights need columns % 32 == 0, got {cols}")
-        pieces = self.tiled_rows(rows) * cols // 8
+        pieces = self.tiled_elements(rows, cols) // 8
         self.launch("blink_tile_weights", (min(65535, -(-pieces // 256)),), (256,),
-                    [_ptr(w), _ptr(tiled), _i32(rows), _i32(cols), ctypes.c_uint64(pieces)],
-                    stream)
+                    [_ptr(w), _ptr(tiled), _i32(rows), _i32(cols),
+                     _u32(self.tile_stride(cols)), ctypes.c_uint64(pieces)], stream)
 
     # Where the skinny kernel beats cuBLAS (H200, bench_decode, Llama-3.1-8B and 3.2-1B shapes):
     # at up to 16 token rows, for every projection whose output it fuses (the residual add,
@@ -441,8 +463,9 @@ class ForwardKernels:
         row_tiles, col_tiles = self._skinny_tiles(rows, in_features, out_features, silu,
                                                   norm_eps is not None)
         ldo = out_features // 2 if silu else out_features
-        args = [_ptr(x), _i32(in_features), _i32(rows), _ptr(w), _i32(w_tiled),
-                _i32(out_features), _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
+        args = [_ptr(x), _i32(in_features), _i32(rows), _ptr(w),
+                _u32(self.tile_stride(in_features) if w_tiled else 0), _i32(out_features),
+                _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
         if norm_eps is None:
             name, args = f"blink_skinny_linear_{row_tiles}x{col_tiles}", args + [_ptr(shadow)]
         else:
@@ -469,8 +492,9 @@ class ForwardKernels:
                    f"takes {self.SKINNY_NORM_MAX_ROWS + 1} to {self.SKINNY_MAX_ROWS} rows")
         self.launch(f"blink_skinny_qkv_rope{'_norm' if norm else ''}_{row_tiles}x{col_tiles}",
                     (-(-out_features // (16 * row_tiles)),), (self.gemv_threads,),
-                    [_ptr(x), _i32(hidden), _i32(rows), _ptr(w), _i32(w_tiled),
-                     _i32(out_features), _i32(hidden), _f32(eps if norm else 0.0), _ptr(desc),
+                    [_ptr(x), _i32(hidden), _i32(rows), _ptr(w),
+                     _u32(self.tile_stride(hidden) if w_tiled else 0), _i32(out_features),
+                     _i32(hidden), _f32(eps if norm else 0.0), _ptr(desc),
                      _ptr(positions), _ptr(token_seq), _ptr(block_tables),
                      _i32(max_blocks_per_seq), _ptr(qkv_bias), _ptr(inv_freq), _i32(num_heads),
                      _i32(num_kv_heads), _ptr(q_out), _ptr(k_cache), _ptr(v_cache),
@@ -485,7 +509,7 @@ class ForwardKernels:
         """Whether splitk_add_linear can take this shape (tiled weights)."""
         return (1 <= rows <= self.splitk_cols and out_features > 0 and out_features % 4 == 0
                 and in_features > 0 and in_features % self.splitk_chunk_align == 0
-                and self.tiled_rows(out_features) * in_features < 2 ** 31)
+                and self.tiled_elements(out_features, in_features) < 2 ** 31)
 
     def splitk_chunk(self, in_features: int, out_features: int) -> int:
         """The columns of K each split-K CTA takes: of the chunks that divide in_features in
@@ -525,8 +549,51 @@ class ForwardKernels:
                     (-(-out_features // self.splitk_rows), in_features // chunk),
                     (self.splitk_threads,),
                     [_ptr(desc), _ptr(x), _i32(in_features), _i32(rows), _ptr(w_tiled),
-                     _i32(out_features), _i32(in_features), _i32(chunk), _ptr(out),
+                     _u32(self.tile_stride(in_features)), _i32(out_features),
+                     _i32(in_features), _i32(chunk), _ptr(out),
                      _i32(out_features)], stream, smem=self.splitk_smem[chunk])
+
+    def rowblock_fits(self, rows: int, in_features: int, out_features: int) -> bool:
+        """Whether rowblock_silu_mul can take this gate|up shape (tiled weights)."""
+        return (1 <= rows <= self.splitk_cols and out_features > 0 and out_features % 32 == 0
+                and in_features > 0 and in_features % self.splitk_chunk_align == 0
+                and self.tiled_elements(out_features, in_features) < 2 ** 31)
+
+    # The row-block kernel runs one CTA a 128 weight rows over all of K, so a grid short of the
+    # GPU's slots leaves SMs idle: it takes gate|up where its CTAs fill at least this share of
+    # two an SM (8B: 224 CTAs for 262 slots; 1B's 128 stay on cuBLAS).
+    ROWBLOCK_MIN_FILL = 0.8
+
+    def rowblock_preferred(self, rows: int, in_features: int, out_features: int) -> bool:
+        """Whether the forward pass should run gate|up + SiLU on rowblock_silu_mul."""
+        ctas = -(-out_features // self.splitk_rows)
+        return (self.rowblock_fits(rows, in_features, out_features)
+                and ctas >= self.ROWBLOCK_MIN_FILL * 2 * self.sm_count)
+
+    def rowblock_chunk_columns(self, in_features: int) -> int:
+        """x's columns a slab of rowblock_silu_mul: the most, up to rowblock_chunk, that divide
+        in_features in whole batches."""
+        return max(c for c in range(self.splitk_chunk_align, self.rowblock_chunk + 1,
+                                    self.splitk_chunk_align) if in_features % c == 0)
+
+    def rowblock_silu_mul(self, stream, rows, desc, x, w_tiled, out, in_features,
+                          out_features):
+        """out[rows, out_features / 2] (bf16) = silu(gate) * up of x[rows, in_features] @ w^T,
+        w gate|up interleaved in 16-row groups (interleave_gate_up) in the tiled layout, a
+        CTA's 128 rows over all of K with x's chunks in shared memory; rows <= splitk_cols.
+        desc: only the live rows (BatchDesc.num_tokens) are written."""
+        self._need(self.rowblock_fits(rows, in_features, out_features),
+                   f"the row-block gate|up takes rows <= {self.splitk_cols}, in_features % "
+                   f"{self.splitk_chunk_align} == 0, out_features % 32 == 0, got {rows} x "
+                   f"{in_features} -> {out_features}")
+        self._need(int(x) % 16 == 0 and int(w_tiled) % 16 == 0,
+                   "the row-block gate|up needs x and w 16-byte aligned")
+        self.launch("blink_rowblock_silu_mul", (-(-out_features // self.splitk_rows),),
+                    (self.splitk_threads,),
+                    [_ptr(desc), _ptr(x), _i32(in_features), _i32(rows), _ptr(w_tiled),
+                     _u32(self.tile_stride(in_features)), _i32(out_features),
+                     _i32(in_features), _i32(self.rowblock_chunk_columns(in_features)),
+                     _ptr(out), _i32(out_features // 2)], stream, smem=self.rowblock_smem)
 
     def silu_mul(self, stream, rows, desc, gate_up, out, inter):
         """gate_up: [rows, 2 inter] bf16 in the interleaved 16-feature layout
@@ -612,7 +679,8 @@ class CudaForward:
                  fuse_norm_rope: bool = True, max_attention_splits: int | None = None,
                  gemm_tuning: bool = True, held_sms: int = 1,
                  sm_count_target: int | None = None, decode_weight_copy: bool = True,
-                 splitk_residual: bool = True, skinny_qkv_rope: bool = True):
+                 splitk_residual: bool = True, skinny_qkv_rope: bool = True,
+                 rowblock_gate_up: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -644,7 +712,12 @@ class CudaForward:
         SKINNY_NORM_MAX_ROWS + 1 to SKINNY_MAX_ROWS rows, the qkv projection runs the skinny
         kernel on its tiled copy after the RMSNorm kernel, RoPE + KV write as its epilogue
         (False: cuBLAS, then RoPE + KV write as a kernel of their own; so too without the
-        tiled copies, and for Qwen3, whose per-head q/k norms keep RoPE a kernel)."""
+        tiled copies, and for Qwen3, whose per-head q/k norms keep RoPE a kernel).
+        rowblock_gate_up: in steps of SKINNY_PREFERRED_ROWS + 1 to splitk_cols rows, the
+        gate|up projection and SiLU * up run ForwardKernels.rowblock_silu_mul on the tiled
+        copy, after the RMSNorm kernel, where its grid fills the GPU
+        (ForwardKernels.rowblock_preferred: Llama-3.1-8B, not 3.2-1B) (False: cuBLAS, then the
+        SiLU kernel)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -665,6 +738,7 @@ class CudaForward:
         self.fuse_norm_rope = fuse_norm_rope
         self.splitk_residual = splitk_residual
         self.skinny_qkv_rope = skinny_qkv_rope
+        self.rowblock_gate_up = rowblock_gate_up
         self.max_attention_splits = max_attention_splits
         self.lm_head_tiled: DeviceArray | None = None  # the skinny LM head's (decode_weight_copy)
         self.decode_min_keys = (self.DECODE_MIN_KEYS if decode_min_keys is None
@@ -858,7 +932,7 @@ class CudaForward:
         def tiled_copy(w: DeviceArray, rows: int, cols: int) -> DeviceArray | None:
             if not k.skinny_fits(1, cols, rows):
                 return None  # no skinny kernel takes it
-            copy = self._alloc(k.tiled_rows(rows) * cols, BF16)
+            copy = self._alloc(k.tiled_elements(rows, cols), BF16)
             k.tile_weights(self.stream, w.ptr, copy.ptr, rows, cols)
             return copy
         for lw in self.layers:
@@ -995,6 +1069,12 @@ class CudaForward:
                     wgu, tiled = skinny_weight(lw, "wgu")
                     op("gate|up proj + silu*mul", k.skinny_linear, s, self.h.ptr, wgu,
                        self.act.ptr, rows, H, 2 * I, SKINNY_SILU_MUL, w_tiled=tiled)
+                # 17 to 32 rows: a CTA's 128 rows over all of K, SiLU in its epilogue (8B, 32
+                # rows: 1,974 us a step against cuBLAS's 1,957 and the SiLU kernel's 72)
+                elif (self.rowblock_gate_up and "wgu" in lw.tiled
+                      and k.rowblock_preferred(rows, H, 2 * I)):
+                    op("gate|up proj + silu*mul", k.rowblock_silu_mul, s, rows, d, self.h.ptr,
+                       lw.tiled["wgu"].ptr, self.act.ptr, H, 2 * I)
                 else:
                     linear("gate|up proj", self.h.ptr, lw, "wgu", self.gate_up.ptr, H, 2 * I)
                     op("silu*mul", k.silu_mul, s, rows, d, self.gate_up.ptr, self.act.ptr, I)

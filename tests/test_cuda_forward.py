@@ -270,14 +270,17 @@ def test_interleave_gate_up_layout(cf):
     np.testing.assert_array_equal(w[48:], up[16:])
 
 
-def tiled(w_bits: np.ndarray) -> np.ndarray:
-    """The skinny kernels' tiled weight layout, from its definition (gemv.cuh): rows padded with
-    zeros to whole 16-row tiles, each tile's 32-column steps one after another, a step's 16 rows
-    x 32 columns contiguous."""
+def tiled(cf, w_bits: np.ndarray) -> np.ndarray:
+    """The skinny kernels' tiled weight layout, from its definition (gemv.cuh), flat: rows
+    padded with zeros to whole 16-row tiles, each tile's 32-column steps one after another, a
+    step's 16 rows x 32 columns contiguous, then ForwardKernels.TILE_PAD zeros after each
+    tile."""
     n, k = w_bits.shape
     padded = np.zeros((-(-n // 16) * 16, k), w_bits.dtype)
     padded[:n] = w_bits
-    return padded.reshape(-1, 16, k // 32, 32).transpose(0, 2, 1, 3).copy()
+    tiles = padded.reshape(-1, 16, k // 32, 32).transpose(0, 2, 1, 3).reshape(-1, 16 * k)
+    pad = np.zeros((tiles.shape[0], cf.ForwardKernels.TILE_PAD), w_bits.dtype)
+    return np.concatenate([tiles, pad], axis=1).ravel()
 
 
 @pytest.mark.parametrize("rows,cols", [(16, 32), (200, 544), (6144, 4096)])
@@ -286,10 +289,10 @@ def test_tile_weights(cf, stream, rows, cols):
     k = kernels(cf)
     w = np.random.default_rng(rows).integers(0, 2 ** 16, (rows, cols), dtype=np.uint16)
     src = dev(cf, w)
-    dst = dev(cf, np.zeros(k.tiled_rows(rows) * cols, np.uint16), poison=True)
+    dst = dev(cf, np.zeros(k.tiled_elements(rows, cols), np.uint16), poison=True)
     k.tile_weights(stream, src.ptr, dst.ptr, rows, cols)
     cf.synchronize(stream)
-    np.testing.assert_array_equal(dst.download(), tiled(w).ravel())
+    np.testing.assert_array_equal(dst.download(), tiled(cf, w))
 
 
 # (rows, in_features, out_features): 1..32 token rows (every column-tile count and partial
@@ -315,7 +318,7 @@ def test_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout):
     ref = x[:rows].astype(np.float64) @ w.T.astype(np.float64)
     w_tiled = layout == "tiled"
     dx = dev(cf, float32_to_bf16_bits(x))
-    dw = dev(cf, tiled(float32_to_bf16_bits(w)) if w_tiled else float32_to_bf16_bits(w))
+    dw = dev(cf, tiled(cf, float32_to_bf16_bits(w)) if w_tiled else float32_to_bf16_bits(w))
     if mode in ("bf16", "silu_mul"):
         expect, launch_mode = ref, cf.SKINNY_BF16
         if mode == "silu_mul":
@@ -387,7 +390,7 @@ def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode, layout)
         ref = gate / (1 + np.exp(-gate.astype(np.float64))) * up
     w_tiled = layout == "tiled"
     dx = dev(cf, float32_to_bf16_bits(x))
-    dw = dev(cf, tiled(float32_to_bf16_bits(w)) if w_tiled else float32_to_bf16_bits(w))
+    dw = dev(cf, tiled(cf, float32_to_bf16_bits(w)) if w_tiled else float32_to_bf16_bits(w))
     out = dev(cf, np.zeros((cap, ref.shape[1]), np.uint16), poison=True)
     k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_w,
                     cf.SKINNY_SILU_MUL if mode == "silu_mul" else cf.SKINNY_BF16, norm_eps=eps,
@@ -434,7 +437,7 @@ def test_splitk_add_linear(cf, stream, rows, k_in, n_out, chunk, live):
     resid = rng.standard_normal((cap, n_out)).astype(np.float32)
     expect = resid[:added] + x[:added].astype(np.float64) @ w.T.astype(np.float64)
     dx = dev(cf, float32_to_bf16_bits(x))
-    dw = dev(cf, tiled(float32_to_bf16_bits(w)))
+    dw = dev(cf, tiled(cf, float32_to_bf16_bits(w)))
     out = dev(cf, resid)
     k.splitk_add_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out, chunk=chunk,
                         desc=d.ptr if d else 0)
@@ -460,6 +463,52 @@ def test_splitk_add_linear_refuses_shapes_it_does_not_take(cf, stream):
     chunk = k.splitk_chunk(14336, 4096)
     assert 14336 % chunk == 0 and chunk % k.splitk_chunk_align == 0
     assert 4096 // k.splitk_chunk(4096, 4096) > 1
+
+
+# (rows, in_features, out_features): 17..32 token rows and fewer; K in one slab of x and in
+# several (slabs of 384 and 512 columns: 8B's gate|up is 4,096 in 8); gate|up rows in whole
+# CTAs and with a partial last one (9 pairs: two CTAs of 4 and one of 1).
+ROWBLOCK_CASES = [(17, 256, 256), (32, 4096, 1024), (20, 1152, 288), (3, 2048, 512)]
+
+
+@pytest.mark.parametrize("rows,k_in,n_w", ROWBLOCK_CASES)
+@pytest.mark.parametrize("live", [None, 13, 0])
+def test_rowblock_silu_mul(cf, stream, rows, k_in, n_w, live):
+    """gate|up + SiLU with a CTA's rows over all of K, against float64 on the same bf16 inputs
+    (gate and up rounded to bf16, as a GEMM stores them): every output of the live rows written
+    once, nothing past them (poison first), none for an empty step. x has exactly `rows` rows
+    (compute-sanitizer sees a read past them)."""
+    k = kernels(cf)
+    d = desc(cf, live) if live is not None else None
+    written = rows if live is None else min(rows, live)
+    rng = np.random.default_rng(rows * 13 + k_in)
+    cap, inter = 40, n_w // 2
+    x = rb(rng.standard_normal((rows, k_in)))
+    w = rb(rng.standard_normal((n_w, k_in)) * k_in ** -0.5)
+    pairs = (x[:written].astype(np.float64) @ w.T.astype(np.float64)).reshape(
+        written, inter // 16, 2, 16)  # rows of w: gate|up interleaved in 16s
+    gate = rb(pairs[:, :, 0].reshape(written, inter))
+    up = rb(pairs[:, :, 1].reshape(written, inter))
+    expect = gate / (1 + np.exp(-gate.astype(np.float64))) * up
+    dx = dev(cf, float32_to_bf16_bits(x))
+    dw = dev(cf, tiled(cf, float32_to_bf16_bits(w)))
+    out = dev(cf, np.zeros((cap, inter), np.uint16), poison=True)
+    k.rowblock_silu_mul(stream, rows, d.ptr if d else 0, dx.ptr, dw.ptr, out.ptr, k_in, n_w)
+    cf.synchronize(stream)
+    got = out.download()
+    if written:
+        assert rel_err(bf16_to_f32(got[:written]), expect) < 1e-2
+    assert (got[written:] == POISON_BF16).all()
+
+
+def test_rowblock_silu_mul_refuses_shapes_it_does_not_take(cf, stream):
+    k = kernels(cf)
+    assert not k.rowblock_fits(33, 256, 64) and not k.rowblock_fits(4, 96, 64)
+    assert not k.rowblock_fits(4, 256, 48)  # whole gate|up pairs of 16 rows
+    with pytest.raises(ValueError, match="row-block gate"):
+        k.rowblock_silu_mul(stream, 33, 0, 0, 0, 0, 256, 64)
+    assert [k.rowblock_chunk_columns(c) for c in (256, 1152, 4096, 14336)] == [256, 384, 512,
+                                                                               512]
 
 
 # --- elementwise kernels -------------------------------------------------------------------
@@ -672,7 +721,7 @@ def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, la
     x = rb(rng.standard_normal((rows, hidden)) * 5)
     w = rb(rng.standard_normal((case.width, hidden)) * hidden ** -0.5)
     w_bits = float32_to_bf16_bits(w[case.order])
-    d_x, d_w = dev(cf, float32_to_bf16_bits(x)), dev(cf, tiled(w_bits) if layout == "tiled"
+    d_x, d_w = dev(cf, float32_to_bf16_bits(x)), dev(cf, tiled(cf, w_bits) if layout == "tiled"
                                                       else w_bits)
     k.skinny_qkv_rope(stream, rows, desc(cf, live, len(case.pb.seqs)).ptr, d_x.ptr, d_w.ptr,
                       hidden, case.eps if norm else None, case.d["positions"].ptr,
@@ -1070,26 +1119,34 @@ def test_forward_chunked_prefill_then_decode(models, arch):
 
 
 def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, monkeypatch):
-    """A step of 17..32 rows runs its o and down projections on the split-K kernel (one of 16
-    rows or fewer on the skinny kernel, of 33 or more on cuBLAS), and its logits follow the
-    reference's."""
+    """A step of 17..32 rows runs its o and down projections on the split-K kernel and gate|up
+    + SiLU on the row-block kernel (one of 16 rows or fewer on the skinny kernel, of 33 or more
+    on cuBLAS), and its logits follow the reference's."""
     pair = Pair(models, "llama")
     k, layers = pair.engine.kernels, pair.cfg.num_layers
-    calls = []
-    splitk = k.splitk_add_linear
+    calls, rowblock_calls = [], []
+    splitk, rowblock = k.splitk_add_linear, k.rowblock_silu_mul
 
     def counted(stream, x, w, out, rows, in_features, out_features, **kwargs):
         calls.append(rows)
         return splitk(stream, x, w, out, rows, in_features, out_features, **kwargs)
 
+    def rowblock_counted(stream, rows, *args):
+        rowblock_calls.append(rows)
+        return rowblock(stream, rows, *args)
+
     monkeypatch.setattr(k, "splitk_add_linear", counted)
+    monkeypatch.setattr(k, "rowblock_silu_mul", rowblock_counted)
+    monkeypatch.setattr(k, "ROWBLOCK_MIN_FILL", 0)  # this model's 8 CTAs: the kernel anyway
     table = np.random.default_rng(6).permutation(NUM_BLOCKS)[:6]
     ids = prompt(pair.cfg, 62, seed=7)
     pos = 0
     for n, want in ((9, []), (20, [32] * 2 * layers), (33, [])):  # buckets 16, 32, 64
         calls.clear()
+        rowblock_calls.clear()
         pair.step([(ids[pos:pos + n], pos, table)], eager=True)  # ops() runs again: counted
         assert calls == want, f"{n} tokens"
+        assert rowblock_calls == want[:layers], f"{n} tokens: gate|up + SiLU"
         pos += n
     pair.record("split-K steps")
 

@@ -53,6 +53,8 @@ extern "C" __device__ const uint32_t blink_attention_max_splits = blink::kDecode
 // block sizes that are multiples of it take the attention kernels without _any_block
 extern "C" __device__ const uint32_t blink_attention_step_keys = blink::kMmaKeys;
 extern "C" __device__ const uint32_t blink_gemv_threads = blink::kGemvThreads;
+extern "C" __device__ const uint32_t blink_rowblock_chunk = blink::kRowBlockChunk;
+extern "C" __device__ const uint32_t blink_rowblock_smem_bytes = blink::kRowBlockSmemBytes;
 extern "C" __device__ const uint32_t blink_splitk_threads = blink::kSplitKThreads;
 extern "C" __device__ const uint32_t blink_splitk_rows = blink::kSplitKRows;
 extern "C" __device__ const uint32_t blink_splitk_cols = blink::kSplitKCols;
@@ -139,10 +141,10 @@ BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide_any_block, blink::kAttnRo
 #define BLINK_SKINNY_LINEAR(A, C)                                                            \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
       blink_skinny_linear_##A##x##C(const bf16* x, int ldx, int M, const bf16* w,            \
-                                    int w_tiled, int N, int K, void* out, int ldo, int mode, \
-                                    bf16* shadow) {                                          \
-    blink::SkinnyLinearCta<A, C, false>(x, ldx, M, w, w_tiled, N, K, out, ldo, mode, shadow, \
-                                        0.f);                                                \
+                                    uint32_t w_tile_stride, int N, int K, void* out, int ldo,\
+                                    int mode, bf16* shadow) {                                \
+    blink::SkinnyLinearCta<A, C, false>(x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode,   \
+                                        shadow, 0.f);                                        \
   }
 BLINK_SKINNY_LINEAR(1, 1)
 BLINK_SKINNY_LINEAR(1, 2)
@@ -155,10 +157,10 @@ BLINK_SKINNY_LINEAR(2, 4)
 #define BLINK_SKINNY_NORM_LINEAR(A, C)                                                       \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
       blink_skinny_linear_norm_##A##x##C(const bf16* x, int ldx, int M, const bf16* w,       \
-                                         int w_tiled, int N, int K, void* out, int ldo,      \
-                                         int mode, float eps) {                              \
-    blink::SkinnyLinearCta<A, C, true>(x, ldx, M, w, w_tiled, N, K, out, ldo, mode, nullptr, \
-                                       eps);                                                 \
+                                         uint32_t w_tile_stride, int N, int K, void* out,    \
+                                         int ldo, int mode, float eps) {                     \
+    blink::SkinnyLinearCta<A, C, true>(x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode,    \
+                                       nullptr, eps);                                        \
   }
 BLINK_SKINNY_NORM_LINEAR(1, 1)
 BLINK_SKINNY_NORM_LINEAR(2, 1)
@@ -168,13 +170,13 @@ BLINK_SKINNY_NORM_LINEAR(2, 2)
 
 #define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM)                                              \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas) NAME(          \
-      const bf16* x, int ldx, int M, const bf16* w, int w_tiled, int N, int K, float eps,    \
-      const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,             \
+      const bf16* x, int ldx, int M, const bf16* w, uint32_t w_tile_stride, int N, int K,    \
+      float eps, const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,  \
       const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,             \
       const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out, bf16* k_cache,    \
       bf16* v_cache, int block_size, int num_blocks) {                                       \
     blink::SkinnyQkvRopeCta<kHeadDim, A, C, NORM>(                                           \
-        x, ldx, M, w, w_tiled, N, K, eps, desc, positions, token_seq, block_tables,          \
+        x, ldx, M, w, w_tile_stride, N, K, eps, desc, positions, token_seq, block_tables,    \
         max_blocks_per_seq, qkv_bias, inv_freq, num_heads, num_kv_heads, q_out, k_cache,     \
         v_cache, block_size, num_blocks);                                                    \
   }
@@ -190,18 +192,28 @@ BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false)
 // residual-adding projections of 17..32-row steps.
 __global__ void __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)
     blink_splitk_add_linear(const BatchDesc* desc, const bf16* x, int ldx, int M, const bf16* w,
-                            int N, int K, int k_chunk, float* out, int ldo) {
-  blink::SplitKAddLinearCta(desc, x, ldx, M, w, N, K, k_chunk, out, ldo);
+                            uint32_t w_tile_stride, int N, int K, int k_chunk, float* out,
+                            int ldo) {
+  blink::SplitKAddLinearCta(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
+}
+
+// gate|up + SiLU of 17..32-row steps, a CTA's rows over all of K (gemv.cuh RowBlockSiluMulCta).
+__global__ void __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)
+    blink_rowblock_silu_mul(const BatchDesc* desc, const bf16* x, int ldx, int M, const bf16* w,
+                            uint32_t w_tile_stride, int N, int K, int k_chunk, bf16* out,
+                            int ldo) {
+  blink::RowBlockSiluMulCta(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
 }
 
 // The skinny kernels' tiled weights from row-major ones (gemv.cuh TileWeightsThread); not
 // part of the forward pass: run once, when the weights are in.
 __global__ void __launch_bounds__(256)
-    blink_tile_weights(const bf16* w, bf16* tiled, int N, int K, size_t pieces) {
+    blink_tile_weights(const bf16* w, bf16* tiled, int N, int K, uint32_t tile_stride,
+                       size_t pieces) {
   blink::AwaitPriorKernel();
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < pieces;
        i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    blink::TileWeightsThread(w, tiled, N, K, i);
+    blink::TileWeightsThread(w, tiled, N, K, tile_stride, i);
 }
 
 __global__ void __launch_bounds__(256)

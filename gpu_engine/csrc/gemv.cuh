@@ -9,8 +9,11 @@
 // g and g + 8 and of x row g, and each 32-k step is two MMAs over (k0 + 8t + 4s .. +3), s = 0, 1.
 // That permutes k identically in A and B, which leaves the dot products unchanged.
 //
-// W's layout: row-major [N, K], or tiled (w_tiled; tile_weights below): 16-row tiles, each
-// stored as its 32-k steps one after another, a step's 16 rows x 32 k (1 KB) contiguous. A
+// W's layout: row-major [N, K], or tiled (tile_weights below): 16-row tiles, each stored as its
+// 32-k steps one after another, a step's 16 rows x 32 k (1 KB) contiguous, the tiles
+// w_tile_stride elements apart (the host's ForwardKernels.tile_stride: 16 K and a 1 KB pad,
+// which keeps the 8 concurrent tile streams of a split-K or row-block CTA off power-of-two
+// strides). A
 // warp's load of one step then covers 512 contiguous bytes, and a CTA streams a contiguous
 // region, where row-major rows put the CTA's 16 or 32 concurrent streams 2 x K bytes apart.
 // Measured on the H200 (gate|up of Llama-3.1-8B, 235 MB, the same kernel): 3.6 TB/s
@@ -108,16 +111,17 @@ struct GemvSums {
   }
 };
 
-// x: [M, ldx] bf16 (row m at x + m * ldx, K used); w: [N, K] bf16 row-major, or tiled
-// (w_tiled: tiles of 16 rows, the last one padded); K % 32 == 0; the CTA's rows are
-// n0 = blockIdx.x * kRows .. + kRows - 1 (rows past N compute and drop the last row, or the
-// padding). kNormIn: row_scale[m] = 1 / sqrt(mean(x_m^2) + eps), else 1. Every thread of the
-// CTA calls it; sums is in shared memory and complete when it returns. blockDim.x =
-// kGemvThreads. It waits for the previous kernel itself (AwaitPriorKernel), after its first
-// weight loads.
+// x: [M, ldx] bf16 (row m at x + m * ldx, K used); w: [N, K] bf16 row-major (w_tile_stride
+// 0), or tiled (tiles of 16 rows w_tile_stride elements apart, the last one padded); K % 32 ==
+// 0; the CTA's rows are n0 = blockIdx.x * kRows .. + kRows - 1 (rows past N compute and drop
+// the last row, or the padding). kNormIn: row_scale[m] = 1 / sqrt(mean(x_m^2) + eps), else 1.
+// Every thread of the CTA calls it; sums is in shared memory and complete when it returns.
+// blockDim.x = kGemvThreads. It waits for the previous kernel itself (AwaitPriorKernel), after
+// its first weight loads.
 template <int kRowTiles, int kColTiles, bool kNormIn>
 __device__ __forceinline__ void SkinnyAccumulate(const bf16* x, int ldx, int M, const bf16* w,
-                                                 bool w_tiled, int N, int K, float eps,
+                                                 uint32_t w_tile_stride, int N, int K,
+                                                 float eps,
                                                  GemvSums<kRowTiles, kColTiles>& sums) {
   using S = GemvShape<kRowTiles, kColTiles>;
   static_assert(sizeof(GemvSums<kRowTiles, kColTiles>) <= 48 * 1024, "static shared memory");
@@ -133,15 +137,15 @@ __device__ __forceinline__ void SkinnyAccumulate(const bf16* x, int ldx, int M, 
   // end re-read the last row, or the last tile (their results are computed and dropped), so no
   // load is ever predicated off.
   uint32_t w_off[kRowTiles][2], x_off[kColTiles];
-  const uint32_t w_step = w_tiled ? 16 * 32 : 32;
+  const uint32_t w_step = w_tile_stride ? 16 * 32 : 32;
 #pragma unroll
   for (int a = 0; a < kRowTiles; ++a)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      w_off[a][h] =
-          w_tiled ? static_cast<uint32_t>(min(n0 + 16 * a, (N - 1) / 16 * 16)) * K +
-                        (8 * h + g) * 32 + 8 * t
-                  : static_cast<uint32_t>(min(n0 + 16 * a + 8 * h + g, N - 1)) * K + 8 * t;
+      w_off[a][h] = w_tile_stride
+                        ? static_cast<uint32_t>(min(n0 / 16 + a, (N - 1) / 16)) * w_tile_stride +
+                              (8 * h + g) * 32 + 8 * t
+                        : static_cast<uint32_t>(min(n0 + 16 * a + 8 * h + g, N - 1)) * K + 8 * t;
 #pragma unroll
   for (int j = 0; j < kColTiles; ++j)
     x_off[j] = static_cast<uint32_t>(min(8 * j + g, M - 1)) * ldx + 8 * t;
@@ -325,10 +329,10 @@ __device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles>&
 // (kGemvSiluMul: N = 2 * features, kRowTiles == 2); blockDim.x = kGemvThreads.
 template <int kRowTiles, int kColTiles, bool kNormIn>
 __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, const bf16* w,
-                                                bool w_tiled, int N, int K, void* out, int ldo,
-                                                int mode, bf16* shadow, float eps) {
+                                                uint32_t w_tile_stride, int N, int K, void* out,
+                                                int ldo, int mode, bf16* shadow, float eps) {
   __shared__ GemvSums<kRowTiles, kColTiles> sums;
-  SkinnyAccumulate<kRowTiles, kColTiles, kNormIn>(x, ldx, M, w, w_tiled, N, K, eps, sums);
+  SkinnyAccumulate<kRowTiles, kColTiles, kNormIn>(x, ldx, M, w, w_tile_stride, N, K, eps, sums);
   if constexpr (kRowTiles == 2) {
     if (mode == kGemvSiluMul) return SkinnyStoreSiluMul(sums, M, N, static_cast<bf16*>(out), ldo);
   }
@@ -398,62 +402,110 @@ __device__ __forceinline__ void RedAddF32x4(float* p, const float4& v) {
 #endif
 }
 
-// out[m, n] += sum_k x[m, k] W[n, k] for m < M <= kSplitKCols (and m < desc->num_tokens, the
-// live rows, when desc is given), n < N, k in this CTA's chunk [blockIdx.y * k_chunk, +
-// k_chunk). w: tiled [ceil(N / 16) * 16, K]; N % 4 == 0, ldo % 4 == 0 (16-byte adds); k_chunk a
-// multiple of kSplitKChunkAlign, at most kSplitKMaxChunk, dividing K; grid (ceil(N /
-// kSplitKRows), K / k_chunk), kSplitKThreads threads, SplitKSmemBytes(k_chunk) bytes of dynamic
-// shared memory.
-__device__ __forceinline__ void SplitKAddLinearCta(const BatchDesc* desc, const bf16* x, int ldx,
-                                                   int M, const bf16* w, int N, int K,
-                                                   int k_chunk, float* out, int ldo) {
-  extern __shared__ __align__(16) unsigned char splitk_smem[];
-  // the batch arrays are written before the graph launches: read before the wait
+// The token rows a split-K or row-block CTA computes: M, or the step's live ones given its
+// BatchDesc (written before the graph launches, so read before the wait). None: false, after
+// waiting for the previous kernel (an empty step's grid must not complete before it).
+__device__ __forceinline__ bool SplitKLiveRows(const BatchDesc* desc, int& M) {
   if (desc != nullptr) M = min(M, desc->num_tokens);
-  if (M <= 0) {
-    AwaitPriorKernel();  // an empty step's grid must not complete before its predecessor
-    return;
-  }
-  bf16* slab = reinterpret_cast<bf16*>(splitk_smem);
-  const int pitch = k_chunk + kSplitKPad;
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int g = lane / 4, t = lane % 4;
-  const int n0 = blockIdx.x * kSplitKRows, k0 = blockIdx.y * k_chunk;
-  // a warp past N reads the last tile again and drops its results
-  const int tile = min(n0 / 16 + warp, (N - 1) / 16);
-  // lane's first element: rows g (+ 256 elements: g + 8) of the tile's step k0 / 32, k 8 t
-  const uint32_t w_lane = static_cast<uint32_t>(tile) * 16 * K + (k0 / 32) * 512 + g * 32 + 8 * t;
+  if (M > 0) return true;
+  AwaitPriorKernel();
+  return false;
+}
+
+// One warp's part of the split-K and row-block kernels: a 16-row tile of tiled weights, streamed
+// kSplitKUnroll 32-k steps a batch, against x's rows (kSplitKCols) in a shared-memory slab.
+struct SplitKWarpTile {
   using Batch = uint4[kSplitKUnroll][2];
-  auto load_batch = [&](int b, Batch& wv) {
+  const bf16* w;
+  uint32_t w_lane;  // lane (g, t)'s first element: row g of the tile's first step, k 8 t
+  int g, t, warp;
+  float acc[kSplitKCols / 8][4];
+
+  __device__ __forceinline__ SplitKWarpTile(const bf16* weights, int tile, uint32_t tile_stride,
+                                            int first_step)
+      : w(weights) {
+    const int lane = threadIdx.x % kWarpSize;
+    g = lane / 4, t = lane % 4, warp = threadIdx.x / kWarpSize;
+    w_lane = static_cast<uint32_t>(tile) * tile_stride + first_step * 512 + g * 32 + 8 * t;
+#pragma unroll
+    for (int j = 0; j < kSplitKCols / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  }
+
+  // batch b's weights: rows g and g + 8 (256 elements further) of each of its steps
+  __device__ __forceinline__ void load(int b, Batch& wv) const {
 #pragma unroll
     for (int u = 0; u < kSplitKUnroll; ++u) {
       const uint32_t o = w_lane + static_cast<uint32_t>(b * kSplitKUnroll + u) * 512;
       wv[u][0] = LoadStreaming16(w + o);
       wv[u][1] = LoadStreaming16(w + o + 256);
     }
-  };
-  float acc[kSplitKCols / 8][4];
-#pragma unroll
-  for (int j = 0; j < kSplitKCols / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  // x rows 8 j + g, k 32 s + 8 t .. + 7 from the slab (rows past M are row M - 1 again)
-  auto mma_batch = [&](int b, const Batch& wv) {
+  }
+
+  // a batch's MMAs: x rows 8 j + g, k 32 u + 8 t .. + 7 past the slab column k_first (the
+  // batch's first step; rows past M are copies of row M - 1)
+  __device__ __forceinline__ void mma(const bf16* slab, int pitch, int k_first,
+                                      const Batch& wv) {
 #pragma unroll
     for (int u = 0; u < kSplitKUnroll; ++u) {
-      const int k = 32 * (b * kSplitKUnroll + u) + 8 * t;
+      const int k = k_first + 32 * u + 8 * t;
 #pragma unroll
       for (int j = 0; j < kSplitKCols / 8; ++j) {
         const uint4 xv = *reinterpret_cast<const uint4*>(slab + (8 * j + g) * pitch + k);
         MmaBf16Step32(acc[j], wv[u][0], wv[u][1], xv);
       }
     }
-  };
+  }
 
+  // The rest of the stream, batches 0 and 1 already loaded into even and odd: mma(b, wv) takes
+  // batch b, and batch b + 2's loads go out into its registers as soon as its MMAs are in.
+  template <class Mma>
+  __device__ __forceinline__ void stream(int batches, Batch& even, Batch& odd, Mma&& mma) {
+    for (int b = 0; b < batches; b += 2) {
+      mma(b, even);
+      if (b + 2 < batches) load(b + 2, even);
+      if (b + 1 < batches) {
+        mma(b + 1, odd);
+        if (b + 3 < batches) load(b + 3, odd);
+      }
+    }
+  }
+
+  // The sums into shared memory as [token][row] fp32, kSplitKOutLd a token: accumulator element
+  // e of column tile j is weight row 16 warp + g + 8 (e / 2) of the CTA, token 8 j + 2 t + e % 2.
+  __device__ __forceinline__ void store(float* tile_out) const {
+#pragma unroll
+    for (int j = 0; j < kSplitKCols / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        tile_out[(8 * j + 2 * t + e % 2) * kSplitKOutLd + 16 * warp + g + 8 * (e / 2)] =
+            acc[j][e];
+  }
+};
+
+// out[m, n] += sum_k x[m, k] W[n, k] for m < M <= kSplitKCols (and m < desc->num_tokens, the
+// live rows, when desc is given), n < N, k in this CTA's chunk [blockIdx.y * k_chunk, +
+// k_chunk). w: tiled, ceil(N / 16) tiles w_tile_stride elements apart; N % 4 == 0, ldo % 4 ==
+// 0 (16-byte adds); k_chunk a multiple of kSplitKChunkAlign, at most kSplitKMaxChunk, dividing
+// K; grid (ceil(N / kSplitKRows), K / k_chunk), kSplitKThreads threads, SplitKSmemBytes(k_chunk)
+// bytes of dynamic shared memory.
+__device__ __forceinline__ void SplitKAddLinearCta(const BatchDesc* desc, const bf16* x, int ldx,
+                                                   int M, const bf16* w,
+                                                   uint32_t w_tile_stride, int N, int K,
+                                                   int k_chunk, float* out, int ldo) {
+  extern __shared__ __align__(16) unsigned char splitk_smem[];
+  if (!SplitKLiveRows(desc, M)) return;
+  bf16* slab = reinterpret_cast<bf16*>(splitk_smem);
+  const int pitch = k_chunk + kSplitKPad;
+  const int n0 = blockIdx.x * kSplitKRows, k0 = blockIdx.y * k_chunk;
+  // a warp past N reads the last tile again and drops its results
+  SplitKWarpTile part(w, min(n0 / 16 + threadIdx.x / kWarpSize, (N - 1) / 16), w_tile_stride,
+                      k0 / 32);
   const int batches = k_chunk / kSplitKChunkAlign;
-  Batch even, odd;
+  SplitKWarpTile::Batch even, odd;
   // the first two batches of weights before waiting for the previous kernel (nothing in this
   // graph writes them): they stream while that kernel ends and while x's chunk is copied
-  load_batch(0, even);
-  if (batches > 1) load_batch(1, odd);
+  part.load(0, even);
+  if (batches > 1) part.load(1, odd);
   AwaitPriorKernel();
   const int pieces_per_row = k_chunk / 8;
   for (int i = threadIdx.x; i < kSplitKCols * pieces_per_row; i += blockDim.x) {
@@ -464,25 +516,15 @@ __device__ __forceinline__ void SplitKAddLinearCta(const BatchDesc* desc, const 
   CpAsyncCommit();
   CpAsyncWait<0>();
   __syncthreads();
-  for (int b = 0; b < batches; b += 2) {
-    mma_batch(b, even);
-    if (b + 2 < batches) load_batch(b + 2, even);
-    if (b + 1 < batches) {
-      mma_batch(b + 1, odd);
-      if (b + 3 < batches) load_batch(b + 3, odd);
-    }
-  }
+  part.stream(batches, even, odd, [&](int b, const SplitKWarpTile::Batch& wv) {
+    part.mma(slab, pitch, b * kSplitKChunkAlign, wv);
+  });
   ReleaseNextKernel();  // every weight is read: the next kernel may take freed SM slots
 
-  // Accumulator element e of column tile j: weight row 16 warp + g + 8 (e / 2) of the CTA, token
-  // 8 j + 2 t + e % 2; through shared memory as [token][row], then 16-byte adds along the rows.
+  // the sums through shared memory as [token][row], then 16-byte adds along the rows
   __syncthreads();  // every warp is done with the slab
   float* tile_out = reinterpret_cast<float*>(splitk_smem);
-#pragma unroll
-  for (int j = 0; j < kSplitKCols / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      tile_out[(8 * j + 2 * t + e % 2) * kSplitKOutLd + 16 * warp + g + 8 * (e / 2)] = acc[j][e];
+  part.store(tile_out);
   __syncthreads();
   for (int i = threadIdx.x; i < kSplitKCols * kSplitKRows / 4; i += blockDim.x) {
     const int m = i / (kSplitKRows / 4), r = 4 * (i % (kSplitKRows / 4));
@@ -492,17 +534,111 @@ __device__ __forceinline__ void SplitKAddLinearCta(const BatchDesc* desc, const 
   }
 }
 
+// --- whole rows with shared activations: gate|up + SiLU at 17 to 32 token rows -----------------
+//
+// The split-K kernel's warp-per-tile loop over all of K instead of a chunk: a CTA's 8 warps each
+// stream one 16-row tile of the tiled weights (kSplitKRows rows a CTA, 4 gate|up pairs of
+// interleave_gate_up's layout), so the CTA holds whole sums and applies SiLU * up itself: no
+// partial sums to meet, no [M, 2I] intermediate, no SiLU kernel. x passes through shared memory
+// in chunks of up to kRowBlockChunk columns, double-buffered (chunk c + 1 is copied while chunk c's
+// MMAs run; a CTA waits only for the first): a quarter of a byte of x from L2 per byte of
+// weights, where a skinny CTA at 32 rows reads a byte. Llama-3.1-8B's gate|up is 224 CTAs: one
+// wave at two an SM. Measured on the H200 (bench_decode, 8B, 32 rows at 512 keys, against cuBLAS
+// and the SiLU kernel in the same call): 1,974 against 1,957 + 72 us a step, the step 5.178 ->
+// 5.067 ms. (Round 9 of docs/performance.md: the same weights on the split-K kernel, whose
+// partial sums a SiLU kernel must then read and zero, and on skinny CTAs of four row tiles,
+// one an SM, were both slower than cuBLAS.)
+static constexpr int kRowBlockChunk = 512;
+static constexpr int kRowBlockPitch = kRowBlockChunk + kSplitKPad;  // bf16 elements a row
+static constexpr int kRowBlockSmemBytes = 2 * kSplitKCols * kRowBlockPitch * 2;
+static_assert(kRowBlockSmemBytes >= kSplitKCols * kSplitKOutLd * 4, "the epilogue's tile fits");
+
+// out[m, f] = silu(gate) * up (bf16; gate and up rounded to bf16 first, as stored by a GEMM)
+// for m < M <= kSplitKCols (and m < desc->num_tokens when desc is given) and features f < N /
+// 2, with w: gate|up interleaved in 16-row groups, tiled, ceil(N / 16) tiles w_tile_stride
+// elements apart; N % 32 == 0; k_chunk (x's columns a slab) a multiple of kSplitKChunkAlign, at
+// most kRowBlockChunk, dividing K; grid ceil(N / kSplitKRows), kSplitKThreads threads,
+// kRowBlockSmemBytes of dynamic shared memory.
+__device__ __forceinline__ void RowBlockSiluMulCta(const BatchDesc* desc, const bf16* x, int ldx,
+                                                   int M, const bf16* w,
+                                                   uint32_t w_tile_stride, int N, int K,
+                                                   int k_chunk, bf16* out, int ldo) {
+  extern __shared__ __align__(16) unsigned char rowblock_smem[];
+  if (!SplitKLiveRows(desc, M)) return;
+  bf16* slabs = reinterpret_cast<bf16*>(rowblock_smem);  // [2][kSplitKCols][kRowBlockPitch]
+  // a warp past N reads the last tile again (its features are dropped)
+  SplitKWarpTile part(w, min(static_cast<int>(blockIdx.x) * kSplitKWarps +
+                                 static_cast<int>(threadIdx.x) / kWarpSize, (N - 1) / 16),
+                      w_tile_stride, 0);
+  // x's chunk c into slab c % 2 (rows past M are row M - 1 again)
+  const int pieces = k_chunk / 8;
+  auto copy_chunk = [&](int c) {
+    bf16* slab = slabs + (c & 1) * kSplitKCols * kRowBlockPitch;
+    for (int i = threadIdx.x; i < kSplitKCols * pieces; i += blockDim.x) {
+      const int m = i / pieces, p = i % pieces;
+      CpAsync16(slab + m * kRowBlockPitch + 8 * p,
+                x + static_cast<size_t>(min(m, M - 1)) * ldx + c * k_chunk + 8 * p, 16);
+    }
+    CpAsyncCommit();
+  };
+  const int batches = K / kSplitKChunkAlign, chunks = K / k_chunk;
+  const int chunk_batches = k_chunk / kSplitKChunkAlign;
+  int chunk = 0, in_chunk = 0;  // where the next batch lies: its chunk, its batch in that chunk
+  // at a chunk's first batch, first: its copy has landed for every thread, and every warp is
+  // done with the other slab, which takes the next chunk
+  auto mma_batch = [&](int, const SplitKWarpTile::Batch& wv) {
+    if (in_chunk == 0) {
+      CpAsyncWait<0>();
+      __syncthreads();
+      if (chunk + 1 < chunks) copy_chunk(chunk + 1);
+    }
+    part.mma(slabs + (chunk & 1) * kSplitKCols * kRowBlockPitch, kRowBlockPitch,
+             in_chunk * kSplitKChunkAlign, wv);
+    if (++in_chunk == chunk_batches) {
+      in_chunk = 0;
+      ++chunk;
+    }
+  };
+
+  SplitKWarpTile::Batch even, odd;
+  // the first two batches of weights before waiting for the previous kernel
+  part.load(0, even);
+  if (batches > 1) part.load(1, odd);
+  AwaitPriorKernel();
+  copy_chunk(0);
+  part.stream(batches, even, odd, mma_batch);
+  ReleaseNextKernel();  // every weight is read: the next kernel may take freed SM slots
+
+  __syncthreads();  // every warp is done with the slabs
+  float* tile_out = reinterpret_cast<float*>(rowblock_smem);
+  part.store(tile_out);  // [token][row]
+  __syncthreads();
+  // the CTA's rows 32 p .. + 15 are the gate of features f0 + 16 p .. + 15, the next 16 their up
+  constexpr int kFeatures = kSplitKRows / 2;
+  const int f0 = blockIdx.x * kFeatures;
+  for (int i = threadIdx.x; i < kFeatures * M; i += blockDim.x) {
+    const int f = i % kFeatures, m = i / kFeatures, r = 32 * (f / 16) + f % 16;
+    if (f0 + f >= N / 2) continue;
+    const float gate = __bfloat162float(__float2bfloat16(tile_out[m * kSplitKOutLd + r]));
+    const float up = __bfloat162float(__float2bfloat16(tile_out[m * kSplitKOutLd + r + 16]));
+    out[static_cast<size_t>(m) * ldo + f0 + f] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
+  }
+}
+
 // W [N, K] row-major -> tiled (the layout above), one 16-byte piece (8 k) a thread: piece i of
-// the tiled copy is tile i / (2 K), step (i % (2 K)) / 64, row (i % 64) / 4, k 8 (i % 4) of the
-// step. Rows past N (the last tile's padding) are zeros. tiled: ceil(N / 16) * 16 * K elements.
+// the tiled copy is tile i / (tile_stride / 8), and within its tile (j = i % (tile_stride / 8))
+// step j / 64, row (j % 64) / 4, k 8 (j % 4) of the step; j >= 2 K is the tile's pad. Rows past
+// N (the last tile's padding) and the pads are zeros. tiled: ceil(N / 16) * tile_stride
+// elements; tile_stride >= 16 K, a multiple of 8.
 __device__ __forceinline__ void TileWeightsThread(const bf16* w, bf16* tiled, int N, int K,
-                                                  size_t piece) {
-  const size_t tile = piece / (2 * static_cast<size_t>(K));
-  const int within = static_cast<int>(piece % (2 * static_cast<size_t>(K)));
+                                                  uint32_t tile_stride, size_t piece) {
+  const size_t tile = piece / (tile_stride / 8);
+  const int within = static_cast<int>(piece % (tile_stride / 8));
   const int step = within / 64, row = within % 64 / 4, k = 32 * step + 8 * (within % 4);
   const size_t n = 16 * tile + row;
   uint4 v = make_uint4(0, 0, 0, 0);
-  if (n < static_cast<size_t>(N)) v = *reinterpret_cast<const uint4*>(w + n * K + k);
+  if (within < 2 * K && n < static_cast<size_t>(N))
+    v = *reinterpret_cast<const uint4*>(w + n * K + k);
   reinterpret_cast<uint4*>(tiled)[piece] = v;
 }
 

@@ -193,13 +193,13 @@ __device__ __forceinline__ void SkinnyStoreQkvRope(
 // where the residual-adding projections are split-K ones and write no shadow).
 template <int kHeadDim, int kRowTiles, int kColTiles, bool kNormIn>
 __device__ __forceinline__ void SkinnyQkvRopeCta(
-    const bf16* x, int ldx, int M, const bf16* w, bool w_tiled, int N, int K, float eps,
-    const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
+    const bf16* x, int ldx, int M, const bf16* w, uint32_t w_tile_stride, int N, int K,
+    float eps, const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,
     const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out, bf16* k_cache,
     bf16* v_cache, int block_size, int num_blocks) {
   __shared__ GemvSums<kRowTiles, kColTiles> sums;
-  SkinnyAccumulate<kRowTiles, kColTiles, kNormIn>(x, ldx, M, w, w_tiled, N, K, eps, sums);
+  SkinnyAccumulate<kRowTiles, kColTiles, kNormIn>(x, ldx, M, w, w_tile_stride, N, K, eps, sums);
   SkinnyStoreQkvRope<kHeadDim>(sums, M, desc, positions, token_seq, block_tables,
                                max_blocks_per_seq, qkv_bias, inv_freq, num_heads, num_kv_heads,
                                q_out, k_cache, v_cache, block_size, num_blocks);
