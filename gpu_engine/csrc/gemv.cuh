@@ -421,11 +421,14 @@ struct SplitKWarpTile {
   int g, t, warp;
   float acc[kSplitKCols / 8][4];
 
-  __device__ __forceinline__ SplitKWarpTile(const bf16* weights, int tile, uint32_t tile_stride,
-                                            int first_step)
+  // warp w of the CTA takes tile first_tile + w; a warp past N's last tile reads it again (its
+  // results are dropped)
+  __device__ __forceinline__ SplitKWarpTile(const bf16* weights, int first_tile, int N,
+                                            uint32_t tile_stride, int first_step)
       : w(weights) {
     const int lane = threadIdx.x % kWarpSize;
     g = lane / 4, t = lane % 4, warp = threadIdx.x / kWarpSize;
+    const int tile = min(first_tile + warp, (N - 1) / 16);
     w_lane = static_cast<uint32_t>(tile) * tile_stride + first_step * 512 + g * 32 + 8 * t;
 #pragma unroll
     for (int j = 0; j < kSplitKCols / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
@@ -497,9 +500,7 @@ __device__ __forceinline__ void SplitKAddLinearCta(const BatchDesc* desc, const 
   bf16* slab = reinterpret_cast<bf16*>(splitk_smem);
   const int pitch = k_chunk + kSplitKPad;
   const int n0 = blockIdx.x * kSplitKRows, k0 = blockIdx.y * k_chunk;
-  // a warp past N reads the last tile again and drops its results
-  SplitKWarpTile part(w, min(n0 / 16 + threadIdx.x / kWarpSize, (N - 1) / 16), w_tile_stride,
-                      k0 / 32);
+  SplitKWarpTile part(w, n0 / 16, N, w_tile_stride, k0 / 32);
   const int batches = k_chunk / kSplitKChunkAlign;
   SplitKWarpTile::Batch even, odd;
   // the first two batches of weights before waiting for the previous kernel (nothing in this
@@ -566,10 +567,7 @@ __device__ __forceinline__ void RowBlockSiluMulCta(const BatchDesc* desc, const 
   extern __shared__ __align__(16) unsigned char rowblock_smem[];
   if (!SplitKLiveRows(desc, M)) return;
   bf16* slabs = reinterpret_cast<bf16*>(rowblock_smem);  // [2][kSplitKCols][kRowBlockPitch]
-  // a warp past N reads the last tile again (its features are dropped)
-  SplitKWarpTile part(w, min(static_cast<int>(blockIdx.x) * kSplitKWarps +
-                                 static_cast<int>(threadIdx.x) / kWarpSize, (N - 1) / 16),
-                      w_tile_stride, 0);
+  SplitKWarpTile part(w, blockIdx.x * kSplitKWarps, N, w_tile_stride, 0);
   // x's chunk c into slab c % 2 (rows past M are row M - 1 again)
   const int pieces = k_chunk / 8;
   auto copy_chunk = [&](int c) {
