@@ -309,12 +309,14 @@ class ForwardKernels:
                      _i32(hidden), _i32(vocab)], stream)
 
     def rms_norm(self, stream, rows, desc, x, weight, out, hidden, eps, *, bias=0, gather=0,
-                 max_rows=None):
-        # x: [max_rows, hidden] f32 (bias added in place); out: [rows, hidden] bf16
+                 max_rows=None, release_next=False):
+        # x: [max_rows, hidden] f32 (bias added in place); out: [rows, hidden] bf16.
+        # release_next: the next kernel launches once this one's CTAs have waited for theirs
         self._need(hidden % 8 == 0, f"hidden {hidden} must be a multiple of 8")
         self.launch("blink_rms_norm", (rows,), (256,),
                     [_ptr(desc), _ptr(gather), _i32(max_rows or rows), _ptr(x), _ptr(bias),
-                     _ptr(weight), _ptr(out), _i32(hidden), _f32(eps)], stream)
+                     _ptr(weight), _ptr(out), _i32(hidden), _f32(eps),
+                     _i32(int(release_next))], stream)
 
     def rope_kv_write(self, stream, rows, desc, positions, token_seq, block_tables,
                       max_blocks_per_seq, qkv, qkv_bias, q_norm, k_norm, eps, inv_freq,
@@ -680,7 +682,7 @@ class CudaForward:
                  gemm_tuning: bool = True, held_sms: int = 1,
                  sm_count_target: int | None = None, decode_weight_copy: bool = True,
                  splitk_residual: bool = True, skinny_qkv_rope: bool = True,
-                 rowblock_gate_up: bool = True):
+                 rowblock_gate_up: bool = True, norm_release: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -717,7 +719,8 @@ class CudaForward:
         gate|up projection and SiLU * up run ForwardKernels.rowblock_silu_mul on the tiled
         copy, after the RMSNorm kernel, where its grid fills the GPU
         (ForwardKernels.rowblock_preferred: Llama-3.1-8B, not 3.2-1B) (False: cuBLAS, then the
-        SiLU kernel)."""
+        SiLU kernel). norm_release: the RMSNorm kernels inside a layer let the projection after
+        them launch once their CTAs have waited for the kernel before (False: at their end)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -739,6 +742,7 @@ class CudaForward:
         self.splitk_residual = splitk_residual
         self.skinny_qkv_rope = skinny_qkv_rope
         self.rowblock_gate_up = rowblock_gate_up
+        self.norm_release = norm_release
         self.max_attention_splits = max_attention_splits
         self.lm_head_tiled: DeviceArray | None = None  # the skinny LM head's (decode_weight_copy)
         self.decode_min_keys = (self.DECODE_MIN_KEYS if decode_min_keys is None
@@ -948,8 +952,8 @@ class CudaForward:
         launch order; each enqueue() puts one op's kernel(s) on self.stream. Labels name what
         an op computes, the same for every layer (the decode benchmark's breakdown groups by
         them). in_order=False: no kernel lets the next one launch early on the assumption that
-        the next is the op after it in this list (attention's release of the o projection),
-        for launching one label's ops on their own."""
+        the next is the op after it in this list (attention's release of the o projection, the
+        RMSNorms' of theirs), for launching one label's ops on their own."""
         cfg, k, s, blas = self.cfg, self.kernels, self.stream, self.blas
         H, I, V, eps = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.rms_norm_eps
         Q, KV, D = cfg.q_size, cfg.kv_size, cfg.head_dim
@@ -1009,6 +1013,9 @@ class CudaForward:
         qkv_rope_after_norm = (self.skinny_qkv_rope and self.skinny
                                and rows > k.SKINNY_NORM_MAX_ROWS
                                and k.skinny_fits(rows, H, Q + 2 * KV))
+        # a layer's RMSNorm kernels (one CTA a row) release the projection after them early,
+        # so that its CTAs take the SMs the norm leaves idle and start on their weights
+        norm_release = in_order and self.norm_release
         op("embedding", k.embedding, s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr,
            H, V, x_shadow=shadow)
         for li, lw in enumerate(self.layers):
@@ -1024,7 +1031,7 @@ class CudaForward:
                 fuse or (qkv_rope_after_norm and "wqkv" in lw.tiled))
             if not fuse:
                 op("input rmsnorm", k.rms_norm, s, rows, d, self.x.ptr, self.unit_norm.ptr,
-                   self.h.ptr, H, eps)
+                   self.h.ptr, H, eps, release_next=norm_release)
             if rope_in_qkv:
                 wqkv, tiled = skinny_weight(lw, "wqkv")
                 op("rmsnorm + qkv proj + rope + kv write" if fuse else
@@ -1064,7 +1071,8 @@ class CudaForward:
                    w_tiled=tiled)
             else:
                 op("post-attention rmsnorm", k.rms_norm, s, rows, d, self.x.ptr,
-                   self.unit_norm.ptr, self.h.ptr, H, eps, bias=lw.bo.ptr if lw.bo else 0)
+                   self.unit_norm.ptr, self.h.ptr, H, eps, bias=lw.bo.ptr if lw.bo else 0,
+                   release_next=norm_release)
                 if skinny(H, 2 * I, True):
                     wgu, tiled = skinny_weight(lw, "wgu")
                     op("gate|up proj + silu*mul", k.skinny_linear, s, self.h.ptr, wgu,

@@ -1121,11 +1121,16 @@ def test_forward_chunked_prefill_then_decode(models, arch):
 def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, monkeypatch):
     """A step of 17..32 rows runs its o and down projections on the split-K kernel and gate|up
     + SiLU on the row-block kernel (one of 16 rows or fewer on the skinny kernel, of 33 or more
-    on cuBLAS), and its logits follow the reference's."""
+    on cuBLAS), its two RMSNorm kernels a layer release the projection after them early, and
+    its logits follow the reference's."""
     pair = Pair(models, "llama")
     k, layers = pair.engine.kernels, pair.cfg.num_layers
-    calls, rowblock_calls = [], []
-    splitk, rowblock = k.splitk_add_linear, k.rowblock_silu_mul
+    calls, rowblock_calls, norm_releases = [], [], []
+    splitk, rowblock, rms_norm = k.splitk_add_linear, k.rowblock_silu_mul, k.rms_norm
+
+    def norm_counted(*args, release_next=False, **kwargs):
+        norm_releases.append(release_next)
+        return rms_norm(*args, release_next=release_next, **kwargs)
 
     def counted(stream, x, w, out, rows, in_features, out_features, **kwargs):
         calls.append(rows)
@@ -1137,6 +1142,7 @@ def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, m
 
     monkeypatch.setattr(k, "splitk_add_linear", counted)
     monkeypatch.setattr(k, "rowblock_silu_mul", rowblock_counted)
+    monkeypatch.setattr(k, "rms_norm", norm_counted)
     monkeypatch.setattr(k, "ROWBLOCK_MIN_FILL", 0)  # this model's 8 CTAs: the kernel anyway
     table = np.random.default_rng(6).permutation(NUM_BLOCKS)[:6]
     ids = prompt(pair.cfg, 62, seed=7)
@@ -1144,9 +1150,12 @@ def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, m
     for n, want in ((9, []), (20, [32] * 2 * layers), (33, [])):  # buckets 16, 32, 64
         calls.clear()
         rowblock_calls.clear()
+        norm_releases.clear()
         pair.step([(ids[pos:pos + n], pos, table)], eager=True)  # ops() runs again: counted
         assert calls == want, f"{n} tokens"
         assert rowblock_calls == want[:layers], f"{n} tokens: gate|up + SiLU"
+        if want:  # two a layer, then the final norm (before the LM head: released at its end)
+            assert norm_releases == [True] * 2 * layers + [False], f"{n} tokens: norms"
         pos += n
     pair.record("split-K steps")
 
