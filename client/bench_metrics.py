@@ -3,7 +3,11 @@
 Per request: TTFT = first token - sent; TPOT = (last token - first token) / (tokens - 1);
 end-to-end latency = last token - sent. ITL: every gap between consecutive tokens of a request
 (tokens that arrive in one chunk of the stream count as gaps of zero, as in vLLM's benchmark).
-Each is summarised as mean, P50, P90 and P99 in milliseconds. Throughput is over the run's wall
+Each is summarised as mean, P50, P90 and P99 in milliseconds. Decode TPOT: the mean of the gaps
+during which no prompt of the run was being prefilled (no request lay between its send and its
+first token): where streams arrive together, TPOT and ITL also hold the steps that prefilled
+the later streams' prompts while the first ones decoded; this is the decode steps' own time
+as the client sees it. Throughput is over the run's wall
 time (first send to last token): completed requests, generated tokens, and prompt + generated
 tokens per second. Streamed throughput counts every generated token the client received,
 also those of requests that failed or were cut by the run's time limit: for a peer too slow to
@@ -44,6 +48,29 @@ def distribution(values_ms) -> dict:
             **{f"p{q}": float(np.percentile(v, q)) for q in PERCENTILES}}
 
 
+def decode_gaps_ms(records: list[RequestRecord]) -> np.ndarray:
+    """The inter-token gaps (ms) of the requests that completed, those that no request's
+    prefill interval (its send to its first token) overlaps."""
+    done = [r for r in records if r.error is None and r.tokens > 1]
+    if not done:
+        return np.zeros(0)
+    starts = np.concatenate([r.token_times[:-1] for r in done])
+    ends = np.concatenate([r.token_times[1:] for r in done])
+    prefills = sorted((r.sent, r.token_times[0]) for r in records if r.token_times)
+    union: list[list[float]] = []  # the prefill intervals merged, in order
+    for begin, end in prefills:
+        if union and begin <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], end)
+        else:
+            union.append([begin, end])
+    begins, finishes = np.array(union).T
+    # the first merged interval that ends after the gap starts overlaps it if it begins
+    # before the gap ends
+    i = np.searchsorted(finishes, starts, side="right")
+    overlaps = (i < len(union)) & (begins[np.minimum(i, len(union) - 1)] < ends)
+    return (ends - starts)[~overlaps] * 1e3
+
+
 def summarize(records: list[RequestRecord], wall_s: float, slo: Slo = Slo()) -> dict:
     """The run's metrics (the `metrics` object of the JSON schema in bench_report)."""
     done = [r for r in records if r.error is None and r.token_times]
@@ -58,6 +85,7 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: Slo = Slo()) -> 
     good = sum(slo.met((r.token_times[0] - r.sent) * 1e3,
                        (r.token_times[-1] - r.token_times[0]) / (r.tokens - 1) * 1e3
                        if r.tokens > 1 else None) for r in done)
+    decode_gaps = decode_gaps_ms(records)
     wall = max(wall_s, 1e-9)
     return {
         "requests": len(records), "completed": len(done),
@@ -74,4 +102,6 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: Slo = Slo()) -> 
         "goodput": good / wall if (slo.ttft_ms or slo.tpot_ms) else None,
         "ttft_ms": distribution(ttft), "tpot_ms": distribution(tpot),
         "itl_ms": distribution(itl), "e2e_ms": distribution(e2e),
+        "decode_tpot_ms": float(decode_gaps.mean()) if decode_gaps.size else None,
+        "decode_gaps": int(decode_gaps.size),
     }

@@ -21,7 +21,9 @@ JSON schema "blink-bench/1" (bench.json):
                       tokens of failed and cut requests), total_token_throughput (per second),
                       goodput (requests
                       per second within the SLO, null without one), and ttft_ms, tpot_ms,
-                      itl_ms, e2e_ms as {"mean", "p50", "p90", "p99"}
+                      itl_ms, e2e_ms as {"mean", "p50", "p90", "p99"}; decode_tpot_ms
+                      (the mean inter-token gap while no prompt was being prefilled, null
+                      without one) over decode_gaps such gaps
         client        {"process_cpu_s", "loop_busy" (the event loop's share of one core),
                        "saturated" (loop_busy > 0.9: the client may have been the bottleneck)}
         server        the engine counters' change over the run (GetServerStats: engine_steps,

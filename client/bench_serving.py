@@ -5,7 +5,10 @@ persistent scheduler kernel running, a front end on a real port, requests over g
     python -m blink.client.bench_serving [--shapes llama-3.1-8b llama-3.2-1b] [--suite ...]
 
 Per workload: time per output token at the client (TPOT: (last token - first token) / (n - 1),
-per request, median), time to first token, generated tokens per second over the run's wall
+per request, median), decode TPOT (the mean gap between tokens while no prompt was being
+prefilled, bench_metrics: the streams of a workload arrive together, so their TPOT also holds
+the steps that prefilled the later ones' prompts), time to first token, generated tokens per
+second over the run's wall
 time, and the engine's own time per step from its counters (d engine_busy_ns / d engine_steps
 over the run: batch building, forward pass, sampling, publishing; client and gRPC excluded).
 Decode workloads print their floor: roofline.decode_step_bytes for `concurrency` sequences at
@@ -95,6 +98,7 @@ class Result:
     step_range: tuple[int, int]  # the engine's step count before and after the workload
     gpu: GpuClocks | None = None  # the SM clock, power, energy over the workload (None: not read)
     generated_tokens: int = 0
+    decode_tpot_ms: float | None = None  # bench_metrics: the gaps that held no prefill
 
     def line(self) -> str:
         w = self.workload
@@ -103,13 +107,15 @@ class Result:
             parts.append(f"TTFT {self.ttft_ms:.1f} ms, "
                          f"{w.prompt_tokens / self.ttft_ms * 1e3:,.0f} prefill tokens/s;")
         else:
-            parts.append(f"TPOT p50 {self.tpot_ms:.3f} ms, TTFT p50 {self.ttft_ms:.1f} ms, "
+            parts.append(f"TPOT p50 {self.tpot_ms:.3f} ms, decode TPOT "
+                         f"{_ms(self.decode_tpot_ms)} ms, TTFT p50 {self.ttft_ms:.1f} ms, "
                          f"{self.tokens_per_s:,.0f} generated tokens/s;")
         parts.append(f"engine {self.engine_step_ms:.3f} ms/step, "
                      f"{self.tokens_per_step:.1f} tokens/step")
         if self.floor_ms:
             parts.append(f"(floor {self.floor_ms:.3f} ms/step at batch {w.concurrency}, context "
-                         f"{w.mean_context}; TPOT {self.tpot_ms / self.floor_ms:.2f}x floor)")
+                         f"{w.mean_context}; TPOT {_ratio(self.tpot_ms, self.floor_ms)}x, "
+                         f"decode TPOT {_ratio(self.decode_tpot_ms, self.floor_ms)}x floor)")
         if self.gpu is not None:
             per_token = (f", {self.gpu.energy_j / self.generated_tokens * 1e3:.1f} mJ a "
                          f"generated token" if self.gpu.energy_j and self.generated_tokens
@@ -147,7 +153,8 @@ def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
         engine_step_ms=(after["engine_busy_ns"] - before["engine_busy_ns"]) / steps / 1e6,
         tokens_per_step=(after["engine_step_tokens"] - before["engine_step_tokens"]) / steps,
         floor_ms=floor, step_range=(before["engine_steps"], after["engine_steps"]),
-        gpu=monitor.summary(since), generated_tokens=m["output_tokens"])
+        gpu=monitor.summary(since), generated_tokens=m["output_tokens"],
+        decode_tpot_ms=m["decode_tpot_ms"] if w.output_tokens > 1 else None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,16 +206,24 @@ def main(argv: list[str] | None = None) -> None:
             results += shape_results
             if args.step_log:
                 print_step_log(step_log, shape, shape_results)
-    print("\n| shape | workload | TPOT p50 (ms) | floor (ms) | x floor | TTFT p50 (ms) "
-          "| generated tok/s | engine ms/step | tokens/step | SM MHz, W (power-capped) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| shape | workload | TPOT p50 (ms) | decode TPOT (ms) | floor (ms) | x floor "
+          "(TPOT, decode TPOT) | TTFT p50 (ms) | generated tok/s | engine ms/step | tokens/step "
+          "| SM MHz, W (power-capped) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        tpot = f"{r.tpot_ms:.3f}" if r.tpot_ms is not None else ""
-        floor = f"{r.floor_ms:.3f}" if r.floor_ms else ""
-        ratio = f"{r.tpot_ms / r.floor_ms:.2f}" if r.floor_ms and r.tpot_ms else ""
-        print(f"| {r.shape} | {r.workload.name} | {tpot} | {floor} | {ratio} | "
-              f"{r.ttft_ms:.1f} | {r.tokens_per_s:,.0f} | {r.engine_step_ms:.3f} | "
-              f"{r.tokens_per_step:.1f} | {gpu_cell(r.gpu)} |")
+        ratios = (f"{_ratio(r.tpot_ms, r.floor_ms)}, {_ratio(r.decode_tpot_ms, r.floor_ms)}"
+                  if r.floor_ms else "")
+        print(f"| {r.shape} | {r.workload.name} | {_ms(r.tpot_ms)} | {_ms(r.decode_tpot_ms)} | "
+              f"{_ms(r.floor_ms)} | {ratios} | {r.ttft_ms:.1f} | {r.tokens_per_s:,.0f} | "
+              f"{r.engine_step_ms:.3f} | {r.tokens_per_step:.1f} | {gpu_cell(r.gpu)} |")
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.3f}" if value else ""
+
+
+def _ratio(value: float | None, floor: float | None) -> str:
+    return f"{value / floor:.2f}" if value and floor else ""
 
 
 def gpu_cell(gpu: GpuClocks | None) -> str:

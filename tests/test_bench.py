@@ -65,6 +65,28 @@ def test_metrics_arithmetic():
     assert summarize(records, 2.0)["goodput"] is None
 
 
+def test_decode_tpot_leaves_out_the_gaps_that_held_a_prefill():
+    def rec(sent, times):
+        return RequestRecord(10, len(times), sent, list(times))
+    # A decodes every 10 ms, but its gap from 130 to 200 ms holds B's prefill (sent at 135,
+    # first token at 190); C is sent at 300 and waits (queued or prefilling) until 330, which
+    # takes A's gap 290-340 and B's 250-310 and 310-350 out too
+    a = rec(0.0, [0.10, 0.11, 0.12, 0.13, 0.20, 0.21, 0.29, 0.34])
+    b = rec(0.135, [0.19, 0.20, 0.25, 0.31, 0.35])
+    c = rec(0.30, [0.33, 0.335, 0.345])
+    steady = [10, 10, 10, 10, 80,  # A: 100-130, 200-210, 210-290
+              10, 50,              # B: 190-200, 200-250
+              5, 10]               # C: from its own first token on
+    m = summarize([a, b, c], wall_s=1.0)
+    assert m["decode_gaps"] == len(steady)
+    assert m["decode_tpot_ms"] == pytest.approx(np.mean(steady))
+    # tokens of one chunk (gaps of zero) weigh in the mean as in TPOT: one stream alone
+    alone = summarize([rec(0.0, [0.1, 0.2, 0.2, 0.3])], 1.0)
+    assert alone["decode_tpot_ms"] == pytest.approx(alone["tpot_ms"]["mean"]) == \
+        pytest.approx(200 / 3)
+    assert summarize([rec(0.0, [0.1])], 1.0)["decode_tpot_ms"] is None
+
+
 def test_random_requests():
     reqs = random_requests(50, 40, 20, vocab_size=2048, range_ratio=0.5, seed=4)
     assert all(20 <= len(r.prompt) <= 60 and 10 <= r.output_len <= 30 for r in reqs)
