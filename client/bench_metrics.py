@@ -7,13 +7,13 @@ Each is summarised as mean, P50, P90 and P99 in milliseconds. Decode TPOT: the m
 during which no prompt of the run was being prefilled (no request lay between its send and its
 first token): where streams arrive together, TPOT and ITL also hold the steps that prefilled
 the later streams' prompts while the first ones decoded; this is the decode steps' own time
-as the client sees it. Throughput is over the run's wall
-time (first send to last token): completed requests, generated tokens, and prompt + generated
-tokens per second. Streamed throughput counts every generated token the client received,
-also those of requests that failed or were cut by the run's time limit: for a peer too slow to
-finish a workload within the limit, it is the rate it streamed at, where the completed-token rate
-counts only the few requests that happened to finish. Goodput: requests per second that met
-every stated SLO (TTFT and/or TPOT).
+as the client sees it (a request that failed before its first token counts no prefill).
+Throughput is over the run's wall time (first send to last token): completed requests,
+generated tokens, and prompt + generated tokens per second. Streamed throughput counts every
+generated token the client received, also those of requests that failed or were cut by the
+run's time limit: for a peer too slow to finish a workload within the limit, it is the rate it
+streamed at, where the completed-token rate counts only the few requests that happened to
+finish. Goodput: requests per second that met every stated SLO (TTFT and/or TPOT).
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def decode_gaps_ms(records: list[RequestRecord]) -> np.ndarray:
     prefills = sorted((r.sent, r.token_times[0]) for r in records if r.token_times)
     union: list[list[float]] = []  # the prefill intervals merged, in order
     for begin, end in prefills:
-        if union and begin <= union[-1][1]:
+        if union and begin < union[-1][1]:  # intervals that only touch stay apart
             union[-1][1] = max(union[-1][1], end)
         else:
             union.append([begin, end])

@@ -8,9 +8,9 @@ Per workload: time per output token at the client (TPOT: (last token - first tok
 per request, median), decode TPOT (the mean gap between tokens while no prompt was being
 prefilled, bench_metrics: the streams of a workload arrive together, so their TPOT also holds
 the steps that prefilled the later ones' prompts), time to first token, generated tokens per
-second over the run's wall
-time, and the engine's own time per step from its counters (d engine_busy_ns / d engine_steps
-over the run: batch building, forward pass, sampling, publishing; client and gRPC excluded).
+second over the run's wall time, and the engine's own time per step from its counters
+(d engine_busy_ns / d engine_steps over the run: batch building, forward pass, sampling,
+publishing; client and gRPC excluded).
 Decode workloads print their floor: roofline.decode_step_bytes for `concurrency` sequences at
 the run's mean context (prompt + output / 2) over the device-to-device copy rate measured first.
 Prefill workloads (one request, one output token) print prompt tokens / TTFT.
@@ -107,7 +107,7 @@ class Result:
             parts.append(f"TTFT {self.ttft_ms:.1f} ms, "
                          f"{w.prompt_tokens / self.ttft_ms * 1e3:,.0f} prefill tokens/s;")
         else:
-            parts.append(f"TPOT p50 {self.tpot_ms:.3f} ms, decode TPOT "
+            parts.append(f"TPOT p50 {_ms(self.tpot_ms)} ms, decode TPOT "
                          f"{_ms(self.decode_tpot_ms)} ms, TTFT p50 {self.ttft_ms:.1f} ms, "
                          f"{self.tokens_per_s:,.0f} generated tokens/s;")
         parts.append(f"engine {self.engine_step_ms:.3f} ms/step, "
@@ -206,24 +206,25 @@ def main(argv: list[str] | None = None) -> None:
             results += shape_results
             if args.step_log:
                 print_step_log(step_log, shape, shape_results)
-    print("\n| shape | workload | TPOT p50 (ms) | decode TPOT (ms) | floor (ms) | x floor "
+    print("\n| shape | workload | TPOT p50 (ms) | decode TPOT, mean (ms) | floor (ms) | x floor "
           "(TPOT, decode TPOT) | TTFT p50 (ms) | generated tok/s | engine ms/step | tokens/step "
           "| SM MHz, W (power-capped) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         ratios = (f"{_ratio(r.tpot_ms, r.floor_ms)}, {_ratio(r.decode_tpot_ms, r.floor_ms)}"
                   if r.floor_ms else "")
+        floor = _ms(r.floor_ms) if r.floor_ms else ""
         print(f"| {r.shape} | {r.workload.name} | {_ms(r.tpot_ms)} | {_ms(r.decode_tpot_ms)} | "
-              f"{_ms(r.floor_ms)} | {ratios} | {r.ttft_ms:.1f} | {r.tokens_per_s:,.0f} | "
+              f"{floor} | {ratios} | {r.ttft_ms:.1f} | {r.tokens_per_s:,.0f} | "
               f"{r.engine_step_ms:.3f} | {r.tokens_per_step:.1f} | {gpu_cell(r.gpu)} |")
 
 
 def _ms(value: float | None) -> str:
-    return f"{value:.3f}" if value else ""
+    return f"{value:.3f}" if value is not None else "n/a"
 
 
 def _ratio(value: float | None, floor: float | None) -> str:
-    return f"{value / floor:.2f}" if value and floor else ""
+    return f"{value / floor:.2f}" if value is not None and floor else "n/a"
 
 
 def gpu_cell(gpu: GpuClocks | None) -> str:

@@ -1014,7 +1014,8 @@ class CudaForward:
                                and rows > k.SKINNY_NORM_MAX_ROWS
                                and k.skinny_fits(rows, H, Q + 2 * KV))
         # a layer's RMSNorm kernels (one CTA a row) release the projection after them early,
-        # so that its CTAs take the SMs the norm leaves idle and start on their weights
+        # so that its CTAs take the SMs the norm leaves idle and start on their weights (at
+        # 17..32 rows; a cuBLAS GEMM after a norm, in larger steps, launches at its end anyway)
         norm_release = in_order and self.norm_release
         op("embedding", k.embedding, s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr,
            H, V, x_shadow=shadow)

@@ -85,6 +85,12 @@ def test_decode_tpot_leaves_out_the_gaps_that_held_a_prefill():
     assert alone["decode_tpot_ms"] == pytest.approx(alone["tpot_ms"]["mean"]) == \
         pytest.approx(200 / 3)
     assert summarize([rec(0.0, [0.1])], 1.0)["decode_tpot_ms"] is None
+    # two prefills that only touch (E sent as D's first two tokens arrive, in one chunk) leave
+    # the zero gap between those two tokens, at that instant, in
+    d, e = rec(0.0, [0.5, 0.5, 0.8]), rec(0.5, [0.7, 0.8])
+    m = summarize([d, e], 1.0)
+    assert m["decode_gaps"] == 2  # D 500-500, E 700-800 (D's 500-800 held E's prefill)
+    assert m["decode_tpot_ms"] == pytest.approx(50)
 
 
 def test_random_requests():
