@@ -556,10 +556,9 @@ class ForwardKernels:
                      _i32(out_features)], stream, smem=self.splitk_smem[chunk])
 
     def rowblock_fits(self, rows: int, in_features: int, out_features: int) -> bool:
-        """Whether rowblock_silu_mul can take this gate|up shape (tiled weights)."""
-        return (1 <= rows <= self.splitk_cols and out_features > 0 and out_features % 32 == 0
-                and in_features > 0 and in_features % self.splitk_chunk_align == 0
-                and self.tiled_elements(out_features, in_features) < 2 ** 31)
+        """Whether rowblock_silu_mul can take this gate|up shape (tiled weights): the split-K
+        kernel's shapes, in whole 16-row (gate, up) pairs."""
+        return self.splitk_fits(rows, in_features, out_features) and out_features % 32 == 0
 
     # The row-block kernel runs one CTA a 128 weight rows over all of K, so a grid short of the
     # GPU's slots leaves SMs idle: it takes gate|up where its CTAs fill at least this share of

@@ -485,6 +485,20 @@ struct SplitKWarpTile {
   }
 };
 
+// x[m, k0 .. k0 + cols) for m < kSplitKCols into a shared-memory slab (row pitch `pitch`
+// elements; rows past M are row M - 1 again), 16-byte cp.async pieces spread over the CTA's
+// threads, committed as one group: the split-K and row-block CTAs' copy of x.
+__device__ __forceinline__ void CopyXSlab(bf16* slab, int pitch, const bf16* x, int ldx, int M,
+                                          int k0, int cols) {
+  const int pieces = cols / 8;
+  for (int i = threadIdx.x; i < kSplitKCols * pieces; i += blockDim.x) {
+    const int m = i / pieces, p = i % pieces;
+    CpAsync16(slab + m * pitch + 8 * p, x + static_cast<size_t>(min(m, M - 1)) * ldx + k0 + 8 * p,
+              16);
+  }
+  CpAsyncCommit();
+}
+
 // out[m, n] += sum_k x[m, k] W[n, k] for m < M <= kSplitKCols (and m < desc->num_tokens, the
 // live rows, when desc is given), n < N, k in this CTA's chunk [blockIdx.y * k_chunk, +
 // k_chunk). w: tiled, ceil(N / 16) tiles w_tile_stride elements apart; N % 4 == 0, ldo % 4 ==
@@ -508,13 +522,7 @@ __device__ __forceinline__ void SplitKAddLinearCta(const BatchDesc* desc, const 
   part.load(0, even);
   if (batches > 1) part.load(1, odd);
   AwaitPriorKernel();
-  const int pieces_per_row = k_chunk / 8;
-  for (int i = threadIdx.x; i < kSplitKCols * pieces_per_row; i += blockDim.x) {
-    const int m = i / pieces_per_row, c = i % pieces_per_row;
-    CpAsync16(slab + m * pitch + 8 * c, x + static_cast<size_t>(min(m, M - 1)) * ldx + k0 + 8 * c,
-              16);
-  }
-  CpAsyncCommit();
+  CopyXSlab(slab, pitch, x, ldx, M, k0, k_chunk);
   CpAsyncWait<0>();
   __syncthreads();
   part.stream(batches, even, odd, [&](int b, const SplitKWarpTile::Batch& wv) {
@@ -568,16 +576,10 @@ __device__ __forceinline__ void RowBlockSiluMulCta(const BatchDesc* desc, const 
   if (!SplitKLiveRows(desc, M)) return;
   bf16* slabs = reinterpret_cast<bf16*>(rowblock_smem);  // [2][kSplitKCols][kRowBlockPitch]
   SplitKWarpTile part(w, blockIdx.x * kSplitKWarps, N, w_tile_stride, 0);
-  // x's chunk c into slab c % 2 (rows past M are row M - 1 again)
-  const int pieces = k_chunk / 8;
+  // x's chunk c into slab c % 2
   auto copy_chunk = [&](int c) {
-    bf16* slab = slabs + (c & 1) * kSplitKCols * kRowBlockPitch;
-    for (int i = threadIdx.x; i < kSplitKCols * pieces; i += blockDim.x) {
-      const int m = i / pieces, p = i % pieces;
-      CpAsync16(slab + m * kRowBlockPitch + 8 * p,
-                x + static_cast<size_t>(min(m, M - 1)) * ldx + c * k_chunk + 8 * p, 16);
-    }
-    CpAsyncCommit();
+    CopyXSlab(slabs + (c & 1) * kSplitKCols * kRowBlockPitch, kRowBlockPitch, x, ldx, M,
+              c * k_chunk, k_chunk);
   };
   const int batches = K / kSplitKChunkAlign, chunks = K / k_chunk;
   const int chunk_batches = k_chunk / kSplitKChunkAlign;
