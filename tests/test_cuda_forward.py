@@ -422,7 +422,8 @@ SPLITK_CASES = [(17, 128, 132, None), (32, 512, 300, None), (24, 4096, 520, 512)
 
 @pytest.mark.parametrize("rows,k_in,n_out,chunk", SPLITK_CASES)
 @pytest.mark.parametrize("live", [None, 13, 0])
-def test_splitk_add_linear(cf, stream, rows, k_in, n_out, chunk, live):
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_splitk_add_linear(cf, stream, rows, k_in, n_out, chunk, live, cluster):
     """The split-K kernel adds x @ w^T into an fp32 output, against float64 on the same bf16
     inputs: every chunk of K added once (one missed or added twice is off by its share) and
     nothing past row `rows` touched, nor, given a BatchDesc of `live` tokens, past those (none
@@ -440,7 +441,7 @@ def test_splitk_add_linear(cf, stream, rows, k_in, n_out, chunk, live):
     dw = dev(cf, tiled(cf, float32_to_bf16_bits(w)))
     out = dev(cf, resid)
     k.splitk_add_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out, chunk=chunk,
-                        desc=d.ptr if d else 0)
+                        desc=d.ptr if d else 0, cluster=cluster)
     cf.synchronize(stream)
     got = out.download()
     if added:
@@ -468,12 +469,14 @@ def test_splitk_add_linear_refuses_shapes_it_does_not_take(cf, stream):
 # (rows, in_features, out_features): 17..32 token rows and fewer; K in one slab of x and in
 # several (slabs of 384 and 512 columns: 8B's gate|up is 4,096 in 8); gate|up rows in whole
 # CTAs and with a partial last one (9 pairs: two CTAs of 4 and one of 1).
-ROWBLOCK_CASES = [(17, 256, 256), (32, 4096, 1024), (20, 1152, 288), (3, 2048, 512)]
+ROWBLOCK_CASES = [(17, 256, 256), (32, 4096, 1024), (20, 1152, 288), (3, 2048, 512),
+                  (32, 4608, 256)]
 
 
 @pytest.mark.parametrize("rows,k_in,n_w", ROWBLOCK_CASES)
 @pytest.mark.parametrize("live", [None, 13, 0])
-def test_rowblock_silu_mul(cf, stream, rows, k_in, n_w, live):
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_rowblock_silu_mul(cf, stream, rows, k_in, n_w, live, cluster):
     """gate|up + SiLU with a CTA's rows over all of K, against float64 on the same bf16 inputs
     (gate and up rounded to bf16, as a GEMM stores them): every output of the live rows written
     once, nothing past them (poison first), none for an empty step. x has exactly `rows` rows
@@ -493,7 +496,8 @@ def test_rowblock_silu_mul(cf, stream, rows, k_in, n_w, live):
     dx = dev(cf, float32_to_bf16_bits(x))
     dw = dev(cf, tiled(cf, float32_to_bf16_bits(w)))
     out = dev(cf, np.zeros((cap, inter), np.uint16), poison=True)
-    k.rowblock_silu_mul(stream, rows, d.ptr if d else 0, dx.ptr, dw.ptr, out.ptr, k_in, n_w)
+    k.rowblock_silu_mul(stream, rows, d.ptr if d else 0, dx.ptr, dw.ptr, out.ptr, k_in, n_w,
+                        cluster=cluster)
     cf.synchronize(stream)
     got = out.download()
     if written:
@@ -1118,14 +1122,17 @@ def test_forward_chunked_prefill_then_decode(models, arch):
     pair.record("chunked prefill + decode")
 
 
-def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, monkeypatch):
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, monkeypatch,
+                                                                       cluster):
     """A step of 17..32 rows runs its o and down projections on the split-K kernel and gate|up
     + SiLU on the row-block kernel (one of 16 rows or fewer on the skinny kernel, of 33 or more
-    on cuBLAS), its two RMSNorm kernels a layer release the projection after them early, and
-    its logits follow the reference's."""
+    on cuBLAS), both in clusters of `cluster` CTAs, its two RMSNorm kernels a layer release the
+    projection after them early, and its logits follow the reference's."""
     pair = Pair(models, "llama")
     k, layers = pair.engine.kernels, pair.cfg.num_layers
-    calls, rowblock_calls, norm_releases = [], [], []
+    monkeypatch.setattr(pair.engine, "x_slab_cluster", cluster)
+    calls, rowblock_calls, norm_releases, clusters = [], [], [], set()
     splitk, rowblock, rms_norm = k.splitk_add_linear, k.rowblock_silu_mul, k.rms_norm
 
     def norm_counted(*args, release_next=False, **kwargs):
@@ -1134,11 +1141,13 @@ def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, m
 
     def counted(stream, x, w, out, rows, in_features, out_features, **kwargs):
         calls.append(rows)
+        clusters.add(kwargs.get("cluster", 1))
         return splitk(stream, x, w, out, rows, in_features, out_features, **kwargs)
 
-    def rowblock_counted(stream, rows, *args):
+    def rowblock_counted(stream, rows, *args, **kwargs):
         rowblock_calls.append(rows)
-        return rowblock(stream, rows, *args)
+        clusters.add(kwargs.get("cluster", 1))
+        return rowblock(stream, rows, *args, **kwargs)
 
     monkeypatch.setattr(k, "splitk_add_linear", counted)
     monkeypatch.setattr(k, "rowblock_silu_mul", rowblock_counted)
@@ -1157,7 +1166,8 @@ def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, m
         if want:  # two a layer, then the final norm (before the LM head: released at its end)
             assert norm_releases == [True] * 2 * layers + [False], f"{n} tokens: norms"
         pos += n
-    pair.record("split-K steps")
+    assert clusters == {cluster}
+    pair.record(f"split-K steps, clusters of {cluster}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -203,15 +203,33 @@ __global__ void __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)
     blink_splitk_add_linear(const BatchDesc* desc, const bf16* x, int ldx, int M, const bf16* w,
                             uint32_t w_tile_stride, int N, int K, int k_chunk, float* out,
                             int ldo) {
-  blink::SplitKAddLinearCta(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
+  blink::SplitKAddLinearCta<1>(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
 }
 
-// gate|up + SiLU of 17..32-row steps, a CTA's rows over all of K (gemv.cuh RowBlockSiluMulCta).
+// _x2: in clusters of two CTAs (the same chunk of K) that share x's chunk read from L2
+__global__ void __cluster_dims__(2, 1, 1)
+    __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)
+        blink_splitk_add_linear_x2(const BatchDesc* desc, const bf16* x, int ldx, int M,
+                                   const bf16* w, uint32_t w_tile_stride, int N, int K,
+                                   int k_chunk, float* out, int ldo) {
+  blink::SplitKAddLinearCta<2>(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
+}
+
+// gate|up + SiLU of 17..32-row steps, a CTA's rows over all of K (gemv.cuh RowBlockSiluMulCta);
+// _x2: in clusters of two CTAs that share each chunk of x's read from L2.
 __global__ void __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)
     blink_rowblock_silu_mul(const BatchDesc* desc, const bf16* x, int ldx, int M, const bf16* w,
                             uint32_t w_tile_stride, int N, int K, int k_chunk, bf16* out,
                             int ldo) {
-  blink::RowBlockSiluMulCta(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
+  blink::RowBlockSiluMulCta<1>(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
+}
+
+__global__ void __cluster_dims__(2, 1, 1)
+    __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)
+        blink_rowblock_silu_mul_x2(const BatchDesc* desc, const bf16* x, int ldx, int M,
+                                   const bf16* w, uint32_t w_tile_stride, int N, int K,
+                                   int k_chunk, bf16* out, int ldo) {
+  blink::RowBlockSiluMulCta<2>(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
 }
 
 // The skinny kernels' tiled weights from row-major ones (gemv.cuh TileWeightsThread); not

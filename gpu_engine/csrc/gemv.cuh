@@ -459,6 +459,15 @@ struct SplitKWarpTile {
     }
   }
 
+  // Until every MMA so far has its operands (in-order issue: their shared-memory reads have
+  // returned): the accumulators pass through an empty asm, so no MMA moves below what follows.
+  __device__ __forceinline__ void settle() {
+#pragma unroll
+    for (int j = 0; j < kSplitKCols / 8; ++j)
+      asm volatile("" : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+                   :: "memory");
+  }
+
   // The rest of the stream, batches 0 and 1 already loaded into even and odd: mma(b, wv) takes
   // batch b, and batch b + 2's loads go out into its registers as soon as its MMAs are in.
   template <class Mma>
@@ -485,32 +494,79 @@ struct SplitKWarpTile {
   }
 };
 
-// x[m, k0 .. k0 + cols) for m < kSplitKCols into a shared-memory slab (row pitch `pitch`
-// elements; rows past M are row M - 1 again), 16-byte cp.async pieces spread over the CTA's
-// threads, committed as one group: the split-K and row-block CTAs' copy of x.
-__device__ __forceinline__ void CopyXSlab(bf16* slab, int pitch, const bf16* x, int ldx, int M,
-                                          int k0, int cols) {
-  const int pieces = cols / 8;
-  for (int i = threadIdx.x; i < kSplitKCols * pieces; i += blockDim.x) {
-    const int m = i / pieces, p = i % pieces;
-    CpAsync16(slab + m * pitch + 8 * p, x + static_cast<size_t>(min(m, M - 1)) * ldx + k0 + 8 * p,
-              16);
+// --- x's rows into shared memory, for a CTA or shared by a cluster's CTAs -----------------------
+//
+// The split-K and row-block CTAs each need x's kSplitKCols rows, a chunk of columns at a time,
+// in a shared-memory slab. kCluster 1: every thread copies 16-byte pieces (cp.async). kCluster >
+// 1 (CTAs launched in clusters of kCluster along x, which need the same chunks): the cluster
+// reads each chunk from L2 once. CTA rank r copies rows r, r + kCluster, ... (one bulk copy a
+// row), multicast into the same slab of every CTA, and each CTA's mbarrier for that slab counts
+// the whole slab's bytes. Where x's reads from L2 compete with the weights' for the L2's
+// delivery to the SMs, that leaves the weights more of it.
+
+// kCluster > 1: the CTA's `count` slab barriers, set before any CTA of the cluster copies.
+template <int kCluster>
+__device__ __forceinline__ void InitXSlabs(uint64_t* full, int count) {
+  if constexpr (kCluster > 1) {
+    if (threadIdx.x == 0)
+      for (int i = 0; i < count; ++i) MbarrierInit(&full[i]);
+    ClusterRendezvous();
   }
-  CpAsyncCommit();
+}
+
+// x[m, k0 .. k0 + cols) for m < kSplitKCols (rows past M are row M - 1 again) into slab (row
+// pitch `pitch` elements); kCluster > 1: counted on `full` (every CTA of the cluster calls it for
+// the same chunk).
+template <int kCluster>
+__device__ __forceinline__ void CopyXSlab(bf16* slab, int pitch, const bf16* x, int ldx, int M,
+                                          int k0, int cols, uint64_t* full) {
+  static_assert(kCluster >= 1 && kSplitKCols % kCluster == 0, "whole rows a CTA");
+  if constexpr (kCluster > 1) {
+    if (threadIdx.x == 0) MbarrierExpectBytes(full, kSplitKCols * cols * 2);
+    if (threadIdx.x < kSplitKCols / kCluster) {
+      const int m = ClusterRank() + kCluster * threadIdx.x;
+      BulkCopyMulticast(slab + m * pitch, x + static_cast<size_t>(min(m, M - 1)) * ldx + k0,
+                        cols * 2, full, (1u << kCluster) - 1);
+    }
+  } else {
+    const int pieces = cols / 8;
+    for (int i = threadIdx.x; i < kSplitKCols * pieces; i += blockDim.x) {
+      const int m = i / pieces, p = i % pieces;
+      CpAsync16(slab + m * pitch + 8 * p, x + static_cast<size_t>(min(m, M - 1)) * ldx + k0 + 8 * p,
+                16);
+    }
+    CpAsyncCommit();
+  }
+}
+
+// Until the slab copied last (kCluster 1; every thread's pieces) or the one `full` counts, phase
+// `parity` (kCluster > 1), is in this CTA's shared memory for every thread.
+template <int kCluster>
+__device__ __forceinline__ void AwaitXSlab(uint64_t* full, uint32_t parity) {
+  if constexpr (kCluster > 1) {
+    MbarrierWait(full, parity);
+  } else {
+    CpAsyncWait<0>();
+    __syncthreads();
+  }
 }
 
 // out[m, n] += sum_k x[m, k] W[n, k] for m < M <= kSplitKCols (and m < desc->num_tokens, the
 // live rows, when desc is given), n < N, k in this CTA's chunk [blockIdx.y * k_chunk, +
 // k_chunk). w: tiled, ceil(N / 16) tiles w_tile_stride elements apart; N % 4 == 0, ldo % 4 ==
 // 0 (16-byte adds); k_chunk a multiple of kSplitKChunkAlign, at most kSplitKMaxChunk, dividing
-// K; grid (ceil(N / kSplitKRows), K / k_chunk), kSplitKThreads threads, SplitKSmemBytes(k_chunk)
-// bytes of dynamic shared memory.
+// K; grid (ceil(N / kSplitKRows) rounded up to whole clusters, K / k_chunk), kSplitKThreads
+// threads, SplitKSmemBytes(k_chunk) bytes of dynamic shared memory. kCluster > 1: clusters of
+// kCluster CTAs along x (the same chunk of K) share x's chunk (CopyXSlab).
+template <int kCluster>
 __device__ __forceinline__ void SplitKAddLinearCta(const BatchDesc* desc, const bf16* x, int ldx,
                                                    int M, const bf16* w,
                                                    uint32_t w_tile_stride, int N, int K,
                                                    int k_chunk, float* out, int ldo) {
-  extern __shared__ __align__(16) unsigned char splitk_smem[];
-  if (!SplitKLiveRows(desc, M)) return;
+  extern __shared__ __align__(128) unsigned char splitk_smem[];
+  __shared__ __align__(8) uint64_t x_full;  // kCluster > 1: the slab's bytes have landed
+  if (!SplitKLiveRows(desc, M)) return;  // (the same for every CTA of a cluster)
+  InitXSlabs<kCluster>(&x_full, 1);
   bf16* slab = reinterpret_cast<bf16*>(splitk_smem);
   const int pitch = k_chunk + kSplitKPad;
   const int n0 = blockIdx.x * kSplitKRows, k0 = blockIdx.y * k_chunk;
@@ -522,13 +578,15 @@ __device__ __forceinline__ void SplitKAddLinearCta(const BatchDesc* desc, const 
   part.load(0, even);
   if (batches > 1) part.load(1, odd);
   AwaitPriorKernel();
-  CopyXSlab(slab, pitch, x, ldx, M, k0, k_chunk);
-  CpAsyncWait<0>();
-  __syncthreads();
+  CopyXSlab<kCluster>(slab, pitch, x, ldx, M, k0, k_chunk, &x_full);
+  AwaitXSlab<kCluster>(&x_full, 0);
   part.stream(batches, even, odd, [&](int b, const SplitKWarpTile::Batch& wv) {
     part.mma(slab, pitch, b * kSplitKChunkAlign, wv);
   });
   ReleaseNextKernel();  // every weight is read: the next kernel may take freed SM slots
+  // kCluster > 1: no CTA exits while its copies into the others may be in flight (each arrives
+  // once its slab has landed)
+  if constexpr (kCluster > 1) ClusterArrive();
 
   // the sums through shared memory as [token][row], then 16-byte adds along the rows
   __syncthreads();  // every warp is done with the slab
@@ -541,6 +599,7 @@ __device__ __forceinline__ void SplitKAddLinearCta(const BatchDesc* desc, const 
     RedAddF32x4(out + static_cast<size_t>(m) * ldo + n0 + r,
                 *reinterpret_cast<const float4*>(tile_out + m * kSplitKOutLd + r));
   }
+  if constexpr (kCluster > 1) ClusterWait();
 }
 
 // --- whole rows with shared activations: gate|up + SiLU at 17 to 32 token rows -----------------
@@ -566,31 +625,45 @@ static_assert(kRowBlockSmemBytes >= kSplitKCols * kSplitKOutLd * 4, "the epilogu
 // for m < M <= kSplitKCols (and m < desc->num_tokens when desc is given) and features f < N /
 // 2, with w: gate|up interleaved in 16-row groups, tiled, ceil(N / 16) tiles w_tile_stride
 // elements apart; N % 32 == 0; k_chunk (x's columns a slab) a multiple of kSplitKChunkAlign, at
-// most kRowBlockChunk, dividing K; grid ceil(N / kSplitKRows), kSplitKThreads threads,
-// kRowBlockSmemBytes of dynamic shared memory.
+// most kRowBlockChunk, dividing K; grid ceil(N / kSplitKRows) rounded up to whole clusters,
+// kSplitKThreads threads, kRowBlockSmemBytes of dynamic shared memory.
+//
+// kCluster > 1 (clusters of kCluster CTAs along x): the cluster's CTAs share each chunk of x
+// (CopyXSlab), and a slab is refilled only once every CTA of the cluster is done with it (a
+// cluster rendezvous a chunk, where kCluster 1 has the CTA's barrier). At kCluster 1 the CTAs
+// read a quarter of a byte of x from L2 a byte of weights, at 2 an eighth.
+template <int kCluster>
 __device__ __forceinline__ void RowBlockSiluMulCta(const BatchDesc* desc, const bf16* x, int ldx,
                                                    int M, const bf16* w,
                                                    uint32_t w_tile_stride, int N, int K,
                                                    int k_chunk, bf16* out, int ldo) {
-  extern __shared__ __align__(16) unsigned char rowblock_smem[];
-  if (!SplitKLiveRows(desc, M)) return;
+  extern __shared__ __align__(128) unsigned char rowblock_smem[];
+  __shared__ __align__(8) uint64_t slab_full[2];  // kCluster > 1: a slab's bytes have landed
+  if (!SplitKLiveRows(desc, M)) return;  // (the same for every CTA of a cluster)
+  InitXSlabs<kCluster>(slab_full, 2);
   bf16* slabs = reinterpret_cast<bf16*>(rowblock_smem);  // [2][kSplitKCols][kRowBlockPitch]
   SplitKWarpTile part(w, blockIdx.x * kSplitKWarps, N, w_tile_stride, 0);
   // x's chunk c into slab c % 2
   auto copy_chunk = [&](int c) {
-    CopyXSlab(slabs + (c & 1) * kSplitKCols * kRowBlockPitch, kRowBlockPitch, x, ldx, M,
-              c * k_chunk, k_chunk);
+    CopyXSlab<kCluster>(slabs + (c & 1) * kSplitKCols * kRowBlockPitch, kRowBlockPitch, x, ldx,
+                        M, c * k_chunk, k_chunk, &slab_full[c & 1]);
   };
   const int batches = K / kSplitKChunkAlign, chunks = K / k_chunk;
   const int chunk_batches = k_chunk / kSplitKChunkAlign;
   int chunk = 0, in_chunk = 0;  // where the next batch lies: its chunk, its batch in that chunk
-  // at a chunk's first batch, first: its copy has landed for every thread, and every warp is
-  // done with the other slab, which takes the next chunk
+  // at a chunk's first batch, first: every warp (of the cluster) is done with the other slab,
+  // which takes the next chunk, and this chunk's copy has landed
   auto mma_batch = [&](int, const SplitKWarpTile::Batch& wv) {
     if (in_chunk == 0) {
-      CpAsyncWait<0>();
-      __syncthreads();
-      if (chunk + 1 < chunks) copy_chunk(chunk + 1);
+      if constexpr (kCluster > 1) {
+        part.settle();  // this warp's reads of the slab the next chunk takes have returned
+        ClusterRendezvous();
+        if (chunk + 1 < chunks) copy_chunk(chunk + 1);
+        AwaitXSlab<kCluster>(&slab_full[chunk & 1], (chunk >> 1) & 1);
+      } else {
+        AwaitXSlab<kCluster>(nullptr, 0);
+        if (chunk + 1 < chunks) copy_chunk(chunk + 1);
+      }
     }
     part.mma(slabs + (chunk & 1) * kSplitKCols * kRowBlockPitch, kRowBlockPitch,
              in_chunk * kSplitKChunkAlign, wv);
@@ -608,8 +681,11 @@ __device__ __forceinline__ void RowBlockSiluMulCta(const BatchDesc* desc, const 
   copy_chunk(0);
   part.stream(batches, even, odd, mma_batch);
   ReleaseNextKernel();  // every weight is read: the next kernel may take freed SM slots
+  // kCluster > 1: no CTA exits while its copies into the others may be in flight (each arrives
+  // once its last chunk has landed)
+  if constexpr (kCluster > 1) ClusterArrive();
 
-  __syncthreads();  // every warp is done with the slabs
+  __syncthreads();  // every warp is done with the slabs (and every copy into them has landed)
   float* tile_out = reinterpret_cast<float*>(rowblock_smem);
   part.store(tile_out);  // [token][row]
   __syncthreads();
@@ -623,6 +699,7 @@ __device__ __forceinline__ void RowBlockSiluMulCta(const BatchDesc* desc, const 
     const float up = __bfloat162float(__float2bfloat16(tile_out[m * kSplitKOutLd + r + 16]));
     out[static_cast<size_t>(m) * ldo + f0 + f] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
   }
+  if constexpr (kCluster > 1) ClusterWait();
 }
 
 // W [N, K] row-major -> tiled (the layout above), one 16-byte piece (8 k) a thread: piece i of

@@ -124,6 +124,76 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kInFlight) : "memory");
 }
 
+// --- thread-block clusters (sm_90): a cluster's CTAs share one L2 read of data they all need ---
+//
+// mbarriers track bulk copies by their bytes: a phase completes when its one arrival (the
+// expect-tx below) and all the bytes it expects have come, in either order.
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ uint32_t ClusterRank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+// A rendezvous of every thread of every CTA of the cluster, in two halves (work may run between
+// them), that orders no memory: a release at cluster scope is a GPU-wide memory barrier, which
+// would wait for every weight load in flight. What it covers: mbarrier inits (their fence
+// releases them), and shared-memory reads that have returned before the thread arrives (those
+// whose values the thread's MMAs have taken: SplitKWarpTile::settle).
+__device__ __forceinline__ void ClusterArrive() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void ClusterWait() {
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void ClusterRendezvous() {
+  ClusterArrive();
+  ClusterWait();
+}
+
+// One thread: an mbarrier of one arrival, visible to the cluster's copies after a rendezvous.
+__device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// One thread: this phase's arrival, and `bytes` more for it to wait for.
+__device__ __forceinline__ void MbarrierExpectBytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// Until the phase of parity `parity` has completed (its bytes are in this CTA's memory).
+__device__ __forceinline__ void MbarrierWait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}" ::"r"(SharedAddress(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into the shared
+// memory of each CTA of the cluster in cta_mask, at dst's offset there, each counting them on
+// its mbarrier at bar's offset: one read from L2 for all of them (sm_90a).
+__device__ __forceinline__ void BulkCopyMulticast(void* dst, const void* src, uint32_t bytes,
+                                                  uint64_t* bar, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+      "[%0], [%1], %2, [%3], %4;" ::"r"(SharedAddress(dst)),
+      "l"(src), "r"(bytes), "r"(SharedAddress(bar)), "h"(cta_mask)
+      : "memory");
+}
+
 // Four 8x8 bf16 matrices from shared memory, transposed: lanes 8 i .. 8 i + 7 give the row
 // addresses (16 bytes each) of matrix i, and lane (g, t) receives in b[i] its elements
 // (2 t, g) and (2 t + 1, g): as an mma.sync B fragment, k = rows 2 t, 2 t + 1, n = column g.
