@@ -71,6 +71,26 @@ def decode_gaps_ms(records: list[RequestRecord]) -> np.ndarray:
     return (ends - starts)[~overlaps] * 1e3
 
 
+def full_batch_gaps_ms(records: list[RequestRecord], streams: int) -> np.ndarray:
+    """The inter-token gaps (ms) of the completed requests during which at least `streams`
+    requests were all decoding: each past its first token and not past its last. In a
+    closed-loop run of `streams` concurrent requests that is the state a decode floor at batch
+    `streams` describes: no prompt being prefilled (every request in flight decodes) and no
+    stream finished yet. Where the streams arrive together, the first ones finish while the
+    last still decode (they got their tokens of the prefill steps first): those gaps are of a
+    smaller batch and are left out."""
+    done = [r for r in records if r.error is None and r.tokens > 1]
+    if not done:
+        return np.zeros(0)
+    starts = np.concatenate([r.token_times[:-1] for r in done])
+    ends = np.concatenate([r.token_times[1:] for r in done])
+    first = np.array([r.token_times[0] for r in done])
+    last = np.array([r.token_times[-1] for r in done])
+    # for each gap, the requests whose decoding [first token, last token] spans all of it
+    spanning = ((first[None, :] <= starts[:, None]) & (last[None, :] >= ends[:, None])).sum(1)
+    return (ends - starts)[spanning >= streams] * 1e3
+
+
 def summarize(records: list[RequestRecord], wall_s: float, slo: Slo = Slo()) -> dict:
     """The run's metrics (the `metrics` object of the JSON schema in bench_report)."""
     done = [r for r in records if r.error is None and r.token_times]

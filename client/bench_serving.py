@@ -5,9 +5,10 @@ persistent scheduler kernel running, a front end on a real port, requests over g
     python -m blink.client.bench_serving [--shapes llama-3.1-8b llama-3.2-1b] [--suite ...]
 
 Per workload: time per output token at the client (TPOT: (last token - first token) / (n - 1),
-per request, median), decode TPOT (the mean gap between tokens while no prompt was being
-prefilled, bench_metrics: the streams of a workload arrive together, so their TPOT also holds
-the steps that prefilled the later ones' prompts), time to first token, generated tokens per
+per request, median), full-batch TPOT (the mean gap between tokens while all the workload's
+streams decode, bench_metrics.full_batch_gaps_ms: the streams arrive together, so their TPOT
+also holds the steps that prefilled the later ones' prompts, and their last tokens come from
+steps of fewer streams as the first ones finish), time to first token, generated tokens per
 second over the run's wall time, and the engine's own time per step from its counters
 (d engine_busy_ns / d engine_steps over the run: batch building, forward pass, sampling,
 publishing; client and gRPC excluded).
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from blink.client.bench_data import random_requests
 from blink.client.bench_load import run_requests
-from blink.client.bench_metrics import summarize
+from blink.client.bench_metrics import full_batch_gaps_ms, summarize
 from blink.client.bench_server import Server, shape_folder
 from blink.client.sdk import BlinkClient
 from blink.gpu_engine.gpu_monitor import GpuClocks, GpuMonitor
@@ -98,7 +99,7 @@ class Result:
     step_range: tuple[int, int]  # the engine's step count before and after the workload
     gpu: GpuClocks | None = None  # the SM clock, power, energy over the workload (None: not read)
     generated_tokens: int = 0
-    decode_tpot_ms: float | None = None  # bench_metrics: the gaps that held no prefill
+    full_batch_tpot_ms: float | None = None  # the gaps while every stream decoded
 
     def line(self) -> str:
         w = self.workload
@@ -107,21 +108,28 @@ class Result:
             parts.append(f"TTFT {self.ttft_ms:.1f} ms, "
                          f"{w.prompt_tokens / self.ttft_ms * 1e3:,.0f} prefill tokens/s;")
         else:
-            parts.append(f"TPOT p50 {_ms(self.tpot_ms)} ms, decode TPOT "
-                         f"{_ms(self.decode_tpot_ms)} ms, TTFT p50 {self.ttft_ms:.1f} ms, "
+            parts.append(f"TPOT p50 {_ms(self.tpot_ms)} ms, full-batch TPOT "
+                         f"{_ms(self.full_batch_tpot_ms)} ms, TTFT p50 {self.ttft_ms:.1f} ms, "
                          f"{self.tokens_per_s:,.0f} generated tokens/s;")
         parts.append(f"engine {self.engine_step_ms:.3f} ms/step, "
                      f"{self.tokens_per_step:.1f} tokens/step")
         if self.floor_ms:
             parts.append(f"(floor {self.floor_ms:.3f} ms/step at batch {w.concurrency}, context "
                          f"{w.mean_context}; TPOT {_ratio(self.tpot_ms, self.floor_ms)}x, "
-                         f"decode TPOT {_ratio(self.decode_tpot_ms, self.floor_ms)}x floor)")
+                         f"full-batch TPOT {_ratio(self.full_batch_tpot_ms, self.floor_ms)}x "
+                         f"floor)")
         if self.gpu is not None:
             per_token = (f", {self.gpu.energy_j / self.generated_tokens * 1e3:.1f} mJ a "
                          f"generated token" if self.gpu.energy_j and self.generated_tokens
                          else "")
             parts.append(f"[{self.gpu.describe()}{per_token}]")
         return " ".join(parts)
+
+
+def full_batch_tpot_ms(records, streams: int) -> float | None:
+    """The mean gap (ms) while all `streams` of the workload decode; None for none."""
+    gaps = full_batch_gaps_ms(records, streams)
+    return float(gaps.mean()) if gaps.size else None
 
 
 def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
@@ -154,7 +162,7 @@ def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
         tokens_per_step=(after["engine_step_tokens"] - before["engine_step_tokens"]) / steps,
         floor_ms=floor, step_range=(before["engine_steps"], after["engine_steps"]),
         gpu=monitor.summary(since), generated_tokens=m["output_tokens"],
-        decode_tpot_ms=m["decode_tpot_ms"] if w.output_tokens > 1 else None)
+        full_batch_tpot_ms=full_batch_tpot_ms(records, w.concurrency))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -206,15 +214,16 @@ def main(argv: list[str] | None = None) -> None:
             results += shape_results
             if args.step_log:
                 print_step_log(step_log, shape, shape_results)
-    print("\n| shape | workload | TPOT p50 (ms) | decode TPOT, mean (ms) | floor (ms) | x floor "
-          "(TPOT, decode TPOT) | TTFT p50 (ms) | generated tok/s | engine ms/step | tokens/step "
-          "| SM MHz, W (power-capped) |")
+    print("\n| shape | workload | TPOT p50 (ms) | full-batch TPOT, mean (ms) | floor (ms) | "
+          "x floor (TPOT, full-batch TPOT) | TTFT p50 (ms) | generated tok/s | engine ms/step "
+          "| tokens/step | SM MHz, W (power-capped) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        ratios = (f"{_ratio(r.tpot_ms, r.floor_ms)}, {_ratio(r.decode_tpot_ms, r.floor_ms)}"
+        ratios = (f"{_ratio(r.tpot_ms, r.floor_ms)}, {_ratio(r.full_batch_tpot_ms, r.floor_ms)}"
                   if r.floor_ms else "")
         floor = _ms(r.floor_ms) if r.floor_ms else ""
-        print(f"| {r.shape} | {r.workload.name} | {_ms(r.tpot_ms)} | {_ms(r.decode_tpot_ms)} | "
+        print(f"| {r.shape} | {r.workload.name} | {_ms(r.tpot_ms)} | "
+              f"{_ms(r.full_batch_tpot_ms)} | "
               f"{floor} | {ratios} | {r.ttft_ms:.1f} | {r.tokens_per_s:,.0f} | "
               f"{r.engine_step_ms:.3f} | {r.tokens_per_step:.1f} | {gpu_cell(r.gpu)} |")
 

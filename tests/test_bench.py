@@ -20,7 +20,7 @@ from blink.client.bench_data import BenchError, BenchRequest, load_sharegpt_conv
 from blink.client.bench_hog import CpuHog
 from blink.client.bench_load import RequestRecord, arrival_offsets
 from blink.client.bench_server import process_tree_cpu
-from blink.client.bench_metrics import Slo, summarize
+from blink.client.bench_metrics import Slo, full_batch_gaps_ms, summarize
 from blink.client.cli import build_parser
 from blink.client.sdk import BlinkClient, Sampling
 
@@ -63,6 +63,26 @@ def test_metrics_arithmetic():
     # within both SLOs: the first (100 ms, 15 ms) and the third (50 ms, no TPOT)
     assert m["goodput"] == pytest.approx(1.0)
     assert summarize(records, 2.0)["goodput"] is None
+
+
+def test_full_batch_gaps_are_those_while_every_stream_decodes():
+    """bench_serving's full-batch TPOT: only the gaps during which `streams` requests all lay
+    between their first and last tokens (no prompt prefilling, none finished), by hand."""
+    def rec(times, error=None):
+        return RequestRecord(10, len(times), 0.0, list(times), error=error)
+    a = rec([0.10, 0.12, 0.15, 0.18, 0.20])
+    b = rec([0.13, 0.15, 0.17, 0.21])
+    c = rec([0.15, 0.16, 0.19, 0.25, 0.30])
+    # all three decode from C's first token (150 ms) to A's last (200 ms)
+    np.testing.assert_allclose(full_batch_gaps_ms([a, b, c], 3), [30, 20, 20, 10, 30])
+    # two at once: B's first gap (A decodes too) and its last (C does), not A's first two (B
+    # not yet started) nor C's last two (B done)
+    np.testing.assert_allclose(full_batch_gaps_ms([a, b, c], 2), [30, 20, 20, 20, 40, 10, 30])
+    # one stream after another (batch 1): every gap; a failed request neither counts nor spans
+    np.testing.assert_allclose(full_batch_gaps_ms([rec([0.1, 0.2, 0.4]), rec([0.5, 0.6])], 1),
+                               [100, 200, 100])
+    assert full_batch_gaps_ms([a, b, rec([0.1, 0.3], error="cancelled")], 3).size == 0
+    assert full_batch_gaps_ms([rec([0.1])], 1).size == 0
 
 
 def test_decode_tpot_leaves_out_the_gaps_that_held_a_prefill():
