@@ -86,9 +86,15 @@ def full_batch_gaps_ms(records: list[RequestRecord], streams: int) -> np.ndarray
     ends = np.concatenate([r.token_times[1:] for r in done])
     first = np.array([r.token_times[0] for r in done])
     last = np.array([r.token_times[-1] for r in done])
-    # for each gap, the requests whose decoding [first token, last token] spans all of it
-    spanning = ((first[None, :] <= starts[:, None]) & (last[None, :] >= ends[:, None])).sum(1)
-    return (ends - starts)[spanning >= streams] * 1e3
+    # for each gap, the requests whose decoding [first token, last token] spans all of it,
+    # counted a slice of gaps at a time (about 4M comparisons: 512 requests of 256 tokens are
+    # 130k gaps)
+    full = np.empty(len(starts), bool)
+    step = max(1, (1 << 22) // len(done))
+    for i in range(0, len(starts), step):
+        s, e = starts[i:i + step, None], ends[i:i + step, None]
+        full[i:i + step] = ((first <= s) & (last >= e)).sum(1) >= streams
+    return (ends - starts)[full] * 1e3
 
 
 def summarize(records: list[RequestRecord], wall_s: float, slo: Slo = Slo()) -> dict:

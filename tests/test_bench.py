@@ -83,6 +83,17 @@ def test_full_batch_gaps_are_those_while_every_stream_decodes():
                                [100, 200, 100])
     assert full_batch_gaps_ms([a, b, rec([0.1, 0.3], error="cancelled")], 3).size == 0
     assert full_batch_gaps_ms([rec([0.1])], 1).size == 0
+    # many requests (the gaps counted in slices of about 2,000 here) against one gap at a time
+    rng = np.random.default_rng(3)
+    many = [rec(t0 + np.cumsum(rng.uniform(0.01, 0.02, 3))) for t0 in rng.uniform(0, 1, 2100)]
+    first = np.array([r.token_times[0] for r in many])
+    last = np.array([r.token_times[-1] for r in many])
+    for streams in (1, 40, 50):
+        want = [(e - s) * 1e3 for r in many for s, e in zip(r.token_times, r.token_times[1:])
+                if np.sum((first <= s) & (last >= e)) >= streams]
+        got = full_batch_gaps_ms(many, streams)
+        assert 0 < len(want) < 2 * len(many) or streams == 1
+        np.testing.assert_allclose(got, want)
 
 
 def test_decode_tpot_leaves_out_the_gaps_that_held_a_prefill():
