@@ -48,14 +48,23 @@ def distribution(values_ms) -> dict:
             **{f"p{q}": float(np.percentile(v, q)) for q in PERCENTILES}}
 
 
+def _token_gaps(records: list[RequestRecord]):
+    """The completed requests of two tokens or more and the starts and ends (s) of their
+    inter-token gaps, request after request; None when there are none."""
+    done = [r for r in records if r.error is None and r.tokens > 1]
+    if not done:
+        return None
+    return (done, np.concatenate([r.token_times[:-1] for r in done]),
+            np.concatenate([r.token_times[1:] for r in done]))
+
+
 def decode_gaps_ms(records: list[RequestRecord]) -> np.ndarray:
     """The inter-token gaps (ms) of the requests that completed, those that no request's
     prefill interval (its send to its first token) overlaps."""
-    done = [r for r in records if r.error is None and r.tokens > 1]
-    if not done:
+    gaps = _token_gaps(records)
+    if gaps is None:
         return np.zeros(0)
-    starts = np.concatenate([r.token_times[:-1] for r in done])
-    ends = np.concatenate([r.token_times[1:] for r in done])
+    _, starts, ends = gaps
     prefills = sorted((r.sent, r.token_times[0]) for r in records if r.token_times)
     union: list[list[float]] = []  # the prefill intervals merged, in order
     for begin, end in prefills:
@@ -79,11 +88,10 @@ def full_batch_gaps_ms(records: list[RequestRecord], streams: int) -> np.ndarray
     stream finished yet. Where the streams arrive together, the first ones finish while the
     last still decode (they got their tokens of the prefill steps first): those gaps are of a
     smaller batch and are left out."""
-    done = [r for r in records if r.error is None and r.tokens > 1]
-    if not done:
+    gaps = _token_gaps(records)
+    if gaps is None:
         return np.zeros(0)
-    starts = np.concatenate([r.token_times[:-1] for r in done])
-    ends = np.concatenate([r.token_times[1:] for r in done])
+    done, starts, ends = gaps
     first = np.array([r.token_times[0] for r in done])
     last = np.array([r.token_times[-1] for r in done])
     # for each gap, the requests whose decoding [first token, last token] spans all of it,

@@ -512,6 +512,18 @@ class ForwardKernels:
     def _clustered(name: str, cluster: int) -> str:
         return name + (f"_x{cluster}" if cluster > 1 else "")
 
+    def _row_blocks(self, out_features: int) -> int:
+        """The split-K and row-block kernels' CTAs along the output rows (splitk_rows each)."""
+        return -(-out_features // self.splitk_rows)
+
+    def _clustered_row_blocks(self, name: str, out_features: int, cluster: int) -> tuple[str, int]:
+        """`name`'s entry point in clusters of `cluster` CTAs and its grid's x: the row blocks
+        rounded up to whole clusters (the CTAs past the last row only copy their share of x)."""
+        self._need(cluster in self.X_SLAB_CLUSTERS,
+                   f"clusters of {self.X_SLAB_CLUSTERS} CTAs, got {cluster}")
+        return (self._clustered(name, cluster),
+                -(-self._row_blocks(out_features) // cluster) * cluster)
+
     # What a split-K CTA costs beyond streaming its chunk (the wait for the previous kernel, the
     # copy of x's chunk before the first MMA, the adds), in columns of its chunk: splitk_chunk
     # weighs it.
@@ -546,8 +558,6 @@ class ForwardKernels:
         desc: only the live rows (BatchDesc.num_tokens) are added. chunk: K's columns a CTA
         (default splitk_chunk's). cluster: CTAs a thread-block cluster (X_SLAB_CLUSTERS), which
         share x's chunk."""
-        self._need(cluster in self.X_SLAB_CLUSTERS,
-                   f"clusters of {self.X_SLAB_CLUSTERS} CTAs, got {cluster}")
         self._need(self.splitk_fits(rows, in_features, out_features),
                    f"split-K linear takes rows <= {self.splitk_cols}, in_features % "
                    f"{self.splitk_chunk_align} == 0, out_features % 4 == 0, got {rows} x "
@@ -560,9 +570,9 @@ class ForwardKernels:
         # 16-byte copies of x and adds into out (tiled weights are whole 1 KB steps)
         self._need(int(x) % 16 == 0 and int(out) % 16 == 0 and int(w_tiled) % 16 == 0,
                    "split-K linear needs x, w and out 16-byte aligned")
-        blocks = -(-out_features // self.splitk_rows)
-        self.launch(self._clustered("blink_splitk_add_linear", cluster),
-                    (-(-blocks // cluster) * cluster, in_features // chunk),
+        name, blocks = self._clustered_row_blocks("blink_splitk_add_linear", out_features,
+                                                  cluster)
+        self.launch(name, (blocks, in_features // chunk),
                     (self.splitk_threads,),
                     [_ptr(desc), _ptr(x), _i32(in_features), _i32(rows), _ptr(w_tiled),
                      _u32(self.tile_stride(in_features)), _i32(out_features),
@@ -581,9 +591,8 @@ class ForwardKernels:
 
     def rowblock_preferred(self, rows: int, in_features: int, out_features: int) -> bool:
         """Whether the forward pass should run gate|up + SiLU on rowblock_silu_mul."""
-        ctas = -(-out_features // self.splitk_rows)
         return (self.rowblock_fits(rows, in_features, out_features)
-                and ctas >= self.ROWBLOCK_MIN_FILL * 2 * self.sm_count)
+                and self._row_blocks(out_features) >= self.ROWBLOCK_MIN_FILL * 2 * self.sm_count)
 
     def rowblock_chunk_columns(self, in_features: int) -> int:
         """x's columns a slab of rowblock_silu_mul: the most, up to rowblock_chunk, that divide
@@ -598,17 +607,14 @@ class ForwardKernels:
         CTA's 128 rows over all of K with x's chunks in shared memory; rows <= splitk_cols.
         desc: only the live rows (BatchDesc.num_tokens) are written. cluster: CTAs a thread-block
         cluster (X_SLAB_CLUSTERS), which share x's reads from L2."""
-        self._need(cluster in self.X_SLAB_CLUSTERS,
-                   f"clusters of {self.X_SLAB_CLUSTERS} CTAs, got {cluster}")
         self._need(self.rowblock_fits(rows, in_features, out_features),
                    f"the row-block gate|up takes rows <= {self.splitk_cols}, in_features % "
                    f"{self.splitk_chunk_align} == 0, out_features % 32 == 0, got {rows} x "
                    f"{in_features} -> {out_features}")
         self._need(int(x) % 16 == 0 and int(w_tiled) % 16 == 0,
                    "the row-block gate|up needs x and w 16-byte aligned")
-        ctas = -(-out_features // self.splitk_rows)
-        self.launch(self._clustered("blink_rowblock_silu_mul", cluster),
-                    (-(-ctas // cluster) * cluster,),
+        name, ctas = self._clustered_row_blocks("blink_rowblock_silu_mul", out_features, cluster)
+        self.launch(name, (ctas,),
                     (self.splitk_threads,),
                     [_ptr(desc), _ptr(x), _i32(in_features), _i32(rows), _ptr(w_tiled),
                      _u32(self.tile_stride(in_features)), _i32(out_features),
