@@ -172,6 +172,8 @@ class ForwardKernels:
                     "blink_splitk_add_linear_x2",
                     "blink_rowblock_silu_mul", "blink_rowblock_silu_mul_x2",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
+                    *(f"blink_skinny_{kind}_{a}x{c}_k2" for kind in ("linear", "qkv_rope_norm")
+                      for a, c in ((1, 1), (1, 2))),  # SKINNY_SPLIT_KINDS x _SHAPES
                     *(f"blink_skinny_{kind}_{a}x{c}" for kind in ("linear_norm", "qkv_rope_norm")
                       for a in (1, 2) for c in (1, 2)),
                     *(f"blink_skinny_qkv_rope_{a}x4" for a in (1, 2)))
@@ -261,6 +263,12 @@ class ForwardKernels:
                 name = self._clustered(base, cluster)
                 check(driver.cuFuncSetAttribute(self.fn[name], max_smem, smem),
                       f"cuFuncSetAttribute({name} smem)")
+        # the K-splitting skinny kernels' CTAs an SM (their registers decide: skinny_splits)
+        self.skinny_split_ctas_per_sm = {
+            name: check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                self.fn[name], self.gemv_threads, 0), f"occupancy of {name}")
+            for name in self.ENTRY_POINTS if name.startswith("blink_skinny_") and
+            name.endswith("_k2")}
         name = "blink_splitk_add_linear"
         # its CTAs an SM for each chunk size (the chunk of x in shared memory may decide)
         self.splitk_ctas_per_sm = {
@@ -453,8 +461,43 @@ class ForwardKernels:
                                            2 * self.sm_count) else 1
         return row_tiles, col_tiles
 
+    # The shapes whose K may be split across clusters of two CTAs (the _k2 entry points: the
+    # plain and the qkv + RoPE ones; gemv.cuh SkinnyAccumulate's kSplits)
+    SKINNY_SPLIT_SHAPES = ((1, 1), (1, 2))
+    SKINNY_SPLIT_KINDS = ("linear", "qkv_rope_norm")
+
+    def skinny_splits(self, kind: str, rows: int, in_features: int, out_features: int,
+                      max_row_blocks: int | None = None) -> int:
+        """2 where the skinny kernel `kind` (SKINNY_SPLIT_KINDS: a plain projection, or qkv +
+        RoPE with the RMSNorm folded in) may split this shape's K across clusters of two CTAs
+        (one row tile a CTA, up to 16 rows) and its grid of two CTAs a row block still fits one
+        wave (the _k2 entry's CTAs an SM, which its registers decide, times sm_count), or,
+        max_row_blocks given, where its row blocks are at most that; else 1. Such a projection
+        otherwise leaves SMs at one CTA, too few loads in flight to stream at the memory's
+        rate. Measured on the H200 (bench_decode, Llama-3.2-1B, batch 1 at 512 keys): the o
+        and down projections (128 row blocks, 256 CTAs at two an SM) 0.806 -> 0.796 ms a step,
+        the down projection 10.9 -> 9.9 us; the qkv one (192, 384 CTAs at three an SM) too
+        0.786; at 16 rows (384 CTAs at two an SM: two waves) qkv split made the step 5% slower."""
+        if kind not in self.SKINNY_SPLIT_KINDS or not self.skinny_fits(rows, in_features,
+                                                                       out_features):
+            return 1
+        tiles = self._skinny_tiles(rows, in_features, out_features, False, False)
+        if tiles not in self.SKINNY_SPLIT_SHAPES:
+            return 1
+        blocks = -(-out_features // 16)
+        if max_row_blocks is None:
+            ctas_per_sm = self.skinny_split_ctas_per_sm[f"blink_skinny_{kind}_{tiles[0]}x"
+                                                        f"{tiles[1]}_k2"]
+            return 2 if 2 * blocks <= ctas_per_sm * self.sm_count else 1
+        return 2 if blocks <= max_row_blocks else 1
+
+    def _skinny_split_name(self, name: str, tiles: tuple[int, int], k_splits: int) -> str:
+        self._need(k_splits == 1 or (k_splits == 2 and tiles in self.SKINNY_SPLIT_SHAPES),
+                   f"K split across {k_splits} CTAs: 1, or 2 for one row tile and up to 16 rows")
+        return name + ("_k2" if k_splits == 2 else "")
+
     def skinny_linear(self, stream, x, w, out, rows, in_features, out_features, mode, *,
-                      shadow=0, norm_eps=None, w_tiled=False):
+                      shadow=0, norm_eps=None, w_tiled=False, k_splits=1):
         """out[rows, out_features] (mode: SKINNY_BF16 / _F32 / _F32_ADD) = x[rows, in] @ w^T
         for rows <= SKINNY_MAX_ROWS, w: [out_features, in_features] bf16, all dense. SILU_MUL:
         w is gate|up interleaved in 16-row groups (interleave_gate_up) and
@@ -462,7 +505,8 @@ class ForwardKernels:
         also go to shadow [rows, out_features] as bf16. norm_eps: x is the residual stream's
         bf16 shadow and each row's result is scaled by 1 / sqrt(mean(x^2) + norm_eps) (the
         RMSNorm whose weight is folded into w; rows <= SKINNY_NORM_MAX_ROWS). w_tiled: w is in
-        the tiled layout (tile_weights), else row-major."""
+        the tiled layout (tile_weights), else row-major. k_splits 2: K split across clusters
+        of two CTAs (skinny_splits; not with norm_eps or SILU_MUL)."""
         silu = mode == SKINNY_SILU_MUL
         row_tiles, col_tiles = self._skinny_tiles(rows, in_features, out_features, silu,
                                                   norm_eps is not None)
@@ -472,30 +516,37 @@ class ForwardKernels:
                 _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
         if norm_eps is None:
             name, args = f"blink_skinny_linear_{row_tiles}x{col_tiles}", args + [_ptr(shadow)]
+            self._need(k_splits == 1 or not silu, "the SiLU-gated projection takes no K split")
+            name = self._skinny_split_name(name, (row_tiles, col_tiles), k_splits)
         else:
             self._need(not shadow, "a normalizing projection writes no shadow")
+            self._need(k_splits == 1, "a normalizing projection takes no K split")
             name = f"blink_skinny_linear_norm_{row_tiles}x{col_tiles}"
             args = args + [_f32(norm_eps)]
-        self.launch(name, (-(-out_features // (16 * row_tiles)),), (self.gemv_threads,), args,
-                    stream)
+        self.launch(name, (k_splits * -(-out_features // (16 * row_tiles)),),
+                    (self.gemv_threads,), args, stream)
 
     def skinny_qkv_rope(self, stream, rows, desc, x, w, hidden, eps, positions, token_seq,
                         block_tables, max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
                         num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks, *,
-                        w_tiled=False):
+                        w_tiled=False, k_splits=1):
         """The qkv projection with RoPE + KV write as its epilogue (rope_kv_write's outputs,
         without per-head q/k norms): with its input RMSNorm folded in (as skinny_linear with
         norm_eps; rows <= SKINNY_NORM_MAX_ROWS), or, eps None, of an input already normalized
         (17 to SKINNY_MAX_ROWS rows). w: [(num_heads + 2 num_kv_heads) * head_dim, hidden], q
         and k rows in the RoPE pair layout (rope_pair_order), row-major or tiled (w_tiled);
-        qkv_bias likewise or 0."""
+        qkv_bias likewise or 0. k_splits 2: K split across clusters of two CTAs
+        (skinny_splits; with the RMSNorm folded in)."""
         out_features = (num_heads + 2 * num_kv_heads) * self.head_dim
         norm = eps is not None
         row_tiles, col_tiles = self._skinny_tiles(rows, hidden, out_features, False, norm)
         self._need(norm or col_tiles == 4, "the qkv projection without its RMSNorm folded in "
                    f"takes {self.SKINNY_NORM_MAX_ROWS + 1} to {self.SKINNY_MAX_ROWS} rows")
-        self.launch(f"blink_skinny_qkv_rope{'_norm' if norm else ''}_{row_tiles}x{col_tiles}",
-                    (-(-out_features // (16 * row_tiles)),), (self.gemv_threads,),
+        self._need(k_splits == 1 or norm, "the qkv projection after the RMSNorm kernel takes "
+                   "no K split")
+        name = f"blink_skinny_qkv_rope{'_norm' if norm else ''}_{row_tiles}x{col_tiles}"
+        self.launch(self._skinny_split_name(name, (row_tiles, col_tiles), k_splits),
+                    (k_splits * -(-out_features // (16 * row_tiles)),), (self.gemv_threads,),
                     [_ptr(x), _i32(hidden), _i32(rows), _ptr(w),
                      _u32(self.tile_stride(hidden) if w_tiled else 0), _i32(out_features),
                      _i32(hidden), _f32(eps if norm else 0.0), _ptr(desc),
@@ -707,7 +758,7 @@ class CudaForward:
                  sm_count_target: int | None = None, decode_weight_copy: bool = True,
                  splitk_residual: bool = True, skinny_qkv_rope: bool = True,
                  rowblock_gate_up: bool = True, norm_release: bool = True,
-                 x_slab_cluster: int | None = None):
+                 x_slab_cluster: int | None = None, skinny_split_blocks: int | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -748,7 +799,12 @@ class CudaForward:
         them launch once their CTAs have waited for the kernel before (False: at their end).
         x_slab_cluster: the split-K and row-block kernels in thread-block clusters of this many
         CTAs, which share x's reads from L2 (ForwardKernels.X_SLAB_CLUSTERS); None: two where
-        the hidden size is at least X_SLAB_CLUSTER_MIN_HIDDEN, else one."""
+        the hidden size is at least X_SLAB_CLUSTER_MIN_HIDDEN, else one.
+        skinny_split_blocks: skinny projections (plain, and qkv + RoPE with the RMSNorm folded
+        in) split K across clusters of two CTAs where ForwardKernels.skinny_splits says so:
+        None, where the split grid fits one wave (Llama-3.2-1B's qkv, o and down projections
+        in steps of up to 8 rows, its o and down ones up to 16; none of Llama-3.1-8B's); a
+        number, where they have at most that many 16-row blocks (0: none)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -782,6 +838,7 @@ class CudaForward:
 
         self.kernels = k = ForwardKernels(D, device, programmatic_launch, held_sms,
                                           sm_count_target)
+        self.skinny_split_blocks = skinny_split_blocks
         self.stream = new_stream()
         self.blas = Cublas()
         self.blas.set_stream(int(self.stream))  # before set_workspace: it resets the workspace
@@ -1002,6 +1059,11 @@ class CudaForward:
             tiled = lw.tiled.get(name)
             return (tiled or getattr(lw, name)).ptr, tiled is not None
 
+        def k_splits(in_f, out_f, kind="linear"):
+            """CTAs a skinny projection's K is split across (clusters of two where it has
+            few row blocks)."""
+            return k.skinny_splits(kind, rows, in_f, out_f, self.skinny_split_blocks)
+
         def splitk(lw, name, in_f, out_f):
             """Whether the residual-adding projection lw.<name> runs the split-K kernel."""
             return (self.splitk_residual and not skinny(in_f, out_f, True) and name in lw.tiled
@@ -1014,7 +1076,8 @@ class CudaForward:
             if skinny(in_f, out_f, accumulate or name in lw.tiled):
                 w, tiled = skinny_weight(lw, name)
                 op(label, k.skinny_linear, s, x, w, dst, rows, in_f, out_f,
-                   SKINNY_F32_ADD if accumulate else SKINNY_BF16, shadow=shadow, w_tiled=tiled)
+                   SKINNY_F32_ADD if accumulate else SKINNY_BF16, shadow=shadow, w_tiled=tiled,
+                   k_splits=k_splits(in_f, out_f))
             elif accumulate:
                 if shadow:
                     raise ValueError(f"{label}: only the skinny kernel writes the shadow")
@@ -1069,7 +1132,8 @@ class CudaForward:
                    "qkv proj + rope + kv write", k.skinny_qkv_rope, s, rows, d,
                    self.x_shadow.ptr if fuse else self.h.ptr, wqkv, H, eps if fuse else None,
                    *rope_args, lw.bqkv.ptr if lw.bqkv else 0, self.inv_freq.ptr,
-                   cfg.num_heads, cfg.num_kv_heads, *cache_args, w_tiled=tiled)
+                   cfg.num_heads, cfg.num_kv_heads, *cache_args, w_tiled=tiled,
+                   k_splits=k_splits(H, Q + 2 * KV, "qkv_rope_norm") if fuse else 1)
             else:
                 if fuse:
                     wqkv, tiled = skinny_weight(lw, "wqkv")
@@ -1127,7 +1191,8 @@ class CudaForward:
         if self.skinny and k.skinny_preferred(logit_rows, H, V, lm_head_tiled):
             op("lm head", k.skinny_linear, s, self.h_logits.ptr,
                (self.lm_head_tiled if lm_head_tiled else self.lm_head).ptr, self.logits.ptr,
-               logit_rows, H, V, SKINNY_F32, w_tiled=lm_head_tiled)
+               logit_rows, H, V, SKINNY_F32, w_tiled=lm_head_tiled,
+               k_splits=k.skinny_splits("linear", logit_rows, H, V, self.skinny_split_blocks))
         else:
             op("lm head", blas.linear, self.h_logits.ptr, self.lm_head.ptr, self.logits.ptr,
                logit_rows, H, V, R_32F)

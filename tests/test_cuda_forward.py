@@ -309,7 +309,55 @@ def test_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout):
     """The skinny linear kernel against float64 on the same bf16 inputs, with the weights in
     either layout; every output element written once (poison first) and nothing past row
     `rows` or column `n_out` touched."""
+    check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits=1)
+
+
+# The shapes whose K may split across clusters of two CTAs (one row tile, up to 16 rows): K in
+# remainder steps only, in whole batches of the cluster's 16 warps and with a remainder
+# (Llama-3.2-1B's o and down projections: 2,048 and 8,192), N with a partial last tile.
+SKINNY_SPLIT_CASES = [(1, 256, 200), (3, 96, 48), (8, 544, 1000), (13, 256, 136),
+                      (16, 1024, 40), (1, 8192, 2048), (5, 2048 + 96, 72), (16, 2048, 2048)]
+
+
+@pytest.mark.parametrize("rows,k_in,n_out", SKINNY_SPLIT_CASES)
+@pytest.mark.parametrize("mode", ["bf16", "f32", "f32_add"])
+@pytest.mark.parametrize("layout", ["row-major", "tiled"])
+def test_skinny_linear_k_split(cf, stream, rows, k_in, n_out, mode, layout):
+    """The same with K split across clusters of two CTAs (the first adds the second's sums
+    from its shared memory and stores): the same outputs, and the shadow of the residual add."""
+    check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits=2)
+
+
+def test_skinny_split_rule(cf):
+    """Clusters of two where the split grid still fits one wave of the _k2 kernel's CTAs (or
+    where the row blocks are at most max_row_blocks); never for shapes without such an entry
+    point, which the launches refuse."""
     k = kernels(cf)
+    occupancy = k.skinny_split_ctas_per_sm
+    REPORT["env"]["skinny K-split CTAs an SM (head dim 64)"] = occupancy
+    assert occupancy["blink_skinny_linear_1x1_k2"] == 2  # its registers: 2 CTAs an SM
+    slots = 2 * k.sm_count
+    assert k.skinny_splits("linear", 1, 8192, 16 * (slots // 2)) == 2  # 1B's down, batch 1
+    assert k.skinny_splits("linear", 1, 8192, 16 * (slots // 2 + 1)) == 1
+    assert k.skinny_splits("linear", 16, 2048, 2048) == 2
+    assert k.skinny_splits("linear", 1, 4096, 4096) == 1  # 8B's o: 512 CTAs, two waves
+    fits = 2 * 192 <= occupancy["blink_skinny_qkv_rope_norm_1x1_k2"] * k.sm_count
+    assert k.skinny_splits("qkv_rope_norm", 1, 2048, 3072) == (2 if fits else 1)  # 1B's qkv
+    assert k.skinny_splits("linear", 1, 2048, 3072, max_row_blocks=191) == 1
+    assert k.skinny_splits("linear", 1, 2048, 3072, max_row_blocks=192) == 2
+    assert k.skinny_splits("linear", 1, 2048, 2048, max_row_blocks=0) == 1
+    assert k.skinny_splits("linear", 17, 2048, 2048) == 1  # four column tiles
+    assert k.skinny_splits("linear_norm", 1, 2048, 2048) == 1
+    with pytest.raises(ValueError, match="K split"):
+        k.skinny_linear(None, 0, 0, 0, 17, 256, 64, cf.SKINNY_BF16, k_splits=2)
+    with pytest.raises(ValueError, match="no K split"):
+        k.skinny_linear(None, 0, 0, 0, 1, 256, 64, cf.SKINNY_BF16, k_splits=2, norm_eps=1e-5)
+
+
+def check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits):
+    k = kernels(cf)
+    if k_splits > 1:
+        assert k.skinny_splits("linear", rows, k_in, n_out, 10 ** 6) == k_splits
     rng = np.random.default_rng(rows * 7 + k_in)
     cap = 40  # allocated rows: rows .. cap must stay poisoned
     n_w = 2 * (-(-n_out // 32) * 16) if mode == "silu_mul" else n_out  # whole 16-row pairs
@@ -331,7 +379,7 @@ def test_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout):
                 cf.SKINNY_SILU_MUL
         out = dev(cf, np.zeros((cap, expect.shape[1]), np.uint16), poison=True)
         k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_w, launch_mode,
-                        w_tiled=w_tiled)
+                        w_tiled=w_tiled, k_splits=k_splits)
         cf.synchronize(stream)
         got = out.download()
         assert rel_err(bf16_to_f32(got[:rows]), expect) < 1e-2
@@ -343,7 +391,8 @@ def test_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout):
     shadow = dev(cf, np.zeros((cap, n_out), np.uint16), poison=True)
     k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out,
                     cf.SKINNY_F32_ADD if mode == "f32_add" else cf.SKINNY_F32,
-                    shadow=shadow.ptr if mode == "f32_add" else 0, w_tiled=w_tiled)
+                    shadow=shadow.ptr if mode == "f32_add" else 0, w_tiled=w_tiled,
+                    k_splits=k_splits)
     cf.synchronize(stream)
     got = out.download()
     expect = ref + resid[:rows] if mode == "f32_add" else ref
@@ -714,6 +763,22 @@ def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, la
     then RoPE, q to its buffer, k and v into the paged cache. Rows past the live tokens (the
     bucket's `rows`) write nothing. tokens 12 and 19: their first `rows` tokens at most (12 of
     16: the second column tile part live; 19 of 32: the third)."""
+    check_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, layout, rows, 1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tokens", [1, 12])
+@pytest.mark.parametrize("variant", ["plain", "bias"])
+@pytest.mark.parametrize("hidden", [256, 2048])
+@pytest.mark.parametrize("rows", [8, 16])
+def test_skinny_qkv_rope_k_split(cf, stream, head_dim, tokens, variant, hidden, rows):
+    """The same with the RMSNorm folded in and K split across clusters of two CTAs: the norm's
+    sum of squares, too, is the two CTAs' halves added."""
+    check_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, False, hidden, "tiled", rows, 2)
+
+
+def check_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, layout, rows,
+                          k_splits):
     k = kernels(cf, head_dim)
     rng = np.random.default_rng(head_dim + tokens + wide)
     heads = ((64, 8) if head_dim == 128 else (128, 8)) if wide else (4, 2)
@@ -732,7 +797,7 @@ def test_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, la
                       case.d["token_seq"].ptr, case.d["tables"].ptr, case.pb.max_blocks,
                       case.ptr["bias"], case.d["inv_freq"].ptr, case.nh, case.nkv,
                       case.q_out.ptr, case.kc.ptr, case.vc.ptr, case.bs, case.pb.num_blocks,
-                      w_tiled=layout == "tiled")
+                      w_tiled=layout == "tiled", k_splits=k_splits)
     cf.synchronize(stream)
     h = x[:live] * _rms_scale(x[:live], case.eps) if norm else x[:live]
     case.check(rb(h @ w.T.astype(np.float64)).astype(np.float64))
@@ -1168,6 +1233,40 @@ def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, m
         pos += n
     assert clusters == {cluster}
     pair.record(f"split-K steps, clusters of {cluster}")
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_forward_skinny_k_split(models, monkeypatch, split):
+    """Decode-sized steps run their skinny projections of few row blocks (this model's qkv, o
+    and down) with K split across clusters of two CTAs (by default: where the split grid fits
+    one wave), or one CTA a row block (skinny_split_blocks 0); the SiLU-gated gate|up never
+    splits. Both follow the reference."""
+    pair = Pair(models, "llama")
+    engine, k, cfg = pair.engine, pair.engine.kernels, pair.cfg
+    if not split:
+        monkeypatch.setattr(engine, "skinny_split_blocks", 0)
+    splits = []
+
+    def counted(fn):
+        def launch(*args, k_splits=1, **kwargs):
+            splits.append(k_splits)
+            return fn(*args, k_splits=k_splits, **kwargs)
+        return launch
+
+    monkeypatch.setattr(k, "skinny_linear", counted(k.skinny_linear))
+    monkeypatch.setattr(k, "skinny_qkv_rope", counted(k.skinny_qkv_rope))
+    table = np.random.default_rng(8).permutation(NUM_BLOCKS)[:4]
+    ids = prompt(cfg, 21, seed=9)
+    pos = 0
+    for n, bucket in ((5, 8), (13, 16), (1, 1), (1, 1)):
+        splits.clear()
+        pair.step([(ids[pos:pos + n], pos, table)], eager=True)  # ops() runs again: counted
+        lm_head = k.skinny_splits("linear", min(bucket, MAX_SEQS), cfg.hidden_size,
+                                  cfg.vocab_size, engine.skinny_split_blocks) == 2
+        assert len(splits) == 4 * cfg.num_layers + 1, f"{n} tokens"
+        assert splits.count(2) == ((3 * cfg.num_layers + lm_head) if split else 0), f"{n} tokens"
+        pos += n
+    pair.record(f"skinny projections, K split {split}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

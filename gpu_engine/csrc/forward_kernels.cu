@@ -146,21 +146,26 @@ BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide_any_block, blink::kAttnRo
 // one or two column tiles). The qkv_rope entries also apply RoPE and write q and the KV cache
 // (rope.cuh SkinnyQkvRopeCta): qkv_rope_norm with the RMSNorm folded in (up to 16 rows),
 // qkv_rope after the RMSNorm kernel (17 to 32 rows: four column tiles; one signature for
-// both, eps unused there).
-#define BLINK_SKINNY_LINEAR(A, C)                                                            \
-  __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
-      blink_skinny_linear_##A##x##C(const bf16* x, int ldx, int M, const bf16* w,            \
-                                    uint32_t w_tile_stride, int N, int K, void* out, int ldo,\
-                                    int mode, bf16* shadow) {                                \
-    blink::SkinnyLinearCta<A, C, false>(x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode,   \
-                                        shadow, 0.f);                                        \
+// both, eps unused there). _k2: K split across clusters of two CTAs (SkinnyAccumulate's
+// kSplits), for projections of fewer row blocks than SMs.
+#define BLINK_CLUSTER_OF_1
+#define BLINK_CLUSTER_OF_2 __cluster_dims__(2, 1, 1)
+#define BLINK_SKINNY_LINEAR(NAME, A, C, SPLITS)                                              \
+  __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
+  __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                                \
+      NAME(const bf16* x, int ldx, int M, const bf16* w, uint32_t w_tile_stride, int N,      \
+           int K, void* out, int ldo, int mode, bf16* shadow) {                              \
+    blink::SkinnyLinearCta<A, C, false, SPLITS>(x, ldx, M, w, w_tile_stride, N, K, out, ldo, \
+                                                mode, shadow, 0.f);                          \
   }
-BLINK_SKINNY_LINEAR(1, 1)
-BLINK_SKINNY_LINEAR(1, 2)
-BLINK_SKINNY_LINEAR(1, 4)
-BLINK_SKINNY_LINEAR(2, 1)
-BLINK_SKINNY_LINEAR(2, 2)
-BLINK_SKINNY_LINEAR(2, 4)
+BLINK_SKINNY_LINEAR(blink_skinny_linear_1x1, 1, 1, 1)
+BLINK_SKINNY_LINEAR(blink_skinny_linear_1x2, 1, 2, 1)
+BLINK_SKINNY_LINEAR(blink_skinny_linear_1x4, 1, 4, 1)
+BLINK_SKINNY_LINEAR(blink_skinny_linear_2x1, 2, 1, 1)
+BLINK_SKINNY_LINEAR(blink_skinny_linear_2x2, 2, 2, 1)
+BLINK_SKINNY_LINEAR(blink_skinny_linear_2x4, 2, 4, 1)
+BLINK_SKINNY_LINEAR(blink_skinny_linear_1x1_k2, 1, 1, 2)
+BLINK_SKINNY_LINEAR(blink_skinny_linear_1x2_k2, 1, 2, 2)
 #undef BLINK_SKINNY_LINEAR
 
 #define BLINK_SKINNY_NORM_LINEAR(A, C)                                                       \
@@ -177,25 +182,30 @@ BLINK_SKINNY_NORM_LINEAR(1, 2)
 BLINK_SKINNY_NORM_LINEAR(2, 2)
 #undef BLINK_SKINNY_NORM_LINEAR
 
-#define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM)                                              \
-  __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas) NAME(          \
+#define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM, SPLITS)                                      \
+  __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
+  __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas) NAME(                          \
       const bf16* x, int ldx, int M, const bf16* w, uint32_t w_tile_stride, int N, int K,    \
       float eps, const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,  \
       const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,             \
       const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out, bf16* k_cache,    \
       bf16* v_cache, int block_size, int num_blocks) {                                       \
-    blink::SkinnyQkvRopeCta<kHeadDim, A, C, NORM>(                                           \
+    blink::SkinnyQkvRopeCta<kHeadDim, A, C, NORM, SPLITS>(                                   \
         x, ldx, M, w, w_tile_stride, N, K, eps, desc, positions, token_seq, block_tables,    \
         max_blocks_per_seq, qkv_bias, inv_freq, num_heads, num_kv_heads, q_out, k_cache,     \
         v_cache, block_size, num_blocks);                                                    \
   }
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1, 1, 1, true)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x1, 2, 1, true)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2, 1, 2, true)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x2, 2, 2, true)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_1x4, 1, 4, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1, 1, 1, true, 1)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x1, 2, 1, true, 1)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2, 1, 2, true, 1)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x2, 2, 2, true, 1)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_1x4, 1, 4, false, 1)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false, 1)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1_k2, 1, 1, true, 2)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2_k2, 1, 2, true, 2)
 #undef BLINK_SKINNY_QKV_ROPE
+#undef BLINK_CLUSTER_OF_1
+#undef BLINK_CLUSTER_OF_2
 
 // Split-K linear with shared activations, added into fp32 (gemv.cuh SplitKAddLinearCta): the
 // residual-adding projections of 17..32-row steps.

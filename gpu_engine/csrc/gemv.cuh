@@ -95,42 +95,107 @@ struct GemvBatch {
 };
 
 // One CTA's dot products, left in shared memory by SkinnyAccumulate for the store epilogues.
-template <int kRowTiles, int kColTiles>
+// kSplits > 1: K is split across a thread-block cluster of kSplits CTAs (SkinnyAccumulate), and
+// the sums over the cluster end up in the first CTA's `part`.
+template <int kRowTiles, int kColTiles, int kSplits = 1>
 struct GemvSums {
   using S = GemvShape<kRowTiles, kColTiles>;
   float red[kGemvWarps * S::kRows * S::kRedLd];  // [warp][row][column] per-warp partial sums
   float row_scale[S::kCols];                     // 1, or 1 / rms(x_m) with kNormIn
   float sum_sq[kGemvWarps][S::kCols];            // per-warp sums of x_m^2 (kNormIn)
+  // kSplits > 1: this CTA's sums over its warps ([row][column], then x_m^2 per column), which
+  // the cluster's first CTA adds the others' to
+  float part[kSplits > 1 ? S::kRows * S::kCols + S::kCols : 1];
 
   // Row r of the CTA's rows (output n0 + r), token row m: the dot product, scaled.
   __device__ __forceinline__ float total(int r, int m) const {
     float v = 0.f;
+    if constexpr (kSplits > 1) {
+      v = part[r * S::kCols + m];
+    } else {
 #pragma unroll
-    for (int q = 0; q < kGemvWarps; ++q) v += red[(q * S::kRows + r) * S::kRedLd + m];
+      for (int q = 0; q < kGemvWarps; ++q) v += red[(q * S::kRows + r) * S::kRedLd + m];
+    }
     return v * row_scale[m];
   }
 };
+
+// The row block (kRows output rows) a skinny CTA computes: its cluster's, with K split across
+// a cluster of kSplits CTAs along x.
+template <int kSplits>
+__device__ __forceinline__ int SkinnyRowBlock() {
+  return static_cast<int>(blockIdx.x) / kSplits;
+}
+
+// kSplits > 1, after each CTA's warps have left their sums in red and sum_sq: each CTA sums
+// its warps' into part, and the cluster's first CTA (rank 0) adds the other CTAs' parts to its
+// own. True in rank 0, whose part then holds the row block's sums; every thread of every CTA of
+// the cluster calls it. The other CTAs wait until rank 0 has read their shared memory (a CTA's
+// shared memory goes when it exits).
+template <int kRowTiles, int kColTiles, int kSplits>
+__device__ __forceinline__ bool MeetClusterSums(GemvSums<kRowTiles, kColTiles, kSplits>& sums,
+                                                int rank) {
+  using S = GemvShape<kRowTiles, kColTiles>;
+  constexpr int kParts = S::kRows * S::kCols + S::kCols;
+  for (int i = threadIdx.x; i < kParts; i += blockDim.x) {
+    float v = 0.f;
+    if (i < S::kRows * S::kCols) {
+      const int r = i / S::kCols, m = i % S::kCols;
+#pragma unroll
+      for (int q = 0; q < kGemvWarps; ++q) v += sums.red[(q * S::kRows + r) * S::kRedLd + m];
+    } else {
+#pragma unroll
+      for (int q = 0; q < kGemvWarps; ++q) v += sums.sum_sq[q][i - S::kRows * S::kCols];
+    }
+    sums.part[i] = v;
+  }
+  ClusterArriveRelease();  // every weight load has returned: the release waits for nothing
+  ClusterWaitAcquire();
+  if (rank == 0) {
+    for (int i = threadIdx.x; i < kParts; i += blockDim.x) {
+      float v = sums.part[i];
+#pragma unroll
+      for (int c = 1; c < kSplits; ++c) v += LoadSharedCluster(&sums.part[i], c);
+      sums.part[i] = v;
+    }
+  }
+  ClusterRendezvous();  // rank 0 has read the others' parts: they may exit
+  if (rank != 0) return false;
+  __syncthreads();
+  return true;
+}
 
 // x: [M, ldx] bf16 (row m at x + m * ldx, K used); w: [N, K] bf16 row-major (w_tile_stride
 // 0), or tiled (tiles of 16 rows w_tile_stride elements apart, the last one padded); K % 32 ==
 // 0; the CTA's rows are n0 = blockIdx.x * kRows .. + kRows - 1 (rows past N compute and drop
 // the last row, or the padding). kNormIn: row_scale[m] = 1 / sqrt(mean(x_m^2) + eps), else 1.
-// Every thread of the CTA calls it; sums is in shared memory and complete when it returns.
+// Every thread of the CTA calls it; sums is in shared memory and complete when it returns true.
 // blockDim.x = kGemvThreads. It waits for the previous kernel itself (AwaitPriorKernel), after
 // its first weight loads.
-template <int kRowTiles, int kColTiles, bool kNormIn>
-__device__ __forceinline__ void SkinnyAccumulate(const bf16* x, int ldx, int M, const bf16* w,
+//
+// kSplits > 1 (a grid of kSplits CTAs a row block, launched in clusters of kSplits along x):
+// the cluster's CTAs take the row block's 32-k steps round-robin as if their warps were one
+// CTA's, and the first CTA adds the others' sums from their shared memory (distributed shared
+// memory, after a cluster barrier); it returns true, the others false (they have nothing to
+// store). Where a projection has fewer row blocks than the GPU has SMs (Llama-3.2-1B's o and
+// down projections at batch 1: 128 row blocks of 16 rows), one CTA an SM has too few loads in
+// flight to stream at the memory's rate, and two CTAs a row block double them.
+template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1>
+__device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, const bf16* w,
                                                  uint32_t w_tile_stride, int N, int K,
                                                  float eps,
-                                                 GemvSums<kRowTiles, kColTiles>& sums) {
+                                                 GemvSums<kRowTiles, kColTiles, kSplits>& sums) {
   using S = GemvShape<kRowTiles, kColTiles>;
-  static_assert(sizeof(GemvSums<kRowTiles, kColTiles>) <= 48 * 1024, "static shared memory");
+  static_assert(sizeof(sums) <= 48 * 1024, "static shared memory");
   constexpr int kUnroll = S::kUnroll;
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  constexpr int warps = kGemvWarps;
+  // the steps' round-robin runs over the cluster's warps: this warp's place in it
+  constexpr int warps = kGemvWarps * kSplits;
+  const int rank = static_cast<int>(blockIdx.x) % kSplits;
+  const int slot = rank * kGemvWarps + warp;
   const int g = lane / 4, t = lane % 4;
-  const int n0 = blockIdx.x * S::kRows;
+  const int n0 = SkinnyRowBlock<kSplits>() * S::kRows;
 
   // Element offsets of this lane's rows at its 8-element column offset in step 0, and from
   // one step to the next (32-bit: the padded N * K < 2^31, checked by the host); rows past the
@@ -199,16 +264,16 @@ __device__ __forceinline__ void SkinnyAccumulate(const bf16* x, int ldx, int M, 
   // loads in flight); then the remainder.
   using Batch = GemvBatch<kUnroll, kRowTiles, kColTiles>;
   const int steps = K / 32, batch_steps = kUnroll * warps;
-  const int batches = steps >= warp + (kUnroll - 1) * warps + 1
-                          ? (steps - warp - (kUnroll - 1) * warps - 1) / batch_steps + 1
+  const int batches = steps >= slot + (kUnroll - 1) * warps + 1
+                          ? (steps - slot - (kUnroll - 1) * warps - 1) / batch_steps + 1
                           : 0;
   auto load_batch_w = [&](int b, Batch& batch) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load_w(warp + b * batch_steps + u * warps, batch.w[u]);
+    for (int u = 0; u < kUnroll; ++u) load_w(slot + b * batch_steps + u * warps, batch.w[u]);
   };
   auto load_batch_x = [&](int b, Batch& batch) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load_x(warp + b * batch_steps + u * warps, batch.x[u]);
+    for (int u = 0; u < kUnroll; ++u) load_x(slot + b * batch_steps + u * warps, batch.x[u]);
   };
   auto load_batch = [&](int b, Batch& batch) {
     load_batch_w(b, batch);
@@ -244,7 +309,7 @@ __device__ __forceinline__ void SkinnyAccumulate(const bf16* x, int ldx, int M, 
       mma_batch(batch);
     }
   }
-  for (int s = warp + batches * batch_steps; s < steps; s += warps) {
+  for (int s = slot + batches * batch_steps; s < steps; s += warps) {
     uint4 wv[kRowTiles][2], xv[kColTiles];
     load_w(s, wv);
     load_x(s, xv);
@@ -271,27 +336,36 @@ __device__ __forceinline__ void SkinnyAccumulate(const bf16* x, int ldx, int M, 
     }
   }
   __syncthreads();
+  if constexpr (kSplits > 1) {
+    if (!MeetClusterSums(sums, rank)) return false;
+  }
   if (threadIdx.x < min(M, S::kCols)) {
     float scale = 1.f;
     if constexpr (kNormIn) {
       float v = 0.f;
+      if constexpr (kSplits > 1) {
+        v = sums.part[S::kRows * S::kCols + threadIdx.x];
+      } else {
 #pragma unroll
-      for (int q = 0; q < warps; ++q) v += sums.sum_sq[q][threadIdx.x];
+        for (int q = 0; q < kGemvWarps; ++q) v += sums.sum_sq[q][threadIdx.x];
+      }
       scale = rsqrtf(v / K + eps);
     }
     sums.row_scale[threadIdx.x] = scale;
   }
   __syncthreads();
+  return true;
 }
 
 // The plain outputs: out[m, n] for m < M, n < N in `mode`'s type (kGemvBf16, kGemvF32, or
 // kGemvF32Add: added into an fp32 out; then `shadow`, when not null, gets the sum as bf16: the
 // copy a following kNormIn projection reads).
-template <int kRowTiles, int kColTiles>
-__device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles>& sums, int M,
-                                            int N, void* out, int ldo, int mode, bf16* shadow) {
+template <int kRowTiles, int kColTiles, int kSplits>
+__device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles, kSplits>& sums,
+                                            int M, int N, void* out, int ldo, int mode,
+                                            bf16* shadow) {
   using S = GemvShape<kRowTiles, kColTiles>;
-  const int n0 = blockIdx.x * S::kRows, cols = min(M, S::kCols);
+  const int n0 = SkinnyRowBlock<kSplits>() * S::kRows, cols = min(M, S::kCols);
   for (int i = threadIdx.x; i < S::kRows * cols; i += blockDim.x) {
     const int r = i % S::kRows, m = i / S::kRows, n = n0 + r;
     if (n >= N) continue;
@@ -309,12 +383,12 @@ __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles>
   }
 }
 
-// kGemvSiluMul: the CTA's rows 0..15 are the gate of features f0 .. f0 + 15 (f0 = blockIdx.x * 16)
-// and rows 16..31 their up (kRowTiles == 2); out[m, f] = silu(gate) * up in bf16, f < N / 2.
-template <int kColTiles>
-__device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles>& sums, int M,
-                                                   int N, bf16* out, int ldo) {
-  const int f0 = blockIdx.x * 16, cols = min(M, GemvShape<2, kColTiles>::kCols);
+// kGemvSiluMul: the CTA's rows 0..15 are the gate of features f0 .. f0 + 15 (f0 = 16 x its row
+// block) and rows 16..31 their up (kRowTiles == 2); out[m, f] = silu(gate) * up in bf16, f < N / 2.
+template <int kColTiles, int kSplits>
+__device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles, kSplits>& sums,
+                                                   int M, int N, bf16* out, int ldo) {
+  const int f0 = SkinnyRowBlock<kSplits>() * 16, cols = min(M, GemvShape<2, kColTiles>::kCols);
   for (int i = threadIdx.x; i < 16 * cols; i += blockDim.x) {
     const int r = i % 16, m = i / 16;
     if (f0 + r >= N / 2) continue;
@@ -326,13 +400,16 @@ __device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles>&
 }
 
 // The whole skinny linear layer for the plain and SiLU-gated modes. grid.x = ceil(N / kRows)
-// (kGemvSiluMul: N = 2 * features, kRowTiles == 2); blockDim.x = kGemvThreads.
-template <int kRowTiles, int kColTiles, bool kNormIn>
+// x kSplits (kGemvSiluMul: N = 2 * features, kRowTiles == 2); blockDim.x = kGemvThreads;
+// kSplits > 1: clusters of kSplits CTAs along x.
+template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1>
 __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, const bf16* w,
                                                 uint32_t w_tile_stride, int N, int K, void* out,
                                                 int ldo, int mode, bf16* shadow, float eps) {
-  __shared__ GemvSums<kRowTiles, kColTiles> sums;
-  SkinnyAccumulate<kRowTiles, kColTiles, kNormIn>(x, ldx, M, w, w_tile_stride, N, K, eps, sums);
+  __shared__ GemvSums<kRowTiles, kColTiles, kSplits> sums;
+  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits>(x, ldx, M, w, w_tile_stride, N,
+                                                                K, eps, sums))
+    return;
   if constexpr (kRowTiles == 2) {
     if (mode == kGemvSiluMul) return SkinnyStoreSiluMul(sums, M, N, static_cast<bf16*>(out), ldo);
   }

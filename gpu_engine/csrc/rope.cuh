@@ -140,9 +140,9 @@ __device__ __forceinline__ void RopeKvWriteCta(
 // output is rounded to bf16 first, as when it is stored; bias added; rotated in fp32): q rows to
 // q_out, k and v rows of tokens t < num_tokens into the paged cache. qkv_bias is in the same row
 // order as w (nullable). No per-head q/k norm (Qwen3 takes the kernel path).
-template <int kHeadDim, int kRowTiles, int kColTiles>
+template <int kHeadDim, int kRowTiles, int kColTiles, int kSplits>
 __device__ __forceinline__ void SkinnyStoreQkvRope(
-    const GemvSums<kRowTiles, kColTiles>& sums, int M, const BatchDesc* desc,
+    const GemvSums<kRowTiles, kColTiles, kSplits>& sums, int M, const BatchDesc* desc,
     const int32_t* positions, const int32_t* token_seq, const int32_t* block_tables,
     int max_blocks_per_seq, const bf16* qkv_bias, const float* inv_freq, int num_heads,
     int num_kv_heads, bf16* q_out, bf16* k_cache, bf16* v_cache, int block_size,
@@ -158,7 +158,7 @@ __device__ __forceinline__ void SkinnyStoreQkvRope(
   // Work items: (row tile a, token m, 8 pairs or 16 v rows); a thread takes one row pair.
   for (int i = threadIdx.x; i < kRowTiles * cols * 8; i += blockDim.x) {
     const int p = i % 8, m = (i / 8) % cols, a = i / (8 * cols);
-    const int tile = blockIdx.x * kRowTiles + a;  // rows 16 tile .. + 15: one head's
+    const int tile = SkinnyRowBlock<kSplits>() * kRowTiles + a;  // rows 16 tile ..: one head's
     const int r = 16 * a + p, n = 16 * tile + p;   // tile rows p and p + 8: n and n + 8
     if (n >= total_rows) continue;
     const int head = n / kHeadDim, within = n % kHeadDim;
@@ -190,16 +190,19 @@ __device__ __forceinline__ void SkinnyStoreQkvRope(
 // The qkv projection with RoPE + KV write as its epilogue (SkinnyAccumulate, then
 // SkinnyStoreQkvRope). kNormIn: x is the residual stream's bf16 shadow and the input RMSNorm is
 // folded in (decode buckets of up to 16 rows); else x is the RMSNorm's output (17 to 32 rows,
-// where the residual-adding projections are split-K ones and write no shadow).
-template <int kHeadDim, int kRowTiles, int kColTiles, bool kNormIn>
+// where the residual-adding projections are split-K ones and write no shadow). kSplits > 1: K
+// split across clusters of kSplits CTAs along x (SkinnyAccumulate).
+template <int kHeadDim, int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1>
 __device__ __forceinline__ void SkinnyQkvRopeCta(
     const bf16* x, int ldx, int M, const bf16* w, uint32_t w_tile_stride, int N, int K,
     float eps, const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,
     const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out, bf16* k_cache,
     bf16* v_cache, int block_size, int num_blocks) {
-  __shared__ GemvSums<kRowTiles, kColTiles> sums;
-  SkinnyAccumulate<kRowTiles, kColTiles, kNormIn>(x, ldx, M, w, w_tile_stride, N, K, eps, sums);
+  __shared__ GemvSums<kRowTiles, kColTiles, kSplits> sums;
+  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits>(x, ldx, M, w, w_tile_stride, N,
+                                                                K, eps, sums))
+    return;
   SkinnyStoreQkvRope<kHeadDim>(sums, M, desc, positions, token_seq, block_tables,
                                max_blocks_per_seq, qkv_bias, inv_freq, num_heads, num_kv_heads,
                                q_out, k_cache, v_cache, block_size, num_blocks);

@@ -156,6 +156,28 @@ __device__ __forceinline__ void ClusterRendezvous() {
   ClusterWait();
 }
 
+// The same rendezvous ordering memory: what a thread wrote before its release-arrival (shared
+// memory included) is visible to every thread of the cluster after its acquire-wait. (The
+// release waits for the thread's loads in flight: call it where there are none.)
+__device__ __forceinline__ void ClusterArriveRelease() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void ClusterWaitAcquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The float at `p`'s offset in the shared memory of the cluster's CTA `rank` (distributed
+// shared memory, sm_90).
+__device__ __forceinline__ float LoadSharedCluster(const float* p, int rank) {
+  uint32_t remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote) : "r"(SharedAddress(p)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
 // One thread: an mbarrier of one arrival, visible to the cluster's copies after a rendezvous.
 __device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
