@@ -169,8 +169,9 @@ class ForwardKernels:
                     "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform", "blink_signal_done",
                     "blink_hold_sm", "blink_tile_weights", "blink_splitk_add_linear",
-                    "blink_splitk_add_linear_x2",
+                    "blink_splitk_add_linear_x2", "blink_splitk_add_linear_x4",
                     "blink_rowblock_silu_mul", "blink_rowblock_silu_mul_x2",
+                    "blink_rowblock_silu_mul_x4",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
                     *(f"blink_skinny_{kind}_{a}x{c}_k2" for kind in ("linear", "qkv_rope_norm")
                       for a, c in ((1, 1), (1, 2))),  # SKINNY_SPLIT_KINDS x _SHAPES
@@ -556,8 +557,8 @@ class ForwardKernels:
                      _i32(block_size), _i32(num_blocks)], stream)
 
     # CTAs a thread-block cluster of the split-K and row-block kernels' variants (entry points
-    # ..._x2): the cluster's CTAs share each chunk of x's read from L2 (gemv.cuh CopyXSlab)
-    X_SLAB_CLUSTERS = (1, 2)
+    # ..._x2, _x4): the cluster's CTAs share each chunk of x's read from L2 (gemv.cuh CopyXSlab)
+    X_SLAB_CLUSTERS = (1, 2, 4)
 
     @staticmethod
     def _clustered(name: str, cluster: int) -> str:
@@ -758,7 +759,8 @@ class CudaForward:
                  sm_count_target: int | None = None, decode_weight_copy: bool = True,
                  splitk_residual: bool = True, skinny_qkv_rope: bool = True,
                  rowblock_gate_up: bool = True, norm_release: bool = True,
-                 x_slab_cluster: int | None = None, skinny_split_blocks: int | None = None):
+                 splitk_cluster: int | None = None, rowblock_cluster: int | None = None,
+                 skinny_split_blocks: int | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -797,9 +799,10 @@ class CudaForward:
         (ForwardKernels.rowblock_preferred: Llama-3.1-8B, not 3.2-1B) (False: cuBLAS, then the
         SiLU kernel). norm_release: the RMSNorm kernels inside a layer let the projection after
         them launch once their CTAs have waited for the kernel before (False: at their end).
-        x_slab_cluster: the split-K and row-block kernels in thread-block clusters of this many
-        CTAs, which share x's reads from L2 (ForwardKernels.X_SLAB_CLUSTERS); None: two where
-        the hidden size is at least X_SLAB_CLUSTER_MIN_HIDDEN, else one.
+        splitk_cluster, rowblock_cluster: the split-K and the row-block kernel in thread-block
+        clusters of this many CTAs, which share x's reads from L2
+        (ForwardKernels.X_SLAB_CLUSTERS); None: two and four where the hidden size is at least
+        X_SLAB_CLUSTER_MIN_HIDDEN, else one.
         skinny_split_blocks: skinny projections (plain, and qkv + RoPE with the RMSNorm folded
         in) split K across clusters of two CTAs where ForwardKernels.skinny_splits says so:
         None, where the split grid fits one wave (Llama-3.2-1B's qkv, o and down projections
@@ -827,8 +830,11 @@ class CudaForward:
         self.skinny_qkv_rope = skinny_qkv_rope
         self.rowblock_gate_up = rowblock_gate_up
         self.norm_release = norm_release
-        self.x_slab_cluster = (x_slab_cluster if x_slab_cluster is not None
-                               else 2 if H >= self.X_SLAB_CLUSTER_MIN_HIDDEN else 1)
+        wide = H >= self.X_SLAB_CLUSTER_MIN_HIDDEN
+        self.splitk_cluster = (splitk_cluster if splitk_cluster is not None
+                               else 2 if wide else 1)
+        self.rowblock_cluster = (rowblock_cluster if rowblock_cluster is not None
+                                 else 4 if wide else 1)
         self.max_attention_splits = max_attention_splits
         self.lm_head_tiled: DeviceArray | None = None  # the skinny LM head's (decode_weight_copy)
         self.decode_min_keys = (self.DECODE_MIN_KEYS if decode_min_keys is None
@@ -1083,7 +1089,7 @@ class CudaForward:
                     raise ValueError(f"{label}: only the skinny kernel writes the shadow")
                 if splitk(lw, name, in_f, out_f):
                     op(label, k.splitk_add_linear, s, x, lw.tiled[name].ptr, dst, rows, in_f,
-                       out_f, desc=d, cluster=self.x_slab_cluster)
+                       out_f, desc=d, cluster=self.splitk_cluster)
                 else:
                     op(label, blas.linear, x, w, dst, rows, in_f, out_f, R_32F, accumulate=True)
             else:
@@ -1178,7 +1184,7 @@ class CudaForward:
                       and k.rowblock_preferred(rows, H, 2 * I)):
                     op("gate|up proj + silu*mul", k.rowblock_silu_mul, s, rows, d, self.h.ptr,
                        lw.tiled["wgu"].ptr, self.act.ptr, H, 2 * I,
-                       cluster=self.x_slab_cluster)
+                       cluster=self.rowblock_cluster)
                 else:
                     linear("gate|up proj", self.h.ptr, lw, "wgu", self.gate_up.ptr, H, 2 * I)
                     op("silu*mul", k.silu_mul, s, rows, d, self.gate_up.ptr, self.act.ptr, I)
@@ -1267,10 +1273,14 @@ class CudaForward:
         most = max(1, min(cap, -(-2 * slots // ctas)))
         return max(range(1, most + 1), key=lambda s: (fill(s), s))
 
-    # Models at least this wide run the split-K and row-block kernels in clusters of two CTAs
-    # sharing x's reads from L2. Measured on the H200 (bench_decode, both kernels at once, two
-    # runs): 8B a step 5.0% faster at 24 x 512, 1.9% at 32 x 512, 1.4% at 32 x 4,096, the same
-    # at 16 rows; 1B (2,048 wide) 1.3% slower at 32 x 512, its down projection 2% slower alone.
+    # Models at least this wide run the split-K kernel in clusters of two CTAs and the row-block
+    # one in clusters of four, which share x's reads from L2. Measured on the H200
+    # (bench_decode, two runs each): both in twos against one CTA, 8B a step 5.0% faster at 24
+    # x 512, 1.9% at 32 x 512, 1.4% at 32 x 4,096, the same at 16 rows; 1B (2,048 wide) 1.3%
+    # slower at 32 x 512, its down projection 2% slower alone. Both in fours: 8B 32 x 512 3%
+    # slower than in twos (the split-K o and down projections 20% and 10% slower alone, gate|up
+    # 3.5% faster); gate|up alone in fours: 2%, 0.8% and 1% faster than in twos at 24 x 512,
+    # 32 x 512 and 32 x 4,096 (5.02 -> 4.98 ms at 32 x 512).
     X_SLAB_CLUSTER_MIN_HIDDEN = 4096
 
     # Decode tokens attending to at least this many keys take the flash-decoding path; shorter

@@ -471,7 +471,7 @@ SPLITK_CASES = [(17, 128, 132, None), (32, 512, 300, None), (24, 4096, 520, 512)
 
 @pytest.mark.parametrize("rows,k_in,n_out,chunk", SPLITK_CASES)
 @pytest.mark.parametrize("live", [None, 13, 0])
-@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("cluster", [1, 2, 4])
 def test_splitk_add_linear(cf, stream, rows, k_in, n_out, chunk, live, cluster):
     """The split-K kernel adds x @ w^T into an fp32 output, against float64 on the same bf16
     inputs: every chunk of K added once (one missed or added twice is off by its share) and
@@ -524,7 +524,7 @@ ROWBLOCK_CASES = [(17, 256, 256), (32, 4096, 1024), (20, 1152, 288), (3, 2048, 5
 
 @pytest.mark.parametrize("rows,k_in,n_w", ROWBLOCK_CASES)
 @pytest.mark.parametrize("live", [None, 13, 0])
-@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("cluster", [1, 2, 4])
 def test_rowblock_silu_mul(cf, stream, rows, k_in, n_w, live, cluster):
     """gate|up + SiLU with a CTA's rows over all of K, against float64 on the same bf16 inputs
     (gate and up rounded to bf16, as a GEMM stores them): every output of the live rows written
@@ -1187,17 +1187,21 @@ def test_forward_chunked_prefill_then_decode(models, arch):
     pair.record("chunked prefill + decode")
 
 
-@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("splitk_cluster,rowblock_cluster", [(1, 1), (2, 2), (4, 4), (2, 4)])
 def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, monkeypatch,
-                                                                       cluster):
+                                                                       splitk_cluster,
+                                                                       rowblock_cluster):
     """A step of 17..32 rows runs its o and down projections on the split-K kernel and gate|up
     + SiLU on the row-block kernel (one of 16 rows or fewer on the skinny kernel, of 33 or more
-    on cuBLAS), both in clusters of `cluster` CTAs, its two RMSNorm kernels a layer release the
-    projection after them early, and its logits follow the reference's."""
+    on cuBLAS), in clusters of the CTAs given (the default for wide models: 2 and 4), its two
+    RMSNorm kernels a layer release the projection after them early, and its logits follow the
+    reference's."""
     pair = Pair(models, "llama")
     k, layers = pair.engine.kernels, pair.cfg.num_layers
-    monkeypatch.setattr(pair.engine, "x_slab_cluster", cluster)
-    calls, rowblock_calls, norm_releases, clusters = [], [], [], set()
+    monkeypatch.setattr(pair.engine, "splitk_cluster", splitk_cluster)
+    monkeypatch.setattr(pair.engine, "rowblock_cluster", rowblock_cluster)
+    calls, rowblock_calls, norm_releases = [], [], []
+    clusters = {"split-K": set(), "row-block": set()}
     splitk, rowblock, rms_norm = k.splitk_add_linear, k.rowblock_silu_mul, k.rms_norm
 
     def norm_counted(*args, release_next=False, **kwargs):
@@ -1206,12 +1210,12 @@ def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, m
 
     def counted(stream, x, w, out, rows, in_features, out_features, **kwargs):
         calls.append(rows)
-        clusters.add(kwargs.get("cluster", 1))
+        clusters["split-K"].add(kwargs.get("cluster", 1))
         return splitk(stream, x, w, out, rows, in_features, out_features, **kwargs)
 
     def rowblock_counted(stream, rows, *args, **kwargs):
         rowblock_calls.append(rows)
-        clusters.add(kwargs.get("cluster", 1))
+        clusters["row-block"].add(kwargs.get("cluster", 1))
         return rowblock(stream, rows, *args, **kwargs)
 
     monkeypatch.setattr(k, "splitk_add_linear", counted)
@@ -1231,8 +1235,8 @@ def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, m
         if want:  # two a layer, then the final norm (before the LM head: released at its end)
             assert norm_releases == [True] * 2 * layers + [False], f"{n} tokens: norms"
         pos += n
-    assert clusters == {cluster}
-    pair.record(f"split-K steps, clusters of {cluster}")
+    assert clusters == {"split-K": {splitk_cluster}, "row-block": {rowblock_cluster}}
+    pair.record(f"split-K steps, clusters of {splitk_cluster} and {rowblock_cluster}")
 
 
 @pytest.mark.parametrize("split", [True, False])

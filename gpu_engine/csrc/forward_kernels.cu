@@ -150,6 +150,7 @@ BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide_any_block, blink::kAttnRo
 // kSplits), for projections of fewer row blocks than SMs.
 #define BLINK_CLUSTER_OF_1
 #define BLINK_CLUSTER_OF_2 __cluster_dims__(2, 1, 1)
+#define BLINK_CLUSTER_OF_4 __cluster_dims__(4, 1, 1)
 #define BLINK_SKINNY_LINEAR(NAME, A, C, SPLITS)                                              \
   __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
   __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                                \
@@ -204,43 +205,28 @@ BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false, 1)
 BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1_k2, 1, 1, true, 2)
 BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2_k2, 1, 2, true, 2)
 #undef BLINK_SKINNY_QKV_ROPE
-#undef BLINK_CLUSTER_OF_1
-#undef BLINK_CLUSTER_OF_2
 
 // Split-K linear with shared activations, added into fp32 (gemv.cuh SplitKAddLinearCta): the
-// residual-adding projections of 17..32-row steps.
-__global__ void __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)
-    blink_splitk_add_linear(const BatchDesc* desc, const bf16* x, int ldx, int M, const bf16* w,
-                            uint32_t w_tile_stride, int N, int K, int k_chunk, float* out,
-                            int ldo) {
-  blink::SplitKAddLinearCta<1>(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
-}
-
-// _x2: in clusters of two CTAs (the same chunk of K) that share x's chunk read from L2
-__global__ void __cluster_dims__(2, 1, 1)
-    __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)
-        blink_splitk_add_linear_x2(const BatchDesc* desc, const bf16* x, int ldx, int M,
-                                   const bf16* w, uint32_t w_tile_stride, int N, int K,
-                                   int k_chunk, float* out, int ldo) {
-  blink::SplitKAddLinearCta<2>(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
-}
-
-// gate|up + SiLU of 17..32-row steps, a CTA's rows over all of K (gemv.cuh RowBlockSiluMulCta);
-// _x2: in clusters of two CTAs that share each chunk of x's read from L2.
-__global__ void __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)
-    blink_rowblock_silu_mul(const BatchDesc* desc, const bf16* x, int ldx, int M, const bf16* w,
-                            uint32_t w_tile_stride, int N, int K, int k_chunk, bf16* out,
-                            int ldo) {
-  blink::RowBlockSiluMulCta<1>(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
-}
-
-__global__ void __cluster_dims__(2, 1, 1)
-    __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)
-        blink_rowblock_silu_mul_x2(const BatchDesc* desc, const bf16* x, int ldx, int M,
-                                   const bf16* w, uint32_t w_tile_stride, int N, int K,
-                                   int k_chunk, bf16* out, int ldo) {
-  blink::RowBlockSiluMulCta<2>(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);
-}
+// residual-adding projections of 17..32-row steps; and gate|up + SiLU of those steps, a CTA's
+// rows over all of K (gemv.cuh RowBlockSiluMulCta), its output bf16. _x2, _x4: in clusters of
+// two or four CTAs (the same chunk of K) that share each chunk of x's read from L2.
+#define BLINK_X_SLAB_KERNEL(NAME, CTA, OUT, CLUSTER)                                         \
+  __global__ void BLINK_CLUSTER_OF_##CLUSTER                                                 \
+  __launch_bounds__(blink::kSplitKThreads, blink::kSplitKMinCtas)                            \
+      NAME(const BatchDesc* desc, const bf16* x, int ldx, int M, const bf16* w,              \
+           uint32_t w_tile_stride, int N, int K, int k_chunk, OUT* out, int ldo) {           \
+    blink::CTA<CLUSTER>(desc, x, ldx, M, w, w_tile_stride, N, K, k_chunk, out, ldo);         \
+  }
+BLINK_X_SLAB_KERNEL(blink_splitk_add_linear, SplitKAddLinearCta, float, 1)
+BLINK_X_SLAB_KERNEL(blink_splitk_add_linear_x2, SplitKAddLinearCta, float, 2)
+BLINK_X_SLAB_KERNEL(blink_splitk_add_linear_x4, SplitKAddLinearCta, float, 4)
+BLINK_X_SLAB_KERNEL(blink_rowblock_silu_mul, RowBlockSiluMulCta, bf16, 1)
+BLINK_X_SLAB_KERNEL(blink_rowblock_silu_mul_x2, RowBlockSiluMulCta, bf16, 2)
+BLINK_X_SLAB_KERNEL(blink_rowblock_silu_mul_x4, RowBlockSiluMulCta, bf16, 4)
+#undef BLINK_X_SLAB_KERNEL
+#undef BLINK_CLUSTER_OF_1
+#undef BLINK_CLUSTER_OF_2
+#undef BLINK_CLUSTER_OF_4
 
 // The skinny kernels' tiled weights from row-major ones (gemv.cuh TileWeightsThread); not
 // part of the forward pass: run once, when the weights are in.
