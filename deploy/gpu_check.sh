@@ -4,7 +4,7 @@
 # decode benchmark, prints a summary table last.
 #   deploy/gpu_check.sh [pytest args]        (wheels: .device/wheels/, see README)
 # With no arguments and pytest-xdist installed, the kernel tests (tests/test_cuda_forward.py,
-# about 1,600) run on 4 workers, then the rest in one process: 140 s + 280 s on the lent H200
+# about 1,700) run on 4 workers, then the rest in one process: 137 s + 253 s on the lent H200
 # (2026-12-02), against 460-500 s for the suite in one process. BLINK_TEST_TIMEOUT (default 540
 # s) bounds the tests, every run together: on a machine that stops a command at 600 s, set
 # BLINK_SKIP_BENCH=1 and run the benchmark on its own.
