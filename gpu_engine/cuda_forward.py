@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -162,6 +163,10 @@ class ForwardKernels:
     SKINNY_SHAPES = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4))
     SKINNY_MAX_ROWS = 32  # 4 column tiles of 8 token rows
     SKINNY_NORM_MAX_ROWS = 16  # the RMSNorm-folding variants: one or two column tiles
+    # The shapes whose K may be split across clusters of two CTAs (the _k2 entry points: the
+    # plain and the qkv + RoPE ones; gemv.cuh SkinnyAccumulate's kSplits)
+    SKINNY_SPLIT_SHAPES = ((1, 1), (1, 2))
+    SKINNY_SPLIT_KINDS = ("linear", "qkv_rope_norm")
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
                     *(f"blink_paged_attention{variant}{layout}"
                       for variant in ("", "_small", "_small_wide")
@@ -173,8 +178,8 @@ class ForwardKernels:
                     "blink_rowblock_silu_mul", "blink_rowblock_silu_mul_x2",
                     "blink_rowblock_silu_mul_x4",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
-                    *(f"blink_skinny_{kind}_{a}x{c}_k2" for kind in ("linear", "qkv_rope_norm")
-                      for a, c in ((1, 1), (1, 2))),  # SKINNY_SPLIT_KINDS x _SHAPES
+                    *(f"blink_skinny_{kind}_{a}x{c}_k2" for kind, (a, c)
+                      in itertools.product(SKINNY_SPLIT_KINDS, SKINNY_SPLIT_SHAPES)),
                     *(f"blink_skinny_{kind}_{a}x{c}" for kind in ("linear_norm", "qkv_rope_norm")
                       for a in (1, 2) for c in (1, 2)),
                     *(f"blink_skinny_qkv_rope_{a}x4" for a in (1, 2)))
@@ -461,11 +466,6 @@ class ForwardKernels:
         row_tiles = 2 if silu or pairs >= (self.sm_count if col_tiles == 4 else
                                            2 * self.sm_count) else 1
         return row_tiles, col_tiles
-
-    # The shapes whose K may be split across clusters of two CTAs (the _k2 entry points: the
-    # plain and the qkv + RoPE ones; gemv.cuh SkinnyAccumulate's kSplits)
-    SKINNY_SPLIT_SHAPES = ((1, 1), (1, 2))
-    SKINNY_SPLIT_KINDS = ("linear", "qkv_rope_norm")
 
     def skinny_splits(self, kind: str, rows: int, in_features: int, out_features: int,
                       max_row_blocks: int | None = None) -> int:

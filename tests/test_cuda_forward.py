@@ -328,19 +328,20 @@ def test_skinny_linear_k_split(cf, stream, rows, k_in, n_out, mode, layout):
     check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits=2)
 
 
-def test_skinny_split_rule(cf):
+def test_skinny_split_rule(cf, monkeypatch):
     """Clusters of two where the split grid still fits one wave of the _k2 kernel's CTAs (or
-    where the row blocks are at most max_row_blocks); never for shapes without such an entry
-    point, which the launches refuse."""
+    where the row blocks are at most max_row_blocks), launched as the _k2 entry point on two
+    CTAs a row block; never for shapes without such an entry point, which the launches
+    refuse."""
     k = kernels(cf)
     occupancy = k.skinny_split_ctas_per_sm
     REPORT["env"]["skinny K-split CTAs an SM (head dim 64)"] = occupancy
-    assert occupancy["blink_skinny_linear_1x1_k2"] == 2  # its registers: 2 CTAs an SM
-    slots = 2 * k.sm_count
-    assert k.skinny_splits("linear", 1, 8192, 16 * (slots // 2)) == 2  # 1B's down, batch 1
-    assert k.skinny_splits("linear", 1, 8192, 16 * (slots // 2 + 1)) == 1
-    assert k.skinny_splits("linear", 16, 2048, 2048) == 2
-    assert k.skinny_splits("linear", 1, 4096, 4096) == 1  # 8B's o: 512 CTAs, two waves
+    assert min(occupancy.values()) >= 2  # __launch_bounds__(..., kGemvMinCtas)
+    slots = occupancy["blink_skinny_linear_1x1_k2"] * k.sm_count
+    most = slots // 2  # row blocks whose grid of two CTAs each fits one wave
+    assert k.skinny_splits("linear", 1, 8192, 16 * min(most, 128)) == 2  # 1B's down, batch 1
+    assert k.skinny_splits("linear", 1, 8192, 16 * most) == 2
+    assert k.skinny_splits("linear", 1, 8192, 16 * (most + 1)) == 1
     fits = 2 * 192 <= occupancy["blink_skinny_qkv_rope_norm_1x1_k2"] * k.sm_count
     assert k.skinny_splits("qkv_rope_norm", 1, 2048, 3072) == (2 if fits else 1)  # 1B's qkv
     assert k.skinny_splits("linear", 1, 2048, 3072, max_row_blocks=191) == 1
@@ -348,6 +349,15 @@ def test_skinny_split_rule(cf):
     assert k.skinny_splits("linear", 1, 2048, 2048, max_row_blocks=0) == 1
     assert k.skinny_splits("linear", 17, 2048, 2048) == 1  # four column tiles
     assert k.skinny_splits("linear_norm", 1, 2048, 2048) == 1
+    launches = []
+    monkeypatch.setattr(k, "launch", lambda name, grid, *args, **kwargs:
+                        launches.append((name, tuple(grid))))
+    k.skinny_linear(None, 0, 0, 0, 1, 8192, 2000, cf.SKINNY_F32_ADD, k_splits=2)
+    k.skinny_linear(None, 0, 0, 0, 9, 2048, 2048, cf.SKINNY_BF16, k_splits=2)
+    k.skinny_linear(None, 0, 0, 0, 9, 2048, 2048, cf.SKINNY_BF16)
+    assert launches == [("blink_skinny_linear_1x1_k2", (250,)),
+                        ("blink_skinny_linear_1x2_k2", (256,)),
+                        ("blink_skinny_linear_1x2", (128,))]
     with pytest.raises(ValueError, match="K split"):
         k.skinny_linear(None, 0, 0, 0, 17, 256, 64, cf.SKINNY_BF16, k_splits=2)
     with pytest.raises(ValueError, match="no K split"):
@@ -1259,16 +1269,26 @@ def test_forward_skinny_k_split(models, monkeypatch, split):
 
     monkeypatch.setattr(k, "skinny_linear", counted(k.skinny_linear))
     monkeypatch.setattr(k, "skinny_qkv_rope", counted(k.skinny_qkv_rope))
+    launch, split_launches = k.launch, []
+
+    def launch_counted(name, grid, *args, **kwargs):
+        if name.endswith("_k2"):
+            split_launches.append(name)
+        return launch(name, grid, *args, **kwargs)
+
+    monkeypatch.setattr(k, "launch", launch_counted)
     table = np.random.default_rng(8).permutation(NUM_BLOCKS)[:4]
     ids = prompt(cfg, 21, seed=9)
     pos = 0
     for n, bucket in ((5, 8), (13, 16), (1, 1), (1, 1)):
         splits.clear()
+        split_launches.clear()
         pair.step([(ids[pos:pos + n], pos, table)], eager=True)  # ops() runs again: counted
         lm_head = k.skinny_splits("linear", min(bucket, MAX_SEQS), cfg.hidden_size,
                                   cfg.vocab_size, engine.skinny_split_blocks) == 2
         assert len(splits) == 4 * cfg.num_layers + 1, f"{n} tokens"
         assert splits.count(2) == ((3 * cfg.num_layers + lm_head) if split else 0), f"{n} tokens"
+        assert len(split_launches) == splits.count(2)  # the _k2 entry points ran
         pos += n
     pair.record(f"skinny projections, K split {split}")
 

@@ -159,7 +159,10 @@ __device__ __forceinline__ bool MeetClusterSums(GemvSums<kRowTiles, kColTiles, k
       sums.part[i] = v;
     }
   }
-  ClusterRendezvous();  // rank 0 has read the others' parts: they may exit
+  // rank 0 has read the others' parts: they may exit. A relaxed arrival orders no memory, but
+  // rank 0's remote loads have returned before it arrives (their values are added and stored
+  // above), which is what keeps them ahead of the other CTAs' exit (utils.cuh ClusterArrive).
+  ClusterRendezvous();
   if (rank != 0) return false;
   __syncthreads();
   return true;
@@ -167,7 +170,7 @@ __device__ __forceinline__ bool MeetClusterSums(GemvSums<kRowTiles, kColTiles, k
 
 // x: [M, ldx] bf16 (row m at x + m * ldx, K used); w: [N, K] bf16 row-major (w_tile_stride
 // 0), or tiled (tiles of 16 rows w_tile_stride elements apart, the last one padded); K % 32 ==
-// 0; the CTA's rows are n0 = blockIdx.x * kRows .. + kRows - 1 (rows past N compute and drop
+// 0; the CTA's rows are n0 = SkinnyRowBlock() * kRows .. + kRows - 1 (rows past N compute and drop
 // the last row, or the padding). kNormIn: row_scale[m] = 1 / sqrt(mean(x_m^2) + eps), else 1.
 // Every thread of the CTA calls it; sums is in shared memory and complete when it returns true.
 // blockDim.x = kGemvThreads. It waits for the previous kernel itself (AwaitPriorKernel), after
