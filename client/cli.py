@@ -280,6 +280,8 @@ def choose_engine(requested: str) -> str:
 
 def cmd_engine(args) -> None:
     from blink.gpu_engine.ring_server import RingInUse
+    if args.exit_with_parent is not None:
+        _exit_with_parent(args.exit_with_parent)
     _check_transport(args)
     _check_engine_args(args)
     config = _engine_config(args, _model_dir(
@@ -435,7 +437,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-batched-tokens", str(args.max_batched_tokens),
             "--load-format", args.load_format, "--log-level", args.log_level,
-            "--log-format", args.log_format, "--synthetic-step-ms", str(args.synthetic_step_ms)]
+            "--log-format", args.log_format, "--synthetic-step-ms", str(args.synthetic_step_ms),
+            "--exit-with-parent", str(os.getpid())]
     if args.num_kv_blocks:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.max_model_len:
@@ -459,10 +462,15 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
     return argv
 
 
-def _die_with_parent() -> None:
-    """In a child before exec: SIGTERM when the parent exits (Linux prctl PR_SET_PDEATHSIG)."""
+def _exit_with_parent(parent_pid: int) -> None:
+    """SIGTERM to this process when its parent exits (Linux prctl PR_SET_PDEATHSIG), set by the
+    engine itself after exec: a preexec_fn would run Python in a child forked from serve's
+    threads (gRPC's), which can crash before the exec (a restarted engine exited with SIGSEGV
+    so). A parent already gone by then has left this process to another: exit."""
     import ctypes
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        sys.exit(f"blink engine: its parent {parent_pid} has exited")
 
 
 async def _supervise_engine(argv: list[str], stop: asyncio.Event, link,
@@ -475,9 +483,8 @@ async def _supervise_engine(argv: list[str], stop: asyncio.Event, link,
     backoff = 0.5
     while not stop.is_set():
         # its own session: a terminal's Ctrl-C reaches serve, which drains before stopping the
-        # engine; and the engine gets SIGTERM should serve itself die
-        proc = await asyncio.create_subprocess_exec(*argv, start_new_session=True,
-                                                    preexec_fn=_die_with_parent)
+        # engine; and the engine gets SIGTERM should serve itself die (--exit-with-parent)
+        proc = await asyncio.create_subprocess_exec(*argv, start_new_session=True)
         started = time.monotonic()
         waiter = asyncio.ensure_future(proc.wait())
         stopper = asyncio.ensure_future(stop.wait())
@@ -676,6 +683,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "connections (RDMA CM; an IP address of an RDMA device's network "
                            "interface)")
     _add_engine_args(p)
+    p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                   help="stop (as on SIGTERM) when the process that started this one, PID, "
+                        "exits (blink serve passes its own)")
     p.set_defaults(func=cmd_engine)
 
     p = command("frontend", help="the gRPC front end alone (attaches to the ring)")

@@ -124,6 +124,32 @@ def test_serve_restarts_a_stuck_engine(checkpoints, tmp_path):
         assert serve.stop() == 0
 
 
+def _gone(pid: int) -> bool:
+    """pid has exited (a zombie no parent reaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_engine_stops_when_serve_is_killed(checkpoints, tmp_path):
+    """serve's engine runs in its own session (a terminal's Ctrl-C goes to serve, which drains
+    first), so nothing but its parent-death signal (`blink engine --exit-with-parent`, set by
+    the engine itself after exec) stops it when serve dies without a word (SIGKILL)."""
+    serve = Serve(checkpoints["llama"], tmp_path)
+    engine = serve.engine_pid()
+    try:
+        assert str(serve.proc.pid) in open(f"/proc/{engine}/cmdline").read().split("\0")
+        serve.proc.kill()
+        serve.proc.wait(10)
+        wait_for(lambda: _gone(engine), 30, "the engine to exit")
+    finally:
+        serve.stop()
+        if not _gone(engine):  # (the failure's orphan)
+            os.kill(engine, signal.SIGKILL)
+
+
 @pytest.mark.gpu
 @requires_gpu()
 def test_cuda_engine_killed_mid_stream_is_restarted_by_serve(long_checkpoint, tmp_path):
