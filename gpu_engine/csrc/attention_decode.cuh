@@ -68,11 +68,57 @@ struct DecodeLayout {
       kMergeWeights + sizeof(float) * kDecodeMaxGroup * kDecodeMaxSplits;
 };
 
+// Splits a merge takes in one round trip through L2 (MergedSplits4), at most.
+static constexpr int kOneTripMaxSplits = 8;
+
+// One query row's output at dims d .. d + 3 (d % 4 == 0), merged from its `active_splits`
+// (<= kOneTripMaxSplits) splits' partials (row_out: [splits][D] f32, row_stats: [splits][2], as
+// the splits wrote them) as four bf16 (8 bytes): every split's (max, sum) and output loaded at
+// once, the weights 2^(m_z - M) computed by each thread for itself.
+__device__ __forceinline__ uint2 MergedSplits4(const float* row_out, const float* row_stats,
+                                               int d, int head_dim, int active_splits) {
+  constexpr int kMax = kOneTripMaxSplits;
+  float2 stats[kMax];
+  float4 part[kMax];
+#pragma unroll
+  for (int z = 0; z < kMax; ++z) {
+    if (z < active_splits) {
+      stats[z] = __ldcg(reinterpret_cast<const float2*>(row_stats) + z);
+      part[z] = __ldcg(reinterpret_cast<const float4*>(row_out + z * head_dim + d));
+    }
+  }
+  float max_all = -INFINITY;
+#pragma unroll
+  for (int z = 0; z < kMax; ++z)
+    if (z < active_splits) max_all = fmaxf(max_all, stats[z].x);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float total = 0.f;
+#pragma unroll
+  for (int z = 0; z < kMax; ++z) {
+    if (z < active_splits) {
+      const float w = exp2f(stats[z].x - max_all);
+      total += w * stats[z].y;
+      acc.x += w * part[z].x;
+      acc.y += w * part[z].y;
+      acc.z += w * part[z].z;
+      acc.w += w * part[z].w;
+    }
+  }
+  const float inv = 1.f / total;
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                    *reinterpret_cast<const uint32_t*>(&hi));
+}
+
 // The last CTA of a decode token's splits merges them, all threads at once (this runs on the
-// critical path of every decode step): a warp per query head turns the splits' (max, sum) into
+// critical path of every decode step). Up to kOneTripMaxSplits splits, in one round trip
+// through L2: each thread loads its four dims of every split with their (max, sum) and weighs
+// them itself (MergedSplits4). More: a warp per query head turns the splits' (max, sum) into
 // normalized weights w_z = 2^(m_z - M) / sum_z' 2^(m_z' - M) l_z' in shared memory (lane z:
-// splits z and z + 32), then every output element is a weighted sum of independent L2 reads.
-// Every split of a decode token saw a live key, so each m_z is finite.
+// splits z and z + 32), then every output element is a weighted sum of independent L2 reads
+// (two round trips and a barrier). Every split of a decode token saw a live key, so each m_z
+// is finite.
 // s_weight: [kGroup][kDecodeMaxSplits] f32.
 template <int kHeadDim>
 __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int group,
@@ -82,6 +128,16 @@ __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int gro
                                                      float* s_weight) {
   static_assert(kDecodeMaxSplits <= 2 * kWarpSize, "two splits per lane");
   const size_t head0 = static_cast<size_t>(t) * num_heads + kv_head * group;
+  if (active_splits <= kOneTripMaxSplits) {
+    for (int e = 4 * threadIdx.x; e < group * kHeadDim; e += 4 * blockDim.x) {
+      const size_t row = head0 + e / kHeadDim;
+      const int d = e % kHeadDim;
+      *reinterpret_cast<uint2*>(out + row * kHeadDim + d) =
+          MergedSplits4(partial_out + row * num_splits * kHeadDim,
+                        partial_stats + 2 * row * num_splits, d, kHeadDim, active_splits);
+    }
+    return;
+  }
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   for (int g = warp; g < group; g += blockDim.x / kWarpSize) {
     float weight[2];  // 0 past the splits
