@@ -498,7 +498,7 @@ class ForwardKernels:
         return name + ("_k2" if k_splits == 2 else "")
 
     def skinny_linear(self, stream, x, w, out, rows, in_features, out_features, mode, *,
-                      shadow=0, norm_eps=None, w_tiled=False, k_splits=1):
+                      shadow=0, norm_eps=None, w_tiled=False, k_splits=1, argmax=0):
         """out[rows, out_features] (mode: SKINNY_BF16 / _F32 / _F32_ADD) = x[rows, in] @ w^T
         for rows <= SKINNY_MAX_ROWS, w: [out_features, in_features] bf16, all dense. SILU_MUL:
         w is gate|up interleaved in 16-row groups (interleave_gate_up) and
@@ -507,7 +507,9 @@ class ForwardKernels:
         bf16 shadow and each row's result is scaled by 1 / sqrt(mean(x^2) + norm_eps) (the
         RMSNorm whose weight is folded into w; rows <= SKINNY_NORM_MAX_ROWS). w_tiled: w is in
         the tiled layout (tile_weights), else row-major. k_splits 2: K split across clusters
-        of two CTAs (skinny_splits; not with norm_eps or SILU_MUL)."""
+        of two CTAs (skinny_splits; not with norm_eps or SILU_MUL). argmax (F32, without
+        norm_eps): [rows] u64, zero before; each row's greedy argmax packed (csrc/argmax.cuh)
+        folded in, for sample's lm_argmax."""
         silu = mode == SKINNY_SILU_MUL
         row_tiles, col_tiles = self._skinny_tiles(rows, in_features, out_features, silu,
                                                   norm_eps is not None)
@@ -515,8 +517,11 @@ class ForwardKernels:
         args = [_ptr(x), _i32(in_features), _i32(rows), _ptr(w),
                 _u32(self.tile_stride(in_features) if w_tiled else 0), _i32(out_features),
                 _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
+        self._need(not argmax or (mode == SKINNY_F32 and norm_eps is None),
+                   "the argmax comes with fp32 outputs, without the RMSNorm folded in")
         if norm_eps is None:
-            name, args = f"blink_skinny_linear_{row_tiles}x{col_tiles}", args + [_ptr(shadow)]
+            name = f"blink_skinny_linear_{row_tiles}x{col_tiles}"
+            args = args + [_ptr(shadow), _ptr(argmax)]
             name = self._skinny_split_name(name, (row_tiles, col_tiles), k_splits)
         else:
             self._need(not shadow, "a normalizing projection writes no shadow")
@@ -680,10 +685,14 @@ class ForwardKernels:
                     [_ptr(desc), _ptr(gate_up), _ptr(out), _i32(inter)], stream)
 
     def sample(self, stream, rows, desc, logits, vocab, temperature, top_p, top_k, seed, step,
-               sampled):
+               sampled, lm_argmax=0):
+        """One token a logit row (csrc/sampling.cuh SampleCta). lm_argmax: [rows] u64 that the
+        LM head's skinny_linear(argmax=) filled; greedy rows take their token from it, and
+        every row zeroes its word."""
         self.launch("blink_sample", (rows,), (self.sample_threads,),
                     [_ptr(desc), _ptr(logits), _i32(vocab), _ptr(temperature), _ptr(top_p),
-                     _ptr(top_k), _ptr(seed), _ptr(step), _ptr(sampled)], stream)
+                     _ptr(top_k), _ptr(seed), _ptr(step), _ptr(sampled), _ptr(lm_argmax)],
+                    stream)
 
     def uniform(self, stream, seed, step, out, n):
         self.launch("blink_sampling_uniform", ((n + 255) // 256,), (256,),
@@ -759,7 +768,7 @@ class CudaForward:
                  splitk_residual: bool = True, skinny_qkv_rope: bool = True,
                  rowblock_gate_up: bool = True, norm_release: bool = True,
                  splitk_cluster: int | None = None, rowblock_cluster: int | None = None,
-                 skinny_split_blocks: int | None = None):
+                 skinny_split_blocks: int | None = None, lm_head_argmax: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -806,7 +815,10 @@ class CudaForward:
         in) split K across clusters of two CTAs where ForwardKernels.skinny_splits says so:
         None, where the split grid fits one wave (Llama-3.2-1B's qkv, o and down projections
         in steps of up to 8 rows, its o and down ones up to 16; none of Llama-3.1-8B's); a
-        number, where they have at most that many 16-row blocks (0: none)."""
+        number, where they have at most that many 16-row blocks (0: none).
+        lm_head_argmax: the skinny LM head reduces each logit row's greedy argmax as it
+        stores the logits, and the sampling kernel's greedy rows take it (False: they scan
+        the logits; so too after a cuBLAS LM head)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -844,6 +856,7 @@ class CudaForward:
         self.kernels = k = ForwardKernels(D, device, programmatic_launch, held_sms,
                                           sm_count_target)
         self.skinny_split_blocks = skinny_split_blocks
+        self.lm_head_argmax = lm_head_argmax
         self.stream = new_stream()
         self.blas = Cublas()
         self.blas.set_stream(int(self.stream))  # before set_workspace: it resets the workspace
@@ -886,6 +899,9 @@ class CudaForward:
         self.step = self._alloc(S, np.uint32)
         self.logits = self._alloc((S, V), np.float32)
         self.sampled = self._alloc(S, np.int32)
+        # each logit row's greedy argmax, packed, that the skinny LM head reduces into and the
+        # sampling kernel reads and zeroes (lm_head_argmax)
+        self.lm_argmax = self._alloc(S, np.uint64)
 
         Q, KV = cfg.q_size, cfg.kv_size
         self.x = self._alloc((T, H), np.float32)          # residual stream
@@ -1193,16 +1209,22 @@ class CudaForward:
         op("final rmsnorm", k.rms_norm, s, logit_rows, d, self.x.ptr, self.final_norm.ptr,
            self.h_logits.ptr, H, eps, gather=self.logit_token.ptr, max_rows=rows)
         lm_head_tiled = self.lm_head_tiled is not None
+        # the skinny LM head also reduces each row's greedy argmax, which the sampling kernel
+        # takes for greedy rows instead of scanning the logits (csrc/argmax.cuh)
+        lm_argmax = 0
         if self.skinny and k.skinny_preferred(logit_rows, H, V, lm_head_tiled):
+            lm_argmax = self.lm_argmax.ptr if self.lm_head_argmax else 0
             op("lm head", k.skinny_linear, s, self.h_logits.ptr,
                (self.lm_head_tiled if lm_head_tiled else self.lm_head).ptr, self.logits.ptr,
                logit_rows, H, V, SKINNY_F32, w_tiled=lm_head_tiled,
-               k_splits=k.skinny_splits("linear", logit_rows, H, V, self.skinny_split_blocks))
+               k_splits=k.skinny_splits("linear", logit_rows, H, V, self.skinny_split_blocks),
+               argmax=lm_argmax)
         else:
             op("lm head", blas.linear, self.h_logits.ptr, self.lm_head.ptr, self.logits.ptr,
                logit_rows, H, V, R_32F)
         op("sample", k.sample, s, logit_rows, d, self.logits.ptr, V, self.temperature.ptr,
-           self.top_p.ptr, self.top_k.ptr, self.seed.ptr, self.step.ptr, self.sampled.ptr)
+           self.top_p.ptr, self.top_k.ptr, self.seed.ptr, self.step.ptr, self.sampled.ptr,
+           lm_argmax=lm_argmax)
         op("signal done", k.signal_done, s, d)
         return out
 

@@ -976,6 +976,59 @@ def _sample(cf, stream, logits, temperature, top_p, top_k, seed, step):
     return got[:rows]
 
 
+# (logit rows, vocab, K split): one row (batch 1, clusters of two), a decode batch, 16 rows over
+# two column tiles; a vocabulary with a partial last row block.
+@pytest.mark.parametrize("rows,vocab,k_splits", [(1, 4000, 2), (7, 5000, 1), (16, 3000, 1)])
+def test_lm_head_argmax_feeds_greedy_sampling(cf, stream, rows, vocab, k_splits):
+    """The skinny LM head with argmax= reduces each row's greedy token as it stores the logits
+    (one atomicMax a CTA a row), and the sampling kernel's greedy rows take it: the argmax of
+    the logits it wrote, the lowest id on exact ties (two equal weight rows in different row
+    blocks, one a row's maximum; a row of equal logits), 0 for a row of NaN logits; a sampling
+    row (temperature 1; top-k 1 is greedy) still draws a token; every row's word is zero
+    again after, and a second step gives the same tokens."""
+    k = kernels(cf)
+    rng = np.random.default_rng(rows + vocab)
+    hidden = 256
+    x = rb(rng.standard_normal((rows, hidden)))
+    w = rb(rng.standard_normal((vocab, hidden)) * hidden ** -0.5)
+    best = int(np.argmax(x[0] @ w.T))  # row 0's maximum, copied half the vocabulary away
+    copy = (best + vocab // 2) % vocab
+    w[copy] = w[best]
+    if rows > 2:
+        x[1] = np.nan  # every logit NaN: token 0
+        x[2] = 0.0  # every logit equal: token 0
+    d_x, d_w = dev(cf, float32_to_bf16_bits(x)), dev(cf, tiled(cf, float32_to_bf16_bits(w)))
+    logits = dev(cf, np.zeros((rows, vocab), np.float32), poison=True)
+    words = dev(cf, np.zeros(rows, np.uint64))
+    temperature = np.zeros(rows, np.float32)
+    top_k = np.zeros(rows, np.int32)
+    if rows > 4:
+        temperature[3:5] = 1.0
+        top_k[4] = 1  # greedy by top-k
+    params = [dev(cf, a) for a in (temperature, np.ones(rows, np.float32), top_k,
+                                   np.arange(rows, dtype=np.uint64), np.zeros(rows, np.uint32))]
+    sampled = dev(cf, np.zeros(rows, np.int32), poison=True)
+
+    def step():
+        k.skinny_linear(stream, d_x.ptr, d_w.ptr, logits.ptr, rows, hidden, vocab,
+                        cf.SKINNY_F32, w_tiled=True, k_splits=k_splits, argmax=words.ptr)
+        k.sample(stream, rows, desc(cf, rows, rows, rows).ptr, logits.ptr, vocab,
+                 *[a.ptr for a in params], sampled.ptr, lm_argmax=words.ptr)
+        cf.synchronize(stream)
+        assert (words.download() == 0).all(), "a row's argmax word was left non-zero"
+        return sampled.download()
+
+    got, lg = step(), logits.download()
+    greedy = (temperature <= 0) | (top_k == 1)
+    np.testing.assert_array_equal(got[greedy], np.argmax(lg, -1)[greedy])
+    assert got[0] == min(best, copy) and lg[0, best] == lg[0, copy] == lg[0].max()
+    if rows > 2:
+        assert np.isnan(lg[1]).all() and got[1] == 0 and got[2] == 0
+    if rows > 4:
+        assert 0 <= got[3] < vocab
+    np.testing.assert_array_equal(step(), got)
+
+
 def test_uniform_bit_identical_to_cpu(cf, stream):
     rng = np.random.default_rng(0)
     seeds = np.concatenate([rng.integers(0, 2 ** 63, 998, dtype=np.uint64) * np.uint64(2),

@@ -147,7 +147,8 @@ BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide_any_block, blink::kAttnRo
 // (rope.cuh SkinnyQkvRopeCta): qkv_rope_norm with the RMSNorm folded in (up to 16 rows),
 // qkv_rope after the RMSNorm kernel (17 to 32 rows: four column tiles; one signature for
 // both, eps unused there). _k2: K split across clusters of two CTAs (SkinnyAccumulate's
-// kSplits), for projections of fewer row blocks than SMs.
+// kSplits), for projections of fewer row blocks than SMs. argmax (the plain entries): the LM
+// head's per-row greedy argmax words (SkinnyStore), or null.
 #define BLINK_CLUSTER_OF_1
 #define BLINK_CLUSTER_OF_2 __cluster_dims__(2, 1, 1)
 #define BLINK_CLUSTER_OF_4 __cluster_dims__(4, 1, 1)
@@ -155,9 +156,9 @@ BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide_any_block, blink::kAttnRo
   __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
   __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                                \
       NAME(const bf16* x, int ldx, int M, const bf16* w, uint32_t w_tile_stride, int N,      \
-           int K, void* out, int ldo, int mode, bf16* shadow) {                              \
+           int K, void* out, int ldo, int mode, bf16* shadow, unsigned long long* argmax) {  \
     blink::SkinnyLinearCta<A, C, false, SPLITS>(x, ldx, M, w, w_tile_stride, N, K, out, ldo, \
-                                                mode, shadow, 0.f);                          \
+                                                mode, shadow, 0.f, argmax);                  \
   }
 BLINK_SKINNY_LINEAR(blink_skinny_linear_1x1, 1, 1, 1)
 BLINK_SKINNY_LINEAR(blink_skinny_linear_1x2, 1, 2, 1)
@@ -248,9 +249,10 @@ __global__ void __launch_bounds__(256)
 __global__ void __launch_bounds__(blink::kSampleThreads)
     blink_sample(const BatchDesc* desc, const float* logits, int vocab, const float* temperature,
                  const float* top_p, const int32_t* top_k, const uint64_t* seed,
-                 const uint32_t* step, int32_t* sampled) {
+                 const uint32_t* step, int32_t* sampled, unsigned long long* lm_argmax) {
   blink::AwaitPriorKernel();
-  blink::SampleCta(desc, logits, vocab, temperature, top_p, top_k, seed, step, sampled);
+  blink::SampleCta(desc, logits, vocab, temperature, top_p, top_k, seed, step, sampled,
+                   lm_argmax);
 }
 
 __global__ void blink_sampling_uniform(const uint64_t* seed, const uint32_t* step, double* out,

@@ -38,6 +38,7 @@
 // cost the qkv projection 3 us and the gate|up one 2 us more.) The residual adds (kGemvF32Add)
 // write that shadow copy as they update the stream, so no norm kernel runs between projections.
 #pragma once
+#include "argmax.cuh"
 #include "batch.cuh"
 #include "utils.cuh"
 
@@ -362,13 +363,30 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
 
 // The plain outputs: out[m, n] for m < M, n < N in `mode`'s type (kGemvBf16, kGemvF32, or
 // kGemvF32Add: added into an fp32 out; then `shadow`, when not null, gets the sum as bf16: the
-// copy a following kNormIn projection reads).
+// copy a following kNormIn projection reads). kGemvF32 with `argmax` (the LM head): each row m
+// of out also folds its argmax over the CTA's columns into argmax[m] (argmax.cuh PackArgMax;
+// zero before the first CTA), a warp a row and one atomicMax a CTA.
 template <int kRowTiles, int kColTiles, int kSplits>
 __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles, kSplits>& sums,
                                             int M, int N, void* out, int ldo, int mode,
-                                            bf16* shadow) {
+                                            bf16* shadow,
+                                            unsigned long long* argmax = nullptr) {
   using S = GemvShape<kRowTiles, kColTiles>;
   const int n0 = SkinnyRowBlock<kSplits>() * S::kRows, cols = min(M, S::kCols);
+  if (argmax != nullptr && mode == kGemvF32) {
+    const int lane = threadIdx.x % kWarpSize;
+    for (int m = threadIdx.x / kWarpSize; m < cols; m += blockDim.x / kWarpSize) {
+      unsigned long long best = 0;
+      for (int r = lane; r < S::kRows; r += kWarpSize) {
+        if (n0 + r < N) {
+          const unsigned long long packed = PackArgMax(sums.total(r, m), n0 + r);
+          best = packed > best ? packed : best;
+        }
+      }
+      best = WarpMaxU64(best);
+      if (lane == 0) atomicMax(argmax + m, best);
+    }
+  }
   for (int i = threadIdx.x; i < S::kRows * cols; i += blockDim.x) {
     const int r = i % S::kRows, m = i / S::kRows, n = n0 + r;
     if (n >= N) continue;
@@ -408,7 +426,8 @@ __device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles, 
 template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1>
 __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, const bf16* w,
                                                 uint32_t w_tile_stride, int N, int K, void* out,
-                                                int ldo, int mode, bf16* shadow, float eps) {
+                                                int ldo, int mode, bf16* shadow, float eps,
+                                                unsigned long long* argmax = nullptr) {
   __shared__ GemvSums<kRowTiles, kColTiles, kSplits> sums;
   if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits>(x, ldx, M, w, w_tile_stride, N,
                                                                 K, eps, sums))
@@ -416,7 +435,7 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, c
   if constexpr (kRowTiles == 2) {
     if (mode == kGemvSiluMul) return SkinnyStoreSiluMul(sums, M, N, static_cast<bf16*>(out), ldo);
   }
-  SkinnyStore(sums, M, N, out, ldo, mode, shadow);
+  SkinnyStore(sums, M, N, out, ldo, mode, shadow, argmax);
 }
 
 // --- split K with shared activations: 17 to 32 token rows, added into the residual stream -------
