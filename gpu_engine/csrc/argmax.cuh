@@ -20,7 +20,8 @@ __device__ __forceinline__ uint32_t OrderedKey(float v) {
 // strict `v > max` never takes it.
 __device__ __forceinline__ unsigned long long PackArgMax(float v, int index) {
   const uint32_t key = isnan(v) ? 0u : OrderedKey(v);
-  return (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<uint32_t>(index));
+  const uint32_t inverted = 0xffffffffu - static_cast<uint32_t>(index);
+  return (static_cast<unsigned long long>(key) << 32) | inverted;
 }
 
 // The token of a row's packed maximum: 0 where no logit of the row was above -inf (every one
