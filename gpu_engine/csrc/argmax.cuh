@@ -31,13 +31,4 @@ __device__ __forceinline__ int UnpackArgMax(unsigned long long packed) {
   return static_cast<int>(0xffffffffu - static_cast<uint32_t>(packed));
 }
 
-__device__ __forceinline__ unsigned long long WarpMaxU64(unsigned long long v) {
-#pragma unroll
-  for (int o = kWarpSize / 2; o > 0; o >>= 1) {
-    const unsigned long long other = __shfl_xor_sync(kFullMask, v, o);
-    v = other > v ? other : v;
-  }
-  return v;
-}
-
 }  // namespace blink

@@ -379,11 +379,10 @@ __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles,
       unsigned long long best = 0;
       for (int r = lane; r < S::kRows; r += kWarpSize) {
         if (n0 + r < N) {
-          const unsigned long long packed = PackArgMax(sums.total(r, m), n0 + r);
-          best = packed > best ? packed : best;
+          best = max(best, PackArgMax(sums.total(r, m), n0 + r));
         }
       }
-      best = WarpMaxU64(best);
+      best = WarpMax(best);
       if (lane == 0) atomicMax(argmax + m, best);
     }
   }

@@ -242,9 +242,10 @@ __device__ __forceinline__ T WarpSum(T v) {
   return v;
 }
 
-__device__ __forceinline__ float WarpMax(float v) {
+template <typename T>
+__device__ __forceinline__ T WarpMax(T v) {
 #pragma unroll
-  for (int o = kWarpSize / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFullMask, v, o));
   return v;
 }
 
