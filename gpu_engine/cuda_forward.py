@@ -172,7 +172,7 @@ class ForwardKernels:
                       for variant in ("", "_small", "_small_wide")
                       for layout in ("", "_any_block")),
                     "blink_silu_mul",
-                    "blink_sample", "blink_sampling_uniform", "blink_signal_done",
+                    "blink_sample", "blink_sampling_uniform",
                     "blink_hold_sm", "blink_tile_weights", "blink_splitk_add_linear",
                     "blink_splitk_add_linear_x2", "blink_splitk_add_linear_x4",
                     "blink_rowblock_silu_mul", "blink_rowblock_silu_mul_x2",
@@ -685,21 +685,19 @@ class ForwardKernels:
                     [_ptr(desc), _ptr(gate_up), _ptr(out), _i32(inter)], stream)
 
     def sample(self, stream, rows, desc, logits, vocab, temperature, top_p, top_k, seed, step,
-               sampled, lm_argmax=0):
+               sampled, lm_argmax=0, done_sem=0):
         """One token a logit row (csrc/sampling.cuh SampleCta). lm_argmax: [rows] u64 that the
         LM head's skinny_linear(argmax=) filled; greedy rows take their token from it, and
-        every row zeroes its word."""
+        every row zeroes its word. done_sem: a zeroed u32 the kernel's CTAs count themselves
+        out on, the last one bumping desc's done_counter (the forward graph's end)."""
         self.launch("blink_sample", (rows,), (self.sample_threads,),
                     [_ptr(desc), _ptr(logits), _i32(vocab), _ptr(temperature), _ptr(top_p),
-                     _ptr(top_k), _ptr(seed), _ptr(step), _ptr(sampled), _ptr(lm_argmax)],
-                    stream)
+                     _ptr(top_k), _ptr(seed), _ptr(step), _ptr(sampled), _ptr(lm_argmax),
+                     _ptr(done_sem)], stream)
 
     def uniform(self, stream, seed, step, out, n):
         self.launch("blink_sampling_uniform", ((n + 255) // 256,), (256,),
                     [_ptr(seed), _ptr(step), _ptr(out), _i32(n)], stream)
-
-    def signal_done(self, stream, desc):
-        self.launch("blink_signal_done", (1,), (32,), [_ptr(desc)], stream)
 
 
 # --- the model -----------------------------------------------------------------------------
@@ -751,9 +749,9 @@ class CudaForward:
       device_pointers() -> the BatchDesc and every batch array, by name (layouts in batch.cuh);
       bucket_for(num_tokens) -> the smallest bucket holding them.
     A launch of graph_execs[b] computes the batch described in device memory (num_tokens <= b),
-    writes logits[:num_logits] and sampled[:num_logits], then its last kernel increments
-    BatchDesc.done_counter (atomicAdd between system fences): a launcher that read the counter
-    before the launch spins until it moves.
+    writes logits[:num_logits] and sampled[:num_logits], then the last CTA of its last kernel
+    (sampling) increments BatchDesc.done_counter (atomicAdd between system fences): a launcher
+    that read the counter before the launch spins until it moves.
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, num_blocks: int | None = None,
@@ -902,6 +900,8 @@ class CudaForward:
         # each logit row's greedy argmax, packed, that the skinny LM head reduces into and the
         # sampling kernel reads and zeroes (lm_head_argmax)
         self.lm_argmax = self._alloc(S, np.uint64)
+        # the sampling kernel's CTAs count themselves out on it; the last ends the graph
+        self.sample_done_sem = self._alloc(1, np.uint32)
 
         Q, KV = cfg.q_size, cfg.kv_size
         self.x = self._alloc((T, H), np.float32)          # residual stream
@@ -1224,8 +1224,7 @@ class CudaForward:
                logit_rows, H, V, R_32F)
         op("sample", k.sample, s, logit_rows, d, self.logits.ptr, V, self.temperature.ptr,
            self.top_p.ptr, self.top_k.ptr, self.seed.ptr, self.step.ptr, self.sampled.ptr,
-           lm_argmax=lm_argmax)
-        op("signal done", k.signal_done, s, d)
+           lm_argmax=lm_argmax, done_sem=self.sample_done_sem.ptr)  # and ends the graph
         return out
 
     def _record(self, rows: int) -> None:

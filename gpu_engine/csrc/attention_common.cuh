@@ -71,22 +71,6 @@ __device__ __forceinline__ float SplitWeights(const float* stats, int active_spl
   return 1.f / WarpSum(weight[0] * split_sum[0] + weight[1] * split_sum[1]);
 }
 
-// Called by every CTA that wrote split partials, once they are written (all threads): true in
-// the last of the `active_splits` CTAs to arrive at the counter `sem`, whose reads of the other
-// CTAs' partials are then ordered after their writes (threadFenceReduction pattern: fence,
-// count, and the last one reads). That CTA merges, then resets *sem for the next launch.
-__device__ __forceinline__ bool LastSplitToArrive(uint32_t* sem, int active_splits) {
-  __shared__ int s_last;
-  __threadfence();  // this thread's partials are visible device-wide before the count moves
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    s_last = atomicAdd(sem, 1u) == static_cast<uint32_t>(active_splits - 1);
-  }
-  __syncthreads();
-  if (s_last) __threadfence();
-  return s_last;
-}
-
 // Where one KV head's rows sit in a layer's paged cache ([blocks, block_size, kv_heads, D]):
 // the element offset of a key's row, -1 where the table maps no block. Shifts for the usual
 // power-of-two block sizes, a division otherwise.

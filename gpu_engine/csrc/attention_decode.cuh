@@ -459,7 +459,7 @@ __device__ __forceinline__ void DecodeAttentionCta(
   if (active_splits == 1) return;
   // The last of the token's splits to arrive merges them.
   uint32_t* sem = tile_sems + static_cast<size_t>(t) * num_kv_heads + kv_head;
-  if (!LastSplitToArrive(sem, active_splits)) return;
+  if (!LastCtaToArrive(sem, active_splits)) return;
   MergeDecodeSplitsCta<kHeadDim>(t, kv_head, group, num_heads, num_splits, active_splits,
                                  partial_out, partial_stats, out,
                                  reinterpret_cast<float*>(smem + L::kMergeWeights));

@@ -86,7 +86,7 @@ __device__ __forceinline__ void FinishSplitCta(int t0, int m, int kv_head, int g
                                                const float* partial_stats, uint32_t* tile_sems,
                                                bf16* out) {
   uint32_t* sem = tile_sems + static_cast<size_t>(t0) * num_kv_heads + kv_head;
-  if (!LastSplitToArrive(sem, active_splits)) return;
+  if (!LastCtaToArrive(sem, active_splits)) return;
   CombineTileCta<kHeadDim>(t0, m, kv_head, group, num_heads, num_splits, active_splits,
                            partial_out, partial_stats, out);
   if (threadIdx.x == 0) *sem = 0;

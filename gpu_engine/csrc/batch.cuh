@@ -28,14 +28,14 @@ struct BatchDesc {
 };
 static_assert(sizeof(BatchDesc) == 16, "BatchDesc layout is shared with Python");
 
-// The graph's last kernel: one thread publishes completion. Every earlier kernel of the graph has
-// finished (stream order); the fences make their writes visible system-wide before the count moves.
-__device__ __forceinline__ void SignalDoneCta(BatchDesc* desc) {
-  if (threadIdx.x == 0 && blockIdx.x == 0) {
-    __threadfence_system();
-    atomicAdd(&desc->done_counter, 1);
-    __threadfence_system();
-  }
+// The graph's end, one thread: publishes completion once everything the graph writes is written
+// (the sampling kernel's last CTA: every other CTA of it has arrived, and each earlier kernel of
+// the graph had finished before it began); the fences make those writes visible system-wide
+// before the count moves.
+__device__ __forceinline__ void SignalDone(BatchDesc* desc) {
+  __threadfence_system();
+  atomicAdd(&desc->done_counter, 1);
+  __threadfence_system();
 }
 
 }  // namespace blink

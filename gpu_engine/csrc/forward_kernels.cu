@@ -246,23 +246,26 @@ __global__ void __launch_bounds__(256)
   blink::SiluMulCta(desc, gate_up, out, inter);
 }
 
+// done_sem (null: none): the forward graph's end. The CTAs count themselves out on it, and the
+// last one bumps desc->done_counter for the launcher (SignalDone), where a kernel of its own
+// after this one used to: one kernel launch and one wait for a grid's completion fewer a step.
 __global__ void __launch_bounds__(blink::kSampleThreads)
-    blink_sample(const BatchDesc* desc, const float* logits, int vocab, const float* temperature,
+    blink_sample(BatchDesc* desc, const float* logits, int vocab, const float* temperature,
                  const float* top_p, const int32_t* top_k, const uint64_t* seed,
-                 const uint32_t* step, int32_t* sampled, unsigned long long* lm_argmax) {
+                 const uint32_t* step, int32_t* sampled, unsigned long long* lm_argmax,
+                 uint32_t* done_sem) {
   blink::AwaitPriorKernel();
   blink::SampleCta(desc, logits, vocab, temperature, top_p, top_k, seed, step, sampled,
                    lm_argmax);
+  if (done_sem != nullptr && blink::LastCtaToArrive(done_sem, gridDim.x) && threadIdx.x == 0) {
+    *done_sem = 0;
+    blink::SignalDone(desc);
+  }
 }
 
 __global__ void blink_sampling_uniform(const uint64_t* seed, const uint32_t* step, double* out,
                                        int n) {
   blink::SamplingUniformThread(seed, step, out, n);
-}
-
-__global__ void blink_signal_done(BatchDesc* desc) {
-  blink::AwaitPriorKernel();
-  blink::SignalDoneCta(desc);
 }
 
 // Not part of the forward pass: a CTA that holds its SM until *release is nonzero, as the

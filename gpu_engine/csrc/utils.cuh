@@ -75,6 +75,21 @@ __device__ __forceinline__ void ReleaseNextKernel() {
 #endif
 }
 
+// Called by each of `ctas` CTAs once its results are written (every thread): true in the last
+// to arrive at the counter `sem`, whose reads of the others' results are then ordered after
+// their writes (threadFenceReduction pattern: fence, count, and the last one reads). That CTA
+// resets *sem for the next launch once it is done with it (the split attention partials'
+// merge, the sampling kernel's completion signal).
+__device__ __forceinline__ bool LastCtaToArrive(uint32_t* sem, int ctas) {
+  __shared__ int s_last;
+  __threadfence();  // this thread's results are visible device-wide before the count moves
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(sem, 1u) == static_cast<uint32_t>(ctas - 1);
+  __syncthreads();
+  if (s_last) __threadfence();
+  return s_last;
+}
+
 // D += A B on tensor cores, mma.sync m16n8k16 (bf16 in, fp32 accumulate); fragments as the PTX
 // ISA lays them out: lane (g = lane / 4, t = lane % 4) holds A rows g and g + 8, B column g.
 __device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
