@@ -276,7 +276,7 @@ __global__ void blink_sampling_uniform(const uint64_t* seed, const uint32_t* ste
 // 86 registers, and 12,300 bytes of its own plus 7,628 in the functions it calls, which the
 // link puts in its CTA; test_cuda_forward checks both against the loaded kernel): what fits beside
 // a CTA depends on both (beside the 6 registers a thread this kernel used to take, a skinny
-// projection's 114-register CTA fit twice on its SM; beside the scheduler's 82 it fits once).
+// projection's 114-register CTA fit twice on its SM; beside the scheduler's 82, or 86, once).
 static constexpr int kSchedulerRegisters = 86;
 static constexpr int kSchedulerSmemBytes = 12300 + 7628;
 __global__ void __launch_bounds__(blink::engine::kSchedulerThreads, 1)

@@ -280,10 +280,11 @@ __device__ void Retire(EngineDevice& e, int32_t slot, ring::FinishReason reason,
   else ++e.counters.requests_finished;
 }
 
-// cancel_gen: the words Admit read this iteration (one parallel pass over mapped memory). The
-// whole CTA tests the slots, a warp's 32 slots into one ballot word (thread 0 walking every
-// slot's state in device memory cost about 0.1 ms a step at 128-256 slots); thread 0 then
-// retires the cancelled sequences in slot order, as before.
+// cancel_gen: the words ScanRing read (one parallel pass over mapped memory, during the last
+// forward graph, or at this iteration's start after an idle one). The whole CTA tests the
+// slots, a warp's 32 slots into one ballot word (thread 0 walking every slot's state in device
+// memory cost about 0.1 ms a step at 128-256 slots); thread 0 then retires the cancelled
+// sequences in slot order, as before.
 __device__ void HonourCancels(EngineDevice& e, const uint32_t* cancel_gen) {
   static_assert(kMaxSlots % 32 == 0, "whole ballot words");
   __shared__ uint32_t s_cancelled[kMaxSlots / 32];  // bit b of word w: slot 32 w + b
