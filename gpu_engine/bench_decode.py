@@ -289,20 +289,23 @@ def time_step(fwd, point: Point, blocks_per_seq: int) -> float:
                               lambda: cr.check(cr.cu.cuGraphLaunch(graph, fwd.stream)))
 
 
-# The projection (roofline.projection_weights' key) whose weights an op label reads
+# The projections (roofline.projection_weights' keys) whose weights an op label reads
 # (CudaForward.ops' labels, fused and unfused).
-LABEL_PROJECTION = {"qkv proj": "qkv", "rmsnorm + qkv proj": "qkv",
-                    "rmsnorm + qkv proj + rope + kv write": "qkv",
-                    "qkv proj + rope + kv write": "qkv", "o proj + residual": "o",
-                    "gate|up proj": "gate_up", "gate|up proj + silu*mul": "gate_up",
-                    "rmsnorm + gate|up proj + silu*mul": "gate_up",
-                    "down proj + residual": "down", "lm head": "lm_head"}
+LABEL_PROJECTIONS = {"qkv proj": ("qkv",), "rmsnorm + qkv proj": ("qkv",),
+                     "rmsnorm + qkv proj + rope + kv write": ("qkv",),
+                     "qkv proj + rope + kv write": ("qkv",), "o proj + residual": ("o",),
+                     "gate|up proj": ("gate_up",), "gate|up proj + silu*mul": ("gate_up",),
+                     "rmsnorm + gate|up proj + silu*mul": ("gate_up",),
+                     "down proj + residual": ("down",),
+                     "o proj + residual, rmsnorm + gate|up proj + silu*mul, down proj + "
+                     "residual": ("o", "gate_up", "down"), "lm head": ("lm_head",)}
 
 
 def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
     """Bytes one launch of a labelled op must read (weights, or keys and values), if known."""
-    if label in LABEL_PROJECTION:
-        return BF16_BYTES * projection_weights(cfg)[LABEL_PROJECTION[label]]
+    if label in LABEL_PROJECTIONS:
+        weights = projection_weights(cfg)
+        return BF16_BYTES * sum(weights[p] for p in LABEL_PROJECTIONS[label])
     if label == "attention":
         return int(point.context_lens.sum()) * kv_bytes_per_token(cfg) // cfg.num_layers
     return None
@@ -311,9 +314,10 @@ def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
 def op_flops(cfg: ModelConfig, label: str, point: Point) -> int | None:
     """FLOPs of one launch of a labelled op at a prefill point, if known (not the LM head's:
     one row a sequence, a GEMV)."""
-    projection = LABEL_PROJECTION.get(label)
-    if projection is not None and projection != "lm_head":
-        return 2 * projection_weights(cfg)[projection] * point.tokens
+    projections = LABEL_PROJECTIONS.get(label)
+    if projections is not None and projections != ("lm_head",):
+        weights = projection_weights(cfg)
+        return 2 * sum(weights[p] for p in projections) * point.tokens
     if label == "attention":
         return step_flops(cfg, list(point.positions), point.batch).attention // cfg.num_layers
     return None

@@ -154,6 +154,14 @@ def _f32(v) -> ctypes.c_float:
     return ctypes.c_float(float(v))
 
 
+class ChainProjection(ctypes.Structure):
+    """blink::ChainProjection (csrc/gemv_chain.cuh): one projection of projection_chain's
+    argument; the module exports its size, which ForwardKernels checks."""
+    _fields_ = [("x", ctypes.c_uint64), ("w", ctypes.c_uint64), ("w_tile_stride", ctypes.c_uint32),
+                ("N", ctypes.c_int32), ("K", ctypes.c_int32), ("out", ctypes.c_uint64),
+                ("shadow", ctypes.c_uint64)]
+
+
 class ForwardKernels:
     """The compiled module of csrc/forward_kernels.cu for one head_dim, and one typed launcher
     per entry point: each validates its sizes, computes the grid and launches on `stream`.
@@ -176,7 +184,7 @@ class ForwardKernels:
                     "blink_hold_sm", "blink_tile_weights", "blink_splitk_add_linear",
                     "blink_splitk_add_linear_x2", "blink_splitk_add_linear_x4",
                     "blink_rowblock_silu_mul", "blink_rowblock_silu_mul_x2",
-                    "blink_rowblock_silu_mul_x4",
+                    "blink_rowblock_silu_mul_x4", "blink_projection_chain",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
                     *(f"blink_skinny_{kind}_{a}x{c}_k2" for kind, (a, c)
                       in itertools.product(SKINNY_SPLIT_KINDS, SKINNY_SPLIT_SHAPES)),
@@ -269,6 +277,16 @@ class ForwardKernels:
                 name = self._clustered(base, cluster)
                 check(driver.cuFuncSetAttribute(self.fn[name], max_smem, smem),
                       f"cuFuncSetAttribute({name} smem)")
+        self.chain_smem = self._constant("blink_chain_smem_bytes")
+        self.chain_max_k = self._constant("blink_chain_max_k")  # x in shared memory
+        self.chain_threads = self._constant("blink_chain_threads")  # and a producer warp
+        if self._constant("blink_chain_projection_bytes") != ctypes.sizeof(ChainProjection):
+            raise CudaError("blink::ChainProjection and cuda_forward.ChainProjection disagree")
+        check(driver.cuFuncSetAttribute(self.fn["blink_projection_chain"], max_smem,
+                                        self.chain_smem), "cuFuncSetAttribute(chain smem)")
+        self.chain_ctas_per_sm = check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            self.fn["blink_projection_chain"], self.chain_threads, self.chain_smem),
+            "occupancy of blink_projection_chain")
         # the K-splitting skinny kernels' CTAs an SM (their registers decide: skinny_splits)
         self.skinny_split_ctas_per_sm = {
             name: check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -531,6 +549,36 @@ class ForwardKernels:
         self.launch(name, (k_splits * -(-out_features // (16 * row_tiles)),),
                     (self.gemv_threads,), args, stream)
 
+    def chain_fits(self, hidden: int, inter: int, q_size: int) -> bool:
+        """Whether projection_chain takes a layer of these sizes (and fits an SM)."""
+        return (self.chain_ctas_per_sm >= 1 and hidden % 32 == 0 and inter % 32 == 0
+                and q_size % 32 == 0 and max(hidden, inter, q_size) <= self.chain_max_k
+                and all(self.tiled_elements(n, k) < 2 ** 31
+                        for n, k in ((hidden, q_size), (2 * inter, hidden), (hidden, inter))))
+
+    def projection_chain(self, stream, attn, wo, x, x_shadow, wgu, act, wdown, hidden, inter,
+                         q_size, eps, barrier) -> None:
+        """One token row's projections after attention, in one persistent kernel
+        (csrc/gemv_chain.cuh): x += attn @ wo^T (x_shadow its bf16 copy); act = silu(gate) * up
+        of x_shadow's RMSNorm @ wgu^T (the norm's weight folded into wgu, gate|up interleaved);
+        x += act @ wdown^T (and x_shadow). Every weight tiled (tile_weights). barrier: one u32,
+        zero before the first launch, left zero by each; a grid of one CTA an SM but the held
+        ones (the grid waits for all its CTAs between projections)."""
+        self._need(self.chain_fits(hidden, inter, q_size),
+                   f"the projection chain takes sizes that are multiples of 32 up to "
+                   f"{self.chain_max_k}, got hidden "
+                   f"{hidden}, intermediate {inter}, q {q_size}")
+
+        def proj(x_in, w, n, k, out, shadow=0):
+            return ChainProjection(int(x_in), int(w), self.tile_stride(k), n, k, int(out),
+                                   int(shadow))
+        chain = (ChainProjection * 3)(proj(attn, wo, hidden, q_size, x, x_shadow),
+                                      proj(x_shadow, wgu, 2 * inter, hidden, act),
+                                      proj(act, wdown, hidden, inter, x, x_shadow))
+        self.launch("blink_projection_chain", (self.device_sm_count - self.held_sms,),
+                    (self.chain_threads,), [chain, _f32(eps), _ptr(barrier)], stream,
+                    smem=self.chain_smem)
+
     def skinny_qkv_rope(self, stream, rows, desc, x, w, hidden, eps, positions, token_seq,
                         block_tables, max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
                         num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks, *,
@@ -766,7 +814,8 @@ class CudaForward:
                  splitk_residual: bool = True, skinny_qkv_rope: bool = True,
                  rowblock_gate_up: bool = True, norm_release: bool = True,
                  splitk_cluster: int | None = None, rowblock_cluster: int | None = None,
-                 skinny_split_blocks: int | None = None, lm_head_argmax: bool = True):
+                 skinny_split_blocks: int | None = None, lm_head_argmax: bool = True,
+                 projection_chain: bool = False):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -816,7 +865,14 @@ class CudaForward:
         number, where they have at most that many 16-row blocks (0: none).
         lm_head_argmax: the skinny LM head reduces each logit row's greedy argmax as it
         stores the logits, and the sampling kernel's greedy rows take it (False: they scan
-        the logits; so too after a cuBLAS LM head)."""
+        the logits; so too after a cuBLAS LM head).
+        projection_chain: in the one-token bucket, each layer's o, gate|up and down
+        projections (with the residual adds, the RMSNorm and SiLU * up) run as one persistent
+        kernel (ForwardKernels.projection_chain) where the layer takes it (fused norms, tiled
+        weights, no o bias). Off by default: bit-identical to the three unsplit skinny kernels,
+        but slower on the H200 so far (1B batch 1 0.811 against 0.769 ms a step, 8B 3.902
+        against 3.833; docs/performance.md round 15); bench_decode --options
+        chain:projection_chain=1 times it."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
@@ -855,6 +911,7 @@ class CudaForward:
                                           sm_count_target)
         self.skinny_split_blocks = skinny_split_blocks
         self.lm_head_argmax = lm_head_argmax
+        self.projection_chain = projection_chain
         self.stream = new_stream()
         self.blas = Cublas()
         self.blas.set_stream(int(self.stream))  # before set_workspace: it resets the workspace
@@ -919,6 +976,8 @@ class CudaForward:
         self.attn_partial_out = self._alloc(part_rows * cfg.num_heads * D, np.float32)
         self.attn_partial_stats = self._alloc(part_rows * cfg.num_heads * 2, np.float32)
         self.attn_tile_sems = self._alloc(T * cfg.num_kv_heads, np.uint32)
+        # each layer's arrival counter of projection_chain: zero now, left zero by every launch
+        self.chain_barriers = self._alloc(cfg.num_layers, np.uint32)
 
         block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * D * 2  # k and v
         if num_blocks is None:
@@ -1167,6 +1226,11 @@ class CudaForward:
                    lw.bqkv.ptr if lw.bqkv else 0, lw.q_norm.ptr if lw.q_norm else 0,
                    lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr, cfg.num_heads,
                    cfg.num_kv_heads, *cache_args)
+            # batch 1: o, gate|up and down in one persistent kernel, whose CTAs stream the
+            # three projections' weights through shared memory without a drain between them
+            chain = (self.projection_chain and rows == 1 and fuse and lw.bo is None
+                     and all(n in lw.tiled for n in ("wo", "wgu", "wdown"))
+                     and k.chain_fits(H, I, Q))
             op("attention", k.attention, s, rows, d, self.positions.ptr, self.token_seq.ptr,
                self.block_tables.ptr, self.max_blocks_per_seq, self.q.ptr, k_layer, v_layer,
                self.block_size, cfg.num_heads, cfg.num_kv_heads, D ** -0.5, self.attn.ptr,
@@ -1174,7 +1238,15 @@ class CudaForward:
                self.attn_partial_stats.ptr, self.attn_tile_sems.ptr,
                small=self.attention_small(rows), wide=self.attention_wide(rows),
                decode_min_keys=self.decode_min_keys,
-               release_next=in_order and (skinny(Q, H, True) or splitk(lw, "wo", Q, H)))
+               release_next=in_order and (chain or skinny(Q, H, True)
+                                          or splitk(lw, "wo", Q, H)))
+            if chain:
+                op("o proj + residual, rmsnorm + gate|up proj + silu*mul, down proj + residual",
+                   k.projection_chain, s, self.attn.ptr, lw.tiled["wo"].ptr,
+                   self.x.ptr, self.x_shadow.ptr, lw.tiled["wgu"].ptr, self.act.ptr,
+                   lw.tiled["wdown"].ptr, H, I, Q, eps,
+                   self.chain_barriers.ptr + 4 * li)
+                continue
             # x += attn @ Wo^T: the residual add rides in the projection (fp32 output); o_proj's
             # bias (where a model has one) is added by the norm kernel, so it stays a kernel
             fuse_post = fuse and lw.bo is None

@@ -10,6 +10,7 @@ Set BLINK_GPU_REPORT=<file.json> to collect the measured errors and environment 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -461,6 +462,69 @@ def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode, layout)
     with pytest.raises(ValueError, match="RMSNorm"):
         k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, 17, k_in, n_w, cf.SKINNY_BF16,
                         norm_eps=eps)
+
+
+# (hidden, intermediate, q size): Llama-3.2-1B's (row blocks past the grid, chunks past the
+# ring), one where every projection ends on a partial chunk, and a small one (one chunk each)
+@pytest.mark.parametrize("hidden,inter,q_size", [(2048, 8192, 2048), (2080, 1056, 544),
+                                                 (256, 512, 256)])
+def test_projection_chain(cf, stream, hidden, inter, q_size):
+    """The batch-1 projections after attention in one persistent kernel (gemv_chain.cuh): x +=
+    attn Wo^T, act = silu(gate) * up of rms_norm(x) Wgu^T, x += act Wdown^T, against float64,
+    and bit for bit against the three skinny kernels (unsplit), whose sums it takes in the same
+    order; twice, since each launch must leave its barrier counter zero for the next."""
+    k = kernels(cf)
+    rng = np.random.default_rng(hidden + inter)
+    eps = 1e-5
+    attn = rb(rng.standard_normal(q_size))
+    x0 = (rng.standard_normal(hidden) * 7).astype(np.float32)  # a residual stream's scale
+    wo = rb(rng.standard_normal((hidden, q_size)) * q_size ** -0.5)
+    wgu = rb(rng.standard_normal((2 * inter, hidden)) * hidden ** -0.5)
+    wdown = rb(rng.standard_normal((hidden, inter)) * inter ** -0.5)
+    d_attn = dev(cf, float32_to_bf16_bits(attn))
+    d_w = [dev(cf, tiled(cf, float32_to_bf16_bits(w))) for w in (wo, wgu, wdown)]
+
+    def run(chain: bool):
+        x = dev(cf, x0)
+        shadow = dev(cf, np.zeros(hidden, np.uint16), poison=True)
+        act = dev(cf, np.zeros(inter, np.uint16), poison=True)
+        barrier = dev(cf, np.zeros(1, np.uint32))
+        if chain:
+            k.projection_chain(stream, d_attn.ptr, d_w[0].ptr, x.ptr, shadow.ptr, d_w[1].ptr,
+                               act.ptr, d_w[2].ptr, hidden, inter, q_size, eps, barrier.ptr)
+        else:
+            k.skinny_linear(stream, d_attn.ptr, d_w[0].ptr, x.ptr, 1, q_size, hidden,
+                            cf.SKINNY_F32_ADD, shadow=shadow.ptr, w_tiled=True)
+            k.skinny_linear(stream, shadow.ptr, d_w[1].ptr, act.ptr, 1, hidden, 2 * inter,
+                            cf.SKINNY_SILU_MUL, norm_eps=eps, w_tiled=True)
+            k.skinny_linear(stream, act.ptr, d_w[2].ptr, x.ptr, 1, inter, hidden,
+                            cf.SKINNY_F32_ADD, shadow=shadow.ptr, w_tiled=True)
+        cf.synchronize(stream)
+        assert barrier.download()[0] == 0
+        return x.download(), shadow.download(), act.download()
+
+    x1 = x0 + attn.astype(np.float64) @ wo.T.astype(np.float64)
+    h = rb(x1) * _rms_scale(rb(x1), eps)[0]
+    gate_up = (h @ wgu.T.astype(np.float64)).reshape(inter // 16, 2, 16)
+    gate, up = rb(gate_up[:, 0].ravel()), rb(gate_up[:, 1].ravel())
+    act_ref = gate / (1 + np.exp(-gate.astype(np.float64))) * up
+    x_ref = x1 + rb(act_ref).astype(np.float64) @ wdown.T.astype(np.float64)
+    skinny = run(chain=False)
+    for _ in range(2):
+        x, shadow, act = run(chain=True)
+        assert rel_err(bf16_to_f32(act), act_ref) < 1e-2
+        assert rel_err(x - x0, x_ref - x0) < 1e-2
+        np.testing.assert_array_equal(shadow, float32_to_bf16_bits(x))
+        for got, want in zip((x, shadow, act), skinny):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_projection_chain_refuses_shapes_it_does_not_take(cf, stream):
+    k = kernels(cf)
+    assert k.chain_fits(2048, 8192, 2048) and not k.chain_fits(2048, 8200, 2048)
+    assert not k.chain_fits(4096, k.chain_max_k + 32, 4096)
+    with pytest.raises(ValueError, match="projection chain"):
+        k.projection_chain(stream, 0, 0, 0, 0, 0, 0, 0, 256, 520, 256, 1e-5, 0)
 
 
 def test_skinny_linear_refuses_shapes_it_does_not_take(cf, stream):
@@ -1520,6 +1584,40 @@ def test_forward_fused_norm_rope_matches_separate_kernels(cf, models, arch):
         REPORT["errors"][f"forward {arch} fused vs separate norm/rope (max rel L2)"] = max(errors)
     finally:
         separate.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_forward_projection_chain_matches_skinny_kernels(cf, models, arch):
+    """With projection_chain, one-token steps run each layer's o, gate|up and down projections
+    as one persistent kernel: two kernels a layer fewer than the skinny kernels, whose sums it
+    takes in the same order, so a prompt fed one token at a time and then decoded gives
+    bit-identical logits and tokens to those kernels unsplit (skinny_split_blocks 0), and
+    every layer's barrier counter is zero after each step."""
+    cfg, w, _ = models[arch]
+    make = functools.partial(cf.CudaForward, cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                             max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
+                             skinny_split_blocks=0)
+    chained, skinny = make(projection_chain=True), make()
+    try:
+        assert sum(skinny.graph_node_types[1].values()) - \
+            sum(chained.graph_node_types[1].values()) == 2 * cfg.num_layers
+        assert chained.graph_node_types[2] == skinny.graph_node_types[2]  # one token only
+        table = np.arange(3)
+        ids = list(prompt(cfg, 12, seed=23))
+        for fwd in (chained, skinny):
+            fwd.fill_kv_cache(0)
+        for pos in range(20):  # 12 prompt tokens, then the greedy token fed back
+            batch = make_batch([(np.array(ids[pos:pos + 1]), pos, table)])
+            a, a_sampled = chained.run(batch)
+            b, b_sampled = skinny.run(batch)
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a_sampled, b_sampled)
+            assert not chained.chain_barriers.download().any()
+            if pos + 1 == len(ids):
+                ids.append(int(a_sampled[0]))
+    finally:
+        chained.close()
+        skinny.close()
 
 
 def test_forward_sampling_in_graph(models):

@@ -15,6 +15,7 @@
 #include "embedding.cuh"
 #include "engine_layout.h"
 #include "gemv.cuh"
+#include "gemv_chain.cuh"
 #include "norm.cuh"
 #include "rope.cuh"
 #include "sampling.cuh"
@@ -53,6 +54,11 @@ extern "C" __device__ const uint32_t blink_attention_max_splits = blink::kDecode
 // block sizes that are multiples of it take the attention kernels without _any_block
 extern "C" __device__ const uint32_t blink_attention_step_keys = blink::kMmaKeys;
 extern "C" __device__ const uint32_t blink_gemv_threads = blink::kGemvThreads;
+extern "C" __device__ const uint32_t blink_chain_smem_bytes = blink::kChainSmemBytes;
+extern "C" __device__ const uint32_t blink_chain_max_k = blink::kChainMaxK;
+extern "C" __device__ const uint32_t blink_chain_threads = blink::kChainThreads;
+extern "C" __device__ const uint32_t blink_chain_projection_bytes =
+    sizeof(blink::ChainProjection);
 extern "C" __device__ const uint32_t blink_rowblock_chunk = blink::kRowBlockChunk;
 extern "C" __device__ const uint32_t blink_rowblock_smem_bytes = blink::kRowBlockSmemBytes;
 extern "C" __device__ const uint32_t blink_splitk_threads = blink::kSplitKThreads;
@@ -206,6 +212,16 @@ BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false, 1)
 BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1_k2, 1, 1, true, 2)
 BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2_k2, 1, 2, true, 2)
 #undef BLINK_SKINNY_QKV_ROPE
+
+// A batch-1 layer's projections after attention in one persistent kernel (gemv_chain.cuh): o +
+// residual, RMSNorm + gate|up + SiLU, down + residual. The grid is resident at once (one CTA an
+// SM, blink_chain_smem_bytes of dynamic shared memory); barrier: the layer's arrival counter,
+// zero before the first launch (each launch leaves it zero).
+__global__ void __launch_bounds__(blink::kChainThreads, 1)
+    blink_projection_chain(const __grid_constant__ blink::ChainProjections chain, float eps,
+                           uint32_t* barrier) {
+  blink::ProjectionChainCta(chain.p, eps, barrier);
+}
 
 // Split-K linear with shared activations, added into fp32 (gemv.cuh SplitKAddLinearCta): the
 // residual-adding projections of 17..32-row steps; and gate|up + SiLU of those steps, a CTA's

@@ -169,6 +169,80 @@ __device__ __forceinline__ bool MeetClusterSums(GemvSums<kRowTiles, kColTiles, k
   return true;
 }
 
+// One 32-k step of a lane's MMAs: W rows g, g + 8 of each row tile (wv) against x row g of
+// each column tile (xv); kNormIn: the lane's share of each x row's sum of squares too.
+template <int kRowTiles, int kColTiles, bool kNormIn>
+__device__ __forceinline__ void GemvStepMma(float (&acc)[kRowTiles][kColTiles][4],
+                                            float (&sum_sq)[kColTiles],
+                                            const uint4 (&wv)[kRowTiles][2],
+                                            const uint4 (&xv)[kColTiles]) {
+#pragma unroll
+  for (int a = 0; a < kRowTiles; ++a)
+#pragma unroll
+    for (int j = 0; j < kColTiles; ++j) MmaBf16Step32(acc[a][j], wv[a][0], wv[a][1], xv[j]);
+  if constexpr (kNormIn) {
+#pragma unroll
+    for (int j = 0; j < kColTiles; ++j) {
+      const uint32_t words[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[q]));
+        sum_sq[j] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[j]));
+      }
+    }
+  }
+}
+
+// A warp's accumulators (and kNormIn sums of squares) into sums.red / sums.sum_sq. Accumulator
+// element e of tile (a, j): row 16a + g + 8 (e / 2), column 8j + 2t + e % 2.
+template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits>
+__device__ __forceinline__ void GemvWarpSums(const float (&acc)[kRowTiles][kColTiles][4],
+                                             const float (&sum_sq)[kColTiles],
+                                             GemvSums<kRowTiles, kColTiles, kSplits>& sums) {
+  using S = GemvShape<kRowTiles, kColTiles>;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  float* my_red = sums.red + static_cast<size_t>(warp) * S::kRows * S::kRedLd;
+#pragma unroll
+  for (int a = 0; a < kRowTiles; ++a)
+#pragma unroll
+    for (int j = 0; j < kColTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        my_red[(16 * a + g + 8 * (e / 2)) * S::kRedLd + 8 * j + 2 * t + e % 2] = acc[a][j][e];
+  if constexpr (kNormIn) {
+#pragma unroll
+    for (int j = 0; j < kColTiles; ++j) {  // the 4 lanes of row g hold 4 disjoint k ranges
+      float v = sum_sq[j];
+      v += __shfl_xor_sync(kFullMask, v, 1);
+      v += __shfl_xor_sync(kFullMask, v, 2);
+      if (t == 0) sums.sum_sq[warp][8 * j + g] = v;
+    }
+  }
+}
+
+// sums.row_scale of each token row, once the warps' sums are in (and, kSplits > 1, met in
+// part): 1 / rms(x_m) with kNormIn, else 1.
+template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits>
+__device__ __forceinline__ void GemvRowScales(GemvSums<kRowTiles, kColTiles, kSplits>& sums,
+                                              int M, int K, float eps) {
+  using S = GemvShape<kRowTiles, kColTiles>;
+  if (threadIdx.x < min(M, S::kCols)) {
+    float scale = 1.f;
+    if constexpr (kNormIn) {
+      float v = 0.f;
+      if constexpr (kSplits > 1) {
+        v = sums.part[S::kRows * S::kCols + threadIdx.x];
+      } else {
+#pragma unroll
+        for (int q = 0; q < kGemvWarps; ++q) v += sums.sum_sq[q][threadIdx.x];
+      }
+      scale = rsqrtf(v / K + eps);
+    }
+    sums.row_scale[threadIdx.x] = scale;
+  }
+}
+
 // x: [M, ldx] bf16 (row m at x + m * ldx, K used); w: [N, K] bf16 row-major (w_tile_stride
 // 0), or tiled (tiles of 16 rows w_tile_stride elements apart, the last one padded); K % 32 ==
 // 0; the CTA's rows are n0 = SkinnyRowBlock() * kRows .. + kRows - 1 (rows past N compute and drop
@@ -245,21 +319,7 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
       xv[j] = LoadActivation16(x + (x_off[j] + k));
   };
   auto mma = [&](const uint4 (&wv)[kRowTiles][2], const uint4 (&xv)[kColTiles]) {
-#pragma unroll
-    for (int a = 0; a < kRowTiles; ++a)
-#pragma unroll
-      for (int j = 0; j < kColTiles; ++j) MmaBf16Step32(acc[a][j], wv[a][0], wv[a][1], xv[j]);
-    if constexpr (kNormIn) {
-#pragma unroll
-      for (int j = 0; j < kColTiles; ++j) {
-        const uint32_t words[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[q]));
-          sum_sq[j] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[j]));
-        }
-      }
-    }
+    GemvStepMma<kRowTiles, kColTiles, kNormIn>(acc, sum_sq, wv, xv);
   };
 
   // Warp w takes steps w, w + warps, ...: whole batches of kUnroll steps with every load issued
@@ -321,42 +381,12 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
   }
   ReleaseNextKernel();  // every weight is read: the next kernel may take freed SM slots
 
-  // Accumulator element e of tile (a, j): row 16a + g + 8 (e / 2), column 8j + 2t + e % 2.
-  float* my_red = sums.red + static_cast<size_t>(warp) * S::kRows * S::kRedLd;
-#pragma unroll
-  for (int a = 0; a < kRowTiles; ++a)
-#pragma unroll
-    for (int j = 0; j < kColTiles; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        my_red[(16 * a + g + 8 * (e / 2)) * S::kRedLd + 8 * j + 2 * t + e % 2] = acc[a][j][e];
-  if constexpr (kNormIn) {
-#pragma unroll
-    for (int j = 0; j < kColTiles; ++j) {  // the 4 lanes of row g hold 4 disjoint k ranges
-      float v = sum_sq[j];
-      v += __shfl_xor_sync(kFullMask, v, 1);
-      v += __shfl_xor_sync(kFullMask, v, 2);
-      if (t == 0) sums.sum_sq[warp][8 * j + g] = v;
-    }
-  }
+  GemvWarpSums<kNormIn>(acc, sum_sq, sums);
   __syncthreads();
   if constexpr (kSplits > 1) {
     if (!MeetClusterSums(sums, rank)) return false;
   }
-  if (threadIdx.x < min(M, S::kCols)) {
-    float scale = 1.f;
-    if constexpr (kNormIn) {
-      float v = 0.f;
-      if constexpr (kSplits > 1) {
-        v = sums.part[S::kRows * S::kCols + threadIdx.x];
-      } else {
-#pragma unroll
-        for (int q = 0; q < kGemvWarps; ++q) v += sums.sum_sq[q][threadIdx.x];
-      }
-      scale = rsqrtf(v / K + eps);
-    }
-    sums.row_scale[threadIdx.x] = scale;
-  }
+  GemvRowScales<kNormIn>(sums, M, K, eps);
   __syncthreads();
   return true;
 }
@@ -368,11 +398,11 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
 // zero before the first CTA), a warp a row and one atomicMax a CTA.
 template <int kRowTiles, int kColTiles, int kSplits>
 __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles, kSplits>& sums,
-                                            int M, int N, void* out, int ldo, int mode,
-                                            bf16* shadow,
+                                            int row_block, int M, int N, void* out, int ldo,
+                                            int mode, bf16* shadow,
                                             unsigned long long* argmax = nullptr) {
   using S = GemvShape<kRowTiles, kColTiles>;
-  const int n0 = SkinnyRowBlock<kSplits>() * S::kRows, cols = min(M, S::kCols);
+  const int n0 = row_block * S::kRows, cols = min(M, S::kCols);
   if (argmax != nullptr && mode == kGemvF32) {
     const int lane = threadIdx.x % kWarpSize;
     for (int m = threadIdx.x / kWarpSize; m < cols; m += blockDim.x / kWarpSize) {
@@ -407,8 +437,9 @@ __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles,
 // block) and rows 16..31 their up (kRowTiles == 2); out[m, f] = silu(gate) * up in bf16, f < N / 2.
 template <int kColTiles, int kSplits>
 __device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles, kSplits>& sums,
-                                                   int M, int N, bf16* out, int ldo) {
-  const int f0 = SkinnyRowBlock<kSplits>() * 16, cols = min(M, GemvShape<2, kColTiles>::kCols);
+                                                   int row_block, int M, int N, bf16* out,
+                                                   int ldo) {
+  const int f0 = row_block * 16, cols = min(M, GemvShape<2, kColTiles>::kCols);
   for (int i = threadIdx.x; i < 16 * cols; i += blockDim.x) {
     const int r = i % 16, m = i / 16;
     if (f0 + r >= N / 2) continue;
@@ -432,9 +463,11 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, c
                                                                 K, eps, sums))
     return;
   if constexpr (kRowTiles == 2) {
-    if (mode == kGemvSiluMul) return SkinnyStoreSiluMul(sums, M, N, static_cast<bf16*>(out), ldo);
+    if (mode == kGemvSiluMul)
+      return SkinnyStoreSiluMul(sums, SkinnyRowBlock<kSplits>(), M, N, static_cast<bf16*>(out),
+                                ldo);
   }
-  SkinnyStore(sums, M, N, out, ldo, mode, shadow, argmax);
+  SkinnyStore(sums, SkinnyRowBlock<kSplits>(), M, N, out, ldo, mode, shadow, argmax);
 }
 
 // --- split K with shared activations: 17 to 32 token rows, added into the residual stream -------

@@ -193,10 +193,19 @@ __device__ __forceinline__ float LoadSharedCluster(const float* p, int rank) {
   return v;
 }
 
-// One thread: an mbarrier of one arrival, visible to the cluster's copies after a rendezvous.
+// One thread: an mbarrier of kArrivals arrivals a phase, visible to the cluster's copies after
+// a rendezvous (or to the CTA after a barrier).
+template <int kArrivals = 1>
 __device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)),
+               "n"(kArrivals)
+               : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// One of the phase's arrivals (release: the thread's earlier shared-memory reads are done).
+__device__ __forceinline__ void MbarrierArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SharedAddress(bar)) : "memory");
 }
 
 // One thread: this phase's arrival, and `bytes` more for it to wait for.
@@ -216,6 +225,16 @@ __device__ __forceinline__ void MbarrierWait(uint64_t* bar, uint32_t parity) {
       "@!done bra WAIT_%=;\n"
       "}" ::"r"(SharedAddress(bar)),
       "r"(parity)
+      : "memory");
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into this CTA's
+// shared memory, counted on its mbarrier `bar`.
+__device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(SharedAddress(dst)), "l"(src), "r"(bytes), "r"(SharedAddress(bar))
       : "memory");
 }
 

@@ -1,0 +1,276 @@
+// The projections after a decode token's attention (o + residual, RMSNorm + gate|up + SiLU,
+// down + residual) in one persistent kernel, for batch 1: three kernels a layer become one.
+// Off by default (CudaForward projection_chain): correct, bit for bit the skinny kernels' sums,
+// but not yet faster on the H200 (docs/performance.md round 15: 1B batch 1 0.811 against 0.769
+// ms a step).
+//
+// Why try: at batch 1 every projection needs all of the one before it, so each kernel boundary
+// is a drain and a refill of the memory pipe: the slowest CTA's tail, then the next kernel's
+// first loads (programmatic dependent launch hides the launch, not the tail). In a
+// microbenchmark on the H200 (the 1B step's 65 weight streams, a dependent read at each
+// boundary) a chain of PDL kernels cost 3.2 us a boundary over one kernel reading everything;
+// one persistent kernel with a grid barrier a phase, each CTA's next weights loaded into
+// registers before the barrier, 3.9; the same with a ring of shared-memory slots that a TMA
+// producer warp keeps full *across* the barriers (the weights depend on nothing), 0.53. This is
+// that kernel with the skinny projections' math; it streams at 3.4 TB/s where the
+// microbenchmark's ring reached 3.8-4.0.
+//
+// Work split: a CTA takes row blocks blockIdx.x, + gridDim.x, ... of each projection, in order
+// (the skinny kernel's row blocks: 16 rows, gate|up's 16 gate and 16 up rows). A producer warp
+// copies each row block's tiled weights, kChainSlotBytes at a time (a chunk: the same 32-k steps
+// of each of its row tiles), into the next free slot with cp.async.bulk, and refills a slot as
+// soon as every consumer warp is done with it, so the CTA always has kChainSlots chunks on
+// their way, the next projection's first ones while it waits at a barrier. The 8 consumer warps
+// take a chunk's steps round-robin as SkinnyAccumulate's warps take a row block's (warp w:
+// steps w, w + 8, ..., ascending), with the same MMAs and epilogues: bit for bit the unsplit
+// skinny kernel's sums.
+//
+// Barriers: a projection's x (attn, the residual stream's shadow, act) is written by every CTA
+// in the phase before; each CTA arrives on a per-layer counter once its stores are out (fence,
+// add), and thread 0 waits for all of them (acquire) before its CTA copies x into shared memory.
+// x is loaded L2-only (ld.global.cg): another SM wrote it during this kernel, and this SM's L1
+// may hold an older copy (the qkv projection before attention reads the shadow, and may still
+// run beside this kernel's first CTAs). The residual rows a CTA adds the o and the down
+// projection into are the same rows (both have hidden-size outputs in 16-row blocks), read and
+// written by the same thread. A third arrival after the last phase tells the
+// last CTA that everyone is past the second wait, and it zeroes the counter for the next step.
+// The grid must be resident at once (the host launches one CTA on each SM but the scheduler's).
+#pragma once
+#include "gemv.cuh"
+
+namespace blink {
+
+static constexpr int kChainSlots = 4;
+static constexpr int kChainSlotBytes = 32 * 1024;
+static constexpr int kChainStepBytes = 16 * 32 * static_cast<int>(sizeof(bf16));  // 1 KB
+// x of the phase, copied once into shared memory: read from L2 a step at a time, each chunk
+// waited a round trip, and the kernel streamed at 2.7 TB/s (1B, against 3.4 for the three
+// kernels)
+static constexpr int kChainMaxK = 16384;
+static constexpr int kChainSmemBytes =
+    kChainSlots * kChainSlotBytes + kChainMaxK * static_cast<int>(sizeof(bf16));
+static constexpr int kChainPhases = 3;  // o, gate|up, down
+
+// One projection of the chain: out (+)= x @ W^T for the one token row.
+struct ChainProjection {
+  const bf16* x;  // [K]
+  const bf16* w;  // tiled (gemv.cuh), tiles w_tile_stride elements apart
+  uint32_t w_tile_stride;
+  int N, K;
+  void* out;    // the fp32 residual stream, added into (o, down), or act in bf16 (gate|up)
+  bf16* shadow;  // the residual stream's bf16 copy (o, down)
+};
+
+// The kernel's argument: o, gate|up, down (ForwardKernels.projection_chain packs it; the module
+// exports its size, which the host checks).
+struct ChainProjections {
+  ChainProjection p[kChainPhases];
+};
+
+// A phase's row tiles a row block: gate|up pairs 16 gate rows with their 16 up rows.
+__device__ __forceinline__ int ChainRowTiles(int phase) { return phase == 1 ? 2 : 1; }
+
+// A chunk's 32-k steps: a slot holds the same steps of each of the row block's row tiles.
+__device__ __forceinline__ int ChainChunkSteps(int row_tiles) {
+  return kChainSlotBytes / (row_tiles * kChainStepBytes);
+}
+
+// The producer's place: the next chunk to copy, in the order the CTA consumes them.
+struct ChainCursor {
+  int phase = 0, row_block, chunk = 0;
+
+  __device__ __forceinline__ explicit ChainCursor(const ChainProjection* p)
+      : row_block(blockIdx.x) {
+    skip_empty(p);
+  }
+  __device__ __forceinline__ bool done() const { return phase == kChainPhases; }
+  __device__ __forceinline__ void advance(const ChainProjection* p) {
+    const int rt = ChainRowTiles(phase), steps = p[phase].K / 32;
+    if (++chunk * ChainChunkSteps(rt) < steps) return;
+    chunk = 0;
+    row_block += gridDim.x;
+    skip_empty(p);
+  }
+  // on to the next phase with a row block for this CTA
+  __device__ __forceinline__ void skip_empty(const ChainProjection* p) {
+    while (phase < kChainPhases &&
+           row_block * 16 * ChainRowTiles(phase) >= p[phase].N) {
+      ++phase;
+      row_block = blockIdx.x;
+    }
+  }
+};
+
+// The producer: the cursor's chunk into `slot`, counted on `full`.
+__device__ __forceinline__ void IssueChainChunk(const ChainProjection* p, const ChainCursor& c,
+                                                char* slot, uint64_t* full) {
+  const ChainProjection& q = p[c.phase];
+  const int rt = ChainRowTiles(c.phase), per_chunk = ChainChunkSteps(rt);
+  const int first = c.chunk * per_chunk, steps = min(per_chunk, q.K / 32 - first);
+  const uint32_t bytes = static_cast<uint32_t>(steps) * kChainStepBytes;
+  MbarrierExpectBytes(full, rt * bytes);
+  for (int a = 0; a < rt; ++a) {
+    const int tile = min(c.row_block * rt + a, (q.N - 1) / 16);
+    const bf16* src = q.w + static_cast<size_t>(tile) * q.w_tile_stride +
+                      static_cast<size_t>(first) * (kChainStepBytes / sizeof(bf16));
+    BulkCopy(slot + a * per_chunk * kChainStepBytes, src, bytes, full);
+  }
+}
+
+// The ring: slot i % kChainSlots holds the CTA's chunk i; full[s] completes when its copy has
+// landed, empty[s] when all kGemvWarps consumer warps are done with it.
+struct ChainRing {
+  char* slots;
+  uint64_t* full;
+  uint64_t* empty;
+  int next = 0;  // the chunk the CTA consumes next
+
+  __device__ __forceinline__ const char* acquire() {
+    const int s = next % kChainSlots;
+    MbarrierWait(&full[s], static_cast<uint32_t>(next / kChainSlots) & 1);
+    return slots + s * kChainSlotBytes;
+  }
+  // this warp is done with chunk `next`
+  __device__ __forceinline__ void release() {
+    __syncwarp();
+    if (threadIdx.x % kWarpSize == 0) MbarrierArrive(&empty[next % kChainSlots]);
+    ++next;
+  }
+  // The producer warp's lane: every chunk of the CTA in order, each into its slot as soon as
+  // the consumers are done with the chunk kChainSlots before it.
+  __device__ __forceinline__ void produce(const ChainProjection* p) {
+    int i = 0;
+    for (ChainCursor c(p); !c.done(); c.advance(p), ++i) {
+      const int s = i % kChainSlots;
+      if (i >= kChainSlots)
+        MbarrierWait(&empty[s], static_cast<uint32_t>(i / kChainSlots - 1) & 1);
+      IssueChainChunk(p, c, slots + s * kChainSlotBytes, &full[s]);
+    }
+  }
+};
+
+// The consumer warps' barrier (named barrier 1; the producer warp does not take part).
+__device__ __forceinline__ void ConsumerSync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kGemvThreads) : "memory");
+}
+
+// x loaded from L2 (another SM wrote it during this kernel; the L1 is not coherent).
+__device__ __forceinline__ uint4 LoadGlobalL2(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// One phase: the CTA's row blocks of projection q, each accumulated from the ring and stored
+// (mode: kGemvF32Add with the shadow, or kGemvSiluMul).
+template <int kRowTiles, bool kNormIn>
+__device__ __forceinline__ void ChainPhaseCta(const ChainProjection& q, int mode, float eps,
+                                              ChainRing& ring, bf16* x,
+                                              GemvSums<kRowTiles, 1>& sums) {
+  constexpr int kPerChunk = kChainSlotBytes / (kRowTiles * kChainStepBytes);
+  constexpr int kWarpSteps = kPerChunk / kGemvWarps;  // a warp's steps of a full chunk
+  static_assert(kPerChunk % kGemvWarps == 0, "a chunk's steps round-robin over the warps");
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  const int steps = q.K / 32, chunks = (steps + kPerChunk - 1) / kPerChunk;
+  // lane (g, t)'s 16 bytes of a step: rows g and g + 8, k 8 t .. + 7 (gemv.cuh's tiled layout)
+  const int lane_bytes = (g * 32 + 8 * t) * static_cast<int>(sizeof(bf16));
+  if (static_cast<int>(blockIdx.x) * 16 * kRowTiles >= q.N) return;  // no row block here
+  for (int i = threadIdx.x; i < q.K / 8; i += kGemvThreads)
+    reinterpret_cast<uint4*>(x)[i] = LoadGlobalL2(q.x + 8 * i);
+  ConsumerSync();
+  for (int rb = blockIdx.x; rb * 16 * kRowTiles < q.N; rb += gridDim.x) {
+    float acc[kRowTiles][1][4] = {};
+    float sum_sq[1] = {0.f};
+    for (int c = 0; c < chunks; ++c) {
+      const char* slot = ring.acquire();
+      const int first = c * kPerChunk, here = min(kPerChunk, steps - first);
+      uint4 wv[kWarpSteps][kRowTiles][2], xv[kWarpSteps][1];
+#pragma unroll
+      for (int u = 0; u < kWarpSteps; ++u) {
+        const int step = warp + u * kGemvWarps;
+        if (step >= here) continue;
+#pragma unroll
+        for (int a = 0; a < kRowTiles; ++a)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            wv[u][a][h] = *reinterpret_cast<const uint4*>(
+                slot + (a * kPerChunk + step) * kChainStepBytes + lane_bytes + h * 512);
+        xv[u][0] = *reinterpret_cast<const uint4*>(x + (first + step) * 32 + 8 * t);
+      }
+#pragma unroll
+      for (int u = 0; u < kWarpSteps; ++u)
+        if (warp + u * kGemvWarps < here)
+          GemvStepMma<kRowTiles, 1, kNormIn>(acc, sum_sq, wv[u], xv[u]);
+      ring.release();
+    }
+    GemvWarpSums<kNormIn>(acc, sum_sq, sums);
+    ConsumerSync();
+    GemvRowScales<kNormIn>(sums, 1, q.K, eps);
+    ConsumerSync();
+    if constexpr (kRowTiles == 2)
+      SkinnyStoreSiluMul(sums, rb, 1, q.N, static_cast<bf16*>(q.out), q.N / 2);
+    else
+      SkinnyStore(sums, rb, 1, q.N, q.out, q.N, mode, q.shadow);
+    ConsumerSync();  // sums (and, after the last row block, x) are the next one's
+  }
+}
+
+// This CTA's stores of the phase are out: count it on the layer's barrier.
+__device__ __forceinline__ uint32_t ChainArrive(uint32_t* barrier) {
+  __threadfence();
+  return atomicAdd(barrier, 1u);
+}
+
+// Thread 0 until `arrivals` CTAs have arrived, then the consumer warps.
+__device__ __forceinline__ void ChainAwait(const uint32_t* barrier, uint32_t arrivals) {
+  if (threadIdx.x == 0) {
+    uint32_t seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(barrier) : "memory");
+    } while (seen < arrivals);
+  }
+  ConsumerSync();
+}
+
+// The whole chain; blockDim.x = kChainThreads (the consumer warps, then the producer warp),
+// kChainSmemBytes of dynamic shared memory, every CTA resident at once. p: o, gate|up, down.
+static constexpr int kChainThreads = kGemvThreads + kWarpSize;
+__device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, float eps,
+                                                   uint32_t* barrier) {
+  extern __shared__ __align__(128) char chain_slots[];
+  __shared__ __align__(8) uint64_t full[kChainSlots], empty[kChainSlots];
+  __shared__ union {
+    GemvSums<1, 1> one;
+    GemvSums<2, 1> two;
+  } sums;
+  ChainRing ring{chain_slots, full, empty};
+  bf16* x = reinterpret_cast<bf16*>(chain_slots + kChainSlots * kChainSlotBytes);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kChainSlots; ++s) {
+      MbarrierInit(&full[s]);
+      MbarrierInit<kGemvWarps>(&empty[s]);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x >= kGemvThreads) {  // the producer warp: weights, which nothing before
+    if (threadIdx.x == kGemvThreads) ring.produce(p);  // this kernel writes
+    return;
+  }
+  const uint32_t grid = gridDim.x;
+  AwaitPriorKernel();  // attn and the residual stream
+  ChainPhaseCta<1, false>(p[0], kGemvF32Add, eps, ring, x, sums.one);
+  if (threadIdx.x == 0) ChainArrive(barrier);
+  ChainAwait(barrier, grid);
+  ChainPhaseCta<2, true>(p[1], kGemvSiluMul, eps, ring, x, sums.two);
+  if (threadIdx.x == 0) ChainArrive(barrier);
+  ChainAwait(barrier, 2 * grid);
+  ChainPhaseCta<1, false>(p[2], kGemvF32Add, eps, ring, x, sums.one);
+  ReleaseNextKernel();
+  if (threadIdx.x == 0 && ChainArrive(barrier) == 3 * grid - 1) *barrier = 0;
+}
+
+}  // namespace blink
