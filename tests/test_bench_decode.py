@@ -4,11 +4,15 @@ probe reads every word once."""
 from __future__ import annotations
 
 import argparse
+import ast
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from blink.gpu_engine.bench_decode import MixedPoint, Point, read_stream, step_batch
+from blink.gpu_engine.bench_decode import LABEL_PROJECTIONS, SHAPES, MixedPoint, Point, op_bytes, \
+    read_stream, step_batch
+from blink.gpu_engine.roofline import BF16_BYTES, projection_weights
 from gpu import requires_gpu
 
 
@@ -77,3 +81,28 @@ def test_read_stream_reads_every_word_once(words):
     finally:
         buf.free()
         total.free()
+
+
+def test_breakdown_labels_are_the_forward_pass_labels_and_count_their_weights():
+    """Each projection label the breakdown rates (bytes a launch, for its GB/s column) is one
+    CudaForward.ops emits, word for word (cuda_forward.py needs CUDA to import, so its source
+    is read), and the one-kernel chain of a layer's o, gate|up and down projections counts the
+    three projections' weights, as the three kernels it replaces do together."""
+    source = (Path(__file__).resolve().parents[1] / "gpu_engine" / "cuda_forward.py").read_text()
+    emitted = set()  # the string constants in the label argument of ops()'s op() and linear()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("op", "linear"):
+            emitted |= {c.value for c in ast.walk(node.args[0]) if isinstance(c, ast.Constant)}
+    assert "attention" in emitted and "lm head" in emitted
+    for label in LABEL_PROJECTIONS:
+        assert label in emitted, f"{label!r} is not a label of CudaForward.ops"
+    cfg, point = SHAPES["llama-3.2-1b"], Point(1, 512)
+    weights = projection_weights(cfg)
+    chain = "o proj + residual, rmsnorm + gate|up proj + silu*mul, down proj + residual"
+    assert op_bytes(cfg, chain, point) == sum(
+        op_bytes(cfg, label, point) for label in ("o proj + residual",
+                                                  "rmsnorm + gate|up proj + silu*mul",
+                                                  "down proj + residual"))
+    assert op_bytes(cfg, chain, point) == BF16_BYTES * (weights["o"] + weights["gate_up"]
+                                                        + weights["down"])
+    assert op_bytes(cfg, "embedding", point) is None
