@@ -28,13 +28,18 @@
 // Barriers: a projection's x (attn, the residual stream's shadow, act) is written by every CTA
 // in the phase before; each CTA arrives on a per-layer counter once its stores are out (fence,
 // add), and thread 0 waits for all of them (acquire) before its CTA copies x into shared memory.
-// x is loaded L2-only (ld.global.cg): another SM wrote it during this kernel, and this SM's L1
-// may hold an older copy (the qkv projection before attention reads the shadow, and may still
-// run beside this kernel's first CTAs). The residual rows a CTA adds the o and the down
-// projection into are the same rows (both have hidden-size outputs in 16-row blocks), read and
-// written by the same thread. A third arrival after the last phase tells the
-// last CTA that everyone is past the second wait, and it zeroes the counter for the next step.
-// The grid must be resident at once (the host launches one CTA on each SM but the scheduler's).
+// x is loaded L2-only (ld.global.cg): other SMs wrote it during this kernel, and the L1 is not
+// coherent with their writes. The residual rows a CTA adds the o and the down projection into
+// are the same rows (both have hidden-size outputs in 16-row blocks), read and written by the
+// same thread. A third arrival after the last phase tells the last CTA that everyone is past
+// the second wait, and it zeroes the counter for the next step.
+//
+// Assumed, not enforced (to settle before it is on by default): the whole grid is resident at
+// once (the host launches one CTA on each SM but the scheduler's; an SM limit such as MPS's, or
+// another persistent kernel, would make the first barrier spin for ever: a bounded spin that
+// traps, or a cooperative launch, would turn that into an error), and each launch runs to its
+// end (an aborted one leaves its counter nonzero, and the next launch's barriers would pass
+// early: a memset node a step, or a sense-reversing barrier, would not depend on it).
 #pragma once
 #include "gemv.cuh"
 
