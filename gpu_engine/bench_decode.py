@@ -301,11 +301,19 @@ LABEL_PROJECTIONS = {"qkv proj": ("qkv",), "rmsnorm + qkv proj": ("qkv",),
                      "residual": ("o", "gate_up", "down"), "lm head": ("lm_head",)}
 
 
+def label_weights(cfg: ModelConfig, label: str) -> int | None:
+    """Weights (elements) a labelled op's projections hold, None for an op without any."""
+    projections = LABEL_PROJECTIONS.get(label)
+    if projections is None:
+        return None
+    weights = projection_weights(cfg)
+    return sum(weights[p] for p in projections)
+
+
 def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
     """Bytes one launch of a labelled op must read (weights, or keys and values), if known."""
     if label in LABEL_PROJECTIONS:
-        weights = projection_weights(cfg)
-        return BF16_BYTES * sum(weights[p] for p in LABEL_PROJECTIONS[label])
+        return BF16_BYTES * label_weights(cfg, label)
     if label == "attention":
         return int(point.context_lens.sum()) * kv_bytes_per_token(cfg) // cfg.num_layers
     return None
@@ -314,10 +322,8 @@ def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
 def op_flops(cfg: ModelConfig, label: str, point: Point) -> int | None:
     """FLOPs of one launch of a labelled op at a prefill point, if known (not the LM head's:
     one row a sequence, a GEMV)."""
-    projections = LABEL_PROJECTIONS.get(label)
-    if projections is not None and projections != ("lm_head",):
-        weights = projection_weights(cfg)
-        return 2 * sum(weights[p] for p in projections) * point.tokens
+    if label in LABEL_PROJECTIONS and label != "lm head":
+        return 2 * label_weights(cfg, label) * point.tokens
     if label == "attention":
         return step_flops(cfg, list(point.positions), point.batch).attention // cfg.num_layers
     return None

@@ -566,8 +566,7 @@ class ForwardKernels:
         ones (the grid waits for all its CTAs between projections)."""
         self._need(self.chain_fits(hidden, inter, q_size),
                    f"the projection chain takes sizes that are multiples of 32 up to "
-                   f"{self.chain_max_k}, got hidden "
-                   f"{hidden}, intermediate {inter}, q {q_size}")
+                   f"{self.chain_max_k}, got hidden {hidden}, intermediate {inter}, q {q_size}")
 
         def proj(x_in, w, n, k, out, shadow=0):
             return ChainProjection(int(x_in), int(w), self.tile_stride(k), n, k, int(out),
@@ -1226,9 +1225,12 @@ class CudaForward:
                    lw.bqkv.ptr if lw.bqkv else 0, lw.q_norm.ptr if lw.q_norm else 0,
                    lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr, cfg.num_heads,
                    cfg.num_kv_heads, *cache_args)
+            # x += attn @ Wo^T: the residual add rides in the projection (fp32 output); o_proj's
+            # bias (where a model has one) is added by the norm kernel, so it stays a kernel
+            fuse_post = fuse and lw.bo is None
             # batch 1: o, gate|up and down in one persistent kernel, whose CTAs stream the
             # three projections' weights through shared memory without a drain between them
-            chain = (self.projection_chain and rows == 1 and fuse and lw.bo is None
+            chain = (self.projection_chain and rows == 1 and fuse_post
                      and all(n in lw.tiled for n in ("wo", "wgu", "wdown"))
                      and k.chain_fits(H, I, Q))
             op("attention", k.attention, s, rows, d, self.positions.ptr, self.token_seq.ptr,
@@ -1247,9 +1249,6 @@ class CudaForward:
                    lw.tiled["wdown"].ptr, H, I, Q, eps,
                    self.chain_barriers.ptr + 4 * li)
                 continue
-            # x += attn @ Wo^T: the residual add rides in the projection (fp32 output); o_proj's
-            # bias (where a model has one) is added by the norm kernel, so it stays a kernel
-            fuse_post = fuse and lw.bo is None
             linear("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
                    accumulate=True, shadow=shadow if fuse_post else 0)
             if fuse_post:

@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "utils.cuh"
+
 namespace blink {
 
 // Under the 120 fire-and-forget launches a graph execution may make, with room to spare.
@@ -17,12 +19,6 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
-}
-
-__device__ __forceinline__ uint32_t load_acquire_gpu(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 
 // Launches `graph` fire-and-forget. Relaunching a graph exec whose previous launch has signalled
@@ -44,7 +40,7 @@ __device__ inline cudaError_t RelaunchSelf() {
 
 // Spins until *counter reaches `target` (the forward graph's last kernel increments it).
 __device__ inline void WaitCounter(const uint32_t* counter, uint32_t target) {
-  while (static_cast<int32_t>(load_acquire_gpu(counter) - target) < 0) {
+  while (static_cast<int32_t>(LoadAcquireGpu(counter) - target) < 0) {
   }
 }
 

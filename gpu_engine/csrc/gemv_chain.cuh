@@ -28,7 +28,7 @@
 // Barriers: a projection's x (attn, the residual stream's shadow, act) is written by every CTA
 // in the phase before; each CTA arrives on a per-layer counter once its stores are out (fence,
 // add), and thread 0 waits for all of them (acquire) before its CTA copies x into shared memory.
-// x is loaded L2-only (ld.global.cg): other SMs wrote it during this kernel, and the L1 is not
+// x is loaded L2-only (__ldcg): other SMs wrote it during this kernel, and the L1 is not
 // coherent with their writes. The residual rows a CTA adds the o and the down projection into
 // are the same rows (both have hidden-size outputs in 16-row blocks), read and written by the
 // same thread. A third arrival after the last phase tells the last CTA that everyone is past
@@ -75,7 +75,7 @@ struct ChainProjections {
 __device__ __forceinline__ int ChainRowTiles(int phase) { return phase == 1 ? 2 : 1; }
 
 // A chunk's 32-k steps: a slot holds the same steps of each of the row block's row tiles.
-__device__ __forceinline__ int ChainChunkSteps(int row_tiles) {
+__device__ __forceinline__ constexpr int ChainChunkSteps(int row_tiles) {
   return kChainSlotBytes / (row_tiles * kChainStepBytes);
 }
 
@@ -158,23 +158,13 @@ __device__ __forceinline__ void ConsumerSync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kGemvThreads) : "memory");
 }
 
-// x loaded from L2 (another SM wrote it during this kernel; the L1 is not coherent).
-__device__ __forceinline__ uint4 LoadGlobalL2(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-
 // One phase: the CTA's row blocks of projection q, each accumulated from the ring and stored
 // (mode: kGemvF32Add with the shadow, or kGemvSiluMul).
 template <int kRowTiles, bool kNormIn>
 __device__ __forceinline__ void ChainPhaseCta(const ChainProjection& q, int mode, float eps,
                                               ChainRing& ring, bf16* x,
                                               GemvSums<kRowTiles, 1>& sums) {
-  constexpr int kPerChunk = kChainSlotBytes / (kRowTiles * kChainStepBytes);
+  constexpr int kPerChunk = ChainChunkSteps(kRowTiles);
   constexpr int kWarpSteps = kPerChunk / kGemvWarps;  // a warp's steps of a full chunk
   static_assert(kPerChunk % kGemvWarps == 0, "a chunk's steps round-robin over the warps");
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -184,7 +174,7 @@ __device__ __forceinline__ void ChainPhaseCta(const ChainProjection& q, int mode
   const int lane_bytes = (g * 32 + 8 * t) * static_cast<int>(sizeof(bf16));
   if (static_cast<int>(blockIdx.x) * 16 * kRowTiles >= q.N) return;  // no row block here
   for (int i = threadIdx.x; i < q.K / 8; i += kGemvThreads)
-    reinterpret_cast<uint4*>(x)[i] = LoadGlobalL2(q.x + 8 * i);
+    reinterpret_cast<uint4*>(x)[i] = __ldcg(reinterpret_cast<const uint4*>(q.x) + i);
   ConsumerSync();
   for (int rb = blockIdx.x; rb * 16 * kRowTiles < q.N; rb += gridDim.x) {
     float acc[kRowTiles][1][4] = {};
@@ -232,10 +222,8 @@ __device__ __forceinline__ uint32_t ChainArrive(uint32_t* barrier) {
 // Thread 0 until `arrivals` CTAs have arrived, then the consumer warps.
 __device__ __forceinline__ void ChainAwait(const uint32_t* barrier, uint32_t arrivals) {
   if (threadIdx.x == 0) {
-    uint32_t seen;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(barrier) : "memory");
-    } while (seen < arrivals);
+    while (LoadAcquireGpu(barrier) < arrivals) {
+    }
   }
   ConsumerSync();
 }

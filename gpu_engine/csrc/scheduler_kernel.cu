@@ -37,8 +37,6 @@ using sched::kMaxSlots;  // ring slots at most (config_error refuses more)
 using sched::SchedConfig;
 
 static constexpr int kThreads = engine::kSchedulerThreads;
-static constexpr int kWarpSize = 32;
-static constexpr unsigned kFullMask = 0xffffffffu;
 
 struct Counters {
   uint64_t requests_admitted, requests_finished, requests_cancelled, requests_rejected;
@@ -515,7 +513,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) scheduler_run(EngineDe
       if (s_bucket < 0) {
         SetControl(reinterpret_cast<uint32_t*>(&e->control->error), 0xFFFFFFFFu);  // no bucket: a host bug
       } else {
-        target = load_acquire_gpu(e->fwd.done_counter) + 1;
+        target = LoadAcquireGpu(e->fwd.done_counter) + 1;
         const cudaError_t err = LaunchGraphRetrying(
             reinterpret_cast<cudaGraphExec_t>(e->fwd.graph_execs[s_bucket]), &retries);
         e->counters.launch_retries += retries;

@@ -75,6 +75,14 @@ __device__ __forceinline__ void ReleaseNextKernel() {
 #endif
 }
 
+// A load that orders every later memory access of this thread after the writes it observes
+// (their writers released them: a fence and a count, or a release store).
+__device__ __forceinline__ uint32_t LoadAcquireGpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Called by each of `ctas` CTAs once its results are written (every thread): true in the last
 // to arrive at the counter `sem`, whose reads of the others' results are then ordered after
 // their writes (threadFenceReduction pattern: fence, count, and the last one reads). That CTA

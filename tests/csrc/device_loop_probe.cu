@@ -30,7 +30,7 @@ extern "C" __global__ void loop_run(LoopState* s) {
       s->finished = 1;
       return;
     }
-    uint32_t target = blink::load_acquire_gpu(&s->done_counter) + 1;
+    uint32_t target = blink::LoadAcquireGpu(&s->done_counter) + 1;
     cudaError_t err = blink::LaunchGraphRetrying(child, &s->retries);
     if (err != cudaSuccess) { s->error = err; return; }
     blink::WaitCounter(&s->done_counter, target);
