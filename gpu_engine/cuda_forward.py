@@ -277,8 +277,10 @@ class ForwardKernels:
                 name = self._clustered(base, cluster)
                 check(driver.cuFuncSetAttribute(self.fn[name], max_smem, smem),
                       f"cuFuncSetAttribute({name} smem)")
-        self.chain_smem = self._constant("blink_chain_smem_bytes")
-        self.chain_max_k = self._constant("blink_chain_max_k")  # x in shared memory
+        self.chain_smem = self._constant("blink_chain_smem_bytes")  # the most it takes
+        self.chain_ring_bytes = self._constant("blink_chain_ring_bytes")  # then x's K
+        self.chain_max_k = self._constant("blink_chain_max_k")
+        self.chain_counters_words = self._constant("blink_chain_counters_bytes") // 4
         self.chain_threads = self._constant("blink_chain_threads")  # and a producer warp
         if self._constant("blink_chain_projection_bytes") != ctypes.sizeof(ChainProjection):
             raise CudaError("blink::ChainProjection and cuda_forward.ChainProjection disagree")
@@ -557,13 +559,14 @@ class ForwardKernels:
                         for n, k in ((hidden, q_size), (2 * inter, hidden), (hidden, inter))))
 
     def projection_chain(self, stream, attn, wo, x, x_shadow, wgu, act, wdown, hidden, inter,
-                         q_size, eps, barrier) -> None:
+                         q_size, eps, counters) -> None:
         """One token row's projections after attention, in one persistent kernel
         (csrc/gemv_chain.cuh): x += attn @ wo^T (x_shadow its bf16 copy); act = silu(gate) * up
         of x_shadow's RMSNorm @ wgu^T (the norm's weight folded into wgu, gate|up interleaved);
-        x += act @ wdown^T (and x_shadow). Every weight tiled (tile_weights). barrier: one u32,
-        zero before the first launch, left zero by each; a grid of one CTA an SM but the held
-        ones (the grid waits for all its CTAs between projections)."""
+        x += act @ wdown^T (and x_shadow). Every weight tiled (tile_weights). counters:
+        chain_counters_words u32, zero before the first launch, left zero by each; a grid of
+        one CTA an SM but the held ones (the grid waits for all its CTAs between
+        projections)."""
         self._need(self.chain_fits(hidden, inter, q_size),
                    f"the projection chain takes sizes that are multiples of 32 up to "
                    f"{self.chain_max_k}, got hidden {hidden}, intermediate {inter}, q {q_size}")
@@ -575,8 +578,8 @@ class ForwardKernels:
                                       proj(x_shadow, wgu, 2 * inter, hidden, act),
                                       proj(act, wdown, hidden, inter, x, x_shadow))
         self.launch("blink_projection_chain", (self.device_sm_count - self.held_sms,),
-                    (self.chain_threads,), [chain, _f32(eps), _ptr(barrier)], stream,
-                    smem=self.chain_smem)
+                    (self.chain_threads,), [chain, _f32(eps), _ptr(counters)], stream,
+                    smem=self.chain_ring_bytes + 2 * max(hidden, inter, q_size))
 
     def skinny_qkv_rope(self, stream, rows, desc, x, w, hidden, eps, positions, token_seq,
                         block_tables, max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
@@ -869,8 +872,8 @@ class CudaForward:
         projections (with the residual adds, the RMSNorm and SiLU * up) run as one persistent
         kernel (ForwardKernels.projection_chain) where the layer takes it (fused norms, tiled
         weights, no o bias). Off by default: bit-identical to the three unsplit skinny kernels,
-        but slower on the H200 so far (1B batch 1 0.811 against 0.769 ms a step, 8B 3.902
-        against 3.833; docs/performance.md round 15); bench_decode --options
+        but slower on the H200 so far (1B batch 1 0.788-0.795 against 0.760 ms a step, 8B
+        3.812 against 3.783-3.799; docs/performance.md round 16); bench_decode --options
         chain:projection_chain=1 times it."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
@@ -975,8 +978,9 @@ class CudaForward:
         self.attn_partial_out = self._alloc(part_rows * cfg.num_heads * D, np.float32)
         self.attn_partial_stats = self._alloc(part_rows * cfg.num_heads * 2, np.float32)
         self.attn_tile_sems = self._alloc(T * cfg.num_kv_heads, np.uint32)
-        # each layer's arrival counter of projection_chain: zero now, left zero by every launch
-        self.chain_barriers = self._alloc(cfg.num_layers, np.uint32)
+        # each layer's counters of projection_chain: zero now, left zero by every launch
+        self.chain_counters = self._alloc(cfg.num_layers * self.kernels.chain_counters_words,
+                                          np.uint32)
 
         block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * D * 2  # k and v
         if num_blocks is None:
@@ -1247,7 +1251,7 @@ class CudaForward:
                    k.projection_chain, s, self.attn.ptr, lw.tiled["wo"].ptr,
                    self.x.ptr, self.x_shadow.ptr, lw.tiled["wgu"].ptr, self.act.ptr,
                    lw.tiled["wdown"].ptr, H, I, Q, eps,
-                   self.chain_barriers.ptr + 4 * li)
+                   self.chain_counters.ptr + 4 * k.chain_counters_words * li)
                 continue
             linear("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
                    accumulate=True, shadow=shadow if fuse_post else 0)

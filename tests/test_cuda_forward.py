@@ -472,7 +472,7 @@ def test_projection_chain(cf, stream, hidden, inter, q_size):
     """The batch-1 projections after attention in one persistent kernel (gemv_chain.cuh): x +=
     attn Wo^T, act = silu(gate) * up of rms_norm(x) Wgu^T, x += act Wdown^T, against float64,
     and bit for bit against the three skinny kernels (unsplit), whose sums it takes in the same
-    order; twice, since each launch must leave its barrier counter zero for the next."""
+    order; twice, since each launch must leave its counters zero for the next."""
     k = kernels(cf)
     rng = np.random.default_rng(hidden + inter)
     eps = 1e-5
@@ -488,10 +488,10 @@ def test_projection_chain(cf, stream, hidden, inter, q_size):
         x = dev(cf, x0)
         shadow = dev(cf, np.zeros(hidden, np.uint16), poison=True)
         act = dev(cf, np.zeros(inter, np.uint16), poison=True)
-        barrier = dev(cf, np.zeros(1, np.uint32))
+        counters = dev(cf, np.zeros(k.chain_counters_words, np.uint32))
         if chain:
             k.projection_chain(stream, d_attn.ptr, d_w[0].ptr, x.ptr, shadow.ptr, d_w[1].ptr,
-                               act.ptr, d_w[2].ptr, hidden, inter, q_size, eps, barrier.ptr)
+                               act.ptr, d_w[2].ptr, hidden, inter, q_size, eps, counters.ptr)
         else:
             k.skinny_linear(stream, d_attn.ptr, d_w[0].ptr, x.ptr, 1, q_size, hidden,
                             cf.SKINNY_F32_ADD, shadow=shadow.ptr, w_tiled=True)
@@ -500,7 +500,7 @@ def test_projection_chain(cf, stream, hidden, inter, q_size):
             k.skinny_linear(stream, act.ptr, d_w[2].ptr, x.ptr, 1, inter, hidden,
                             cf.SKINNY_F32_ADD, shadow=shadow.ptr, w_tiled=True)
         cf.synchronize(stream)
-        assert barrier.download()[0] == 0
+        assert not counters.download().any()
         return x.download(), shadow.download(), act.download()
 
     x1 = x0 + attn.astype(np.float64) @ wo.T.astype(np.float64)
@@ -1592,7 +1592,7 @@ def test_forward_projection_chain_matches_skinny_kernels(cf, models, arch):
     as one persistent kernel: two kernels a layer fewer than the skinny kernels, whose sums it
     takes in the same order, so a prompt fed one token at a time and then decoded gives
     bit-identical logits and tokens to those kernels unsplit (skinny_split_blocks 0), and
-    every layer's barrier counter is zero after each step."""
+    every layer's counters are zero after each step."""
     cfg, w, _ = models[arch]
     make = functools.partial(cf.CudaForward, cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
                              max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
@@ -1612,7 +1612,7 @@ def test_forward_projection_chain_matches_skinny_kernels(cf, models, arch):
             b, b_sampled = skinny.run(batch)
             np.testing.assert_array_equal(a, b)
             np.testing.assert_array_equal(a_sampled, b_sampled)
-            assert not chained.chain_barriers.download().any()
+            assert not chained.chain_counters.download().any()
             if pos + 1 == len(ids):
                 ids.append(int(a_sampled[0]))
     finally:

@@ -56,6 +56,8 @@ extern "C" __device__ const uint32_t blink_attention_step_keys = blink::kMmaKeys
 extern "C" __device__ const uint32_t blink_gemv_threads = blink::kGemvThreads;
 extern "C" __device__ const uint32_t blink_chain_smem_bytes = blink::kChainSmemBytes;
 extern "C" __device__ const uint32_t blink_chain_max_k = blink::kChainMaxK;
+extern "C" __device__ const uint32_t blink_chain_ring_bytes = blink::kChainRingBytes;
+extern "C" __device__ const uint32_t blink_chain_counters_bytes = sizeof(blink::ChainCounters);
 extern "C" __device__ const uint32_t blink_chain_threads = blink::kChainThreads;
 extern "C" __device__ const uint32_t blink_chain_projection_bytes =
     sizeof(blink::ChainProjection);
@@ -215,12 +217,12 @@ BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2_k2, 1, 2, true, 2)
 
 // A batch-1 layer's projections after attention in one persistent kernel (gemv_chain.cuh): o +
 // residual, RMSNorm + gate|up + SiLU, down + residual. The grid is resident at once (one CTA an
-// SM, blink_chain_smem_bytes of dynamic shared memory); barrier: the layer's arrival counter,
-// zero before the first launch (each launch leaves it zero).
+// SM, the ring and the largest K of dynamic shared memory); counters: the layer's, zero before
+// the first launch (each launch leaves them zero).
 __global__ void __launch_bounds__(blink::kChainThreads, 1)
     blink_projection_chain(const __grid_constant__ blink::ChainProjections chain, float eps,
-                           uint32_t* barrier) {
-  blink::ProjectionChainCta(chain.p, eps, barrier);
+                           blink::ChainCounters* counters) {
+  blink::ProjectionChainCta(chain.p, eps, counters);
 }
 
 // Split-K linear with shared activations, added into fp32 (gemv.cuh SplitKAddLinearCta): the

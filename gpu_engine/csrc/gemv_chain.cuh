@@ -1,8 +1,8 @@
 // The projections after a decode token's attention (o + residual, RMSNorm + gate|up + SiLU,
 // down + residual) in one persistent kernel, for batch 1: three kernels a layer become one.
 // Off by default (CudaForward projection_chain): correct, bit for bit the skinny kernels' sums,
-// but not yet faster on the H200 (docs/performance.md round 15: 1B batch 1 0.811 against 0.769
-// ms a step).
+// but not yet faster on the H200 (docs/performance.md rounds 15 and 16: 1B batch 1 0.794 against
+// 0.761 ms a step, 8B 3.812 against 3.783).
 //
 // Why try: at batch 1 every projection needs all of the one before it, so each kernel boundary
 // is a drain and a refill of the memory pipe: the slowest CTA's tail, then the next kernel's
@@ -12,34 +12,42 @@
 // one persistent kernel with a grid barrier a phase, each CTA's next weights loaded into
 // registers before the barrier, 3.9; the same with a ring of shared-memory slots that a TMA
 // producer warp keeps full *across* the barriers (the weights depend on nothing), 0.53. This is
-// that kernel with the skinny projections' math; it streams at 3.4 TB/s where the
-// microbenchmark's ring reached 3.8-4.0.
+// that kernel with the skinny projections' math; within its span it streams at 3.55 TB/s where
+// the microbenchmark's ring reached 3.8-4.0 (per-CTA timestamps: gate|up's last CTA ends 2 us
+// after the median one, a row block being 128 KB, 4 us of an SM's share of the bandwidth).
 //
-// Work split: a CTA takes row blocks blockIdx.x, + gridDim.x, ... of each projection, in order
-// (the skinny kernel's row blocks: 16 rows, gate|up's 16 gate and 16 up rows). A producer warp
-// copies each row block's tiled weights, kChainSlotBytes at a time (a chunk: the same 32-k steps
-// of each of its row tiles), into the next free slot with cp.async.bulk, and refills a slot as
-// soon as every consumer warp is done with it, so the CTA always has kChainSlots chunks on
-// their way, the next projection's first ones while it waits at a barrier. The 8 consumer warps
-// take a chunk's steps round-robin as SkinnyAccumulate's warps take a row block's (warp w:
-// steps w, w + 8, ..., ascending), with the same MMAs and epilogues: bit for bit the unsplit
-// skinny kernel's sums.
+// Work split: the producer warp takes each projection's row blocks (the skinny kernel's: 16
+// rows, gate|up's 16 gate and 16 up rows) from the layer's counter, one at a time, so an SM
+// that streams faster takes more. It copies each row block's tiled weights, kChainSlotBytes at
+// a time (a chunk: the same 32-k steps of each of its row tiles), into the next free slot with
+// cp.async.bulk, tags the slot with the chunk's phase and row block, and refills a slot as soon
+// as every consumer warp is done with it, so the CTA always has kChainSlots chunks on their way,
+// the next projection's first ones while it waits at a barrier; a slot tagged with no phase
+// ends the CTA's work. The 8 consumer warps follow the tags and take a chunk's steps
+// round-robin as SkinnyAccumulate's warps take a row block's (warp w: steps w, w + 8, ...,
+// ascending), with the same MMAs and epilogues: bit for bit the unsplit skinny kernel's sums,
+// whichever CTA takes a row block.
 //
 // Barriers: a projection's x (attn, the residual stream's shadow, act) is written by every CTA
-// in the phase before; each CTA arrives on a per-layer counter once its stores are out (fence,
-// add), and thread 0 waits for all of them (acquire) before its CTA copies x into shared memory.
-// x is loaded L2-only (__ldcg): other SMs wrote it during this kernel, and the L1 is not
-// coherent with their writes. The residual rows a CTA adds the o and the down projection into
-// are the same rows (both have hidden-size outputs in 16-row blocks), read and written by the
-// same thread. A third arrival after the last phase tells the last CTA that everyone is past
-// the second wait, and it zeroes the counter for the next step.
+// in the phase before, and the down projection adds into residual rows that another CTA's o
+// projection may have added into; each CTA arrives on the layer's counter once its stores are
+// out (fence, add), and thread 0 waits for all of them (acquire) before its CTA copies x into
+// shared memory (L2-only loads, as attention reads what other SMs wrote) or touches the
+// residual. After the second barrier the CTA lets the next kernel launch (the next layer's
+// qkv projection takes the room beside it and starts on its weights; it waits for this grid's
+// end before reading x). A third arrival after the last phase tells the last CTA that every
+// CTA is done, its producer included (a consumer sees the end tag only after its producer's
+// last counter add), and it zeroes the counters for the next step.
 //
 // Assumed, not enforced (to settle before it is on by default): the whole grid is resident at
 // once (the host launches one CTA on each SM but the scheduler's; an SM limit such as MPS's, or
 // another persistent kernel, would make the first barrier spin for ever: a bounded spin that
-// traps, or a cooperative launch, would turn that into an error), and each launch runs to its
-// end (an aborted one leaves its counter nonzero, and the next launch's barriers would pass
-// early: a memset node a step, or a sense-reversing barrier, would not depend on it).
+// traps, or a cooperative launch, would turn that into an error); each launch runs to its end
+// (an aborted one leaves its counters nonzero, and the next launch's barriers would pass early:
+// a memset node a step, or a sense-reversing barrier, would not depend on it); and two launches
+// on the same counters are never next to each other in a stream (the second's producers, started
+// early, would take row blocks before the first zeroes the counters; the forward pass gives
+// each layer its own).
 #pragma once
 #include "gemv.cuh"
 
@@ -51,8 +59,10 @@ static constexpr int kChainStepBytes = 16 * 32 * static_cast<int>(sizeof(bf16));
 // x of the phase, copied once into shared memory after its barrier (read from L2 a step at a
 // time, each chunk waited a round trip: 2.7 TB/s on the 1B shape, against 3.2-3.4 so)
 static constexpr int kChainMaxK = 16384;
+static constexpr int kChainRingBytes = kChainSlots * kChainSlotBytes;
+// the most a launch takes (the host asks for the ring and its layer's largest K)
 static constexpr int kChainSmemBytes =
-    kChainSlots * kChainSlotBytes + kChainMaxK * static_cast<int>(sizeof(bf16));
+    kChainRingBytes + kChainMaxK * static_cast<int>(sizeof(bf16));
 static constexpr int kChainPhases = 3;  // o, gate|up, down
 
 // One projection of the chain: out (+)= x @ W^T for the one token row.
@@ -79,56 +89,61 @@ __device__ __forceinline__ constexpr int ChainChunkSteps(int row_tiles) {
   return kChainSlotBytes / (row_tiles * kChainStepBytes);
 }
 
-// The producer's place: the next chunk to copy, in the order the CTA consumes them.
-struct ChainCursor {
-  int phase = 0, row_block, chunk = 0;
-
-  __device__ __forceinline__ explicit ChainCursor(const ChainProjection* p)
-      : row_block(blockIdx.x) {
-    skip_empty(p);
-  }
-  __device__ __forceinline__ bool done() const { return phase == kChainPhases; }
-  __device__ __forceinline__ void advance(const ChainProjection* p) {
-    const int rt = ChainRowTiles(phase), steps = p[phase].K / 32;
-    if (++chunk * ChainChunkSteps(rt) < steps) return;
-    chunk = 0;
-    row_block += gridDim.x;
-    skip_empty(p);
-  }
-  // on to the next phase with a row block for this CTA
-  __device__ __forceinline__ void skip_empty(const ChainProjection* p) {
-    while (phase < kChainPhases &&
-           row_block * 16 * ChainRowTiles(phase) >= p[phase].N) {
-      ++phase;
-      row_block = blockIdx.x;
-    }
-  }
+// The layer's counters: the grid barrier's arrivals, and each phase's next row block (the
+// producers take row blocks as they need them, so an SM that streams faster takes more).
+// Zero before the first launch; the last CTA out zeroes them for the next.
+struct ChainCounters {
+  uint32_t arrivals;
+  uint32_t next_row_block[kChainPhases];
 };
 
-// The producer: the cursor's chunk into `slot`, counted on `full`.
-__device__ __forceinline__ void IssueChainChunk(const ChainProjection* p, const ChainCursor& c,
-                                                char* slot, uint64_t* full) {
-  const ChainProjection& q = p[c.phase];
-  const int rt = ChainRowTiles(c.phase), per_chunk = ChainChunkSteps(rt);
-  const int first = c.chunk * per_chunk, steps = min(per_chunk, q.K / 32 - first);
+// Which chunk a slot holds, written by the producer before its copy (phase kChainPhases: none,
+// the CTA's work is done).
+struct ChainTag {
+  int phase, row_block;
+};
+
+// A phase's row blocks and the chunks of each.
+__device__ __forceinline__ int ChainRowBlocks(const ChainProjection& q, int phase) {
+  return (q.N + 16 * ChainRowTiles(phase) - 1) / (16 * ChainRowTiles(phase));
+}
+__device__ __forceinline__ int ChainChunks(const ChainProjection& q, int phase) {
+  const int per_chunk = ChainChunkSteps(ChainRowTiles(phase));
+  return (q.K / 32 + per_chunk - 1) / per_chunk;
+}
+
+// The producer: chunk `chunk` of `row_block` of phase `phase` into `slot`, counted on `full`.
+__device__ __forceinline__ void IssueChainChunk(const ChainProjection& q, int phase,
+                                                int row_block, int chunk, char* slot,
+                                                uint64_t* full) {
+  const int rt = ChainRowTiles(phase), per_chunk = ChainChunkSteps(rt);
+  const int first = chunk * per_chunk, steps = min(per_chunk, q.K / 32 - first);
   const uint32_t bytes = static_cast<uint32_t>(steps) * kChainStepBytes;
   MbarrierExpectBytes(full, rt * bytes);
   for (int a = 0; a < rt; ++a) {
-    const int tile = min(c.row_block * rt + a, (q.N - 1) / 16);
+    const int tile = min(row_block * rt + a, (q.N - 1) / 16);
     const bf16* src = q.w + static_cast<size_t>(tile) * q.w_tile_stride +
                       static_cast<size_t>(first) * (kChainStepBytes / sizeof(bf16));
     BulkCopy(slot + a * per_chunk * kChainStepBytes, src, bytes, full);
   }
 }
 
-// The ring: slot i % kChainSlots holds the CTA's chunk i; full[s] completes when its copy has
-// landed, empty[s] when all kGemvWarps consumer warps are done with it.
+// The ring: slot i % kChainSlots holds the CTA's chunk i, tag[s] which one it is; full[s]
+// completes when its copy has landed, empty[s] when all kGemvWarps consumer warps are done
+// with it.
 struct ChainRing {
   char* slots;
   uint64_t* full;
   uint64_t* empty;
+  ChainTag* tag;
   int next = 0;  // the chunk the CTA consumes next
 
+  // the next chunk's tag, once it has landed
+  __device__ __forceinline__ ChainTag peek() {
+    const int s = next % kChainSlots;
+    MbarrierWait(&full[s], static_cast<uint32_t>(next / kChainSlots) & 1);
+    return tag[s];
+  }
   __device__ __forceinline__ const char* acquire() {
     const int s = next % kChainSlots;
     MbarrierWait(&full[s], static_cast<uint32_t>(next / kChainSlots) & 1);
@@ -140,16 +155,32 @@ struct ChainRing {
     if (threadIdx.x % kWarpSize == 0) MbarrierArrive(&empty[next % kChainSlots]);
     ++next;
   }
-  // The producer warp's lane: every chunk of the CTA in order, each into its slot as soon as
-  // the consumers are done with the chunk kChainSlots before it.
-  __device__ __forceinline__ void produce(const ChainProjection* p) {
+  // The producer warp's lane: row blocks taken from the layer's counters, phase after phase,
+  // each chunk into its slot as soon as the consumers are done with the chunk kChainSlots
+  // before it; then an empty slot tagged as the end.
+  __device__ __forceinline__ void produce(const ChainProjection* p, ChainCounters* counters) {
     int i = 0;
-    for (ChainCursor c(p); !c.done(); c.advance(p), ++i) {
+    auto take_slot = [&]() {
       const int s = i % kChainSlots;
       if (i >= kChainSlots)
         MbarrierWait(&empty[s], static_cast<uint32_t>(i / kChainSlots - 1) & 1);
-      IssueChainChunk(p, c, slots + s * kChainSlotBytes, &full[s]);
+      ++i;
+      return s;
+    };
+    for (int phase = 0; phase < kChainPhases; ++phase) {
+      const int blocks = ChainRowBlocks(p[phase], phase), chunks = ChainChunks(p[phase], phase);
+      for (int rb = atomicAdd(&counters->next_row_block[phase], 1u); rb < blocks;
+           rb = atomicAdd(&counters->next_row_block[phase], 1u)) {
+        for (int c = 0; c < chunks; ++c) {
+          const int s = take_slot();
+          tag[s] = {phase, rb};
+          IssueChainChunk(p[phase], phase, rb, c, slots + s * kChainSlotBytes, &full[s]);
+        }
+      }
     }
+    const int s = take_slot();
+    tag[s] = {kChainPhases, 0};
+    MbarrierArrive(&full[s]);
   }
 };
 
@@ -158,11 +189,11 @@ __device__ __forceinline__ void ConsumerSync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kGemvThreads) : "memory");
 }
 
-// One phase: the CTA's row blocks of projection q, each accumulated from the ring and stored
-// (mode: kGemvF32Add with the shadow, or kGemvSiluMul).
+// One phase: the row blocks of projection q that the producer tagged with `phase`, each
+// accumulated from the ring and stored (mode: kGemvF32Add with the shadow, or kGemvSiluMul).
 template <int kRowTiles, bool kNormIn>
-__device__ __forceinline__ void ChainPhaseCta(const ChainProjection& q, int mode, float eps,
-                                              ChainRing& ring, bf16* x,
+__device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& q, int mode,
+                                              float eps, ChainRing& ring, bf16* x,
                                               GemvSums<kRowTiles, 1>& sums) {
   constexpr int kPerChunk = ChainChunkSteps(kRowTiles);
   constexpr int kWarpSteps = kPerChunk / kGemvWarps;  // a warp's steps of a full chunk
@@ -172,11 +203,11 @@ __device__ __forceinline__ void ChainPhaseCta(const ChainProjection& q, int mode
   const int steps = q.K / 32, chunks = (steps + kPerChunk - 1) / kPerChunk;
   // lane (g, t)'s 16 bytes of a step: rows g and g + 8, k 8 t .. + 7 (gemv.cuh's tiled layout)
   const int lane_bytes = (g * 32 + 8 * t) * static_cast<int>(sizeof(bf16));
-  if (static_cast<int>(blockIdx.x) * 16 * kRowTiles >= q.N) return;  // no row block here
   for (int i = threadIdx.x; i < q.K / 8; i += kGemvThreads)
     reinterpret_cast<uint4*>(x)[i] = __ldcg(reinterpret_cast<const uint4*>(q.x) + i);
   ConsumerSync();
-  for (int rb = blockIdx.x; rb * 16 * kRowTiles < q.N; rb += gridDim.x) {
+  for (ChainTag tag = ring.peek(); tag.phase == phase; tag = ring.peek()) {
+    const int rb = tag.row_block;
     float acc[kRowTiles][1][4] = {};
     float sum_sq[1] = {0.f};
     for (int c = 0; c < chunks; ++c) {
@@ -214,33 +245,35 @@ __device__ __forceinline__ void ChainPhaseCta(const ChainProjection& q, int mode
 }
 
 // This CTA's stores of the phase are out: count it on the layer's barrier.
-__device__ __forceinline__ uint32_t ChainArrive(uint32_t* barrier) {
+__device__ __forceinline__ uint32_t ChainArrive(ChainCounters* counters) {
   __threadfence();
-  return atomicAdd(barrier, 1u);
+  return atomicAdd(&counters->arrivals, 1u);
 }
 
 // Thread 0 until `arrivals` CTAs have arrived, then the consumer warps.
-__device__ __forceinline__ void ChainAwait(const uint32_t* barrier, uint32_t arrivals) {
+__device__ __forceinline__ void ChainAwait(const ChainCounters* counters, uint32_t arrivals) {
   if (threadIdx.x == 0) {
-    while (LoadAcquireGpu(barrier) < arrivals) {
+    while (LoadAcquireGpu(&counters->arrivals) < arrivals) {
     }
   }
   ConsumerSync();
 }
 
 // The whole chain; blockDim.x = kChainThreads (the consumer warps, then the producer warp),
-// kChainSmemBytes of dynamic shared memory, every CTA resident at once. p: o, gate|up, down.
+// ChainSmemBytes(the largest K) of dynamic shared memory, every CTA resident at once. p: o,
+// gate|up, down.
 static constexpr int kChainThreads = kGemvThreads + kWarpSize;
 __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, float eps,
-                                                   uint32_t* barrier) {
+                                                   ChainCounters* counters) {
   extern __shared__ __align__(128) char chain_slots[];
   __shared__ __align__(8) uint64_t full[kChainSlots], empty[kChainSlots];
+  __shared__ ChainTag tag[kChainSlots];
   __shared__ union {
     GemvSums<1, 1> one;
     GemvSums<2, 1> two;
   } sums;
-  ChainRing ring{chain_slots, full, empty};
-  bf16* x = reinterpret_cast<bf16*>(chain_slots + kChainSlots * kChainSlotBytes);
+  ChainRing ring{chain_slots, full, empty, tag};
+  bf16* x = reinterpret_cast<bf16*>(chain_slots + kChainRingBytes);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kChainSlots; ++s) {
       MbarrierInit(&full[s]);
@@ -249,20 +282,24 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
   }
   __syncthreads();
   if (threadIdx.x >= kGemvThreads) {  // the producer warp: weights, which nothing before
-    if (threadIdx.x == kGemvThreads) ring.produce(p);  // this kernel writes
+    if (threadIdx.x == kGemvThreads) ring.produce(p, counters);  // this kernel writes
     return;
   }
   const uint32_t grid = gridDim.x;
   AwaitPriorKernel();  // attn and the residual stream
-  ChainPhaseCta<1, false>(p[0], kGemvF32Add, eps, ring, x, sums.one);
-  if (threadIdx.x == 0) ChainArrive(barrier);
-  ChainAwait(barrier, grid);
-  ChainPhaseCta<2, true>(p[1], kGemvSiluMul, eps, ring, x, sums.two);
-  if (threadIdx.x == 0) ChainArrive(barrier);
-  ChainAwait(barrier, 2 * grid);
-  ChainPhaseCta<1, false>(p[2], kGemvF32Add, eps, ring, x, sums.one);
+  ChainPhaseCta<1, false>(0, p[0], kGemvF32Add, eps, ring, x, sums.one);
+  if (threadIdx.x == 0) ChainArrive(counters);
+  ChainAwait(counters, grid);
+  ChainPhaseCta<2, true>(1, p[1], kGemvSiluMul, eps, ring, x, sums.two);
+  if (threadIdx.x == 0) ChainArrive(counters);
+  ChainAwait(counters, 2 * grid);
+  // The next kernel (the next layer's qkv) may take the room beside this CTA and start on its
+  // weights during the last projection; it waits for this grid's end before reading x.
   ReleaseNextKernel();
-  if (threadIdx.x == 0 && ChainArrive(barrier) == 3 * grid - 1) *barrier = 0;
+  ChainPhaseCta<1, false>(2, p[2], kGemvF32Add, eps, ring, x, sums.one);
+  // The producer took its last row block before tagging the end, which this CTA has seen: the
+  // last CTA out is the last user of every counter.
+  if (threadIdx.x == 0 && ChainArrive(counters) == 3 * grid - 1) *counters = ChainCounters{};
 }
 
 }  // namespace blink
