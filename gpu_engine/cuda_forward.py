@@ -278,7 +278,7 @@ class ForwardKernels:
                 check(driver.cuFuncSetAttribute(self.fn[name], max_smem, smem),
                       f"cuFuncSetAttribute({name} smem)")
         self.chain_smem = self._constant("blink_chain_smem_bytes")  # the most it takes
-        self.chain_ring_bytes = self._constant("blink_chain_ring_bytes")  # then x's K
+        self.chain_ring_bytes = self._constant("blink_chain_ring_bytes")  # then two of x
         self.chain_max_k = self._constant("blink_chain_max_k")
         self.chain_counters_words = self._constant("blink_chain_counters_bytes") // 4
         self.chain_threads = self._constant("blink_chain_threads")  # and a producer warp
@@ -565,11 +565,13 @@ class ForwardKernels:
         of x_shadow's RMSNorm @ wgu^T (the norm's weight folded into wgu, gate|up interleaved);
         x += act @ wdown^T (and x_shadow). Every weight tiled (tile_weights). counters:
         chain_counters_words u32, zero before the first launch, left zero by each; a grid of
-        one CTA an SM but the held ones (the grid waits for all its CTAs between
-        projections)."""
+        one CTA an SM but the held ones (each projection waits for the columns of its x that
+        other CTAs write, so every CTA must be resident at once)."""
         self._need(self.chain_fits(hidden, inter, q_size),
                    f"the projection chain takes sizes that are multiples of 32 up to "
                    f"{self.chain_max_k}, got hidden {hidden}, intermediate {inter}, q {q_size}")
+
+        x_stride = max(hidden, inter, q_size)  # two such buffers of x in shared memory
 
         def proj(x_in, w, n, k, out, shadow=0):
             return ChainProjection(int(x_in), int(w), self.tile_stride(k), n, k, int(out),
@@ -578,8 +580,8 @@ class ForwardKernels:
                                       proj(x_shadow, wgu, 2 * inter, hidden, act),
                                       proj(act, wdown, hidden, inter, x, x_shadow))
         self.launch("blink_projection_chain", (self.device_sm_count - self.held_sms,),
-                    (self.chain_threads,), [chain, _f32(eps), _ptr(counters)], stream,
-                    smem=self.chain_ring_bytes + 2 * max(hidden, inter, q_size))
+                    (self.chain_threads,), [chain, _f32(eps), _i32(x_stride), _ptr(counters)],
+                    stream, smem=self.chain_ring_bytes + 2 * 2 * x_stride)
 
     def skinny_qkv_rope(self, stream, rows, desc, x, w, hidden, eps, positions, token_seq,
                         block_tables, max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
@@ -871,10 +873,11 @@ class CudaForward:
         projection_chain: in the one-token bucket, each layer's o, gate|up and down
         projections (with the residual adds, the RMSNorm and SiLU * up) run as one persistent
         kernel (ForwardKernels.projection_chain) where the layer takes it (fused norms, tiled
-        weights, no o bias). Off by default: bit-identical to the three unsplit skinny kernels,
-        but slower on the H200 so far (1B batch 1 0.788-0.795 against 0.760 ms a step, 8B
-        3.812 against 3.783-3.799; docs/performance.md round 16); bench_decode --options
-        chain:projection_chain=1 times it."""
+        weights, no o bias). Off by default: bit-identical to the three unsplit skinny kernels;
+        on the H200 faster on the 8B shape and slower on the 1B one (batch 1 at 512 keys:
+        3.716-3.725 against 3.792-3.799 ms a step, 0.797-0.798 against 0.760), and it assumes
+        every CTA resident without enforcing it (csrc/gemv_chain.cuh; docs/performance.md round
+        16); bench_decode --options chain:projection_chain=1 times it."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")

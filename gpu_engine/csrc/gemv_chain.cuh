@@ -1,8 +1,9 @@
 // The projections after a decode token's attention (o + residual, RMSNorm + gate|up + SiLU,
 // down + residual) in one persistent kernel, for batch 1: three kernels a layer become one.
-// Off by default (CudaForward projection_chain): correct, bit for bit the skinny kernels' sums,
-// but not yet faster on the H200 (docs/performance.md rounds 15 and 16: 1B batch 1 0.794 against
-// 0.761 ms a step, 8B 3.812 against 3.783).
+// Off by default (CudaForward projection_chain): correct, bit for bit the skinny kernels' sums;
+// on the H200 faster on the 8B shape and slower on the 1B one (docs/performance.md round 16:
+// 8B batch 1 3.716 against 3.792 ms a step, 1B 0.797 against 0.760), and what it assumes (below)
+// is not enforced yet.
 //
 // Why try: at batch 1 every projection needs all of the one before it, so each kernel boundary
 // is a drain and a refill of the memory pipe: the slowest CTA's tail, then the next kernel's
@@ -12,9 +13,7 @@
 // one persistent kernel with a grid barrier a phase, each CTA's next weights loaded into
 // registers before the barrier, 3.9; the same with a ring of shared-memory slots that a TMA
 // producer warp keeps full *across* the barriers (the weights depend on nothing), 0.53. This is
-// that kernel with the skinny projections' math; within its span it streams at 3.55 TB/s where
-// the microbenchmark's ring reached 3.8-4.0 (per-CTA timestamps: gate|up's last CTA ends 2 us
-// after the median one, a row block being 128 KB, 4 us of an SM's share of the bandwidth).
+// that kernel with the skinny projections' math.
 //
 // Work split: the producer warp takes each projection's row blocks (the skinny kernel's: 16
 // rows, gate|up's 16 gate and 16 up rows) from the layer's counter, one at a time, so an SM
@@ -22,29 +21,36 @@
 // a time (a chunk: the same 32-k steps of each of its row tiles), into the next free slot with
 // cp.async.bulk, tags the slot with the chunk's phase and row block, and refills a slot as soon
 // as every consumer warp is done with it, so the CTA always has kChainSlots chunks on their way,
-// the next projection's first ones while it waits at a barrier; a slot tagged with no phase
+// the next projection's first ones while it waits for its x; a slot tagged with no phase
 // ends the CTA's work. The 8 consumer warps follow the tags and take a chunk's steps
 // round-robin as SkinnyAccumulate's warps take a row block's (warp w: steps w, w + 8, ...,
 // ascending), with the same MMAs and epilogues: bit for bit the unsplit skinny kernel's sums,
 // whichever CTA takes a row block.
 //
-// Barriers: a projection's x (attn, the residual stream's shadow, act) is written by every CTA
-// in the phase before, and the down projection adds into residual rows that another CTA's o
-// projection may have added into; each CTA arrives on the layer's counter once its stores are
-// out (fence, add), and thread 0 waits for all of them (acquire) before its CTA copies x into
-// shared memory (L2-only loads, as attention reads what other SMs wrote) or touches the
-// residual. After the second barrier the CTA lets the next kernel launch (the next layer's
-// qkv projection takes the room beside it and starts on its weights; it waits for this grid's
-// end before reading x). A third arrival after the last phase tells the last CTA that every
-// CTA is done, its producer included (a consumer sees the end tag only after its producer's
-// last counter add), and it zeroes the counters for the next step.
+// Dataflow, not grid barriers: a projection's x (attn, the residual stream's shadow, act) is
+// written by every CTA in the phase before, but a chunk needs only its own columns of x. So
+// each stored row block of o and gate|up is counted (fence, add) on the slice of the next x it
+// wrote (kChainSliceCols columns), and a loader warp copies each slice of x into shared memory
+// (L2-only loads, as attention reads what other SMs wrote) once its count is full (acquire),
+// lane l polling slice next + l, so that gate|up starts on the first columns of the shadow
+// while o's last row blocks are still streaming, and down on the first columns of act during
+// gate|up's tail (a grid barrier a phase, round 16's first version, waited for the slowest
+// CTA: gate|up's last ends ~2 us after the median one, a row block being 4 us of an SM's share
+// of the bandwidth). x has two buffers, phase 2 taking phase 0's once the consumers are past
+// it. The down projection adds into residual rows that another CTA's o projection added into:
+// ordered by the same chain (down's first chunk needs act, act all of the shadow, the shadow
+// every o row block). After gate|up the CTA lets the next kernel launch (the next layer's qkv
+// projection takes the room beside it and starts on its weights; it waits for this grid's end
+// before reading x). The last CTA out (an arrival count), once its producer has tagged the end
+// and its loader has loaded down's last slice, is the last user of the counters and zeroes
+// them for the next step.
 //
 // Assumed, not enforced (to settle before it is on by default): the whole grid is resident at
 // once (the host launches one CTA on each SM but the scheduler's; an SM limit such as MPS's, or
-// another persistent kernel, would make the first barrier spin for ever: a bounded spin that
-// traps, or a cooperative launch, would turn that into an error); each launch runs to its end
-// (an aborted one leaves its counters nonzero, and the next launch's barriers would pass early:
-// a memset node a step, or a sense-reversing barrier, would not depend on it); and two launches
+// another persistent kernel, would leave a loader polling for ever: a bounded poll that traps,
+// or a cooperative launch, would turn that into an error); each launch runs to its end (an
+// aborted one leaves its counters nonzero, and the next launch's loaders would copy x early: a
+// memset node a step, or counts that grow by step, would not depend on it); and two launches
 // on the same counters are never next to each other in a stream (the second's producers, started
 // early, would take row blocks before the first zeroes the counters; the forward pass gives
 // each layer its own).
@@ -56,14 +62,18 @@ namespace blink {
 static constexpr int kChainSlots = 4;
 static constexpr int kChainSlotBytes = 32 * 1024;
 static constexpr int kChainStepBytes = 16 * 32 * static_cast<int>(sizeof(bf16));  // 1 KB
-// x of the phase, copied once into shared memory after its barrier (read from L2 a step at a
-// time, each chunk waited a round trip: 2.7 TB/s on the 1B shape, against 3.2-3.4 so)
+// x of the phase, copied into shared memory by the loader warp (read from L2 a step at a time,
+// each chunk waited a round trip: 2.7 TB/s on the 1B shape, against 3.2-3.4 so)
 static constexpr int kChainMaxK = 16384;
 static constexpr int kChainRingBytes = kChainSlots * kChainSlotBytes;
-// the most a launch takes (the host asks for the ring and its layer's largest K)
+// the most a launch takes (the host asks for the ring and two of its layer's largest x)
 static constexpr int kChainSmemBytes =
-    kChainRingBytes + kChainMaxK * static_cast<int>(sizeof(bf16));
+    kChainRingBytes + 2 * kChainMaxK * static_cast<int>(sizeof(bf16));
 static constexpr int kChainPhases = 3;  // o, gate|up, down
+// x's columns a ready counter covers: a projection may start on the columns of x that the one
+// before has finished (32 of its 16-row blocks), not wait for all of them
+static constexpr int kChainSliceCols = 512;
+static constexpr int kChainMaxSlices = kChainMaxK / kChainSliceCols;
 
 // One projection of the chain: out (+)= x @ W^T for the one token row.
 struct ChainProjection {
@@ -89,13 +99,20 @@ __device__ __forceinline__ constexpr int ChainChunkSteps(int row_tiles) {
   return kChainSlotBytes / (row_tiles * kChainStepBytes);
 }
 
-// The layer's counters: the grid barrier's arrivals, and each phase's next row block (the
+// The layer's counters: the CTAs out, and each phase's next row block (the
 // producers take row blocks as they need them, so an SM that streams faster takes more).
 // Zero before the first launch; the last CTA out zeroes them for the next.
 struct ChainCounters {
   uint32_t arrivals;
   uint32_t next_row_block[kChainPhases];
+  // row blocks of o (gate|up) stored into each slice of the shadow (act): gate|up's (down's) x
+  uint32_t ready[kChainPhases - 1][kChainMaxSlices];
 };
+
+// Row blocks of the phase before that write slice j of phase `phase`'s x (K columns).
+__device__ __forceinline__ uint32_t ChainSliceRowBlocks(int j, int K) {
+  return static_cast<uint32_t>(min(kChainSliceCols * (j + 1), K) - kChainSliceCols * j) / 16;
+}
 
 // Which chunk a slot holds, written by the producer before its copy (phase kChainPhases: none,
 // the CTA's work is done).
@@ -184,6 +201,68 @@ struct ChainRing {
   }
 };
 
+// The loader's progress word: phase `phase`'s x has its first `slices` slices in shared memory.
+__device__ __forceinline__ constexpr int ChainXLoaded(int phase, int slices) {
+  return phase * 2 * kChainMaxSlices + slices;
+}
+
+// The loader warp: each phase's x into shared memory (phase % 2's buffer), slices as the
+// phase before finishes them (phase 0's, attn, all at once after the prior kernel): lane l
+// polls slice next + l, and the run of finished slices from `next` is copied at once and
+// published on x_loaded. Phase 2 reuses phase 0's buffer once the consumers are past phase 0
+// (consumers_phase).
+__device__ __forceinline__ void LoadChainX(const ChainProjection* p, ChainCounters* counters,
+                                           bf16* x_buffers, int x_stride,
+                                           volatile int* x_loaded,
+                                           const volatile int* consumers_phase) {
+  constexpr int kBatch = 16;  // 16-byte loads a lane in flight (8 slices a round trip)
+  constexpr int kSliceLoads = kChainSliceCols / 8;
+  const int lane = threadIdx.x % kWarpSize;
+  AwaitPriorKernel();  // attn
+  for (int phase = 0; phase < kChainPhases; ++phase) {
+    const ChainProjection& q = p[phase];
+    uint4* dst = reinterpret_cast<uint4*>(x_buffers + (phase % 2) * x_stride);
+    const uint4* src = reinterpret_cast<const uint4*>(q.x);
+    if (phase == 2) {
+      while (*consumers_phase < 1) {
+      }
+      __threadfence_block();
+    }
+    const int slices = (q.K + kChainSliceCols - 1) / kChainSliceCols;
+    for (int next = 0; next < slices;) {
+      const int j = next + lane;
+      const bool done = phase == 0 || j >= slices ||
+                        LoadAcquireGpu(&counters->ready[phase - 1][j]) >=
+                            ChainSliceRowBlocks(j, q.K);
+      const uint32_t waiting = __ballot_sync(kFullMask, !done);
+      __syncwarp();  // the polls' acquires before every lane's loads
+      const int end = min(slices, next + (waiting ? __ffs(waiting) - 1 : kWarpSize));
+      const int loads = min(end * kSliceLoads, q.K / 8);
+      for (int i0 = next * kSliceLoads; i0 < loads; i0 += kBatch * kWarpSize) {
+        uint4 v[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int i = i0 + b * kWarpSize + lane;
+          if (i < loads) v[b] = __ldcg(src + i);
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int i = i0 + b * kWarpSize + lane;
+          if (i < loads) dst[i] = v[b];
+        }
+      }
+      if (end > next) {
+        __syncwarp();
+        if (lane == 0) {
+          __threadfence_block();
+          *x_loaded = ChainXLoaded(phase, end);
+        }
+        next = end;
+      }
+    }
+  }
+}
+
 // The consumer warps' barrier (named barrier 1; the producer warp does not take part).
 __device__ __forceinline__ void ConsumerSync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kGemvThreads) : "memory");
@@ -193,8 +272,10 @@ __device__ __forceinline__ void ConsumerSync() {
 // accumulated from the ring and stored (mode: kGemvF32Add with the shadow, or kGemvSiluMul).
 template <int kRowTiles, bool kNormIn>
 __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& q, int mode,
-                                              float eps, ChainRing& ring, bf16* x,
-                                              GemvSums<kRowTiles, 1>& sums) {
+                                              float eps, ChainRing& ring, const bf16* x,
+                                              const volatile int* x_loaded,
+                                              GemvSums<kRowTiles, 1>& sums,
+                                              ChainCounters* counters) {
   constexpr int kPerChunk = ChainChunkSteps(kRowTiles);
   constexpr int kWarpSteps = kPerChunk / kGemvWarps;  // a warp's steps of a full chunk
   static_assert(kPerChunk % kGemvWarps == 0, "a chunk's steps round-robin over the warps");
@@ -203,9 +284,7 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
   const int steps = q.K / 32, chunks = (steps + kPerChunk - 1) / kPerChunk;
   // lane (g, t)'s 16 bytes of a step: rows g and g + 8, k 8 t .. + 7 (gemv.cuh's tiled layout)
   const int lane_bytes = (g * 32 + 8 * t) * static_cast<int>(sizeof(bf16));
-  for (int i = threadIdx.x; i < q.K / 8; i += kGemvThreads)
-    reinterpret_cast<uint4*>(x)[i] = __ldcg(reinterpret_cast<const uint4*>(q.x) + i);
-  ConsumerSync();
+  int x_needed = 0;  // slices of x this CTA has waited for
   for (ChainTag tag = ring.peek(); tag.phase == phase; tag = ring.peek()) {
     const int rb = tag.row_block;
     float acc[kRowTiles][1][4] = {};
@@ -213,6 +292,13 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
     for (int c = 0; c < chunks; ++c) {
       const char* slot = ring.acquire();
       const int first = c * kPerChunk, here = min(kPerChunk, steps - first);
+      const int slices = ((first + here) * 32 + kChainSliceCols - 1) / kChainSliceCols;
+      if (slices > x_needed) {  // the loader warp's copies of them
+        while (*x_loaded < ChainXLoaded(phase, slices)) {
+        }
+        __threadfence_block();
+        x_needed = slices;
+      }
       uint4 wv[kWarpSteps][kRowTiles][2], xv[kWarpSteps][1];
 #pragma unroll
       for (int u = 0; u < kWarpSteps; ++u) {
@@ -240,34 +326,24 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
       SkinnyStoreSiluMul(sums, rb, 1, q.N, static_cast<bf16*>(q.out), q.N / 2);
     else
       SkinnyStore(sums, rb, 1, q.N, q.out, q.N, mode, q.shadow);
-    ConsumerSync();  // sums (and, after the last row block, x) are the next one's
-  }
-}
-
-// This CTA's stores of the phase are out: count it on the layer's barrier.
-__device__ __forceinline__ uint32_t ChainArrive(ChainCounters* counters) {
-  __threadfence();
-  return atomicAdd(&counters->arrivals, 1u);
-}
-
-// Thread 0 until `arrivals` CTAs have arrived, then the consumer warps.
-__device__ __forceinline__ void ChainAwait(const ChainCounters* counters, uint32_t arrivals) {
-  if (threadIdx.x == 0) {
-    while (LoadAcquireGpu(&counters->arrivals) < arrivals) {
+    ConsumerSync();  // the sums are the next row block's
+    if (phase + 1 < kChainPhases && threadIdx.x == 0) {  // its columns of the next one's x
+      __threadfence();
+      atomicAdd(&counters->ready[phase][rb * 16 / kChainSliceCols], 1u);
     }
   }
-  ConsumerSync();
 }
 
-// The whole chain; blockDim.x = kChainThreads (the consumer warps, then the producer warp),
-// ChainSmemBytes(the largest K) of dynamic shared memory, every CTA resident at once. p: o,
-// gate|up, down.
-static constexpr int kChainThreads = kGemvThreads + kWarpSize;
+// The whole chain; blockDim.x = kChainThreads (the consumer warps, the producer warp, the
+// loader warp), kChainRingBytes + 2 x_stride bf16 of dynamic shared memory, x_stride the
+// layer's largest K; every CTA resident at once. p: o, gate|up, down.
+static constexpr int kChainThreads = kGemvThreads + 2 * kWarpSize;
 __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, float eps,
-                                                   ChainCounters* counters) {
+                                                   int x_stride, ChainCounters* counters) {
   extern __shared__ __align__(128) char chain_slots[];
   __shared__ __align__(8) uint64_t full[kChainSlots], empty[kChainSlots];
   __shared__ ChainTag tag[kChainSlots];
+  __shared__ int x_loaded, consumers_phase;
   __shared__ union {
     GemvSums<1, 1> one;
     GemvSums<2, 1> two;
@@ -279,27 +355,40 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
       MbarrierInit(&full[s]);
       MbarrierInit<kGemvWarps>(&empty[s]);
     }
+    x_loaded = 0;
+    consumers_phase = 0;
   }
   __syncthreads();
+  if (threadIdx.x >= kGemvThreads + kWarpSize) {
+    LoadChainX(p, counters, x, x_stride, &x_loaded, &consumers_phase);
+    return;
+  }
   if (threadIdx.x >= kGemvThreads) {  // the producer warp: weights, which nothing before
     if (threadIdx.x == kGemvThreads) ring.produce(p, counters);  // this kernel writes
     return;
   }
-  const uint32_t grid = gridDim.x;
-  AwaitPriorKernel();  // attn and the residual stream
-  ChainPhaseCta<1, false>(0, p[0], kGemvF32Add, eps, ring, x, sums.one);
-  if (threadIdx.x == 0) ChainArrive(counters);
-  ChainAwait(counters, grid);
-  ChainPhaseCta<2, true>(1, p[1], kGemvSiluMul, eps, ring, x, sums.two);
-  if (threadIdx.x == 0) ChainArrive(counters);
-  ChainAwait(counters, 2 * grid);
+  AwaitPriorKernel();  // the residual stream
+  ChainPhaseCta<1, false>(0, p[0], kGemvF32Add, eps, ring, x, &x_loaded, sums.one, counters);
+  if (threadIdx.x == 0) {  // the loader may refill phase 0's buffer (the last ConsumerSync)
+    __threadfence_block();
+    *static_cast<volatile int*>(&consumers_phase) = 1;
+  }
+  ChainPhaseCta<2, true>(1, p[1], kGemvSiluMul, eps, ring, x + x_stride, &x_loaded, sums.two,
+                         counters);
   // The next kernel (the next layer's qkv) may take the room beside this CTA and start on its
   // weights during the last projection; it waits for this grid's end before reading x.
   ReleaseNextKernel();
-  ChainPhaseCta<1, false>(2, p[2], kGemvF32Add, eps, ring, x, sums.one);
-  // The producer took its last row block before tagging the end, which this CTA has seen: the
-  // last CTA out is the last user of every counter.
-  if (threadIdx.x == 0 && ChainArrive(counters) == 3 * grid - 1) *counters = ChainCounters{};
+  ChainPhaseCta<1, false>(2, p[2], kGemvF32Add, eps, ring, x, &x_loaded, sums.one, counters);
+  // Every CTA's producer took its last row block before tagging the end, which its consumers
+  // have seen, and its loader is done with the counters once it has loaded down's last slice:
+  // the last CTA out is the last user of every counter.
+  if (threadIdx.x == 0) {
+    const int last = ChainXLoaded(2, (p[2].K + kChainSliceCols - 1) / kChainSliceCols);
+    while (*static_cast<volatile int*>(&x_loaded) < last) {
+    }
+    __threadfence();
+    if (atomicAdd(&counters->arrivals, 1u) == gridDim.x - 1) *counters = ChainCounters{};
+  }
 }
 
 }  // namespace blink
