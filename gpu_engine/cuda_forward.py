@@ -559,14 +559,14 @@ class ForwardKernels:
                         for n, k in ((hidden, q_size), (2 * inter, hidden), (hidden, inter))))
 
     def projection_chain(self, stream, attn, wo, x, x_shadow, wgu, act, wdown, hidden, inter,
-                         q_size, eps, counters) -> None:
+                         q_size, eps, counters, grid: int | None = None) -> None:
         """One token row's projections after attention, in one persistent kernel
         (csrc/gemv_chain.cuh): x += attn @ wo^T (x_shadow its bf16 copy); act = silu(gate) * up
         of x_shadow's RMSNorm @ wgu^T (the norm's weight folded into wgu, gate|up interleaved);
         x += act @ wdown^T (and x_shadow). Every weight tiled (tile_weights). counters:
-        chain_counters_words u32, zero before the first launch, left zero by each; a grid of
-        one CTA an SM but the held ones (each projection waits for the columns of its x that
-        other CTAs write, so every CTA must be resident at once)."""
+        chain_counters_words u32, zero before the first launch, left zero by each. grid: by
+        default one CTA an SM but the held ones; any count gives the same sums (CTAs take row
+        blocks as they go, and none waits for a CTA that has not started)."""
         self._need(self.chain_fits(hidden, inter, q_size),
                    f"the projection chain takes sizes that are multiples of 32 up to "
                    f"{self.chain_max_k}, got hidden {hidden}, intermediate {inter}, q {q_size}")
@@ -579,7 +579,7 @@ class ForwardKernels:
         chain = (ChainProjection * 3)(proj(attn, wo, hidden, q_size, x, x_shadow),
                                       proj(x_shadow, wgu, 2 * inter, hidden, act),
                                       proj(act, wdown, hidden, inter, x, x_shadow))
-        self.launch("blink_projection_chain", (self.device_sm_count - self.held_sms,),
+        self.launch("blink_projection_chain", (grid or self.device_sm_count - self.held_sms,),
                     (self.chain_threads,), [chain, _f32(eps), _i32(x_stride), _ptr(counters)],
                     stream, smem=self.chain_ring_bytes + 2 * 2 * x_stride)
 
@@ -875,9 +875,9 @@ class CudaForward:
         kernel (ForwardKernels.projection_chain) where the layer takes it (fused norms, tiled
         weights, no o bias). Off by default: bit-identical to the three unsplit skinny kernels;
         on the H200 faster on the 8B shape and slower on the 1B one (batch 1 at 512 keys:
-        3.716-3.725 against 3.792-3.799 ms a step, 0.797-0.798 against 0.760), and it assumes
-        every CTA resident without enforcing it (csrc/gemv_chain.cuh; docs/performance.md round
-        16); bench_decode --options chain:projection_chain=1 times it."""
+        3.716-3.725 against 3.792-3.799 ms a step, 0.797-0.798 against 0.760), so it waits for
+        a rule by shape (docs/performance.md round 16); bench_decode --options
+        chain:projection_chain=1 times it."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")

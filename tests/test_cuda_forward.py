@@ -472,7 +472,9 @@ def test_projection_chain(cf, stream, hidden, inter, q_size):
     """The batch-1 projections after attention in one persistent kernel (gemv_chain.cuh): x +=
     attn Wo^T, act = silu(gate) * up of rms_norm(x) Wgu^T, x += act Wdown^T, against float64,
     and bit for bit against the three skinny kernels (unsplit), whose sums it takes in the same
-    order; twice, since each launch must leave its counters zero for the next."""
+    order; twice, since each launch must leave its counters zero for the next; and with a grid
+    three times what the GPU holds at once, since no CTA may wait for one that has not
+    started."""
     k = kernels(cf)
     rng = np.random.default_rng(hidden + inter)
     eps = 1e-5
@@ -484,14 +486,15 @@ def test_projection_chain(cf, stream, hidden, inter, q_size):
     d_attn = dev(cf, float32_to_bf16_bits(attn))
     d_w = [dev(cf, tiled(cf, float32_to_bf16_bits(w))) for w in (wo, wgu, wdown)]
 
-    def run(chain: bool):
+    def run(chain: bool, grid=None):
         x = dev(cf, x0)
         shadow = dev(cf, np.zeros(hidden, np.uint16), poison=True)
         act = dev(cf, np.zeros(inter, np.uint16), poison=True)
         counters = dev(cf, np.zeros(k.chain_counters_words, np.uint32))
         if chain:
             k.projection_chain(stream, d_attn.ptr, d_w[0].ptr, x.ptr, shadow.ptr, d_w[1].ptr,
-                               act.ptr, d_w[2].ptr, hidden, inter, q_size, eps, counters.ptr)
+                               act.ptr, d_w[2].ptr, hidden, inter, q_size, eps, counters.ptr,
+                               grid=grid)
         else:
             k.skinny_linear(stream, d_attn.ptr, d_w[0].ptr, x.ptr, 1, q_size, hidden,
                             cf.SKINNY_F32_ADD, shadow=shadow.ptr, w_tiled=True)
@@ -510,8 +513,8 @@ def test_projection_chain(cf, stream, hidden, inter, q_size):
     act_ref = gate / (1 + np.exp(-gate.astype(np.float64))) * up
     x_ref = x1 + rb(act_ref).astype(np.float64) @ wdown.T.astype(np.float64)
     skinny = run(chain=False)
-    for _ in range(2):
-        x, shadow, act = run(chain=True)
+    for grid in (None, None, 3 * k.chain_ctas_per_sm * k.device_sm_count):
+        x, shadow, act = run(chain=True, grid=grid)
         assert rel_err(bf16_to_f32(act), act_ref) < 1e-2
         assert rel_err(x - x0, x_ref - x0) < 1e-2
         np.testing.assert_array_equal(shadow, float32_to_bf16_bits(x))

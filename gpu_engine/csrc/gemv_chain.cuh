@@ -2,8 +2,7 @@
 // down + residual) in one persistent kernel, for batch 1: three kernels a layer become one.
 // Off by default (CudaForward projection_chain): correct, bit for bit the skinny kernels' sums;
 // on the H200 faster on the 8B shape and slower on the 1B one (docs/performance.md round 16:
-// 8B batch 1 3.716 against 3.792 ms a step, 1B 0.797 against 0.760), and what it assumes (below)
-// is not enforced yet.
+// 8B batch 1 3.716 against 3.792 ms a step, 1B 0.797 against 0.760).
 //
 // Why try: at batch 1 every projection needs all of the one before it, so each kernel boundary
 // is a drain and a refill of the memory pipe: the slowest CTA's tail, then the next kernel's
@@ -45,15 +44,16 @@
 // and its loader has loaded down's last slice, is the last user of the counters and zeroes
 // them for the next step.
 //
-// Assumed, not enforced (to settle before it is on by default): the whole grid is resident at
-// once (the host launches one CTA on each SM but the scheduler's; an SM limit such as MPS's, or
-// another persistent kernel, would leave a loader polling for ever: a bounded poll that traps,
-// or a cooperative launch, would turn that into an error); each launch runs to its end (an
-// aborted one leaves its counters nonzero, and the next launch's loaders would copy x early: a
-// memset node a step, or counts that grow by step, would not depend on it); and two launches
-// on the same counters are never next to each other in a stream (the second's producers, started
-// early, would take row blocks before the first zeroes the counters; the forward pass gives
-// each layer its own).
+// No CTA waits for another CTA, only for row blocks, and a row block is taken only by a running
+// CTA's producer, which takes all of a projection's before any of the next: so a CTA waits only
+// for work that running CTAs hold and finish without waiting for anything later. The grid need
+// not be resident at once (an SM limit such as MPS's, or another kernel beside it, makes it
+// slower, not stuck; test_projection_chain runs a grid three times the GPU's). CTAs that start
+// after the work is gone find the counters spent, tag their end and count themselves out.
+// Assumed: two launches on the same counters are never next to each other in a stream (the
+// second's producers, started early, would take row blocks before the first zeroes the
+// counters; the forward pass gives each layer its own). A launch that faults leaves its
+// counters nonzero, but a fault is sticky: the context is gone with them.
 #pragma once
 #include "gemv.cuh"
 
