@@ -216,10 +216,10 @@ BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2_k2, 1, 2, true, 2)
 #undef BLINK_SKINNY_QKV_ROPE
 
 // A batch-1 layer's projections after attention in one persistent kernel (gemv_chain.cuh): o +
-// residual, RMSNorm + gate|up + SiLU, down + residual. The grid is resident at once (one CTA an
-// SM, the ring and two x_stride-element buffers of dynamic shared memory, x_stride the layer's
-// largest K); counters: the layer's, zero before the first launch (each launch leaves them
-// zero).
+// residual, RMSNorm + gate|up + SiLU, down + residual. One CTA an SM by default (the ring and
+// two x_stride-element buffers of dynamic shared memory, x_stride the layer's largest K; the
+// grid need not be resident at once); counters: the layer's, zero before the first launch
+// (each launch leaves them zero).
 __global__ void __launch_bounds__(blink::kChainThreads, 1)
     blink_projection_chain(const __grid_constant__ blink::ChainProjections chain, float eps,
                            int x_stride, blink::ChainCounters* counters) {

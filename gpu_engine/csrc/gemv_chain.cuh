@@ -336,7 +336,7 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
 
 // The whole chain; blockDim.x = kChainThreads (the consumer warps, the producer warp, the
 // loader warp), kChainRingBytes + 2 x_stride bf16 of dynamic shared memory, x_stride the
-// layer's largest K; every CTA resident at once. p: o, gate|up, down.
+// layer's largest K; any grid size (one CTA an SM, by default). p: o, gate|up, down.
 static constexpr int kChainThreads = kGemvThreads + 2 * kWarpSize;
 __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, float eps,
                                                    int x_stride, ChainCounters* counters) {
