@@ -281,7 +281,7 @@ class ForwardKernels:
         self.chain_ring_bytes = self._constant("blink_chain_ring_bytes")  # then two of x
         self.chain_max_k = self._constant("blink_chain_max_k")
         self.chain_counters_words = self._constant("blink_chain_counters_bytes") // 4
-        self.chain_threads = self._constant("blink_chain_threads")  # and a producer warp
+        self.chain_threads = self._constant("blink_chain_threads")  # a producer, a loader warp
         if self._constant("blink_chain_projection_bytes") != ctypes.sizeof(ChainProjection):
             raise CudaError("blink::ChainProjection and cuda_forward.ChainProjection disagree")
         check(driver.cuFuncSetAttribute(self.fn["blink_projection_chain"], max_smem,

@@ -472,7 +472,7 @@ def test_projection_chain(cf, stream, hidden, inter, q_size):
     """The batch-1 projections after attention in one persistent kernel (gemv_chain.cuh): x +=
     attn Wo^T, act = silu(gate) * up of rms_norm(x) Wgu^T, x += act Wdown^T, against float64,
     and bit for bit against the three skinny kernels (unsplit), whose sums it takes in the same
-    order; twice, since each launch must leave its counters zero for the next; and with a grid
+    order; twice, each launch leaving its counters zero for the next; and with a grid
     three times what the GPU holds at once, since no CTA may wait for one that has not
     started."""
     k = kernels(cf)

@@ -109,6 +109,11 @@ struct ChainCounters {
   uint32_t ready[kChainPhases - 1][kChainMaxSlices];
 };
 
+// Slices of x that its first `cols` columns touch.
+__device__ __forceinline__ int ChainSlices(int cols) {
+  return (cols + kChainSliceCols - 1) / kChainSliceCols;
+}
+
 // Row blocks of the phase before that write slice j of phase `phase`'s x (K columns).
 __device__ __forceinline__ uint32_t ChainSliceRowBlocks(int j, int K) {
   return static_cast<uint32_t>(min(kChainSliceCols * (j + 1), K) - kChainSliceCols * j) / 16;
@@ -228,7 +233,7 @@ __device__ __forceinline__ void LoadChainX(const ChainProjection* p, ChainCounte
       }
       __threadfence_block();
     }
-    const int slices = (q.K + kChainSliceCols - 1) / kChainSliceCols;
+    const int slices = ChainSlices(q.K);
     for (int next = 0; next < slices;) {
       const int j = next + lane;
       const bool done = phase == 0 || j >= slices ||
@@ -281,7 +286,7 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
   static_assert(kPerChunk % kGemvWarps == 0, "a chunk's steps round-robin over the warps");
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int g = lane / 4, t = lane % 4;
-  const int steps = q.K / 32, chunks = (steps + kPerChunk - 1) / kPerChunk;
+  const int steps = q.K / 32, chunks = ChainChunks(q, phase);
   // lane (g, t)'s 16 bytes of a step: rows g and g + 8, k 8 t .. + 7 (gemv.cuh's tiled layout)
   const int lane_bytes = (g * 32 + 8 * t) * static_cast<int>(sizeof(bf16));
   int x_needed = 0;  // slices of x this CTA has waited for
@@ -292,7 +297,7 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
     for (int c = 0; c < chunks; ++c) {
       const char* slot = ring.acquire();
       const int first = c * kPerChunk, here = min(kPerChunk, steps - first);
-      const int slices = ((first + here) * 32 + kChainSliceCols - 1) / kChainSliceCols;
+      const int slices = ChainSlices((first + here) * 32);
       if (slices > x_needed) {  // the loader warp's copies of them
         while (*x_loaded < ChainXLoaded(phase, slices)) {
         }
@@ -383,7 +388,7 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
   // have seen, and its loader is done with the counters once it has loaded down's last slice:
   // the last CTA out is the last user of every counter.
   if (threadIdx.x == 0) {
-    const int last = ChainXLoaded(2, (p[2].K + kChainSliceCols - 1) / kChainSliceCols);
+    const int last = ChainXLoaded(2, ChainSlices(p[2].K));
     while (*static_cast<volatile int*>(&x_loaded) < last) {
     }
     __threadfence();
