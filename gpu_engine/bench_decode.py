@@ -312,8 +312,9 @@ def label_weights(cfg: ModelConfig, label: str) -> int | None:
 
 def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
     """Bytes one launch of a labelled op must read (weights, or keys and values), if known."""
-    if label in LABEL_PROJECTIONS:
-        return BF16_BYTES * label_weights(cfg, label)
+    weights = label_weights(cfg, label)
+    if weights is not None:
+        return BF16_BYTES * weights
     if label == "attention":
         return int(point.context_lens.sum()) * kv_bytes_per_token(cfg) // cfg.num_layers
     return None
@@ -322,8 +323,9 @@ def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
 def op_flops(cfg: ModelConfig, label: str, point: Point) -> int | None:
     """FLOPs of one launch of a labelled op at a prefill point, if known (not the LM head's:
     one row a sequence, a GEMV)."""
-    if label in LABEL_PROJECTIONS and label != "lm head":
-        return 2 * label_weights(cfg, label) * point.tokens
+    weights = label_weights(cfg, label)
+    if weights is not None and label != "lm head":
+        return 2 * weights * point.tokens
     if label == "attention":
         return step_flops(cfg, list(point.positions), point.batch).attention // cfg.num_layers
     return None
