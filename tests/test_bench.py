@@ -215,12 +215,16 @@ def test_bench_arguments_fail_clearly(capsys):
             bench.cmd_bench(parser.parse_args(["bench", *argv]))
 
 
+def tiny_llama(path, max_position_embeddings=512):
+    from blink.gpu_engine.demo_model import write_random_checkpoint
+    return write_random_checkpoint(path / "llama", seed=5, hidden_size=64, intermediate_size=128,
+                                   num_layers=2, num_heads=4, num_kv_heads=2,
+                                   max_position_embeddings=max_position_embeddings)
+
+
 @pytest.fixture(scope="module")
 def bench_checkpoint(tmp_path_factory):
-    from blink.gpu_engine.demo_model import write_random_checkpoint
-    return write_random_checkpoint(tmp_path_factory.mktemp("bench") / "llama", seed=5,
-                                   hidden_size=64, intermediate_size=128, num_layers=2,
-                                   num_heads=4, num_kv_heads=2, max_position_embeddings=512)
+    return tiny_llama(tmp_path_factory.mktemp("bench"))
 
 
 def test_bench_end_to_end_with_interference(bench_checkpoint, tmp_path, capsys):
@@ -405,11 +409,15 @@ def test_client_processes_share_the_concurrency_cap(bench_checkpoint, tmp_path):
     assert in_flight.max() == 2
 
 
-def test_run_timeout_bounds_a_run(bench_checkpoint, tmp_path):
+def test_run_timeout_bounds_a_run(tmp_path):
+    # requests far longer than the run (2,000 tokens at about 1 ms each): the limit cuts the
+    # first one mid-stream on any machine (450, as before, took 0.48 s on a fast one, which
+    # completed it before the cut)
+    model = tiny_llama(tmp_path, max_position_embeddings=4096)
     args = build_parser().parse_args([
-        "bench", "--model", str(bench_checkpoint), "--num-prompts", "8",
-        "--random-input-len", "16", "--random-output-len", "450", "--concurrency", "1",
-        "--run-timeout", "0.5", "--out", str(tmp_path)])
+        "bench", "--model", str(model), "--num-prompts", "8",
+        "--random-input-len", "16", "--random-output-len", "2000", "--concurrency", "1",
+        "--run-timeout", "0.5", "--out", str(tmp_path / "out")])
     t0 = time.monotonic()
     (run,) = bench.run(args)["runs"]
     assert time.monotonic() - t0 < 30
