@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import signal
 import threading
 import time
 from pathlib import Path
@@ -35,7 +34,8 @@ from blink.gpu_engine import cuda_runtime as cr
 from blink.gpu_engine import engine_layout as el
 from blink.gpu_engine.checkpoint import load_config, load_weights
 from blink.gpu_engine.cuda_forward import CudaForward
-from blink.gpu_engine.reference_engine import EngineConfig, served_context_length
+from blink.gpu_engine.reference_engine import (EngineConfig, served_context_length,
+                                               stop_on_signals)
 from blink.gpu_engine.ring_server import CORRUPT_GRACE_S, RingServer
 from blink.gpu_engine.step_log import STEP_LOG_CAPACITY, save_step_log
 from blink.ring.layout import HEADER_DTYPE, EngineKind, EngineState, RingGeometry
@@ -253,8 +253,7 @@ def run_cuda_engine(config: EngineConfig, gpu_memory_utilization: float = 0.9,
     engine = CudaEngine(config, gpu_memory_utilization=gpu_memory_utilization,
                         step_log=step_log, ring_memory=ring_memory,
                         ring_export=ring_export)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: engine.stop_event.set())
+    stop_on_signals(engine.stop_event)
     engine.start()
     try:
         engine.wait()

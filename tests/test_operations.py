@@ -133,6 +133,28 @@ def _gone(pid: int) -> bool:
         return True
 
 
+# A signal that arrives while the main thread holds the stop event's lock (inside its wait or
+# set, as the CUDA engine's main loop and a nested handler do): the event is still set, once
+# the lock is free. A handler that set it from the main thread would wait for that lock forever.
+_SIGNAL_WHILE_LOCKED = """
+import os, signal, sys, threading, time
+from blink.gpu_engine.reference_engine import stop_on_signals
+stop = threading.Event()
+stop_on_signals(stop)
+with stop._cond:
+    for _ in range(3):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # Python runs its signal handlers here
+sys.exit(0 if stop.wait(10) else 3)
+"""
+
+
+def test_a_signal_while_the_stop_events_lock_is_held_still_stops():
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_WHILE_LOCKED], timeout=30,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_engine_stops_when_serve_is_killed(checkpoints, tmp_path):
     """serve's engine runs in its own session (a terminal's Ctrl-C goes to serve, which drains
     first), so nothing but its parent-death signal (`blink engine --exit-with-parent`, set by
