@@ -53,6 +53,11 @@ def _check_engine_args(args) -> None:
         sys.exit("blink: --gpu-memory-utilization must be in (0, 1]")
     if args.hf_static_cache and args.engine != "hf":
         sys.exit("blink: --hf-static-cache is an option of --engine hf")
+    fp8 = [flag for flag, on in (("--quantization fp8", args.quantization == "fp8"),
+                                 ("--kv-cache-dtype fp8", args.kv_cache_dtype == "fp8")) if on]
+    if fp8 and args.engine in ("hf", "synthetic"):
+        sys.exit(f"blink: {' and '.join(fp8)}: an option of the cuda, host-cuda and cpu "
+                 f"engines, not {args.engine}")
     if args.step_log is not None and args.engine not in ("cuda", "auto"):
         sys.exit("blink: --step-log is an option of the cuda engine")
     if args.ring_memory == "gpu":
@@ -165,6 +170,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tiled layout that streams faster (8B shape at batch 1: ~10%% a step) "
                         "and run the LM head of steps with up to 16 logit rows, "
                         "which takes those weights' memory a second time (~15 GB for 8B)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: the projections' weights as E4M3 with a scale per output row, "
+                        "quantized at load from bf16/f16/f32 checkpoints (an FP8 checkpoint, "
+                        "quantization_config quant_method fp8, is served so without the flag); "
+                        "decode-sized steps dequantize them in registers, larger ones run FP8 "
+                        "GEMMs on activations quantized per token (cuda and host-cuda engines: "
+                        "Hopper GPUs; the cpu engine emulates the rounding)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="fp8: keys and values as E4M3 with a scale per layer and KV head (the "
+                        "checkpoint's k_scale / v_scale, or calibrated at start-up): the cache "
+                        "holds twice the tokens and attention reads half the bytes (cuda and "
+                        "host-cuda engines: head_dim 64 or 128; the cpu engine emulates it)")
     p.add_argument("--ring-memory", choices=["host", "gpu"], default="host",
                    help="cuda engine: where the ring lives. host: page-locked host memory the "
                         "GPU maps, reached in /dev/shm or by RDMA; gpu (with --transport rdma): "
@@ -229,7 +246,8 @@ def _engine_config(args, model_dir: Path):
                         max_num_batched_tokens=args.max_batched_tokens,
                         max_model_len=args.max_model_len, load_format=args.load_format,
                         gemm_tuning=args.gemm_tuning, sm_count_target=args.sm_count_target,
-                        decode_weight_copy=args.decode_weight_copy)
+                        decode_weight_copy=args.decode_weight_copy,
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _auth_token(path: Path | None) -> str | None:
@@ -451,6 +469,10 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv += ["--sm-count-target", str(args.sm_count_target)]
     if not args.decode_weight_copy:
         argv.append("--no-decode-weight-copy")
+    if args.quantization:
+        argv += ["--quantization", args.quantization]
+    if args.kv_cache_dtype != "auto":
+        argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.step_log is not None:
         argv += ["--step-log", str(args.step_log.resolve())]
     if args.ring_memory != "host":

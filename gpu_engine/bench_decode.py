@@ -33,6 +33,8 @@ thousands of tokens is bound by compute, not by reading its weights. Every varia
 sequence's N-token prefill chunk to context Q (as the scheduler mixes them under load), timed
 and broken down the same way, rates in FLOP/s and bytes/s. Every variant.
 
+--fp8: every point also with FP8 weights (CudaForward(quantization="fp8")), and with FP8 weights
+and an E4M3 KV cache (kv_cache_dtype="fp8"); their floors count the bytes those read.
 --cublas: every point also with the projections on cuBLAS (CudaForward(skinny=False)), the
 engine's state before the skinny linear kernel. --tile-attention / --decode-attention: also with
 every decode token in the tensor-core query tiles / on the flash-decoding path (the default
@@ -310,13 +312,15 @@ def label_weights(cfg: ModelConfig, label: str) -> int | None:
     return sum(weights[p] for p in projections)
 
 
-def op_bytes(cfg: ModelConfig, label: str, point: Point) -> int | None:
-    """Bytes one launch of a labelled op must read (weights, or keys and values), if known."""
+def op_bytes(cfg: ModelConfig, label: str, point: Point, weights_fp8: bool = False,
+             kv_fp8: bool = False) -> int | None:
+    """Bytes one launch of a labelled op must read (weights: bf16, or E4M3 codes with
+    weights_fp8 but for the LM head's; or keys and values), if known."""
     weights = label_weights(cfg, label)
     if weights is not None:
-        return BF16_BYTES * weights
+        return weights * (1 if weights_fp8 and label != "lm head" else BF16_BYTES)
     if label == "attention":
-        return int(point.context_lens.sum()) * kv_bytes_per_token(cfg) // cfg.num_layers
+        return int(point.context_lens.sum()) * kv_bytes_per_token(cfg, kv_fp8) // cfg.num_layers
     return None
 
 
@@ -358,9 +362,9 @@ def breakdown(fwd, point: Point, blocks_per_seq: int,
 
 
 def print_breakdown(name: str, cfg: ModelConfig, point: Point | MixedPoint, rows, bw: float,
-                    impl: str):
+                    impl: str, fwd=None):
     """The rates a step's kind is bound by: FLOP/s with prefill chunks, bytes/s with decodes
-    (a mixed step: both)."""
+    (a mixed step: both); fwd: the forward pass timed (its FP8 weights or cache count)."""
     whole = rows[-1][2]
     print(f"\nbreakdown {name} {point} ({impl}): whole step {whole * 1e6:.0f} us, "
           f"{rows[-1][1]} kernels")
@@ -368,7 +372,9 @@ def print_breakdown(name: str, cfg: ModelConfig, point: Point | MixedPoint, rows
     if any(g.chunk > 1 for g in point.groups):
         rates.append(("achieved TFLOP/s", op_flops, 1e12))
     if any(g.chunk == 1 for g in point.groups):
-        rates.append(("achieved GB/s (copy rate %.0f)" % (bw / 1e9), op_bytes, 1e9))
+        fp8_weights, kv_fp8 = (getattr(fwd, "fp8", False), getattr(fwd, "kv_fp8", False))
+        rates.append(("achieved GB/s (copy rate %.0f)" % (bw / 1e9),
+                      functools.partial(op_bytes, weights_fp8=fp8_weights, kv_fp8=kv_fp8), 1e9))
     print("| op | launches | us per step | us per launch | share of step | " +
           " | ".join(column for column, _, _ in rates) + " |")
     print("| --- | --- | --- | --- | --- |" + " --- |" * len(rates))
@@ -402,6 +408,11 @@ def main(argv: list[str] | None = None) -> None:
                              "chunks in one step (as under load), timed and broken down by op")
     parser.add_argument("--cublas", action="store_true",
                         help="also time every point with cuBLAS for every projection")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also time every point with FP8 weights, and with FP8 weights and "
+                             "an E4M3 KV cache")
+    parser.add_argument("--no-bf16", action="store_true",
+                        help="leave out the default (bf16) variant")
     parser.add_argument("--tile-attention", action="store_true",
                         help="also time every point with decode tokens in query tiles")
     parser.add_argument("--decode-attention", action="store_true",
@@ -442,7 +453,10 @@ def run_points(args, bw: float, monitor: GpuMonitor) -> tuple[list, list]:
         cfg = SHAPES[name]
         points = sorted(set(args.points) | set(args.breakdown) | set(args.prefill) |
                         set(args.mixed), key=lambda p: (p.chunk, p.batch, p.context))
-        impls = [("default", {})]
+        impls = [] if args.no_bf16 else [("default", {})]
+        if args.fp8:
+            impls += [("fp8", {"quantization": "fp8"}),
+                      ("fp8+kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"})]
         if args.cublas:
             impls.append(("cublas", {"skinny": False}))
         if args.tile_attention:
@@ -462,7 +476,8 @@ def run_points(args, bw: float, monitor: GpuMonitor) -> tuple[list, list]:
                 if point not in args.points:
                     continue
                 seconds, clocks = timed_step(fwd, point, blocks_per_seq, monitor)
-                need = decode_step_bytes(cfg, [point.context] * point.batch)
+                need = decode_step_bytes(cfg, [point.context] * point.batch, fwd.fp8,
+                                         fwd.kv_fp8)
                 floor = need.total / bw
                 table.append((name, point, impl, seconds, floor))
                 print(f"bench decode {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step "
@@ -478,20 +493,20 @@ def run_points(args, bw: float, monitor: GpuMonitor) -> tuple[list, list]:
                       f"{point.tokens / seconds:,.0f} tok/s, {work.total / seconds / 1e12:.0f} "
                       f"TFLOP/s ({work.projections / 1e12:.2f} TFLOP projections + "
                       f"{work.attention / 1e12:.2f} TFLOP attention){clocks}")
-                print_breakdown(name, cfg, point, rows, bw, impl)
+                print_breakdown(name, cfg, point, rows, bw, impl, fwd)
             for point in args.mixed:
                 seconds, clocks = timed_step(fwd, point, blocks_per_seq, monitor)
                 rows = breakdown(fwd, point, blocks_per_seq, whole=seconds)
                 work = step_flops(cfg, list(point.positions), point.batch)
-                kv = int(point.context_lens.sum()) * kv_bytes_per_token(cfg)
+                kv = int(point.context_lens.sum()) * kv_bytes_per_token(cfg, fwd.kv_fp8)
                 print(f"bench mixed {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step, "
                       f"{point.tokens} tokens ({point.tokens / seconds:,.0f} tok/s), "
                       f"{work.total / seconds / 1e12:.0f} TFLOP/s, {kv / 1e9:.2f} GB of keys "
                       f"and values{clocks}")
-                print_breakdown(name, cfg, point, rows, bw, impl)
+                print_breakdown(name, cfg, point, rows, bw, impl, fwd)
             for point in args.breakdown:
                 print_breakdown(name, cfg, point, breakdown(fwd, point, blocks_per_seq), bw,
-                                impl)
+                                impl, fwd)
             fwd.close()
     return table, prefill_table
 

@@ -3,6 +3,15 @@
 Supported: LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases), Qwen3ForCausalLM (per-head RMSNorm
 on q and k). The directory holds config.json, optionally generation_config.json, one or more
 *.safetensors files (sharded through model.safetensors.index.json) and tokenizer.json.
+
+FP8 checkpoints (config.json's quantization_config with quant_method "fp8", as transformers
+writes them): a projection's weight is F8_E4M3 codes with its float32 scales beside it, as
+`weight_scale_inv` (transformers: one per weight_block_size block, or one for the tensor) or
+`weight_scale` (one per output row or for the tensor); load_weights returns their values,
+codes times scales, exactly, and the config says quantization "fp8", which serves FP8 weights
+(the engines quantize per output row: per-row checkpoints keep their codes, block- and
+tensor-scaled ones are rounded to per-row scales). k_scale / v_scale tensors (an FP8 KV cache's
+calibrated scales) are read too (ModelWeights.kv_scales).
 """
 from __future__ import annotations
 
@@ -49,6 +58,7 @@ class ModelConfig:
     qk_norm: bool  # qwen3: RMSNorm over head_dim on q and k before RoPE
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # union of config.json and generation_config.json
+    quantization: str | None = None  # "fp8": the checkpoint's weights are FP8
 
     @property
     def q_size(self) -> int:
@@ -169,6 +179,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
             raise CheckpointError(f"special token id {tok} is outside the vocabulary ({vocab})")
 
     bias = bool(raw.get("attention_bias", False))
+    quantization = _parse_quantization(raw.get("quantization_config"))
     return ModelConfig(
         name=model_dir.resolve().name,
         architecture=arch,
@@ -189,7 +200,29 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         qk_norm=arch == "qwen3",
         bos_token_id=bos,
         eos_token_ids=eos_ids,
+        quantization=quantization,
     )
+
+
+def _parse_quantization(qc) -> str | None:
+    """config.json's quantization_config -> None or "fp8"; anything else cannot be served."""
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"quantization_config must be an object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(f"quantization_config quant_method {method!r} is not supported "
+                              f"(supported: 'fp8', E4M3 weights)")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(f"FP8 format {fmt!r} is not supported (only e4m3)")
+    block = qc.get("weight_block_size")
+    if block is not None and (not isinstance(block, list) or len(block) != 2 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise CheckpointError(f"quantization_config weight_block_size must be two positive "
+                              f"ints or null, got {block!r}")
+    return "fp8"
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -219,7 +252,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 # The safetensors NumPy backend cannot return bf16, so the format is read directly:
 # 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, raw data.
-_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+           "F8_E4M3": np.dtype("u1")}
 
 
 @dataclass(frozen=True)
@@ -258,10 +292,10 @@ def _read_safetensors_header(path: Path) -> dict[str, _TensorRef]:
 
 
 def _read_tensor(ref: _TensorRef, mm: np.memmap, name: str) -> np.ndarray:
-    """The tensor as a fresh float32 array."""
+    """The tensor as a fresh float32 array (F8_E4M3: the codes' values, unscaled)."""
     if ref.dtype not in _DTYPES:
         raise CheckpointError(f"{ref.path.name}: tensor {name} has dtype {ref.dtype}; "
-                              f"only F32, F16 and BF16 are supported")
+                              f"only F32, F16, BF16 and F8_E4M3 are supported")
     dt = _DTYPES[ref.dtype]
     count = math.prod(ref.shape)
     if ref.end - ref.start != count * dt.itemsize:
@@ -270,6 +304,9 @@ def _read_tensor(ref: _TensorRef, mm: np.memmap, name: str) -> np.ndarray:
     if ref.dtype == "BF16":
         # bf16 is the top half of a float32: shift the 16 bits up and reinterpret.
         return (raw.astype(np.uint32) << 16).view(np.float32)
+    if ref.dtype == "F8_E4M3":
+        from .fp8 import e4m3_to_float32
+        return e4m3_to_float32(raw)
     return raw.astype(np.float32)
 
 
@@ -316,6 +353,8 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm: np.ndarray  # [H]
     lm_head: np.ndarray  # [V, H]; the same array as `embed` when tied
+    # an FP8 checkpoint's KV-cache scales: [num_layers, 2] (k_scale, v_scale), or None
+    kv_scales: np.ndarray | None = None
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
@@ -330,6 +369,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
             refs[name] = ref
     maps: dict[Path, np.memmap] = {}
 
+    def read(name: str, ref: _TensorRef) -> np.ndarray:
+        if ref.path not in maps:
+            maps[ref.path] = np.memmap(ref.path, dtype=np.uint8, mode="r")
+        return _read_tensor(ref, maps[ref.path], name)
+
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         ref = refs.get(name)
         if ref is None:
@@ -337,9 +381,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
         if ref.shape != shape:
             raise CheckpointError(f"tensor {name} has shape {list(ref.shape)}, "
                                   f"config.json implies {list(shape)}")
-        if ref.path not in maps:
-            maps[ref.path] = np.memmap(ref.path, dtype=np.uint8, mode="r")
-        return _read_tensor(ref, maps[ref.path], name)
+        value = read(name, ref)
+        if ref.dtype == "F8_E4M3":  # the codes times their scales
+            value = _scaled_fp8(name, value, refs, read)
+        return value
 
     H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     Q, KV = cfg.q_size, cfg.kv_size
@@ -368,7 +413,54 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
     embed = get("model.embed_tokens.weight", (V, H))
     lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight", (V, H))
     return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (H,)),
-                        lm_head=lm_head)
+                        lm_head=lm_head, kv_scales=_kv_scales(cfg, refs, read))
+
+
+def _scaled_fp8(name: str, codes: np.ndarray, refs: dict, read) -> np.ndarray:
+    """An F8_E4M3 weight's values: its codes' values [N, K] times the scale tensor beside it
+    (name.replace("weight", "weight_scale_inv" or "weight_scale")): one for the tensor ([] or
+    [1]), one per output row ([N] or [N, 1]), or one per block of a [ceil(N / bn), ceil(K /
+    bk)] grid, bn and bk the blocks that cover N and K."""
+    base = name[:-len("weight")] if name.endswith("weight") else name + "_"
+    scale_name = next((base + s for s in ("weight_scale_inv", "weight_scale")
+                       if base + s in refs), None)
+    if scale_name is None or codes.ndim != 2:
+        raise CheckpointError(f"FP8 tensor {name} has no weight_scale_inv or weight_scale "
+                              f"beside it")
+    scale = read(scale_name, refs[scale_name]).astype(np.float32)
+    n, k = codes.shape
+    if scale.size == 1:
+        return codes * scale.reshape(())
+    if scale.shape in ((n,), (n, 1)):
+        return codes * scale.reshape(n, 1)
+    if scale.ndim == 2:
+        rows, cols = scale.shape
+        bn, bk = -(-n // rows), -(-k // cols)
+        if -(-n // bn) == rows and -(-k // bk) == cols:
+            return codes * np.repeat(np.repeat(scale, bn, 0)[:n], bk, 1)[:, :k]
+    raise CheckpointError(f"{scale_name} has shape {list(scale.shape)}: not a scale for the "
+                          f"tensor, per row or per block of {name} {[n, k]}")
+
+
+def _kv_scales(cfg: ModelConfig, refs: dict, read) -> np.ndarray | None:
+    """[num_layers, 2] (keys', values') from each layer's self_attn.k_scale / v_scale (as
+    vLLM-style FP8 checkpoints store an FP8 KV cache's calibrated scales), or None without them
+    (then an FP8 cache calibrates its own)."""
+    names = [(f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale")
+             for i in range(cfg.num_layers)]
+    present = [k in refs and v in refs for k, v in names]
+    if not any(present):
+        return None
+    if not all(present):
+        raise CheckpointError("k_scale / v_scale are in some layers' weights and not others")
+    out = np.empty((cfg.num_layers, 2), np.float32)
+    for i, pair in enumerate(names):
+        for j, name in enumerate(pair):
+            value = read(name, refs[name])
+            if value.size != 1 or not np.isfinite(value).all() or value.reshape(()) <= 0:
+                raise CheckpointError(f"{name} must be one positive scale, got {value!r}")
+            out[i, j] = value.reshape(())
+    return out
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -1,6 +1,8 @@
 """A tiny ctypes binding of cuBLAS: a handle bound to one stream and one user workspace, and
 GemmEx with bf16 operands and fp32 accumulation; for shapes where a tuner found a faster one
-(gemm_tuning.py), cuBLASLt's matmul with that algorithm.
+(gemm_tuning.py), cuBLASLt's matmul with that algorithm. FP8 projections (linear_fp8) run on
+cuBLASLt alone: E4M3 operands with a float32 scale per weight row and per token row (outer-vector
+scaling, compute capability 9.0), fp32 accumulation.
 
 A user workspace is what makes cuBLAS calls capturable into a graph that is instantiated for
 device launch: without one cuBLAS may allocate inside the capture. No dependency beyond ctypes;
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 # cublasOperation_t
 OP_N, OP_T = 0, 1
 # cudaDataType_t
-R_32F, R_16BF = 0, 14
+R_32F, R_16BF, R_8F_E4M3 = 0, 14, 28
 # cublasComputeType_t
 COMPUTE_32F = 68
 # cublasGemmAlgo_t
@@ -35,6 +37,11 @@ STATUS_NOT_SUPPORTED = 15
 # cublasLt attributes: cublasLtMatmulDescAttributes_t, cublasLtMatmulPreferenceAttributes_t,
 # cublasLtMatmulAlgoConfigAttributes_t
 LT_DESC_TRANSA, LT_DESC_TRANSB, LT_DESC_SM_COUNT_TARGET = 3, 4, 15
+LT_DESC_A_SCALE_POINTER, LT_DESC_B_SCALE_POINTER = 17, 18
+LT_DESC_FAST_ACCUM = 25
+LT_DESC_A_SCALE_MODE, LT_DESC_B_SCALE_MODE = 31, 32
+# cublasLtMatmulMatrixScale_t: a float32 per row of op(A) and per column of op(B)
+LT_SCALE_OUTER_VEC_32F = 3
 LT_PREF_MAX_WORKSPACE_BYTES = 1
 LT_CONFIG_ID, LT_CONFIG_TILE_ID, LT_CONFIG_SPLITK_NUM = 0, 1, 2
 
@@ -42,26 +49,36 @@ LT_CONFIG_ID, LT_CONFIG_TILE_ID, LT_CONFIG_SPLITK_NUM = 0, 1, 2
 @dataclass(frozen=True)
 class GemmShape:
     """One projection as Cublas.linear computes it: row-major out[rows, out_features] (+)=
-    x[rows, in_features] @ w[out_features, in_features]^T, x and w bf16."""
+    x[rows, in_features] @ w[out_features, in_features]^T, x and w bf16 (fp8: E4M3 codes, each
+    token row of x and each row of w with its float32 scale: Cublas.linear_fp8)."""
     rows: int
     in_features: int
     out_features: int
     out_type: int      # R_16BF or R_32F
     accumulate: bool   # beta = 1: added into an fp32 out (the residual stream)
+    fp8: bool = False
 
     @property
     def key(self) -> str:
         out = "f32+=" if self.accumulate else "f32" if self.out_type == R_32F else "bf16"
-        return f"{self.rows}x{self.in_features}->{self.out_features}:{out}"
+        return f"{'fp8:' if self.fp8 else ''}{self.rows}x{self.in_features}->" \
+               f"{self.out_features}:{out}"
+
+    @property
+    def x_bytes(self) -> int:
+        return self.rows * self.in_features * (1 if self.fp8 else 2)
 
 
 @dataclass(frozen=True)
 class GemmCall:
-    """A linear() call as recorded (Cublas.recording): its shape and device pointers."""
+    """A linear() or linear_fp8() call as recorded (Cublas.recording): its shape and device
+    pointers (fp8: the scales' too)."""
     shape: GemmShape
     x: int
     w: int
     out: int
+    x_scale: int = 0
+    w_scale: int = 0
 
 
 class LtAlgo(ctypes.Structure):
@@ -186,6 +203,10 @@ class Cublas:
         self._calls: list[GemmCall] | None = None  # linear() records here instead (recording)
         self._lt = None         # (cublasLt functions, handle), made on first use
         self._lt_plans = {}     # shape -> (matmul descriptor, A, B, C layouts)
+        self._fp8_defaults: dict[GemmShape, LtAlgo] = {}  # the heuristic's first, per shape
+        # FP8 GEMMs with fast accumulation (the tensor cores' own, not promoted to fp32 every
+        # few k): only where cuBLASLt offers none without (fp8_plan_fallback)
+        self.fp8_fast_accum = False
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -214,6 +235,7 @@ class Cublas:
         self._check(self._set_sm_count_target(self.handle, sms), "cublasSetSmCountTarget")
         self.sm_count_target = sms
         self._destroy_lt_plans()  # their descriptors carry the old target
+        self._fp8_defaults.clear()
 
     def set_pointer_mode(self, device: bool) -> None:
         mode = POINTER_MODE_DEVICE if device else POINTER_MODE_HOST
@@ -255,6 +277,54 @@ class Cublas:
         self.gemm_ex(OP_T, OP_N, out_features, rows, in_features, self._one, w, R_16BF,
                      in_features, x, R_16BF, in_features,
                      self._one if accumulate else self._zero, out, out_type, out_features)
+
+    def linear_fp8(self, x: int, x_scale: int, w: int, w_scale: int, out: int, rows: int,
+                   in_features: int, out_features: int, out_type: int = R_16BF,
+                   accumulate: bool = False, algo=_CHOSEN) -> None:
+        """linear() on E4M3 codes: out[r, n] (+)= x_scale[r] * w_scale[n] * sum_k x[r, k]
+        w[n, k], x [rows, in] and w [out, in] row-major codes, x_scale [rows] and w_scale [out]
+        float32 (device pointers), fp32 accumulation. cuBLASLt only (outer-vector scaling);
+        algo None: its heuristic's first choice for the shape (fp8_supported says whether
+        there is one)."""
+        if accumulate and out_type != R_32F:
+            raise ValueError("accumulate needs an fp32 output")
+        shape = GemmShape(rows, in_features, out_features, out_type, accumulate, fp8=True)
+        if self._calls is not None:
+            self._calls.append(GemmCall(shape, x, w, out, x_scale, w_scale))
+            return
+        if algo is self._CHOSEN:
+            algo = self.algos.get(shape)
+        if algo is None:
+            algo = self._fp8_default(shape)
+        self._lt_matmul(shape, algo, x, w, out, x_scale, w_scale)
+
+    def _fp8_default(self, shape: GemmShape) -> LtAlgo:
+        algo = self._fp8_defaults.get(shape)
+        if algo is None:
+            candidates = self.lt_candidates(shape, count=1)
+            if not candidates and not self.fp8_fast_accum:
+                # some cuBLASLt builds offer outer-vector scaling only with fast accumulation
+                log.warning("cuBLASLt offers no FP8 GEMM for %s without fast accumulation: "
+                            "the FP8 GEMMs run with it", shape.key)
+                self.fp8_fast_accum = True
+                self._destroy_lt_plans()
+                self._fp8_defaults.clear()
+                candidates = self.lt_candidates(shape, count=1)
+            if not candidates:
+                raise CublasError(f"cuBLASLt has no FP8 GEMM with per-row scales for "
+                                  f"{shape.key} on this GPU (it needs compute capability 9.0 "
+                                  f"and cuBLAS 12.9 or later)")
+            algo = self._fp8_defaults[shape] = candidates[0]
+        return algo
+
+    def fp8_supported(self, shape: GemmShape) -> str | None:
+        """None where cuBLASLt offers an FP8 GEMM with per-row scales for the shape, else why
+        not (the engine's start-up check)."""
+        try:
+            self._fp8_default(shape)
+        except CublasError as e:
+            return str(e)
+        return None
 
     @contextlib.contextmanager
     def recording(self):
@@ -316,15 +386,28 @@ class Cublas:
             desc = ctypes.c_void_p()
             self._check(api["cublasLtMatmulDescCreate"](ctypes.byref(desc), COMPUTE_32F, R_32F),
                         "cublasLtMatmulDescCreate")
-            for attr, v in ((LT_DESC_TRANSA, OP_T), (LT_DESC_TRANSB, OP_N),
-                            (LT_DESC_SM_COUNT_TARGET, self.sm_count_target)):
-                value = ctypes.c_int32(v)
+            attrs = [(LT_DESC_TRANSA, ctypes.c_int32(OP_T)), (LT_DESC_TRANSB, ctypes.c_int32(OP_N)),
+                     (LT_DESC_SM_COUNT_TARGET, ctypes.c_int32(self.sm_count_target))]
+            if shape.fp8:
+                if not self.workspace:
+                    raise CublasError("FP8 GEMMs need the workspace set first (set_workspace)")
+                # a scale per row of w (op(A)'s rows) and per token (op(B)'s columns); the
+                # heuristic refuses these modes without scale pointers (cublasStatus_t 7), so
+                # the workspace stands in for them until a call sets its own (_lt_matmul)
+                attrs += [(LT_DESC_A_SCALE_MODE, ctypes.c_int32(LT_SCALE_OUTER_VEC_32F)),
+                          (LT_DESC_B_SCALE_MODE, ctypes.c_int32(LT_SCALE_OUTER_VEC_32F)),
+                          (LT_DESC_A_SCALE_POINTER, ctypes.c_void_p(self.workspace)),
+                          (LT_DESC_B_SCALE_POINTER, ctypes.c_void_p(self.workspace))]
+                if self.fp8_fast_accum:
+                    attrs.append((LT_DESC_FAST_ACCUM, ctypes.c_int8(1)))
+            for attr, value in attrs:
                 self._check(api["cublasLtMatmulDescSetAttribute"](
                     desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
                     "cublasLtMatmulDescSetAttribute")
+            operand = R_8F_E4M3 if shape.fp8 else R_16BF
             layouts = []
-            for dtype, rows, cols in ((R_16BF, shape.in_features, shape.out_features),  # w^T
-                                      (R_16BF, shape.in_features, shape.rows),          # x^T
+            for dtype, rows, cols in ((operand, shape.in_features, shape.out_features),  # w^T
+                                      (operand, shape.in_features, shape.rows),          # x^T
                                       (shape.out_type, shape.out_features, shape.rows)):  # out^T
                 layout = ctypes.c_void_p()
                 self._check(api["cublasLtMatrixLayoutCreate"](ctypes.byref(layout), dtype, rows,
@@ -374,9 +457,17 @@ class Cublas:
             parts.append(f"{name} {value.value if status == 0 else '?'}")
         return " ".join(parts)
 
-    def _lt_matmul(self, shape: GemmShape, algo: LtAlgo, x: int, w: int, out: int) -> None:
+    def _lt_matmul(self, shape: GemmShape, algo: LtAlgo, x: int, w: int, out: int,
+                   x_scale: int = 0, w_scale: int = 0) -> None:
         api, handle = self._lt_api()
         desc, a, b, c = self._lt_plan(shape)
+        if shape.fp8:  # this call's scale vectors (read when the matmul is enqueued)
+            for attr, ptr in ((LT_DESC_A_SCALE_POINTER, w_scale),
+                              (LT_DESC_B_SCALE_POINTER, x_scale)):
+                value = ctypes.c_void_p(ptr)
+                self._check(api["cublasLtMatmulDescSetAttribute"](
+                    desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+                    "cublasLtMatmulDescSetAttribute(scale pointer)")
         beta = self._one if shape.accumulate else self._zero
         self._check(api["cublasLtMatmul"](
             handle, desc, ctypes.byref(self._one), ctypes.c_void_p(w), a, ctypes.c_void_p(x), b,

@@ -100,7 +100,9 @@ class CudaEngine:
             max_model_len=self.context_length, num_blocks=config.num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, gemm_tuning=config.gemm_tuning,
             held_sms=1, sm_count_target=config.sm_count_target,  # the scheduler's CTA
-            decode_weight_copy=config.decode_weight_copy)
+            decode_weight_copy=config.decode_weight_copy,
+            quantization=config.quantization_for(cfg), kv_cache_dtype=config.kv_cache_dtype,
+            kv_scales=weights.kv_scales if weights is not None else None)
         num_blocks = self.forward.num_blocks
         log.info("weights, KV cache (%d blocks of %d tokens) and %d forward graphs ready in "
                  "%.1f s", num_blocks, config.block_size, len(self.forward.graph_execs),

@@ -28,10 +28,11 @@ from .cuda_runtime import CSRC, CudaError, cache_dir, check, device_attribute, l
 
 from . import engine_layout
 from .checkpoint import ModelConfig, ModelWeights, rope_inv_freq
-from .cublas import R_32F, Cublas
+from .cublas import R_16BF, R_32F, Cublas, GemmShape
 from .gemm_tuning import ChoiceCache, GemmTuner, cache_file
 from .demo_model import float32_to_bf16_bits
 from .forward_batch import ForwardBatch
+from .fp8 import calibration_tokens, kv_scales_from_amax
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ BF16 = np.dtype(np.uint16)
 
 # Output modes of the skinny linear kernel (csrc/gemv.cuh, enum GemvOut).
 SKINNY_BF16, SKINNY_F32, SKINNY_F32_ADD, SKINNY_SILU_MUL = 0, 1, 2, 3
+
+# The infix of the FP8-weight entry points' names (blink_skinny_linear_fp8_1x1, ...), by fp8.
+_FP8 = {False: "", True: "_fp8"}
 
 
 def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -190,19 +194,34 @@ class ForwardKernels:
                       in itertools.product(SKINNY_SPLIT_KINDS, SKINNY_SPLIT_SHAPES)),
                     *(f"blink_skinny_{kind}_{a}x{c}" for kind in ("linear_norm", "qkv_rope_norm")
                       for a in (1, 2) for c in (1, 2)),
-                    *(f"blink_skinny_qkv_rope_{a}x4" for a in (1, 2)))
+                    *(f"blink_skinny_qkv_rope_{a}x4" for a in (1, 2)),
+                    # FP8 weights (the _fp8 entries: gemv.cuh Fp8Weights) and their quantizers
+                    *(f"blink_skinny_{kind}_fp8_{a}x{c}" for kind in
+                      ("linear", "linear_norm", "qkv_rope_norm") for a in (1, 2) for c in (1, 2)),
+                    *(f"blink_skinny_{kind}_fp8_{a}x{c}_k2" for kind, (a, c)
+                      in itertools.product(SKINNY_SPLIT_KINDS, SKINNY_SPLIT_SHAPES)),
+                    "blink_quantize_rows", "blink_rms_norm_fp8", "blink_silu_mul_fp8",
+                    "blink_tile_weights_fp8")
+    # FP8 skinny kernels: decode-sized steps only (the FP8 GEMMs take larger ones), and whole
+    # 64-k steps (gemv.cuh Fp8Weights)
+    SKINNY_FP8_MAX_ROWS = 16
+    SKINNY_FP8_K_ALIGN = 64
 
     def __init__(self, head_dim: int, device: int = 0, programmatic_launch: bool = True,
-                 held_sms: int = 0, sm_count_target: int | None = None):
+                 held_sms: int = 0, sm_count_target: int | None = None, kv_fp8: bool = False):
         """programmatic_launch: launch every kernel with programmatic stream serialization
         (each may start while its predecessor runs and waits for it in-kernel; utils.cuh
         AwaitPriorKernel). False: plain launches, the comparison bench_decode --no-pdl makes.
         held_sms: SMs another kernel holds while these kernels run (the scheduler kernel's
         CTA); sm_count_target: the SMs grids are sized for (sm_count), by default the device's
-        less held_sms, 0 all the device's."""
+        less held_sms, 0 all the device's. kv_fp8: the module for an E4M3 KV cache
+        (csrc/kv_cache.cuh; head dims 64 and 128)."""
         if head_dim % 16 or not 16 <= head_dim <= 256:
             raise ValueError(f"head_dim {head_dim} is not supported "
                              f"(needs a multiple of 16 in [16, 256])")
+        if kv_fp8 and head_dim not in (64, 128):
+            raise ValueError(f"--kv-cache-dtype fp8 needs head_dim 64 or 128 (the attention "
+                             f"kernel's mma.sync paths), not {head_dim}")
         self.context = primary_context()  # initializes the driver
         self.device = check(driver.cuDeviceGet(device))
         major = device_attribute("COMPUTE_CAPABILITY_MAJOR", device)
@@ -219,13 +238,21 @@ class ForwardKernels:
         if major < 8:
             raise CudaError(f"compute capability {major}.{minor}: bf16 tensor cores need >= 8.0")
         self.programmatic_launch = programmatic_launch and major >= 9  # PDL needs sm_90
+        self.compute_capability = (major, minor)
         self.arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+        if kv_fp8 and (major, minor) < (8, 9):
+            raise CudaError(f"--kv-cache-dtype fp8 needs a GPU with FP8 conversions (compute "
+                            f"capability 8.9 or later); this one is {major}.{minor}")
+        defines = {"BLINK_HEAD_DIM": head_dim, **({"BLINK_KV_FP8": 1} if kv_fp8 else {})}
         self._image = np.frombuffer(nvcc_cubin(CSRC / "forward_kernels.cu", arch=self.arch,
-                                               defines={"BLINK_HEAD_DIM": head_dim}), np.uint8)
+                                               defines=defines), np.uint8)
         self.module = check(driver.cuModuleLoadData(self._image.ctypes.data), "cuModuleLoadData")
         self.fn = {name: check(driver.cuModuleGetFunction(self.module, name.encode()), name)
                    for name in self.ENTRY_POINTS}
         self.head_dim = self._constant("blink_head_dim")
+        self.kv_fp8 = bool(self._constant("blink_kv_fp8"))
+        if self.kv_fp8 != kv_fp8:
+            raise CudaError(f"module built for kv_fp8 {self.kv_fp8}, wanted {kv_fp8}")
         self.rope_threads = self._constant("blink_rope_threads")
         self.attention_threads = self._constant("blink_attention_threads")
         self.attention_rows = self._constant("blink_attention_rows")
@@ -356,8 +383,12 @@ class ForwardKernels:
 
     def rope_kv_write(self, stream, rows, desc, positions, token_seq, block_tables,
                       max_blocks_per_seq, qkv, qkv_bias, q_norm, k_norm, eps, inv_freq,
-                      num_heads, num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks):
+                      num_heads, num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks,
+                      kv_scales=0, kv_amax=0):
+        """kv_scales: an E4M3 cache's (the layer's [2, num_kv_heads] float32: keys', values');
+        kv_amax: as those, where the calibration pass notes each head's largest |value|."""
         self._need(bool(q_norm) == bool(k_norm), "q_norm and k_norm come together")
+        self._kv_checks(k_cache, kv_scales, kv_amax)
         warps = self.rope_threads // 32
         head_groups = -(-(num_heads + 2 * num_kv_heads) // warps)  # one head per warp
         self.launch("blink_rope_kv_write", (rows, head_groups), (self.rope_threads,),
@@ -365,12 +396,13 @@ class ForwardKernels:
                      _i32(max_blocks_per_seq), _ptr(qkv), _ptr(qkv_bias), _ptr(q_norm),
                      _ptr(k_norm), _f32(eps), _ptr(inv_freq), _i32(num_heads),
                      _i32(num_kv_heads), _ptr(q_out), _ptr(k_cache), _ptr(v_cache),
-                     _i32(block_size), _i32(num_blocks)], stream)
+                     _i32(block_size), _i32(num_blocks), _ptr(kv_scales), _ptr(kv_amax)],
+                    stream)
 
     def attention(self, stream, rows, desc, positions, token_seq, block_tables,
                   max_blocks_per_seq, q, k_cache, v_cache, block_size, num_heads, num_kv_heads,
                   scale, out, num_splits=1, partial_out=0, partial_stats=0, tile_sems=0,
-                  small=False, wide=False, decode_min_keys=0, release_next=False):
+                  small=False, wide=False, decode_min_keys=0, release_next=False, kv_scales=0):
         """One kernel: decode tokens with at least decode_min_keys keys on the flash-decoding
         path, every other token in tensor-core query tiles.
         num_splits > 1 lets up to that many CTAs share a tile's (or a decode token's, as many as
@@ -380,7 +412,9 @@ class ForwardKernels:
         before the first launch; each use leaves it zero). small: the tile variant with
         attention_small_rows query rows per CTA (decode-sized buckets); wide (with small): its
         kernel with attention_wide_threads threads a CTA (csrc/attention_common.cuh
-        kAttnWideWarps)."""
+        kAttnWideWarps). kv_scales: an E4M3 cache's (the layer's, as rope_kv_write takes
+        them)."""
+        self._kv_checks(k_cache, kv_scales, 0)
         group = num_heads // num_kv_heads
         max_rows = self.attention_small_rows if small else self.attention_rows
         self._need(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
@@ -399,7 +433,7 @@ class ForwardKernels:
                      _ptr(out), _i32(num_splits), _ptr(partial_out), _ptr(partial_stats),
                      _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1)),
                      _i32(self.attention_slots(small, block_size, wide)),
-                     _i32(int(release_next))],
+                     _i32(int(release_next)), _ptr(kv_scales)],
                     stream, smem=smem)
 
     def attention_kernel(self, small: bool, block_size: int, wide: bool = False) -> str:
@@ -418,37 +452,48 @@ class ForwardKernels:
                 * self.sm_count)
 
     @classmethod
-    def skinny_fits(cls, rows: int, in_features: int, out_features: int) -> bool:
-        """Whether skinny_linear can take this shape (in either weight layout)."""
+    def skinny_fits(cls, rows: int, in_features: int, out_features: int,
+                    fp8: bool = False) -> bool:
+        """Whether skinny_linear can take this shape (in either weight layout; fp8: FP8
+        weights, up to SKINNY_FP8_MAX_ROWS rows)."""
+        if fp8:
+            return (1 <= rows <= cls.SKINNY_FP8_MAX_ROWS
+                    and in_features % cls.SKINNY_FP8_K_ALIGN == 0
+                    and cls.tiled_elements(out_features, in_features, 1) < 2 ** 31)
         return (1 <= rows <= cls.SKINNY_MAX_ROWS and in_features % 32 == 0
                 and cls.tiled_elements(out_features, in_features) < 2 ** 31)
 
-    # Elements after each 16-row tile of the tiled layout (1 KB). Without it a tile of K =
-    # 4,096 columns is 128 KB, and the 8 concurrent tile streams of a split-K or row-block CTA
-    # start a power of two apart: a read-only probe of that pattern streamed 4.15 TB/s on 8B's
+    # Bytes after each 16-row tile of the tiled layout (1 KB). Without it a tile of K = 4,096
+    # columns is 128 KB, and the 8 concurrent tile streams of a split-K or row-block CTA start
+    # a power of two apart: a read-only probe of that pattern streamed 4.15 TB/s on 8B's
     # gate|up, 4.51 with the pad (the skinny kernel's pattern: 4.53 either way;
     # docs/performance.md round 8).
-    TILE_PAD = 512
+    TILE_PAD_BYTES = 1024
 
     @classmethod
-    def tile_stride(cls, cols: int) -> int:
-        """Elements from one 16-row tile of a tiled weight of `cols` columns to the next."""
-        return 16 * cols + cls.TILE_PAD
+    def tile_stride(cls, cols: int, itemsize: int = 2) -> int:
+        """Elements from one 16-row tile of a tiled weight of `cols` columns to the next
+        (itemsize 2: bf16; 1: E4M3 codes)."""
+        return 16 * cols + cls.TILE_PAD_BYTES // itemsize
 
     @classmethod
-    def tiled_elements(cls, rows: int, cols: int) -> int:
+    def tiled_elements(cls, rows: int, cols: int, itemsize: int = 2) -> int:
         """A [rows, cols] weight's size in the tiled layout: whole 16-row tiles, each padded."""
-        return -(-rows // 16) * cls.tile_stride(cols)
+        return -(-rows // 16) * cls.tile_stride(cols, itemsize)
 
-    def tile_weights(self, stream, w, tiled, rows: int, cols: int) -> None:
-        """tiled = w [rows, cols] bf16 row-major in the skinny kernels' tiled layout (gemv.cuh:
-        16-row tiles of 32-column steps, 1 KB each, tile_stride(cols) elements apart, the
-        last tile's rows and the pads zeros); tiled holds tiled_elements(rows, cols)."""
-        self._need(cols % 32 == 0, f"tiled weights need columns % 32 == 0, got {cols}")
-        pieces = self.tiled_elements(rows, cols) // 8
-        self.launch("blink_tile_weights", (min(65535, -(-pieces // 256)),), (256,),
+    def tile_weights(self, stream, w, tiled, rows: int, cols: int, fp8: bool = False) -> None:
+        """tiled = w [rows, cols] row-major in the skinny kernels' tiled layout (gemv.cuh:
+        16-row tiles of 1 KB steps, 32 columns of bf16 or 64 of E4M3 codes (fp8), the tiles
+        tile_stride(cols) elements apart, the last tile's rows and the pads zeros); tiled holds
+        tiled_elements(rows, cols) elements."""
+        itemsize = 1 if fp8 else 2
+        align = 64 if fp8 else 32
+        self._need(cols % align == 0, f"tiled weights need columns % {align} == 0, got {cols}")
+        pieces = self.tiled_elements(rows, cols, itemsize) * itemsize // 16
+        self.launch("blink_tile_weights_fp8" if fp8 else "blink_tile_weights",
+                    (min(65535, -(-pieces // 256)),), (256,),
                     [_ptr(w), _ptr(tiled), _i32(rows), _i32(cols),
-                     _u32(self.tile_stride(cols)), ctypes.c_uint64(pieces)], stream)
+                     _u32(self.tile_stride(cols, itemsize)), ctypes.c_uint64(pieces)], stream)
 
     # Where the skinny kernel beats cuBLAS (H200, bench_decode, Llama-3.1-8B and 3.2-1B shapes):
     # at up to 16 token rows, for every projection whose output it fuses (the residual add,
@@ -471,10 +516,12 @@ class ForwardKernels:
                 and (any_size
                      or 2 * in_features * out_features <= cls.SKINNY_PREFERRED_PLAIN_BYTES))
 
-    def _skinny_tiles(self, rows, in_features, out_features, silu, norm):
-        self._need(self.skinny_fits(rows, in_features, out_features),
-                   f"skinny linear takes rows <= {self.SKINNY_MAX_ROWS}, in_features % 32 == 0, "
-                   f"got {rows} x {in_features} -> {out_features}")
+    def _skinny_tiles(self, rows, in_features, out_features, silu, norm, fp8=False):
+        self._need(self.skinny_fits(rows, in_features, out_features, fp8),
+                   f"skinny linear takes rows <= {self.SKINNY_MAX_ROWS}, in_features % 32 == 0 "
+                   f"(FP8 weights: rows <= {self.SKINNY_FP8_MAX_ROWS}, in_features % "
+                   f"{self.SKINNY_FP8_K_ALIGN} == 0), got {rows} x {in_features} -> "
+                   f"{out_features}")
         self._need(not norm or rows <= self.SKINNY_NORM_MAX_ROWS,
                    f"the RMSNorm-folding skinny linear takes rows <= {self.SKINNY_NORM_MAX_ROWS}")
         self._need(not silu or out_features % 32 == 0, "gate|up rows must be whole 16-row pairs")
@@ -488,7 +535,7 @@ class ForwardKernels:
         return row_tiles, col_tiles
 
     def skinny_splits(self, kind: str, rows: int, in_features: int, out_features: int,
-                      max_row_blocks: int | None = None) -> int:
+                      max_row_blocks: int | None = None, fp8: bool = False) -> int:
         """2 where the skinny kernel `kind` (SKINNY_SPLIT_KINDS: a plain projection, or qkv +
         RoPE with the RMSNorm folded in) may split this shape's K across clusters of two CTAs
         (one row tile a CTA, up to 16 rows) and its grid of two CTAs a row block still fits one
@@ -498,17 +545,18 @@ class ForwardKernels:
         rate. Measured on the H200 (bench_decode, Llama-3.2-1B, batch 1 at 512 keys): the o
         and down projections (128 row blocks, 256 CTAs at two an SM) 0.806 -> 0.796 ms a step,
         the down projection 10.9 -> 9.9 us; the qkv one (192, 384 CTAs at three an SM) too
-        0.786; at 16 rows (384 CTAs at two an SM: two waves) qkv split made the step 5% slower."""
+        0.786; at 16 rows (384 CTAs at two an SM: two waves) qkv split made the step 5% slower.
+        fp8: the _fp8 entries' (FP8 weights)."""
         if kind not in self.SKINNY_SPLIT_KINDS or not self.skinny_fits(rows, in_features,
-                                                                       out_features):
+                                                                       out_features, fp8):
             return 1
-        tiles = self._skinny_tiles(rows, in_features, out_features, False, False)
+        tiles = self._skinny_tiles(rows, in_features, out_features, False, False, fp8)
         if tiles not in self.SKINNY_SPLIT_SHAPES:
             return 1
         blocks = -(-out_features // 16)
         if max_row_blocks is None:
-            ctas_per_sm = self.skinny_split_ctas_per_sm[f"blink_skinny_{kind}_{tiles[0]}x"
-                                                        f"{tiles[1]}_k2"]
+            ctas_per_sm = self.skinny_split_ctas_per_sm[f"blink_skinny_{kind}{_FP8[fp8]}_"
+                                                        f"{tiles[0]}x{tiles[1]}_k2"]
             return 2 if 2 * blocks <= ctas_per_sm * self.sm_count else 1
         return 2 if blocks <= max_row_blocks else 1
 
@@ -518,7 +566,8 @@ class ForwardKernels:
         return name + ("_k2" if k_splits == 2 else "")
 
     def skinny_linear(self, stream, x, w, out, rows, in_features, out_features, mode, *,
-                      shadow=0, norm_eps=None, w_tiled=False, k_splits=1, argmax=0):
+                      shadow=0, norm_eps=None, w_tiled=False, k_splits=1, argmax=0,
+                      w_scale=0, norm_w=0):
         """out[rows, out_features] (mode: SKINNY_BF16 / _F32 / _F32_ADD) = x[rows, in] @ w^T
         for rows <= SKINNY_MAX_ROWS, w: [out_features, in_features] bf16, all dense. SILU_MUL:
         w is gate|up interleaved in 16-row groups (interleave_gate_up) and
@@ -529,25 +578,33 @@ class ForwardKernels:
         the tiled layout (tile_weights), else row-major. k_splits 2: K split across clusters
         of two CTAs (skinny_splits; not with norm_eps or SILU_MUL). argmax (F32, without
         norm_eps): [rows] u64, zero before; each row's greedy argmax packed (csrc/argmax.cuh)
-        folded in, for sample's lm_argmax."""
+        folded in, for sample's lm_argmax.
+        w_scale: FP8 weights (the _fp8 entries: w holds E4M3 codes, w_scale [out_features]
+        float32 their rows' scales; rows <= SKINNY_FP8_MAX_ROWS, in_features % 64 == 0); with
+        norm_eps, norm_w [in_features] bf16 is the RMSNorm's weight (not folded into FP8
+        weights)."""
         silu = mode == SKINNY_SILU_MUL
+        fp8 = bool(w_scale)
+        self._need(fp8 == bool(norm_w) or norm_eps is None,
+                   "FP8 weights take the RMSNorm's weight (norm_w) where they normalize, bf16 "
+                   "ones have it folded in")
         row_tiles, col_tiles = self._skinny_tiles(rows, in_features, out_features, silu,
-                                                  norm_eps is not None)
+                                                  norm_eps is not None, fp8)
         ldo = out_features // 2 if silu else out_features
         args = [_ptr(x), _i32(in_features), _i32(rows), _ptr(w),
-                _u32(self.tile_stride(in_features) if w_tiled else 0), _i32(out_features),
-                _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
+                _u32(self.tile_stride(in_features, 1 if fp8 else 2) if w_tiled else 0),
+                _i32(out_features), _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
         self._need(not argmax or (mode == SKINNY_F32 and norm_eps is None),
                    "the argmax comes with fp32 outputs, without the RMSNorm folded in")
         if norm_eps is None:
-            name = f"blink_skinny_linear_{row_tiles}x{col_tiles}"
-            args = args + [_ptr(shadow), _ptr(argmax)]
+            name = f"blink_skinny_linear{_FP8[fp8]}_{row_tiles}x{col_tiles}"
+            args = args + [_ptr(shadow), _ptr(argmax)] + ([_ptr(w_scale)] if fp8 else [])
             name = self._skinny_split_name(name, (row_tiles, col_tiles), k_splits)
         else:
             self._need(not shadow, "a normalizing projection writes no shadow")
             self._need(k_splits == 1, "a normalizing projection takes no K split")
-            name = f"blink_skinny_linear_norm_{row_tiles}x{col_tiles}"
-            args = args + [_f32(norm_eps)]
+            name = f"blink_skinny_linear_norm{_FP8[fp8]}_{row_tiles}x{col_tiles}"
+            args = args + [_f32(norm_eps)] + ([_ptr(w_scale), _ptr(norm_w)] if fp8 else [])
         self.launch(name, (k_splits * -(-out_features // (16 * row_tiles)),),
                     (self.gemv_threads,), args, stream)
 
@@ -586,31 +643,75 @@ class ForwardKernels:
     def skinny_qkv_rope(self, stream, rows, desc, x, w, hidden, eps, positions, token_seq,
                         block_tables, max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
                         num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks, *,
-                        w_tiled=False, k_splits=1):
+                        w_tiled=False, k_splits=1, w_scale=0, norm_w=0, kv_scales=0,
+                        kv_amax=0):
         """The qkv projection with RoPE + KV write as its epilogue (rope_kv_write's outputs,
         without per-head q/k norms): with its input RMSNorm folded in (as skinny_linear with
         norm_eps; rows <= SKINNY_NORM_MAX_ROWS), or, eps None, of an input already normalized
         (17 to SKINNY_MAX_ROWS rows). w: [(num_heads + 2 num_kv_heads) * head_dim, hidden], q
         and k rows in the RoPE pair layout (rope_pair_order), row-major or tiled (w_tiled);
         qkv_bias likewise or 0. k_splits 2: K split across clusters of two CTAs
-        (skinny_splits; with the RMSNorm folded in)."""
+        (skinny_splits; with the RMSNorm folded in). w_scale, norm_w: FP8 weights, as
+        skinny_linear takes them (with the RMSNorm folded in). kv_scales, kv_amax: an E4M3
+        cache's, as rope_kv_write takes them."""
         out_features = (num_heads + 2 * num_kv_heads) * self.head_dim
         norm = eps is not None
-        row_tiles, col_tiles = self._skinny_tiles(rows, hidden, out_features, False, norm)
+        fp8 = bool(w_scale)
+        self._need(not fp8 or (norm and norm_w), "FP8 weights: the qkv projection with its "
+                   "RMSNorm folded in, given the norm's weight")
+        row_tiles, col_tiles = self._skinny_tiles(rows, hidden, out_features, False, norm, fp8)
         self._need(norm or col_tiles == 4, "the qkv projection without its RMSNorm folded in "
                    f"takes {self.SKINNY_NORM_MAX_ROWS + 1} to {self.SKINNY_MAX_ROWS} rows")
         self._need(k_splits == 1 or norm, "the qkv projection after the RMSNorm kernel takes "
                    "no K split")
-        name = f"blink_skinny_qkv_rope{'_norm' if norm else ''}_{row_tiles}x{col_tiles}"
+        self._kv_checks(k_cache, kv_scales, kv_amax)
+        name = (f"blink_skinny_qkv_rope{'_norm' if norm else ''}{_FP8[fp8]}_"
+                f"{row_tiles}x{col_tiles}")
         self.launch(self._skinny_split_name(name, (row_tiles, col_tiles), k_splits),
                     (k_splits * -(-out_features // (16 * row_tiles)),), (self.gemv_threads,),
                     [_ptr(x), _i32(hidden), _i32(rows), _ptr(w),
-                     _u32(self.tile_stride(hidden) if w_tiled else 0), _i32(out_features),
-                     _i32(hidden), _f32(eps if norm else 0.0), _ptr(desc),
+                     _u32(self.tile_stride(hidden, 1 if fp8 else 2) if w_tiled else 0),
+                     _i32(out_features), _i32(hidden), _f32(eps if norm else 0.0), _ptr(desc),
                      _ptr(positions), _ptr(token_seq), _ptr(block_tables),
                      _i32(max_blocks_per_seq), _ptr(qkv_bias), _ptr(inv_freq), _i32(num_heads),
                      _i32(num_kv_heads), _ptr(q_out), _ptr(k_cache), _ptr(v_cache),
-                     _i32(block_size), _i32(num_blocks)], stream)
+                     _i32(block_size), _i32(num_blocks), _ptr(kv_scales), _ptr(kv_amax),
+                     _ptr(w_scale), _ptr(norm_w)], stream)
+
+    def _kv_checks(self, k_cache, kv_scales, kv_amax) -> None:
+        """The KV-cache arguments a KV writer or reader takes: scales with an E4M3 cache (the
+        module's), none with bf16."""
+        self._need(bool(kv_scales) == self.kv_fp8,
+                   "an E4M3 KV cache's kernels take its scales (kv_scales), a bf16 one's none")
+        self._need(not kv_amax or self.kv_fp8, "kv_amax calibrates an E4M3 KV cache's scales")
+
+    # --- FP8 weights' and activations' quantizers (csrc/quantize.cuh) --------------------------
+
+    def quantize_rows(self, stream, rows, desc, x, ldx, q, ldq, scale, K) -> None:
+        """q[r] (E4M3 codes) and scale[r] (float32) of x[r] (bf16, ldx apart) for r below desc's
+        num_tokens (every one of `rows` with desc 0: weights), one scale a row (gpu_engine/
+        fp8.py quantize_rows gives the same codes)."""
+        self._need(K % 8 == 0 and ldx % 8 == 0 and ldq % 8 == 0,
+                   f"quantized rows need K, ldx and ldq % 8 == 0, got {K}, {ldx}, {ldq}")
+        self.launch("blink_quantize_rows", (rows,), (256,),
+                    [_ptr(desc), _ptr(x), _i32(ldx), _ptr(q), _i32(ldq), _ptr(scale), _i32(K)],
+                    stream)
+
+    def rms_norm_fp8(self, stream, rows, desc, x, weight, q, scale, hidden, eps, *,
+                     bias=0) -> None:
+        """rms_norm's rows (weight applied, fp32; bias added into x first) as E4M3 codes q
+        [rows, hidden] with a scale a row: the FP8 GEMMs' input."""
+        self._need(hidden % 8 == 0, f"hidden {hidden} must be a multiple of 8")
+        self.launch("blink_rms_norm_fp8", (rows,), (256,),
+                    [_ptr(desc), _ptr(x), _ptr(bias), _ptr(weight), _ptr(q), _ptr(scale),
+                     _i32(hidden), _f32(eps)], stream)
+
+    def silu_mul_fp8(self, stream, rows, desc, gate_up, q, scale, inter) -> None:
+        """silu_mul's rows (fp32) as E4M3 codes q [rows, inter] with a scale a row: the FP8
+        down projection's input."""
+        self._need(inter % 16 == 0, f"intermediate size {inter} must be a multiple of 16")
+        self.launch("blink_silu_mul_fp8", (rows,), (256,),
+                    [_ptr(desc), _ptr(gate_up), _ptr(q), _ptr(scale), _i32(inter)], stream)
 
     # CTAs a thread-block cluster of the split-K and row-block kernels' variants (entry points
     # ..._x2, _x4): the cluster's CTAs share each chunk of x's read from L2 (gemv.cuh CopyXSlab)
@@ -772,6 +873,17 @@ class _Layer:
     # the skinny kernels' copies of wqkv, wo, wgu and wdown in their tiled layout
     # (ForwardKernels.tile_weights), by name; empty without CudaForward's decode_weight_copy
     tiled: dict[str, DeviceArray] = field(default_factory=dict)
+    # FP8 weights (CudaForward's quantization "fp8"): wqkv, wo, wgu and wdown (and their tiled
+    # copies) hold E4M3 codes, not folded with the RMSNorms, which keep their weights here
+    scales: dict[str, DeviceArray] = field(default_factory=dict)  # [rows] float32, by name
+    input_norm: DeviceArray | None = None  # [H] bf16
+    post_norm: DeviceArray | None = None   # [H] bf16
+
+
+def _rows16(rows: int) -> int:
+    """An FP8 GEMM's rows for a bucket of `rows`: whole 16s (cuBLASLt's FP8 kernels take
+    those; CudaForward's GEMM buffers hold them)."""
+    return -(-rows // 16) * 16
 
 
 def default_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -819,7 +931,8 @@ class CudaForward:
                  rowblock_gate_up: bool = True, norm_release: bool = True,
                  splitk_cluster: int | None = None, rowblock_cluster: int | None = None,
                  skinny_split_blocks: int | None = None, lm_head_argmax: bool = True,
-                 projection_chain: bool = False):
+                 projection_chain: bool = False, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto", kv_scales: np.ndarray | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -877,10 +990,33 @@ class CudaForward:
         on the H200 faster on the 8B shape and slower on the 1B one (batch 1 at 512 keys:
         3.716-3.725 against 3.792-3.799 ms a step, 0.797-0.798 against 0.760), so it waits for
         a rule by shape (docs/performance.md round 16); bench_decode --options
-        chain:projection_chain=1 times it."""
+        chain:projection_chain=1 times it.
+        quantization "fp8": the projections' weights as E4M3 codes with a float32 scale per
+        output row (quantized on the GPU at load, csrc/quantize.cuh; the RMSNorm weights kept
+        apart, not folded in): decode-sized steps run the FP8 skinny kernels (dequantizing in
+        registers, activations in f16), larger ones cuBLASLt's FP8 GEMMs on activations
+        quantized per token row; the embedding and the LM head stay bf16 (see
+        docs/performance.md, *FP8*). kv_cache_dtype "fp8": an E4M3 KV cache with a float32 scale
+        per (layer, KV head): kv_scales [num_layers, 2, num_kv_heads] (keys', values'), or
+        calibrated at start-up on fp8.calibration_tokens (calibrate_kv_scales)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         if H % 8 or I % 16:
             raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization {quantization!r}: None or 'fp8'")
+        if kv_cache_dtype not in ("auto", "bf16", "fp8"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: 'auto', 'bf16' or 'fp8'")
+        self.fp8 = quantization == "fp8"
+        self.kv_fp8 = kv_cache_dtype == "fp8"
+        if self.fp8:
+            align = ForwardKernels.SKINNY_FP8_K_ALIGN
+            if any(n % align for n in (H, I, cfg.q_size)):
+                raise ValueError(f"--quantization fp8 needs hidden ({H}), intermediate ({I}) and "
+                                 f"q ({cfg.q_size}) sizes that are multiples of {align}")
+            if not skinny or projection_chain:
+                raise ValueError("--quantization fp8 runs decode-sized steps on its skinny "
+                                 "kernels (skinny=False and the projection chain are bf16 "
+                                 "comparisons)")
         if (num_blocks is not None and num_blocks <= 0) or block_size <= 0 \
                 or max_num_batched_tokens <= 0 or max_num_seqs <= 0:
             raise ValueError("num_blocks, block_size, max_num_batched_tokens and max_num_seqs "
@@ -913,7 +1049,12 @@ class CudaForward:
         self._fill_kernel = None  # random_fill.cu's, loaded on first use
 
         self.kernels = k = ForwardKernels(D, device, programmatic_launch, held_sms,
-                                          sm_count_target)
+                                          sm_count_target, kv_fp8=self.kv_fp8)
+        if self.fp8 and k.compute_capability != (9, 0):
+            major, minor = k.compute_capability
+            raise CudaError(f"--quantization fp8 needs a Hopper GPU (compute capability 9.0: "
+                            f"cuBLASLt's FP8 GEMMs with per-row scales); this one is "
+                            f"{major}.{minor}")
         self.skinny_split_blocks = skinny_split_blocks
         self.lm_head_argmax = lm_head_argmax
         self.projection_chain = projection_chain
@@ -941,6 +1082,8 @@ class CudaForward:
             self._upload_weights(weights)
         else:
             self._random_weights(random_seed)
+        if self.fp8:
+            self._quantize_projections()
         if decode_weight_copy and skinny:
             self._tile_projections()
 
@@ -966,15 +1109,25 @@ class CudaForward:
         self.sample_done_sem = self._alloc(1, np.uint32)
 
         Q, KV = cfg.q_size, cfg.kv_size
-        self.x = self._alloc((T, H), np.float32)          # residual stream
+        G = _rows16(T) if self.fp8 else T  # rows of the GEMMs' outputs (FP8: whole 16s)
+        self.x = self._alloc((G, H), np.float32)          # residual stream
         self.x_shadow = self._alloc((T, H), BF16)         # its bf16 copy, in fused buckets
         self.h = self._alloc((T, H), BF16)                # normed activations
-        self.qkv = self._alloc((T, Q + 2 * KV), BF16)
+        self.qkv = self._alloc((G, Q + 2 * KV), BF16)
         self.q = self._alloc((T, Q), BF16)                # after RoPE
         self.attn = self._alloc((T, Q), BF16)
-        self.gate_up = self._alloc((T, 2 * I), BF16)
+        self.gate_up = self._alloc((G, 2 * I), BF16)
         self.act = self._alloc((T, I), BF16)
         self.h_logits = self._alloc((min(T, S), H), BF16)
+        # FP8 GEMMs' input (prefill-sized steps): the normed rows, attention's output or
+        # SiLU * up, one at a time, as E4M3 codes with a scale a token row
+        self.act_q = self._alloc((G, max(H, I, Q)), np.uint8) if self.fp8 else None
+        self.act_q_scale = self._alloc(G, np.float32) if self.fp8 else None
+        if self.fp8:  # the FP8 GEMMs exist on this GPU and cuBLAS: one line now, not later
+            reason = self.blas.fp8_supported(GemmShape(32, H, Q + 2 * KV, R_16BF, False,
+                                                       fp8=True))
+            if reason is not None:
+                raise CudaError(f"--quantization fp8: {reason}")
         # Split-key attention workspace, for the buckets that split (attention_splits), and
         # one arrival counter per (token, kv head): zero now, left zero by every launch.
         part_rows = max(b * self.attention_splits(b) for b in self.buckets)
@@ -985,7 +1138,9 @@ class CudaForward:
         self.chain_counters = self._alloc(cfg.num_layers * self.kernels.chain_counters_words,
                                           np.uint32)
 
-        block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * D * 2  # k and v
+        kv_dtype = np.uint8 if self.kv_fp8 else BF16  # an E4M3 code, or bf16 bits
+        block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * D  # k and v
+                       * np.dtype(kv_dtype).itemsize)
         if num_blocks is None:
             free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
             # leave room for the graphs and cuBLAS's own state
@@ -996,9 +1151,20 @@ class CudaForward:
                                 f"{gpu_memory_utilization} ({free >> 20} MiB free)")
         self.num_blocks = int(num_blocks)
         kv_shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, D)
-        self.k_cache = self._alloc(kv_shape, BF16)  # [layers, blocks, block_size, kv_heads, D]
-        self.v_cache = self._alloc(kv_shape, BF16)
+        self.k_cache = self._alloc(kv_shape, kv_dtype)  # [layers, blocks, block_size, kv_heads, D]
+        self.v_cache = self._alloc(kv_shape, kv_dtype)
         self._layer_kv_bytes = block_bytes // (2 * cfg.num_layers) * self.num_blocks
+        # an E4M3 cache's scales, [layers, 2, kv_heads] (keys', values'), and the calibration
+        # pass's maxima beside them (calibrate_kv_scales)
+        self.kv_scales = self.kv_amax = None
+        self._calibrating = False
+        if self.kv_fp8:
+            self.kv_scales = self._alloc((cfg.num_layers, 2, cfg.num_kv_heads), np.float32)
+            self.kv_amax = self._alloc((cfg.num_layers, 2, cfg.num_kv_heads), np.float32)
+            if kv_scales is not None:
+                self.set_kv_scales(kv_scales)
+            else:
+                self.calibrate_kv_scales()
 
         self.graph_execs: dict[int, object] = {}
         self.graph_node_types: dict[int, dict[str, int]] = {}
@@ -1065,10 +1231,16 @@ class CudaForward:
             k_norm=tensor(D, const=1.0) if cfg.qk_norm else None,
             wo=tensor(H, Q, fan_in=Q), bo=tensor(H, fan_in=Q) if cfg.o_proj_bias else None,
             wgu=tensor(2 * I, H, fan_in=H),
-            wdown=tensor(H, I, fan_in=I)) for _ in range(cfg.num_layers)]
+            wdown=tensor(H, I, fan_in=I),
+            input_norm=tensor(H, const=1.0) if self.fp8 else None,
+            post_norm=tensor(H, const=1.0) if self.fp8 else None)
+            for _ in range(cfg.num_layers)]
         synchronize(self.stream)
 
     def _upload_weights(self, w: ModelWeights) -> None:
+        """The checkpoint's weights in bf16, the RMSNorm weights folded into the projections
+        after them (FP8: kept apart, the projections quantized from these by
+        _quantize_projections)."""
         cfg = self.cfg
         self.embed = self._bf16(w.embed)
         self.lm_head = self.embed if w.lm_head is w.embed else self._bf16(w.lm_head)
@@ -1081,18 +1253,38 @@ class CudaForward:
         self.layers = []
         for lw in w.layers:
             wqkv = np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj])[order]
+            wgu = interleave_gate_up(lw.gate_proj, lw.up_proj)
             self.layers.append(_Layer(
-                wqkv=self._bf16(wqkv * lw.input_norm[None, :]),
+                wqkv=self._bf16(wqkv if self.fp8 else wqkv * lw.input_norm[None, :]),
                 bqkv=(self._bf16(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias])[order])
                       if lw.q_bias is not None else None),
                 q_norm=self._bf16(lw.q_norm) if lw.q_norm is not None else None,
                 k_norm=self._bf16(lw.k_norm) if lw.k_norm is not None else None,
                 wo=self._bf16(lw.o_proj),
                 bo=self._bf16(lw.o_bias) if lw.o_bias is not None else None,
-                wgu=self._bf16(interleave_gate_up(lw.gate_proj, lw.up_proj)
-                               * lw.post_attention_norm[None, :]),
+                wgu=self._bf16(wgu if self.fp8 else wgu * lw.post_attention_norm[None, :]),
                 wdown=self._bf16(lw.down_proj),
+                input_norm=self._bf16(lw.input_norm) if self.fp8 else None,
+                post_norm=self._bf16(lw.post_attention_norm) if self.fp8 else None,
             ))
+
+    def _quantize_projections(self) -> None:
+        """Each layer's bf16 projections -> E4M3 codes with a scale per row (_Layer.scales),
+        quantized on the GPU (ForwardKernels.quantize_rows: fp8.py quantize_rows's codes), the
+        bf16 copies freed as it goes."""
+        k = self.kernels
+        for lw in self.layers:
+            for name, rows, cols in self._projections():
+                bf16 = getattr(lw, name)
+                codes = self._alloc((rows, cols), np.uint8)
+                scale = self._alloc(rows, np.float32)
+                k.quantize_rows(self.stream, rows, 0, bf16.ptr, cols, codes.ptr, cols,
+                                scale.ptr, cols)
+                setattr(lw, name, codes)
+                lw.scales[name] = scale
+                synchronize(self.stream)
+                self._memory.remove(bf16)
+                bf16.free()
 
     def _projections(self) -> list[tuple[str, int, int]]:
         """(weight, rows, columns) of a layer's projections, which the skinny kernels take in
@@ -1102,19 +1294,21 @@ class CudaForward:
         return [("wqkv", Q + 2 * KV, H), ("wo", H, Q), ("wgu", 2 * I, H), ("wdown", H, I)]
 
     def _tile_projections(self) -> None:
-        """Each layer's tiled copies of its projections (_Layer.tiled), and the LM head's
-        (lm_head_tiled), made on the GPU."""
+        """Each layer's tiled copies of its projections (_Layer.tiled; FP8: of their codes),
+        and the LM head's (lm_head_tiled, bf16), made on the GPU."""
         k, cfg = self.kernels, self.cfg
 
-        def tiled_copy(w: DeviceArray, rows: int, cols: int) -> DeviceArray | None:
-            if not k.skinny_fits(1, cols, rows):
+        def tiled_copy(w: DeviceArray, rows: int, cols: int,
+                       fp8: bool = False) -> DeviceArray | None:
+            if not k.skinny_fits(1, cols, rows, fp8):
                 return None  # no skinny kernel takes it
-            copy = self._alloc(k.tiled_elements(rows, cols), BF16)
-            k.tile_weights(self.stream, w.ptr, copy.ptr, rows, cols)
+            copy = self._alloc(k.tiled_elements(rows, cols, 1 if fp8 else 2),
+                               np.uint8 if fp8 else BF16)
+            k.tile_weights(self.stream, w.ptr, copy.ptr, rows, cols, fp8)
             return copy
         for lw in self.layers:
             for name, rows, cols in self._projections():
-                copy = tiled_copy(getattr(lw, name), rows, cols)
+                copy = tiled_copy(getattr(lw, name), rows, cols, self.fp8)
                 if copy is not None:
                     lw.tiled[name] = copy
         self.lm_head_tiled = tiled_copy(self.lm_head, cfg.vocab_size, cfg.hidden_size)
@@ -1182,6 +1376,10 @@ class CudaForward:
         fuse = (self.fuse_norm_rope and self.skinny and rows <= k.SKINNY_NORM_MAX_ROWS
                 and k.skinny_fits(rows, H, Q + 2 * KV) and k.skinny_fits(rows, H, 2 * I)
                 and skinny(Q, H, True) and skinny(I, H, True))
+        if self.fp8:  # FP8 weights: the same fusion on the FP8 skinny kernels (fp8_layer)
+            fuse = (self.fuse_norm_rope and not cfg.o_proj_bias
+                    and all(k.skinny_fits(rows, kin, kout, fp8=True)
+                            for kin, kout in ((H, Q + 2 * KV), (Q, H), (H, 2 * I), (I, H))))
         shadow = self.x_shadow.ptr if fuse else 0
         # 17 to 32 rows: the split-K projections write no shadow, so the RMSNorm stays a kernel,
         # but the qkv projection runs the skinny kernel on its tiled copy, RoPE + KV write in
@@ -1196,6 +1394,78 @@ class CudaForward:
         # so that its CTAs take the SMs the norm leaves idle and start on their weights (at
         # 17..32 rows; a cuBLAS GEMM after a norm, in larger steps, launches at its end anyway)
         norm_release = in_order and self.norm_release
+
+        def fp8_linear(label, lw, name, dst, in_f, out_f, accumulate=False):
+            """dst (+)= act_q @ lw.<name>^T on cuBLASLt's FP8 GEMM (E4M3 act_q with its rows'
+            scales, the weight's codes with theirs): bf16 out, or fp32 added into dst. The
+            GEMM's rows are the bucket's rounded up to 16 (FP8 GEMMs take whole 16s; the
+            buffers have them)."""
+            op(label, blas.linear_fp8, self.act_q.ptr, self.act_q_scale.ptr,
+               getattr(lw, name).ptr, lw.scales[name].ptr, dst, _rows16(rows), in_f, out_f,
+               R_32F if accumulate else R_16BF, accumulate)
+
+        def fp8_skinny(label, x, lw, name, dst, in_f, out_f, mode, **kwargs):
+            """dst = x @ lw.<name>^T on the FP8 skinny kernel (its tiled copy where there is
+            one), in `mode` (with the RMSNorm's weight given as norm_w: folded in)."""
+            w, tiled = skinny_weight(lw, name)
+            splits = (1 if "norm_eps" in kwargs else
+                      k.skinny_splits("linear", rows, in_f, out_f, self.skinny_split_blocks,
+                                      fp8=True))
+            op(label, k.skinny_linear, s, x, w, dst, rows, in_f, out_f, mode, w_tiled=tiled,
+               k_splits=splits, w_scale=lw.scales[name].ptr, **kwargs)
+
+        def fp8_layer(lw, rope_args, cache_args, kv_write, rope):
+            """One layer on FP8 weights: decode-sized buckets (fuse) on the FP8 skinny kernels,
+            with the RMSNorms and RoPE + KV write folded in as on bf16 weights (the norms'
+            weights given, not folded); others on cuBLASLt's FP8 GEMMs, each input quantized
+            per token row first (by the RMSNorm and SiLU * up kernels themselves, attention's
+            output by a kernel of its own)."""
+            if fuse and lw.q_norm is None:
+                wqkv, tiled = skinny_weight(lw, "wqkv")
+                op("rmsnorm + qkv proj + rope + kv write", k.skinny_qkv_rope, s, rows, d,
+                   self.x_shadow.ptr, wqkv, H, eps, *rope_args, lw.bqkv.ptr if lw.bqkv else 0,
+                   self.inv_freq.ptr, cfg.num_heads, cfg.num_kv_heads, *cache_args,
+                   w_tiled=tiled, k_splits=k.skinny_splits("qkv_rope_norm", rows, H, Q + 2 * KV,
+                                                           self.skinny_split_blocks, fp8=True),
+                   w_scale=lw.scales["wqkv"].ptr, norm_w=lw.input_norm.ptr, **kv_write)
+            else:
+                if fuse:  # Qwen3: its per-head q/k norms keep RoPE a kernel
+                    fp8_skinny("rmsnorm + qkv proj", self.x_shadow.ptr, lw, "wqkv",
+                               self.qkv.ptr, H, Q + 2 * KV, SKINNY_BF16, norm_eps=eps,
+                               norm_w=lw.input_norm.ptr)
+                else:
+                    op("input rmsnorm", k.rms_norm_fp8, s, rows, d, self.x.ptr,
+                       lw.input_norm.ptr, self.act_q.ptr, self.act_q_scale.ptr, H, eps)
+                    fp8_linear("qkv proj", lw, "wqkv", self.qkv.ptr, H, Q + 2 * KV)
+                rope()
+            op("attention", k.attention, s, rows, d, self.positions.ptr, self.token_seq.ptr,
+               self.block_tables.ptr, self.max_blocks_per_seq, self.q.ptr, cache_args[1],
+               cache_args[2], self.block_size, cfg.num_heads, cfg.num_kv_heads, D ** -0.5,
+               self.attn.ptr, self.attention_splits(rows), self.attn_partial_out.ptr,
+               self.attn_partial_stats.ptr, self.attn_tile_sems.ptr,
+               small=self.attention_small(rows), wide=self.attention_wide(rows),
+               decode_min_keys=self.decode_min_keys, release_next=in_order and fuse,
+               kv_scales=kv_write["kv_scales"])
+            if fuse:
+                fp8_skinny("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
+                           SKINNY_F32_ADD, shadow=self.x_shadow.ptr)
+                fp8_skinny("rmsnorm + gate|up proj + silu*mul", self.x_shadow.ptr, lw, "wgu",
+                           self.act.ptr, H, 2 * I, SKINNY_SILU_MUL, norm_eps=eps,
+                           norm_w=lw.post_norm.ptr)
+                fp8_skinny("down proj + residual", self.act.ptr, lw, "wdown", self.x.ptr, I, H,
+                           SKINNY_F32_ADD, shadow=self.x_shadow.ptr)
+                return
+            op("attention quantize", k.quantize_rows, s, rows, d, self.attn.ptr, Q,
+               self.act_q.ptr, Q, self.act_q_scale.ptr, Q)
+            fp8_linear("o proj + residual", lw, "wo", self.x.ptr, Q, H, accumulate=True)
+            op("post-attention rmsnorm", k.rms_norm_fp8, s, rows, d, self.x.ptr,
+               lw.post_norm.ptr, self.act_q.ptr, self.act_q_scale.ptr, H, eps,
+               bias=lw.bo.ptr if lw.bo else 0)
+            fp8_linear("gate|up proj", lw, "wgu", self.gate_up.ptr, H, 2 * I)
+            op("silu*mul", k.silu_mul_fp8, s, rows, d, self.gate_up.ptr, self.act_q.ptr,
+               self.act_q_scale.ptr, I)
+            fp8_linear("down proj + residual", lw, "wdown", self.x.ptr, I, H, accumulate=True)
+
         op("embedding", k.embedding, s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr,
            H, V, x_shadow=shadow)
         for li, lw in enumerate(self.layers):
@@ -1204,6 +1474,16 @@ class CudaForward:
             rope_args = (self.positions.ptr, self.token_seq.ptr, self.block_tables.ptr,
                          self.max_blocks_per_seq)
             cache_args = (self.q.ptr, k_layer, v_layer, self.block_size, self.num_blocks)
+            kv_write = self._kv_write_args(li)  # an E4M3 cache's scales (and calibration)
+
+            def rope(lw=lw, rope_args=rope_args, cache_args=cache_args, kv_write=kv_write):
+                op("rope + kv write", k.rope_kv_write, s, rows, d, *rope_args, self.qkv.ptr,
+                   lw.bqkv.ptr if lw.bqkv else 0, lw.q_norm.ptr if lw.q_norm else 0,
+                   lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr, cfg.num_heads,
+                   cfg.num_kv_heads, *cache_args, **kv_write)
+            if self.fp8:
+                fp8_layer(lw, rope_args, cache_args, kv_write, rope)
+                continue
             # RoPE + KV write ride in the skinny qkv projection, with the RMSNorm too (decode
             # buckets) or after its kernel (17 to 32 rows); Qwen3's per-head q/k norms need
             # whole heads, so there RoPE stays a kernel
@@ -1219,7 +1499,8 @@ class CudaForward:
                    self.x_shadow.ptr if fuse else self.h.ptr, wqkv, H, eps if fuse else None,
                    *rope_args, lw.bqkv.ptr if lw.bqkv else 0, self.inv_freq.ptr,
                    cfg.num_heads, cfg.num_kv_heads, *cache_args, w_tiled=tiled,
-                   k_splits=k_splits(H, Q + 2 * KV, "qkv_rope_norm") if fuse else 1)
+                   k_splits=k_splits(H, Q + 2 * KV, "qkv_rope_norm") if fuse else 1,
+                   **kv_write)
             else:
                 if fuse:
                     wqkv, tiled = skinny_weight(lw, "wqkv")
@@ -1228,10 +1509,7 @@ class CudaForward:
                        w_tiled=tiled)
                 else:
                     linear("qkv proj", self.h.ptr, lw, "wqkv", self.qkv.ptr, H, Q + 2 * KV)
-                op("rope + kv write", k.rope_kv_write, s, rows, d, *rope_args, self.qkv.ptr,
-                   lw.bqkv.ptr if lw.bqkv else 0, lw.q_norm.ptr if lw.q_norm else 0,
-                   lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr, cfg.num_heads,
-                   cfg.num_kv_heads, *cache_args)
+                rope()
             # x += attn @ Wo^T: the residual add rides in the projection (fp32 output); o_proj's
             # bias (where a model has one) is added by the norm kernel, so it stays a kernel
             fuse_post = fuse and lw.bo is None
@@ -1248,7 +1526,8 @@ class CudaForward:
                small=self.attention_small(rows), wide=self.attention_wide(rows),
                decode_min_keys=self.decode_min_keys,
                release_next=in_order and (chain or skinny(Q, H, True)
-                                          or splitk(lw, "wo", Q, H)))
+                                          or splitk(lw, "wo", Q, H)),
+               kv_scales=kv_write["kv_scales"])
             if chain:
                 op("o proj + residual, rmsnorm + gate|up proj + silu*mul, down proj + residual",
                    k.projection_chain, s, self.attn.ptr, lw.tiled["wo"].ptr,
@@ -1344,6 +1623,59 @@ class CudaForward:
             driver.cuGraphDestroy(graph)
         return exe
 
+    # --- the E4M3 KV cache's scales ----------------------------------------------------------
+
+    def _kv_write_args(self, layer: int) -> dict[str, int]:
+        """A KV writer's kv_scales and kv_amax for `layer` (0 with a bf16 cache; kv_amax only
+        while calibrate_kv_scales runs)."""
+        if not self.kv_fp8:
+            return {"kv_scales": 0, "kv_amax": 0}
+        at = layer * 2 * self.cfg.num_kv_heads * 4
+        return {"kv_scales": self.kv_scales.ptr + at,
+                "kv_amax": self.kv_amax.ptr + at if self._calibrating else 0}
+
+    def set_kv_scales(self, scales: np.ndarray) -> None:
+        """The E4M3 cache's scales: [num_layers, 2, num_kv_heads] float32 (keys', values'), or
+        [num_layers, 2] (one a layer's keys, one its values: a checkpoint's k_scale, v_scale)."""
+        cfg = self.cfg
+        scales = np.asarray(scales, np.float32)
+        if scales.shape == (cfg.num_layers, 2):
+            scales = np.repeat(scales[:, :, None], cfg.num_kv_heads, axis=2)
+        if scales.shape != (cfg.num_layers, 2, cfg.num_kv_heads) or not (
+                np.isfinite(scales).all() and (scales > 0).all()):
+            raise ValueError(f"KV scales must be positive, finite and [{cfg.num_layers}, 2"
+                             f"(, {cfg.num_kv_heads})], got {scales.shape}")
+        self.kv_scales.upload(scales)
+
+    def calibrate_kv_scales(self, tokens: np.ndarray | None = None) -> np.ndarray:
+        """Sets the E4M3 cache's scales from one prefill of `tokens` (default
+        fp8.calibration_tokens, as many as a step and the cache take, up to 512): each head's
+        largest |key| and |value| that pass wrote (the KV writers note them, kv_amax) lands at
+        1 / fp8.KV_HEADROOM of E4M3's range (fp8.kv_scales_from_amax); the pass itself runs on
+        scales of 1. Returns the scales, [num_layers, 2, num_kv_heads]."""
+        if not self.kv_fp8:
+            raise ValueError("calibrate_kv_scales calibrates an E4M3 KV cache")
+        if tokens is None:
+            count = min(512, self.max_tokens, self.max_model_len,
+                        self.num_blocks * self.block_size)
+            tokens = calibration_tokens(self.cfg.vocab_size, count)
+        n = len(tokens)
+        blocks = -(-n // self.block_size)
+        batch = ForwardBatch(np.asarray(tokens, np.int32), np.arange(n, dtype=np.int32),
+                             np.array([0, n], np.int32), np.array([n], np.int32),
+                             np.arange(blocks, dtype=np.int32)[None, :],
+                             np.zeros(1, np.int32))
+        self.set_kv_scales(np.ones((self.cfg.num_layers, 2), np.float32))
+        self.kv_amax.fill_bytes(0)
+        self._calibrating = True
+        try:
+            self.run(batch, eager=True)
+        finally:
+            self._calibrating = False
+        scales = kv_scales_from_amax(self.kv_amax.download())
+        self.set_kv_scales(scales)
+        return scales
+
     # --- for the scheduler kernel ---------------------------------------------------------------
 
     def attention_splits(self, bucket: int) -> int:
@@ -1434,9 +1766,19 @@ class CudaForward:
     def randomize_kv_cache(self, seed: int) -> None:
         """Keys and values uniform in [-1, 1), for benchmarks: a cache of one repeated value
         toggles no bits on its way through the attention kernel and draws less power than the
-        cache of a live run (docs/performance.md, *Power*)."""
-        self._fill_uniform(self.k_cache, seed, 1.0)
-        self._fill_uniform(self.v_cache, seed + 1, 1.0)
+        cache of a live run (docs/performance.md, *Power*). An E4M3 cache gets the codes of
+        such values (random bytes would hold NaN codes)."""
+        if self.kv_fp8:
+            from blink.gpu_engine import cuda_runtime as cr
+            fill = cr.Module(cr.nvcc_cubin(CSRC / "random_fill.cu")).function(
+                "fill_uniform_e4m3")
+            for i, arr in enumerate((self.k_cache, self.v_cache)):
+                cr.launch(fill, 4096, 256, (arr.ptr, arr.nbytes, seed + i, 1.0),
+                          (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float),
+                          self.stream)
+        else:
+            self._fill_uniform(self.k_cache, seed, 1.0)
+            self._fill_uniform(self.v_cache, seed + 1, 1.0)
         synchronize(self.stream)
 
     # --- the host-side test path ------------------------------------------------------------

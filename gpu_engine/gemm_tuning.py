@@ -48,7 +48,8 @@ WARMUP_S = 0.02   # of GPU time before the first round
 
 @dataclass
 class Choice:
-    """The outcome of tuning one shape: algo None keeps cuBLAS's own (GemmEx) choice."""
+    """The outcome of tuning one shape: algo None keeps cuBLAS's own (GemmEx) choice, or for an
+    FP8 shape cuBLASLt's heuristic's first."""
     algo: LtAlgo | None
     default_us: float   # cuBLAS's own choice, per call
     best_us: float      # the kept one, per call
@@ -206,15 +207,26 @@ class GemmTuner:
         from cuda.bindings import driver as cu
         from .cuda_runtime import capture_device_graph, check
         # inputs non-zero (tensor cores draw less on zeros), outputs put back to zero after
-        spans = {(c.x, shape.rows * shape.in_features * 2) for c in calls}
+        spans = {(c.x, shape.x_bytes) for c in calls}
         outs = {(c.out, shape.rows * shape.out_features * (4 if shape.out_type == R_32F else 2))
                 for c in calls}
+        scales = {(c.x_scale, 4 * shape.rows) for c in calls if shape.fp8}
         for ptr, nbytes in spans:
-            check(cu.cuMemsetD16Async(ptr, 0x3C00, nbytes // 2, self.stream))  # bf16 2^-7
+            if shape.fp8:
+                check(cu.cuMemsetD8Async(ptr, 0x30, nbytes, self.stream))  # E4M3 2^-1
+            else:
+                check(cu.cuMemsetD16Async(ptr, 0x3C00, nbytes // 2, self.stream))  # bf16 2^-7
+        for ptr, nbytes in scales:
+            check(cu.cuMemsetD32Async(ptr, 0x3C000000, nbytes // 4, self.stream))  # f32 2^-7
 
         def run(c: GemmCall, algo) -> None:
-            self.blas.linear(c.x, c.w, c.out, shape.rows, shape.in_features, shape.out_features,
-                             shape.out_type, shape.accumulate, algo=algo)
+            if shape.fp8:  # algo None: cuBLASLt's first choice, the FP8 GEMMs' default
+                self.blas.linear_fp8(c.x, c.x_scale, c.w, c.w_scale, c.out, shape.rows,
+                                     shape.in_features, shape.out_features, shape.out_type,
+                                     shape.accumulate, algo=algo)
+            else:
+                self.blas.linear(c.x, c.w, c.out, shape.rows, shape.in_features,
+                                 shape.out_features, shape.out_type, shape.accumulate, algo=algo)
 
         def graph_of(algo):
             """The calls as one graph, instantiated as the forward graphs are (for device
@@ -233,8 +245,12 @@ class GemmTuner:
             check(cu.cuEventSynchronize(end))
             return check(cu.cuEventElapsedTime(start, end)) * 1e3
 
+        # FP8 shapes have no cuBLAS default: linear_fp8's own is candidates[0] (the heuristic's
+        # first), which is timed as one of the candidates, and any that runs may replace it
+        fp8 = shape.fp8
         try:
-            exes.append(graph_of(None))  # cuBLAS's own choice: as the forward graphs run it
+            if not fp8:
+                exes.append(graph_of(None))  # cuBLAS's own choice: as the forward graphs run it
             for algo in candidates:
                 try:
                     exes.append(graph_of(algo))
@@ -243,12 +259,16 @@ class GemmTuner:
                                 self.blas.lt_describe(algo), shape.key, e)
                     self.failed += 1
                     exes.append(None)
+            live = [exe for exe in exes if exe is not None]
+            if not live:
+                raise RuntimeError(f"no GEMM algorithm for {shape.key} can run in a "
+                                   f"device-launched graph")
             # the clock first (WARMUP_S of cuBLAS's own graph), then every graph once a round:
             # a clock still rising or a GPU heating up then favours no algorithm over another
             with self.beside():
-                first = replay_us(exes[0])
+                first = replay_us(live[0])
                 for _ in range(min(100, int(WARMUP_S * 1e6 / max(first, 1.0)))):
-                    check(cu.cuGraphLaunch(exes[0], self.stream))
+                    check(cu.cuGraphLaunch(live[0], self.stream))
                 best = [float("inf")] * len(exes)
                 for _ in range(ROUNDS):
                     for i, exe in enumerate(exes):
@@ -260,11 +280,14 @@ class GemmTuner:
                     cu.cuGraphExecDestroy(exe)
             cu.cuEventDestroy(start)
             cu.cuEventDestroy(end)
-            for ptr, nbytes in spans | outs:
+            for ptr, nbytes in spans | outs | scales:
                 check(cu.cuMemsetD8Async(ptr, 0, nbytes, self.stream))
             check(cu.cuStreamSynchronize(self.stream))
-        default_us, candidate_us = best[0] / len(calls), [t / len(calls) for t in best[1:]]
+        times = [t / len(calls) for t in best]
+        default_us, candidate_us = times[0], times if fp8 else times[1:]
         pick = choose(default_us, candidate_us)
+        if fp8 and default_us == float("inf"):  # the heuristic's first cannot run: the fastest
+            pick = min(range(len(times)), key=times.__getitem__)
         if pick is None:
             return Choice(None, default_us, default_us)
         algo = candidates[pick]

@@ -20,6 +20,7 @@ import numpy as np
 from blink.gpu_engine.block_manager import KvBlockPool
 from blink.gpu_engine.checkpoint import ModelConfig, load_config, load_weights
 from blink.gpu_engine.forward_batch import ForwardBatch
+from blink.gpu_engine.fp8 import fp8_weights
 from blink.gpu_engine.reference_model import ReferenceModel
 from blink.gpu_engine.ring_server import ModelLimits, RingServer
 from blink.gpu_engine.sampling import sample_token
@@ -58,12 +59,27 @@ class EngineConfig:
     # reads, at the cost of those weights' memory a second time (CudaForward's
     # decode_weight_copy)
     decode_weight_copy: bool = True
+    # "fp8": the projections' weights as E4M3 with a scale per output row (also what an FP8
+    # checkpoint's config asks for); the CPU engine emulates their rounding (gpu_engine/fp8.py)
+    quantization: str | None = None
+    # "fp8": an E4M3 KV cache with a scale per (layer, KV head), from the checkpoint or
+    # calibrated at start-up; "auto": bf16 (the CPU engine emulates the E4M3 one's rounding)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if self.num_slots < 1 or self.block_size < 1:
             raise ValueError("num_slots and block_size must be >= 1")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got "
+                             f"{self.kv_cache_dtype!r}")
+
+    def quantization_for(self, cfg: ModelConfig) -> str | None:
+        """The weights' format served: --quantization, or the checkpoint's own."""
+        return self.quantization or cfg.quantization
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
 
@@ -117,12 +133,23 @@ class ReferenceEngine:
                  config.block_size, config.num_slots, config.ring_name)
 
     def _load_model(self, cfg: ModelConfig) -> int:
-        """Loads the model and its KV cache; returns the cache's block count."""
+        """Loads the model and its KV cache; returns the cache's block count. FP8 weights and
+        an FP8 KV cache are emulated: the same roundings as the GPU's, in float32."""
         config = self.config
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_bytes // kv_bytes_per_block(cfg, config.block_size))
-        self.model = ReferenceModel(cfg, load_weights(config.model_dir, cfg), num_blocks,
-                                    config.block_size)
+        weights = load_weights(config.model_dir, cfg)
+        if config.quantization_for(cfg) == "fp8":
+            weights = fp8_weights(weights)
+        self.model = ReferenceModel(cfg, weights, num_blocks, config.block_size)
+        if config.kv_cache_dtype == "fp8":
+            if weights.kv_scales is not None:
+                self.model.kv_scales = np.repeat(weights.kv_scales[:, :, None],
+                                                 cfg.num_kv_heads, axis=2)
+            else:
+                self.model.calibrate_kv_scales()
+            log.info("KV cache: E4M3 emulated, scales %s", "from the checkpoint"
+                     if weights.kv_scales is not None else "calibrated")
         return num_blocks
 
     def _forward_sample(self, batch: ForwardBatch, samplers: list[Sequence]) -> list[int]:

@@ -3,6 +3,11 @@
 It is the oracle the GPU engine is tested against, and is itself tested against Hugging Face
 transformers. Written for reading, not speed: batched matmuls over all tokens of a step, attention
 one sequence at a time.
+
+FP8 emulation (gpu_engine/fp8.py has the rules): FP8 weights are weights passed through
+fp8.fp8_weights; kv_scales [num_layers, 2, num_kv_heads] stores every key and value as an E4M3
+cache with those scales does (fp8_rounded_kv); fp8_activations rounds each projection's input
+rows as the FP8 GEMMs of prefill-sized steps take them (a scale per token row).
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import numpy as np
 
 from .checkpoint import ModelConfig, ModelWeights, rope_inv_freq
 from .forward_batch import ForwardBatch
+from .fp8 import calibration_tokens, fp8_rounded_kv, fp8_rounded_rows, kv_scales_from_amax
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -35,13 +41,18 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 class ReferenceModel:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, num_blocks: int, block_size: int):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, num_blocks: int, block_size: int,
+                 kv_scales: np.ndarray | None = None, fp8_activations: bool = False):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
         self.cfg = cfg
         self.w = weights
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # FP8 emulation (module docstring): an E4M3 cache's scales, and the FP8 GEMMs' inputs
+        self.kv_scales = None if kv_scales is None else np.asarray(kv_scales, np.float32)
+        self.fp8_activations = fp8_activations
+        self.kv_amax: np.ndarray | None = None  # [L, 2, kv_heads] while calibrating
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         self.k_cache = np.zeros(shape, np.float32)
@@ -98,10 +109,12 @@ class ReferenceModel:
         emb = np.concatenate([freqs, freqs], axis=-1)  # [T, D]
         cos, sin = np.cos(emb), np.sin(emb)
 
+        # the FP8 GEMMs' inputs (fp8_activations), else the values themselves
+        gemm_input = fp8_rounded_rows if self.fp8_activations else (lambda a: a)
         x = w.embed[batch.token_ids]  # [T, H]
         for li, lw in enumerate(w.layers):
             on_progress()
-            h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
+            h = gemm_input(rms_norm(x, lw.input_norm, cfg.rms_norm_eps))
             q, k, v = h @ lw.q_proj.T, h @ lw.k_proj.T, h @ lw.v_proj.T
             if lw.q_bias is not None:
                 q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
@@ -114,6 +127,12 @@ class ReferenceModel:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
             # Write this step's keys and values first: attention then reads only the cache.
+            if self.kv_amax is not None:  # calibrating: each head's largest |key|, |value|
+                self.kv_amax[li, 0] = np.maximum(self.kv_amax[li, 0], np.abs(k).max((0, 2)))
+                self.kv_amax[li, 1] = np.maximum(self.kv_amax[li, 1], np.abs(v).max((0, 2)))
+            if self.kv_scales is not None:
+                k = fp8_rounded_kv(k, self.kv_scales[li, 0])
+                v = fp8_rounded_kv(v, self.kv_scales[li, 1])
             self.k_cache[li, blocks, rows] = k
             self.v_cache[li, blocks, rows] = v
 
@@ -125,14 +144,36 @@ class ReferenceModel:
                     attn[a:b] = self._attend(li, q[a:b], batch.positions[a:b],
                                              batch.block_tables[s], keys)
                     on_progress()
-            o = attn.reshape(T, cfg.q_size) @ lw.o_proj.T
+            o = gemm_input(attn.reshape(T, cfg.q_size)) @ lw.o_proj.T
             x = x + (o + lw.o_bias if lw.o_bias is not None else o)
 
-            h = rms_norm(x, lw.post_attention_norm, cfg.rms_norm_eps)
-            x = x + (silu(h @ lw.gate_proj.T) * (h @ lw.up_proj.T)) @ lw.down_proj.T
+            h = gemm_input(rms_norm(x, lw.post_attention_norm, cfg.rms_norm_eps))
+            x = x + gemm_input(silu(h @ lw.gate_proj.T) * (h @ lw.up_proj.T)) @ lw.down_proj.T
 
         last = starts[batch.logit_seqs + 1] - 1  # [L] each wanted sequence's last token
         return rms_norm(x[last], w.final_norm, cfg.rms_norm_eps) @ w.lm_head.T  # [L, V]
+
+    def calibrate_kv_scales(self, tokens: np.ndarray | None = None) -> np.ndarray:
+        """An E4M3 cache's scales from one prefill of `tokens` (default fp8.calibration_tokens,
+        up to 512 as the cache takes them) with the cache unrounded, as CudaForward's
+        calibrate_kv_scales sets them; sets and returns them, [num_layers, 2, num_kv_heads]."""
+        cfg = self.cfg
+        if tokens is None:
+            count = min(512, cfg.max_position_embeddings, self.num_blocks * self.block_size)
+            tokens = calibration_tokens(cfg.vocab_size, count)
+        n = len(tokens)
+        batch = ForwardBatch(np.asarray(tokens, np.int32), np.arange(n, dtype=np.int32),
+                             np.array([0, n], np.int32), np.array([n], np.int32),
+                             np.arange(-(-n // self.block_size), dtype=np.int32)[None, :],
+                             np.zeros(1, np.int32))
+        self.kv_scales = None
+        self.kv_amax = np.zeros((cfg.num_layers, 2, cfg.num_kv_heads), np.float32)
+        try:
+            self.forward(batch)
+            self.kv_scales = kv_scales_from_amax(self.kv_amax)
+        finally:
+            self.kv_amax = None
+        return self.kv_scales
 
     def _attend(self, layer: int, q: np.ndarray, positions: np.ndarray, block_table: np.ndarray,
                 context_len: int) -> np.ndarray:

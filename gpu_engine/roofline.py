@@ -24,16 +24,25 @@ def projection_weights(cfg: ModelConfig) -> dict[str, int]:
             "gate_up": 2 * H * I, "down": I * H, "lm_head": cfg.vocab_size * H}
 
 
-def linear_weight_bytes(cfg: ModelConfig) -> int:
-    """Every projection of every layer, the LM head and the norm weights, in bf16."""
+def projection_rows(cfg: ModelConfig) -> int:
+    """Output rows of one layer's projections (the FP8 weights' float32 scales)."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return (cfg.q_size + 2 * cfg.kv_size) + H + 2 * I + H
+
+
+def linear_weight_bytes(cfg: ModelConfig, fp8: bool = False) -> int:
+    """Every projection of every layer, the LM head and the norm weights, in bf16; fp8: the
+    projections as E4M3 codes and a float32 scale per output row (the LM head stays bf16)."""
     w = projection_weights(cfg)
-    per_layer = w["qkv"] + w["o"] + w["gate_up"] + w["down"] + 2 * cfg.hidden_size
-    return BF16_BYTES * (cfg.num_layers * per_layer + w["lm_head"] + cfg.hidden_size)
+    projections = w["qkv"] + w["o"] + w["gate_up"] + w["down"]
+    per_layer = (projections + 4 * projection_rows(cfg) if fp8
+                 else BF16_BYTES * projections) + BF16_BYTES * 2 * cfg.hidden_size
+    return cfg.num_layers * per_layer + BF16_BYTES * (w["lm_head"] + cfg.hidden_size)
 
 
-def kv_bytes_per_token(cfg: ModelConfig) -> int:
-    """Keys and values of one token over all layers, bf16."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * BF16_BYTES
+def kv_bytes_per_token(cfg: ModelConfig, fp8: bool = False) -> int:
+    """Keys and values of one token over all layers, bf16 (fp8: E4M3 codes, one byte each)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (1 if fp8 else BF16_BYTES)
 
 
 @dataclass(frozen=True)
@@ -52,12 +61,14 @@ class StepBytes:
                    else ""))
 
 
-def decode_step_bytes(cfg: ModelConfig, context_lens: list[int]) -> StepBytes:
+def decode_step_bytes(cfg: ModelConfig, context_lens: list[int], weights_fp8: bool = False,
+                      kv_fp8: bool = False) -> StepBytes:
     """One decode step of len(context_lens) sequences, each attending to its context_lens[i]
-    keys (the new token's included)."""
-    return StepBytes(weights=linear_weight_bytes(cfg),
+    keys (the new token's included); FP8 weights and an E4M3 KV cache counted at the bytes
+    their kernels read."""
+    return StepBytes(weights=linear_weight_bytes(cfg, weights_fp8),
                      embedding=len(context_lens) * cfg.hidden_size * BF16_BYTES,
-                     kv=sum(context_lens) * kv_bytes_per_token(cfg))
+                     kv=sum(context_lens) * kv_bytes_per_token(cfg, kv_fp8))
 
 
 @dataclass(frozen=True)

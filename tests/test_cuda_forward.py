@@ -24,6 +24,8 @@ from gpu import requires_gpu
 from blink.gpu_engine.checkpoint import load_config, load_weights, rope_inv_freq
 from blink.gpu_engine.demo_model import float32_to_bf16_bits, write_random_checkpoint
 from blink.gpu_engine.forward_batch import ForwardBatch
+from blink.gpu_engine.fp8 import dequantize_rows, e4m3_to_float32, float32_to_e4m3, \
+    quantize_rows
 from blink.gpu_engine.reference_model import ReferenceModel
 from blink.gpu_engine.sampling import sample_token, uniform
 from blink.gpu_engine.sequence import SamplingParams
@@ -77,10 +79,32 @@ def stream(cf):
 _KERNELS = {}
 
 
-def kernels(cf, head_dim: int = 64):
-    if head_dim not in _KERNELS:
-        _KERNELS[head_dim] = cf.ForwardKernels(head_dim)
-    return _KERNELS[head_dim]
+def kernels(cf, head_dim: int = 64, kv_fp8: bool = False):
+    """The forward module for head_dim (kv_fp8: built for an E4M3 KV cache), loaded once."""
+    if (head_dim, kv_fp8) not in _KERNELS:
+        _KERNELS[head_dim, kv_fp8] = cf.ForwardKernels(head_dim, kv_fp8=kv_fp8)
+    return _KERNELS[head_dim, kv_fp8]
+
+
+def e4m3_half_step(v) -> np.ndarray:
+    """Half the spacing of the E4M3 grid around each |v| (a rounding's largest error there):
+    2^(e - 4) in the binade [2^e, 2^(e + 1)), 2^-10 in the subnormal range."""
+    a = np.abs(np.asarray(v, np.float64))
+    e = np.floor(np.log2(np.maximum(a, 2.0 ** -6)))
+    return 2.0 ** (e - 4)
+
+
+def f16_input(x) -> np.ndarray:
+    """x as the FP8 skinny kernels feed it to their f16 MMAs: times 1/16, rounded to f16 (round
+    to nearest even, as __floats2half2_rn), times 16 again; float64."""
+    return (np.asarray(x, np.float32) * np.float32(1 / 16)).astype(np.float16).astype(
+        np.float64) * 16
+
+
+def fp8_weight(w) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes, scales, their float64 values) of w quantized per row (gpu_engine/fp8.py)."""
+    codes, scale = quantize_rows(w)
+    return codes, scale, dequantize_rows(codes, scale).astype(np.float64)
 
 
 def dev(cf, arr, poison: bool = False):
@@ -273,25 +297,33 @@ def test_interleave_gate_up_layout(cf):
 
 def tiled(cf, w_bits: np.ndarray) -> np.ndarray:
     """The skinny kernels' tiled weight layout, from its definition (gemv.cuh), flat: rows
-    padded with zeros to whole 16-row tiles, each tile's 32-column steps one after another, a
-    step's 16 rows x 32 columns contiguous, then ForwardKernels.TILE_PAD zeros after each
-    tile."""
+    padded with zeros to whole 16-row tiles, each tile's 1 KB steps one after another (32
+    columns of bf16, 64 of E4M3 codes: uint8), a step's 16 rows contiguous, then
+    ForwardKernels.TILE_PAD_BYTES of zeros after each tile."""
     n, k = w_bits.shape
+    step = 1024 // (16 * w_bits.itemsize)
     padded = np.zeros((-(-n // 16) * 16, k), w_bits.dtype)
     padded[:n] = w_bits
-    tiles = padded.reshape(-1, 16, k // 32, 32).transpose(0, 2, 1, 3).reshape(-1, 16 * k)
-    pad = np.zeros((tiles.shape[0], cf.ForwardKernels.TILE_PAD), w_bits.dtype)
+    tiles = padded.reshape(-1, 16, k // step, step).transpose(0, 2, 1, 3).reshape(-1, 16 * k)
+    pad = np.zeros((tiles.shape[0], cf.ForwardKernels.TILE_PAD_BYTES // w_bits.itemsize),
+                   w_bits.dtype)
     return np.concatenate([tiles, pad], axis=1).ravel()
 
 
 @pytest.mark.parametrize("rows,cols", [(16, 32), (200, 544), (6144, 4096)])
-def test_tile_weights(cf, stream, rows, cols):
-    """The tiling kernel writes the layout's definition (padding included), element for element."""
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tile_weights(cf, stream, rows, cols, fp8):
+    """The tiling kernel writes the layout's definition (padding included), element for
+    element: of bf16 weights, and of FP8 weights' codes (64 columns a step)."""
+    if fp8 and cols % 64:
+        cols += 32
     k = kernels(cf)
-    w = np.random.default_rng(rows).integers(0, 2 ** 16, (rows, cols), dtype=np.uint16)
+    dtype = np.uint8 if fp8 else np.uint16
+    w = np.random.default_rng(rows).integers(0, np.iinfo(dtype).max + 1, (rows, cols),
+                                             dtype=dtype)
     src = dev(cf, w)
-    dst = dev(cf, np.zeros(k.tiled_elements(rows, cols), np.uint16), poison=True)
-    k.tile_weights(stream, src.ptr, dst.ptr, rows, cols)
+    dst = dev(cf, np.zeros(k.tiled_elements(rows, cols, w.itemsize), dtype), poison=True)
+    k.tile_weights(stream, src.ptr, dst.ptr, rows, cols, fp8=fp8)
     cf.synchronize(stream)
     np.testing.assert_array_equal(dst.download(), tiled(cf, w))
 
@@ -365,19 +397,47 @@ def test_skinny_split_rule(cf, monkeypatch):
         k.skinny_linear(None, 0, 0, 0, 1, 256, 64, cf.SKINNY_BF16, k_splits=2, norm_eps=1e-5)
 
 
-def check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits):
+# FP8 weights (the _fp8 entry points): up to 16 rows, K in whole 64-k steps: remainder steps
+# only, whole unrolled batches, the cluster's 16 warps' batches and a remainder past them.
+SKINNY_FP8_CASES = [(1, 256, 200), (3, 128, 48), (8, 576, 1000), (13, 256, 136),
+                    (16, 1024, 40), (4, 256, 132 * 64 + 48), (1, 8192, 2048), (5, 2048 + 128, 72),
+                    (16, 4096, 6144)]
+
+
+@pytest.mark.parametrize("rows,k_in,n_out", SKINNY_FP8_CASES)
+@pytest.mark.parametrize("mode", ["bf16", "f32", "f32_add", "silu_mul"])
+@pytest.mark.parametrize("layout", ["row-major", "tiled"])
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_skinny_linear_fp8(cf, stream, rows, k_in, n_out, mode, layout, k_splits):
+    """The FP8-weight skinny kernels against float64 on the codes' values (a scale a row) and
+    x as the kernel rounds it to f16: every output written once, nothing past it; K split
+    across clusters of two too."""
+    if k_splits == 2 and (mode == "silu_mul" or kernels(cf).skinny_splits(
+            "linear", rows, k_in, n_out, 10 ** 6, fp8=True) != 2):
+        pytest.skip("no K split for this shape or mode")
+    check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits, fp8=True)
+
+
+def check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits, fp8=False):
     k = kernels(cf)
     if k_splits > 1:
-        assert k.skinny_splits("linear", rows, k_in, n_out, 10 ** 6) == k_splits
+        assert k.skinny_splits("linear", rows, k_in, n_out, 10 ** 6, fp8=fp8) == k_splits
     rng = np.random.default_rng(rows * 7 + k_in)
     cap = 40  # allocated rows: rows .. cap must stay poisoned
     n_w = 2 * (-(-n_out // 32) * 16) if mode == "silu_mul" else n_out  # whole 16-row pairs
     x = rb(rng.standard_normal((cap, k_in)))
     w = rb(rng.standard_normal((n_w, k_in)) * k_in ** -0.5)
-    ref = x[:rows].astype(np.float64) @ w.T.astype(np.float64)
     w_tiled = layout == "tiled"
+    if fp8:  # the codes' values against x as the kernel feeds it to the MMAs
+        codes, scale, w_values = fp8_weight(w)
+        ref = f16_input(x[:rows]) @ w_values.T
+        dw = dev(cf, tiled(cf, codes) if w_tiled else codes)
+        fp8_args = {"w_scale": dev(cf, scale).ptr}
+    else:
+        ref = x[:rows].astype(np.float64) @ w.T.astype(np.float64)
+        dw = dev(cf, tiled(cf, float32_to_bf16_bits(w)) if w_tiled else float32_to_bf16_bits(w))
+        fp8_args = {}
     dx = dev(cf, float32_to_bf16_bits(x))
-    dw = dev(cf, tiled(cf, float32_to_bf16_bits(w)) if w_tiled else float32_to_bf16_bits(w))
     if mode in ("bf16", "silu_mul"):
         expect, launch_mode = ref, cf.SKINNY_BF16
         if mode == "silu_mul":
@@ -390,7 +450,7 @@ def check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits):
                 cf.SKINNY_SILU_MUL
         out = dev(cf, np.zeros((cap, expect.shape[1]), np.uint16), poison=True)
         k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_w, launch_mode,
-                        w_tiled=w_tiled, k_splits=k_splits)
+                        w_tiled=w_tiled, k_splits=k_splits, **fp8_args)
         cf.synchronize(stream)
         got = out.download()
         assert rel_err(bf16_to_f32(got[:rows]), expect) < 1e-2
@@ -403,11 +463,15 @@ def check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits):
     k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out,
                     cf.SKINNY_F32_ADD if mode == "f32_add" else cf.SKINNY_F32,
                     shadow=shadow.ptr if mode == "f32_add" else 0, w_tiled=w_tiled,
-                    k_splits=k_splits)
+                    k_splits=k_splits, **fp8_args)
     cf.synchronize(stream)
     got = out.download()
     expect = ref + resid[:rows] if mode == "f32_add" else ref
-    assert rel_err(got[:rows], expect) < 1e-5
+    err = rel_err(got[:rows], expect)
+    if fp8:
+        REPORT["errors"][f"skinny fp8 {rows}x{k_in}->{n_out} {mode} {layout} "
+                         f"k{k_splits}"] = err
+    assert err < 1e-5
     if mode == "f32_add":
         np.testing.assert_array_equal(got[rows:], resid[rows:])
         # the residual stream's bf16 shadow: exactly the stored sums, rounded
@@ -432,17 +496,30 @@ def _rms_scale(x, eps):
                                              (16, 4096, 6144)])
 @pytest.mark.parametrize("mode", ["bf16", "silu_mul"])
 @pytest.mark.parametrize("layout", ["row-major", "tiled"])
-def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode, layout):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode, layout, fp8):
     """The RMSNorm-folding variant (x: the residual stream's bf16 shadow, the norm weight
     already in w) against float64: rms_norm(x) @ w^T, and silu(gate) * up of it, with the
-    weights in either layout."""
+    weights in either layout. FP8 weights: the norm's weight given apart (norm_w), x times it
+    rounded to f16 as the kernel feeds the MMAs."""
+    if fp8 and k_in % 64:
+        k_in += 32
     k = kernels(cf)
     rng = np.random.default_rng(rows * 5 + k_in)
     cap, eps = 20, 1e-5
     n_w = 2 * (-(-n_out // 32) * 16) if mode == "silu_mul" else n_out
     x = rb(rng.standard_normal((cap, k_in)) * 7)  # a residual stream's scale
     w = rb(rng.standard_normal((n_w, k_in)) * k_in ** -0.5)
-    ref = (x[:rows] * _rms_scale(x[:rows], eps)) @ w.T.astype(np.float64)
+    fp8_args = {}
+    if fp8:
+        norm_w = rb(1 + 0.3 * rng.standard_normal(k_in))
+        codes, scale, w_values = fp8_weight(w)
+        h = f16_input(x[:rows].astype(np.float32) * norm_w)
+        ref = h * _rms_scale(x[:rows], eps) @ w_values.T
+        fp8_args = {"w_scale": dev(cf, scale).ptr, "norm_w": dev(cf, float32_to_bf16_bits(
+            norm_w)).ptr}
+    else:
+        ref = (x[:rows] * _rms_scale(x[:rows], eps)) @ w.T.astype(np.float64)
     if mode == "silu_mul":
         inter = n_w // 2
         pairs = ref.reshape(rows, inter // 16, 2, 16)
@@ -450,18 +527,19 @@ def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode, layout)
         ref = gate / (1 + np.exp(-gate.astype(np.float64))) * up
     w_tiled = layout == "tiled"
     dx = dev(cf, float32_to_bf16_bits(x))
-    dw = dev(cf, tiled(cf, float32_to_bf16_bits(w)) if w_tiled else float32_to_bf16_bits(w))
+    w_bits = codes if fp8 else float32_to_bf16_bits(w)
+    dw = dev(cf, tiled(cf, w_bits) if w_tiled else w_bits)
     out = dev(cf, np.zeros((cap, ref.shape[1]), np.uint16), poison=True)
     k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_w,
                     cf.SKINNY_SILU_MUL if mode == "silu_mul" else cf.SKINNY_BF16, norm_eps=eps,
-                    w_tiled=w_tiled)
+                    w_tiled=w_tiled, **fp8_args)
     cf.synchronize(stream)
     got = out.download()
     assert rel_err(bf16_to_f32(got[:rows]), ref) < 1e-2
     assert (got[rows:] == POISON_BF16).all()
-    with pytest.raises(ValueError, match="RMSNorm"):
+    with pytest.raises(ValueError, match="RMSNorm|FP8"):
         k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, 17, k_in, n_w, cf.SKINNY_BF16,
-                        norm_eps=eps)
+                        norm_eps=eps, **fp8_args)
 
 
 # (hidden, intermediate, q size): Llama-3.2-1B's (row blocks past the grid, chunks past the
@@ -761,9 +839,11 @@ def test_rope_pair_order(cf):
 
 class RopeCase:
     """A mixed batch of q|k|v rows (natural layout) for the RoPE + KV write kernels, their
-    device inputs (q and k rows in the pair layout) and poisoned outputs, and the check."""
+    device inputs (q and k rows in the pair layout) and poisoned outputs, and the check.
+    kv_fp8: an E4M3 cache with a scale per (k|v, KV head) (kv_scales), and the calibration's
+    maxima (kv_amax), zero before."""
 
-    def __init__(self, cf, head_dim, tokens, variant, rng, nh=4, nkv=2):
+    def __init__(self, cf, head_dim, tokens, variant, rng, nh=4, nkv=2, kv_fp8=False):
         self.D, self.nh, self.nkv, self.bs, self.eps = head_dim, nh, nkv, 16, 1e-6
         self.tokens, bf = tokens, float32_to_bf16_bits
         self.pb = PagedBatch(MIXED[tokens], self.bs, rng)
@@ -781,8 +861,22 @@ class RopeCase:
         self.ptr = {name: dev(cf, bf(a)).ptr if a is not None else 0 for name, a in opt.items()}
         self.q_out = dev(cf, np.zeros((BUCKET, nh, head_dim), np.uint16), poison=True)
         cache = (self.pb.num_blocks, self.bs, nkv, head_dim)
-        self.kc = dev(cf, np.zeros(cache, np.uint16), poison=True)
-        self.vc = dev(cf, np.zeros(cache, np.uint16), poison=True)
+        self.kv_fp8 = kv_fp8
+        element = np.uint8 if kv_fp8 else np.uint16
+        self.kc = dev(cf, np.zeros(cache, element), poison=True)
+        self.vc = dev(cf, np.zeros(cache, element), poison=True)
+        self.kv = {}  # the KV writers' kv_scales and kv_amax (an E4M3 cache)
+        if kv_fp8:
+            self.scales = (0.01 + 0.02 * rng.random((2, nkv))).astype(np.float32)
+            self.amax = dev(cf, np.zeros((2, nkv), np.float32))
+            self.kv = {"kv_scales": dev(cf, self.scales).ptr, "kv_amax": self.amax.ptr}
+
+    def cache_values(self, got, kind) -> np.ndarray:
+        """A cache row's values as float32: bf16 bits, or E4M3 codes times their head's scale
+        (kind 0: keys, 1: values)."""
+        if not self.kv_fp8:
+            return bf16_to_f32(got)
+        return e4m3_to_float32(got) * self.scales[kind][:, None]
 
     def check(self, qkv):
         """qkv: [tokens, width] float64, natural layout, before bias."""
@@ -804,25 +898,43 @@ class RopeCase:
         for t in range(tokens):
             blk, row = pb.slot(pb.token_seq[t], pb.positions[t])
             written[blk, row] = True
-            assert rel_err(bf16_to_f32(got_k[blk, row]), kk[t]) < 1e-2
-            assert rel_err(bf16_to_f32(got_v[blk, row]), v[t]) < 1e-2
-        assert (got_k[~written] == POISON_BF16).all() and (got_v[~written] == POISON_BF16).all()
+            for kind, got, want in ((0, got_k[blk, row], kk[t]), (1, got_v[blk, row], v[t])):
+                values = self.cache_values(got, kind)
+                if self.kv_fp8:  # the nearest code (or, within the bf16 inputs' rounding, the
+                    # other one of the two around the value): within half a grid step and 1%,
+                    # of the value saturated at the head's largest (448 times its scale)
+                    scale = self.scales[kind][:, None]
+                    want = np.clip(want, -448 * scale, 448 * scale)
+                    bound = e4m3_half_step(want / scale) * scale + 1e-2 * np.abs(want)
+                    assert (np.abs(values - want) <= bound).all(), (kind, t)
+                else:
+                    assert rel_err(values, want) < 1e-2
+        poison = 0xFF if self.kv_fp8 else POISON_BF16
+        assert (got_k[~written] == poison).all() and (got_v[~written] == poison).all()
+        if self.kv_fp8:  # each head's largest |key| and |value| written, noted
+            amax = self.amax.download()
+            want = [np.abs(kk[:tokens]).max((0, 2)), np.abs(v[:tokens]).max((0, 2))]
+            np.testing.assert_allclose(amax, want, rtol=1e-2)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("tokens", [1, 19, 99])
 @pytest.mark.parametrize("variant", ["plain", "bias", "qk_norm", "llama3"])
-def test_rope_kv_write(cf, stream, head_dim, tokens, variant):
-    k = kernels(cf, head_dim)
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_rope_kv_write(cf, stream, head_dim, tokens, variant, kv_fp8):
+    """RoPE + KV write against float64: q rotated, k rotated and v into the cache (bf16, or
+    E4M3 with its head's scale, each head's largest |value| noted), nothing else written."""
+    k = kernels(cf, head_dim, kv_fp8)
     rng = np.random.default_rng(head_dim + tokens)
-    case = RopeCase(cf, head_dim, tokens, variant, rng)
+    case = RopeCase(cf, head_dim, tokens, variant, rng, kv_fp8=kv_fp8)
     qkv = rb(rng.standard_normal((BUCKET, case.width)))
     d_qkv = dev(cf, float32_to_bf16_bits(qkv[:, case.order]))  # the projection's row order
     k.rope_kv_write(stream, BUCKET, desc(cf, tokens, len(case.pb.seqs)).ptr,
                     case.d["positions"].ptr, case.d["token_seq"].ptr, case.d["tables"].ptr,
                     case.pb.max_blocks, d_qkv.ptr, case.ptr["bias"], case.ptr["q_norm"],
                     case.ptr["k_norm"], case.eps, case.d["inv_freq"].ptr, case.nh, case.nkv,
-                    case.q_out.ptr, case.kc.ptr, case.vc.ptr, case.bs, case.pb.num_blocks)
+                    case.q_out.ptr, case.kc.ptr, case.vc.ptr, case.bs, case.pb.num_blocks,
+                    **case.kv)
     cf.synchronize(stream)
     case.check(qkv[:tokens].astype(np.float64))
 
@@ -854,19 +966,48 @@ def test_skinny_qkv_rope_k_split(cf, stream, head_dim, tokens, variant, hidden, 
     check_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, False, hidden, "tiled", rows, 2)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tokens", [1, 12])
+@pytest.mark.parametrize("variant", ["plain", "bias"])
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("rows,k_splits", [(8, 1), (16, 1), (8, 2)])
+@pytest.mark.parametrize("weights,kv", [("fp8", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")])
+def test_skinny_qkv_rope_fp8(cf, stream, head_dim, tokens, variant, wide, rows, k_splits,
+                             weights, kv):
+    """The fused qkv projection (RMSNorm folded in, tiled weights; the row-major layout is
+    test_skinny_linear_fp8's) with FP8 weights (the _fp8 entries: the norm's weight given
+    apart), an E4M3 KV cache (its head's scale, the calibration maxima noted), or both."""
+    if k_splits == 2 and wide:
+        pytest.skip("K splits take one row tile a CTA")
+    check_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, 2048, "tiled", rows,
+                          k_splits, fp8=weights == "fp8", kv_fp8=kv == "fp8")
+
+
 def check_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, layout, rows,
-                          k_splits):
-    k = kernels(cf, head_dim)
+                          k_splits, fp8=False, kv_fp8=False):
+    k = kernels(cf, head_dim, kv_fp8)
     rng = np.random.default_rng(head_dim + tokens + wide)
     heads = ((64, 8) if head_dim == 128 else (128, 8)) if wide else (4, 2)
-    case = RopeCase(cf, head_dim, tokens, variant, rng, *heads)
+    case = RopeCase(cf, head_dim, tokens, variant, rng, *heads, kv_fp8=kv_fp8)
     norm = rows <= k.SKINNY_NORM_MAX_ROWS
     assert k._skinny_tiles(rows, 256, case.width, False, norm) == (2 if wide else 1, rows // 8)
     live = min(tokens, rows)
     case.tokens = live
     x = rb(rng.standard_normal((rows, hidden)) * 5)
     w = rb(rng.standard_normal((case.width, hidden)) * hidden ** -0.5)
-    w_bits = float32_to_bf16_bits(w[case.order])
+    fp8_args = {}
+    if fp8:  # the codes' values against x times the norm's weight, as the kernel rounds it
+        norm_w = rb(1 + 0.3 * rng.standard_normal(hidden))
+        codes, scale, _ = fp8_weight(w[case.order])
+        _, _, w_values = fp8_weight(w)  # (row-separable: the same values in the natural order)
+        w_bits = codes
+        h = f16_input(x[:live].astype(np.float32) * norm_w) * _rms_scale(x[:live], case.eps)
+        fp8_args = {"w_scale": dev(cf, scale).ptr,
+                    "norm_w": dev(cf, float32_to_bf16_bits(norm_w)).ptr}
+    else:
+        w_bits = float32_to_bf16_bits(w[case.order])
+        w_values = w.astype(np.float64)
+        h = x[:live] * _rms_scale(x[:live], case.eps) if norm else x[:live]
     d_x, d_w = dev(cf, float32_to_bf16_bits(x)), dev(cf, tiled(cf, w_bits) if layout == "tiled"
                                                       else w_bits)
     k.skinny_qkv_rope(stream, rows, desc(cf, live, len(case.pb.seqs)).ptr, d_x.ptr, d_w.ptr,
@@ -874,10 +1015,9 @@ def check_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, l
                       case.d["token_seq"].ptr, case.d["tables"].ptr, case.pb.max_blocks,
                       case.ptr["bias"], case.d["inv_freq"].ptr, case.nh, case.nkv,
                       case.q_out.ptr, case.kc.ptr, case.vc.ptr, case.bs, case.pb.num_blocks,
-                      w_tiled=layout == "tiled", k_splits=k_splits)
+                      w_tiled=layout == "tiled", k_splits=k_splits, **fp8_args, **case.kv)
     cf.synchronize(stream)
-    h = x[:live] * _rms_scale(x[:live], case.eps) if norm else x[:live]
-    case.check(rb(h @ w.T.astype(np.float64)).astype(np.float64))
+    case.check(rb(h @ w_values.T).astype(np.float64))
 
 
 def _ref_attention(q, kc, vc, pb: PagedBatch, nh, nkv):
@@ -955,15 +1095,32 @@ def test_paged_attention_many_splits(cf, stream, head_dim, num_heads, num_kv_hea
                      variant, 0, block_size=16)
 
 
+# An E4M3 KV cache (the module built with kv_fp8): both paths at both head dims, GQA groups
+# 1, 4, 8 and 64 (tile path only), splits, the block layouts.
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads",
+                         [(64, 8, 8), (64, 8, 2), (128, 32, 8), (128, 16, 2), (128, 64, 1)])
+@pytest.mark.parametrize("batch", [19, 99, "decode", "one long decode"])
+@pytest.mark.parametrize("splits", [1, 64])
+@pytest.mark.parametrize("variant", ["", "small_wide"])
+@pytest.mark.parametrize("block_size", [16, 24])
+def test_paged_attention_fp8_kv(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits,
+                                variant, block_size):
+    """As test_paged_attention on an E4M3 cache with a scale per (k|v, KV head): against
+    float64 on the codes' values (the query, the probabilities in f16 on the way)."""
+    _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant,
+                     0, block_size=block_size, kv_fp8=True)
+
+
 def _attention_flags(variant: str) -> dict[str, bool]:
     """ForwardKernels.attention's kernel arguments for a variant ("", "small", "small_wide")."""
     return dict(small=variant.startswith("small"), wide=variant.endswith("wide"))
 
 
 def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant,
-                     decode_min_keys, block_size):
-    """variant: the kernel's name past blink_paged_attention ("", "small", "small_wide")."""
-    k = kernels(cf, head_dim)
+                     decode_min_keys, block_size, kv_fp8=False):
+    """variant: the kernel's name past blink_paged_attention ("", "small", "small_wide").
+    kv_fp8: an E4M3 cache (the module built for it) with a scale per (k|v, KV head)."""
+    k = kernels(cf, head_dim, kv_fp8)
     flags = _attention_flags(variant)
     if flags["small"] and num_heads // num_kv_heads > k.attention_small_rows:
         pytest.skip("GQA group larger than the small variant's rows")
@@ -975,14 +1132,23 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
     q = rb(rng.standard_normal((BUCKET, num_heads, D)))
     kc = rb(rng.standard_normal((pb.num_blocks, bs, num_kv_heads, D)))
     vc = rb(rng.standard_normal((pb.num_blocks, bs, num_kv_heads, D)))
-    kc_bits, vc_bits = float32_to_bf16_bits(kc), float32_to_bf16_bits(vc)
+    kv_args, poison = {}, POISON_BF16
+    if kv_fp8:  # the cache's codes, each head with its scale; the reference takes their values
+        scales = (0.005 + 0.01 * rng.random((2, num_kv_heads))).astype(np.float32)
+        kc_bits, vc_bits = (float32_to_e4m3(c * (np.float32(1) / scales[i])[:, None])
+                            for i, c in enumerate((kc, vc)))
+        kc = e4m3_to_float32(kc_bits) * scales[0][:, None]
+        vc = e4m3_to_float32(vc_bits) * scales[1][:, None]
+        kv_args, poison = {"kv_scales": dev(cf, scales).ptr}, 0xFF
+    else:
+        kc_bits, vc_bits = float32_to_bf16_bits(kc), float32_to_bf16_bits(vc)
     # Every cache slot no query may read is NaN: reading one would poison the output.
     readable = np.zeros((pb.num_blocks, bs), bool)
     for s, (start, n) in enumerate(pb.seqs):
         for p in range(start + n):
             readable[pb.slot(s, p)] = True
-    kc_bits[~readable] = POISON_BF16
-    vc_bits[~readable] = POISON_BF16
+    kc_bits[~readable] = poison
+    vc_bits[~readable] = poison
     # Batch arrays at the bucket's capacity, as the engine allocates them; the rows past
     # num_tokens hold stale values (the last token's sequence: it must still count as alone).
     pad = BUCKET - tokens
@@ -1002,7 +1168,7 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
                     d["token_seq"].ptr, d["tables"].ptr, pb.max_blocks, d["q"].ptr, d["kc"].ptr,
                     d["vc"].ptr, bs, num_heads, num_kv_heads, D ** -0.5, out.ptr, splits,
                     part_out.ptr, part_stats.ptr, sems.ptr, **flags,
-                    decode_min_keys=decode_min_keys)
+                    decode_min_keys=decode_min_keys, **kv_args)
         cf.synchronize(stream)
         assert (sems.download() == 0).all(), "a tile counter was left non-zero"
         return out.download()
@@ -1014,7 +1180,8 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
     REPORT["errors"][f"attention D={D} heads={num_heads}/{num_kv_heads} batch={batch} "
                      f"splits={splits} kernel={variant or 'large'} "
                      f"decode_min_keys={decode_min_keys}"
-                     + ("" if bs == 16 else f" block_size={bs}")] = err
+                     + ("" if bs == 16 else f" block_size={bs}")
+                     + (" kv fp8" if kv_fp8 else "")] = err
     assert np.isfinite(bf16_to_f32(got[:tokens])).all()
     assert err < 1e-2
     assert (got[tokens:] == POISON_BF16).all()
@@ -1246,7 +1413,7 @@ class Pair:
         self.ref.v_cache.fill(np.nan)
         self.errors = []
 
-    def step(self, chunks, want=None, eager=False):
+    def step(self, chunks, want=None, eager=False, tol=LOGITS_TOL):
         """chunks: [(token_ids, start_position, block_table)]; returns GPU logits."""
         batch = make_batch(chunks, want)
         logits, sampled = self.engine.run(batch, eager=eager)
@@ -1255,7 +1422,7 @@ class Pair:
         np.testing.assert_array_equal(sampled, np.argmax(logits, -1))  # greedy rows
         err = rel_err(logits, ref)
         self.errors.append(err)
-        assert err < LOGITS_TOL, f"{self.arch}: relative logits error {err:.3g}"
+        assert err < tol, f"{self.arch}: relative logits error {err:.3g}"
         for row in range(len(ref)):  # top-1 agrees except at near-ties
             ours = int(np.argmax(logits[row]))
             if ours != int(np.argmax(ref[row])):

@@ -62,13 +62,18 @@ __host__ __device__ constexpr size_t AttentionKernelSmem() {
 // compiled the same. On the H200 (bench_decode, block size 16, ms a step): 8B batch 1 at 512
 // and 8,192 keys 3.959 -> 3.920 and 4.313 -> 4.222, 32 x 512 5.446 -> 5.327; 1B 0.831 ->
 // 0.816, 0.905 -> 0.887 and 1.325 -> 1.269 (docs/performance.md, round 6).
-template <int kHeadDim, int kRows, bool kStepInOneBlock, int kWarps>
+// Kv: the cache's element (kv_cache.cuh); an E4M3 cache (kv_scales: the layer's) takes the
+// mma.sync paths only (head dims 64 and 128: the host refuses the others).
+template <int kHeadDim, int kRows, bool kStepInOneBlock, int kWarps, class Kv = KvBf16>
 __device__ __forceinline__ void AttentionCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
-    const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
-    const bf16* v_cache, int block_size, int num_heads, int num_kv_heads, float scale, bf16* out,
-    int num_splits, float* partial_out, float* partial_stats, uint32_t* tile_sems,
-    int decode_min_keys, int slots) {
+    const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,
+    const typename Kv::Element* k_cache, const typename Kv::Element* v_cache, int block_size,
+    int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits, float* partial_out,
+    float* partial_stats, uint32_t* tile_sems, int decode_min_keys, int slots,
+    const float* kv_scales = nullptr) {
+  static_assert(MmaPathsFit<kHeadDim>() || !Kv::kFp8,
+                "an E4M3 KV cache needs head dim 64 or 128 (the mma.sync paths)");
   // Everything the path choice needs, loaded at once (one memory latency, not a chain): rows
   // up to the bucket exist, so t - 1 and t + 1 may be read before the bounds test. The batch
   // arrays are written before the graph launches, so these loads precede the wait for the
@@ -88,20 +93,20 @@ __device__ __forceinline__ void AttentionCta(
     const bool alone = prev_seq != seq && (t + 1 == num_tokens || next_seq != seq);
     if (alone && num_heads / num_kv_heads <= kDecodeMaxGroup &&
         position + 1 >= decode_min_keys) {
-      DecodeAttentionCta<kHeadDim, kStepInOneBlock, kWarps>(
+      DecodeAttentionCta<kHeadDim, kStepInOneBlock, kWarps, Kv>(
           t, seq, position, block_tables, max_blocks_per_seq, q, k_cache, v_cache, block_size,
           num_heads, num_kv_heads, scale, out, num_splits, num_tokens * num_kv_heads, slots,
-          partial_out, partial_stats, tile_sems);
+          partial_out, partial_stats, tile_sems, kv_scales);
       return;
     }
   }
   AwaitPriorKernel();  // the query tiles read this step's keys, values and q throughout
   if constexpr (MmaPathsFit<kHeadDim>()) {
-    TileAttentionMmaCta<kHeadDim, kRows, kWarps>(desc, positions, token_seq, block_tables,
-                                                 max_blocks_per_seq, q, k_cache, v_cache,
-                                                 block_size, num_heads, num_kv_heads, scale,
-                                                 out, num_splits, partial_out, partial_stats,
-                                                 tile_sems);
+    TileAttentionMmaCta<kHeadDim, kRows, kWarps, Kv>(desc, positions, token_seq, block_tables,
+                                                     max_blocks_per_seq, q, k_cache, v_cache,
+                                                     block_size, num_heads, num_kv_heads, scale,
+                                                     out, num_splits, partial_out,
+                                                     partial_stats, tile_sems, kv_scales);
   } else {
     static_assert(kWarps == kAttnWarps, "the WMMA query tiles run on kAttnWarps warps");
     PagedAttentionCta<kHeadDim, kRows>(desc, positions, token_seq, block_tables,

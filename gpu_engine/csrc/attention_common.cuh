@@ -3,9 +3,51 @@
 // how the CTAs that split a tile's or a decode token's keys meet (the last to arrive merges).
 #pragma once
 #include "batch.cuh"
+#include "kv_cache.cuh"
 #include "utils.cuh"
 
 namespace blink {
+
+// The 16-bit operands the attention MMAs run on: bf16 beside a bf16 cache; f16 beside an E4M3
+// one (its codes convert to f16 exactly: fp8.cuh), the queries and probabilities then rounded to
+// f16 (probabilities in [0, 1] keep 3 more bits than in bf16; queries stay far inside f16's
+// range). Scores and outputs accumulate in fp32 either way.
+template <class Kv>
+struct AttnOperands {
+  // 8 of q's bf16 values (four pairs) as the MMAs take them
+  static __device__ __forceinline__ uint4 Query(const uint4& v) {
+    if constexpr (Kv::kFp8) {
+      return make_uint4(Bf16x2ToF16x2(v.x, 1.f), Bf16x2ToF16x2(v.y, 1.f),
+                        Bf16x2ToF16x2(v.z, 1.f), Bf16x2ToF16x2(v.w, 1.f));
+    }
+    return v;
+  }
+  static __device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1,
+                                             uint32_t a2, uint32_t a3, uint32_t b0,
+                                             uint32_t b1) {
+    if constexpr (Kv::kFp8) {
+      MmaF16(c, a0, a1, a2, a3, b0, b1);
+    } else {
+      MmaBf16(c, a0, a1, a2, a3, b0, b1);
+    }
+  }
+  // MmaBf16Step32's two MMAs, in these operands
+  static __device__ __forceinline__ void MmaStep32(float (&c)[4], const uint4& lo,
+                                                   const uint4& hi, const uint4& b) {
+    Mma(c, lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+    Mma(c, lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+  }
+  // two probabilities as an operand pair (a in the low half), and back as the MMA sees them
+  static __device__ __forceinline__ uint32_t Pack(float a, float b) {
+    if constexpr (Kv::kFp8) return F32x2ToF16x2(a, b);
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  static __device__ __forceinline__ float2 Unpack(uint32_t v) {
+    if constexpr (Kv::kFp8) return F16x2ToF32x2(v);
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  }
+};
 
 // Query rows (tokens x group heads) per CTA: 64 for prefill-sized buckets; 16 for decode-sized
 // ones, where a tile rarely has more rows (both variants hold kAttnMinCtas CTAs an SM:

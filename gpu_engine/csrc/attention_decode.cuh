@@ -208,21 +208,53 @@ __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int gro
 // its values into those the P V product has freed. Keys are read through L2 only (ld.cg: the
 // newest one was written by this graph's qkv kernel, and a coherent load stays below the wait).
 // group <= kDecodeMaxGroup. Workspaces as in PagedAttentionCta. kWarps * 32 threads.
-template <int kHeadDim, bool kStepInOneBlock, int kWarps>
+//
+// An E4M3 cache (Kv = KvFp8): the same loads at half the bytes, kept as codes until the step
+// that uses them (converting at the load would wait for it) and converted to f16 there, the
+// MMAs on f16 (AttnOperands); the key scale folds into the softmax's, the value scale
+// multiplies the CTA's output (kv_scales: the layer's).
+template <int kHeadDim, bool kStepInOneBlock, int kWarps, class Kv = KvBf16>
 __device__ __forceinline__ void DecodeAttentionCta(
     int t, int seq, int position, const int32_t* block_tables, int max_blocks_per_seq,
-    const bf16* q, const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,
-    int num_kv_heads, float scale, bf16* out, int num_splits, int ctas, int slots,
-    float* partial_out, float* partial_stats, uint32_t* tile_sems) {
+    const bf16* q, const typename Kv::Element* k_cache, const typename Kv::Element* v_cache,
+    int block_size, int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits,
+    int ctas, int slots, float* partial_out, float* partial_stats, uint32_t* tile_sems,
+    const float* kv_scales = nullptr) {
   static_assert(MmaPathsFit<kHeadDim>(), "head dims 64 and 128");
   using L = DecodeLayout<kHeadDim, kWarps>;
+  using Ops = AttnOperands<Kv>;
   constexpr int kThreads = kWarps * kWarpSize;
   constexpr int kChunk = kMmaKeys * kWarps;  // keys a CTA step
   constexpr int kSteps = kHeadDim / 32;     // 32-dim steps of S^T = K Q^T (two MMAs each)
   constexpr int kOutTiles = kHeadDim / 16;  // 16-dim tiles of O^T = V^T P^T
   constexpr int kLaneDims = kHeadDim / 16;  // dims of a value row per lane, per row half
   constexpr int kLaneWords = kLaneDims / 2;
-  using ValueLoad = std::conditional_t<kLaneDims == 8, uint4, uint2>;  // 16 or 8 bytes
+  // a lane's 8 dims of a key and kLaneDims of a value row: bf16 16 and 16 or 8 bytes; E4M3
+  // codes 8 and 8 or 4
+  using KeyLoad = std::conditional_t<Kv::kFp8, uint2, uint4>;
+  using ValueLoad = std::conditional_t<Kv::kFp8, std::conditional_t<kLaneDims == 8, uint2, uint32_t>,
+                                       std::conditional_t<kLaneDims == 8, uint4, uint2>>;
+  // as 16-bit pairs (bf16 as loaded; E4M3 converted to f16)
+  auto key_pairs = [](const KeyLoad& raw) -> uint4 {
+    if constexpr (Kv::kFp8) {
+      uint4 v;
+      E4m3x4ToF16x4(raw.x, v.x, v.y);
+      E4m3x4ToF16x4(raw.y, v.z, v.w);
+      return v;
+    } else {
+      return raw;
+    }
+  };
+  auto value_pairs = [](const ValueLoad& raw, uint32_t (&words)[kLaneWords]) {
+    if constexpr (!Kv::kFp8) {
+      *reinterpret_cast<ValueLoad*>(words) = raw;
+    } else if constexpr (kLaneWords == 4) {
+      E4m3x4ToF16x4(raw.x, words[0], words[1]);
+      E4m3x4ToF16x4(raw.y, words[2], words[3]);
+    } else {
+      E4m3x4ToF16x4(raw, words[0], words[1]);
+    }
+  };
   const int kv_head = blockIdx.y, split = blockIdx.z;
   const int group = num_heads / num_kv_heads;
   const int num_keys = position + 1;
@@ -244,6 +276,7 @@ __device__ __forceinline__ void DecodeAttentionCta(
   const int g = lane / 4, tq = lane % 4;
 
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  const KeyLoad no_key{};
   // The step's keys this lane loads: key g + 8 n of S = Q K^T (n = 0, 1) and value key
   // value_key(i) of O^T = V^T P^T (i = 0..3).
   auto value_key = [&](int i) { return 2 * tq + (i & 1) + 8 * (i >> 1); };
@@ -272,22 +305,22 @@ __device__ __forceinline__ void DecodeAttentionCta(
   };
   // Keys g and 8 + g of the step at key0 (first row `row`): dims 32 s + 8 t .. + 7. In one
   // block, keys past the split are read too (their rows exist; the scores mask them out).
-  auto load_keys = [&](int key0, int64_t row, uint4 (&kr)[2][kSteps]) {
+  auto load_keys = [&](int key0, int64_t row, KeyLoad (&kr)[2][kSteps]) {
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int64_t off = kStepInOneBlock ? row + (8 * n + g) * row_stride
                                           : row_offset(key0 + 8 * n + g);
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        const uint4* p = reinterpret_cast<const uint4*>(k_cache + off + 32 * s + 8 * tq);
-        kr[n][s] = kStepInOneBlock || off >= 0 ? __ldcg(p) : zero;
+        const KeyLoad* p = reinterpret_cast<const KeyLoad*>(k_cache + off + 32 * s + 8 * tq);
+        kr[n][s] = kStepInOneBlock || off >= 0 ? __ldcg(p) : no_key;
       }
     }
   };
   // Values of keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of the step (i = 0..3), dims
   // r * D / 16 .. + D / 16 - 1 for rows r = g (h = 0) and g + 8 (h = 1), as bf16 pairs; zeros
   // past the split (P is 0 there, and 0 times a stale NaN would not be).
-  auto load_values = [&](int key0, int64_t row, uint32_t (&vr)[4][2][kLaneWords]) {
+  auto load_values = [&](int key0, int64_t row, ValueLoad (&vr)[4][2]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int key = key0 + value_key(i);
@@ -301,12 +334,15 @@ __device__ __forceinline__ void DecodeAttentionCta(
           v = __ldcg(reinterpret_cast<const ValueLoad*>(v_cache + off +
                                                         (g + 8 * h) * kLaneDims));
         }
-        *reinterpret_cast<ValueLoad*>(vr[i][h]) = v;
+        vr[i][h] = v;
       }
     }
   };
 
-  const float scale_log2 = scale * 1.4426950408889634f;
+  // (an E4M3 cache: keys' scale folded in, values' applied to the output)
+  const float scale_log2 =
+      scale * 1.4426950408889634f *
+      (Kv::kFp8 ? KvScale(kv_scales, num_kv_heads, 0, kv_head) : 1.f);
   float o[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
@@ -314,8 +350,8 @@ __device__ __forceinline__ void DecodeAttentionCta(
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.f, 0.f};
 
   int key0 = warp_key0;
-  uint4 kr[2][kSteps];
-  uint32_t vr[4][2][kLaneWords];
+  KeyLoad kr[2][kSteps];
+  ValueLoad vr[4][2];
   // A warp whose first step lies wholly before the token's own key (written this step by the
   // qkv kernel) loads it before waiting for that kernel (programmatic dependent launch): those
   // keys and values were written by earlier steps, the block tables before the graph launched.
@@ -334,9 +370,9 @@ __device__ __forceinline__ void DecodeAttentionCta(
   uint4 qr[kSteps];
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
-    qr[s] = g < group ? *reinterpret_cast<const uint4*>(
+    qr[s] = g < group ? Ops::Query(*reinterpret_cast<const uint4*>(
                             q + (static_cast<size_t>(t) * num_heads + kv_head * group + g) *
-                                    kHeadDim + 32 * s + 8 * tq)
+                                    kHeadDim + 32 * s + 8 * tq))
                       : zero;
   }
   for (; key0 < key_end; key0 += kChunk) {
@@ -351,8 +387,9 @@ __device__ __forceinline__ void DecodeAttentionCta(
     sc[1][0] = sc[1][1] = sc[1][2] = sc[1][3] = 0.f;
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
-      MmaBf16(sc[0], kr[0][s].x, kr[1][s].x, kr[0][s].y, kr[1][s].y, qr[s].x, qr[s].y);
-      MmaBf16(sc[1], kr[0][s].z, kr[1][s].z, kr[0][s].w, kr[1][s].w, qr[s].z, qr[s].w);
+      const uint4 k_lo = key_pairs(kr[0][s]), k_hi = key_pairs(kr[1][s]);
+      Ops::Mma(sc[0], k_lo.x, k_hi.x, k_lo.y, k_hi.y, qr[s].x, qr[s].y);
+      Ops::Mma(sc[1], k_lo.z, k_hi.z, k_lo.w, k_hi.w, qr[s].z, qr[s].w);
     }
     if (next < key_end) load_keys(next, next_row, kr);
 
@@ -373,32 +410,35 @@ __device__ __forceinline__ void DecodeAttentionCta(
       alpha[h] = exp2f(run_max[h] - new_max);  // 0 on the first step
       run_max[h] = new_max;
     }
-    // P rounded to bf16, heads 2 t, 2 t + 1 of key g (lo) and of key g + 8 (hi); transposed,
-    // P^T's B fragment: column g (head g), keys 2 t, 2 t + 1 (lo) and 2 t + 8, 2 t + 9 (hi).
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(exp2f(p[0] - run_max[0]),
-                                                    exp2f(p[1] - run_max[1]));
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(exp2f(p[2] - run_max[0]),
-                                                    exp2f(p[3] - run_max[1]));
-    const float2 rounded_lo = __bfloat1622float2(lo), rounded_hi = __bfloat1622float2(hi);
+    // P rounded to the operands' type (bf16, or f16 beside an E4M3 cache), heads 2 t, 2 t + 1
+    // of key g (lo) and of key g + 8 (hi); transposed, P^T's B fragment: column g (head g),
+    // keys 2 t, 2 t + 1 (lo) and 2 t + 8, 2 t + 9 (hi).
+    const uint32_t lo = Ops::Pack(exp2f(p[0] - run_max[0]), exp2f(p[1] - run_max[1]));
+    const uint32_t hi = Ops::Pack(exp2f(p[2] - run_max[0]), exp2f(p[3] - run_max[1]));
+    const float2 rounded_lo = Ops::Unpack(lo), rounded_hi = Ops::Unpack(hi);
     run_sum[0] = run_sum[0] * alpha[0] + (rounded_lo.x + rounded_hi.x);
     run_sum[1] = run_sum[1] * alpha[1] + (rounded_lo.y + rounded_hi.y);
-    const uint32_t pb[2] = {TransposeFragment16(*reinterpret_cast<const uint32_t*>(&lo)),
-                            TransposeFragment16(*reinterpret_cast<const uint32_t*>(&hi))};
+    const uint32_t pb[2] = {TransposeFragment16(lo), TransposeFragment16(hi)};
 
     // O^T = O^T * alpha + V^T P^T; this lane's accumulators are heads 2 t and 2 t + 1, whose
     // alphas it holds itself.
+    uint32_t vw[4][2][kLaneWords];  // the values as 16-bit pairs
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) value_pairs(vr[i][h], vw[i][h]);
 #pragma unroll
     for (int j = 0; j < kOutTiles; ++j) {
-      const uint32_t sel = j % 2 ? 0x7632u : 0x5410u;  // the high or low bf16 of each word
+      const uint32_t sel = j % 2 ? 0x7632u : 0x5410u;  // the high or low half of each word
       const int w = j / 2;
       o[j][0] *= alpha[0];
       o[j][1] *= alpha[1];
       o[j][2] *= alpha[0];
       o[j][3] *= alpha[1];
-      MmaBf16(o[j], __byte_perm(vr[0][0][w], vr[1][0][w], sel),
-              __byte_perm(vr[0][1][w], vr[1][1][w], sel),
-              __byte_perm(vr[2][0][w], vr[3][0][w], sel),
-              __byte_perm(vr[2][1][w], vr[3][1][w], sel), pb[0], pb[1]);
+      Ops::Mma(o[j], __byte_perm(vw[0][0][w], vw[1][0][w], sel),
+               __byte_perm(vw[0][1][w], vw[1][1][w], sel),
+               __byte_perm(vw[2][0][w], vw[3][0][w], sel),
+               __byte_perm(vw[2][1][w], vw[3][1][w], sel), pb[0], pb[1]);
     }
     if (next < key_end) load_values(next, next_row, vr);
   }
@@ -433,6 +473,7 @@ __device__ __forceinline__ void DecodeAttentionCta(
   }
   __syncthreads();
   const size_t head0 = static_cast<size_t>(t) * num_heads + kv_head * group;
+  const float value_scale = Kv::kFp8 ? KvScale(kv_scales, num_kv_heads, 1, kv_head) : 1.f;
   for (int e = tid; e < group * kHeadDim; e += kThreads) {
     const int h = e / kHeadDim, d = e % kHeadDim;
     float cta_max = -INFINITY;
@@ -445,6 +486,7 @@ __device__ __forceinline__ void DecodeAttentionCta(
       v += weight * s_out[(w * kDecodeMaxGroup + h) * kHeadDim + d];
       sum += weight * s_sum[w * kDecodeMaxGroup + h];
     }
+    if constexpr (Kv::kFp8) v *= value_scale;
     if (active_splits == 1) {
       out[(head0 + h) * kHeadDim + d] = __float2bfloat16(v / sum);
     } else {

@@ -324,7 +324,9 @@ __device__ __forceinline__ void PagedAttentionCta(
 }
 
 // Shared memory of TileAttentionMmaCta: kStages stages of kKeys keys (a query tile's rows: 64
-// keys, or 16 in the decode-sized variant), each stage the keys' K rows then their V rows.
+// keys, or 16 in the decode-sized variant), each stage the keys' K rows then their V rows, 16
+// bits an element. Beside an E4M3 cache the first stage is the only 16-bit one (f16) and the
+// second holds two stages of the codes as copied (raw), which each thread converts into it.
 template <int kHeadDim, int kRows>
 struct TileStages {
   static constexpr int kKeys = kRows;
@@ -332,6 +334,9 @@ struct TileStages {
   static constexpr int kPieces = kHeadDim / 8;  // 16-byte pieces of a row
   static constexpr size_t kStageBytes = 2 * kKeys * kHeadDim * sizeof(bf16);
   static constexpr size_t kBytes = kStages * kStageBytes;
+  static constexpr int kRawPieces = kHeadDim / 16;  // 16-byte pieces of an E4M3 row
+  static constexpr size_t kRawStageBytes = 2 * kKeys * kHeadDim;
+  static_assert(2 * kRawStageBytes == kStageBytes, "two raw stages in the second one");
 
   // Where piece p of row r sits: p XOR RowMask(r), the mask r mod 8 rotated right by one bit.
   // A row is a multiple of 128 bytes, so a piece's bank group is its index mod 8, and the
@@ -366,13 +371,21 @@ struct TileStages {
 // - V is the B operand, read with ldmatrix.trans: two 8-dim output tiles per ldmatrix.x4.
 // A warp stops at the last key its rows may see (causal); the copies run to the tile's last.
 // Partials and the split merge as in PagedAttentionCta. kWarps * 32 threads.
-template <int kHeadDim, int kRows, int kWarps>
+// An E4M3 cache (Kv = KvFp8): the copies bring the codes (16-byte pieces, kRawCopyThreads a
+// row) into a raw stage, two tiles in flight as before; once a tile's have landed, each thread
+// converts the pieces it copied into the one f16 stage (TileStages), and from there on the
+// tile runs as with bf16, on f16 operands (AttnOperands); the key scale folds into the
+// softmax's, the value scale multiplies the output (kv_scales: the layer's).
+template <int kHeadDim, int kRows, int kWarps, class Kv = KvBf16>
 __device__ __forceinline__ void TileAttentionMmaCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
-    const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
-    const bf16* v_cache, int block_size, int num_heads, int num_kv_heads, float scale, bf16* out,
-    int num_splits, float* partial_out, float* partial_stats, uint32_t* tile_sems) {
+    const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,
+    const typename Kv::Element* k_cache, const typename Kv::Element* v_cache, int block_size,
+    int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits,
+    float* partial_out, float* partial_stats, uint32_t* tile_sems,
+    const float* kv_scales = nullptr) {
   using Stages = TileStages<kHeadDim, kRows>;
+  using Ops = AttnOperands<Kv>;
   constexpr int kKeys = Stages::kKeys, kPieces = Stages::kPieces;
   constexpr int kSteps = kHeadDim / 32;    // 32-dim steps of S = Q K^T (two MMAs each)
   constexpr int kOutTiles = kHeadDim / 8;  // 8-dim tiles of O = P V
@@ -400,30 +413,85 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   const int g = lane / 4, tq = lane % 4;
 
   extern __shared__ __align__(128) unsigned char smem[];
-  auto stage_keys = [&](int stage) {
-    return reinterpret_cast<bf16*>(smem + stage * Stages::kStageBytes);
+  auto stage_keys = [&](int stage) {  // (beside an E4M3 cache: the f16 stage, whichever tile)
+    return reinterpret_cast<bf16*>(smem + (Kv::kFp8 ? 0 : stage * Stages::kStageBytes));
+  };
+  // E4M3: kRawCopyThreads threads copy a key row's codes, as kCopyThreads its bf16 values
+  constexpr int kRawCopyThreads = Stages::kRawPieces < kWarps * kWarpSize / kKeys
+                                      ? Stages::kRawPieces
+                                      : kWarps * kWarpSize / kKeys;
+  static_assert(!Kv::kFp8 || Stages::kRawPieces % kRawCopyThreads == 0, "whole raw pieces");
+  auto raw_stage = [&](int key_tile) {  // E4M3: where tile key_tile's codes are copied
+    return reinterpret_cast<fp8*>(smem + Stages::kStageBytes +
+                                  (key_tile % 2) * Stages::kRawStageBytes);
   };
   // All threads: keys key_tile * kKeys .. of the split into stage key_tile % 2, then commit.
   // kCopyThreads threads per key row (one block-table lookup each): pieces p, p + kCopyThreads,
-  // .. of its K and V rows, p = tid % kCopyThreads.
+  // .. of its K and V rows, p = tid % kCopyThreads. E4M3: the codes into raw_stage(key_tile),
+  // unswizzled (only the thread that copies a piece reads it back).
   auto copy_key_tile = [&](int key_tile) {
-    bf16* dst = stage_keys(key_tile % Stages::kStages);
-    const int r = tid / kCopyThreads, key = tile.key_begin + key_tile * kKeys + r;
-    // every thread copies, unless the CTA has more threads than a key tile has pieces
-    if (kKeys * kCopyThreads == kWarps * kWarpSize || r < kKeys) {
-      const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
-      const int bytes = off >= 0 ? 16 : 0;
-      const bf16* k_row = k_cache + (off >= 0 ? off : 0);
-      const bf16* v_row = v_cache + (off >= 0 ? off : 0);
+    if constexpr (Kv::kFp8) {
+      fp8* dst = raw_stage(key_tile);
+      const int r = tid / kRawCopyThreads, key = tile.key_begin + key_tile * kKeys + r;
+      if (kKeys * kRawCopyThreads == kWarps * kWarpSize || r < kKeys) {
+        const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
+        const int bytes = off >= 0 ? 16 : 0;
+        const fp8* k_row = k_cache + (off >= 0 ? off : 0);
+        const fp8* v_row = v_cache + (off >= 0 ? off : 0);
 #pragma unroll
-      for (int i = 0; i < kPieces / kCopyThreads; ++i) {
-        const int p = tid % kCopyThreads + kCopyThreads * i;
-        const int at = r * kHeadDim + 8 * Stages::Swizzle(r, p);
-        CpAsync16(dst + at, k_row + 8 * p, bytes);
-        CpAsync16(dst + kKeys * kHeadDim + at, v_row + 8 * p, bytes);
+        for (int i = 0; i < Stages::kRawPieces / kRawCopyThreads; ++i) {
+          const int p = tid % kRawCopyThreads + kRawCopyThreads * i;
+          CpAsync16(dst + r * kHeadDim + 16 * p, k_row + 16 * p, bytes);
+          CpAsync16(dst + (kKeys + r) * kHeadDim + 16 * p, v_row + 16 * p, bytes);
+        }
+      }
+      CpAsyncCommit();
+    } else {
+      bf16* dst = stage_keys(key_tile % Stages::kStages);
+      const int r = tid / kCopyThreads, key = tile.key_begin + key_tile * kKeys + r;
+      // every thread copies, unless the CTA has more threads than a key tile has pieces
+      if (kKeys * kCopyThreads == kWarps * kWarpSize || r < kKeys) {
+        const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
+        const int bytes = off >= 0 ? 16 : 0;
+        const bf16* k_row = k_cache + (off >= 0 ? off : 0);
+        const bf16* v_row = v_cache + (off >= 0 ? off : 0);
+#pragma unroll
+        for (int i = 0; i < kPieces / kCopyThreads; ++i) {
+          const int p = tid % kCopyThreads + kCopyThreads * i;
+          const int at = r * kHeadDim + 8 * Stages::Swizzle(r, p);
+          CpAsync16(dst + at, k_row + 8 * p, bytes);
+          CpAsync16(dst + kKeys * kHeadDim + at, v_row + 8 * p, bytes);
+        }
+      }
+      CpAsyncCommit();
+    }
+  };
+  // E4M3: once tile key_tile's copies have landed (this thread's own: it reads back only what
+  // it copied), its pieces as f16 into the f16 stage, where the bf16 copies would have put
+  // them (two 8-dim pieces, swizzled, for each 16 codes)
+  auto convert_key_tile = [&](int key_tile) {
+    const fp8* src = raw_stage(key_tile);
+    bf16* dst = stage_keys(0);
+    const int r = tid / kRawCopyThreads;
+    if (kKeys * kRawCopyThreads == kWarps * kWarpSize || r < kKeys) {
+#pragma unroll
+      for (int i = 0; i < Stages::kRawPieces / kRawCopyThreads; ++i) {
+        const int p = tid % kRawCopyThreads + kRawCopyThreads * i;
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {  // the key's K row, then its V row
+          const uint4 codes =
+              *reinterpret_cast<const uint4*>(src + (kv * kKeys + r) * kHeadDim + 16 * p);
+          uint4 lo, hi;  // dims 16 p .. + 7 and + 8 .. + 15
+          E4m3x4ToF16x4(codes.x, lo.x, lo.y);
+          E4m3x4ToF16x4(codes.y, lo.z, lo.w);
+          E4m3x4ToF16x4(codes.z, hi.x, hi.y);
+          E4m3x4ToF16x4(codes.w, hi.z, hi.w);
+          bf16* row = dst + kv * kKeys * kHeadDim + r * kHeadDim;
+          *reinterpret_cast<uint4*>(row + 8 * Stages::Swizzle(r, 2 * p)) = lo;
+          *reinterpret_cast<uint4*>(row + 8 * Stages::Swizzle(r, 2 * p + 1)) = hi;
+        }
       }
     }
-    CpAsyncCommit();
   };
   copy_key_tile(0);  // in flight while Q is read
 
@@ -442,8 +510,8 @@ __device__ __forceinline__ void TileAttentionMmaCta(
     pos[h] = live ? positions[tile.t0 + (16 * warp + g + 8 * h) / group] : -1;
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
-      qr[h][s] = live ? *reinterpret_cast<const uint4*>(q + query_head(h) * kHeadDim + 32 * s +
-                                                        8 * tq)
+      qr[h][s] = live ? Ops::Query(*reinterpret_cast<const uint4*>(
+                            q + query_head(h) * kHeadDim + 32 * s + 8 * tq))
                       : make_uint4(0, 0, 0, 0);
     }
   }
@@ -452,7 +520,10 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   const int unmasked_stop =
       min(key_end, static_cast<int>(__reduce_min_sync(
                        kFullMask, static_cast<unsigned>(min(pos[0], pos[1]) + 1))));
-  const float scale_log2 = scale * 1.4426950408889634f;
+  // (an E4M3 cache: keys' scale folded in, values' applied to the output)
+  const float scale_log2 =
+      scale * 1.4426950408889634f *
+      (Kv::kFp8 ? KvScale(kv_scales, num_kv_heads, 0, kv_head) : 1.f);
   float o[kOutTiles][4];
 #pragma unroll
   for (int j = 0; j < kOutTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
@@ -475,7 +546,7 @@ __device__ __forceinline__ void TileAttentionMmaCta(
       for (int s = 0; s < kSteps; ++s) {
         const uint4 kv =
             *reinterpret_cast<const uint4*>(k_row + 8 * ((4 * s + tq) ^ key_mask));
-        MmaBf16Step32(sc[n], qr[0][s], qr[1][s], kv);
+        Ops::MmaStep32(sc[n], qr[0][s], qr[1][s], kv);
       }
     }
     // Online softmax of rows g (h = 0: C elements 0, 1) and g + 8 (h = 1: elements 2, 3); a
@@ -508,8 +579,7 @@ __device__ __forceinline__ void TileAttentionMmaCta(
         const float p0 = FastExp2(fmaf(sc[n][2 * h], scale_log2, -ref_max));
         const float p1 = FastExp2(fmaf(sc[n][2 * h + 1], scale_log2, -ref_max));
         p_sum += p0 + p1;
-        const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
-        pa[h][n] = *reinterpret_cast<const uint32_t*>(&pair);
+        pa[h][n] = Ops::Pack(p0, p1);
       }
       run_sum[h] = run_sum[h] * alpha[h] + p_sum;
     }
@@ -532,10 +602,10 @@ __device__ __forceinline__ void TileAttentionMmaCta(
       for (int jp = 0; jp < kOutTiles / 2; ++jp) {
         uint32_t b[4];
         LdMatrixX4Trans(b, v_row + 8 * ((2 * jp + value_piece) ^ value_mask));
-        MmaBf16(o[2 * jp], pa[0][2 * kc], pa[1][2 * kc], pa[0][2 * kc + 1], pa[1][2 * kc + 1],
-                b[0], b[1]);
-        MmaBf16(o[2 * jp + 1], pa[0][2 * kc], pa[1][2 * kc], pa[0][2 * kc + 1],
-                pa[1][2 * kc + 1], b[2], b[3]);
+        Ops::Mma(o[2 * jp], pa[0][2 * kc], pa[1][2 * kc], pa[0][2 * kc + 1], pa[1][2 * kc + 1],
+                 b[0], b[1]);
+        Ops::Mma(o[2 * jp + 1], pa[0][2 * kc], pa[1][2 * kc], pa[0][2 * kc + 1],
+                 pa[1][2 * kc + 1], b[2], b[3]);
       }
     }
   };
@@ -547,6 +617,7 @@ __device__ __forceinline__ void TileAttentionMmaCta(
     } else {
       CpAsyncWait<0>();
     }
+    if constexpr (Kv::kFp8) convert_key_tile(key_tile);  // the f16 stage's readers are done
     __syncthreads();  // every thread's copies of this key tile have landed
     const bf16* k_tile = stage_keys(key_tile % Stages::kStages);
 #pragma unroll 1
@@ -563,6 +634,13 @@ __device__ __forceinline__ void TileAttentionMmaCta(
 
   // Each row: its sum over its four lanes, then out (one split) or the partials; lane (g, t)
   // holds dims 8 j + 2 t and 8 j + 2 t + 1 of its rows.
+  if constexpr (Kv::kFp8) {
+    const float value_scale = KvScale(kv_scales, num_kv_heads, 1, kv_head);
+#pragma unroll
+    for (int j = 0; j < kOutTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[j][e] *= value_scale;
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     run_sum[h] += __shfl_xor_sync(kFullMask, run_sum[h], 1);

@@ -8,7 +8,9 @@
 // from earlier steps) are loaded.
 //
 // One dispatch point: the model's head_dim arrives as -DBLINK_HEAD_DIM=<d> (the module is built
-// per model); an unsupported value stops the build here.
+// per model); an unsupported value stops the build here. So does the KV cache's element
+// (-DBLINK_KV_FP8=1: E4M3, kv_cache.cuh), which every kernel that reads or writes the cache
+// takes as Kv.
 #include "activation.cuh"
 #include "attention.cuh"
 #include "batch.cuh"
@@ -16,7 +18,9 @@
 #include "engine_layout.h"
 #include "gemv.cuh"
 #include "gemv_chain.cuh"
+#include "kv_cache.cuh"
 #include "norm.cuh"
+#include "quantize.cuh"
 #include "rope.cuh"
 #include "sampling.cuh"
 
@@ -30,11 +34,15 @@ static_assert(BLINK_HEAD_DIM % 16 == 0 && BLINK_HEAD_DIM >= 16 && BLINK_HEAD_DIM
 
 using blink::BatchDesc;
 using blink::bf16;
+using blink::fp8;
+using Kv = blink::KvCache;
+using KvElement = Kv::Element;
 static constexpr int kHeadDim = BLINK_HEAD_DIM;
 static constexpr int kAttnWideWarps = blink::kAttnWideWarps<kHeadDim>;
 
 // Launch constants the host reads back (cuModuleGetGlobal), so they are written once, here.
 extern "C" __device__ const uint32_t blink_head_dim = kHeadDim;
+extern "C" __device__ const uint32_t blink_kv_fp8 = Kv::kFp8;
 extern "C" __device__ const uint32_t blink_rope_threads = blink::kRopeThreads;
 extern "C" __device__ const uint32_t blink_attention_threads = blink::kAttnThreads;
 extern "C" __device__ const uint32_t blink_attention_rows = blink::kAttnRows;
@@ -106,16 +114,19 @@ __global__ void __launch_bounds__(256)
   blink::RmsNormCta(desc, gather, max_rows, x, bias, weight, out, hidden, eps);
 }
 
+// kv_scales: the layer's (an E4M3 cache), kv_amax: its calibration's maxima, or null.
 __global__ void __launch_bounds__(blink::kRopeThreads)
     blink_rope_kv_write(const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
                         const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv,
                         const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, float eps,
                         const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out,
-                        bf16* k_cache, bf16* v_cache, int block_size, int num_blocks) {
+                        KvElement* k_cache, KvElement* v_cache, int block_size, int num_blocks,
+                        const float* kv_scales, float* kv_amax) {
   blink::AwaitPriorKernel();
-  blink::RopeKvWriteCta<kHeadDim>(desc, positions, token_seq, block_tables, max_blocks_per_seq,
-                                  qkv, qkv_bias, q_norm, k_norm, eps, inv_freq, num_heads,
-                                  num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks);
+  blink::RopeKvWriteCta<kHeadDim, Kv>(desc, positions, token_seq, block_tables,
+                                      max_blocks_per_seq, qkv, qkv_bias, q_norm, k_norm, eps,
+                                      inv_freq, num_heads, num_kv_heads, q_out, k_cache,
+                                      v_cache, block_size, num_blocks, kv_scales, kv_amax);
 }
 
 // The attention entries, with query tiles of kAttnRows or kAttnRowsSmall rows (and kAttnWideWarps
@@ -128,15 +139,15 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
                                     blink::kAttnMinCtas<kHeadDim, WARPS>)                    \
       NAME(const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,        \
            const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,               \
-           const bf16* k_cache, const bf16* v_cache, int block_size, int num_heads,          \
-           int num_kv_heads, float scale, bf16* out, int num_splits, float* partial_out,     \
-           float* partial_stats, uint32_t* tile_sems, int decode_min_keys, int slots,        \
-           int release_next) {                                                               \
+           const KvElement* k_cache, const KvElement* v_cache, int block_size,               \
+           int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits,          \
+           float* partial_out, float* partial_stats, uint32_t* tile_sems,                    \
+           int decode_min_keys, int slots, int release_next, const float* kv_scales) {       \
     if (release_next) blink::ReleaseNextKernel();                                            \
-    blink::AttentionCta<kHeadDim, ROWS, STEP_IN_ONE_BLOCK, WARPS>(/* it waits for the      \
+    blink::AttentionCta<kHeadDim, ROWS, STEP_IN_ONE_BLOCK, WARPS, Kv>(/* it waits for the  \
         previous kernel */ desc, positions, token_seq, block_tables, max_blocks_per_seq, q,  \
         k_cache, v_cache, block_size, num_heads, num_kv_heads, scale, out, num_splits,       \
-        partial_out, partial_stats, tile_sems, decode_min_keys, slots);                      \
+        partial_out, partial_stats, tile_sems, decode_min_keys, slots, kv_scales);           \
   }
 BLINK_PAGED_ATTENTION(blink_paged_attention, blink::kAttnRows, true, blink::kAttnWarps)
 BLINK_PAGED_ATTENTION(blink_paged_attention_small, blink::kAttnRowsSmall, true, blink::kAttnWarps)
@@ -157,6 +168,9 @@ BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide_any_block, blink::kAttnRo
 // both, eps unused there). _k2: K split across clusters of two CTAs (SkinnyAccumulate's
 // kSplits), for projections of fewer row blocks than SMs. argmax (the plain entries): the LM
 // head's per-row greedy argmax words (SkinnyStore), or null.
+// _fp8: FP8 weights (--quantization fp8; gemv.cuh Fp8Weights): E4M3 codes, w_scale their
+// rows' scales; norm_w the RMSNorm's weight (_norm, qkv_rope_norm: FP8 weights do not fold it
+// in). Decode-sized buckets only (up to 16 rows): larger steps run the FP8 GEMMs.
 #define BLINK_CLUSTER_OF_1
 #define BLINK_CLUSTER_OF_2 __cluster_dims__(2, 1, 1)
 #define BLINK_CLUSTER_OF_4 __cluster_dims__(4, 1, 1)
@@ -178,6 +192,23 @@ BLINK_SKINNY_LINEAR(blink_skinny_linear_1x1_k2, 1, 1, 2)
 BLINK_SKINNY_LINEAR(blink_skinny_linear_1x2_k2, 1, 2, 2)
 #undef BLINK_SKINNY_LINEAR
 
+#define BLINK_SKINNY_LINEAR_FP8(NAME, A, C, SPLITS)                                          \
+  __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
+  __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                                \
+      NAME(const bf16* x, int ldx, int M, const fp8* w, uint32_t w_tile_stride, int N, int K, \
+           void* out, int ldo, int mode, bf16* shadow, unsigned long long* argmax,           \
+           const float* w_scale) {                                                           \
+    blink::SkinnyLinearCta<A, C, false, SPLITS, blink::Fp8Weights>(                          \
+        x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode, shadow, 0.f, argmax, w_scale);    \
+  }
+BLINK_SKINNY_LINEAR_FP8(blink_skinny_linear_fp8_1x1, 1, 1, 1)
+BLINK_SKINNY_LINEAR_FP8(blink_skinny_linear_fp8_1x2, 1, 2, 1)
+BLINK_SKINNY_LINEAR_FP8(blink_skinny_linear_fp8_2x1, 2, 1, 1)
+BLINK_SKINNY_LINEAR_FP8(blink_skinny_linear_fp8_2x2, 2, 2, 1)
+BLINK_SKINNY_LINEAR_FP8(blink_skinny_linear_fp8_1x1_k2, 1, 1, 2)
+BLINK_SKINNY_LINEAR_FP8(blink_skinny_linear_fp8_1x2_k2, 1, 2, 2)
+#undef BLINK_SKINNY_LINEAR_FP8
+
 #define BLINK_SKINNY_NORM_LINEAR(A, C)                                                       \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
       blink_skinny_linear_norm_##A##x##C(const bf16* x, int ldx, int M, const bf16* w,       \
@@ -185,6 +216,15 @@ BLINK_SKINNY_LINEAR(blink_skinny_linear_1x2_k2, 1, 2, 2)
                                          int ldo, int mode, float eps) {                     \
     blink::SkinnyLinearCta<A, C, true>(x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode,    \
                                        nullptr, eps);                                        \
+  }                                                                                          \
+  __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
+      blink_skinny_linear_norm_fp8_##A##x##C(                                                \
+          const bf16* x, int ldx, int M, const fp8* w, uint32_t w_tile_stride, int N, int K, \
+          void* out, int ldo, int mode, float eps, const float* w_scale,                     \
+          const bf16* norm_w) {                                                              \
+    blink::SkinnyLinearCta<A, C, true, 1, blink::Fp8Weights>(                                \
+        x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode, nullptr, eps, nullptr, w_scale,   \
+        norm_w);                                                                             \
   }
 BLINK_SKINNY_NORM_LINEAR(1, 1)
 BLINK_SKINNY_NORM_LINEAR(2, 1)
@@ -192,27 +232,35 @@ BLINK_SKINNY_NORM_LINEAR(1, 2)
 BLINK_SKINNY_NORM_LINEAR(2, 2)
 #undef BLINK_SKINNY_NORM_LINEAR
 
-#define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM, SPLITS)                                      \
+// W: blink::Bf16Weights (w_scale and norm_w unused: null) or blink::Fp8Weights (_fp8 entries)
+#define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM, SPLITS, W)                                   \
   __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
   __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas) NAME(                          \
-      const bf16* x, int ldx, int M, const bf16* w, uint32_t w_tile_stride, int N, int K,    \
-      float eps, const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,  \
-      const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,             \
-      const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out, bf16* k_cache,    \
-      bf16* v_cache, int block_size, int num_blocks) {                                       \
-    blink::SkinnyQkvRopeCta<kHeadDim, A, C, NORM, SPLITS>(                                   \
+      const bf16* x, int ldx, int M, const W::Element* w, uint32_t w_tile_stride, int N,     \
+      int K, float eps, const BatchDesc* desc, const int32_t* positions,                     \
+      const int32_t* token_seq, const int32_t* block_tables, int max_blocks_per_seq,         \
+      const bf16* qkv_bias, const float* inv_freq, int num_heads, int num_kv_heads,          \
+      bf16* q_out, KvElement* k_cache, KvElement* v_cache, int block_size, int num_blocks,   \
+      const float* kv_scales, float* kv_amax, const float* w_scale, const bf16* norm_w) {    \
+    blink::SkinnyQkvRopeCta<kHeadDim, A, C, NORM, SPLITS, Kv, W>(                            \
         x, ldx, M, w, w_tile_stride, N, K, eps, desc, positions, token_seq, block_tables,    \
         max_blocks_per_seq, qkv_bias, inv_freq, num_heads, num_kv_heads, q_out, k_cache,     \
-        v_cache, block_size, num_blocks);                                                    \
+        v_cache, block_size, num_blocks, kv_scales, kv_amax, w_scale, norm_w);               \
   }
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1, 1, 1, true, 1)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x1, 2, 1, true, 1)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2, 1, 2, true, 1)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x2, 2, 2, true, 1)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_1x4, 1, 4, false, 1)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false, 1)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1_k2, 1, 1, true, 2)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2_k2, 1, 2, true, 2)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1, 1, 1, true, 1, blink::Bf16Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x1, 2, 1, true, 1, blink::Bf16Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2, 1, 2, true, 1, blink::Bf16Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x2, 2, 2, true, 1, blink::Bf16Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_1x4, 1, 4, false, 1, blink::Bf16Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false, 1, blink::Bf16Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1_k2, 1, 1, true, 2, blink::Bf16Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2_k2, 1, 2, true, 2, blink::Bf16Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x1, 1, 1, true, 1, blink::Fp8Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_2x1, 2, 1, true, 1, blink::Fp8Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x2, 1, 2, true, 1, blink::Fp8Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_2x2, 2, 2, true, 1, blink::Fp8Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x1_k2, 1, 1, true, 2, blink::Fp8Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x2_k2, 1, 2, true, 2, blink::Fp8Weights)
 #undef BLINK_SKINNY_QKV_ROPE
 
 // A batch-1 layer's projections after attention in one persistent kernel (gemv_chain.cuh): o +
@@ -263,6 +311,41 @@ __global__ void __launch_bounds__(256)
     blink_silu_mul(const BatchDesc* desc, const bf16* gate_up, bf16* out, int inter) {
   blink::AwaitPriorKernel();
   blink::SiluMulCta(desc, gate_up, out, inter);
+}
+
+// --- FP8 (--quantization fp8) -----------------------------------------------------------------
+// E4M3 codes with a scale a row (quantize.cuh): of x's rows below desc's num_tokens (every row
+// with desc null: weights at load time); of the RMSNorm's and SiLU * up's output rows (the
+// inputs of the FP8 GEMMs of prefill-sized steps, which take a scale per token row).
+__global__ void __launch_bounds__(256)
+    blink_quantize_rows(const BatchDesc* desc, const bf16* x, int ldx, fp8* q, int ldq,
+                        float* scale, int K) {
+  blink::AwaitPriorKernel();
+  blink::QuantizeBf16RowCta(desc, x, ldx, q, ldq, scale, K);
+}
+
+__global__ void __launch_bounds__(256)
+    blink_rms_norm_fp8(const BatchDesc* desc, float* x, const bf16* bias, const bf16* weight,
+                       fp8* q, float* scale, int hidden, float eps) {
+  blink::AwaitPriorKernel();
+  blink::RmsNormE4m3Cta(desc, x, bias, weight, q, scale, hidden, eps);
+}
+
+__global__ void __launch_bounds__(256)
+    blink_silu_mul_fp8(const BatchDesc* desc, const bf16* gate_up, fp8* q, float* scale,
+                       int inter) {
+  blink::AwaitPriorKernel();
+  blink::SiluMulE4m3Cta(desc, gate_up, q, scale, inter);
+}
+
+// The FP8 skinny kernels' tiled weights from row-major codes (gemv.cuh TileWeightsThread).
+__global__ void __launch_bounds__(256)
+    blink_tile_weights_fp8(const fp8* w, fp8* tiled, int N, int K, uint32_t tile_stride,
+                           size_t pieces) {
+  blink::AwaitPriorKernel();
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < pieces;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    blink::TileWeightsThread(w, tiled, N, K, tile_stride, i);
 }
 
 // done_sem (null: none): the forward graph's end. The CTAs count themselves out on it, and the

@@ -37,9 +37,19 @@
 // H200, Llama-3.1-8B batch 1: a separate pass over x, before the main loop or after it from L1,
 // cost the qkv projection 3 us and the gate|up one 2 us more.) The residual adds (kGemvF32Add)
 // write that shadow copy as they update the stream, so no norm kernel runs between projections.
+//
+// FP8 weights (Fp8Weights): E4M3 codes with a float32 scale per output row, in the same layouts
+// with twice the k per 16 bytes (a 16-row tile's step is 64 k, 1 KB, as a bf16 step of 32 k
+// is): lane (g, t) loads 16 codes, k = 64 s + 16 t .. + 15, of rows g and g + 8, converts them
+// to f16 pairs in registers (exactly, one instruction a pair: fp8.cuh) and runs four f16
+// m16n8k16 MMAs against x row g's same 16 k, rounded from bf16 to f16 on the way (times
+// kFp8InputScale). The row scales and the input scale's inverse multiply the sums at the
+// end. The RMSNorm's weight is not folded into FP8 weights (the checkpoint's codes stay as
+// stored): the kNormIn variants multiply x by it before the MMAs.
 #pragma once
 #include "argmax.cuh"
 #include "batch.cuh"
+#include "fp8.cuh"
 #include "utils.cuh"
 
 namespace blink {
@@ -72,13 +82,31 @@ __device__ __forceinline__ uint4 LoadActivation16(const void* p) {
   return v;
 }
 
-// 16-byte loads in flight per lane per 32-k step: 2 per row tile (rows g, g + 8), 1 per column
+// How a skinny kernel reads one kind of weights. A lane loads 16 bytes of each of its two rows
+// a step, kStepK / 4 consecutive k; and kXPieces 16-byte pieces of x row g over the same k.
+struct Bf16Weights {
+  using Element = bf16;
+  using XFrag = uint4;  // x row g's k of a step, as a lane holds them
+  static constexpr bool kFp8 = false;
+  static constexpr int kStepK = 32;
+  static constexpr int kXPieces = 1;
+};
+// E4M3 codes, a float32 scale per output row (the FP8 weights of --quantization fp8).
+struct Fp8Weights {
+  using Element = fp8;
+  using XFrag = uint4[2];
+  static constexpr bool kFp8 = true;
+  static constexpr int kStepK = 64;
+  static constexpr int kXPieces = 2;
+};
+
+// 16-byte loads in flight per lane per step: 2 per row tile (rows g, g + 8), kXPieces per column
 // tile. Steps are unrolled so that about 16 such loads are in flight per lane.
-template <int kRowTiles, int kColTiles>
+template <int kRowTiles, int kColTiles, class W = Bf16Weights>
 struct GemvShape {
   static constexpr int kRows = 16 * kRowTiles;
   static constexpr int kCols = 8 * kColTiles;
-  static constexpr int kLoadsPerStep = 2 * kRowTiles + kColTiles;
+  static constexpr int kLoadsPerStep = 2 * kRowTiles + W::kXPieces * kColTiles;
   static constexpr int kUnroll = kLoadsPerStep <= 4 ? 4 : 2;
   // Two batches in registers (the next one's loads in flight during this one's MMAs) for the
   // shapes with two row tiles and one column tile (10 loads a batch). Measured on the H200:
@@ -88,19 +116,29 @@ struct GemvShape {
   static constexpr int kRedLd = kCols + 1;  // padded row of the cross-warp reduction
 };
 
-// One batch of kUnroll 32-k steps' operands, in registers.
-template <int kUnroll, int kRowTiles, int kColTiles>
+// One batch of kUnroll steps' operands, in registers (and, FP8 kNormIn, the RMSNorm's weight
+// over each step's k).
+template <int kUnroll, int kRowTiles, int kColTiles, class W = Bf16Weights>
 struct GemvBatch {
   uint4 w[kUnroll][kRowTiles][2];
-  uint4 x[kUnroll][kColTiles];
+  typename W::XFrag x[kUnroll][kColTiles];
+  typename W::XFrag norm_w[kUnroll];  // FP8 kNormIn only (unused registers otherwise)
 };
+
+// FP8 weights: each of a CTA's rows' weight scale, beside its sums (bf16: nothing).
+template <int kRows, bool kFp8>
+struct GemvWeightScales {
+  float w_scale[kRows];
+};
+template <int kRows>
+struct GemvWeightScales<kRows, false> {};
 
 // One CTA's dot products, left in shared memory by SkinnyAccumulate for the store epilogues.
 // kSplits > 1: K is split across a thread-block cluster of kSplits CTAs (SkinnyAccumulate), and
 // the sums over the cluster end up in the first CTA's `part`.
-template <int kRowTiles, int kColTiles, int kSplits = 1>
-struct GemvSums {
-  using S = GemvShape<kRowTiles, kColTiles>;
+template <int kRowTiles, int kColTiles, int kSplits = 1, class W = Bf16Weights>
+struct GemvSums : GemvWeightScales<16 * kRowTiles, W::kFp8> {
+  using S = GemvShape<kRowTiles, kColTiles, W>;
   float red[kGemvWarps * S::kRows * S::kRedLd];  // [warp][row][column] per-warp partial sums
   float row_scale[S::kCols];                     // 1, or 1 / rms(x_m) with kNormIn
   float sum_sq[kGemvWarps][S::kCols];            // per-warp sums of x_m^2 (kNormIn)
@@ -117,6 +155,7 @@ struct GemvSums {
 #pragma unroll
       for (int q = 0; q < kGemvWarps; ++q) v += red[(q * S::kRows + r) * S::kRedLd + m];
     }
+    if constexpr (W::kFp8) return v * row_scale[m] * this->w_scale[r];
     return v * row_scale[m];
   }
 };
@@ -133,10 +172,10 @@ __device__ __forceinline__ int SkinnyRowBlock() {
 // own. True in rank 0, whose part then holds the row block's sums; every thread of every CTA of
 // the cluster calls it. The other CTAs wait until rank 0 has read their shared memory (a CTA's
 // shared memory goes when it exits).
-template <int kRowTiles, int kColTiles, int kSplits>
-__device__ __forceinline__ bool MeetClusterSums(GemvSums<kRowTiles, kColTiles, kSplits>& sums,
+template <int kRowTiles, int kColTiles, int kSplits, class W>
+__device__ __forceinline__ bool MeetClusterSums(GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
                                                 int rank) {
-  using S = GemvShape<kRowTiles, kColTiles>;
+  using S = GemvShape<kRowTiles, kColTiles, W>;
   constexpr int kParts = S::kRows * S::kCols + S::kCols;
   for (int i = threadIdx.x; i < kParts; i += blockDim.x) {
     float v = 0.f;
@@ -193,13 +232,61 @@ __device__ __forceinline__ void GemvStepMma(float (&acc)[kRowTiles][kColTiles][4
   }
 }
 
+// One 64-k step of a lane's MMAs on FP8 weights: W rows g, g + 8 of each row tile (wv: 16 codes
+// each, k 16 t .. + 15 of the step) against x row g of each column tile over the same k (xv:
+// two bf16 pieces, k 16 t .. + 7 and + 8 .. + 15). x is rounded to f16 times kFp8InputScale
+// (and, kNormIn, times the RMSNorm's weight over those k: nw); MMA i takes k 16 t + 4 i .. + 3,
+// the same permutation of k in A and B (as MmaBf16Step32 permutes them). kNormIn: the lane's
+// share of each x row's sum of squares too (of x as stored).
+template <int kRowTiles, int kColTiles, bool kNormIn>
+__device__ __forceinline__ void GemvStepMmaFp8(float (&acc)[kRowTiles][kColTiles][4],
+                                               float (&sum_sq)[kColTiles],
+                                               const uint4 (&wv)[kRowTiles][2],
+                                               const uint4 (&xv)[kColTiles][2],
+                                               const uint4 (&nw)[2]) {
+  uint32_t xb[kColTiles][8];  // f16 pairs: k 16 t + 2 i, + 1 in word i
+#pragma unroll
+  for (int j = 0; j < kColTiles; ++j) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const uint32_t words[4] = {xv[j][p].x, xv[j][p].y, xv[j][p].z, xv[j][p].w};
+      const uint32_t norm[4] = {nw[p].x, nw[p].y, nw[p].z, nw[p].w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[q]));
+        if constexpr (kNormIn) {
+          sum_sq[j] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[j]));
+          const float2 w = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&norm[q]));
+          f.x *= w.x;
+          f.y *= w.y;
+        }
+        xb[j][4 * p + q] = F32x2ToF16x2(f.x * kFp8InputScale, f.y * kFp8InputScale);
+      }
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < kRowTiles; ++a) {
+    const uint32_t lo[4] = {wv[a][0].x, wv[a][0].y, wv[a][0].z, wv[a][0].w};
+    const uint32_t hi[4] = {wv[a][1].x, wv[a][1].y, wv[a][1].z, wv[a][1].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t lo0, lo1, hi0, hi1;  // row g: k 4 i, + 1 and 4 i + 2, + 3; row g + 8 likewise
+      E4m3x4ToF16x4(lo[i], lo0, lo1);
+      E4m3x4ToF16x4(hi[i], hi0, hi1);
+#pragma unroll
+      for (int j = 0; j < kColTiles; ++j)
+        MmaF16(acc[a][j], lo0, hi0, lo1, hi1, xb[j][2 * i], xb[j][2 * i + 1]);
+    }
+  }
+}
+
 // A warp's accumulators (and kNormIn sums of squares) into sums.red / sums.sum_sq. Accumulator
 // element e of tile (a, j): row 16a + g + 8 (e / 2), column 8j + 2t + e % 2.
-template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits>
+template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits, class W>
 __device__ __forceinline__ void GemvWarpSums(const float (&acc)[kRowTiles][kColTiles][4],
                                              const float (&sum_sq)[kColTiles],
-                                             GemvSums<kRowTiles, kColTiles, kSplits>& sums) {
-  using S = GemvShape<kRowTiles, kColTiles>;
+                                             GemvSums<kRowTiles, kColTiles, kSplits, W>& sums) {
+  using S = GemvShape<kRowTiles, kColTiles, W>;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int g = lane / 4, t = lane % 4;
   float* my_red = sums.red + static_cast<size_t>(warp) * S::kRows * S::kRedLd;
@@ -222,11 +309,14 @@ __device__ __forceinline__ void GemvWarpSums(const float (&acc)[kRowTiles][kColT
 }
 
 // sums.row_scale of each token row, once the warps' sums are in (and, kSplits > 1, met in
-// part): 1 / rms(x_m) with kNormIn, else 1.
-template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits>
-__device__ __forceinline__ void GemvRowScales(GemvSums<kRowTiles, kColTiles, kSplits>& sums,
-                                              int M, int K, float eps) {
-  using S = GemvShape<kRowTiles, kColTiles>;
+// part): 1 / rms(x_m) with kNormIn, else 1; FP8 weights: times 1 / kFp8InputScale, and each of
+// the CTA's rows' weight scale into sums.w_scale (rows past N: the last row's).
+template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits, class W>
+__device__ __forceinline__ void GemvRowScales(GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
+                                              int M, int K, float eps,
+                                              const float* w_scale = nullptr, int n0 = 0,
+                                              int N = 0) {
+  using S = GemvShape<kRowTiles, kColTiles, W>;
   if (threadIdx.x < min(M, S::kCols)) {
     float scale = 1.f;
     if constexpr (kNormIn) {
@@ -239,33 +329,45 @@ __device__ __forceinline__ void GemvRowScales(GemvSums<kRowTiles, kColTiles, kSp
       }
       scale = rsqrtf(v / K + eps);
     }
+    if constexpr (W::kFp8) scale *= 1.f / kFp8InputScale;
     sums.row_scale[threadIdx.x] = scale;
+  }
+  if constexpr (W::kFp8) {
+    if (threadIdx.x < S::kRows) sums.w_scale[threadIdx.x] = w_scale[min(n0 + threadIdx.x, N - 1)];
   }
 }
 
 // x: [M, ldx] bf16 (row m at x + m * ldx, K used); w: [N, K] bf16 row-major (w_tile_stride
-// 0), or tiled (tiles of 16 rows w_tile_stride elements apart, the last one padded); K % 32 ==
-// 0; the CTA's rows are n0 = SkinnyRowBlock() * kRows .. + kRows - 1 (rows past N compute and drop
-// the last row, or the padding). kNormIn: row_scale[m] = 1 / sqrt(mean(x_m^2) + eps), else 1.
+// 0), or tiled (tiles of 16 rows w_tile_stride elements apart, the last one padded); K %
+// W::kStepK == 0; the CTA's rows are n0 = SkinnyRowBlock() * kRows .. + kRows - 1 (rows past N
+// compute and drop the last row, or the padding). kNormIn: row_scale[m] = 1 / sqrt(mean(x_m^2)
+// + eps), else 1. FP8 weights (W = Fp8Weights): w holds E4M3 codes in the same layouts (a
+// tiled step is 64 k), w_scale [N] their rows' scales, and norm_w [K] (kNormIn) the RMSNorm's
+// weight, which x is multiplied by (bf16 weights have it folded in).
 // Every thread of the CTA calls it; sums is in shared memory and complete when it returns true.
 // blockDim.x = kGemvThreads. It waits for the previous kernel itself (AwaitPriorKernel), after
 // its first weight loads.
 //
 // kSplits > 1 (a grid of kSplits CTAs a row block, launched in clusters of kSplits along x):
-// the cluster's CTAs take the row block's 32-k steps round-robin as if their warps were one
+// the cluster's CTAs take the row block's steps round-robin as if their warps were one
 // CTA's, and the first CTA adds the others' sums from their shared memory (distributed shared
 // memory, after a cluster barrier); it returns true, the others false (they have nothing to
 // store). Where a projection has fewer row blocks than the GPU has SMs (Llama-3.2-1B's o and
 // down projections at batch 1: 128 row blocks of 16 rows), one CTA an SM has too few loads in
 // flight to stream at the memory's rate, and two CTAs a row block double them.
-template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1>
-__device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, const bf16* w,
+template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1, class W = Bf16Weights>
+__device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
+                                                 const typename W::Element* w,
                                                  uint32_t w_tile_stride, int N, int K,
                                                  float eps,
-                                                 GemvSums<kRowTiles, kColTiles, kSplits>& sums) {
-  using S = GemvShape<kRowTiles, kColTiles>;
+                                                 GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
+                                                 const float* w_scale = nullptr,
+                                                 const bf16* norm_w = nullptr) {
+  using S = GemvShape<kRowTiles, kColTiles, W>;
   static_assert(sizeof(sums) <= 48 * 1024, "static shared memory");
   constexpr int kUnroll = S::kUnroll;
+  constexpr int kStepK = W::kStepK, kPieceK = kStepK / 4;  // k a step, k a lane loads a row
+  constexpr bool kNormW = W::kFp8 && kNormIn;
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   // the steps' round-robin runs over the cluster's warps: this warp's place in it
@@ -275,23 +377,24 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
   const int g = lane / 4, t = lane % 4;
   const int n0 = SkinnyRowBlock<kSplits>() * S::kRows;
 
-  // Element offsets of this lane's rows at its 8-element column offset in step 0, and from
-  // one step to the next (32-bit: the padded N * K < 2^31, checked by the host); rows past the
-  // end re-read the last row, or the last tile (their results are computed and dropped), so no
-  // load is ever predicated off.
+  // Element offsets of this lane's rows at its column offset in step 0, and from one step to
+  // the next (32-bit: the padded N * K < 2^31, checked by the host); rows past the end re-read
+  // the last row, or the last tile (their results are computed and dropped), so no load is
+  // ever predicated off.
   uint32_t w_off[kRowTiles][2], x_off[kColTiles];
-  const uint32_t w_step = w_tile_stride ? 16 * 32 : 32;
+  const uint32_t w_step = w_tile_stride ? 16 * kStepK : kStepK;
 #pragma unroll
   for (int a = 0; a < kRowTiles; ++a)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       w_off[a][h] = w_tile_stride
                         ? static_cast<uint32_t>(min(n0 / 16 + a, (N - 1) / 16)) * w_tile_stride +
-                              (8 * h + g) * 32 + 8 * t
-                        : static_cast<uint32_t>(min(n0 + 16 * a + 8 * h + g, N - 1)) * K + 8 * t;
+                              (8 * h + g) * kStepK + kPieceK * t
+                        : static_cast<uint32_t>(min(n0 + 16 * a + 8 * h + g, N - 1)) * K +
+                              kPieceK * t;
 #pragma unroll
   for (int j = 0; j < kColTiles; ++j)
-    x_off[j] = static_cast<uint32_t>(min(8 * j + g, M - 1)) * ldx + 8 * t;
+    x_off[j] = static_cast<uint32_t>(min(8 * j + g, M - 1)) * ldx + kPieceK * t;
 
   float acc[kRowTiles][kColTiles][4];
   float sum_sq[kColTiles];  // kNormIn: this lane's share of x row 8 j + g's sum of squares
@@ -304,7 +407,9 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
       for (int e = 0; e < 4; ++e) acc[a][j][e] = 0.f;
   }
 
-  // One 32-k step's loads: W rows g, g + 8 of each row tile; x row g of each column tile.
+  using XFrag = typename W::XFrag;
+  // One step's loads: W rows g, g + 8 of each row tile; x row g of each column tile (and the
+  // RMSNorm's weight over the same k: kNormW).
   auto load_w = [&](int step, uint4 (&wv)[kRowTiles][2]) {
     const uint32_t k = static_cast<uint32_t>(step) * w_step;
 #pragma unroll
@@ -312,22 +417,38 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
 #pragma unroll
       for (int h = 0; h < 2; ++h) wv[a][h] = LoadStreaming16(w + (w_off[a][h] + k));
   };
-  auto load_x = [&](int step, uint4 (&xv)[kColTiles]) {
-    const uint32_t k = static_cast<uint32_t>(step) * 32;
+  auto load_x = [&](int step, XFrag (&xv)[kColTiles], XFrag& nw) {
+    const uint32_t k = static_cast<uint32_t>(step) * kStepK;
 #pragma unroll
-    for (int j = 0; j < kColTiles; ++j)
-      xv[j] = LoadActivation16(x + (x_off[j] + k));
+    for (int j = 0; j < kColTiles; ++j) {
+      if constexpr (W::kFp8) {
+#pragma unroll
+        for (int p = 0; p < 2; ++p) xv[j][p] = LoadActivation16(x + (x_off[j] + k + 8 * p));
+      } else {
+        xv[j] = LoadActivation16(x + (x_off[j] + k));
+      }
+    }
+    if constexpr (kNormW) {  // constant for the kernel's life: cached, may move above the wait
+#pragma unroll
+      for (int p = 0; p < 2; ++p)
+        nw[p] = __ldg(reinterpret_cast<const uint4*>(norm_w + k + kPieceK * t + 8 * p));
+    }
   };
-  auto mma = [&](const uint4 (&wv)[kRowTiles][2], const uint4 (&xv)[kColTiles]) {
-    GemvStepMma<kRowTiles, kColTiles, kNormIn>(acc, sum_sq, wv, xv);
+  auto mma = [&](const uint4 (&wv)[kRowTiles][2], const XFrag (&xv)[kColTiles],
+                 const XFrag& nw) {
+    if constexpr (W::kFp8) {
+      GemvStepMmaFp8<kRowTiles, kColTiles, kNormIn>(acc, sum_sq, wv, xv, nw);
+    } else {
+      GemvStepMma<kRowTiles, kColTiles, kNormIn>(acc, sum_sq, wv, xv);
+    }
   };
 
   // Warp w takes steps w, w + warps, ...: whole batches of kUnroll steps with every load issued
   // before the first MMA (no predicates, so they all stay in flight), double-buffered where
   // registers allow (batch b + 1's loads issued before batch b's MMAs, so a warp always has
   // loads in flight); then the remainder.
-  using Batch = GemvBatch<kUnroll, kRowTiles, kColTiles>;
-  const int steps = K / 32, batch_steps = kUnroll * warps;
+  using Batch = GemvBatch<kUnroll, kRowTiles, kColTiles, W>;
+  const int steps = K / kStepK, batch_steps = kUnroll * warps;
   const int batches = steps >= slot + (kUnroll - 1) * warps + 1
                           ? (steps - slot - (kUnroll - 1) * warps - 1) / batch_steps + 1
                           : 0;
@@ -337,7 +458,8 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
   };
   auto load_batch_x = [&](int b, Batch& batch) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load_x(slot + b * batch_steps + u * warps, batch.x[u]);
+    for (int u = 0; u < kUnroll; ++u)
+      load_x(slot + b * batch_steps + u * warps, batch.x[u], batch.norm_w[u]);
   };
   auto load_batch = [&](int b, Batch& batch) {
     load_batch_w(b, batch);
@@ -345,7 +467,7 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
   };
   auto mma_batch = [&](const Batch& batch) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) mma(batch.w[u], batch.x[u]);
+    for (int u = 0; u < kUnroll; ++u) mma(batch.w[u], batch.x[u], batch.norm_w[u]);
   };
   // The weights do not depend on the previous kernel, x does: the first batch's weight loads
   // are issued before waiting for it (programmatic dependent launch), so they are in flight
@@ -374,10 +496,11 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
     }
   }
   for (int s = slot + batches * batch_steps; s < steps; s += warps) {
-    uint4 wv[kRowTiles][2], xv[kColTiles];
+    uint4 wv[kRowTiles][2];
+    XFrag xv[kColTiles], nw;
     load_w(s, wv);
-    load_x(s, xv);
-    mma(wv, xv);
+    load_x(s, xv, nw);
+    mma(wv, xv, nw);
   }
   ReleaseNextKernel();  // every weight is read: the next kernel may take freed SM slots
 
@@ -386,7 +509,7 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
   if constexpr (kSplits > 1) {
     if (!MeetClusterSums(sums, rank)) return false;
   }
-  GemvRowScales<kNormIn>(sums, M, K, eps);
+  GemvRowScales<kNormIn>(sums, M, K, eps, w_scale, n0, N);
   __syncthreads();
   return true;
 }
@@ -396,12 +519,12 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M, 
 // copy a following kNormIn projection reads). kGemvF32 with `argmax` (the LM head): each row m
 // of out also folds its argmax over the CTA's columns into argmax[m] (argmax.cuh PackArgMax;
 // zero before the first CTA), a warp a row and one atomicMax a CTA.
-template <int kRowTiles, int kColTiles, int kSplits>
-__device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles, kSplits>& sums,
+template <int kRowTiles, int kColTiles, int kSplits, class W>
+__device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
                                             int row_block, int M, int N, void* out, int ldo,
                                             int mode, bf16* shadow,
                                             unsigned long long* argmax = nullptr) {
-  using S = GemvShape<kRowTiles, kColTiles>;
+  using S = GemvShape<kRowTiles, kColTiles, W>;
   const int n0 = row_block * S::kRows, cols = min(M, S::kCols);
   if (argmax != nullptr && mode == kGemvF32) {
     const int lane = threadIdx.x % kWarpSize;
@@ -435,11 +558,11 @@ __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles,
 
 // kGemvSiluMul: the CTA's rows 0..15 are the gate of features f0 .. f0 + 15 (f0 = 16 x its row
 // block) and rows 16..31 their up (kRowTiles == 2); out[m, f] = silu(gate) * up in bf16, f < N / 2.
-template <int kColTiles, int kSplits>
-__device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles, kSplits>& sums,
+template <int kColTiles, int kSplits, class W>
+__device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles, kSplits, W>& sums,
                                                    int row_block, int M, int N, bf16* out,
                                                    int ldo) {
-  const int f0 = row_block * 16, cols = min(M, GemvShape<2, kColTiles>::kCols);
+  const int f0 = row_block * 16, cols = min(M, GemvShape<2, kColTiles, W>::kCols);
   for (int i = threadIdx.x; i < 16 * cols; i += blockDim.x) {
     const int r = i % 16, m = i / 16;
     if (f0 + r >= N / 2) continue;
@@ -452,15 +575,19 @@ __device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles, 
 
 // The whole skinny linear layer for the plain and SiLU-gated modes. grid.x = ceil(N / kRows)
 // x kSplits (kGemvSiluMul: N = 2 * features, kRowTiles == 2); blockDim.x = kGemvThreads;
-// kSplits > 1: clusters of kSplits CTAs along x.
-template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1>
-__device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M, const bf16* w,
+// kSplits > 1: clusters of kSplits CTAs along x. FP8 weights (W = Fp8Weights): w_scale, and
+// norm_w with kNormIn, as SkinnyAccumulate takes them.
+template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1, class W = Bf16Weights>
+__device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M,
+                                                const typename W::Element* w,
                                                 uint32_t w_tile_stride, int N, int K, void* out,
                                                 int ldo, int mode, bf16* shadow, float eps,
-                                                unsigned long long* argmax = nullptr) {
-  __shared__ GemvSums<kRowTiles, kColTiles, kSplits> sums;
-  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits>(x, ldx, M, w, w_tile_stride, N,
-                                                                K, eps, sums))
+                                                unsigned long long* argmax = nullptr,
+                                                const float* w_scale = nullptr,
+                                                const bf16* norm_w = nullptr) {
+  __shared__ GemvSums<kRowTiles, kColTiles, kSplits, W> sums;
+  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits, W>(
+          x, ldx, M, w, w_tile_stride, N, K, eps, sums, w_scale, norm_w))
     return;
   if constexpr (kRowTiles == 2) {
     if (mode == kGemvSiluMul)
@@ -833,19 +960,23 @@ __device__ __forceinline__ void RowBlockSiluMulCta(const BatchDesc* desc, const 
   if constexpr (kCluster > 1) ClusterWait();
 }
 
-// W [N, K] row-major -> tiled (the layout above), one 16-byte piece (8 k) a thread: piece i of
-// the tiled copy is tile i / (tile_stride / 8), and within its tile (j = i % (tile_stride / 8))
-// step j / 64, row (j % 64) / 4, k 8 (j % 4) of the step; j >= 2 K is the tile's pad. Rows past
-// N (the last tile's padding) and the pads are zeros. tiled: ceil(N / 16) * tile_stride
-// elements; tile_stride >= 16 K, a multiple of 8.
-__device__ __forceinline__ void TileWeightsThread(const bf16* w, bf16* tiled, int N, int K,
+// W [N, K] row-major -> tiled (the layout above), one 16-byte piece (kPieceK = 16 / sizeof(T)
+// k: 8 of bf16, 16 of E4M3 codes) a thread: piece i of the tiled copy is tile i / (tile_stride
+// / kPieceK), and within its tile (j = i % (tile_stride / kPieceK)) step j / 64, row (j % 64) /
+// 4, k 4 kPieceK (j / 64) + kPieceK (j % 4); j >= 16 K / kPieceK is the tile's pad. Rows past N
+// (the last tile's padding) and the pads are zeros. tiled: ceil(N / 16) * tile_stride
+// elements; tile_stride >= 16 K, a multiple of kPieceK.
+template <typename T = bf16>
+__device__ __forceinline__ void TileWeightsThread(const T* w, T* tiled, int N, int K,
                                                   uint32_t tile_stride, size_t piece) {
-  const size_t tile = piece / (tile_stride / 8);
-  const int within = static_cast<int>(piece % (tile_stride / 8));
-  const int step = within / 64, row = within % 64 / 4, k = 32 * step + 8 * (within % 4);
+  constexpr int kPieceK = 16 / sizeof(T);
+  const size_t tile = piece / (tile_stride / kPieceK);
+  const int within = static_cast<int>(piece % (tile_stride / kPieceK));
+  const int step = within / 64, row = within % 64 / 4;
+  const int k = 4 * kPieceK * step + kPieceK * (within % 4);
   const size_t n = 16 * tile + row;
   uint4 v = make_uint4(0, 0, 0, 0);
-  if (within < 2 * K && n < static_cast<size_t>(N))
+  if (within < 16 * K / kPieceK && n < static_cast<size_t>(N))
     v = *reinterpret_cast<const uint4*>(w + n * K + k);
   reinterpret_cast<uint4*>(tiled)[piece] = v;
 }

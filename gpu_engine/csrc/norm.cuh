@@ -2,6 +2,7 @@
 // optionally gathering rows), and the per-head RMSNorm of Qwen3's q and k.
 #pragma once
 #include "batch.cuh"
+#include "quantize.cuh"
 #include "utils.cuh"
 
 namespace blink {
@@ -46,6 +47,42 @@ __device__ __forceinline__ void RmsNormCta(const BatchDesc* desc, const int32_t*
     for (int k = 0; k < 8; ++k) v[k] = w[k] * (v[k] * inv_rms);
     StoreBf16x8(yr + i, v);
   }
+}
+
+// RmsNormCta for an FP8 GEMM's input (--quantization fp8, prefill-sized steps): row r's
+// values weight * x[r] / sqrt(mean(x[r]^2) + eps), in fp32 (not rounded to bf16 first), as E4M3
+// codes with the row's scale (quantize.cuh QuantizeRowCta). One CTA per row r < num_tokens;
+// x: [rows, hidden] f32 (bias, nullable: added into it in place first, as RmsNormCta does);
+// q: [rows, hidden]; scale: [rows]; hidden % 8 == 0.
+__device__ __forceinline__ void RmsNormE4m3Cta(const BatchDesc* desc, float* x, const bf16* bias,
+                                               const bf16* weight, fp8* q, float* scale,
+                                               int hidden, float eps) {
+  __shared__ float scratch[kWarpSize];
+  const int r = blockIdx.x;
+  if (r >= desc->num_tokens) return;  // uniform over the CTA
+  float* xr = x + static_cast<size_t>(r) * hidden;
+  float sum_sq = 0.f;
+  for (int i = threadIdx.x * 8; i < hidden; i += blockDim.x * 8) {
+    float v[8];
+    LoadF32x8(xr + i, v);
+    if (bias != nullptr) {
+      float b[8];
+      LoadBf16x8(bias + i, b);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] += b[k];
+      StoreF32x8(xr + i, v);  // re-read below by this same thread only
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sum_sq += v[k] * v[k];
+  }
+  const float inv_rms = rsqrtf(BlockSum(sum_sq, scratch) / hidden + eps);
+  QuantizeRowCta(hidden, [&](int i, float (&v)[8]) {
+    float w[8];
+    LoadF32x8(xr + i, v);
+    LoadBf16x8(weight + i, w);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = w[k] * (v[k] * inv_rms);
+  }, q + static_cast<size_t>(r) * hidden, scale + r);
 }
 
 // One warp normalizes one head vector of `head_dim` values held as RoPE pairs: lo[i] = x[j],

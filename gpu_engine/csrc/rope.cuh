@@ -9,9 +9,14 @@
 // each pair it computes and can rotate them itself. gpu_engine/cuda_forward.py
 // rope_pair_order permutes the checkpoint's rows (and biases) so when it uploads them; v heads
 // keep their order.
+//
+// Keys and values go into the cache as its element type (kv_cache.cuh: bf16, or E4M3 times the
+// head's inverse scale, Kv = KvFp8); with kv_amax given (the FP8 cache's calibration pass) each
+// head's largest |value| is noted too.
 #pragma once
 #include "batch.cuh"
 #include "gemv.cuh"
+#include "kv_cache.cuh"
 #include "norm.cuh"
 #include "utils.cuh"
 
@@ -40,11 +45,15 @@ __device__ __forceinline__ long long KvCacheOffset(const int32_t* positions,
          head_dim;
 }
 
-// x * cos + rotate_half(x) * sin for one pair, rotate_half(x) = [-x_hi, x_lo].
-__device__ __forceinline__ void RotatePair(float lo, float hi, float c, float s, bf16* dst_lo,
-                                           bf16* dst_hi) {
-  *dst_lo = __float2bfloat16(lo * c - hi * s);
-  *dst_hi = __float2bfloat16(hi * c + lo * s);
+// x * cos + rotate_half(x) * sin for one pair, rotate_half(x) = [-x_hi, x_lo], stored (a
+// cache's E4M3 times `inverse`: StoreKv); returns the larger |value| stored.
+template <typename T>
+__device__ __forceinline__ float RotatePair(float lo, float hi, float c, float s, T* dst_lo,
+                                            T* dst_hi, float inverse = 1.f) {
+  const float rotated_lo = lo * c - hi * s, rotated_hi = hi * c + lo * s;
+  StoreKv(dst_lo, rotated_lo, inverse);
+  StoreKv(dst_hi, rotated_hi, inverse);
+  return fmaxf(fabsf(rotated_lo), fabsf(rotated_hi));
 }
 
 // Grid (bucket, head groups): CTA (t, y) handles token t < num_tokens, and its warps take heads
@@ -54,16 +63,18 @@ __device__ __forceinline__ void RotatePair(float lo, float hi, float c, float s,
 // qkv: [bucket, (num_heads + 2 num_kv_heads) * D] bf16 (the fused projection's output, q|k|v);
 // qkv_bias: same width or null; q_norm, k_norm: [D] or null (both or neither);
 // inv_freq: [D/2] f32; q_out: [bucket, num_heads, D] bf16;
-// k_cache, v_cache: this layer's [num_blocks, block_size, num_kv_heads, D] bf16.
+// k_cache, v_cache: this layer's [num_blocks, block_size, num_kv_heads, D] of Kv::Element;
+// kv_scales: the layer's [2][num_kv_heads] (FP8 cache), kv_amax: as those, or null.
 // Position p of the token's sequence s lives in block block_tables[s][p / block_size], row
 // p % block_size; a block id outside [0, num_blocks) is not written.
-template <int kHeadDim>
+template <int kHeadDim, class Kv = KvBf16>
 __device__ __forceinline__ void RopeKvWriteCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv, const bf16* qkv_bias,
     const bf16* q_norm, const bf16* k_norm, float eps, const float* inv_freq, int num_heads,
-    int num_kv_heads, bf16* q_out, bf16* k_cache, bf16* v_cache, int block_size,
-    int num_blocks) {
+    int num_kv_heads, bf16* q_out, typename Kv::Element* k_cache,
+    typename Kv::Element* v_cache, int block_size, int num_blocks,
+    const float* kv_scales = nullptr, float* kv_amax = nullptr) {
   static_assert(kHeadDim % 2 == 0, "RoPE pairs dimension j with j + head_dim / 2");
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kPairs = (kHalf + kWarpSize - 1) / kWarpSize;
@@ -110,26 +121,52 @@ __device__ __forceinline__ void RopeKvWriteCta(
     }
     if (!is_q && !is_k) {  // v: bias only
       if (write_kv) {
-        bf16* dst = v_cache + slot + static_cast<size_t>(h - num_heads - num_kv_heads) * kHeadDim;
+        const int kv_head = h - num_heads - num_kv_heads;
+        const float inverse = KvInverseScale<Kv>(kv_scales, num_kv_heads, 1, kv_head);
+        typename Kv::Element* dst = v_cache + slot + static_cast<size_t>(kv_head) * kHeadDim;
+        float amax = 0.f;
 #pragma unroll
         for (int i = 0; i < kPairs; ++i) {
           const int j = lane + kWarpSize * i;
           if (j < kHalf) {
-            dst[j] = __float2bfloat16(lo[i]);
-            dst[j + kHalf] = __float2bfloat16(hi[i]);
+            StoreKv(dst + j, lo[i], inverse);
+            StoreKv(dst + j + kHalf, hi[i], inverse);
+            amax = fmaxf(amax, fmaxf(fabsf(lo[i]), fabsf(hi[i])));
           }
+        }
+        if constexpr (Kv::kFp8) {
+          amax = WarpMax(amax);
+          if (lane == 0) NoteKvAmax(kv_amax, num_kv_heads, 1, kv_head, amax);
         }
       }
       continue;
     }
     if (q_norm != nullptr) HeadRmsNormWarp(lo, hi, is_q ? q_norm : k_norm, kHeadDim, eps);
-    bf16* dst = is_q ? q_out + (static_cast<size_t>(t) * num_heads + h) * kHeadDim
-                     : k_cache + slot + static_cast<size_t>(h - num_heads) * kHeadDim;
-    if (!is_q && !write_kv) continue;
+    if (is_q) {
+      bf16* dst = q_out + (static_cast<size_t>(t) * num_heads + h) * kHeadDim;
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        const int j = lane + kWarpSize * i;
+        if (j < kHalf) RotatePair(lo[i], hi[i], cos_s[j], sin_s[j], dst + j, dst + j + kHalf);
+      }
+      continue;
+    }
+    if (!write_kv) continue;
+    const int kv_head = h - num_heads;
+    const float inverse = KvInverseScale<Kv>(kv_scales, num_kv_heads, 0, kv_head);
+    typename Kv::Element* dst = k_cache + slot + static_cast<size_t>(kv_head) * kHeadDim;
+    float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < kPairs; ++i) {
       const int j = lane + kWarpSize * i;
-      if (j < kHalf) RotatePair(lo[i], hi[i], cos_s[j], sin_s[j], dst + j, dst + j + kHalf);
+      if (j < kHalf) {
+        amax = fmaxf(amax, RotatePair(lo[i], hi[i], cos_s[j], sin_s[j], dst + j, dst + j + kHalf,
+                                      inverse));
+      }
+    }
+    if constexpr (Kv::kFp8) {
+      amax = WarpMax(amax);
+      if (lane == 0) NoteKvAmax(kv_amax, num_kv_heads, 0, kv_head, amax);
     }
   }
 }
@@ -138,18 +175,20 @@ __device__ __forceinline__ void RopeKvWriteCta(
 // head_dim % 16 == 0) of the q|k|v output [M, (num_heads + 2 num_kv_heads) * kHeadDim], q and k
 // in the RoPE pair layout, written as RopeKvWriteCta writes them (same rounding: each projection
 // output is rounded to bf16 first, as when it is stored; bias added; rotated in fp32): q rows to
-// q_out, k and v rows of tokens t < num_tokens into the paged cache. qkv_bias is in the same row
-// order as w (nullable). No per-head q/k norm (Qwen3 takes the kernel path).
-template <int kHeadDim, int kRowTiles, int kColTiles, int kSplits>
+// q_out, k and v rows of tokens t < num_tokens into the paged cache (Kv::Element; kv_scales,
+// kv_amax as RopeKvWriteCta takes them). qkv_bias is in the same row order as w (nullable). No
+// per-head q/k norm (Qwen3 takes the kernel path).
+template <int kHeadDim, class Kv, int kRowTiles, int kColTiles, int kSplits, class W>
 __device__ __forceinline__ void SkinnyStoreQkvRope(
-    const GemvSums<kRowTiles, kColTiles, kSplits>& sums, int M, const BatchDesc* desc,
+    const GemvSums<kRowTiles, kColTiles, kSplits, W>& sums, int M, const BatchDesc* desc,
     const int32_t* positions, const int32_t* token_seq, const int32_t* block_tables,
     int max_blocks_per_seq, const bf16* qkv_bias, const float* inv_freq, int num_heads,
-    int num_kv_heads, bf16* q_out, bf16* k_cache, bf16* v_cache, int block_size,
-    int num_blocks) {
+    int num_kv_heads, bf16* q_out, typename Kv::Element* k_cache,
+    typename Kv::Element* v_cache, int block_size, int num_blocks, const float* kv_scales,
+    float* kv_amax) {
   static_assert(kHeadDim % 16 == 0, "a 16-row tile must lie inside one head");
   constexpr int kHalf = kHeadDim / 2;
-  const int cols = min(min(M, desc->num_tokens), GemvShape<kRowTiles, kColTiles>::kCols);
+  const int cols = min(min(M, desc->num_tokens), GemvShape<kRowTiles, kColTiles, W>::kCols);
   const int total_rows = (num_heads + 2 * num_kv_heads) * kHeadDim;
   auto value = [&](int r, int n, int m) {
     const float v = __bfloat162float(__float2bfloat16(sums.total(r, m)));
@@ -166,9 +205,14 @@ __device__ __forceinline__ void SkinnyStoreQkvRope(
                                          block_size, num_blocks, num_kv_heads, kHeadDim, m);
     if (head >= num_heads + num_kv_heads) {  // v: rows n and n + 8, bias only
       if (slot < 0) continue;
-      bf16* dst = v_cache + slot + static_cast<size_t>(head - num_heads - num_kv_heads) * kHeadDim;
-      dst[within] = __float2bfloat16(value(r, n, m));
-      dst[within + 8] = __float2bfloat16(value(r + 8, n + 8, m));
+      const int kv_head = head - num_heads - num_kv_heads;
+      const float inverse = KvInverseScale<Kv>(kv_scales, num_kv_heads, 1, kv_head);
+      typename Kv::Element* dst = v_cache + slot + static_cast<size_t>(kv_head) * kHeadDim;
+      const float v_lo = value(r, n, m), v_hi = value(r + 8, n + 8, m);
+      StoreKv(dst + within, v_lo, inverse);
+      StoreKv(dst + within + 8, v_hi, inverse);
+      if constexpr (Kv::kFp8)
+        NoteKvAmax(kv_amax, num_kv_heads, 1, kv_head, fmaxf(fabsf(v_lo), fabsf(v_hi)));
       continue;
     }
     const int j = (within - p) / 2 + p;  // the tile starts at row 16 t': pair 8 t'
@@ -176,14 +220,17 @@ __device__ __forceinline__ void SkinnyStoreQkvRope(
     // the angle in fp32 exactly as transformers forms it (position * inv_freq), then sincos
     sincosf(static_cast<float>(positions[m]) * inv_freq[j], &sn, &cs);
     const float lo = value(r, n, m), hi = value(r + 8, n + 8, m);
-    bf16* dst;
     if (head < num_heads) {
-      dst = q_out + (static_cast<size_t>(m) * num_heads + head) * kHeadDim;
-    } else {
-      if (slot < 0) continue;
-      dst = k_cache + slot + static_cast<size_t>(head - num_heads) * kHeadDim;
+      bf16* dst = q_out + (static_cast<size_t>(m) * num_heads + head) * kHeadDim;
+      RotatePair(lo, hi, cs, sn, dst + j, dst + j + kHalf);
+      continue;
     }
-    RotatePair(lo, hi, cs, sn, dst + j, dst + j + kHalf);
+    if (slot < 0) continue;
+    const int kv_head = head - num_heads;
+    const float inverse = KvInverseScale<Kv>(kv_scales, num_kv_heads, 0, kv_head);
+    typename Kv::Element* dst = k_cache + slot + static_cast<size_t>(kv_head) * kHeadDim;
+    const float amax = RotatePair(lo, hi, cs, sn, dst + j, dst + j + kHalf, inverse);
+    if constexpr (Kv::kFp8) NoteKvAmax(kv_amax, num_kv_heads, 0, kv_head, amax);
   }
 }
 
@@ -191,21 +238,26 @@ __device__ __forceinline__ void SkinnyStoreQkvRope(
 // SkinnyStoreQkvRope). kNormIn: x is the residual stream's bf16 shadow and the input RMSNorm is
 // folded in (decode buckets of up to 16 rows); else x is the RMSNorm's output (17 to 32 rows,
 // where the residual-adding projections are split-K ones and write no shadow). kSplits > 1: K
-// split across clusters of kSplits CTAs along x (SkinnyAccumulate).
-template <int kHeadDim, int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1>
+// split across clusters of kSplits CTAs along x (SkinnyAccumulate). FP8 weights (W =
+// Fp8Weights): w_scale and norm_w as SkinnyAccumulate takes them.
+template <int kHeadDim, int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1,
+          class Kv = KvBf16, class W = Bf16Weights>
 __device__ __forceinline__ void SkinnyQkvRopeCta(
-    const bf16* x, int ldx, int M, const bf16* w, uint32_t w_tile_stride, int N, int K,
-    float eps, const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
+    const bf16* x, int ldx, int M, const typename W::Element* w, uint32_t w_tile_stride, int N,
+    int K, float eps, const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv_bias,
-    const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out, bf16* k_cache,
-    bf16* v_cache, int block_size, int num_blocks) {
-  __shared__ GemvSums<kRowTiles, kColTiles, kSplits> sums;
-  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits>(x, ldx, M, w, w_tile_stride, N,
-                                                                K, eps, sums))
+    const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out,
+    typename Kv::Element* k_cache, typename Kv::Element* v_cache, int block_size,
+    int num_blocks, const float* kv_scales = nullptr, float* kv_amax = nullptr,
+    const float* w_scale = nullptr, const bf16* norm_w = nullptr) {
+  __shared__ GemvSums<kRowTiles, kColTiles, kSplits, W> sums;
+  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits, W>(
+          x, ldx, M, w, w_tile_stride, N, K, eps, sums, w_scale, norm_w))
     return;
-  SkinnyStoreQkvRope<kHeadDim>(sums, M, desc, positions, token_seq, block_tables,
-                               max_blocks_per_seq, qkv_bias, inv_freq, num_heads, num_kv_heads,
-                               q_out, k_cache, v_cache, block_size, num_blocks);
+  SkinnyStoreQkvRope<kHeadDim, Kv>(sums, M, desc, positions, token_seq, block_tables,
+                                   max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
+                                   num_kv_heads, q_out, k_cache, v_cache, block_size,
+                                   num_blocks, kv_scales, kv_amax);
 }
 
 }  // namespace blink
