@@ -83,6 +83,12 @@ SUITES = {
         Workload("decode b1 ctx~512", "decode", 1, 2, 384, 128),
         Workload("256+256 x 64 streams", "throughput", 64, 64, 256, 256),
     ],
+    # one workload of each target's: one stream, saturation, an 8,000-token prompt
+    "targets": [
+        Workload("decode b1 ctx~512", "decode", 1, 3, 384, 256),
+        Workload("256+256 x 256 streams", "throughput", 256, 512, 256, 256),
+        Workload("prefill 8000", "prefill", 1, 2, 8000, 1),
+    ],
 }
 
 
@@ -133,7 +139,7 @@ def full_batch_tpot_ms(records, streams: int) -> float | None:
 
 
 def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
-                 monitor: GpuMonitor) -> Result:
+                 monitor: GpuMonitor, weights_fp8: bool = False, kv_fp8: bool = False) -> Result:
     from blink.gpu_engine.bench_decode import SHAPES
     from blink.gpu_engine.roofline import decode_step_bytes
     with BlinkClient(server.target) as client:
@@ -151,7 +157,8 @@ def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
     steps = max(1, after["engine_steps"] - before["engine_steps"])
     floor = None
     if w.kind == "decode":
-        need = decode_step_bytes(SHAPES[shape], [w.mean_context] * w.concurrency)
+        need = decode_step_bytes(SHAPES[shape], [w.mean_context] * w.concurrency, weights_fp8,
+                                 kv_fp8)
         floor = need.total / bandwidth * 1e3
     return Result(
         shape=shape, workload=w,
@@ -173,6 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=8448)
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="serve FP8 weights (the engine's --quantization); the floors "
+                             "count their bytes")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the engine's --kv-cache-dtype; the floors count its bytes")
     parser.add_argument("--engine-flag", action="append", default=[],
                         help="extra flag for the engine (repeatable), e.g. --engine-flag=--x")
     parser.add_argument("--step-log", action="store_true",
@@ -195,7 +207,9 @@ def main(argv: list[str] | None = None) -> None:
                      "--slots", str(max(2 * args.max_num_seqs, 128)),
                      "--max-num-seqs", str(args.max_num_seqs),
                      "--max-batched-tokens", str(args.max_batched_tokens),
-                     "--max-model-len", str(args.max_model_len), *args.engine_flag]
+                     "--max-model-len", str(args.max_model_len),
+                     *(["--quantization", args.quantization] if args.quantization else []),
+                     "--kv-cache-dtype", args.kv_cache_dtype, *args.engine_flag]
             step_log = Path(tmp) / f"steps-{shape}.npy"
             if args.step_log:
                 flags += ["--step-log", str(step_log)]
@@ -206,7 +220,9 @@ def main(argv: list[str] | None = None) -> None:
             shape_results = []
             try:
                 for w in workloads:
-                    result = run_workload(server, shape, w, bandwidth, monitor)
+                    result = run_workload(server, shape, w, bandwidth, monitor,
+                                          args.quantization == "fp8",
+                                          args.kv_cache_dtype == "fp8")
                     shape_results.append(result)
                     print(result.line(), flush=True)
             finally:

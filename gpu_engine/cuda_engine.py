@@ -104,9 +104,10 @@ class CudaEngine:
             quantization=config.quantization_for(cfg), kv_cache_dtype=config.kv_cache_dtype,
             kv_scales=weights.kv_scales if weights is not None else None)
         num_blocks = self.forward.num_blocks
-        log.info("weights, KV cache (%d blocks of %d tokens) and %d forward graphs ready in "
-                 "%.1f s", num_blocks, config.block_size, len(self.forward.graph_execs),
-                 time.monotonic() - t0)
+        log.info("weights (%s), KV cache (%s, %d blocks of %d tokens) and %d forward graphs "
+                 "ready in %.1f s", "FP8" if self.forward.fp8 else "bf16",
+                 "E4M3" if self.forward.kv_fp8 else "bf16", num_blocks, config.block_size,
+                 len(self.forward.graph_execs), time.monotonic() - t0)
 
         geom = RingGeometry(config.num_slots, max_prompt_tokens=self.context_length - 1,
                             max_output_tokens=self.context_length)

@@ -532,6 +532,11 @@ class ForwardKernels:
         pairs = -(-out_features // 32)
         row_tiles = 2 if silu or pairs >= (self.sm_count if col_tiles == 4 else
                                            2 * self.sm_count) else 1
+        # FP8 weights: a 16-row CTA reads half the bytes, so its fixed costs weigh double; two
+        # row tiles where one would leave a second, partial wave of CTAs (8B's qkv: 384 CTAs
+        # of one tile on 262 slots, their third CTA an SM run after the first two)
+        if fp8 and pairs > self.sm_count:
+            row_tiles = 2
         return row_tiles, col_tiles
 
     def skinny_splits(self, kind: str, rows: int, in_features: int, out_features: int,

@@ -26,8 +26,12 @@ pytestmark = [pytest.mark.gpu, requires_gpu()]
 _FIXTURES = (cf, stream)  # (imported fixtures, used by name)
 
 # FP8 against its emulation: the same codes and scales on both sides; what is left is the
-# GPU's bf16 activations (a rounding of one can move an FP8 GEMM input to the next code)
-FP8_LOGITS_TOL = 4e-2
+# GPU's bf16 activations (qkv, attention's output, gate and up are stored in bf16, the
+# emulation keeps float32), and each FP8 quantization of a prefill-sized step's activations
+# turns such a difference into a whole E4M3 step on the elements it moves across a rounding
+# boundary. Measured on the H200: 4.1-4.2% (llama, qwen2) and 9.3% (qwen3) after a 99-token
+# prefill; a wrong scale or layout is off by its whole size.
+FP8_LOGITS_TOL = 0.12
 
 
 # --- quantizers ---------------------------------------------------------------------------------
@@ -142,7 +146,9 @@ def test_cublas_linear_fp8(cf, stream, rows):
     cf.synchronize(stream)
     for _, _, ref, out16, out32 in layers:
         assert rel_err(bf16_to_f32(out16.download()), ref) < 1e-2
-        assert rel_err(out32.download(), ref + resid) < 1e-5
+        # Hopper's FP8 tensor cores sum in less than fp32 between cuBLAS's promotions:
+        # measured 1.2e-4 (bf16 GEMMs: within 1e-5)
+        assert rel_err(out32.download(), ref + resid) < 1e-3
     dw, dws, ref, out16, _ = layers[1]
     for algo in blas.lt_candidates(GemmShape(rows, k_in, n_out, R_16BF, False, fp8=True)):
         out16.fill_bytes(0xFF)
