@@ -217,10 +217,12 @@ def test_fp8_forward_prefill_chunks_and_decode(fp8_models, arch):
     seqs = [list(prompt(pair.cfg, 99, seed=2)), list(prompt(pair.cfg, 70, seed=4))]
     tables = [pool[:8], pool[8:16]]
     logits = pair.step([(np.array(seqs[0]), 0, tables[0])])
+    seqs[0].append(int(np.argmax(logits[0])))
     pos = [99, 0]
     for n in (1, 19, 33, 17):  # chunked prefill of the second
         logits = pair.step([(np.array(seqs[1][pos[1]:pos[1] + n]), pos[1], tables[1])])
         pos[1] += n
+    seqs[1].append(int(np.argmax(logits[0])))
     for _ in range(8):  # both decode, their greedy tokens fed back
         logits = pair.step([(np.array(s[p:p + 1]), p, t)
                             for s, p, t in zip(seqs, pos, tables)])
