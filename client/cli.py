@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -170,13 +171,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tiled layout that streams faster (8B shape at batch 1: ~10%% a step) "
                         "and run the LM head of steps with up to 16 logit rows, "
                         "which takes those weights' memory a second time (~15 GB for 8B)")
-    p.add_argument("--quantization", choices=["fp8"], default=None,
+    p.add_argument("--quantization", choices=["fp8", "none"], default=None,
                    help="fp8: the projections' weights as E4M3 with a scale per output row, "
                         "quantized at load from bf16/f16/f32 checkpoints (an FP8 checkpoint, "
                         "quantization_config quant_method fp8, is served so without the flag); "
                         "decode-sized steps dequantize them in registers, larger ones run FP8 "
                         "GEMMs on activations quantized per token (cuda and host-cuda engines: "
-                        "Hopper GPUs; the cpu engine emulates the rounding)")
+                        "Hopper GPUs; the cpu engine emulates the rounding). none: an FP8 "
+                        "checkpoint's values in bf16 (the default for one on a GPU without "
+                        "FP8 GEMMs)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: keys and values as E4M3 with a scale per layer and KV head (the "
                         "checkpoint's k_scale / v_scale, or calibrated at start-up): the cache "
@@ -296,6 +299,25 @@ def choose_engine(requested: str) -> str:
     return "cpu"
 
 
+def _fp8_for_this_gpu(config, compute_capability: tuple[int, int]):
+    """The engine's config on a GPU of this compute capability: FP8 flags it cannot run stop
+    here, in one line, before any weight is read; an FP8 checkpoint there (no flag asked for
+    FP8) is served in bf16, its values, with a warning."""
+    from blink.gpu_engine.checkpoint import load_config
+    from blink.gpu_engine.fp8 import fp8_refusal
+    refusal = fp8_refusal(config.quantization, config.kv_cache_dtype, compute_capability)
+    if refusal is not None:
+        sys.exit(f"blink engine: {refusal}")
+    cfg = load_config(config.model_dir)
+    refusal = fp8_refusal(config.quantization_for(cfg), "auto", compute_capability)
+    if refusal is None:
+        return config
+    logging.getLogger("blink.engine").warning(
+        "%s holds FP8 weights, which this GPU cannot serve as FP8 (%s): serving their values "
+        "in bf16 (--quantization none)", cfg.name, refusal)
+    return dataclasses.replace(config, quantization="none")
+
+
 def cmd_engine(args) -> None:
     from blink.gpu_engine.ring_server import RingInUse
     if args.exit_with_parent is not None:
@@ -315,6 +337,10 @@ def cmd_engine(args) -> None:
         reason = dmabuf_unsupported_reason()
         if reason is not None:
             sys.exit(f"blink engine: --ring-memory gpu: {reason}")
+    if kind in ("cuda", "host-cuda"):
+        from blink.gpu_engine.cuda_runtime import device_attribute
+        config = _fp8_for_this_gpu(config, (device_attribute("COMPUTE_CAPABILITY_MAJOR"),
+                                            device_attribute("COMPUTE_CAPABILITY_MINOR")))
     export = _ring_export(args)
     try:
         if kind == "cuda":

@@ -8,19 +8,23 @@ FP8 checkpoints (config.json's quantization_config with quant_method "fp8", as t
 writes them): a projection's weight is F8_E4M3 codes with its float32 scales beside it, as
 `weight_scale_inv` (transformers: one per weight_block_size block, or one for the tensor) or
 `weight_scale` (one per output row or for the tensor); load_weights returns their values,
-codes times scales, exactly, and the config says quantization "fp8", which serves FP8 weights
+codes times scales in float32, and the config says quantization "fp8", which serves FP8 weights
 (the engines quantize per output row: per-row checkpoints keep their codes, block- and
-tensor-scaled ones are rounded to per-row scales). k_scale / v_scale tensors (an FP8 KV cache's
+tensor-scaled ones are rounded again to per-row scales; the GPU's row scales come within bf16's
+rounding of the stored ones, cuda_forward._upload_weights). k_scale / v_scale tensors (an FP8 KV cache's
 calibrated scales) are read too (ModelWeights.kv_scales).
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -59,6 +63,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # union of config.json and generation_config.json
     quantization: str | None = None  # "fp8": the checkpoint's weights are FP8
+    # an FP8 checkpoint's quantization_config weight_block_size: (rows, columns) of the blocks
+    # its weight_scale_inv tensors scale; None: per-tensor or per-row scales
+    fp8_weight_block: tuple[int, int] | None = None
 
     @property
     def q_size(self) -> int:
@@ -179,7 +186,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
             raise CheckpointError(f"special token id {tok} is outside the vocabulary ({vocab})")
 
     bias = bool(raw.get("attention_bias", False))
-    quantization = _parse_quantization(raw.get("quantization_config"))
+    quantization, fp8_weight_block = _parse_quantization(raw.get("quantization_config"))
     return ModelConfig(
         name=model_dir.resolve().name,
         architecture=arch,
@@ -201,13 +208,15 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         bos_token_id=bos,
         eos_token_ids=eos_ids,
         quantization=quantization,
+        fp8_weight_block=fp8_weight_block,
     )
 
 
-def _parse_quantization(qc) -> str | None:
-    """config.json's quantization_config -> None or "fp8"; anything else cannot be served."""
+def _parse_quantization(qc) -> tuple[str | None, tuple[int, int] | None]:
+    """config.json's quantization_config -> (None or "fp8", its weight_block_size or None);
+    anything else cannot be served."""
     if qc is None:
-        return None
+        return None, None
     if not isinstance(qc, dict):
         raise CheckpointError(f"quantization_config must be an object, got {qc!r}")
     method = qc.get("quant_method")
@@ -222,7 +231,13 @@ def _parse_quantization(qc) -> str | None:
             isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise CheckpointError(f"quantization_config weight_block_size must be two positive "
                               f"ints or null, got {block!r}")
-    return "fp8"
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        # input_scale tensors (static activation scales) are not read: every engine scales each
+        # activation row by its own amax, which is never less accurate
+        log.info("quantization_config activation_scheme %r: activations are scaled per token "
+                 "row at run time instead (dynamic); input_scale tensors are not read",
+                 qc.get("activation_scheme"))
+    return "fp8", (tuple(block) if block is not None else None)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -383,7 +398,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
                                   f"config.json implies {list(shape)}")
         value = read(name, ref)
         if ref.dtype == "F8_E4M3":  # the codes times their scales
-            value = _scaled_fp8(name, value, refs, read)
+            value = _scaled_fp8(name, value, refs, read, cfg.fp8_weight_block)
         return value
 
     H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
@@ -416,11 +431,14 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
                         lm_head=lm_head, kv_scales=_kv_scales(cfg, refs, read))
 
 
-def _scaled_fp8(name: str, codes: np.ndarray, refs: dict, read) -> np.ndarray:
+def _scaled_fp8(name: str, codes: np.ndarray, refs: dict, read,
+                block: tuple[int, int] | None) -> np.ndarray:
     """An F8_E4M3 weight's values: its codes' values [N, K] times the scale tensor beside it
     (name.replace("weight", "weight_scale_inv" or "weight_scale")): one for the tensor ([] or
-    [1]), one per output row ([N] or [N, 1]), or one per block of a [ceil(N / bn), ceil(K /
-    bk)] grid, bn and bk the blocks that cover N and K."""
+    [1]), one per output row ([N] or [N, 1]), or one per block of `block` = (bn, bk) rows and
+    columns (config.json's weight_block_size; the last blocks may be partial): a [ceil(N / bn),
+    ceil(K / bk)] grid. Without weight_block_size a grid is read only where its blocks divide N
+    and K exactly (otherwise their size is ambiguous)."""
     base = name[:-len("weight")] if name.endswith("weight") else name + "_"
     scale_name = next((base + s for s in ("weight_scale_inv", "weight_scale")
                        if base + s in refs), None)
@@ -431,15 +449,18 @@ def _scaled_fp8(name: str, codes: np.ndarray, refs: dict, read) -> np.ndarray:
     n, k = codes.shape
     if scale.size == 1:
         return codes * scale.reshape(())
-    if scale.shape in ((n,), (n, 1)):
+    if block is None and scale.shape in ((n,), (n, 1)):
         return codes * scale.reshape(n, 1)
     if scale.ndim == 2:
         rows, cols = scale.shape
-        bn, bk = -(-n // rows), -(-k // cols)
-        if -(-n // bn) == rows and -(-k // bk) == cols:
+        if block is None and n % rows == 0 and k % cols == 0:
+            block = (n // rows, k // cols)
+        if block is not None and (rows, cols) == (-(-n // block[0]), -(-k // block[1])):
+            bn, bk = block
             return codes * np.repeat(np.repeat(scale, bn, 0)[:n], bk, 1)[:, :k]
+    blocks = f"blocks of {list(block)}" if block else "blocks that divide it"
     raise CheckpointError(f"{scale_name} has shape {list(scale.shape)}: not a scale for the "
-                          f"tensor, per row or per block of {name} {[n, k]}")
+                          f"tensor, per row or per {blocks} of {name} {[n, k]}")
 
 
 def _kv_scales(cfg: ModelConfig, refs: dict, read) -> np.ndarray | None:

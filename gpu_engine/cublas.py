@@ -38,7 +38,6 @@ STATUS_NOT_SUPPORTED = 15
 # cublasLtMatmulAlgoConfigAttributes_t
 LT_DESC_TRANSA, LT_DESC_TRANSB, LT_DESC_SM_COUNT_TARGET = 3, 4, 15
 LT_DESC_A_SCALE_POINTER, LT_DESC_B_SCALE_POINTER = 17, 18
-LT_DESC_FAST_ACCUM = 25
 LT_DESC_A_SCALE_MODE, LT_DESC_B_SCALE_MODE = 31, 32
 # cublasLtMatmulMatrixScale_t: a float32 per row of op(A) and per column of op(B)
 LT_SCALE_OUTER_VEC_32F = 3
@@ -204,9 +203,6 @@ class Cublas:
         self._lt = None         # (cublasLt functions, handle), made on first use
         self._lt_plans = {}     # shape -> (matmul descriptor, A, B, C layouts)
         self._fp8_defaults: dict[GemmShape, LtAlgo] = {}  # the heuristic's first, per shape
-        # FP8 GEMMs with fast accumulation (the tensor cores' own, not promoted to fp32 every
-        # few k): only where cuBLASLt offers none without (fp8_plan_fallback)
-        self.fp8_fast_accum = False
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -302,14 +298,6 @@ class Cublas:
         algo = self._fp8_defaults.get(shape)
         if algo is None:
             candidates = self.lt_candidates(shape, count=1)
-            if not candidates and not self.fp8_fast_accum:
-                # some cuBLASLt builds offer outer-vector scaling only with fast accumulation
-                log.warning("cuBLASLt offers no FP8 GEMM for %s without fast accumulation: "
-                            "the FP8 GEMMs run with it", shape.key)
-                self.fp8_fast_accum = True
-                self._destroy_lt_plans()
-                self._fp8_defaults.clear()
-                candidates = self.lt_candidates(shape, count=1)
             if not candidates:
                 raise CublasError(f"cuBLASLt has no FP8 GEMM with per-row scales for "
                                   f"{shape.key} on this GPU (it needs compute capability 9.0 "
@@ -398,8 +386,6 @@ class Cublas:
                           (LT_DESC_B_SCALE_MODE, ctypes.c_int32(LT_SCALE_OUTER_VEC_32F)),
                           (LT_DESC_A_SCALE_POINTER, ctypes.c_void_p(self.workspace)),
                           (LT_DESC_B_SCALE_POINTER, ctypes.c_void_p(self.workspace))]
-                if self.fp8_fast_accum:
-                    attrs.append((LT_DESC_FAST_ACCUM, ctypes.c_int8(1)))
             for attr, value in attrs:
                 self._check(api["cublasLtMatmulDescSetAttribute"](
                     desc, attr, ctypes.byref(value), ctypes.sizeof(value)),

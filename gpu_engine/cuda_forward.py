@@ -32,7 +32,7 @@ from .cublas import R_16BF, R_32F, Cublas, GemmShape
 from .gemm_tuning import ChoiceCache, GemmTuner, cache_file
 from .demo_model import float32_to_bf16_bits
 from .forward_batch import ForwardBatch
-from .fp8 import calibration_tokens, kv_scales_from_amax
+from .fp8 import calibration_count, calibration_tokens, fp8_refusal, kv_scales_from_amax
 
 log = logging.getLogger(__name__)
 
@@ -240,9 +240,9 @@ class ForwardKernels:
         self.programmatic_launch = programmatic_launch and major >= 9  # PDL needs sm_90
         self.compute_capability = (major, minor)
         self.arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
-        if kv_fp8 and (major, minor) < (8, 9):
-            raise CudaError(f"--kv-cache-dtype fp8 needs a GPU with FP8 conversions (compute "
-                            f"capability 8.9 or later); this one is {major}.{minor}")
+        refusal = fp8_refusal(None, "fp8" if kv_fp8 else "auto", (major, minor))
+        if refusal is not None:
+            raise CudaError(refusal)
         defines = {"BLINK_HEAD_DIM": head_dim, **({"BLINK_KV_FP8": 1} if kv_fp8 else {})}
         self._image = np.frombuffer(nvcc_cubin(CSRC / "forward_kernels.cu", arch=self.arch,
                                                defines=defines), np.uint8)
@@ -388,7 +388,7 @@ class ForwardKernels:
         """kv_scales: an E4M3 cache's (the layer's [2, num_kv_heads] float32: keys', values');
         kv_amax: as those, where the calibration pass notes each head's largest |value|."""
         self._need(bool(q_norm) == bool(k_norm), "q_norm and k_norm come together")
-        self._kv_checks(k_cache, kv_scales, kv_amax)
+        self._kv_checks(kv_scales, kv_amax)
         warps = self.rope_threads // 32
         head_groups = -(-(num_heads + 2 * num_kv_heads) // warps)  # one head per warp
         self.launch("blink_rope_kv_write", (rows, head_groups), (self.rope_threads,),
@@ -414,7 +414,7 @@ class ForwardKernels:
         kernel with attention_wide_threads threads a CTA (csrc/attention_common.cuh
         kAttnWideWarps). kv_scales: an E4M3 cache's (the layer's, as rope_kv_write takes
         them)."""
-        self._kv_checks(k_cache, kv_scales, 0)
+        self._kv_checks(kv_scales, 0)
         group = num_heads // num_kv_heads
         max_rows = self.attention_small_rows if small else self.attention_rows
         self._need(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
@@ -669,7 +669,7 @@ class ForwardKernels:
                    f"takes {self.SKINNY_NORM_MAX_ROWS + 1} to {self.SKINNY_MAX_ROWS} rows")
         self._need(k_splits == 1 or norm, "the qkv projection after the RMSNorm kernel takes "
                    "no K split")
-        self._kv_checks(k_cache, kv_scales, kv_amax)
+        self._kv_checks(kv_scales, kv_amax)
         name = (f"blink_skinny_qkv_rope{'_norm' if norm else ''}{_FP8[fp8]}_"
                 f"{row_tiles}x{col_tiles}")
         self.launch(self._skinny_split_name(name, (row_tiles, col_tiles), k_splits),
@@ -683,7 +683,7 @@ class ForwardKernels:
                      _i32(block_size), _i32(num_blocks), _ptr(kv_scales), _ptr(kv_amax),
                      _ptr(w_scale), _ptr(norm_w)], stream)
 
-    def _kv_checks(self, k_cache, kv_scales, kv_amax) -> None:
+    def _kv_checks(self, kv_scales, kv_amax) -> None:
         """The KV-cache arguments a KV writer or reader takes: scales with an E4M3 cache (the
         module's), none with bf16."""
         self._need(bool(kv_scales) == self.kv_fp8,
@@ -1051,15 +1051,13 @@ class CudaForward:
         self.decode_min_keys = (self.DECODE_MIN_KEYS if decode_min_keys is None
                                 else decode_min_keys)
         self._memory: list[DeviceArray] = []
-        self._fill_kernel = None  # random_fill.cu's, loaded on first use
+        self._fill_module = None  # random_fill.cu's, loaded on first use (_random_fill)
 
         self.kernels = k = ForwardKernels(D, device, programmatic_launch, held_sms,
                                           sm_count_target, kv_fp8=self.kv_fp8)
-        if self.fp8 and k.compute_capability != (9, 0):
-            major, minor = k.compute_capability
-            raise CudaError(f"--quantization fp8 needs a Hopper GPU (compute capability 9.0: "
-                            f"cuBLASLt's FP8 GEMMs with per-row scales); this one is "
-                            f"{major}.{minor}")
+        refusal = fp8_refusal(quantization, "auto", k.compute_capability)
+        if refusal is not None:
+            raise CudaError(refusal)
         self.skinny_split_blocks = skinny_split_blocks
         self.lm_head_argmax = lm_head_argmax
         self.projection_chain = projection_chain
@@ -1087,8 +1085,8 @@ class CudaForward:
             self._upload_weights(weights)
         else:
             self._random_weights(random_seed)
-        if self.fp8:
-            self._quantize_projections()
+            if self.fp8:
+                self._quantize_projections(self.layers)
         if decode_weight_copy and skinny:
             self._tile_projections()
 
@@ -1199,14 +1197,19 @@ class CudaForward:
         of real model shapes, where the values do not change the cost of a step."""
         return cls(cfg, None, random_seed=seed, **kwargs)
 
+    def _random_fill(self, name: str):
+        """random_fill.cu's kernel `name`; the module compiled for this GPU, loaded once."""
+        from blink.gpu_engine import cuda_runtime as cr
+        if self._fill_module is None:
+            self._fill_module = cr.Module(cr.nvcc_cubin(CSRC / "random_fill.cu",
+                                                        arch=self.kernels.arch))
+        return self._fill_module.function(name)
+
     def _fill_uniform(self, arr: DeviceArray, seed: int, scale: float, offset: float = 0.0):
         """arr's bf16 elements set to offset + uniform [-scale, scale) on the GPU (seeded)."""
         from blink.gpu_engine import cuda_runtime as cr
-        if self._fill_kernel is None:
-            self._fill_kernel = cr.Module(cr.nvcc_cubin(CSRC / "random_fill.cu")).function(
-                "fill_uniform_bf16")
         n = arr.nbytes // 2
-        cr.launch(self._fill_kernel, min(4096, (n + 255) // 256), 256,
+        cr.launch(self._random_fill("fill_uniform_bf16"), min(4096, (n + 255) // 256), 256,
                   (arr.ptr, n, seed, scale, offset),
                   (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float,
                    ctypes.c_float), self.stream)
@@ -1244,8 +1247,11 @@ class CudaForward:
 
     def _upload_weights(self, w: ModelWeights) -> None:
         """The checkpoint's weights in bf16, the RMSNorm weights folded into the projections
-        after them (FP8: kept apart, the projections quantized from these by
-        _quantize_projections)."""
+        after them (FP8: kept apart, and each layer's projections quantized from these by
+        _quantize_projections before the next layer's come, so the bf16 model never needs to
+        fit). An FP8 checkpoint's values pass through bf16 on their way to the quantizer: its
+        per-row codes come out as stored (bf16's rounding, 2^-9 relative, is far inside half an
+        E4M3 step), its row scales within that rounding of its own."""
         cfg = self.cfg
         self.embed = self._bf16(w.embed)
         self.lm_head = self.embed if w.lm_head is w.embed else self._bf16(w.lm_head)
@@ -1272,13 +1278,15 @@ class CudaForward:
                 input_norm=self._bf16(lw.input_norm) if self.fp8 else None,
                 post_norm=self._bf16(lw.post_attention_norm) if self.fp8 else None,
             ))
+            if self.fp8:
+                self._quantize_projections(self.layers[-1:])
 
-    def _quantize_projections(self) -> None:
-        """Each layer's bf16 projections -> E4M3 codes with a scale per row (_Layer.scales),
+    def _quantize_projections(self, layers: list[_Layer]) -> None:
+        """These layers' bf16 projections -> E4M3 codes with a scale per row (_Layer.scales),
         quantized on the GPU (ForwardKernels.quantize_rows: fp8.py quantize_rows's codes), the
         bf16 copies freed as it goes."""
         k = self.kernels
-        for lw in self.layers:
+        for lw in layers:
             for name, rows, cols in self._projections():
                 bf16 = getattr(lw, name)
                 codes = self._alloc((rows, cols), np.uint8)
@@ -1646,23 +1654,25 @@ class CudaForward:
         scales = np.asarray(scales, np.float32)
         if scales.shape == (cfg.num_layers, 2):
             scales = np.repeat(scales[:, :, None], cfg.num_kv_heads, axis=2)
-        if scales.shape != (cfg.num_layers, 2, cfg.num_kv_heads) or not (
-                np.isfinite(scales).all() and (scales > 0).all()):
-            raise ValueError(f"KV scales must be positive, finite and [{cfg.num_layers}, 2"
-                             f"(, {cfg.num_kv_heads})], got {scales.shape}")
+        if scales.shape != (cfg.num_layers, 2, cfg.num_kv_heads):
+            raise ValueError(f"KV scales must be [{cfg.num_layers}, 2(, {cfg.num_kv_heads})], "
+                             f"got {list(scales.shape)}")
+        if not (np.isfinite(scales).all() and (scales > 0).all()):
+            raise ValueError(f"KV scales must be positive and finite, got "
+                             f"{scales[~(np.isfinite(scales) & (scales > 0))][:4]}")
         self.kv_scales.upload(scales)
 
     def calibrate_kv_scales(self, tokens: np.ndarray | None = None) -> np.ndarray:
         """Sets the E4M3 cache's scales from one prefill of `tokens` (default
-        fp8.calibration_tokens, as many as a step and the cache take, up to 512): each head's
+        fp8.calibration_tokens, fp8.calibration_count of them): each head's
         largest |key| and |value| that pass wrote (the KV writers note them, kv_amax) lands at
         1 / fp8.KV_HEADROOM of E4M3's range (fp8.kv_scales_from_amax); the pass itself runs on
         scales of 1. Returns the scales, [num_layers, 2, num_kv_heads]."""
         if not self.kv_fp8:
             raise ValueError("calibrate_kv_scales calibrates an E4M3 KV cache")
         if tokens is None:
-            count = min(512, self.max_tokens, self.max_model_len,
-                        self.num_blocks * self.block_size)
+            count = calibration_count(self.max_tokens, self.max_model_len,
+                                      self.num_blocks * self.block_size)
             tokens = calibration_tokens(self.cfg.vocab_size, count)
         n = len(tokens)
         blocks = -(-n // self.block_size)
@@ -1775,8 +1785,7 @@ class CudaForward:
         such values (random bytes would hold NaN codes)."""
         if self.kv_fp8:
             from blink.gpu_engine import cuda_runtime as cr
-            fill = cr.Module(cr.nvcc_cubin(CSRC / "random_fill.cu")).function(
-                "fill_uniform_e4m3")
+            fill = self._random_fill("fill_uniform_e4m3")
             for i, arr in enumerate((self.k_cache, self.v_cache)):
                 cr.launch(fill, 4096, 256, (arr.ptr, arr.nbytes, seed + i, 1.0),
                           (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float),

@@ -108,7 +108,18 @@ def fp8_rounded_kv(v: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return e4m3_to_float32(float32_to_e4m3(np.asarray(v, np.float32) * inverse)) * scale
 
 
-def calibration_tokens(vocab_size: int, count: int = 512, seed: int = 0) -> np.ndarray:
+CALIBRATION_TOKENS = 512  # the KV-scale calibration prompt's length, where the engine takes it
+
+
+def calibration_count(max_step_tokens: int, context_length: int, cache_tokens: int) -> int:
+    """How many calibration tokens an engine prefills: CALIBRATION_TOKENS, or fewer where one
+    step, the served context or the KV cache holds fewer. Every engine passes its own limits, so
+    engines configured alike calibrate on the same prompt."""
+    return min(CALIBRATION_TOKENS, max_step_tokens, context_length, cache_tokens)
+
+
+def calibration_tokens(vocab_size: int, count: int = CALIBRATION_TOKENS,
+                       seed: int = 0) -> np.ndarray:
     """The token ids of the KV-scale calibration prompt: `count` seeded random ids (the same on
     every engine, so CPU and GPU calibrate on the same input)."""
     return np.random.default_rng(seed).integers(0, vocab_size, count).astype(np.int32)
@@ -123,3 +134,21 @@ def fp8_weights(weights):
                                          for name in projections})
               for lw in weights.layers]
     return dataclasses.replace(weights, layers=layers)
+
+
+FP8_WEIGHTS_CC = (9, 0)  # cuBLASLt's FP8 GEMMs with per-row (outer-vector) scales: Hopper
+FP8_KV_MIN_CC = (8, 9)  # cvt between e4m3x2 and f16x2 / f32x2
+
+
+def fp8_refusal(quantization: str | None, kv_cache_dtype: str,
+                compute_capability: tuple[int, int]) -> str | None:
+    """Why a GPU of this compute capability cannot run these FP8 options (one line, for the
+    start-up check), or None where it can."""
+    cc = "{}.{}".format(*compute_capability)
+    if quantization == "fp8" and tuple(compute_capability) != FP8_WEIGHTS_CC:
+        return (f"--quantization fp8 needs a Hopper GPU (compute capability 9.0: cuBLASLt's FP8 "
+                f"GEMMs with per-row scales); this one is {cc}")
+    if kv_cache_dtype == "fp8" and tuple(compute_capability) < FP8_KV_MIN_CC:
+        return (f"--kv-cache-dtype fp8 needs a GPU with FP8 conversions (compute capability 8.9 "
+                f"or later); this one is {cc}")
+    return None

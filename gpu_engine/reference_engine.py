@@ -20,7 +20,7 @@ import numpy as np
 from blink.gpu_engine.block_manager import KvBlockPool
 from blink.gpu_engine.checkpoint import ModelConfig, load_config, load_weights
 from blink.gpu_engine.forward_batch import ForwardBatch
-from blink.gpu_engine.fp8 import fp8_weights
+from blink.gpu_engine.fp8 import calibration_count, calibration_tokens, fp8_weights
 from blink.gpu_engine.reference_model import ReferenceModel
 from blink.gpu_engine.ring_server import ModelLimits, RingServer
 from blink.gpu_engine.sampling import sample_token
@@ -60,7 +60,8 @@ class EngineConfig:
     # decode_weight_copy)
     decode_weight_copy: bool = True
     # "fp8": the projections' weights as E4M3 with a scale per output row (also what an FP8
-    # checkpoint's config asks for); the CPU engine emulates their rounding (gpu_engine/fp8.py)
+    # checkpoint's config asks for); the CPU engine emulates their rounding (gpu_engine/fp8.py);
+    # "none": an FP8 checkpoint's values served in bf16 (float32 on the CPU engine)
     quantization: str | None = None
     # "fp8": an E4M3 KV cache with a scale per (layer, KV head), from the checkpoint or
     # calibrated at start-up; "auto": bf16 (the CPU engine emulates the E4M3 one's rounding)
@@ -71,17 +72,21 @@ class EngineConfig:
             raise ValueError("num_slots and block_size must be >= 1")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.quantization not in (None, "fp8", "none"):
+            raise ValueError(f"quantization must be None, 'fp8' or 'none', got "
+                             f"{self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got "
                              f"{self.kv_cache_dtype!r}")
-
-    def quantization_for(self, cfg: ModelConfig) -> str | None:
-        """The weights' format served: --quantization, or the checkpoint's own."""
-        return self.quantization or cfg.quantization
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+
+    def quantization_for(self, cfg: ModelConfig) -> str | None:
+        """The weights' format served: --quantization, or the checkpoint's own ("none": None,
+        whatever the checkpoint holds)."""
+        if self.quantization == "none":
+            return None
+        return self.quantization or cfg.quantization
 
 
 def served_context_length(config: EngineConfig, cfg: ModelConfig) -> int:
@@ -134,7 +139,9 @@ class ReferenceEngine:
 
     def _load_model(self, cfg: ModelConfig) -> int:
         """Loads the model and its KV cache; returns the cache's block count. FP8 weights and
-        an FP8 KV cache are emulated: the same roundings as the GPU's, in float32."""
+        an FP8 KV cache are emulated: the GPU's roundings of the weights and of the cache, in
+        float32 (not the rounding of the activations its FP8 GEMMs take in steps of more than 16
+        rows, which depends on the step's size: ReferenceModel's fp8_activations)."""
         config = self.config
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_bytes // kv_bytes_per_block(cfg, config.block_size))
@@ -147,7 +154,9 @@ class ReferenceEngine:
                 self.model.kv_scales = np.repeat(weights.kv_scales[:, :, None],
                                                  cfg.num_kv_heads, axis=2)
             else:
-                self.model.calibrate_kv_scales()
+                count = calibration_count(config.max_num_batched_tokens, self.context_length,
+                                          num_blocks * config.block_size)
+                self.model.calibrate_kv_scales(calibration_tokens(cfg.vocab_size, count))
             log.info("KV cache: E4M3 emulated, scales %s", "from the checkpoint"
                      if weights.kv_scales is not None else "calibrated")
         return num_blocks

@@ -15,7 +15,8 @@ import numpy as np
 
 from .checkpoint import ModelConfig, ModelWeights, rope_inv_freq
 from .forward_batch import ForwardBatch
-from .fp8 import calibration_tokens, fp8_rounded_kv, fp8_rounded_rows, kv_scales_from_amax
+from .fp8 import (calibration_count, calibration_tokens, fp8_rounded_kv, fp8_rounded_rows,
+                  kv_scales_from_amax)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -155,11 +156,13 @@ class ReferenceModel:
 
     def calibrate_kv_scales(self, tokens: np.ndarray | None = None) -> np.ndarray:
         """An E4M3 cache's scales from one prefill of `tokens` (default fp8.calibration_tokens,
-        up to 512 as the cache takes them) with the cache unrounded, as CudaForward's
-        calibrate_kv_scales sets them; sets and returns them, [num_layers, 2, num_kv_heads]."""
+        as many as the model's context and the cache take, up to 512; an engine passes its own,
+        fp8.calibration_count) with the cache unrounded, as CudaForward's calibrate_kv_scales
+        sets them; sets and returns them, [num_layers, 2, num_kv_heads]."""
         cfg = self.cfg
         if tokens is None:
-            count = min(512, cfg.max_position_embeddings, self.num_blocks * self.block_size)
+            cache_tokens = self.num_blocks * self.block_size
+            count = calibration_count(cache_tokens, cfg.max_position_embeddings, cache_tokens)
             tokens = calibration_tokens(cfg.vocab_size, count)
         n = len(tokens)
         batch = ForwardBatch(np.asarray(tokens, np.int32), np.arange(n, dtype=np.int32),

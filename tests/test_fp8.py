@@ -101,11 +101,15 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
+FP8_BLOCK = 48
+
+
 def fp8_checkpoint(src, dst, scheme: str, kv_scales: bool = False):
     """dst: src's checkpoint with every projection stored as F8_E4M3 by torch, in `scheme`:
     "row" (weight_scale [N, 1]), "tensor" (weight_scale_inv, one) or "block" (weight_scale_inv
-    [ceil(N / 64), ceil(K / 64)], transformers' fine-grained format); config.json says
-    quant_method fp8. Returns {tensor name: its values, torch's codes times the scales}."""
+    [ceil(N / 48), ceil(K / 48)], transformers' fine-grained format; 48 leaves the last blocks
+    of every projection partial); config.json says quant_method fp8. Returns {tensor name: its
+    values, torch's codes times the scales}."""
     from safetensors.torch import load_file, save_file
     dst.mkdir()
     for f in src.iterdir():
@@ -129,10 +133,12 @@ def fp8_checkpoint(src, dst, scheme: str, kv_scales: bool = False):
             out[base + "weight_scale_inv"] = scale
             full = scale
         else:
-            bn = bk = 64
-            blocks = w.reshape(n // bn, bn, k // bk, bk).abs().amax((1, 3)) / 448
+            bn = bk = FP8_BLOCK
+            padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+            padded[:n, :k] = w
+            blocks = padded.reshape(-1, bn, padded.shape[1] // bk, bk).abs().amax((1, 3)) / 448
             out[base + "weight_scale_inv"] = blocks
-            full = blocks.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+            full = blocks.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
         codes = (w / full).to(torch.float8_e4m3fn)
         out[name] = codes
         values[name] = (codes.float() * full).numpy()
@@ -143,7 +149,8 @@ def fp8_checkpoint(src, dst, scheme: str, kv_scales: bool = False):
     save_file(out, str(dst / "model.safetensors"))
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     **({"weight_block_size": [64, 64]} if scheme == "block"
+                                     **({"weight_block_size": [FP8_BLOCK] * 2}
+                                        if scheme == "block"
                                         else {})}
     (dst / "config.json").write_text(json.dumps(config))
     return values
@@ -190,6 +197,34 @@ def test_bad_quantization_configs_are_refused(bf16_checkpoint, tmp_path):
         (dst / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
         with pytest.raises(CheckpointError, match=match):
             load_config(dst)
+
+
+def test_engine_config_refuses_bad_values():
+    from blink.gpu_engine.reference_engine import EngineConfig
+    for kwargs, match in (({"quantization": "int4"}, "quantization"),
+                          ({"kv_cache_dtype": "fp16"}, "kv_cache_dtype"),
+                          ({"num_kv_blocks": 0}, "num_kv_blocks")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig("model", "ring", **kwargs)
+    assert EngineConfig("model", "ring", quantization="fp8", kv_cache_dtype="fp8",
+                        num_kv_blocks=1).kv_cache_dtype == "fp8"
+
+
+def test_fp8_block_scales_follow_weight_block_size(bf16_checkpoint, tmp_path):
+    """The blocks' size comes from weight_block_size, not from the scale grid's shape (48-row
+    blocks of a 64-row projection make a grid of two, which alone would read as two blocks of
+    32): a config that names another size is refused, as is a grid that fits no size without it."""
+    fp8_checkpoint(bf16_checkpoint, tmp_path / "fp8", "block")
+    config_path = tmp_path / "fp8" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"]["weight_block_size"] = [32, 32]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"not a scale .* per blocks of \[32, 32\]"):
+        load_weights(tmp_path / "fp8", load_config(tmp_path / "fp8"))
+    del config["quantization_config"]["weight_block_size"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="per blocks that divide it"):
+        load_weights(tmp_path / "fp8", load_config(tmp_path / "fp8"))
 
 
 def test_fp8_tensor_without_a_scale_is_refused(bf16_checkpoint, tmp_path):
@@ -271,3 +306,39 @@ def test_emulated_fp8_accuracy_against_transformers(accuracy_checkpoint):
     for name in ("fp8", "fp8+kv"):
         r = results[name]
         assert r["rel_l2"] < 0.06 and r["top1"] > 0.9 and r["near_tie_share"] == 1, (name, r)
+
+
+# --- which FP8 options a GPU can run: decided at start-up, before any weight is read ----------
+
+def test_fp8_options_are_checked_against_the_gpu(bf16_checkpoint, tmp_path):
+    """`blink engine`'s start-up check (client/cli.py _fp8_for_this_gpu) on GPUs of three
+    compute capabilities: flags a GPU cannot run stop in one line; an FP8 checkpoint on a GPU
+    without FP8 GEMMs is served in bf16 ("none"), and the CPU engine's model then holds the
+    checkpoint's values unrounded."""
+    from blink.client.cli import _fp8_for_this_gpu
+    from blink.gpu_engine.reference_engine import EngineConfig
+    values = fp8_checkpoint(bf16_checkpoint, tmp_path / "fp8", "tensor")
+    bf16_cfg = EngineConfig(bf16_checkpoint, "ring")
+    fp8_cfg = EngineConfig(tmp_path / "fp8", "ring")
+    hopper, ada, ampere = (9, 0), (8, 9), (8, 0)
+    for config, cc in ((bf16_cfg, ampere), (fp8_cfg, hopper)):
+        assert _fp8_for_this_gpu(config, cc) is config
+    with pytest.raises(SystemExit, match="--quantization fp8 needs a Hopper GPU .* 8.9"):
+        _fp8_for_this_gpu(EngineConfig(bf16_checkpoint, "ring", quantization="fp8"), ada)
+    with pytest.raises(SystemExit, match="--kv-cache-dtype fp8 needs .* 8.0"):
+        _fp8_for_this_gpu(EngineConfig(bf16_checkpoint, "ring", kv_cache_dtype="fp8"), ampere)
+    kv_on_ada = EngineConfig(bf16_checkpoint, "ring", kv_cache_dtype="fp8")
+    assert _fp8_for_this_gpu(kv_on_ada, ada) is kv_on_ada
+    served = _fp8_for_this_gpu(fp8_cfg, ampere)
+    assert served.quantization == "none" and served.quantization_for(load_config(
+        tmp_path / "fp8")) is None
+
+    from blink.gpu_engine.reference_engine import ReferenceEngine
+    engine = ReferenceEngine(EngineConfig(tmp_path / "fp8", f"blink-test-fp8none-{id(served)}",
+                                          quantization="none", num_kv_blocks=8))
+    try:
+        name = "model.layers.0.self_attn.q_proj.weight"
+        np.testing.assert_array_equal(engine.model.w.layers[0].q_proj, values[name])
+        assert not np.array_equal(fp8.fp8_rounded_rows(values[name]), values[name])
+    finally:
+        engine.close()

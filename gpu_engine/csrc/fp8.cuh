@@ -89,15 +89,4 @@ __device__ __forceinline__ uint2 QuantizeE4m3x8(const float (&v)[8], float inver
   return out;
 }
 
-// Max over the block, returned to every thread (as BlockSum). scratch: 32 floats.
-__device__ __forceinline__ float BlockMax(float v, float* scratch) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int num_warps = blockDim.x / kWarpSize;
-  v = WarpMax(v);
-  __syncthreads();  // earlier readers of scratch are done
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  return WarpMax(lane < num_warps ? scratch[lane] : 0.f);
-}
-
 }  // namespace blink

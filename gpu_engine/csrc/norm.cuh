@@ -7,6 +7,38 @@
 
 namespace blink {
 
+// 1 / sqrt(mean(x^2) + eps) of the fp32 row xr[0 .. hidden), bias (nullable, [hidden]) first
+// added into it in place. Every thread of the CTA calls it (BlockSum); thread t handles the
+// groups of 8 at 8 t, 8 (t + blockDim.x), .., the same ones NormedRow8 reads back.
+__device__ __forceinline__ float AddBiasInverseRms(float* xr, const bf16* bias, int hidden,
+                                                   float eps, float* scratch) {
+  float sum_sq = 0.f;
+  for (int i = threadIdx.x * 8; i < hidden; i += blockDim.x * 8) {
+    float v[8];
+    LoadF32x8(xr + i, v);
+    if (bias != nullptr) {
+      float b[8];
+      LoadBf16x8(bias + i, b);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] += b[k];
+      StoreF32x8(xr + i, v);  // re-read below by this same thread only
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sum_sq += v[k] * v[k];
+  }
+  return rsqrtf(BlockSum(sum_sq, scratch) / hidden + eps);
+}
+
+// Values i .. i + 8 of the normalized row: weight * xr * inv_rms, in fp32.
+__device__ __forceinline__ void NormedRow8(const float* xr, const bf16* weight, int i,
+                                           float inv_rms, float (&v)[8]) {
+  float w[8];
+  LoadF32x8(xr + i, v);
+  LoadBf16x8(weight + i, w);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = w[k] * (v[k] * inv_rms);
+}
+
 // One CTA per output row r. Without `gather`: rows r < num_tokens, source row r. With `gather`
 // (the logit_token array): rows r < num_logits, source row gather[r] (clamped to [0, max_rows)).
 // bias (nullable, [hidden]) is first added into x[src] in place (o_proj's bias, folded here).
@@ -22,29 +54,12 @@ __device__ __forceinline__ void RmsNormCta(const BatchDesc* desc, const int32_t*
   const int src = gather != nullptr ? min(max(gather[r], 0), max_rows - 1) : r;
   float* xr = x + static_cast<size_t>(src) * hidden;
 
-  float sum_sq = 0.f;
-  for (int i = threadIdx.x * 8; i < hidden; i += blockDim.x * 8) {
-    float v[8];
-    LoadF32x8(xr + i, v);
-    if (bias != nullptr) {
-      float b[8];
-      LoadBf16x8(bias + i, b);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] += b[k];
-      StoreF32x8(xr + i, v);  // re-read below by this same thread only
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) sum_sq += v[k] * v[k];
-  }
-  const float inv_rms = rsqrtf(BlockSum(sum_sq, scratch) / hidden + eps);
+  const float inv_rms = AddBiasInverseRms(xr, bias, hidden, eps, scratch);
 
   bf16* yr = out + static_cast<size_t>(r) * hidden;
   for (int i = threadIdx.x * 8; i < hidden; i += blockDim.x * 8) {
-    float v[8], w[8];
-    LoadF32x8(xr + i, v);
-    LoadBf16x8(weight + i, w);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = w[k] * (v[k] * inv_rms);
+    float v[8];
+    NormedRow8(xr, weight, i, inv_rms, v);
     StoreBf16x8(yr + i, v);
   }
 }
@@ -61,28 +76,9 @@ __device__ __forceinline__ void RmsNormE4m3Cta(const BatchDesc* desc, float* x, 
   const int r = blockIdx.x;
   if (r >= desc->num_tokens) return;  // uniform over the CTA
   float* xr = x + static_cast<size_t>(r) * hidden;
-  float sum_sq = 0.f;
-  for (int i = threadIdx.x * 8; i < hidden; i += blockDim.x * 8) {
-    float v[8];
-    LoadF32x8(xr + i, v);
-    if (bias != nullptr) {
-      float b[8];
-      LoadBf16x8(bias + i, b);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] += b[k];
-      StoreF32x8(xr + i, v);  // re-read below by this same thread only
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) sum_sq += v[k] * v[k];
-  }
-  const float inv_rms = rsqrtf(BlockSum(sum_sq, scratch) / hidden + eps);
-  QuantizeRowCta(hidden, [&](int i, float (&v)[8]) {
-    float w[8];
-    LoadF32x8(xr + i, v);
-    LoadBf16x8(weight + i, w);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = w[k] * (v[k] * inv_rms);
-  }, q + static_cast<size_t>(r) * hidden, scale + r);
+  const float inv_rms = AddBiasInverseRms(xr, bias, hidden, eps, scratch);
+  QuantizeRowCta(hidden, [&](int i, float (&v)[8]) { NormedRow8(xr, weight, i, inv_rms, v); },
+                 q + static_cast<size_t>(r) * hidden, scale + r);
 }
 
 // One warp normalizes one head vector of `head_dim` values held as RoPE pairs: lo[i] = x[j],

@@ -291,17 +291,30 @@ __device__ __forceinline__ T WarpMax(T v) {
   return v;
 }
 
-// Sum over the block, returned to every thread. blockDim.x must be a multiple of 32;
-// scratch: 32 elements of shared memory. Contains two __syncthreads (all threads must call).
-template <typename T>
-__device__ __forceinline__ T BlockSum(T v, T* scratch) {
+// `warp_all` (WarpSum, WarpMax: a reduction whose result every lane gets) over the block,
+// returned to every thread; `identity` fills the slots of absent warps. blockDim.x must be a
+// multiple of 32; scratch: 32 elements of shared memory. Contains two __syncthreads (all
+// threads must call).
+template <typename T, typename WarpAll>
+__device__ __forceinline__ T BlockAll(T v, T* scratch, WarpAll warp_all, T identity) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  v = WarpSum(v);
+  v = warp_all(v);
   __syncthreads();  // earlier readers of scratch are done
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  return WarpSum(lane < num_warps ? scratch[lane] : T(0));
+  return warp_all(lane < num_warps ? scratch[lane] : identity);
+}
+
+// Sum over the block, returned to every thread (BlockAll's rules).
+template <typename T>
+__device__ __forceinline__ T BlockSum(T v, T* scratch) {
+  return BlockAll(v, scratch, [](T x) { return WarpSum(x); }, T(0));
+}
+
+// Max over the block of non-negative values (amax), returned to every thread (BlockAll's rules).
+__device__ __forceinline__ float BlockMax(float v, float* scratch) {
+  return BlockAll(v, scratch, [](float x) { return WarpMax(x); }, 0.f);
 }
 
 }  // namespace blink
