@@ -362,7 +362,7 @@ def breakdown(fwd, point: Point, blocks_per_seq: int,
 
 
 def print_breakdown(name: str, cfg: ModelConfig, point: Point | MixedPoint, rows, bw: float,
-                    impl: str, fwd=None):
+                    impl: str, fwd):
     """The rates a step's kind is bound by: FLOP/s with prefill chunks, bytes/s with decodes
     (a mixed step: both); fwd: the forward pass timed (its FP8 weights or cache count)."""
     whole = rows[-1][2]
@@ -372,9 +372,8 @@ def print_breakdown(name: str, cfg: ModelConfig, point: Point | MixedPoint, rows
     if any(g.chunk > 1 for g in point.groups):
         rates.append(("achieved TFLOP/s", op_flops, 1e12))
     if any(g.chunk == 1 for g in point.groups):
-        fp8_weights, kv_fp8 = (getattr(fwd, "fp8", False), getattr(fwd, "kv_fp8", False))
         rates.append(("achieved GB/s (copy rate %.0f)" % (bw / 1e9),
-                      functools.partial(op_bytes, weights_fp8=fp8_weights, kv_fp8=kv_fp8), 1e9))
+                      functools.partial(op_bytes, weights_fp8=fwd.fp8, kv_fp8=fwd.kv_fp8), 1e9))
     print("| op | launches | us per step | us per launch | share of step | " +
           " | ".join(column for column, _, _ in rates) + " |")
     print("| --- | --- | --- | --- | --- |" + " --- |" * len(rates))

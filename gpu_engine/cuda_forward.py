@@ -32,7 +32,8 @@ from .cublas import R_16BF, R_32F, Cublas, GemmShape
 from .gemm_tuning import ChoiceCache, GemmTuner, cache_file
 from .demo_model import float32_to_bf16_bits
 from .forward_batch import ForwardBatch
-from .fp8 import calibration_count, calibration_tokens, fp8_refusal, kv_scales_from_amax
+from .fp8 import (calibration_count, calibration_tokens, fp8_refusal, kv_scales_from_amax,
+                  per_head_kv_scales)
 
 log = logging.getLogger(__name__)
 
@@ -1427,7 +1428,7 @@ class CudaForward:
             op(label, k.skinny_linear, s, x, w, dst, rows, in_f, out_f, mode, w_tiled=tiled,
                k_splits=splits, w_scale=lw.scales[name].ptr, **kwargs)
 
-        def fp8_layer(lw, rope_args, cache_args, kv_write, rope):
+        def fp8_layer(lw, rope_args, cache_args, kv_write, rope, attend):
             """One layer on FP8 weights: decode-sized buckets (fuse) on the FP8 skinny kernels,
             with the RMSNorms and RoPE + KV write folded in as on bf16 weights (the norms'
             weights given, not folded); others on cuBLASLt's FP8 GEMMs, each input quantized
@@ -1451,14 +1452,7 @@ class CudaForward:
                        lw.input_norm.ptr, self.act_q.ptr, self.act_q_scale.ptr, H, eps)
                     fp8_linear("qkv proj", lw, "wqkv", self.qkv.ptr, H, Q + 2 * KV)
                 rope()
-            op("attention", k.attention, s, rows, d, self.positions.ptr, self.token_seq.ptr,
-               self.block_tables.ptr, self.max_blocks_per_seq, self.q.ptr, cache_args[1],
-               cache_args[2], self.block_size, cfg.num_heads, cfg.num_kv_heads, D ** -0.5,
-               self.attn.ptr, self.attention_splits(rows), self.attn_partial_out.ptr,
-               self.attn_partial_stats.ptr, self.attn_tile_sems.ptr,
-               small=self.attention_small(rows), wide=self.attention_wide(rows),
-               decode_min_keys=self.decode_min_keys, release_next=in_order and fuse,
-               kv_scales=kv_write["kv_scales"])
+            attend(release_next=in_order and fuse)
             if fuse:
                 fp8_skinny("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
                            SKINNY_F32_ADD, shadow=self.x_shadow.ptr)
@@ -1494,8 +1488,18 @@ class CudaForward:
                    lw.bqkv.ptr if lw.bqkv else 0, lw.q_norm.ptr if lw.q_norm else 0,
                    lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr, cfg.num_heads,
                    cfg.num_kv_heads, *cache_args, **kv_write)
+
+            def attend(release_next, k_layer=k_layer, v_layer=v_layer, kv_write=kv_write):
+                op("attention", k.attention, s, rows, d, self.positions.ptr,
+                   self.token_seq.ptr, self.block_tables.ptr, self.max_blocks_per_seq,
+                   self.q.ptr, k_layer, v_layer, self.block_size, cfg.num_heads,
+                   cfg.num_kv_heads, D ** -0.5, self.attn.ptr, self.attention_splits(rows),
+                   self.attn_partial_out.ptr, self.attn_partial_stats.ptr,
+                   self.attn_tile_sems.ptr, small=self.attention_small(rows),
+                   wide=self.attention_wide(rows), decode_min_keys=self.decode_min_keys,
+                   release_next=release_next, kv_scales=kv_write["kv_scales"])
             if self.fp8:
-                fp8_layer(lw, rope_args, cache_args, kv_write, rope)
+                fp8_layer(lw, rope_args, cache_args, kv_write, rope, attend)
                 continue
             # RoPE + KV write ride in the skinny qkv projection, with the RMSNorm too (decode
             # buckets) or after its kernel (17 to 32 rows); Qwen3's per-head q/k norms need
@@ -1531,16 +1535,8 @@ class CudaForward:
             chain = (self.projection_chain and rows == 1 and fuse_post
                      and all(n in lw.tiled for n in ("wo", "wgu", "wdown"))
                      and k.chain_fits(H, I, Q))
-            op("attention", k.attention, s, rows, d, self.positions.ptr, self.token_seq.ptr,
-               self.block_tables.ptr, self.max_blocks_per_seq, self.q.ptr, k_layer, v_layer,
-               self.block_size, cfg.num_heads, cfg.num_kv_heads, D ** -0.5, self.attn.ptr,
-               self.attention_splits(rows), self.attn_partial_out.ptr,
-               self.attn_partial_stats.ptr, self.attn_tile_sems.ptr,
-               small=self.attention_small(rows), wide=self.attention_wide(rows),
-               decode_min_keys=self.decode_min_keys,
-               release_next=in_order and (chain or skinny(Q, H, True)
-                                          or splitk(lw, "wo", Q, H)),
-               kv_scales=kv_write["kv_scales"])
+            attend(release_next=in_order and (chain or skinny(Q, H, True)
+                                              or splitk(lw, "wo", Q, H)))
             if chain:
                 op("o proj + residual, rmsnorm + gate|up proj + silu*mul, down proj + residual",
                    k.projection_chain, s, self.attn.ptr, lw.tiled["wo"].ptr,
@@ -1651,12 +1647,11 @@ class CudaForward:
         """The E4M3 cache's scales: [num_layers, 2, num_kv_heads] float32 (keys', values'), or
         [num_layers, 2] (one a layer's keys, one its values: a checkpoint's k_scale, v_scale)."""
         cfg = self.cfg
-        scales = np.asarray(scales, np.float32)
-        if scales.shape == (cfg.num_layers, 2):
-            scales = np.repeat(scales[:, :, None], cfg.num_kv_heads, axis=2)
+        given = list(np.shape(scales))
+        scales = per_head_kv_scales(scales, cfg.num_kv_heads)
         if scales.shape != (cfg.num_layers, 2, cfg.num_kv_heads):
             raise ValueError(f"KV scales must be [{cfg.num_layers}, 2(, {cfg.num_kv_heads})], "
-                             f"got {list(scales.shape)}")
+                             f"got {given}")
         if not (np.isfinite(scales).all() and (scales > 0).all()):
             raise ValueError(f"KV scales must be positive and finite, got "
                              f"{scales[~(np.isfinite(scales) & (scales > 0))][:4]}")

@@ -99,6 +99,13 @@ def kv_scales_from_amax(amax: np.ndarray) -> np.ndarray:
                     np.float32(1)).astype(np.float32)
 
 
+def per_head_kv_scales(scales: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """KV scales as [num_layers, 2, num_kv_heads] float32: given so, or [num_layers, 2] (one for
+    a layer's keys, one for its values: a checkpoint's k_scale, v_scale) repeated per head."""
+    scales = np.asarray(scales, np.float32)
+    return np.repeat(scales[:, :, None], num_kv_heads, axis=2) if scales.ndim == 2 else scales
+
+
 def fp8_rounded_kv(v: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """v [..., kv_heads, D] stored in an FP8 KV cache with per-head `scale` [kv_heads] and read
     back: e4m3(v * (1 / scale)) * scale, the inverse rounded to float32 first, as the kernels

@@ -20,7 +20,8 @@ import numpy as np
 from blink.gpu_engine.block_manager import KvBlockPool
 from blink.gpu_engine.checkpoint import ModelConfig, load_config, load_weights
 from blink.gpu_engine.forward_batch import ForwardBatch
-from blink.gpu_engine.fp8 import calibration_count, calibration_tokens, fp8_weights
+from blink.gpu_engine.fp8 import (calibration_count, calibration_tokens, fp8_weights,
+                                  per_head_kv_scales)
 from blink.gpu_engine.reference_model import ReferenceModel
 from blink.gpu_engine.ring_server import ModelLimits, RingServer
 from blink.gpu_engine.sampling import sample_token
@@ -151,8 +152,7 @@ class ReferenceEngine:
         self.model = ReferenceModel(cfg, weights, num_blocks, config.block_size)
         if config.kv_cache_dtype == "fp8":
             if weights.kv_scales is not None:
-                self.model.kv_scales = np.repeat(weights.kv_scales[:, :, None],
-                                                 cfg.num_kv_heads, axis=2)
+                self.model.kv_scales = per_head_kv_scales(weights.kv_scales, cfg.num_kv_heads)
             else:
                 count = calibration_count(config.max_num_batched_tokens, self.context_length,
                                           num_blocks * config.block_size)
