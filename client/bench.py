@@ -16,6 +16,10 @@ loop: the ablation), hf (Hugging Face transformers' generate, static batching) a
 (transformers' batch-1 fast path: a static KV cache, the decoding step compiled on a GPU).
 --cpu-hog N repeats every run
 with N busy processes pinned to the server's cores and reports busy / idle ratios.
+
+Every run sends the same prompts, so the servers it starts run without prefix caching
+(SYSTEM_FLAGS); a --target server keeps its own settings, and with prefix caching on (the
+default) its runs after the first find their prompts' full blocks cached.
 """
 from __future__ import annotations
 
@@ -41,7 +45,12 @@ from blink.client.sdk import BlinkClient, BlinkError, Sampling
 # system name -> the engine flag it runs with (and SYSTEM_FLAGS's)
 SYSTEMS = {"blink": "auto", "host-cuda": "host-cuda", "hf": "hf", "hf-static": "hf",
            "synthetic": "synthetic"}
-SYSTEM_FLAGS = {"hf-static": ["--hf-static-cache"]}  # engine flags beyond --engine
+# Engine flags beyond --engine. Every run sends the same prompts (each rate, repeat and CPU
+# load), so the systems with a prefix cache run without it: with it, every run after the first
+# would take its prompts from the cache, work the transformers peers do again each time (the
+# cache's own gains: `python -m blink.client.bench_serving --suite prefix`).
+SYSTEM_FLAGS = {"blink": ["--no-prefix-caching"], "host-cuda": ["--no-prefix-caching"],
+                "hf-static": ["--hf-static-cache"]}
 SERVER_COUNTERS = ("engine_steps", "engine_busy_ns", "engine_step_tokens", "preemptions")
 
 

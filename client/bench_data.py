@@ -1,4 +1,5 @@
-"""The benchmark's workloads: ShareGPT conversations, or random token prompts of fixed lengths.
+"""The benchmark's workloads: ShareGPT conversations, or random token prompts of fixed lengths,
+and for the prefix cache, prompts that share a prefix and multi-turn chats.
 
 ShareGPT follows the convention of the usual serving benchmarks (vLLM's benchmark_serving,
 SGLang's bench_serving): ShareGPT_V3_unfiltered_cleaned_split.json, conversations of at least
@@ -51,6 +52,27 @@ def random_requests(n: int, input_len: int, output_len: int, vocab_size: int, *,
 
     return [BenchRequest(tuple(rnd.randrange(lo, hi) for _ in range(length(input_len))),
                          length(output_len)) for _ in range(n)]
+
+
+def shared_prefix_requests(pairs: int, prefix_len: int, own_len: int, output_len: int,
+                           vocab_size: int, *, seed: int = 0) -> list[BenchRequest]:
+    """2 * pairs prompts of prefix_len + own_len random tokens, in the order to send them one
+    at a time: cold ones (even places), each random from its first token, and warm ones (odd
+    places), the first cold one's first prefix_len tokens followed by own_len of their own. The
+    first cold request puts the shared prefix in the cache; every warm one finds it there."""
+    fresh = random_requests(2 * pairs, prefix_len + own_len, output_len, vocab_size, seed=seed)
+    shared = fresh[0].prompt[:prefix_len]
+    warm = [BenchRequest(shared + r.prompt[prefix_len:], output_len) for r in fresh[pairs:]]
+    return [r for pair in zip(fresh[:pairs], warm) for r in pair]
+
+
+def chat_user_turns(conversations: int, turns: int, user_len: int, vocab_size: int, *,
+                    seed: int = 0) -> list[list[tuple[int, ...]]]:
+    """Each conversation's user messages, turn by turn: user_len random tokens each (the
+    prompts bench_load.run_conversations builds from them and the replies)."""
+    messages = [r.prompt for r in random_requests(conversations * turns, user_len, 1,
+                                                  vocab_size, seed=seed)]
+    return [messages[c * turns:(c + 1) * turns] for c in range(conversations)]
 
 
 def load_sharegpt_conversations(path: Path | None = None) -> list[dict]:

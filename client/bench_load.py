@@ -48,6 +48,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)  # one per token, its chunk's arrival
     error: str | None = None
     finish_reason: str = ""
+    cached_prompt_tokens: int = 0    # taken from the engine's prefix cache (its final's timings)
 
     @property
     def tokens(self) -> int:
@@ -64,6 +65,29 @@ class ClientLoad:
     @property
     def loop_busy(self) -> float:
         return self.loop_cpu_s / self.wall_s if self.wall_s else 0.0
+
+
+async def stream_request(client: AsyncBlinkClient, request: BenchRequest,
+                         record: RequestRecord, *, timeout: float = 3600.0,
+                         ignore_eos: bool = True) -> list[int]:
+    """Sends one request (greedy, max_tokens = its output length) and times its tokens into
+    `record`; returns the generated token ids. A failure is kept in record.error."""
+    sampling = Sampling(max_tokens=request.output_len, temperature=0.0, ignore_eos=ignore_eos)
+    token_ids: list[int] = []
+    record.sent = time.perf_counter()
+    try:
+        stream = client.stream(list(request.prompt), sampling, timeout=timeout,
+                               return_token_ids=True)
+        async for delta in stream:
+            now = time.perf_counter()
+            record.token_times.extend([now] * len(delta.token_ids))
+            token_ids.extend(delta.token_ids)
+        if stream.result is not None:
+            record.finish_reason = stream.result.finish_reason
+            record.cached_prompt_tokens = stream.result.cached_prompt_tokens
+    except BlinkError as e:
+        record.error = str(e)
+    return token_ids
 
 
 async def run_requests(target: str, requests: list[BenchRequest], *, rate: float = math.inf,
@@ -90,19 +114,8 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
                for _ in range(max(1, connections))]
     try:
         async def one(i: int, request: BenchRequest, record: RequestRecord) -> None:
-            client = clients[i % len(clients)]
-            sampling = Sampling(max_tokens=request.output_len, temperature=0.0,
-                                ignore_eos=ignore_eos)
-            record.sent = time.perf_counter()
-            try:
-                stream = client.stream(list(request.prompt), sampling, timeout=timeout,
-                                       return_token_ids=True)
-                async for delta in stream:
-                    now = time.perf_counter()
-                    record.token_times.extend([now] * len(delta.token_ids))
-                record.finish_reason = stream.result.finish_reason if stream.result else ""
-            except BlinkError as e:
-                record.error = str(e)
+            await stream_request(clients[i % len(clients)], request, record, timeout=timeout,
+                                 ignore_eos=ignore_eos)
             if on_done is not None:
                 on_done(record)
 
@@ -144,6 +157,34 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
     ends = [r.token_times[-1] for r in records if r.token_times]
     wall = (max(ends) if ends else time.perf_counter()) - start
     return records, wall, load
+
+
+async def run_conversations(target: str, user_turns: list[list[tuple[int, ...]]],
+                            output_len: int, *, timeout: float = 3600.0
+                            ) -> tuple[list[list[RequestRecord]], float]:
+    """Multi-turn chats, all started at once, each a closed loop: every turn sends the whole
+    conversation so far (the previous turn's prompt, the reply generated to it, then the user's
+    next message) and waits for its reply of output_len tokens before the next. Returns each
+    conversation's records turn by turn (a failed turn ends its conversation) and the wall time
+    from the first send to the last token."""
+    async with AsyncBlinkClient(target) as client:
+        async def converse(messages: list[tuple[int, ...]]) -> list[RequestRecord]:
+            records: list[RequestRecord] = []
+            prompt: tuple[int, ...] = ()
+            reply: tuple[int, ...] = ()
+            for message in messages:
+                prompt = prompt + reply + message
+                records.append(RequestRecord(len(prompt), output_len))
+                reply = tuple(await stream_request(client, BenchRequest(prompt, output_len),
+                                                   records[-1], timeout=timeout))
+                if records[-1].error is not None:
+                    break
+            return records
+
+        start = time.perf_counter()
+        conversations = await asyncio.gather(*(converse(m) for m in user_turns))
+    ends = [r.token_times[-1] for c in conversations for r in c if r.token_times]
+    return conversations, (max(ends) if ends else time.perf_counter()) - start
 
 
 def _client_process(requests: list[BenchRequest], offsets: np.ndarray, options: dict,

@@ -19,6 +19,28 @@ Prefill workloads (one request, one output token) print prompt tokens / TTFT.
 Every workload also prints the GPU's SM clock and power over its run (gpu_monitor.py, NVML): a
 sustained run meets the board's power limit and runs at a lower clock than a short one.
 
+Cold by construction: each request of the decode, throughput and prefill workloads is random
+token ids drawn for it alone, every workload of a run from a seed of its own (its place in the
+run), so no two prompts sent to one server share their first KV block and none takes anything
+from the engine's prefix cache (on by default): every prompt is computed whole, as the figures
+above assume (an 8,000-token prompt's first token is the time to prefill all of it).
+
+The prefix suite measures that cache, on a server started as for the others:
+- shared prefix: requests sent one at a time, alternately cold (random from the first token)
+  and warm (one 2,000-token prefix that the first cold request put in the cache, then 100
+  tokens of their own), a few output tokens each: the median TTFT of each kind, warm / cold
+  (the target: at most 10%), and the prompt tokens each request was served from the cache
+  (what the engine reports, Timings.cached_prompt_tokens).
+- chat: 32 conversations at once, 8 turns each; a turn sends the whole conversation so far
+  (the previous turn's prompt, its reply, 100 new user tokens) and generates 128 tokens:
+  generated tokens/s over the run, TTFT and TPOT medians, and the share of prompt tokens
+  served from the cache.
+--compare-prefix-caching runs the suites again on a server restarted with
+--no-prefix-caching, and the tables print each workload's two runs one after the other:
+
+    python -m blink.client.bench_serving --shapes llama-3.1-8b --suite prefix \
+        --compare-prefix-caching
+
 --step-log: the engine also times each step's phases on the GPU (`--step-log`, see
 gpu_engine/step_log.py); once it stops, each workload's steps are printed by forward graph:
 batch description, forward pass, samples, and the scheduler's own time between steps.
@@ -27,14 +49,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blink.client.bench_data import random_requests
-from blink.client.bench_load import run_requests
+from blink.client.bench_data import BenchRequest, chat_user_turns, random_requests, \
+    shared_prefix_requests
+from blink.client.bench_load import RequestRecord, run_conversations, run_requests
 from blink.client.bench_metrics import full_batch_gaps_ms, summarize
 from blink.client.bench_server import Server, shape_folder
 from blink.client.sdk import BlinkClient
@@ -53,6 +77,45 @@ class Workload:
     @property
     def mean_context(self) -> int:
         return self.prompt_tokens + self.output_tokens // 2
+
+    def draw(self, vocab_size: int, seed: int) -> list[BenchRequest]:
+        """Its requests: random prompts from `seed` (one a workload of a run: the module doc)."""
+        return random_requests(self.requests, self.prompt_tokens, self.output_tokens,
+                               vocab_size, seed=seed)
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Cold and warm requests sent one at a time, alternately (see the module doc)."""
+    name: str
+    pairs: int             # cold requests, and as many warm ones
+    prefix_tokens: int     # the warm ones' shared prefix
+    own_tokens: int        # after it, each request's own
+    output_tokens: int
+
+    def run(self, target: str, shape: str, vocab_size: int, seed: int) -> SharedPrefixResult:
+        requests = shared_prefix_requests(self.pairs, self.prefix_tokens, self.own_tokens,
+                                          self.output_tokens, vocab_size, seed=seed)
+        records, _, _ = asyncio.run(run_requests(target, requests, concurrency=1))
+        return SharedPrefixResult(shape, self, cold=records[0::2], warm=records[1::2])
+
+
+@dataclass(frozen=True)
+class Chat:
+    """Multi-turn conversations at once, each turn the whole conversation so far (the module
+    doc, bench_load.run_conversations)."""
+    name: str
+    conversations: int
+    turns: int
+    user_tokens: int       # new user tokens a turn
+    output_tokens: int     # the reply generated a turn
+
+    def run(self, target: str, shape: str, vocab_size: int, seed: int) -> ChatResult:
+        user_turns = chat_user_turns(self.conversations, self.turns, self.user_tokens,
+                                     vocab_size, seed=seed)
+        conversations, wall = asyncio.run(run_conversations(target, user_turns,
+                                                            self.output_tokens))
+        return ChatResult(shape, self, [r for c in conversations for r in c], wall)
 
 
 # The issue's points (decode at context ~512, saturation with 256 + 256 requests, long prompts,
@@ -89,6 +152,13 @@ SUITES = {
         Workload("256+256 x 256 streams", "throughput", 256, 512, 256, 256),
         Workload("prefill 8000", "prefill", 1, 2, 8000, 1),
     ],
+    # the prefix cache (module doc); on the 8B shape, an H200: about 8 s of requests with the
+    # cache and 13 without, most of it the chat (with --compare-prefix-caching, 44 s in all,
+    # the copy-rate check and the two engine starts included)
+    "prefix": [
+        SharedPrefix("shared prefix 2000 + 100", 8, 2000, 100, 4),
+        Chat("chat 32 x 8 turns of 100 + 128", 32, 8, 100, 128),
+    ],
 }
 
 
@@ -106,10 +176,15 @@ class Result:
     gpu: GpuClocks | None = None  # the SM clock, power, energy over the workload (None: not read)
     generated_tokens: int = 0
     full_batch_tpot_ms: float | None = None  # the gaps while every stream decoded
+    prefix_caching: bool = True  # the engine's (off: --no-prefix-caching)
+
+    HEADER = ("| shape | workload | TPOT p50 (ms) | full-batch TPOT, mean (ms) | floor (ms) | "
+              "x floor (TPOT, full-batch TPOT) | TTFT p50 (ms) | generated tok/s | engine "
+              "ms/step | tokens/step | SM MHz, W (power-capped) |")
 
     def line(self) -> str:
         w = self.workload
-        parts = [f"bench serving {self.shape} {w.name}:"]
+        parts = [f"bench serving {self.shape} {label(self)}:"]
         if w.kind == "prefill":
             parts.append(f"TTFT {self.ttft_ms:.1f} ms, "
                          f"{w.prompt_tokens / self.ttft_ms * 1e3:,.0f} prefill tokens/s;")
@@ -124,12 +199,89 @@ class Result:
                          f"{w.mean_context}; TPOT {_ratio(self.tpot_ms, self.floor_ms)}x, "
                          f"full-batch TPOT {_ratio(self.full_batch_tpot_ms, self.floor_ms)}x "
                          f"floor)")
-        if self.gpu is not None:
-            per_token = (f", {self.gpu.energy_j / self.generated_tokens * 1e3:.1f} mJ a "
-                         f"generated token" if self.gpu.energy_j and self.generated_tokens
-                         else "")
-            parts.append(f"[{self.gpu.describe()}{per_token}]")
-        return " ".join(parts)
+        return " ".join(parts) + gpu_note(self.gpu, self.generated_tokens)
+
+    def row(self) -> str:
+        ratios = (f"{_ratio(self.tpot_ms, self.floor_ms)}, "
+                  f"{_ratio(self.full_batch_tpot_ms, self.floor_ms)}" if self.floor_ms else "")
+        floor = _ms(self.floor_ms) if self.floor_ms else ""
+        return (f"| {self.shape} | {label(self)} | {_ms(self.tpot_ms)} | "
+                f"{_ms(self.full_batch_tpot_ms)} | {floor} | {ratios} | {self.ttft_ms:.1f} | "
+                f"{self.tokens_per_s:,.0f} | {self.engine_step_ms:.3f} | "
+                f"{self.tokens_per_step:.1f} | {gpu_cell(self.gpu)} |")
+
+
+@dataclass
+class SharedPrefixResult:
+    shape: str
+    workload: SharedPrefix
+    cold: list[RequestRecord]  # in the order sent
+    warm: list[RequestRecord]
+    step_range: tuple[int, int] = (0, 0)  # as Result's
+    gpu: GpuClocks | None = None
+    prefix_caching: bool = True
+
+    HEADER = ("| shape | workload | TTFT p50 cold (ms) | TTFT p50 warm (ms) | warm / cold | "
+              "cached prompt tokens a request, warm (cold) | SM MHz, W (power-capped) |")
+
+    @property
+    def cold_ttft_ms(self) -> float:
+        return summarize(self.cold, wall_s=0.0)["ttft_ms"]["p50"]  # (no throughput wanted)
+
+    @property
+    def warm_ttft_ms(self) -> float:
+        return summarize(self.warm, wall_s=0.0)["ttft_ms"]["p50"]
+
+    def line(self) -> str:
+        w = self.workload
+        return (f"bench serving {self.shape} {label(self)}: TTFT p50 cold "
+                f"{self.cold_ttft_ms:.1f} ms, warm {self.warm_ttft_ms:.1f} ms, warm / cold "
+                f"{self.warm_ttft_ms / self.cold_ttft_ms:.1%} (target <= 10%); cached prompt "
+                f"tokens a request: warm {_counts(self.warm)} of "
+                f"{w.prefix_tokens + w.own_tokens:,}, cold {_counts(self.cold)}"
+                + gpu_note(self.gpu))
+
+    def row(self) -> str:
+        return (f"| {self.shape} | {label(self)} | {self.cold_ttft_ms:.1f} | "
+                f"{self.warm_ttft_ms:.1f} | {self.warm_ttft_ms / self.cold_ttft_ms:.1%} | "
+                f"{_counts(self.warm)} ({_counts(self.cold)}) | {gpu_cell(self.gpu)} |")
+
+
+@dataclass
+class ChatResult:
+    shape: str
+    workload: Chat
+    turns: list[RequestRecord]  # every conversation's, one conversation after another
+    wall_s: float
+    step_range: tuple[int, int] = (0, 0)  # as Result's
+    gpu: GpuClocks | None = None
+    prefix_caching: bool = True
+
+    HEADER = ("| shape | workload | generated tok/s | TTFT p50 (ms) | TPOT p50 (ms) | prompt "
+              "tokens from the cache | SM MHz, W (power-capped) |")
+
+    @functools.cached_property
+    def metrics(self) -> dict:
+        return summarize(self.turns, self.wall_s)
+
+    @property
+    def cached_share(self) -> float:
+        return (sum(r.cached_prompt_tokens for r in self.turns)
+                / max(1, sum(r.prompt_len for r in self.turns)))
+
+    def line(self) -> str:
+        m = self.metrics
+        return (f"bench serving {self.shape} {label(self)}: {m['output_throughput']:,.0f} "
+                f"generated tokens/s, TTFT p50 {m['ttft_ms']['p50']:.1f} ms, TPOT p50 "
+                f"{_ms(m['tpot_ms']['p50'])} ms; {self.cached_share:.1%} of "
+                f"{m['prompt_tokens']:,} prompt tokens from the cache"
+                + gpu_note(self.gpu, m["output_tokens"]))
+
+    def row(self) -> str:
+        m = self.metrics
+        return (f"| {self.shape} | {label(self)} | {m['output_throughput']:,.0f} | "
+                f"{m['ttft_ms']['p50']:.1f} | {_ms(m['tpot_ms']['p50'])} | "
+                f"{self.cached_share:.1%} | {gpu_cell(self.gpu)} |")
 
 
 def full_batch_tpot_ms(records, streams: int) -> float | None:
@@ -138,22 +290,27 @@ def full_batch_tpot_ms(records, streams: int) -> float | None:
     return float(gaps.mean()) if gaps.size else None
 
 
+def check_completed(name: str, metrics: dict) -> None:
+    """Raises when a request of the workload failed: its figures would mislead."""
+    if metrics["failed"]:
+        raise RuntimeError(f"{name}: {metrics['failed']} requests failed: {metrics['errors']}")
+
+
 def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
-                 monitor: GpuMonitor, weights_fp8: bool = False, kv_fp8: bool = False) -> Result:
+                 monitor: GpuMonitor, weights_fp8: bool = False, kv_fp8: bool = False,
+                 seed: int = 0) -> Result:
     from blink.gpu_engine.bench_decode import SHAPES
     from blink.gpu_engine.roofline import decode_step_bytes
     with BlinkClient(server.target) as client:
         since = monitor.mark()
         before = client.stats()
         info = client.model_info()
-        requests = random_requests(w.requests, w.prompt_tokens, w.output_tokens,
-                                   info.vocab_size)
-        records, wall, _ = asyncio.run(run_requests(server.target, requests, rate=math.inf,
-                                                    concurrency=w.concurrency))
+        records, wall, _ = asyncio.run(run_requests(server.target,
+                                                    w.draw(info.vocab_size, seed),
+                                                    rate=math.inf, concurrency=w.concurrency))
         after = client.stats()
     m = summarize(records, wall)
-    if m["failed"]:
-        raise RuntimeError(f"{w.name}: {m['failed']} requests failed: {m['errors']}")
+    check_completed(w.name, m)
     steps = max(1, after["engine_steps"] - before["engine_steps"])
     floor = None
     if w.kind == "decode":
@@ -172,6 +329,52 @@ def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
         full_batch_tpot_ms=full_batch_tpot_ms(records, w.concurrency))
 
 
+def run_prefix_workload(server: Server, shape: str, w: SharedPrefix | Chat,
+                        monitor: GpuMonitor, seed: int) -> SharedPrefixResult | ChatResult:
+    """w's run on the server, with the engine's steps and the GPU over it."""
+    with BlinkClient(server.target) as client:
+        since = monitor.mark()
+        before = client.stats()["engine_steps"]
+        result = w.run(server.target, shape, client.model_info().vocab_size, seed)
+        result.step_range = (before, client.stats()["engine_steps"])
+    records = result.turns if isinstance(result, ChatResult) else result.cold + result.warm
+    check_completed(w.name, summarize(records, wall_s=0.0))
+    result.gpu = monitor.summary(since)
+    return result
+
+
+def run_server(shape: str, folder: Path, workdir: Path, flags: list[str], workloads: list,
+               bandwidth: float, monitor: GpuMonitor, args: argparse.Namespace) -> list:
+    """Every workload, in order, on one server started with the engine flags; their results."""
+    prefix_caching = "--no-prefix-caching" not in flags
+    step_log = workdir / f"steps-{shape}{'' if prefix_caching else '-no-prefix-caching'}.npy"
+    if args.step_log:
+        flags = [*flags, "--step-log", str(step_log)]
+    t0 = time.monotonic()
+    server = Server(folder, workdir, flags)
+    print(f"bench serving {shape}: engine up in {time.monotonic() - t0:.0f} s "
+          f"({' '.join(flags)})", flush=True)
+    results = []
+    try:
+        # each workload's prompts from a seed of its own: no prompt of one is in the prefix
+        # cache from another (the module doc)
+        for seed, w in enumerate(workloads):
+            if isinstance(w, Workload):
+                result = run_workload(server, shape, w, bandwidth, monitor,
+                                      args.quantization == "fp8", args.kv_cache_dtype == "fp8",
+                                      seed)
+            else:
+                result = run_prefix_workload(server, shape, w, monitor, seed)
+            result.prefix_caching = prefix_caching
+            results.append(result)
+            print(result.line(), flush=True)
+    finally:
+        server.stop()
+    if args.step_log:
+        print_step_log(step_log, shape, results)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "llama-3.2-1b"])
@@ -187,6 +390,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="the engine's --kv-cache-dtype; the floors count its bytes")
     parser.add_argument("--engine-flag", action="append", default=[],
                         help="extra flag for the engine (repeatable), e.g. --engine-flag=--x")
+    parser.add_argument("--compare-prefix-caching", action="store_true",
+                        help="run the suites again on a server restarted with "
+                             "--no-prefix-caching; each workload's two runs print together")
     parser.add_argument("--step-log", action="store_true",
                         help="time each step's phases on the GPU and print every workload's "
                              "steps by forward graph once the engine stops")
@@ -195,9 +401,13 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(args.shapes) - set(SHAPES)
     if unknown:
         parser.error(f"unknown shapes {sorted(unknown)}; choose from {sorted(SHAPES)}")
+    if args.compare_prefix_caching and "--no-prefix-caching" in args.engine_flag:
+        parser.error("--compare-prefix-caching runs with prefix caching and without: "
+                     "leave out --engine-flag=--no-prefix-caching")
     bandwidth = copy_bandwidth()
     print(f"bench copy bandwidth: {bandwidth / 1e12:.2f} TB/s (device-to-device, read + write)")
     workloads = [w for suite in args.suite for w in SUITES[suite]]
+    caching_flags = [[], ["--no-prefix-caching"]] if args.compare_prefix_caching else [[]]
     results = []
     with tempfile.TemporaryDirectory(prefix="blink-bench-") as tmp, \
             GpuMonitor.for_cuda_device(0).reporting("bench serving") as monitor:
@@ -210,38 +420,43 @@ def main(argv: list[str] | None = None) -> None:
                      "--max-model-len", str(args.max_model_len),
                      *(["--quantization", args.quantization] if args.quantization else []),
                      "--kv-cache-dtype", args.kv_cache_dtype, *args.engine_flag]
-            step_log = Path(tmp) / f"steps-{shape}.npy"
-            if args.step_log:
-                flags += ["--step-log", str(step_log)]
-            t0 = time.monotonic()
-            server = Server(folder, Path(tmp), flags)
-            print(f"bench serving {shape}: engine up in {time.monotonic() - t0:.0f} s "
-                  f"({' '.join(flags)})", flush=True)
-            shape_results = []
-            try:
-                for w in workloads:
-                    result = run_workload(server, shape, w, bandwidth, monitor,
-                                          args.quantization == "fp8",
-                                          args.kv_cache_dtype == "fp8")
-                    shape_results.append(result)
-                    print(result.line(), flush=True)
-            finally:
-                server.stop()
-            results += shape_results
-            if args.step_log:
-                print_step_log(step_log, shape, shape_results)
-    print("\n| shape | workload | TPOT p50 (ms) | full-batch TPOT, mean (ms) | floor (ms) | "
-          "x floor (TPOT, full-batch TPOT) | TTFT p50 (ms) | generated tok/s | engine ms/step "
-          "| tokens/step | SM MHz, W (power-capped) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in results:
-        ratios = (f"{_ratio(r.tpot_ms, r.floor_ms)}, {_ratio(r.full_batch_tpot_ms, r.floor_ms)}"
-                  if r.floor_ms else "")
-        floor = _ms(r.floor_ms) if r.floor_ms else ""
-        print(f"| {r.shape} | {r.workload.name} | {_ms(r.tpot_ms)} | "
-              f"{_ms(r.full_batch_tpot_ms)} | "
-              f"{floor} | {ratios} | {r.ttft_ms:.1f} | {r.tokens_per_s:,.0f} | "
-              f"{r.engine_step_ms:.3f} | {r.tokens_per_step:.1f} | {gpu_cell(r.gpu)} |")
+            for caching in caching_flags:
+                results += run_server(shape, folder, Path(tmp), flags + caching, workloads,
+                                      bandwidth, monitor, args)
+    print_tables(results, args.shapes, workloads)
+
+
+def print_tables(results: list, shapes: list[str], workloads: list) -> None:
+    """A markdown table for each kind of result, by shape and workload: a workload's runs with
+    and without prefix caching one after the other."""
+    results = sorted(results, key=lambda r: (shapes.index(r.shape), workloads.index(r.workload)))
+    for kind in (Result, SharedPrefixResult, ChatResult):
+        rows = [r.row() for r in results if isinstance(r, kind)]
+        if rows:
+            columns = kind.HEADER.count(" | ") + 1
+            print(f"\n{kind.HEADER}\n|{' --- |' * columns}")
+            print("\n".join(rows))
+
+
+def label(result: Result | SharedPrefixResult | ChatResult) -> str:
+    """The workload's name, which says when the engine ran without prefix caching."""
+    return result.workload.name + ("" if result.prefix_caching else " (no prefix caching)")
+
+
+def _counts(records: list[RequestRecord]) -> str:
+    """The requests' cached prompt tokens: one number when they all had the same."""
+    low = min(r.cached_prompt_tokens for r in records)
+    high = max(r.cached_prompt_tokens for r in records)
+    return f"{low:,}" if low == high else f"{low:,}-{high:,}"
+
+
+def gpu_note(gpu: GpuClocks | None, generated_tokens: int = 0) -> str:
+    """A result line's GPU clock and power over the workload; "" when not read."""
+    if gpu is None:
+        return ""
+    per_token = (f", {gpu.energy_j / generated_tokens * 1e3:.1f} mJ a generated token"
+                 if gpu.energy_j and generated_tokens else "")
+    return f" [{gpu.describe()}{per_token}]"
 
 
 def _ms(value: float | None) -> str:
@@ -272,7 +487,7 @@ def print_step_log(path: Path, shape: str, results: list[Result]) -> None:
     for r in results:
         first, last = r.step_range
         steps = select_steps(records, total, first, last)
-        print(f"\nstep log {shape} {r.workload.name}: {len(steps)} of its {last - first} steps")
+        print(f"\nstep log {shape} {label(r)}: {len(steps)} of its {last - first} steps")
         print(format_table(summarize(steps)))
 
 

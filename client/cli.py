@@ -185,6 +185,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint's k_scale / v_scale, or calibrated at start-up): the cache "
                         "holds twice the tokens and attention reads half the bytes (cuda and "
                         "host-cuda engines: head_dim 64 or 128; the cpu engine emulates it)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt whole: by default full KV blocks are kept after "
+                        "their requests finish (until memory is needed, least recently used "
+                        "first) and a prompt that starts with the same tokens reuses them")
     p.add_argument("--ring-memory", choices=["host", "gpu"], default="host",
                    help="cuda engine: where the ring lives. host: page-locked host memory the "
                         "GPU maps, reached in /dev/shm or by RDMA; gpu (with --transport rdma): "
@@ -250,7 +254,8 @@ def _engine_config(args, model_dir: Path):
                         max_model_len=args.max_model_len, load_format=args.load_format,
                         gemm_tuning=args.gemm_tuning, sm_count_target=args.sm_count_target,
                         decode_weight_copy=args.decode_weight_copy,
-                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                        prefix_caching=args.prefix_caching)
 
 
 def _auth_token(path: Path | None) -> str | None:
@@ -491,6 +496,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv.append("--hf-static-cache")
     if not args.gemm_tuning:
         argv.append("--no-gemm-tuning")
+    if not args.prefix_caching:
+        argv.append("--no-prefix-caching")
     if args.sm_count_target is not None:
         argv += ["--sm-count-target", str(args.sm_count_target)]
     if not args.decode_weight_copy:
@@ -679,6 +686,9 @@ def cmd_stats(args) -> None:
             stats = client.stats(timeout=10)
         except BlinkError as e:
             sys.exit(f"blink stats: {e}")
+    # derived, beside the counters it comes from: null until a prompt was looked up
+    queried = stats["prefix_query_tokens"]
+    stats["prefix_cache_hit_rate"] = stats["prefix_hit_tokens"] / queried if queried else None
     print(json.dumps(stats, indent=2, default=str))
 
 

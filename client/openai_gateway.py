@@ -138,7 +138,10 @@ def make_app(target: str):
                 "choices": [choice(text, FINISH.get(done.finish_reason, "stop"), False)],
                 "usage": {"prompt_tokens": done.prompt_tokens,
                           "completion_tokens": done.completion_tokens,
-                          "total_tokens": done.prompt_tokens + done.completion_tokens}})
+                          "total_tokens": done.prompt_tokens + done.completion_tokens,
+                          # served from the prefix cache, as OpenAI reports its prompt caching
+                          "prompt_tokens_details": {
+                              "cached_tokens": done.cached_prompt_tokens}}})
 
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         response = None

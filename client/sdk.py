@@ -108,6 +108,7 @@ class Completion:
     time_to_first_token_s: float
     total_s: float
     preemptions: int
+    cached_prompt_tokens: int  # prompt tokens reused from the prefix cache (no prefill for them)
     request_id: str  # the server's id, as in its logs
 
 
@@ -203,6 +204,7 @@ class _Folder:
                 time_to_first_token_s=f.timings.time_to_first_token_s,
                 total_s=f.timings.total_s,
                 preemptions=f.timings.preemptions,
+                cached_prompt_tokens=f.timings.cached_prompt_tokens,
                 request_id=f.request_id,
             )
         # Anything else is a kind added by a newer server: skipped.

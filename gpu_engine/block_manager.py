@@ -1,7 +1,23 @@
-"""The paged KV cache's bookkeeping: a pool of fixed-size blocks and per-sequence block tables."""
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, per-sequence block tables, and
+the prefix cache that shares full blocks between sequences with the same prompt prefix.
+
+A block is in one of three states:
+  free       on the free list, holds nothing worth keeping
+  in use     in the block tables of `refs[b]` >= 1 sequences (shared only when cached)
+  evictable  cached, in no block table: kept, least recently released first, until a sequence
+             needs a block and the free list is empty
+
+A cached block is a full block of computed tokens, known by its identity: the uid of the cached
+block before it in its sequence (0 for a sequence's first block) and its own tokens. A uid is
+given once, when a block enters the cache, and never reused, so a block whose predecessor was
+evicted and reused can never be matched through it: two sequences share block j only if they
+share every token up to its end. The GPU scheduler (csrc/scheduler.cuh) keys the same
+identities by a 64-bit hash and compares the parent uid and the tokens of every candidate, so a
+hash collision costs a probe, never a wrong block; this pool keys a dict by the identity itself.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from blink.gpu_engine.sequence import Sequence
 
@@ -10,20 +26,43 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-class KvBlockPool:
-    """Free list of KV-cache block ids. Blocks are not shared between sequences (no prefix
-    caching yet), so a block is either free or in exactly one sequence's block table."""
+BlockIdentity = tuple[int, tuple[int, ...]]  # (uid of the block before it or 0, its tokens)
 
-    def __init__(self, num_blocks: int, block_size: int):
+
+class KvBlockPool:
+    """Free list, reference counts and the prefix cache. Without prefix caching no block is
+    ever cached, so a block is either free or in exactly one sequence's block table."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool needs blocks: num_blocks={num_blocks} block_size={block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
+        self.refs = [0] * num_blocks                   # block tables holding each block
+        self.cached: dict[BlockIdentity, int] = {}     # identity -> the cached block
+        self._identity: list[BlockIdentity | None] = [None] * num_blocks
+        self._uid = [0] * num_blocks                   # 0: not cached
+        self._next_uid = 1
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently released first
+        # counters: prompt tokens looked up and found at admission, cached blocks evicted
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.evicted_blocks = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can take: free ones and evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` can hold `num_tokens` tokens after taking free blocks."""
@@ -34,9 +73,90 @@ class KvBlockPool:
         if need > self.num_free:
             raise RuntimeError("grow() without can_grow(): KV pool exhausted")
         for _ in range(need):
-            seq.block_table.append(self._free.popleft())
+            seq.block_table.append(self._take())
+
+    def _take(self) -> int:
+        """A block for new tokens: a free one, else the least recently released cached one."""
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self.cached[self._identity[block]]
+            self._identity[block], self._uid[block] = None, 0
+            self.evicted_blocks += 1
+        self.refs[block] = 1
+        return block
 
     def release(self, seq: Sequence) -> None:
-        # Freed blocks go to the front: a just-freed block is the most likely still in cache.
-        self._free.extendleft(reversed(seq.block_table))
+        """Drops seq's references, last block first: a freed block goes to the front of the
+        free list (the table's first block ends first: the likeliest still in cache), a cached
+        one to the back of the evictable queue (the table's first block evicted last: a prefix
+        outlives its continuations)."""
+        for block in reversed(seq.block_table):
+            self.refs[block] -= 1
+            if self.refs[block] > 0:
+                continue
+            if self._uid[block]:
+                self._evictable[block] = None
+            else:
+                self._free.appendleft(block)
         del seq.block_table[:]
+        del seq.block_uids[:]
+
+    # -- the prefix cache ---------------------------------------------------------------------
+
+    def _block_identity(self, seq: Sequence, j: int, parent_uid: int) -> BlockIdentity:
+        bs = self.block_size
+        return parent_uid, tuple(seq.token_range(j * bs, (j + 1) * bs))
+
+    def match(self, seq: Sequence) -> list[int]:
+        """The cached blocks of seq's longest cached prefix, at most num_tokens - 1 tokens (the
+        last token is always computed: its logits give the next one). Empty when off."""
+        if not self.prefix_caching:
+            return []
+        hit: list[int] = []
+        parent = 0
+        while (len(hit) + 1) * self.block_size < seq.num_tokens:
+            block = self.cached.get(self._block_identity(seq, len(hit), parent))
+            if block is None:
+                break
+            hit.append(block)
+            parent = self._uid[block]
+        return hit
+
+    def can_admit(self, seq: Sequence, hit: list[int], num_tokens: int) -> bool:
+        """can_grow for a waiting sequence that would first take the cached blocks `hit`
+        (those nobody holds stop being takeable)."""
+        taken = sum(1 for b in hit if self.refs[b] == 0)
+        return blocks_for(num_tokens, self.block_size) - len(hit) <= self.num_free - taken
+
+    def admit(self, seq: Sequence, hit: list[int]) -> None:
+        """seq (waiting: no blocks) takes the cached blocks of its prefix; its computed tokens
+        start after them."""
+        for block in hit:
+            if self.refs[block] == 0:
+                del self._evictable[block]
+            self.refs[block] += 1
+            seq.block_table.append(block)
+            seq.block_uids.append(self._uid[block])
+        seq.num_computed = len(hit) * self.block_size
+        seq.cached_tokens = min(seq.num_computed, len(seq.prompt))
+        if self.prefix_caching:
+            self.query_tokens += seq.num_tokens
+            self.hit_tokens += seq.num_computed
+
+    def register(self, seq: Sequence) -> None:
+        """After a step: seq's newly full, computed blocks join the cache, in order. A block
+        whose identity is cached already (computed twice, concurrently) stays seq's own; the
+        cached one's uid continues the chain, so seq's next blocks are still found."""
+        if not self.prefix_caching:
+            return
+        for j in range(len(seq.block_uids), seq.num_computed // self.block_size):
+            identity = self._block_identity(seq, j, seq.block_uids[j - 1] if j else 0)
+            block = self.cached.get(identity)
+            if block is None:
+                block = seq.block_table[j]
+                self.cached[identity] = block
+                self._identity[block], self._uid[block] = identity, self._next_uid
+                self._next_uid += 1
+            seq.block_uids.append(self._uid[block])

@@ -126,6 +126,7 @@ class CudaEngine:
         h = self.ring.header
         h["kv_blocks_total"] = h["kv_blocks_free"] = num_blocks
         h["kv_block_size"] = config.block_size
+        h["prefix_caching"] = int(config.prefix_caching)
 
         self.module = cr.Module(cr.link_device_runtime(cr.nvcc_cubin(KERNEL_SOURCE,
                                                                       relocatable=True)))
@@ -149,7 +150,8 @@ class CudaEngine:
         sched = el.sched_config(
             num_slots=c.num_slots, max_model_len=self.context_length, block_size=c.block_size,
             num_blocks=num_blocks, max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens)
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            prefix_caching=int(c.prefix_caching))
         config_buf = cr.DeviceBuffer(el.SCHED_CONFIG_DTYPE.itemsize)
         config_buf.upload(sched.tobytes())
         sizes_buf = cr.DeviceBuffer(el.ENGINE_SIZES_DTYPE.itemsize)

@@ -67,6 +67,7 @@ SCHED_CONFIG_DTYPE = struct("SchedConfig", [
     ("num_blocks", doc("<i4", "KV blocks in the pool")),
     ("max_num_seqs", doc("<i4", "sequences in one step at most (<= sched::kMaxStepSeqs)")),
     ("max_num_batched_tokens", doc("<i4", "token budget of one step (prefill chunks + decodes)")),
+    ("prefix_caching", doc("<i4", "1: full KV blocks are cached and shared by prompt prefix")),
 ])
 
 # The ring segment as the kernel addresses it (RingGeometry, plus where it is mapped).

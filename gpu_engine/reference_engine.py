@@ -67,6 +67,9 @@ class EngineConfig:
     # "fp8": an E4M3 KV cache with a scale per (layer, KV head), from the checkpoint or
     # calibrated at start-up; "auto": bf16 (the CPU engine emulates the E4M3 one's rounding)
     kv_cache_dtype: str = "auto"
+    # full KV blocks are kept after their sequences finish and shared by later prompts with the
+    # same prefix (block_manager.py); False: every prompt is computed whole
+    prefix_caching: bool = True
 
     def __post_init__(self):
         if self.num_slots < 1 or self.block_size < 1:
@@ -115,7 +118,7 @@ class ReferenceEngine:
         self.model_cfg = cfg = load_config(config.model_dir)
         self.context_length = served_context_length(config, cfg)
         num_blocks = self._load_model(cfg)
-        self.pool = KvBlockPool(num_blocks, config.block_size)
+        self.pool = KvBlockPool(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             self.context_length), self.pool)
@@ -186,6 +189,8 @@ class ReferenceEngine:
         for seq in plan.preempted:
             self.counters["preemptions"] += 1
             self.ring.set_preemptions(seq.slot, seq.preemptions)
+        for seq, _ in plan.scheduled[len(plan.scheduled) - plan.num_admitted:]:
+            self.ring.set_cached_tokens(seq.slot, seq.cached_tokens)
         if not plan.scheduled:
             self._publish_stats()
         return plan
@@ -266,8 +271,12 @@ class ReferenceEngine:
         return batch, samplers
 
     def _queue_stats(self) -> dict[str, int]:
-        return dict(kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
-                    kv_block_size=self.pool.block_size,
+        pool = self.pool
+        return dict(kv_blocks_total=pool.num_blocks, kv_blocks_free=pool.num_free,
+                    kv_block_size=pool.block_size, kv_blocks_cached=pool.num_cached,
+                    prefix_caching=int(pool.prefix_caching),
+                    prefix_query_tokens=pool.query_tokens, prefix_hit_tokens=pool.hit_tokens,
+                    prefix_evicted_blocks=pool.evicted_blocks,
                     sequences_running=len(self.scheduler.running),
                     sequences_waiting=len(self.scheduler.waiting))
 

@@ -208,6 +208,7 @@ class RingServer:
         rec["finish_reason"] = FinishReason.NONE
         rec["detail"] = 0
         rec["preemptions"] = 0
+        rec["cached_tokens"] = 0
         rec["prompt_len"] = prompt_len
         rec["gen"] = gen  # published last: the record now belongs to this generation
 
@@ -217,6 +218,9 @@ class RingServer:
 
     def set_preemptions(self, slot: int, count: int) -> None:
         self.rec_fixed[slot]["preemptions"] = count
+
+    def set_cached_tokens(self, slot: int, count: int) -> None:
+        self.rec_fixed[slot]["cached_tokens"] = count
 
     def finish(self, slot: int, gen: int, reason: FinishReason, detail: int = 0) -> None:
         rec = self.rec_fixed[slot]

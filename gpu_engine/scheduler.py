@@ -31,6 +31,9 @@ class StepPlan:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     # sequences evicted this step (blocks freed, back to the waiting queue for recompute)
     preempted: list[Sequence] = field(default_factory=list)
+    # how many of `scheduled`'s last entries were admitted from the waiting queue this step
+    # (each one's cached_tokens: its prefix cache hit)
+    num_admitted: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +60,9 @@ class Scheduler:
         under one token budget. Running sequences go first (oldest first); when the pool cannot
         hold a running sequence's next tokens, the newest running sequence is preempted, until
         it fits or it is the one preempted. Waiting sequences are admitted FCFS while budget,
-        sequence slots and blocks last; admission never preempts."""
+        sequence slots and blocks last; admission never preempts. An admitted sequence first
+        takes the cached blocks of its longest cached prefix (prefix caching) and computes
+        from there."""
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -78,14 +83,17 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and not plan.preempted):
             seq = self.waiting[0]
-            n = min(seq.num_pending, budget)
-            if not self.pool.can_grow(seq, seq.num_computed + n):
+            hit = self.pool.match(seq)
+            n = min(seq.num_tokens - len(hit) * self.pool.block_size, budget)
+            if not self.pool.can_admit(seq, hit, len(hit) * self.pool.block_size + n):
                 break
             self.waiting.popleft()
+            self.pool.admit(seq, hit)
             self.pool.grow(seq, seq.num_computed + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             plan.scheduled.append((seq, n))
+            plan.num_admitted += 1
             budget -= n
         return plan
 
@@ -95,6 +103,12 @@ class Scheduler:
         seq.preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def register(self, plan: StepPlan) -> None:
+        """After the plan's forward pass (computed counts committed): the full blocks it
+        completed join the prefix cache, in plan order."""
+        for seq, _ in plan.scheduled:
+            self.pool.register(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Retires a sequence from wherever it is and frees its blocks."""

@@ -7,8 +7,9 @@ Python engines run. A step, as the kernel's loop makes it:
 
     admit(seq) for each new request      a reused slot drops the sequence it held
     retire(seq) for each cancelled one
-    plan = schedule()                     admission, chunked prefill, preemption
-    samplers = commit(plan)               after the forward pass: computed counts
+    plan = schedule()                     admission (prefix cache hits), chunked prefill, preemption
+    samplers = commit(plan)               after the forward pass: computed counts, full blocks
+                                          into the prefix cache
     accept(seq, token) for each sampler   the token, then the stop check; retire when finished
 """
 from __future__ import annotations
@@ -77,13 +78,13 @@ class StepCore:
     def schedule(self) -> StepPlan:
         return self.scheduler.schedule_step()
 
-    @staticmethod
-    def commit(plan: StepPlan) -> list[Sequence]:
-        """After the forward pass: the computed counts; returns the sequences that sample, in
-        plan order."""
+    def commit(self, plan: StepPlan) -> list[Sequence]:
+        """After the forward pass: the computed counts, then the blocks they filled into the
+        prefix cache; returns the sequences that sample, in plan order."""
         samplers = plan_samplers(plan)
         for seq, n in plan.scheduled:
             seq.num_computed += n
+        self.scheduler.register(plan)
         return samplers
 
     def accept(self, seq: Sequence, token: int) -> tuple[FinishReason, int]:

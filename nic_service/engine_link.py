@@ -56,6 +56,7 @@ class Finished:
     detail: int
     prompt_len: int
     preemptions: int
+    cached_tokens: int  # prompt tokens its last admission took from the prefix cache
 
 
 @dataclass
@@ -68,6 +69,7 @@ class RequestHandle:
     cancelled: bool = False
     stop_matched: bool = False    # cancelled because a stop string matched: a finish, not a cancel
     done: bool = False            # the engine finished it (or it was failed locally)
+    finished: Finished | None = None  # the engine's finish, once read (also queued in events)
 
 
 def _open_ring(ring_name: str, dialer=None) -> tuple[RingTransport, EngineInfo]:
@@ -116,7 +118,8 @@ def _open_ring(ring_name: str, dialer=None) -> tuple[RingTransport, EngineInfo]:
 # Ring header counters that only grow during one engine instance's life.
 ENGINE_COUNTERS = ("requests_admitted", "requests_finished", "requests_cancelled",
                    "requests_rejected", "preemptions", "tokens_generated", "engine_steps",
-                   "busy_ns", "step_tokens")
+                   "busy_ns", "step_tokens", "prefix_query_tokens", "prefix_hit_tokens",
+                   "prefix_evicted_blocks")
 
 
 class EngineLink:
@@ -450,17 +453,33 @@ class EngineLink:
             if reason != FinishReason.NONE:
                 self._finish(handle, FinishReason(reason))
 
+    def _record(self, slot: int) -> np.void:
+        """The fixed part of a slot's output record."""
+        return np.frombuffer(self._transport.read(self.info.geometry.record_offset(slot),
+                                                  RECORD_DTYPE.itemsize), RECORD_DTYPE)[0]
+
+    def counts_so_far(self, handle: RequestHandle) -> tuple[int, int]:
+        """(preemptions, cached_tokens) of a request, as its record says now: for a finish the
+        front end decides (a stop string) while the engine may still run it. (0, 0) when the
+        engine went away."""
+        if handle.finished is not None:  # the engine's finish was read first: the slot moved on
+            return handle.finished.preemptions, handle.finished.cached_tokens
+        if handle.done:
+            return 0, 0
+        rec = self._record(handle.slot)
+        return int(rec["preemptions"]), int(rec["cached_tokens"])
+
     def _finish(self, handle: RequestHandle, reason: FinishReason) -> None:
         """The engine finished the handle's generation: the last event, and the slot is free."""
         slot = handle.slot
-        # detail, prompt_len and preemptions are written before the finish reason
-        rec = np.frombuffer(self._transport.read(self.info.geometry.record_offset(slot),
-                                                 RECORD_DTYPE.itemsize), RECORD_DTYPE)[0]
+        # detail, prompt_len, preemptions and cached_tokens are written before the finish reason
+        rec = self._record(slot)
         if reason == FinishReason.CANCELLED and handle.stop_matched:
             self._stop_string_finishes += 1
         handle.done = True
-        handle.events.put_nowait(Finished(reason, int(rec["detail"]), int(rec["prompt_len"]),
-                                          int(rec["preemptions"])))
+        handle.finished = Finished(reason, int(rec["detail"]), int(rec["prompt_len"]),
+                                   int(rec["preemptions"]), int(rec["cached_tokens"]))
+        handle.events.put_nowait(handle.finished)
         del self._live[slot]
         self._want_gen[slot - self._share.start] = -1
         self._release_slot(slot)

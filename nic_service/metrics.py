@@ -53,7 +53,10 @@ class EngineCollector:
                     ("blink:num_requests_waiting", "sequences_waiting",
                      "sequences admitted by the engine, waiting to be scheduled"),
                     ("blink:kv_cache_blocks_total", "kv_blocks_total", "KV-cache blocks"),
-                    ("blink:kv_cache_blocks_free", "kv_blocks_free", "free KV-cache blocks")):
+                    ("blink:kv_cache_blocks_free", "kv_blocks_free",
+                     "free KV-cache blocks (evictable prefix-cache blocks too)"),
+                    ("blink:kv_cache_blocks_cached", "kv_blocks_cached",
+                     "full KV-cache blocks kept in the prefix cache, in use or not")):
                 yield GaugeMetricFamily(name, text, value=int(h[field]))
             total = int(h["kv_blocks_total"])
             yield GaugeMetricFamily("blink:kv_cache_usage_perc", "KV-cache blocks in use, 0-1",
@@ -67,7 +70,14 @@ class EngineCollector:
                 ("blink:engine_step_tokens", "step_tokens",
                  "tokens those steps computed (prefill chunks + decodes)"),
                 ("blink:requests_rejected_by_engine", "requests_rejected",
-                 "requests the engine refused (bad slots)")):
+                 "requests the engine refused (bad slots)"),
+                # in tokens, as vLLM's: hits / queries is the prefix cache's hit rate
+                ("blink:prefix_cache_queries", "prefix_query_tokens",
+                 "tokens of admitted requests looked up in the prefix cache"),
+                ("blink:prefix_cache_hits", "prefix_hit_tokens",
+                 "of those, tokens found in the prefix cache (prefill skipped)"),
+                ("blink:prefix_cache_evicted_blocks", "prefix_evicted_blocks",
+                 "prefix-cache blocks evicted to make room")):
             yield CounterMetricFamily(name, text, value=totals[field])
         yield CounterMetricFamily("blink:engine_busy_seconds",
                                   "seconds the engine spent in steps with a forward pass",

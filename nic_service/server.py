@@ -323,7 +323,8 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         stopper = StopStringMatcher(prep.stops) if prep.stops else None
         received, generated = clock.received, 0
 
-        def final(reason, matched: str, preemptions: int) -> pb.GenerateResponse:
+        def final(reason, matched: str, preemptions: int,
+                  cached_tokens: int) -> pb.GenerateResponse:
             now = time.monotonic()
             name = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
             clock.finished(name)
@@ -332,7 +333,8 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                 finish_reason=reason, matched_stop=matched,
                 usage=pb.Usage(prompt_tokens=len(prep.prompt_ids), completion_tokens=generated),
                 timings=pb.Timings(time_to_first_token_s=(clock.first or now) - received,
-                                   total_s=now - received, preemptions=preemptions),
+                                   total_s=now - received, preemptions=preemptions,
+                                   cached_prompt_tokens=cached_tokens),
                 request_id=str(handle.request_id)))
 
         while True:
@@ -363,7 +365,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                     yield chunk_message(text, event.ids if prep.return_token_ids else ())
                 if matched is not None:
                     self.link.cancel(handle, stop_matched=True)
-                    yield final(pb.FINISH_REASON_STOP, matched, 0)
+                    yield final(pb.FINISH_REASON_STOP, matched, *self.link.counts_so_far(handle))
                     return
                 continue
             assert isinstance(event, Finished)
@@ -387,13 +389,14 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             if text:
                 yield chunk_message(text)
             if matched is not None:
-                yield final(pb.FINISH_REASON_STOP, matched, event.preemptions)
+                reason = pb.FINISH_REASON_STOP
             elif event.reason is FinishReason.EOS:
-                yield final(pb.FINISH_REASON_EOS, "", event.preemptions)
+                reason, matched = pb.FINISH_REASON_EOS, ""
             elif event.reason is FinishReason.STOP_TOKEN:
-                yield final(pb.FINISH_REASON_STOP, str(event.detail), event.preemptions)
+                reason, matched = pb.FINISH_REASON_STOP, str(event.detail)
             else:  # LENGTH, CONTEXT_FULL
-                yield final(pb.FINISH_REASON_LENGTH, "", event.preemptions)
+                reason, matched = pb.FINISH_REASON_LENGTH, ""
+            yield final(reason, matched, event.preemptions, event.cached_tokens)
             return
 
     async def GetModelInfo(self, request, context):
@@ -417,11 +420,13 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         if h is not None and link.info is not None:
             stats.ring_slots = link.info.geometry.num_slots
             for name in ("kv_blocks_total", "kv_blocks_free", "kv_block_size",
-                         "sequences_running", "sequences_waiting"):
+                         "kv_blocks_cached", "sequences_running", "sequences_waiting"):
                 setattr(stats, name, int(h[name]))
+            stats.prefix_caching = bool(h["prefix_caching"])
         totals = link.counter_totals()  # summed over engine restarts
         for name in ("requests_admitted", "requests_finished", "requests_cancelled",
-                     "requests_rejected", "preemptions", "tokens_generated", "engine_steps"):
+                     "requests_rejected", "preemptions", "tokens_generated", "engine_steps",
+                     "prefix_query_tokens", "prefix_hit_tokens", "prefix_evicted_blocks"):
             setattr(stats, name, totals[name])
         stats.engine_busy_ns = totals["busy_ns"]
         stats.engine_step_tokens = totals["step_tokens"]

@@ -3,6 +3,7 @@ the tokenizers library, the CPU hog, the transformers peer against transformers 
 whole benchmark through real servers on real ports."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,8 +16,8 @@ import numpy as np
 import pytest
 
 from blink.client import bench
-from blink.client.bench_data import BenchError, BenchRequest, load_sharegpt_conversations, \
-    random_requests, sharegpt_requests
+from blink.client.bench_data import BenchError, BenchRequest, chat_user_turns, \
+    load_sharegpt_conversations, random_requests, shared_prefix_requests, sharegpt_requests
 from blink.client.bench_hog import CpuHog
 from blink.client.bench_load import RequestRecord, arrival_offsets
 from blink.client.bench_server import process_tree_cpu
@@ -131,6 +132,41 @@ def test_random_requests():
     assert reqs == random_requests(50, 40, 20, vocab_size=2048, range_ratio=0.5, seed=4)
     with pytest.raises(BenchError, match="range"):
         random_requests(1, 4, 4, 2048, range_ratio=1.5)
+
+
+def test_serving_workloads_are_cold_by_construction():
+    """bench_serving's decode, throughput and prefill workloads, as one run sends them to one
+    server (each workload from the seed of its place): no two prompts share their first KV
+    block, so none is served from the prefix cache. One seed for all would make each workload's
+    first prompt the start of the next one's (prefill 8000 would find 4,000 tokens cached)."""
+    from blink.client.bench_serving import SUITES
+    from blink.gpu_engine.bench_decode import SHAPES
+    vocab = SHAPES["llama-3.1-8b"].vocab_size
+    workloads = [w for suite in ("decode", "saturation", "long") for w in SUITES[suite]]
+    first_blocks = [r.prompt[:16] for seed, w in enumerate(workloads)
+                    for r in w.draw(vocab, seed)]
+    assert len(set(first_blocks)) == len(first_blocks) == sum(w.requests for w in workloads)
+    prefill_4000, prefill_8000 = SUITES["long"][:2]
+    assert prefill_8000.draw(vocab, 0)[0].prompt[:4000] == prefill_4000.draw(vocab, 0)[0].prompt
+
+
+def test_shared_prefix_and_chat_prompts():
+    """The prefix suite's prompts: cold ones random from their first token, warm ones exactly
+    the 2,000-token shared prefix and then their own; a chat's user turns all differ."""
+    from blink.client.bench_serving import SUITES
+    shared, chat = SUITES["prefix"]
+    reqs = shared_prefix_requests(shared.pairs, shared.prefix_tokens, shared.own_tokens,
+                                  shared.output_tokens, 128_256, seed=3)
+    cold, warm = reqs[0::2], reqs[1::2]
+    assert len(cold) == len(warm) == shared.pairs
+    assert all(len(r.prompt) == 2100 and r.output_len == shared.output_tokens for r in reqs)
+    assert len({r.prompt[:16] for r in cold}) == shared.pairs
+    for i, a in enumerate(warm):  # each other's and the first cold one's, which cached it
+        for b in [cold[0], *warm[i + 1:]]:
+            assert len(os.path.commonprefix([a.prompt, b.prompt])) == 2000
+    turns = chat_user_turns(4, 3, 10, 2048, seed=1)
+    assert [[len(m) for m in c] for c in turns] == [[10] * 3] * 4
+    assert len({m for c in turns for m in c}) == 12
 
 
 def test_sharegpt_reader_keeps_the_complete_records_of_a_truncated_file(tmp_path):
@@ -426,3 +462,43 @@ def test_run_timeout_bounds_a_run(tmp_path):
     assert m["completed"] + m["failed"] == 8
     # the cut requests' tokens that reached the client count as streamed, not completed
     assert m["streamed_tokens"] == sum(q["tokens"] for q in run["requests"]) > m["output_tokens"]
+
+
+def test_prefix_suite_on_the_cpu_engine(bench_checkpoint, tmp_path, capsys):
+    """The prefix suite in small, through a real server: warm requests are served their shared
+    prefix from the cache, cold ones nothing; each chat turn resends its conversation exactly
+    (the cache serves all of the previous turn's full blocks); the tables print a workload's
+    runs with and without prefix caching together."""
+    from blink.client.bench_serving import Chat, SharedPrefix, print_tables, \
+        run_prefix_workload
+    from blink.client.bench_server import Server
+    from blink.gpu_engine.gpu_monitor import GpuMonitor
+    shared, chat = SharedPrefix("shared", 2, 64, 8, 2), Chat("chat", 3, 4, 16, 16)
+    monitor = GpuMonitor(None, unavailable="no GPU in this test")
+    server = Server(bench_checkpoint, tmp_path, ["--engine", "cpu"])
+    try:
+        shared_run, chat_run = (run_prefix_workload(server, "tiny", w, monitor, seed)
+                                for seed, w in enumerate((shared, chat)))
+    finally:
+        server.stop()
+    assert [r.tokens for r in shared_run.cold + shared_run.warm] == [2] * 4
+    assert [r.cached_prompt_tokens for r in shared_run.warm] == [64, 64]
+    assert [r.cached_prompt_tokens for r in shared_run.cold] == [0, 0]
+    assert shared_run.step_range[1] > shared_run.step_range[0]
+    assert "warm 64 of 72, cold 0" in shared_run.line()
+    for c in range(chat.conversations):
+        turns = chat_run.turns[c * chat.turns:(c + 1) * chat.turns]
+        assert [r.tokens for r in turns] == [16] * chat.turns
+        assert turns[0].prompt_len == 16 and turns[0].cached_prompt_tokens == 0
+        for before, after in zip(turns, turns[1:]):
+            assert after.prompt_len == before.prompt_len + before.tokens + chat.user_tokens
+            # all but the reply's last token were computed (its logits gave no next token)
+            assert after.cached_prompt_tokens == (before.prompt_len + before.tokens - 1) // 16 * 16
+    assert chat_run.cached_share == 144 / 256  # turns of 16, 48, 80, 112: 0, 16, 48, 80
+    assert "56.2% of 768 prompt tokens from the cache" in chat_run.line()
+    uncached = [dataclasses.replace(r, prefix_caching=False) for r in (shared_run, chat_run)]
+    print_tables([shared_run, chat_run, *uncached], ["tiny"], [shared, chat])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    assert [row.split(" | ")[1] for row in rows] == [
+        "shared", "shared (no prefix caching)", "chat", "chat (no prefix caching)"]
+    assert rows[0].split(" | ")[5] == "64 (0)" and rows[2].split(" | ")[5] == "56.2%"

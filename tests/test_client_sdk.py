@@ -38,7 +38,8 @@ FINAL = blink_pb2.Final(
     finish_reason=blink_pb2.FINISH_REASON_STOP,
     matched_stop="\n",
     usage=blink_pb2.Usage(prompt_tokens=3, completion_tokens=5),
-    timings=blink_pb2.Timings(time_to_first_token_s=0.25, total_s=1.5, preemptions=1),
+    timings=blink_pb2.Timings(time_to_first_token_s=0.25, total_s=1.5, preemptions=1,
+                              cached_prompt_tokens=2),
     request_id="req-7",
 )
 MODEL = blink_pb2.ModelInfo(
@@ -131,7 +132,7 @@ def _check_completion(completion: Completion, token_ids: tuple[int, ...]) -> Non
     assert completion == Completion(
         text="Hello world", token_ids=token_ids, finish_reason="stop", matched_stop="\n",
         prompt_tokens=3, completion_tokens=5, time_to_first_token_s=0.25, total_s=1.5,
-        preemptions=1, request_id="req-7",
+        preemptions=1, cached_prompt_tokens=2, request_id="req-7",
     )
 
 

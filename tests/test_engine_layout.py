@@ -73,7 +73,7 @@ def sample_init() -> tuple[np.ndarray, dict]:
     geom = RingGeometry(5, max_prompt_tokens=99, max_output_tokens=100)
     args = dict(
         sched=el.sched_config(num_slots=5, max_model_len=101, block_size=16, num_blocks=77,
-                              max_num_seqs=4, max_num_batched_tokens=64),
+                              max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=1),
         ring_base=0x7F12_3456_7000, geom=geom, control=0x7F00_0000_1000,
         consumed_gen=0x7000_0000_0100, corrupt_since=0x7000_0000_0200,
         scratch_slot=0x7000_0000_0300, staged_prompts=0x7000_0000_0400, vocab_size=151936,

@@ -58,6 +58,12 @@ def test_openai_sdk_through_the_gateway(gateway):
     assert done.choices[0].finish_reason == ("length" if want_text.finish_reason == "length"
                                              else "stop")
     assert done.usage.completion_tokens == want_text.completion_tokens
+    # a prompt sent again: its full KV blocks come from the prefix cache, as usage says
+    long_prompt = "Once upon a time there was a story about " * 8
+    first, again = (client.completions.create(model="llama", prompt=long_prompt, max_tokens=2,
+                                              temperature=0) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
 
     chat = client.chat.completions.create(model="llama", messages=messages, max_tokens=10,
                                           temperature=0)

@@ -301,15 +301,20 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def metrics_port(serve: Serve) -> int:
+    """The port `--metrics-port 0` took, as the server's log says."""
+    import re
+    return int(wait_for(lambda: re.search(r"metrics on http://[\d.]+:(\d+)/metrics",
+                                          serve.log_path.read_text()), 10,
+                        "the metrics port").group(1))
+
+
 def test_metrics_request_logs_and_counters_across_restarts(checkpoints, tmp_path):
     import json
-    import re
     serve = Serve(checkpoints["llama"], tmp_path, "--metrics-port", "0", "--log-format", "json",
                   "--engine-timeout", "1")
     try:
-        port = int(wait_for(lambda: re.search(r"metrics on http://[\d.]+:(\d+)/metrics",
-                                              serve.log_path.read_text()), 10,
-                            "the metrics port").group(1))
+        port = metrics_port(serve)
         greedy = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
         with BlinkClient(serve.target) as client:
             for i in range(3):
@@ -351,6 +356,49 @@ def test_metrics_request_logs_and_counters_across_restarts(checkpoints, tmp_path
         m = scrape(port)
         assert m[("blink:generation_tokens_total", ())] >= tokens_before + 12
         assert m[("blink:engine_attachments_total", ())] == 2
+    finally:
+        assert serve.stop() == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["on", "off"])
+def test_prefix_cache_in_timings_stats_and_metrics(checkpoints, tmp_path, prefix_caching):
+    """A prompt of three full KV blocks and a bit, sent twice: with prefix caching the second
+    takes the three blocks from the cache (no prefill for them) and gives the same greedy
+    tokens, and GetServerStats, `blink stats` and /metrics count the hit; with
+    --no-prefix-caching nothing is reused, nothing is counted and the stats say it is off. The
+    second ends on a stop string: a finish the front end decides, as a rule while the engine
+    still runs it."""
+    import json
+    serve = Serve(checkpoints["llama"], tmp_path, "--metrics-port", "0",
+                  *([] if prefix_caching else ["--no-prefix-caching"]))
+    try:
+        with BlinkClient(serve.target) as client:
+            block = client.stats()["kv_block_size"]
+            prompt = [100 + i for i in range(3 * block + 5)]
+            first = client.generate(prompt, exact(8), return_token_ids=True)
+            stop = first.text[len(first.text) // 2]
+            second = client.generate(prompt, Sampling(max_tokens=8, temperature=0.0,
+                                                      ignore_eos=True, stop=(stop,)),
+                                     return_token_ids=True)
+        hit = 3 * block if prefix_caching else 0
+        assert (first.cached_prompt_tokens, second.cached_prompt_tokens) == (0, hit)
+        assert second.finish_reason == "stop"
+        assert second.token_ids == first.token_ids[:len(second.token_ids)]
+        queried = 2 * len(prompt) if prefix_caching else 0
+        out = blink("stats", "--target", serve.target)
+        assert out.returncode == 0, out.stderr
+        stats = json.loads(out.stdout)
+        assert stats["prefix_caching"] is prefix_caching
+        assert (stats["prefix_query_tokens"], stats["prefix_hit_tokens"]) == (queried, hit)
+        assert stats["prefix_cache_hit_rate"] == (hit / queried if prefix_caching else None)
+        # the first request's three full blocks (neither filled a fourth)
+        assert stats["kv_blocks_cached"] == hit // block
+        assert stats["prefix_evicted_blocks"] == 0
+        m = scrape(metrics_port(serve))
+        assert m[("blink:prefix_cache_queries_total", ())] == queried
+        assert m[("blink:prefix_cache_hits_total", ())] == hit
+        assert m[("blink:kv_cache_blocks_cached", ())] == hit // block
+        assert m[("blink:prefix_cache_evicted_blocks_total", ())] == 0
     finally:
         assert serve.stop() == 0
 

@@ -353,8 +353,8 @@ def test_refusals_are_said(monkeypatch):
         ring.close()
     hello = np.zeros((), rdma.HELLO_DTYPE)
     hello["magic"], hello["layout_version"], hello["token"] = rdma.RING_MAGIC, 1, 5
-    assert rdma._read_hello(hello.tobytes()) == (0, "ring layout version 2 here, 1 in the "
-                                                    "front end")
+    assert rdma._read_hello(hello.tobytes()) == (
+        0, f"ring layout version {rdma.LAYOUT_VERSION} here, 1 in the front end")
     hello["layout_version"] = rdma.LAYOUT_VERSION
     assert rdma._read_hello(hello.tobytes().ljust(56, b"\0")) == (5, None)
 

@@ -12,6 +12,7 @@ the CUDA kernel's own GPU test; regenerate it with
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import struct
 import subprocess
@@ -69,11 +70,11 @@ class PyReplay:
         return getattr(self, "_" + op)(*fields)
 
     def _config(self, *f):
-        num_slots, max_model_len, block_size, num_blocks, max_num_seqs, budget, ctx, neos = \
-            (int(x, 0) for x in f[:8])
-        self.pool = KvBlockPool(num_blocks, block_size)
+        (num_slots, max_model_len, block_size, num_blocks, max_num_seqs, budget, prefix_caching,
+         ctx, neos) = (int(x, 0) for x in f[:9])
+        self.pool = KvBlockPool(num_blocks, block_size, bool(prefix_caching))
         self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), self.pool)
-        self.core = StepCore(self.sched, frozenset(int(x, 0) for x in f[8:8 + neos]), ctx)
+        self.core = StepCore(self.sched, frozenset(int(x, 0) for x in f[9:9 + neos]), ctx)
         return []
 
     def _add(self, *f):
@@ -100,8 +101,13 @@ class PyReplay:
         run = ",".join(f"{s.slot}:" + ".".join(map(str, s.block_table))
                        for s in self.sched.running)
         wait = ",".join(str(s.slot) for s in self.sched.waiting)
+        adm = ",".join(f"{s.slot}:{s.cached_tokens}"
+                       for s, _ in plan.scheduled[len(plan.scheduled) - plan.num_admitted:])
+        p = self.pool
+        cache = f"{p.num_cached}:{p.num_evictable}:{p.evicted_blocks}:{p.hit_tokens}:" \
+                f"{p.query_tokens}"
         return [f"step sched={sched} pre={pre} smp={smp} run={run} wait={wait} "
-                f"free={self.pool.num_free}"]
+                f"free={p.num_free} adm={adm} cache={cache}"]
 
     def _sample(self, slot, token):
         slot, token = int(slot), int(token)
@@ -148,14 +154,17 @@ def add_line(slot, gen, arrival, prompt, max_tokens, *, temperature=ONE, top_p=O
 def random_workload(seed: int, steps: int, **overrides) -> list[str]:
     """Random arrivals (sometimes into a live slot), prompt lengths, max_tokens (sometimes past
     the context), cancels, tokens that hit EOS or stop ids, tiny pools that force preemption,
-    small max_num_seqs and budgets. Returns the event lines. `overrides` fix config values:
-    prompts are at most prompt_frac of the context, and output_frac > 0 favours long outputs."""
+    small max_num_seqs and budgets, prefix caching on or off, prompts that share prefixes (a
+    few fixed ones, or an earlier request's prompt and output: a chat's next turn). Returns the
+    event lines. `overrides` fix config values: prompts are at most prompt_frac of the context,
+    output_frac > 0 favours long outputs, p_shared is how often a prompt reuses a prefix."""
     rng = random.Random(seed)
     c = dict(num_slots=rng.randint(1, 10), block_size=rng.choice([1, 2, 3, 4, 8, 16]),
              ctx=rng.randint(3, 48), max_num_seqs=rng.randint(1, 6),
              budget=rng.choice([1, 2, 3, rng.randint(4, 24), rng.randint(25, 96)]),
              vocab=rng.choice([8, 40]), p_arrive=rng.uniform(0.2, 1.0),
-             p_cancel=rng.choice([0.0, 0.05, 0.2]), prompt_frac=1.0, output_frac=0.0)
+             p_cancel=rng.choice([0.0, 0.05, 0.2]), prompt_frac=1.0, output_frac=0.0,
+             prefix_caching=int(rng.random() < 0.75), p_shared=rng.choice([0.0, 0.5, 0.9]))
     c["max_model_len"] = c["ctx"] + rng.choice([0, 0, 1, 7])
     min_blocks = blocks_for(c["ctx"], c["block_size"])  # one sequence alone always fits
     c["num_blocks"] = rng.randint(min_blocks, 2 * min_blocks + 1)
@@ -173,8 +182,10 @@ def random_workload(seed: int, steps: int, **overrides) -> list[str]:
         rep.run(line)
 
     emit(" ".join(map(str, ["config", c["num_slots"], c["max_model_len"], c["block_size"],
-                            c["num_blocks"], c["max_num_seqs"], c["budget"], c["ctx"], len(eos),
-                            *eos])))
+                            c["num_blocks"], c["max_num_seqs"], c["budget"],
+                            c["prefix_caching"], c["ctx"], len(eos), *eos])))
+    prefixes = [[rng.randrange(c["vocab"]) for _ in range(c["ctx"])] for _ in range(3)]
+    history: list[list[int]] = []  # earlier requests' prompt + output, as a chat resends them
     gens = [0] * c["num_slots"]
     request_id = 0
     ctx = c["ctx"]
@@ -188,13 +199,19 @@ def random_workload(seed: int, steps: int, **overrides) -> list[str]:
             gens[slot] += 1
             request_id += rng.randint(1, 3)
             plen = rng.randint(1, max(1, int((ctx - 1) * c["prompt_frac"])))
+            prompt = [rng.randrange(c["vocab"]) for _ in range(plen)]
+            if rng.random() < c["p_shared"]:
+                shared = rng.choice(prefixes + history[-4:])
+                keep = min(len(shared), rng.randint(plen // 2, plen))
+                prompt[:keep] = shared[:keep]
             if rng.random() < 0.85:  # outputs of at least output_frac of the room left
                 max_tokens = rng.randint(max(1, int((ctx - plen) * c["output_frac"])), ctx - plen)
             else:  # more than the context holds: ends with CONTEXT_FULL
                 max_tokens = rng.randint(ctx - plen + 1, 2 * ctx)
             stop_ids = rng.sample(range(c["vocab"]), rng.randint(0, 3))
-            emit(add_line(slot, gens[slot], request_id,
-                          [rng.randrange(c["vocab"]) for _ in range(plen)], max_tokens,
+            if slot in rep.active:
+                history.append(rep.active[slot].token_range(0, rep.active[slot].num_tokens))
+            emit(add_line(slot, gens[slot], request_id, prompt, max_tokens,
                           seed=rng.getrandbits(64), ignore_eos=int(rng.random() < 0.3),
                           stop_ids=stop_ids))
         if rep.active and rng.random() < c["p_cancel"]:
@@ -209,7 +226,10 @@ def random_workload(seed: int, steps: int, **overrides) -> list[str]:
                 token = rng.choice(stops)
             else:
                 token = rng.randrange(c["vocab"])
+            seq = rep.active[slot]
             emit(f"sample {slot} {token}")
+            if rep.active.get(slot) is not seq:  # it finished: a chat's next turn resends it
+                history.append(seq.token_range(0, seq.num_tokens))
     return events
 
 
@@ -372,15 +392,15 @@ def uniform_lines(seed: int, count: int) -> list[str]:
 
 # -- the C++ side -----------------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
-def replay(tmp_path_factory):
-    """Runs sched_replay (built once with g++) on event lines; returns its output lines."""
+def build_replay(tmp_path_factory, *defines: str):
+    """Runs sched_replay (built once with g++ and `defines`) on event lines; returns its output
+    lines."""
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ is not installed: the C++ scheduler parity tests need it")
     exe = tmp_path_factory.mktemp("sched_replay") / "sched_replay"
-    subprocess.run([gxx, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{CSRC}", str(REPLAY_SRC),
-                    "-o", str(exe)], check=True, capture_output=True, text=True)
+    subprocess.run([gxx, "-std=c++17", "-O1", "-Wall", "-Werror", *defines, f"-I{CSRC}",
+                    str(REPLAY_SRC), "-o", str(exe)], check=True, capture_output=True, text=True)
 
     def run(lines: list[str]) -> list[str]:
         r = subprocess.run([str(exe)], input="\n".join(lines) + "\n", capture_output=True,
@@ -389,6 +409,18 @@ def replay(tmp_path_factory):
         return r.stdout.splitlines()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def replay(tmp_path_factory):
+    return build_replay(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def replay_colliding_keys(tmp_path_factory):
+    """The replay with the prefix cache's keys cut to 2 bits: nearly every lookup meets blocks
+    of other identities under its key."""
+    return build_replay(tmp_path_factory, "-DBLINK_PREFIX_KEY_MASK=0x3ull")
 
 
 def assert_same(pairs: list[tuple[str, list[str]]], got: list[str]) -> None:
@@ -422,6 +454,11 @@ def test_header_is_freestanding(tmp_path):
             "#include <stdint.h>", ""), banned
 
 
+def cache_counters(line: str) -> list[int]:
+    """A step line's cache=CACHED:EVICTABLE:EVICTED:HIT_TOKENS:QUERY_TOKENS."""
+    return [int(x) for x in line.rsplit("cache=", 1)[1].split(":")]
+
+
 def test_random_workloads_match_python(replay):
     pairs = []
     for seed in range(400):
@@ -433,6 +470,27 @@ def test_random_workloads_match_python(replay):
     reasons = {int(s.split()[3]) for s in outputs if s.startswith("sample")}
     assert reasons >= {int(r) for r in (FinishReason.NONE, FinishReason.EOS, FinishReason.LENGTH,
                                         FinishReason.STOP_TOKEN, FinishReason.CONTEXT_FULL)}
+    # prefix caching: hits, admissions that took cached blocks, evictions, shared blocks
+    steps = [s for s in outputs if s.startswith("step")]
+    assert sum(1 for s in steps if re.search(r"adm=\S*:[1-9]", s)) > 300, "too few cache hits"
+    assert sum(cache_counters(s)[2] > 0 for s in steps) > 300, "too few evictions"
+    shared = 0
+    for s in steps:
+        tables = [t.split(":")[1].split(".") for t in s.split(" run=")[1].split()[0].split(",")
+                  if ":" in t and t.split(":")[1]]
+        blocks = [b for t in tables for b in t]
+        shared += len(blocks) != len(set(blocks))
+    assert shared > 300, "too few steps where running sequences share a block"
+
+
+def test_colliding_prefix_keys_change_no_decision(replay_colliding_keys):
+    """Keys of 2 bits: every lookup probes past blocks of other identities, which the parent
+    uid and token comparison must reject, so the decisions stay exactly Python's (which keys
+    its cache by the identity itself, no hash)."""
+    pairs = []
+    for seed in range(150):
+        pairs += expected(random_workload(seed, steps=60, prefix_caching=1))
+    assert_same(pairs, replay_colliding_keys([e for e, _ in pairs]))
 
 
 def test_validate_slot_matches_python(replay):
@@ -478,6 +536,10 @@ def vector_events() -> list[str]:
     events += random_workload(1003, 40, num_slots=1, block_size=1, ctx=8, max_model_len=8,
                               num_blocks=8, max_num_seqs=1, budget=1, p_arrive=1.0, p_cancel=0.0)
     events += random_workload(1005, 60)
+    # prefix caching under KV pressure: shared prefixes and chat turns, evictions, preemptions
+    events += random_workload(1010, 60, num_slots=6, block_size=2, ctx=32, max_model_len=32,
+                              num_blocks=24, max_num_seqs=4, budget=24, p_arrive=0.8,
+                              vocab=8, p_cancel=0.05, prefix_caching=1, p_shared=0.9)
     events += [line for line, _ in handcrafted_validate_cases()]
     events += crc_lines(1006, 12) + [line for line, _ in slot_crc_lines(1007)]
     events += ["crc 7 5000 " + random.Random(1008).randbytes(8192).hex()]  # a long prompt

@@ -30,14 +30,16 @@ struct SchedConfig {
   int32_t num_blocks;  // @12 KV blocks in the pool
   int32_t max_num_seqs;  // @16 sequences in one step at most (<= sched::kMaxStepSeqs)
   int32_t max_num_batched_tokens;  // @20 token budget of one step (prefill chunks + decodes)
+  int32_t prefix_caching;  // @24 1: full KV blocks are cached and shared by prompt prefix
 };
-static_assert(sizeof(SchedConfig) == 24, "SchedConfig size");
+static_assert(sizeof(SchedConfig) == 28, "SchedConfig size");
 static_assert(offsetof(SchedConfig, num_slots) == 0, "SchedConfig.num_slots");
 static_assert(offsetof(SchedConfig, max_model_len) == 4, "SchedConfig.max_model_len");
 static_assert(offsetof(SchedConfig, block_size) == 8, "SchedConfig.block_size");
 static_assert(offsetof(SchedConfig, num_blocks) == 12, "SchedConfig.num_blocks");
 static_assert(offsetof(SchedConfig, max_num_seqs) == 16, "SchedConfig.max_num_seqs");
 static_assert(offsetof(SchedConfig, max_num_batched_tokens) == 20, "SchedConfig.max_num_batched_tokens");
+static_assert(offsetof(SchedConfig, prefix_caching) == 24, "SchedConfig.prefix_caching");
 
 struct RingView {
   uint8_t* base;  // @0 the mapped segment's device address
@@ -135,40 +137,40 @@ static_assert(offsetof(StepRecord, launch_retries) == 36, "StepRecord.launch_ret
 
 struct EngineInit {
   SchedConfig sched;  // @0
-  RingView ring;  // @24
-  ForwardPtrs fwd;  // @72
-  Control* control;  // @576 mapped host memory
-  uint32_t* consumed_gen;  // @584 [num_slots] last generation consumed per slot
-  uint64_t* corrupt_since;  // @592 [num_slots] when a CRC mismatch was first seen
-  uint8_t* scratch_slot;  // @600 [slot_bytes] a candidate slot, copied out of the ring
-  int32_t* staged_prompts;  // @608 [num_slots, max_prompt_tokens]
-  uint32_t vocab_size;  // @616
-  uint32_t context_length;  // @620
-  uint32_t kv_capacity_tokens;  // @624 num_blocks * block_size
-  int32_t num_eos;  // @628 <= ring::kMaxEosIds
-  int32_t eos_ids[8];  // @632
-  uint64_t corrupt_grace_ns;  // @664 a slot whose CRC stays wrong this long is rejected
-  uint32_t idle_sleep_ns;  // @672 __nanosleep after an iteration with nothing to schedule
-  StepRecord* step_log;  // @680 [step_log_capacity], or null: no step log
-  uint32_t step_log_capacity;  // @688
+  RingView ring;  // @32
+  ForwardPtrs fwd;  // @80
+  Control* control;  // @584 mapped host memory
+  uint32_t* consumed_gen;  // @592 [num_slots] last generation consumed per slot
+  uint64_t* corrupt_since;  // @600 [num_slots] when a CRC mismatch was first seen
+  uint8_t* scratch_slot;  // @608 [slot_bytes] a candidate slot, copied out of the ring
+  int32_t* staged_prompts;  // @616 [num_slots, max_prompt_tokens]
+  uint32_t vocab_size;  // @624
+  uint32_t context_length;  // @628
+  uint32_t kv_capacity_tokens;  // @632 num_blocks * block_size
+  int32_t num_eos;  // @636 <= ring::kMaxEosIds
+  int32_t eos_ids[8];  // @640
+  uint64_t corrupt_grace_ns;  // @672 a slot whose CRC stays wrong this long is rejected
+  uint32_t idle_sleep_ns;  // @680 __nanosleep after an iteration with nothing to schedule
+  StepRecord* step_log;  // @688 [step_log_capacity], or null: no step log
+  uint32_t step_log_capacity;  // @696
 };
-static_assert(sizeof(EngineInit) == 696, "EngineInit size");
+static_assert(sizeof(EngineInit) == 704, "EngineInit size");
 static_assert(offsetof(EngineInit, sched) == 0, "EngineInit.sched");
-static_assert(offsetof(EngineInit, ring) == 24, "EngineInit.ring");
-static_assert(offsetof(EngineInit, fwd) == 72, "EngineInit.fwd");
-static_assert(offsetof(EngineInit, control) == 576, "EngineInit.control");
-static_assert(offsetof(EngineInit, consumed_gen) == 584, "EngineInit.consumed_gen");
-static_assert(offsetof(EngineInit, corrupt_since) == 592, "EngineInit.corrupt_since");
-static_assert(offsetof(EngineInit, scratch_slot) == 600, "EngineInit.scratch_slot");
-static_assert(offsetof(EngineInit, staged_prompts) == 608, "EngineInit.staged_prompts");
-static_assert(offsetof(EngineInit, vocab_size) == 616, "EngineInit.vocab_size");
-static_assert(offsetof(EngineInit, context_length) == 620, "EngineInit.context_length");
-static_assert(offsetof(EngineInit, kv_capacity_tokens) == 624, "EngineInit.kv_capacity_tokens");
-static_assert(offsetof(EngineInit, num_eos) == 628, "EngineInit.num_eos");
-static_assert(offsetof(EngineInit, eos_ids) == 632, "EngineInit.eos_ids");
-static_assert(offsetof(EngineInit, corrupt_grace_ns) == 664, "EngineInit.corrupt_grace_ns");
-static_assert(offsetof(EngineInit, idle_sleep_ns) == 672, "EngineInit.idle_sleep_ns");
-static_assert(offsetof(EngineInit, step_log) == 680, "EngineInit.step_log");
-static_assert(offsetof(EngineInit, step_log_capacity) == 688, "EngineInit.step_log_capacity");
+static_assert(offsetof(EngineInit, ring) == 32, "EngineInit.ring");
+static_assert(offsetof(EngineInit, fwd) == 80, "EngineInit.fwd");
+static_assert(offsetof(EngineInit, control) == 584, "EngineInit.control");
+static_assert(offsetof(EngineInit, consumed_gen) == 592, "EngineInit.consumed_gen");
+static_assert(offsetof(EngineInit, corrupt_since) == 600, "EngineInit.corrupt_since");
+static_assert(offsetof(EngineInit, scratch_slot) == 608, "EngineInit.scratch_slot");
+static_assert(offsetof(EngineInit, staged_prompts) == 616, "EngineInit.staged_prompts");
+static_assert(offsetof(EngineInit, vocab_size) == 624, "EngineInit.vocab_size");
+static_assert(offsetof(EngineInit, context_length) == 628, "EngineInit.context_length");
+static_assert(offsetof(EngineInit, kv_capacity_tokens) == 632, "EngineInit.kv_capacity_tokens");
+static_assert(offsetof(EngineInit, num_eos) == 636, "EngineInit.num_eos");
+static_assert(offsetof(EngineInit, eos_ids) == 640, "EngineInit.eos_ids");
+static_assert(offsetof(EngineInit, corrupt_grace_ns) == 672, "EngineInit.corrupt_grace_ns");
+static_assert(offsetof(EngineInit, idle_sleep_ns) == 680, "EngineInit.idle_sleep_ns");
+static_assert(offsetof(EngineInit, step_log) == 688, "EngineInit.step_log");
+static_assert(offsetof(EngineInit, step_log_capacity) == 696, "EngineInit.step_log_capacity");
 
 }  // namespace blink::engine

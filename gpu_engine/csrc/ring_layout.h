@@ -7,7 +7,7 @@
 namespace blink::ring {
 
 static constexpr uint64_t kRingMagic = 0x31474e524b4e494cull;
-static constexpr uint32_t kLayoutVersion = 2;
+static constexpr uint32_t kLayoutVersion = 3;
 static constexpr uint32_t kHeaderBytes = 4096;
 static constexpr uint32_t kMaxStopIds = 16;
 static constexpr uint32_t kMaxEosIds = 8;
@@ -88,8 +88,13 @@ struct RingHeader {
   uint64_t engine_steps;  // @264
   uint64_t busy_ns;  // @272
   uint64_t step_tokens;  // @280
+  uint32_t kv_blocks_cached;  // @288
+  uint32_t prefix_caching;  // @292
+  uint64_t prefix_query_tokens;  // @296
+  uint64_t prefix_hit_tokens;  // @304
+  uint64_t prefix_evicted_blocks;  // @312
 };
-static_assert(sizeof(RingHeader) == 288, "RingHeader size");
+static_assert(sizeof(RingHeader) == 320, "RingHeader size");
 static_assert(offsetof(RingHeader, magic) == 0, "RingHeader.magic");
 static_assert(offsetof(RingHeader, layout_version) == 8, "RingHeader.layout_version");
 static_assert(offsetof(RingHeader, header_bytes) == 12, "RingHeader.header_bytes");
@@ -125,6 +130,11 @@ static_assert(offsetof(RingHeader, tokens_generated) == 256, "RingHeader.tokens_
 static_assert(offsetof(RingHeader, engine_steps) == 264, "RingHeader.engine_steps");
 static_assert(offsetof(RingHeader, busy_ns) == 272, "RingHeader.busy_ns");
 static_assert(offsetof(RingHeader, step_tokens) == 280, "RingHeader.step_tokens");
+static_assert(offsetof(RingHeader, kv_blocks_cached) == 288, "RingHeader.kv_blocks_cached");
+static_assert(offsetof(RingHeader, prefix_caching) == 292, "RingHeader.prefix_caching");
+static_assert(offsetof(RingHeader, prefix_query_tokens) == 296, "RingHeader.prefix_query_tokens");
+static_assert(offsetof(RingHeader, prefix_hit_tokens) == 304, "RingHeader.prefix_hit_tokens");
+static_assert(offsetof(RingHeader, prefix_evicted_blocks) == 312, "RingHeader.prefix_evicted_blocks");
 
 struct RequestSlotFixed {
   uint32_t seq_begin;  // @0
@@ -167,7 +177,8 @@ struct OutputRecordFixed {
   uint32_t detail;  // @12
   uint32_t prompt_len;  // @16
   uint32_t preemptions;  // @20
-  uint64_t pad0;  // @24
+  uint32_t cached_tokens;  // @24
+  uint32_t pad0;  // @28
 };
 static_assert(sizeof(OutputRecordFixed) == 32, "OutputRecordFixed size");
 static_assert(offsetof(OutputRecordFixed, gen) == 0, "OutputRecordFixed.gen");
@@ -176,6 +187,7 @@ static_assert(offsetof(OutputRecordFixed, finish_reason) == 8, "OutputRecordFixe
 static_assert(offsetof(OutputRecordFixed, detail) == 12, "OutputRecordFixed.detail");
 static_assert(offsetof(OutputRecordFixed, prompt_len) == 16, "OutputRecordFixed.prompt_len");
 static_assert(offsetof(OutputRecordFixed, preemptions) == 20, "OutputRecordFixed.preemptions");
-static_assert(offsetof(OutputRecordFixed, pad0) == 24, "OutputRecordFixed.pad0");
+static_assert(offsetof(OutputRecordFixed, cached_tokens) == 24, "OutputRecordFixed.cached_tokens");
+static_assert(offsetof(OutputRecordFixed, pad0) == 28, "OutputRecordFixed.pad0");
 
 }  // namespace blink::ring

@@ -86,6 +86,8 @@ BLINK_HD inline const char* config_error(const SchedConfig& c) {
     return "max_num_seqs, max_num_batched_tokens must be >= 1 and max_model_len >= 2";
   if (c.num_blocks < 1 || c.block_size < 1) return "the KV pool needs blocks";
   if (c.max_num_seqs > kMaxStepSeqs) return "max_num_seqs exceeds BLINK_SCHED_MAX_STEP_SEQS";
+  if (c.prefix_caching != 0 && c.prefix_caching != 1) return "prefix_caching must be 0 or 1";
+  if (c.num_blocks > (1 << 29)) return "num_blocks must be at most 2^29";
   return nullptr;
 }
 
@@ -120,6 +122,13 @@ struct SeqState {
   int32_t num_computed;
   int32_t num_output;
   int32_t num_blocks;     // entries used in its block-table row
+  // Its first num_keyed full computed blocks have a prefix-cache uid (the row of
+  // SchedState.seq_block_uids; Sequence.block_uids); 0 while it holds no blocks.
+  int32_t num_keyed;
+  // Its first num_hashed blocks' keys are in its row of SchedState.seq_block_keys (the tokens
+  // never change, so they outlive a preemption).
+  int32_t num_hashed;
+  int32_t cached_tokens;  // prompt tokens its last admission took from the prefix cache
   uint32_t preemptions;
   SeqStatus status;
   SamplingParams params;
@@ -146,16 +155,51 @@ struct SchedState {
   int32_t* waiting;        // [num_slots]
   int32_t waiting_head;
   int32_t num_waiting;
+  // The prefix cache (KvBlockPool's refs, cache and evictable queue). A cached block is known
+  // by (the uid of the cached block before it, or 0; its tokens); `cache_table` finds it by a
+  // 64-bit key of the tokens up to its end (prefix_key, chained over the blocks), and every
+  // candidate's parent uid and tokens are compared, so a key collision costs a probe, never a
+  // wrong block. (A key of the tokens rather than of the parent uid lets a sequence's keys be
+  // computed once, before any lookup, and kept.)
+  int32_t* block_refs;     // [num_blocks] block tables holding each block
+  uint64_t* block_uid;     // [num_blocks] its cache uid; 0: not cached
+  uint64_t* block_parent;  // [num_blocks] cached: the uid of the block before it (0: first)
+  uint64_t* block_key;     // [num_blocks] cached: its key (the sequence's seq_block_keys)
+  int32_t* block_tokens;   // [num_blocks, block_size] cached: its tokens
+  // Cached blocks no table holds, least recently released first (KvBlockPool._evictable): a
+  // doubly linked list through lru_prev / lru_next, -1 at its ends.
+  int32_t* lru_prev;       // [num_blocks]
+  int32_t* lru_next;       // [num_blocks]
+  int32_t lru_head, lru_tail, num_evictable;
+  // Open addressing with linear probing: block ids, -1 empty; at most half full.
+  int32_t* cache_table;    // [cache_table_size(cfg)]
+  uint32_t cache_mask;     // cache_table_size - 1
+  int32_t num_cached;
+  uint64_t* seq_block_uids;  // [num_slots, max_blocks_per_seq]: row `slot`, first num_keyed
+  uint64_t* seq_block_keys;  // [num_slots, max_blocks_per_seq]: row `slot`, first num_hashed
+  uint64_t next_uid;
+  // Counters (KvBlockPool's): tokens of admitted sequences looked up, found, blocks evicted.
+  uint64_t query_tokens, hit_tokens, evicted_blocks;
 };
 
 // Byte offsets of SchedState's arrays inside one buffer, each 256-byte aligned (its own cache
 // lines). The buffer must be at least 8-byte aligned (SeqState holds u64s); cudaMalloc's are 256.
 struct StateLayout {
   size_t seqs, tokens, block_tables, free_blocks, running, waiting;
+  size_t block_refs, block_uid, block_parent, block_key, block_tokens, lru_prev, lru_next;
+  size_t cache_table, seq_block_uids, seq_block_keys;
   size_t total_bytes;
 };
 
 BLINK_HD inline size_t align256(size_t n) { return (n + 255) & ~static_cast<size_t>(255); }
+
+// The prefix cache's table: the power of two at least twice num_blocks (at most half full, so
+// a probe ends within a few entries).
+BLINK_HD inline uint32_t cache_table_size(const SchedConfig& c) {
+  uint32_t n = 2;
+  while (n < 2u * static_cast<uint32_t>(c.num_blocks)) n <<= 1;
+  return n;
+}
 
 BLINK_HD inline StateLayout state_layout(const SchedConfig& c) {
   const size_t slots = static_cast<size_t>(c.num_slots);
@@ -166,7 +210,19 @@ BLINK_HD inline StateLayout state_layout(const SchedConfig& c) {
   l.free_blocks = align256(l.block_tables + slots * static_cast<size_t>(max_blocks_per_seq(c)) * 4);
   l.running = align256(l.free_blocks + static_cast<size_t>(c.num_blocks) * 4);
   l.waiting = align256(l.running + slots * 4);
-  l.total_bytes = align256(l.waiting + slots * 4);
+  const size_t blocks = static_cast<size_t>(c.num_blocks);
+  l.block_refs = align256(l.waiting + slots * 4);
+  l.block_uid = align256(l.block_refs + blocks * 4);
+  l.block_parent = align256(l.block_uid + blocks * 8);
+  l.block_key = align256(l.block_parent + blocks * 8);
+  l.block_tokens = align256(l.block_key + blocks * 8);
+  l.lru_prev = align256(l.block_tokens + blocks * static_cast<size_t>(c.block_size) * 4);
+  l.lru_next = align256(l.lru_prev + blocks * 4);
+  l.cache_table = align256(l.lru_next + blocks * 4);
+  l.seq_block_uids = align256(l.cache_table + static_cast<size_t>(cache_table_size(c)) * 4);
+  const size_t seq_words = slots * static_cast<size_t>(max_blocks_per_seq(c)) * 8;
+  l.seq_block_keys = align256(l.seq_block_uids + seq_words);
+  l.total_bytes = align256(l.seq_block_keys + seq_words);
   return l;
 }
 
@@ -182,6 +238,17 @@ BLINK_HD inline void state_bind(SchedState& s, const SchedConfig& c, void* mem) 
   s.free_blocks = reinterpret_cast<int32_t*>(base + l.free_blocks);
   s.running = reinterpret_cast<int32_t*>(base + l.running);
   s.waiting = reinterpret_cast<int32_t*>(base + l.waiting);
+  s.block_refs = reinterpret_cast<int32_t*>(base + l.block_refs);
+  s.block_uid = reinterpret_cast<uint64_t*>(base + l.block_uid);
+  s.block_parent = reinterpret_cast<uint64_t*>(base + l.block_parent);
+  s.block_key = reinterpret_cast<uint64_t*>(base + l.block_key);
+  s.block_tokens = reinterpret_cast<int32_t*>(base + l.block_tokens);
+  s.lru_prev = reinterpret_cast<int32_t*>(base + l.lru_prev);
+  s.lru_next = reinterpret_cast<int32_t*>(base + l.lru_next);
+  s.cache_table = reinterpret_cast<int32_t*>(base + l.cache_table);
+  s.cache_mask = cache_table_size(c) - 1;
+  s.seq_block_uids = reinterpret_cast<uint64_t*>(base + l.seq_block_uids);
+  s.seq_block_keys = reinterpret_cast<uint64_t*>(base + l.seq_block_keys);
 }
 
 BLINK_HD inline int32_t* seq_tokens(const SchedState& s, int32_t slot) {
@@ -192,13 +259,142 @@ BLINK_HD inline int32_t* block_table(const SchedState& s, int32_t slot) {
   return s.block_tables + static_cast<size_t>(slot) * static_cast<size_t>(s.blocks_per_seq);
 }
 
+BLINK_HD inline uint64_t* block_uids(const SchedState& s, int32_t slot) {
+  return s.seq_block_uids + static_cast<size_t>(slot) * static_cast<size_t>(s.blocks_per_seq);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The prefix cache's table and evictable queue (KvBlockPool.cached and ._evictable)
+
+// A block's 64-bit key: splitmix64 over the key of the block before it (a seed for the first)
+// and its tokens, so it stands for every token up to the block's end. Override the mask
+// (tests/test_scheduler_parity.py builds the replay with a 2-bit key) to make every lookup
+// probe through colliding keys: the decisions must not change.
+#ifndef BLINK_PREFIX_KEY_MASK
+#define BLINK_PREFIX_KEY_MASK 0xffffffffffffffffull
+#endif
+static constexpr uint64_t kPrefixKeySeed = 0x424c494e4b505843ull;  // "BLINKPXC"
+
+BLINK_HD inline uint64_t prefix_key(uint64_t previous_key, const int32_t* tokens, int32_t n) {
+  uint64_t h = splitmix64(previous_key);
+  for (int32_t i = 0; i < n; ++i) h = splitmix64(h ^ static_cast<uint32_t>(tokens[i]));
+  return h;
+}
+
+// The key of q's block j (its tokens must be known), computing the keys of its blocks up to j
+// that are not yet in its row. Serial: the chain goes block by block.
+BLINK_HD inline uint64_t seq_block_key(const SchedState& s, SeqState& q, int32_t j) {
+  uint64_t* keys = s.seq_block_keys + static_cast<size_t>(q.slot) * static_cast<size_t>(s.blocks_per_seq);
+  const int32_t bs = s.cfg.block_size;
+  const int32_t* tokens = seq_tokens(s, q.slot);
+  for (; q.num_hashed <= j; ++q.num_hashed) {
+    const int32_t k = q.num_hashed;
+    keys[k] = prefix_key(k > 0 ? keys[k - 1] : kPrefixKeySeed, tokens + k * bs, bs);
+  }
+  return keys[j] & static_cast<uint64_t>(BLINK_PREFIX_KEY_MASK);
+}
+
+BLINK_HD inline const int32_t* cached_tokens_of(const SchedState& s, int32_t block) {
+  return s.block_tokens + static_cast<size_t>(block) * static_cast<size_t>(s.cfg.block_size);
+}
+
+// The cached block with this identity (parent uid, tokens) under `key`, or -1. The token
+// comparison reads every token without an early exit, so its loads are in flight together (one
+// round trip to memory, not one a token).
+BLINK_HD inline int32_t cache_find(const SchedState& s, uint64_t key, uint64_t parent_uid,
+                                   const int32_t* tokens) {
+  for (uint32_t i = static_cast<uint32_t>(key) & s.cache_mask;; i = (i + 1) & s.cache_mask) {
+    const int32_t b = s.cache_table[i];
+    if (b < 0) return -1;
+    if (s.block_key[b] != key || s.block_parent[b] != parent_uid) continue;
+    const int32_t* have = cached_tokens_of(s, b);
+    int32_t differ = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll 16
+#endif
+    for (int32_t t = 0; t < s.cfg.block_size; ++t) differ |= have[t] ^ tokens[t];
+    if (differ == 0) return b;
+  }
+}
+
+BLINK_HD inline void cache_insert(SchedState& s, int32_t block) {
+  uint32_t i = static_cast<uint32_t>(s.block_key[block]) & s.cache_mask;
+  while (s.cache_table[i] >= 0) i = (i + 1) & s.cache_mask;
+  s.cache_table[i] = block;
+}
+
+// Removes `block` from the table, shifting later entries of its probe run back into the hole
+// (linear probing's deletion without tombstones: every entry stays reachable from its home).
+BLINK_HD inline void cache_erase(SchedState& s, int32_t block) {
+  const uint32_t mask = s.cache_mask;
+  uint32_t hole = static_cast<uint32_t>(s.block_key[block]) & mask;
+  while (s.cache_table[hole] != block) hole = (hole + 1) & mask;
+  for (uint32_t j = (hole + 1) & mask; s.cache_table[j] >= 0; j = (j + 1) & mask) {
+    const uint32_t home = static_cast<uint32_t>(s.block_key[s.cache_table[j]]) & mask;
+    // the entry at j may fill the hole unless its home lies cyclically in (hole, j]
+    const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+    if (stays) continue;
+    s.cache_table[hole] = s.cache_table[j];
+    hole = j;
+  }
+  s.cache_table[hole] = -1;
+}
+
+BLINK_HD inline void lru_push_back(SchedState& s, int32_t block) {
+  s.lru_prev[block] = s.lru_tail;
+  s.lru_next[block] = -1;
+  if (s.lru_tail >= 0) s.lru_next[s.lru_tail] = block;
+  else s.lru_head = block;
+  s.lru_tail = block;
+  ++s.num_evictable;
+}
+
+BLINK_HD inline void lru_unlink(SchedState& s, int32_t block) {
+  const int32_t prev = s.lru_prev[block], next = s.lru_next[block];
+  if (prev >= 0) s.lru_next[prev] = next;
+  else s.lru_head = next;
+  if (next >= 0) s.lru_prev[next] = prev;
+  else s.lru_tail = prev;
+  --s.num_evictable;
+}
+
 // ---------------------------------------------------------------------------------------------
 // KV block pool (block_manager.KvBlockPool)
 
 // KvBlockPool.__init__: deque(range(n)) pops 0 first, so block 0 goes on top of the stack.
 BLINK_HD inline void pool_init(SchedState& s) {
-  for (int32_t i = 0; i < s.cfg.num_blocks; ++i) s.free_blocks[i] = s.cfg.num_blocks - 1 - i;
+  for (int32_t i = 0; i < s.cfg.num_blocks; ++i) {
+    s.free_blocks[i] = s.cfg.num_blocks - 1 - i;
+    s.block_refs[i] = 0;
+    s.block_uid[i] = 0;
+  }
   s.num_free = s.cfg.num_blocks;
+  for (uint32_t i = 0; i <= s.cache_mask; ++i) s.cache_table[i] = -1;
+  s.lru_head = s.lru_tail = -1;
+  s.num_evictable = 0;
+  s.num_cached = 0;
+  s.next_uid = 1;
+  s.query_tokens = s.hit_tokens = s.evicted_blocks = 0;
+}
+
+// KvBlockPool.num_free: blocks a sequence can take (free, or cached and evictable).
+BLINK_HD inline int32_t pool_takeable(const SchedState& s) { return s.num_free + s.num_evictable; }
+
+// KvBlockPool._take: a free block, else the least recently released cached one (evicted).
+BLINK_HD inline int32_t pool_take(SchedState& s) {
+  int32_t b;
+  if (s.num_free > 0) {
+    b = s.free_blocks[--s.num_free];
+  } else {
+    b = s.lru_head;
+    lru_unlink(s, b);
+    cache_erase(s, b);
+    s.block_uid[b] = 0;
+    --s.num_cached;
+    ++s.evicted_blocks;
+  }
+  s.block_refs[b] = 1;
+  return b;
 }
 
 // KvBlockPool.can_grow. The fast path (the blocks held already suffice: Python's need <= 0,
@@ -209,24 +405,115 @@ BLINK_HD inline bool pool_can_grow(const SchedState& s, const SeqState& q, int32
   if (num_tokens <= q.num_blocks * s.cfg.block_size) return true;
   const int32_t want = blocks_for(num_tokens, s.cfg.block_size);
   if (want > s.blocks_per_seq) return false;
-  return want - q.num_blocks <= s.num_free;
+  return want - q.num_blocks <= pool_takeable(s);
 }
 
 // KvBlockPool.grow; false (and nothing taken) where Python raises.
 BLINK_HD inline bool pool_grow(SchedState& s, SeqState& q, int32_t num_tokens) {
   if (num_tokens <= q.num_blocks * s.cfg.block_size) return true;
   const int32_t want = blocks_for(num_tokens, s.cfg.block_size);
-  if (want > s.blocks_per_seq || want - q.num_blocks > s.num_free) return false;
+  if (want > s.blocks_per_seq || want - q.num_blocks > pool_takeable(s)) return false;
   int32_t* table = block_table(s, q.slot);
-  while (q.num_blocks < want) table[q.num_blocks++] = s.free_blocks[--s.num_free];
+  while (q.num_blocks < want) table[q.num_blocks++] = pool_take(s);
   return true;
 }
 
-// KvBlockPool.release: the table's first block ends on top (the likeliest still in cache).
+// KvBlockPool.release, last block first: a block no table holds any more goes on top of the
+// free stack (the table's first block ends on top: the likeliest still in cache), or, cached,
+// to the back of the evictable queue (the table's first block evicted last).
 BLINK_HD inline void pool_release(SchedState& s, SeqState& q) {
   const int32_t* table = block_table(s, q.slot);
-  for (int32_t j = q.num_blocks - 1; j >= 0; --j) s.free_blocks[s.num_free++] = table[j];
+  for (int32_t j = q.num_blocks - 1; j >= 0; --j) {
+    const int32_t b = table[j];
+    if (--s.block_refs[b] > 0) continue;
+    if (s.block_uid[b] != 0) lru_push_back(s, b);
+    else s.free_blocks[s.num_free++] = b;
+  }
   q.num_blocks = 0;
+  q.num_keyed = 0;
+}
+
+// KvBlockPool.match: the cached blocks of q's longest cached prefix of at most num_tokens - 1
+// tokens, written into q's block-table row and uid row (q is waiting: it holds no blocks, so
+// the rows are free) but not taken; returns how many. 0 when prefix caching is off.
+BLINK_HD inline int32_t prefix_match(const SchedState& s, SeqState& q) {
+  if (!s.cfg.prefix_caching) return 0;
+  const int32_t bs = s.cfg.block_size;
+  const int32_t* tokens = seq_tokens(s, q.slot);
+  int32_t* table = block_table(s, q.slot);
+  uint64_t* uids = block_uids(s, q.slot);
+  uint64_t parent = 0;
+  int32_t hit = 0;
+  for (; (hit + 1) * bs < q.num_tokens; ++hit) {
+    const int32_t* block_tokens = tokens + hit * bs;
+    const int32_t b = cache_find(s, seq_block_key(s, q, hit), parent, block_tokens);
+    if (b < 0) break;
+    table[hit] = b;
+    parent = uids[hit] = s.block_uid[b];
+  }
+  return hit;
+}
+
+// KvBlockPool.can_admit: can_grow to num_tokens for a waiting q that first takes the `hit`
+// cached blocks prefix_match found (those no table holds stop being takeable).
+BLINK_HD inline bool prefix_can_admit(const SchedState& s, const SeqState& q, int32_t hit,
+                                      int32_t num_tokens) {
+  const int32_t want = blocks_for(num_tokens, s.cfg.block_size);
+  if (want > s.blocks_per_seq) return false;
+  const int32_t* table = block_table(s, q.slot);
+  int32_t taken = 0;
+  for (int32_t j = 0; j < hit; ++j) taken += s.block_refs[table[j]] == 0 ? 1 : 0;
+  return want - hit <= pool_takeable(s) - taken;
+}
+
+// KvBlockPool.admit: q takes the blocks prefix_match left in its rows; it computes after them.
+BLINK_HD inline void prefix_admit(SchedState& s, SeqState& q, int32_t hit) {
+  const int32_t* table = block_table(s, q.slot);
+  for (int32_t j = 0; j < hit; ++j) {
+    const int32_t b = table[j];
+    if (s.block_refs[b]++ == 0) lru_unlink(s, b);
+  }
+  q.num_blocks = q.num_keyed = hit;
+  q.num_computed = hit * s.cfg.block_size;
+  q.cached_tokens = min_i32(q.num_computed, q.prompt_len);
+  if (s.cfg.prefix_caching) {
+    s.query_tokens += static_cast<uint64_t>(q.num_tokens);
+    s.hit_tokens += static_cast<uint64_t>(q.num_computed);
+  }
+}
+
+// Whether q has full computed blocks prefix_register has not seen (one division: the kernel
+// asks it a thread per plan entry, then registers only those serially).
+BLINK_HD inline bool prefix_has_new_blocks(const SchedState& s, const SeqState& q) {
+  return s.cfg.prefix_caching && q.num_computed / s.cfg.block_size > q.num_keyed;
+}
+
+// KvBlockPool.register: q's newly full, computed blocks join the cache in order. A block whose
+// identity is cached already stays q's own, and the cached one's uid continues q's chain.
+BLINK_HD inline void prefix_register(SchedState& s, SeqState& q) {
+  if (!prefix_has_new_blocks(s, q)) return;
+  const int32_t bs = s.cfg.block_size, full = q.num_computed / bs;
+  const int32_t* tokens = seq_tokens(s, q.slot);
+  const int32_t* table = block_table(s, q.slot);
+  uint64_t* uids = block_uids(s, q.slot);
+  for (int32_t j = q.num_keyed; j < full; ++j) {
+    const uint64_t parent = j > 0 ? uids[j - 1] : 0;
+    const int32_t* block_tokens = tokens + j * bs;
+    const uint64_t key = seq_block_key(s, q, j);
+    int32_t b = cache_find(s, key, parent, block_tokens);
+    if (b < 0) {
+      b = table[j];
+      s.block_uid[b] = s.next_uid++;
+      s.block_parent[b] = parent;
+      s.block_key[b] = key;
+      int32_t* keep = s.block_tokens + static_cast<size_t>(b) * static_cast<size_t>(bs);
+      for (int32_t t = 0; t < bs; ++t) keep[t] = block_tokens[t];
+      cache_insert(s, b);
+      ++s.num_cached;
+    }
+    uids[j] = s.block_uid[b];
+  }
+  q.num_keyed = full;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -394,6 +681,9 @@ struct StepPlan {
   // preemptions + 1, pushed to the front of `waiting` for recompute.
   int32_t num_preempted;
   int32_t preempted[kMaxStepSeqs];
+  // The last num_admitted entries were admitted from `waiting` this step (their cached_tokens:
+  // the prefix cache's hit).
+  int32_t num_admitted;
 };
 
 // Scheduler._preempt
@@ -410,11 +700,14 @@ BLINK_HD inline void preempt(SchedState& s, SeqState& q) {
 // pool cannot hold a running sequence's next tokens, the newest running sequence is preempted,
 // until it fits or it is the one preempted. Waiting sequences are admitted FCFS while budget,
 // sequence slots and blocks last; admission never preempts, and no sequence is admitted in a
-// step that preempted. Serial; O(num_running + admitted + blocks taken).
+// step that preempted. An admitted sequence first takes the cached blocks of its longest cached
+// prefix and computes from there. Serial; O(num_running + admitted + blocks taken + blocks
+// looked up).
 BLINK_HD inline void schedule_step(SchedState& s, StepPlan& plan) {
   // The plan's counters stay in registers until the end: written through the reference they
   // would be reloaded after every store to an int32_t array they might alias.
-  int32_t num_scheduled = 0, num_preempted = 0, budget = s.cfg.max_num_batched_tokens;
+  int32_t num_scheduled = 0, num_preempted = 0, num_admitted = 0;
+  int32_t budget = s.cfg.max_num_batched_tokens;
   int32_t i = 0;
   while (i < s.num_running && budget > 0) {
     const int32_t slot = s.running[i];
@@ -441,17 +734,21 @@ BLINK_HD inline void schedule_step(SchedState& s, StepPlan& plan) {
          num_preempted == 0) {
     const int32_t slot = waiting_at(s, 0);
     SeqState& q = s.seqs[slot];
-    const int32_t n = min_i32(q.num_tokens - q.num_computed, budget);
-    if (!pool_can_grow(s, q, q.num_computed + n)) break;
+    const int32_t hit = prefix_match(s, q);
+    const int32_t n = min_i32(q.num_tokens - hit * s.cfg.block_size, budget);
+    if (!prefix_can_admit(s, q, hit, hit * s.cfg.block_size + n)) break;
     waiting_pop_front(s);
+    prefix_admit(s, q, hit);
     pool_grow(s, q, q.num_computed + n);
     q.status = SeqStatus::kRunning;
     running_push_back(s, slot);
     plan.slots[num_scheduled] = slot;
     plan.num_new_tokens[num_scheduled++] = n;
+    ++num_admitted;
     budget -= n;
   }
   plan.num_scheduled = num_scheduled;
+  plan.num_admitted = num_admitted;
   plan.total_tokens = s.cfg.max_num_batched_tokens - budget;
   plan.num_preempted = num_preempted;
 }
@@ -462,8 +759,11 @@ BLINK_HD inline void commit_entry(SchedState& s, const StepPlan& plan, int32_t k
   s.seqs[plan.slots[k]].num_computed += plan.num_new_tokens[k];
 }
 
+// Scheduler.register after commit: entries' new full blocks into the prefix cache, in plan
+// order (serial: the cache is shared).
 BLINK_HD inline void commit_step(SchedState& s, const StepPlan& plan) {
   for (int32_t k = 0; k < plan.num_scheduled; ++k) commit_entry(s, plan, k);
+  for (int32_t k = 0; k < plan.num_scheduled; ++k) prefix_register(s, s.seqs[plan.slots[k]]);
 }
 
 // After commit_step: whether this scheduled sequence samples (its last known token was just
@@ -513,9 +813,11 @@ struct Admission {
 
 // ReferenceEngine._admit: sorts the accepted requests by request id (insertion sort: a handful
 // per iteration) and adds each; on_admitted(admission, add_result) follows every add_seq.
+// copy_prompts false: the caller copies each prompt into its slot's token row afterwards (the
+// scheduler kernel's whole CTA), before anything reads it.
 template <class OnAdmitted>
 BLINK_HD void admit_in_order(SchedState& s, Admission* accepted, int32_t n,
-                             OnAdmitted on_admitted) {
+                             OnAdmitted on_admitted, bool copy_prompts = true) {
   for (int32_t a = 1; a < n; ++a)
     for (int32_t b = a; b > 0 && accepted[b - 1].arrival > accepted[b].arrival; --b) {
       const Admission t = accepted[b];
@@ -524,7 +826,8 @@ BLINK_HD void admit_in_order(SchedState& s, Admission* accepted, int32_t n,
     }
   for (int32_t a = 0; a < n; ++a) {
     const Admission& r = accepted[a];
-    on_admitted(r, add_seq(s, r.slot, r.gen, r.arrival, r.prompt, r.prompt_len, r.params));
+    on_admitted(r, add_seq(s, r.slot, r.gen, r.arrival, copy_prompts ? r.prompt : nullptr,
+                           r.prompt_len, r.params));
   }
 }
 

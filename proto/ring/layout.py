@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 RING_MAGIC = 0x31474E524B4E494C  # b"LINKRNG1" read as a little-endian u64
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 HEADER_BYTES = 4096
 MAX_STOP_IDS = 16
 MAX_EOS_IDS = 8
@@ -138,6 +138,13 @@ HEADER_DTYPE = np.dtype([
     ("engine_steps", "<u8"),
     ("busy_ns", "<u8"),            # time in steps that ran a forward pass (batch, forward, samples)
     ("step_tokens", "<u8"),        # tokens those steps computed (prefill chunks + decode tokens)
+    # prefix caching: full KV blocks kept for reuse (referenced or not), and at each admission
+    # the prompt tokens looked up / found in the cache, and cached blocks evicted for memory
+    ("kv_blocks_cached", "<u4"),
+    ("prefix_caching", "<u4"),     # 1 when the engine reuses cached prompt prefixes
+    ("prefix_query_tokens", "<u8"),
+    ("prefix_hit_tokens", "<u8"),
+    ("prefix_evicted_blocks", "<u8"),
 ])
 
 # Fixed part of a request slot; the prompt follows, then seq_end at the end of the slot.
@@ -167,7 +174,8 @@ RECORD_DTYPE = np.dtype([
     ("detail", "<u4"),         # RejectReason, or the stop id that matched
     ("prompt_len", "<u4"),
     ("preemptions", "<u4"),
-    ("pad0", "<u8"),
+    ("cached_tokens", "<u4"),  # prompt tokens its last admission took from the prefix cache
+    ("pad0", "<u4"),
 ])
 
 assert HEADER_DTYPE.itemsize <= HEADER_BYTES

@@ -13,8 +13,8 @@
 // "= ") is a valid input as it is.
 //
 // Input, one event a line, integers in decimal or 0x-hex:
-//   config SLOTS MAX_MODEL_LEN BLOCK_SIZE NUM_BLOCKS MAX_NUM_SEQS MAX_BATCHED_TOKENS CONTEXT_LENGTH
-//          NUM_EOS EOS_ID...          fresh scheduler state; later events use it
+//   config SLOTS MAX_MODEL_LEN BLOCK_SIZE NUM_BLOCKS MAX_NUM_SEQS MAX_BATCHED_TOKENS PREFIX_CACHING
+//          CONTEXT_LENGTH NUM_EOS EOS_ID...   fresh scheduler state; later events use it
 //   add SLOT GEN ARRIVAL MAX_TOKENS TEMPERATURE_BITS TOP_P_BITS TOP_K SEED IGNORE_EOS
 //       NUM_STOP STOP_ID... PROMPT_LEN TOKEN...          admit (a live slot is retired first)
 //   finish SLOT                       retire (a cancel)
@@ -26,8 +26,11 @@
 //   uniform SEED STEP                 splitmix64(SEED), uniform(SEED, STEP)
 // Output, one line per decision:
 //   step sched=SLOT:N,... pre=SLOT:PREEMPTIONS,... smp=SLOT,... run=SLOT:BLOCK.BLOCK,...
-//        wait=SLOT,... free=NUM_FREE        (run: every running sequence's block table, in
-//                                            running order; wait: the waiting queue, front first)
+//        wait=SLOT,... free=NUM_FREE adm=SLOT:CACHED_TOKENS,...
+//        cache=CACHED:EVICTABLE:EVICTED:HIT_TOKENS:QUERY_TOKENS
+//                                           (run: every running sequence's block table, in
+//                                            running order; wait: the waiting queue, front first;
+//                                            adm: the sequences admitted this step)
 //   sample SLOT TOKEN REASON DETAIL
 //   validate REJECT_REASON
 //   crc SERIAL COMBINED
@@ -130,7 +133,17 @@ BLINK_HD void emit_step(const SchedState& s, const StepPlan& plan, const ReplayB
   }
   w.put(s.num_waiting);
   for (int32_t k = 0; k < s.num_waiting; ++k) w.put(waiting_at(s, k));
-  w.put(s.num_free);
+  w.put(pool_takeable(s));
+  w.put(plan.num_admitted);
+  for (int32_t k = plan.num_scheduled - plan.num_admitted; k < plan.num_scheduled; ++k) {
+    w.put(plan.slots[k]);
+    w.put(s.seqs[plan.slots[k]].cached_tokens);
+  }
+  w.put(s.num_cached);
+  w.put(s.num_evictable);
+  w.put(static_cast<int64_t>(s.evicted_blocks));
+  w.put(static_cast<int64_t>(s.hit_tokens));
+  w.put(static_cast<int64_t>(s.query_tokens));
 }
 
 BLINK_HD void emit_error(Writer& w, Error what, int64_t arg) {
@@ -338,6 +351,7 @@ std::vector<Segment> parse(std::istream& in) {
       c.num_blocks = static_cast<int32_t>(i64());
       c.max_num_seqs = static_cast<int32_t>(i64());
       c.max_num_batched_tokens = static_cast<int32_t>(i64());
+      c.prefix_caching = static_cast<int32_t>(i64());
       seg->env.context_length = static_cast<int32_t>(i64());
       seg->env.num_eos = static_cast<int32_t>(i64());
       if (seg->env.num_eos < 0 || seg->env.num_eos > static_cast<int32_t>(blink::ring::kMaxEosIds))
@@ -404,7 +418,10 @@ std::vector<Segment> parse(std::istream& in) {
     seg->events.push_back(static_cast<uint32_t>(args.size()));
     seg->events.insert(seg->events.end(), args.begin(), args.end());
     const SchedConfig& c = seg->cfg;
-    seg->out_bound += code == kOpStep ? 7 + 8 * int64_t{c.num_slots} + c.num_blocks : 8;
+    // a step: its plan, preemptions, rows and admissions (a few words per slot each), every
+    // running block table (shared blocks appear in each table holding them) and the counters
+    seg->out_bound += code == kOpStep
+        ? 13 + int64_t{c.num_slots} * (10 + max_blocks_per_seq(c)) : 8;
   }
   return segs;
 }
@@ -444,9 +461,16 @@ void print(const int64_t* o, int64_t n) {
       }
       for (int64_t k = next(); k > 0; --k) wait.push_back(std::to_string(next()));
       const int64_t free_blocks = next();
-      printf("step sched=%s pre=%s smp=%s run=%s wait=%s free=%lld\n", join(sched, ",").c_str(),
-             join(pre, ",").c_str(), join(smp, ",").c_str(), join(run, ",").c_str(),
-             join(wait, ",").c_str(), static_cast<long long>(free_blocks));
+      std::vector<std::string> adm, cache;
+      for (int64_t k = next(); k > 0; --k) {
+        const int64_t slot = next(), cached = next();
+        adm.push_back(std::to_string(slot) + ":" + std::to_string(cached));
+      }
+      for (int k = 0; k < 5; ++k) cache.push_back(std::to_string(next()));
+      printf("step sched=%s pre=%s smp=%s run=%s wait=%s free=%lld adm=%s cache=%s\n",
+             join(sched, ",").c_str(), join(pre, ",").c_str(), join(smp, ",").c_str(),
+             join(run, ",").c_str(), join(wait, ",").c_str(), static_cast<long long>(free_blocks),
+             join(adm, ",").c_str(), join(cache, ":").c_str());
     } else if (kind == kOutSample) {
       const int64_t slot = next(), token = next(), reason = next(), detail = next();
       printf("sample %lld %lld %lld %lld\n", static_cast<long long>(slot),

@@ -103,14 +103,16 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("time_to_first_token_s", "total_s", "preemptions")
+    __slots__ = ("time_to_first_token_s", "total_s", "preemptions", "cached_prompt_tokens")
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     time_to_first_token_s: float
     total_s: float
     preemptions: int
-    def __init__(self, time_to_first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, time_to_first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "matched_stop", "usage", "timings", "request_id")
@@ -153,7 +155,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("engine_alive", "ring_slots", "ring_slots_in_use", "requests_waiting_for_slot", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "sequences_running", "sequences_waiting", "requests_admitted", "requests_finished", "requests_cancelled", "requests_rejected", "preemptions", "tokens_generated", "engine_steps", "engine_attachments", "engine_busy_ns", "engine_step_tokens")
+    __slots__ = ("engine_alive", "ring_slots", "ring_slots_in_use", "requests_waiting_for_slot", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "sequences_running", "sequences_waiting", "requests_admitted", "requests_finished", "requests_cancelled", "requests_rejected", "preemptions", "tokens_generated", "engine_steps", "engine_attachments", "engine_busy_ns", "engine_step_tokens", "prefix_caching", "kv_blocks_cached", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evicted_blocks")
     ENGINE_ALIVE_FIELD_NUMBER: _ClassVar[int]
     RING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     RING_SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,11 @@ class ServerStats(_message.Message):
     ENGINE_ATTACHMENTS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BUSY_NS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     engine_alive: bool
     ring_slots: int
     ring_slots_in_use: int
@@ -192,4 +199,9 @@ class ServerStats(_message.Message):
     engine_attachments: int
     engine_busy_ns: int
     engine_step_tokens: int
-    def __init__(self, engine_alive: bool = ..., ring_slots: _Optional[int] = ..., ring_slots_in_use: _Optional[int] = ..., requests_waiting_for_slot: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., sequences_running: _Optional[int] = ..., sequences_waiting: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., preemptions: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_attachments: _Optional[int] = ..., engine_busy_ns: _Optional[int] = ..., engine_step_tokens: _Optional[int] = ...) -> None: ...
+    prefix_caching: bool
+    kv_blocks_cached: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefix_evicted_blocks: int
+    def __init__(self, engine_alive: bool = ..., ring_slots: _Optional[int] = ..., ring_slots_in_use: _Optional[int] = ..., requests_waiting_for_slot: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., sequences_running: _Optional[int] = ..., sequences_waiting: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., preemptions: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_attachments: _Optional[int] = ..., engine_busy_ns: _Optional[int] = ..., engine_step_tokens: _Optional[int] = ..., prefix_caching: bool = ..., kv_blocks_cached: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,291 @@
+"""Prefix caching: full KV blocks shared by prompt prefix (gpu_engine/block_manager.py and its
+device twin in csrc/scheduler.cuh, checked against each other by tests/test_scheduler_parity.py).
+
+The pool's own rules first (reference counts, eviction order, the identity chain, blocks
+computed twice), then serving through a real gRPC port with the CPU reference engine (CI) and
+the CUDA engine (marked `gpu`): shared prefixes and chat turns under concurrency, the same
+prompt with and without the cache, KV pressure with shared blocks; every token is checked
+against transformers and every block comes back.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from gpu import requires_gpu
+
+from blink.client.sdk import AsyncBlinkClient, BlinkClient, Sampling
+from blink.gpu_engine.block_manager import KvBlockPool
+from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig
+from blink.gpu_engine.sequence import SamplingParams, Sequence
+
+BS = 4  # block size of the pool tests
+
+
+def seq(slot: int, prompt: list[int]) -> Sequence:
+    return Sequence(slot, 1, slot, list(prompt), SamplingParams(max_tokens=8))
+
+
+def computed(pool: KvBlockPool, s: Sequence, hit=()) -> Sequence:
+    """s admitted with the cached blocks `hit`, then its whole prompt computed and registered."""
+    pool.admit(s, list(hit))
+    pool.grow(s, s.num_tokens)
+    s.num_computed = s.num_tokens
+    pool.register(s)
+    return s
+
+
+# -- the pool ---------------------------------------------------------------------------------
+
+def test_a_finished_prompt_is_found_again_up_to_its_last_full_block():
+    pool = KvBlockPool(16, BS, prefix_caching=True)
+    first = computed(pool, seq(0, range(10)))        # blocks 0 (tokens 0-3), 1 (4-7) cached
+    assert pool.num_cached == 2 and pool.num_free == 16 - 3
+    pool.release(first)
+    assert pool.num_free == 16 and pool.num_evictable == 2
+    again = seq(1, range(10))
+    hit = pool.match(again)
+    assert hit == [0, 1] and pool.can_admit(again, hit, 10)
+    pool.admit(again, hit)
+    assert again.num_computed == 8 and again.cached_tokens == 8
+    assert pool.num_evictable == 0 and pool.hit_tokens == 8 and pool.query_tokens == 20
+    # the last token is always computed: a prompt of exactly 8 tokens reuses one block only
+    assert pool.match(seq(2, range(8))) == [0]
+    # a different first block shares nothing after it either
+    assert pool.match(seq(3, [99, 1, 2, 3, 4, 5, 6, 7, 8])) == []
+
+
+def test_shared_blocks_are_counted_and_never_freed_while_held():
+    pool = KvBlockPool(8, BS, prefix_caching=True)
+    a = computed(pool, seq(0, range(9)))
+    b = seq(1, list(range(8)) + [50, 51])
+    hit = pool.match(b)
+    assert hit == [0, 1] == list(a.block_table[:2])
+    computed(pool, b, hit)
+    assert [pool.refs[x] for x in hit] == [2, 2]
+    pool.release(a)
+    assert [pool.refs[x] for x in hit] == [1, 1] and pool.num_evictable == 0
+    # every other block taken: the shared ones are not takeable
+    c = seq(2, [7] * 20)
+    assert pool.num_free == 5 and not pool.can_grow(c, 6 * BS)
+    pool.grow(c, 5 * BS)
+    assert not set(c.block_table) & set(b.block_table)
+    pool.release(b)
+    pool.release(c)
+    assert pool.num_free == 8 and pool.num_evictable == 2 and not any(pool.refs)
+
+
+def test_eviction_takes_the_least_recently_released_and_a_prefix_after_its_continuation():
+    pool = KvBlockPool(6, BS, prefix_caching=True)
+    old = computed(pool, seq(0, range(9)))              # blocks 0, 1 cached; 2 partial
+    new = computed(pool, seq(1, range(100, 109)))       # blocks 3, 4 cached; 5 partial
+    pool.release(old)
+    pool.release(new)
+    # each sequence's last block before its first, the older sequence's before the newer's
+    assert list(pool._evictable) == [1, 0, 4, 3]
+    taker = seq(2, [7] * 12)
+    pool.grow(taker, 3 * BS)     # the 2 free blocks, then the least recently released cached one
+    assert list(taker.block_table) == [5, 2, 1]
+    assert pool.evicted_blocks == 1 and pool.num_cached == 3
+    assert pool.match(seq(3, range(9))) == [0]          # its continuation is gone, it is not
+    assert pool.match(seq(4, range(100, 109))) == [3, 4]
+
+
+def test_a_block_is_matched_only_through_the_block_before_it():
+    """A cached block names the uid of the block before it, not its memory: when that block is
+    evicted and its memory cached again for other tokens, the old continuation is not reached
+    through it (with block ids as parents, Y + Z would match Z's block, computed after X)."""
+    pool = KvBlockPool(4, BS, prefix_caching=True)
+    X, Z, Y = [0, 1, 2, 3], [4, 5, 6, 7], [10, 11, 12, 13]
+    a = computed(pool, seq(0, X + Z + [8]))             # block 0: X, block 1: Z after X
+    pool.release(a)
+    pool._evictable.move_to_end(1)                      # evict X's block before Z's
+    filler = seq(1, [9] * 8)
+    pool.grow(filler, 2 * BS)                           # the free blocks 2 and 3
+    b = computed(pool, seq(2, Y))                       # X evicted: its memory now holds Y
+    assert list(b.block_table) == [0] and pool.evicted_blocks == 1
+    assert pool.num_cached == 2                         # Y's block, and Z's (after X) still
+    assert pool.match(seq(3, Y + Z + [1])) == [0]
+    assert pool.match(seq(4, X + Z + [1])) == []
+
+
+def test_a_block_computed_twice_is_cached_once_and_its_chain_goes_on():
+    pool = KvBlockPool(16, BS, prefix_caching=True)
+    a, b = seq(0, range(13)), seq(1, range(13))
+    for s in (a, b):                                    # both admitted before either registers
+        pool.admit(s, pool.match(s))
+        pool.grow(s, s.num_tokens)
+    for s in (a, b):
+        s.num_computed = s.num_tokens
+        pool.register(s)
+    assert pool.num_cached == 3 and b.block_uids == a.block_uids  # b's blocks stay its own
+    b.output += [13, 14, 15, 16]                        # b goes on: its 4th block is cached
+    pool.grow(b, b.num_tokens)
+    b.num_computed = b.num_tokens
+    pool.register(b)
+    assert pool.num_cached == 4
+    a_blocks, b_fourth = list(a.block_table[:3]), b.block_table[3]
+    pool.release(a)
+    pool.release(b)
+    assert pool.num_evictable == 4 and pool.num_free == 16
+    assert pool.match(seq(2, range(18))) == a_blocks + [b_fourth]
+
+
+def test_off_means_nothing_is_cached():
+    pool = KvBlockPool(8, BS)
+    s = computed(pool, seq(0, range(9)))
+    pool.release(s)
+    assert pool.num_cached == 0 and pool.match(seq(1, range(9))) == []
+    assert pool.query_tokens == pool.hit_tokens == 0
+
+
+def test_scheduler_admits_a_long_cached_prompt_within_a_small_budget():
+    """The token budget counts only the tokens computed: a 40-token prompt whose first 36 are
+    cached is admitted in one 4-token step."""
+    pool = KvBlockPool(32, BS, prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4,
+                                      max_model_len=64), pool)
+    pool.release(computed(pool, seq(0, range(40))))
+    s = seq(1, range(40))
+    sched.add(s)
+    plan = sched.schedule_step()
+    assert [(x.slot, n) for x, n in plan.scheduled] == [(1, 4)] and plan.num_admitted == 1
+    assert s.cached_tokens == 36 and s.num_computed == 36
+
+
+# -- serving ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_gpu()])])
+def engine(request) -> str:
+    return request.param
+
+
+def check_tokens(engine: str, model_dir, prompt: list[int], tokens: list[int]) -> int:
+    """Every token is the reference's argmax after its own prefix or a near-tie of it:
+    transformers float32 for the CPU engine, bf16 for the CUDA engine (tests/oracle.py).
+    Returns the near-tie steps."""
+    from oracle import check_against_bf16_reference, check_teacher_forced, hf_bf16
+    if engine == "cpu":
+        return check_teacher_forced(model_dir, prompt, tokens)
+    return check_against_bf16_reference(hf_bf16(model_dir), prompt, tokens, 0.25)
+
+
+def stack_for(engine, make_stack, model_dir, *args: str):
+    extra = ["--num-kv-blocks", "2048"] if engine == "cuda" and "--num-kv-blocks" not in args \
+        else []
+    stack = make_stack(model_dir, engine_args=["--engine", engine, *extra, *args])
+    stack.wait_serving(timeout=120)
+    return stack
+
+
+def assert_all_blocks_back(client) -> dict:
+    s = client.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"] and s["ring_slots_in_use"] == 0
+    return s
+
+
+def test_shared_prefixes_and_chat_turns_under_concurrency(engine, checkpoints, make_stack):
+    """Streams that share three system prompts (and a chat whose turns resend the conversation)
+    run together: every token follows the reference, the cache serves the shared prefixes,
+    and every block comes back."""
+    model_dir = checkpoints["llama"]
+    stack = stack_for(engine, make_stack, model_dir)
+    rnd = random.Random(3)
+    systems = [[rnd.randrange(8, 2000) for _ in range(40 + 8 * k)] for k in range(3)]
+    n = 64 if engine == "cuda" else 12
+    prompts = [rnd.choice(systems) + [rnd.randrange(8, 2000) for _ in range(rnd.randint(1, 20))]
+               for _ in range(n)]
+    greedy = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def together(batch):
+        async with AsyncBlinkClient(stack.target) as client:
+            return await asyncio.gather(*(client.generate(p, greedy, return_token_ids=True,
+                                                          timeout=120) for p in batch))
+    done = asyncio.run(together(prompts))
+    done += asyncio.run(together(prompts[:4]))      # the same prompts again: cached whole
+    ties = 0
+    for prompt, d in zip(prompts + prompts[:4], done):
+        assert len(d.token_ids) == 12
+        ties += check_tokens(engine, model_dir, prompt, list(d.token_ids))
+    assert all(d.cached_prompt_tokens >= 16 for d in done[-4:])
+    # a chat: each turn resends the conversation so far and adds to it
+    conversation = list(systems[0])
+    with BlinkClient(stack.target) as client:
+        for turn in range(3):
+            conversation += [rnd.randrange(8, 2000) for _ in range(6)]
+            d = client.generate(conversation, greedy, return_token_ids=True)
+            ties += check_tokens(engine, model_dir, conversation, list(d.token_ids))
+            assert d.cached_prompt_tokens >= 32
+            conversation += list(d.token_ids)
+        s = assert_all_blocks_back(client)
+    print(f"engine prefix cache ({engine}): {n} streams over 3 system prompts + a 3-turn chat, "
+          f"{s['prefix_hit_tokens']} of {s['prefix_query_tokens']} prompt tokens from the "
+          f"cache, {s['kv_blocks_cached']} blocks cached, {ties} near-tie steps")
+    assert s["prefix_hit_tokens"] > 0 and s["kv_blocks_cached"] > 0
+
+
+def test_same_prompt_twice_with_and_without_the_cache(engine, checkpoints, make_stack):
+    """The second run of a prompt takes its full blocks from the cache and computes only the
+    rest; its tokens are the first run's (the CPU engine computes each row alone: exactly;
+    bf16 sums depend on the step's shape, so the CUDA engine's may part at a near-tie) and an
+    engine without the cache gives the same."""
+    model_dir = checkpoints["llama"]
+    rnd = random.Random(4)
+    prompt = [rnd.randrange(8, 2000) for _ in range(83)]
+    greedy = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for flags in ((), ("--no-prefix-caching",)):
+        stack = stack_for(engine, make_stack, model_dir, *flags)
+        with BlinkClient(stack.target) as client:
+            runs[flags] = [client.generate(prompt, greedy, return_token_ids=True)
+                           for _ in range(2)]
+            assert_all_blocks_back(client)
+        stack.stop()
+    (cold, warm), (off1, off2) = runs[()], runs[("--no-prefix-caching",)]
+    assert (cold.cached_prompt_tokens, warm.cached_prompt_tokens) == (0, 80)
+    assert off1.cached_prompt_tokens == off2.cached_prompt_tokens == 0
+    ties = 0
+    for other in (warm, off1, off2):
+        if engine == "cpu":
+            assert other.token_ids == cold.token_ids
+        elif other.token_ids != cold.token_ids:
+            ties += check_tokens(engine, model_dir, prompt, list(other.token_ids))
+    print(f"engine prefix cache twice ({engine}): an 83-token prompt, cached tokens 0 then 80; "
+          f"{sum(o.token_ids == cold.token_ids for o in (warm, off1, off2))} of 3 other runs "
+          f"(cached, and twice without the cache) give the first run's 24 tokens, the rest "
+          f"follow the reference ({ties} near-tie steps)")
+
+
+def test_kv_pressure_with_shared_blocks(engine, checkpoints, make_stack):
+    """12 KV blocks for 6 concurrent greedy requests sharing a 32-token prefix (2 blocks): they
+    are preempted and recomputed while others hold the shared blocks; every token follows the
+    reference and every block comes back, none freed while held (a freed shared block would be
+    overwritten by another sequence and its holders' tokens would leave the reference)."""
+    model_dir = checkpoints["llama"]
+    stack = stack_for(engine, make_stack, model_dir, "--num-kv-blocks", "12", "--block-size",
+                      "16", "--max-num-seqs", "8", "--max-batched-tokens", "64")
+    rnd = random.Random(12)
+    shared = [rnd.randrange(8, 2000) for _ in range(32)]
+    prompts = [shared + [rnd.randrange(8, 2000) for _ in range(6)] for _ in range(6)]
+    greedy = Sampling(max_tokens=34, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        async with AsyncBlinkClient(stack.target) as client:
+            return await asyncio.gather(*(client.generate(p, greedy, return_token_ids=True,
+                                                          timeout=120) for p in prompts))
+    with BlinkClient(stack.target) as client:  # the shared prefix cached first
+        client.generate(shared + [1], Sampling(max_tokens=1), return_token_ids=True)
+    done = asyncio.run(run())
+    assert sum(d.preemptions for d in done) > 0
+    assert sum(d.cached_prompt_tokens for d in done) >= 6 * 32
+    for prompt, d in zip(prompts, done):
+        assert len(d.token_ids) == 34
+        check_tokens(engine, model_dir, prompt, list(d.token_ids))
+    with BlinkClient(stack.target) as client:
+        s = assert_all_blocks_back(client)
+    print(f"engine prefix cache kv pressure ({engine}): 6 x (32 shared + 6 + 34) tokens in 12 "
+          f"blocks, {s['preemptions']} preemptions, {s['prefix_evicted_blocks']} cached blocks "
+          f"evicted, blocks free {s['kv_blocks_free']}/{s['kv_blocks_total']}")
+    assert s["kv_blocks_total"] == 12 and s["prefix_evicted_blocks"] > 0
