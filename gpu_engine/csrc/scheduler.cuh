@@ -421,13 +421,28 @@ BLINK_HD inline bool pool_grow(SchedState& s, SeqState& q, int32_t num_tokens) {
 // KvBlockPool.release, last block first: a block no table holds any more goes on top of the
 // free stack (the table's first block ends on top: the likeliest still in cache), or, cached,
 // to the back of the evictable queue (the table's first block evicted last).
+// In groups of kReleaseGroup blocks, each group's loads (table entries, then reference counts
+// and uids) issued before any of its stores: one thread walking block after block waited out an
+// L2 round trip for each load (the stores might alias the next block's loads), two a block.
 BLINK_HD inline void pool_release(SchedState& s, SeqState& q) {
+  constexpr int32_t kReleaseGroup = 8;
   const int32_t* table = block_table(s, q.slot);
-  for (int32_t j = q.num_blocks - 1; j >= 0; --j) {
-    const int32_t b = table[j];
-    if (--s.block_refs[b] > 0) continue;
-    if (s.block_uid[b] != 0) lru_push_back(s, b);
-    else s.free_blocks[s.num_free++] = b;
+  for (int32_t hi = q.num_blocks; hi > 0; hi -= kReleaseGroup) {
+    const int32_t n = min_i32(hi, kReleaseGroup);
+    int32_t block[kReleaseGroup], refs[kReleaseGroup];
+    bool cached[kReleaseGroup];
+    for (int32_t i = 0; i < n; ++i) block[i] = table[hi - 1 - i];
+    for (int32_t i = 0; i < n; ++i) {
+      refs[i] = s.block_refs[block[i]] - 1;
+      cached[i] = s.block_uid[block[i]] != 0;
+    }
+    for (int32_t i = 0; i < n; ++i) {  // (a table holds a block once: no two i share one)
+      const int32_t b = block[i];
+      s.block_refs[b] = refs[i];
+      if (refs[i] > 0) continue;
+      if (cached[i]) lru_push_back(s, b);
+      else s.free_blocks[s.num_free++] = b;
+    }
   }
   q.num_blocks = 0;
   q.num_keyed = 0;
