@@ -132,6 +132,8 @@ STEP_RECORD_DTYPE = struct("StepRecord", [
                               "moved")),
     ("finish_ns", doc("<u4", "samples to records, stop checks, retirement")),
     ("launch_retries", doc("<u4", "launches refused while the previous one retired")),
+    ("schedule_ns", doc("<u4", "the iteration before the step: admission (prompt copies), "
+                               "cancels and scheduling (prefix cache lookups)")),
 ])
 
 # engine_init's one argument: everything the engine's state starts from.

@@ -8,8 +8,9 @@ writes the records to PATH (a NumPy .npy file) when it stops. Then
     python -m blink.gpu_engine.step_log PATH
 
 prints them by forward graph (token bucket): steps, tokens and sequences a step, each phase's
-time, and the scheduler's own time between steps (admission, cancels, scheduling; idle polling
-where the engine had nothing to do). The forward column is what bench_decode's graph replays
+time, the iteration's work before the step (admission, cancels, scheduling: prefix cache
+lookups), and the scheduler's own time between steps (that, and idle polling where the engine
+had nothing to do). The forward column is what bench_decode's graph replays
 measure for the same bucket, there beside a CTA holding the scheduler's SM.
 """
 from __future__ import annotations
@@ -83,6 +84,7 @@ def summarize(records: np.ndarray) -> list[dict]:
             "tokens": float(s["tokens"].mean()),
             "seqs": float(s["seqs"].mean()),
             "rows": float(s["rows"].mean()),
+            "schedule_us": float(s["schedule_ns"].mean() / 1e3),
             "build_us": float(s["build_ns"].mean() / 1e3),
             "forward_ms": float(s["forward_ns"].mean() / 1e6),
             "finish_us": float(s["finish_ns"].mean() / 1e3),
@@ -93,12 +95,13 @@ def summarize(records: np.ndarray) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("| bucket | steps | share of time | tokens | seqs | build (µs) | forward (ms) | "
-            "finish (µs) | gap to next (µs, median) | launch retries |")
-    lines = [head, "|" + " --- |" * 10]
+    head = ("| bucket | steps | share of time | tokens | seqs | schedule (µs) | build (µs) | "
+            "forward (ms) | finish (µs) | gap to next (µs, median) | launch retries |")
+    lines = [head, "|" + " --- |" * 11]
     for row in rows:
         lines.append(f"| {row['bucket']} | {row['steps']} | {row['share']:.1%} | "
-                     f"{row['tokens']:.1f} | {row['seqs']:.1f} | {row['build_us']:.1f} | "
+                     f"{row['tokens']:.1f} | {row['seqs']:.1f} | {row['schedule_us']:.1f} | "
+                     f"{row['build_us']:.1f} | "
                      f"{row['forward_ms']:.3f} | {row['finish_us']:.1f} | {row['gap_us']:.1f} | "
                      f"{row['retries']:.1f} |")
     return "\n".join(lines)

@@ -123,8 +123,9 @@ struct StepRecord {
   uint32_t forward_ns;  // @28 the graph's launch (retries included) until its done counter moved
   uint32_t finish_ns;  // @32 samples to records, stop checks, retirement
   uint32_t launch_retries;  // @36 launches refused while the previous one retired
+  uint32_t schedule_ns;  // @40 the iteration before the step: admission (prompt copies), cancels and scheduling (prefix cache lookups)
 };
-static_assert(sizeof(StepRecord) == 40, "StepRecord size");
+static_assert(sizeof(StepRecord) == 48, "StepRecord size");
 static_assert(offsetof(StepRecord, start_ns) == 0, "StepRecord.start_ns");
 static_assert(offsetof(StepRecord, tokens) == 8, "StepRecord.tokens");
 static_assert(offsetof(StepRecord, seqs) == 12, "StepRecord.seqs");
@@ -134,6 +135,7 @@ static_assert(offsetof(StepRecord, build_ns) == 24, "StepRecord.build_ns");
 static_assert(offsetof(StepRecord, forward_ns) == 28, "StepRecord.forward_ns");
 static_assert(offsetof(StepRecord, finish_ns) == 32, "StepRecord.finish_ns");
 static_assert(offsetof(StepRecord, launch_retries) == 36, "StepRecord.launch_retries");
+static_assert(offsetof(StepRecord, schedule_ns) == 40, "StepRecord.schedule_ns");
 
 struct EngineInit {
   SchedConfig sched;  // @0

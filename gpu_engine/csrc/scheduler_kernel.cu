@@ -509,6 +509,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) scheduler_run(EngineDe
   for (int launches = 0; launches < kMaxLaunchesPerRun;) {
     if (!scanned) ScanRing(*e, s_scan);
     scanned = false;
+    const uint64_t iteration_start = threadIdx.x == 0 ? global_timer_ns() : 0;  // step log
     if (threadIdx.x == 0) {
       vstore64(FIELD(ring::RingHeader, e->ring.base, heartbeat), ++e->counters.heartbeat);
     }
@@ -584,7 +585,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) scheduler_run(EngineDe
             static_cast<uint32_t>(e->fwd.bucket_tokens[s_bucket]),
             static_cast<uint32_t>(launched_at - step_start),
             static_cast<uint32_t>(done_at - launched_at), static_cast<uint32_t>(end - done_at),
-            retries};
+            retries, static_cast<uint32_t>(step_start - iteration_start)};
       }
       ++e->counters.engine_steps;
       e->counters.busy_ns += end - step_start;
