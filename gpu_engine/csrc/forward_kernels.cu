@@ -375,8 +375,9 @@ __global__ void blink_sampling_uniform(const uint64_t* seed, const uint32_t* ste
 // the GEMM tuner time graphs beside it (CudaForward.holding_sms) so that they see the GPU the
 // live engine sees. Launched with the scheduler's thread count, it also takes the scheduler
 // kernel's registers and static shared memory (scheduler_kernel.cu's scheduler_run: ptxas's
-// 86 registers, and 12,300 bytes of its own plus 7,628 in the functions it calls, which the
-// link puts in its CTA; test_cuda_forward checks both against the loaded kernel): what fits beside
+// 88 registers, in the same allocation unit of 8 as the 86 here, and 12,300 bytes of its own
+// plus 7,628 in the functions it calls, which the link puts in its CTA; test_cuda_forward
+// checks both against the loaded kernel, in the units the SM hands out): what fits beside
 // a CTA depends on both (beside the 6 registers a thread this kernel used to take, a skinny
 // projection's 114-register CTA fit twice on its SM; beside the scheduler's 82, or 86, once).
 static constexpr int kSchedulerRegisters = 86;

@@ -52,6 +52,16 @@ using ring::RejectReason;
 using ring::RequestSlotFixed;
 
 static constexpr int32_t kMaxStepSeqs = BLINK_SCHED_MAX_STEP_SEQS;
+
+// The prefix cache's serial walks (release, lookup, registration), each a loop of its own that
+// one thread runs now and then: not inlined into the scheduler kernel, whose registers they
+// took from 86 to 128 a thread (its CTA shares its SM with the forward's, and blink_hold_sm
+// mirrors its footprint). As calls: 88.
+#if defined(__CUDACC__)
+#define BLINK_SCHED_CALL __noinline__
+#else
+#define BLINK_SCHED_CALL inline
+#endif
 // Ring slots at most: a bound for callers' fixed-size per-slot arrays (the kernel's shared-memory
 // admission lists). Nothing in this header needs it, but config_error enforces it so that one
 // check covers both. Generated (gpu_engine/engine_layout.py): the host refuses more slots too.
@@ -424,7 +434,7 @@ BLINK_HD inline bool pool_grow(SchedState& s, SeqState& q, int32_t num_tokens) {
 // In groups of kReleaseGroup blocks, each group's loads (table entries, then reference counts
 // and uids) issued before any of its stores: one thread walking block after block waited out an
 // L2 round trip for each load (the stores might alias the next block's loads), two a block.
-BLINK_HD inline void pool_release(SchedState& s, SeqState& q) {
+BLINK_SCHED_CALL BLINK_HD void pool_release(SchedState& s, SeqState& q) {
   constexpr int32_t kReleaseGroup = 8;
   const int32_t* table = block_table(s, q.slot);
   for (int32_t hi = q.num_blocks; hi > 0; hi -= kReleaseGroup) {
@@ -451,7 +461,7 @@ BLINK_HD inline void pool_release(SchedState& s, SeqState& q) {
 // KvBlockPool.match: the cached blocks of q's longest cached prefix of at most num_tokens - 1
 // tokens, written into q's block-table row and uid row (q is waiting: it holds no blocks, so
 // the rows are free) but not taken; returns how many. 0 when prefix caching is off.
-BLINK_HD inline int32_t prefix_match(const SchedState& s, SeqState& q) {
+BLINK_SCHED_CALL BLINK_HD int32_t prefix_match(const SchedState& s, SeqState& q) {
   if (!s.cfg.prefix_caching) return 0;
   const int32_t bs = s.cfg.block_size;
   const int32_t* tokens = seq_tokens(s, q.slot);
@@ -505,7 +515,7 @@ BLINK_HD inline bool prefix_has_new_blocks(const SchedState& s, const SeqState& 
 
 // KvBlockPool.register: q's newly full, computed blocks join the cache in order. A block whose
 // identity is cached already stays q's own, and the cached one's uid continues q's chain.
-BLINK_HD inline void prefix_register(SchedState& s, SeqState& q) {
+BLINK_SCHED_CALL BLINK_HD void prefix_register(SchedState& s, SeqState& q) {
   if (!prefix_has_new_blocks(s, q)) return;
   const int32_t bs = s.cfg.block_size, full = q.num_computed / bs;
   const int32_t* tokens = seq_tokens(s, q.slot);
