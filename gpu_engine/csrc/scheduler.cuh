@@ -265,12 +265,19 @@ BLINK_HD inline int32_t* seq_tokens(const SchedState& s, int32_t slot) {
   return s.tokens + static_cast<size_t>(slot) * static_cast<size_t>(s.cfg.max_model_len);
 }
 
+// Row `slot` of one of the [num_slots, max_blocks_per_seq] arrays (block_tables,
+// seq_block_uids, seq_block_keys).
+template <class T>
+BLINK_HD inline T* block_row(const SchedState& s, T* rows, int32_t slot) {
+  return rows + static_cast<size_t>(slot) * static_cast<size_t>(s.blocks_per_seq);
+}
+
 BLINK_HD inline int32_t* block_table(const SchedState& s, int32_t slot) {
-  return s.block_tables + static_cast<size_t>(slot) * static_cast<size_t>(s.blocks_per_seq);
+  return block_row(s, s.block_tables, slot);
 }
 
 BLINK_HD inline uint64_t* block_uids(const SchedState& s, int32_t slot) {
-  return s.seq_block_uids + static_cast<size_t>(slot) * static_cast<size_t>(s.blocks_per_seq);
+  return block_row(s, s.seq_block_uids, slot);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -294,7 +301,7 @@ BLINK_HD inline uint64_t prefix_key(uint64_t previous_key, const int32_t* tokens
 // The key of q's block j (its tokens must be known), computing the keys of its blocks up to j
 // that are not yet in its row. Serial: the chain goes block by block.
 BLINK_HD inline uint64_t seq_block_key(const SchedState& s, SeqState& q, int32_t j) {
-  uint64_t* keys = s.seq_block_keys + static_cast<size_t>(q.slot) * static_cast<size_t>(s.blocks_per_seq);
+  uint64_t* keys = block_row(s, s.seq_block_keys, q.slot);
   const int32_t bs = s.cfg.block_size;
   const int32_t* tokens = seq_tokens(s, q.slot);
   for (; q.num_hashed <= j; ++q.num_hashed) {
