@@ -180,6 +180,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Hopper GPUs; the cpu engine emulates the rounding). none: an FP8 "
                         "checkpoint's values in bf16 (the default for one on a GPU without "
                         "FP8 GEMMs)")
+    p.add_argument("--no-fp8-lm-head", dest="fp8_lm_head", action="store_false",
+                   help="with FP8 weights, keep the LM head in bf16: by default it is E4M3 "
+                        "with a scale per vocabulary row too, which halves its reads (8B "
+                        "shape: 1 GB a decode step) and adds its rounding to the logits")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: keys and values as E4M3 with a scale per layer and KV head (the "
                         "checkpoint's k_scale / v_scale, or calibrated at start-up): the cache "
@@ -254,8 +258,8 @@ def _engine_config(args, model_dir: Path):
                         max_model_len=args.max_model_len, load_format=args.load_format,
                         gemm_tuning=args.gemm_tuning, sm_count_target=args.sm_count_target,
                         decode_weight_copy=args.decode_weight_copy,
-                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                        prefix_caching=args.prefix_caching)
+                        quantization=args.quantization, fp8_lm_head=args.fp8_lm_head,
+                        kv_cache_dtype=args.kv_cache_dtype, prefix_caching=args.prefix_caching)
 
 
 def _auth_token(path: Path | None) -> str | None:
@@ -504,6 +508,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv.append("--no-decode-weight-copy")
     if args.quantization:
         argv += ["--quantization", args.quantization]
+    if not args.fp8_lm_head:
+        argv.append("--no-fp8-lm-head")
     if args.kv_cache_dtype != "auto":
         argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.step_log is not None:

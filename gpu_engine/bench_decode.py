@@ -41,9 +41,9 @@ every decode token in the tensor-core query tiles / on the flash-decoding path (
 switches between them at CudaForward.DECODE_MIN_KEYS keys). --no-pdl: also with plain kernel
 launches (no programmatic dependent launch: each kernel starts after the previous one ends).
 --no-fuse: also with RMSNorm and RoPE + KV write as kernels of their own in the decode buckets
-(CudaForward(fuse_norm_rope=False)), not inside the projections. --options NAME:KEY=INT,...: also
-with CudaForward(KEY=INT, ...), e.g. s1:max_attention_splits=1 (at most one CTA a decode token's
-keys).
+(CudaForward(fuse_norm_rope=False)), not inside the projections. --options NAME:KEY=VALUE,...:
+also with CudaForward(KEY=VALUE, ...), e.g. s1:max_attention_splits=1 (at most one CTA a decode
+token's keys), or bf16head:quantization=fp8,fp8_lm_head=0 (FP8 weights, the LM head in bf16).
 """
 from __future__ import annotations
 
@@ -313,12 +313,13 @@ def label_weights(cfg: ModelConfig, label: str) -> int | None:
 
 
 def op_bytes(cfg: ModelConfig, label: str, point: Point, weights_fp8: bool = False,
-             kv_fp8: bool = False) -> int | None:
+             kv_fp8: bool = False, lm_head_fp8: bool = False) -> int | None:
     """Bytes one launch of a labelled op must read (weights: bf16, or E4M3 codes with
-    weights_fp8 but for the LM head's; or keys and values), if known."""
+    weights_fp8, and for the LM head with lm_head_fp8; or keys and values), if known."""
     weights = label_weights(cfg, label)
     if weights is not None:
-        return weights * (1 if weights_fp8 and label != "lm head" else BF16_BYTES)
+        fp8 = lm_head_fp8 if label == "lm head" else weights_fp8
+        return weights * (1 if fp8 else BF16_BYTES)
     if label == "attention":
         return int(point.context_lens.sum()) * kv_bytes_per_token(cfg, kv_fp8) // cfg.num_layers
     return None
@@ -373,7 +374,8 @@ def print_breakdown(name: str, cfg: ModelConfig, point: Point | MixedPoint, rows
         rates.append(("achieved TFLOP/s", op_flops, 1e12))
     if any(g.chunk == 1 for g in point.groups):
         rates.append(("achieved GB/s (copy rate %.0f)" % (bw / 1e9),
-                      functools.partial(op_bytes, weights_fp8=fwd.fp8, kv_fp8=fwd.kv_fp8), 1e9))
+                      functools.partial(op_bytes, weights_fp8=fwd.fp8, kv_fp8=fwd.kv_fp8,
+                                        lm_head_fp8=fwd.lm_head_fp8), 1e9))
     print("| op | launches | us per step | us per launch | share of step | " +
           " | ".join(column for column, _, _ in rates) + " |")
     print("| --- | --- | --- | --- | --- |" + " --- |" * len(rates))
@@ -421,8 +423,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-fuse", action="store_true",
                         help="also time every point with RMSNorm and RoPE as separate kernels")
     parser.add_argument("--options", nargs="*", default=[], type=parse_options,
-                        help="NAME:KEY=INT,...: also time every point with CudaForward(KEY=INT, "
-                             "...), e.g. few:max_attention_splits=2")
+                        help="NAME:KEY=VALUE,...: also time every point with "
+                             "CudaForward(KEY=VALUE, ...), e.g. few:max_attention_splits=2")
     args = parser.parse_args(argv)
     bw = copy_bandwidth()
     print(f"bench copy bandwidth: {bw / 1e12:.2f} TB/s (device-to-device, read + write)")
@@ -476,7 +478,7 @@ def run_points(args, bw: float, monitor: GpuMonitor) -> tuple[list, list]:
                     continue
                 seconds, clocks = timed_step(fwd, point, blocks_per_seq, monitor)
                 need = decode_step_bytes(cfg, [point.context] * point.batch, fwd.fp8,
-                                         fwd.kv_fp8)
+                                         fwd.kv_fp8, fwd.lm_head_fp8)
                 floor = need.total / bw
                 table.append((name, point, impl, seconds, floor))
                 print(f"bench decode {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step "
@@ -518,11 +520,12 @@ def timed_step(fwd, point: Point, blocks_per_seq: int, monitor: GpuMonitor) -> t
     return seconds, f"; {clocks.describe()}" if clocks is not None else ""
 
 
-def parse_options(text: str) -> tuple[str, dict[str, int]]:
-    """NAME:KEY=INT,... -> (NAME, {KEY: INT, ...})."""
+def parse_options(text: str) -> tuple[str, dict[str, int | str]]:
+    """NAME:KEY=VALUE,... -> (NAME, {KEY: VALUE, ...}), a VALUE of digits as an int (e.g.
+    fp8head:quantization=fp8,fp8_lm_head=0)."""
     label, _, items = text.partition(":")
-    return label, {key: int(value) for key, value in
-                   (item.split("=", 1) for item in items.split(",") if item)}
+    return label, {key: int(value) if value.lstrip("-").isdigit() else value
+                   for key, value in (item.split("=", 1) for item in items.split(",") if item)}
 
 
 def print_table(header: list[str], rows: list[tuple]) -> None:

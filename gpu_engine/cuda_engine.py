@@ -101,11 +101,13 @@ class CudaEngine:
             gpu_memory_utilization=gpu_memory_utilization, gemm_tuning=config.gemm_tuning,
             held_sms=1, sm_count_target=config.sm_count_target,  # the scheduler's CTA
             decode_weight_copy=config.decode_weight_copy,
-            quantization=config.quantization_for(cfg), kv_cache_dtype=config.kv_cache_dtype,
+            quantization=config.quantization_for(cfg), fp8_lm_head=config.fp8_lm_head,
+            kv_cache_dtype=config.kv_cache_dtype,
             kv_scales=weights.kv_scales if weights is not None else None)
         num_blocks = self.forward.num_blocks
         log.info("weights (%s), KV cache (%s, %d blocks of %d tokens) and %d forward graphs "
-                 "ready in %.1f s", "FP8" if self.forward.fp8 else "bf16",
+                 "ready in %.1f s", ("FP8, LM head FP8" if self.forward.lm_head_fp8 else
+                                     "FP8, LM head bf16") if self.forward.fp8 else "bf16",
                  "E4M3" if self.forward.kv_fp8 else "bf16", num_blocks, config.block_size,
                  len(self.forward.graph_execs), time.monotonic() - t0)
 

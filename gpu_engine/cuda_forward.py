@@ -938,7 +938,8 @@ class CudaForward:
                  splitk_cluster: int | None = None, rowblock_cluster: int | None = None,
                  skinny_split_blocks: int | None = None, lm_head_argmax: bool = True,
                  projection_chain: bool = False, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", kv_scales: np.ndarray | None = None):
+                 kv_cache_dtype: str = "auto", kv_scales: np.ndarray | None = None,
+                 fp8_lm_head: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -1001,8 +1002,11 @@ class CudaForward:
         output row (quantized on the GPU at load, csrc/quantize.cuh; the RMSNorm weights kept
         apart, not folded in): decode-sized steps run the FP8 skinny kernels (dequantizing in
         registers, activations in f16), larger ones cuBLASLt's FP8 GEMMs on activations
-        quantized per token row; the embedding and the LM head stay bf16 (see
-        docs/performance.md, *FP8*). kv_cache_dtype "fp8": an E4M3 KV cache with a float32 scale
+        quantized per token row; the embedding stays bf16 (see docs/performance.md, *FP8*).
+        fp8_lm_head (with quantization "fp8"): the LM head too, as a copy of E4M3 codes with
+        a scale per vocabulary row (lm_head_fp8: the FP8 skinny kernel in decode-sized steps,
+        cuBLASLt's FP8 GEMM on the final RMSNorm's rows quantized per row in larger ones);
+        False keeps it bf16. kv_cache_dtype "fp8": an E4M3 KV cache with a float32 scale
         per (layer, KV head): kv_scales [num_layers, 2, num_kv_heads] (keys', values'), or
         calibrated at start-up on fp8.calibration_tokens (calibrate_kv_scales)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -1013,6 +1017,7 @@ class CudaForward:
         if kv_cache_dtype not in ("auto", "bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: 'auto', 'bf16' or 'fp8'")
         self.fp8 = quantization == "fp8"
+        self.lm_head_fp8 = self.fp8 and fp8_lm_head
         self.kv_fp8 = kv_cache_dtype == "fp8"
         if self.fp8:
             align = ForwardKernels.SKINNY_FP8_K_ALIGN
@@ -1049,6 +1054,10 @@ class CudaForward:
                                  else 4 if wide else 1)
         self.max_attention_splits = max_attention_splits
         self.lm_head_tiled: DeviceArray | None = None  # the skinny LM head's (decode_weight_copy)
+        # lm_head_fp8: the LM head's E4M3 codes [V, H] and their rows' scales [V] (the bf16
+        # lm_head stays only where it is the embedding)
+        self.lm_head_codes: DeviceArray | None = None
+        self.lm_head_scale: DeviceArray | None = None
         self.decode_min_keys = (self.DECODE_MIN_KEYS if decode_min_keys is None
                                 else decode_min_keys)
         self._memory: list[DeviceArray] = []
@@ -1088,6 +1097,8 @@ class CudaForward:
             self._random_weights(random_seed)
             if self.fp8:
                 self._quantize_projections(self.layers)
+        if self.lm_head_fp8:
+            self._quantize_lm_head()
         if decode_weight_copy and skinny:
             self._tile_projections()
 
@@ -1104,7 +1115,8 @@ class CudaForward:
         self.top_k = self._alloc(S, np.int32)
         self.seed = self._alloc(S, np.uint64)
         self.step = self._alloc(S, np.uint32)
-        self.logits = self._alloc((S, V), np.float32)
+        # an FP8 LM head's GEMM writes whole 16s of rows
+        self.logits = self._alloc((_rows16(S) if self.lm_head_fp8 else S, V), np.float32)
         self.sampled = self._alloc(S, np.int32)
         # each logit row's greedy argmax, packed, that the skinny LM head reduces into and the
         # sampling kernel reads and zeroes (lm_head_argmax)
@@ -1286,19 +1298,33 @@ class CudaForward:
         """These layers' bf16 projections -> E4M3 codes with a scale per row (_Layer.scales),
         quantized on the GPU (ForwardKernels.quantize_rows: fp8.py quantize_rows's codes), the
         bf16 copies freed as it goes."""
-        k = self.kernels
         for lw in layers:
             for name, rows, cols in self._projections():
-                bf16 = getattr(lw, name)
-                codes = self._alloc((rows, cols), np.uint8)
-                scale = self._alloc(rows, np.float32)
-                k.quantize_rows(self.stream, rows, 0, bf16.ptr, cols, codes.ptr, cols,
-                                scale.ptr, cols)
+                codes, lw.scales[name] = self._quantized(getattr(lw, name), rows, cols)
                 setattr(lw, name, codes)
-                lw.scales[name] = scale
-                synchronize(self.stream)
-                self._memory.remove(bf16)
-                bf16.free()
+
+    def _quantize_lm_head(self) -> None:
+        """The LM head as E4M3 codes with a scale per vocabulary row (lm_head_codes,
+        lm_head_scale); its bf16 copy freed unless it is the embedding's table."""
+        V, H = self.cfg.vocab_size, self.cfg.hidden_size
+        tied = self.lm_head is self.embed
+        self.lm_head_codes, self.lm_head_scale = self._quantized(self.lm_head, V, H,
+                                                                 free=not tied)
+        self.lm_head = self.embed if tied else None
+
+    def _quantized(self, bf16: DeviceArray, rows: int, cols: int,
+                   free: bool = True) -> tuple[DeviceArray, DeviceArray]:
+        """bf16 [rows, cols] -> (E4M3 codes, float32 scale per row), quantized on the GPU
+        (ForwardKernels.quantize_rows: fp8.py quantize_rows's codes); bf16 freed (free)."""
+        codes = self._alloc((rows, cols), np.uint8)
+        scale = self._alloc(rows, np.float32)
+        self.kernels.quantize_rows(self.stream, rows, 0, bf16.ptr, cols, codes.ptr, cols,
+                                   scale.ptr, cols)
+        synchronize(self.stream)
+        if free:
+            self._memory.remove(bf16)
+            bf16.free()
+        return codes, scale
 
     def _projections(self) -> list[tuple[str, int, int]]:
         """(weight, rows, columns) of a layer's projections, which the skinny kernels take in
@@ -1309,7 +1335,8 @@ class CudaForward:
 
     def _tile_projections(self) -> None:
         """Each layer's tiled copies of its projections (_Layer.tiled; FP8: of their codes),
-        and the LM head's (lm_head_tiled, bf16), made on the GPU."""
+        and the LM head's (lm_head_tiled: bf16, or its codes with lm_head_fp8), made on the
+        GPU."""
         k, cfg = self.kernels, self.cfg
 
         def tiled_copy(w: DeviceArray, rows: int, cols: int,
@@ -1325,7 +1352,9 @@ class CudaForward:
                 copy = tiled_copy(getattr(lw, name), rows, cols, self.fp8)
                 if copy is not None:
                     lw.tiled[name] = copy
-        self.lm_head_tiled = tiled_copy(self.lm_head, cfg.vocab_size, cfg.hidden_size)
+        self.lm_head_tiled = (
+            tiled_copy(self.lm_head_codes, cfg.vocab_size, cfg.hidden_size, fp8=True)
+            if self.lm_head_fp8 else tiled_copy(self.lm_head, cfg.vocab_size, cfg.hidden_size))
         synchronize(self.stream)
 
     def ops(self, rows: int, in_order: bool = True) -> list[tuple[str, object]]:
@@ -1578,13 +1607,25 @@ class CudaForward:
         # the skinny LM head also reduces each row's greedy argmax, which the sampling kernel
         # takes for greedy rows instead of scanning the logits (csrc/argmax.cuh)
         lm_argmax = 0
-        if self.skinny and k.skinny_preferred(logit_rows, H, V, lm_head_tiled):
+        if self.lm_head_fp8:
+            skinny_head = self.skinny and k.skinny_fits(logit_rows, H, V, fp8=True)
+        else:
+            skinny_head = self.skinny and k.skinny_preferred(logit_rows, H, V, lm_head_tiled)
+        if skinny_head:
             lm_argmax = self.lm_argmax.ptr if self.lm_head_argmax else 0
-            op("lm head", k.skinny_linear, s, self.h_logits.ptr,
-               (self.lm_head_tiled if lm_head_tiled else self.lm_head).ptr, self.logits.ptr,
+            head = self.lm_head_tiled if lm_head_tiled else (self.lm_head_codes
+                                                             if self.lm_head_fp8 else self.lm_head)
+            op("lm head", k.skinny_linear, s, self.h_logits.ptr, head.ptr, self.logits.ptr,
                logit_rows, H, V, SKINNY_F32, w_tiled=lm_head_tiled,
-               k_splits=k.skinny_splits("linear", logit_rows, H, V, self.skinny_split_blocks),
-               argmax=lm_argmax)
+               k_splits=k.skinny_splits("linear", logit_rows, H, V, self.skinny_split_blocks,
+                                        fp8=self.lm_head_fp8),
+               argmax=lm_argmax, w_scale=self.lm_head_scale.ptr if self.lm_head_fp8 else 0)
+        elif self.lm_head_fp8:  # the final RMSNorm's rows quantized, then the FP8 GEMM
+            op("lm head quantize", k.quantize_rows, s, logit_rows, 0, self.h_logits.ptr, H,
+               self.act_q.ptr, H, self.act_q_scale.ptr, H)
+            op("lm head", blas.linear_fp8, self.act_q.ptr, self.act_q_scale.ptr,
+               self.lm_head_codes.ptr, self.lm_head_scale.ptr, self.logits.ptr,
+               _rows16(logit_rows), H, V, R_32F, False)
         else:
             op("lm head", blas.linear, self.h_logits.ptr, self.lm_head.ptr, self.logits.ptr,
                logit_rows, H, V, R_32F)

@@ -104,7 +104,13 @@ def _sources(path: Path, found: dict[str, str] | None = None) -> dict[str, str]:
 def nvcc_cubin(source: Path, *, arch: str = "90a", relocatable: bool = False,
                defines: dict | None = None) -> bytes:
     """One .cu file compiled to a cubin for `arch`, cached under $BLINK_CACHE_DIR/kernels by a
-    hash of the flags, the compiler version and the sources it includes."""
+    hash of the flags, the compiler version and the sources it includes. $BLINK_NVCC_DEFINES
+    ("NAME=VALUE,NAME", for comparing kernel variants: e.g. gemv.cuh's
+    BLINK_FP8_WEIGHT_DOUBLE_BUFFER=0) adds macros to every module's."""
+    defines = dict(defines or {})
+    for item in filter(None, os.environ.get("BLINK_NVCC_DEFINES", "").split(",")):
+        name, _, value = item.partition("=")
+        defines[name.strip()] = value.strip() or 1
     nvcc = nvcc_path()
     if nvcc is None:
         raise CudaError("nvcc not found (set BLINK_NVCC or put CUDA's bin folder on PATH)")
@@ -112,7 +118,7 @@ def nvcc_cubin(source: Path, *, arch: str = "90a", relocatable: bool = False,
              "-lineinfo", f"-I{CSRC}"]
     if relocatable:
         flags.append("-rdc=true")
-    flags += [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
+    flags += [f"-D{k}={v}" for k, v in sorted(defines.items())]
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(("\0".join(flags) + version).encode())
     for name, text in sorted(_sources(source).items()):

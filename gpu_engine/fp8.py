@@ -132,15 +132,18 @@ def calibration_tokens(vocab_size: int, count: int = CALIBRATION_TOKENS,
     return np.random.default_rng(seed).integers(0, vocab_size, count).astype(np.int32)
 
 
-def fp8_weights(weights):
+def fp8_weights(weights, lm_head: bool = True):
     """ModelWeights with every layer's projections as FP8 weights hold them (fp8_rounded_rows:
-    a scale per output row); the embedding, norms and LM head unchanged (they stay bf16 on the
-    GPU). The CPU engine's emulation of --quantization fp8, and the GPU tests' reference."""
+    a scale per output row), and the LM head too (lm_head: CudaForward's fp8_lm_head); the
+    embedding and the norms unchanged (they stay bf16 on the GPU; a tied embedding's table
+    keeps its values, the LM head's copy is rounded). The CPU engine's emulation of
+    --quantization fp8, and the GPU tests' reference."""
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     layers = [dataclasses.replace(lw, **{name: fp8_rounded_rows(getattr(lw, name))
                                          for name in projections})
               for lw in weights.layers]
-    return dataclasses.replace(weights, layers=layers)
+    head = fp8_rounded_rows(weights.lm_head) if lm_head else weights.lm_head
+    return dataclasses.replace(weights, layers=layers, lm_head=head)
 
 
 FP8_WEIGHTS_CC = (9, 0)  # cuBLASLt's FP8 GEMMs with per-row (outer-vector) scales: Hopper

@@ -64,6 +64,8 @@ class EngineConfig:
     # checkpoint's config asks for); the CPU engine emulates their rounding (gpu_engine/fp8.py);
     # "none": an FP8 checkpoint's values served in bf16 (float32 on the CPU engine)
     quantization: str | None = None
+    # with FP8 weights: the LM head as E4M3 with a scale per vocabulary row too (False: bf16)
+    fp8_lm_head: bool = True
     # "fp8": an E4M3 KV cache with a scale per (layer, KV head), from the checkpoint or
     # calibrated at start-up; "auto": bf16 (the CPU engine emulates the E4M3 one's rounding)
     kv_cache_dtype: str = "auto"
@@ -151,7 +153,7 @@ class ReferenceEngine:
             1, config.kv_cache_bytes // kv_bytes_per_block(cfg, config.block_size))
         weights = load_weights(config.model_dir, cfg)
         if config.quantization_for(cfg) == "fp8":
-            weights = fp8_weights(weights)
+            weights = fp8_weights(weights, lm_head=config.fp8_lm_head)
         self.model = ReferenceModel(cfg, weights, num_blocks, config.block_size)
         if config.kv_cache_dtype == "fp8":
             if weights.kv_scales is not None:

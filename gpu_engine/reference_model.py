@@ -7,7 +7,8 @@ one sequence at a time.
 FP8 emulation (gpu_engine/fp8.py has the rules): FP8 weights are weights passed through
 fp8.fp8_weights; kv_scales [num_layers, 2, num_kv_heads] stores every key and value as an E4M3
 cache with those scales does (fp8_rounded_kv); fp8_activations rounds each projection's input
-rows as the FP8 GEMMs of prefill-sized steps take them (a scale per token row).
+rows as the FP8 GEMMs of prefill-sized steps take them (a scale per token row), and
+fp8_head_input the LM head's as its FP8 GEMM takes them (more than 16 logit rows).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class ReferenceModel:
         # FP8 emulation (module docstring): an E4M3 cache's scales, and the FP8 GEMMs' inputs
         self.kv_scales = None if kv_scales is None else np.asarray(kv_scales, np.float32)
         self.fp8_activations = fp8_activations
+        self.fp8_head_input = False
         self.kv_amax: np.ndarray | None = None  # [L, 2, kv_heads] while calibrating
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # k_cache, v_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
@@ -152,7 +154,10 @@ class ReferenceModel:
             x = x + gemm_input(silu(h @ lw.gate_proj.T) * (h @ lw.up_proj.T)) @ lw.down_proj.T
 
         last = starts[batch.logit_seqs + 1] - 1  # [L] each wanted sequence's last token
-        return rms_norm(x[last], w.final_norm, cfg.rms_norm_eps) @ w.lm_head.T  # [L, V]
+        h = rms_norm(x[last], w.final_norm, cfg.rms_norm_eps)
+        if self.fp8_head_input:
+            h = fp8_rounded_rows(h)
+        return h @ w.lm_head.T  # [L, V]
 
     def calibrate_kv_scales(self, tokens: np.ndarray | None = None) -> np.ndarray:
         """An E4M3 cache's scales from one prefill of `tokens` (default fp8.calibration_tokens,

@@ -30,14 +30,18 @@ def projection_rows(cfg: ModelConfig) -> int:
     return (cfg.q_size + 2 * cfg.kv_size) + H + 2 * I + H
 
 
-def linear_weight_bytes(cfg: ModelConfig, fp8: bool = False) -> int:
+def linear_weight_bytes(cfg: ModelConfig, fp8: bool = False,
+                        lm_head_fp8: bool | None = None) -> int:
     """Every projection of every layer, the LM head and the norm weights, in bf16; fp8: the
-    projections as E4M3 codes and a float32 scale per output row (the LM head stays bf16)."""
+    projections as E4M3 codes and a float32 scale per output row, and the LM head too unless
+    lm_head_fp8 is False (CudaForward's fp8_lm_head)."""
     w = projection_weights(cfg)
     projections = w["qkv"] + w["o"] + w["gate_up"] + w["down"]
     per_layer = (projections + 4 * projection_rows(cfg) if fp8
                  else BF16_BYTES * projections) + BF16_BYTES * 2 * cfg.hidden_size
-    return cfg.num_layers * per_layer + BF16_BYTES * (w["lm_head"] + cfg.hidden_size)
+    lm_head = (w["lm_head"] + 4 * cfg.vocab_size if fp8 and lm_head_fp8 is not False
+               else BF16_BYTES * w["lm_head"])
+    return cfg.num_layers * per_layer + lm_head + BF16_BYTES * cfg.hidden_size
 
 
 def kv_bytes_per_token(cfg: ModelConfig, fp8: bool = False) -> int:
@@ -62,11 +66,11 @@ class StepBytes:
 
 
 def decode_step_bytes(cfg: ModelConfig, context_lens: list[int], weights_fp8: bool = False,
-                      kv_fp8: bool = False) -> StepBytes:
+                      kv_fp8: bool = False, lm_head_fp8: bool | None = None) -> StepBytes:
     """One decode step of len(context_lens) sequences, each attending to its context_lens[i]
-    keys (the new token's included); FP8 weights and an E4M3 KV cache counted at the bytes
-    their kernels read."""
-    return StepBytes(weights=linear_weight_bytes(cfg, weights_fp8),
+    keys (the new token's included); FP8 weights (the LM head's too unless lm_head_fp8 is
+    False) and an E4M3 KV cache counted at the bytes their kernels read."""
+    return StepBytes(weights=linear_weight_bytes(cfg, weights_fp8, lm_head_fp8),
                      embedding=len(context_lens) * cfg.hidden_size * BF16_BYTES,
                      kv=sum(context_lens) * kv_bytes_per_token(cfg, kv_fp8))
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from blink.gpu_engine.bench_decode import LABEL_PROJECTIONS, SHAPES, MixedPoint, Point, op_bytes, \
-    read_stream, step_batch
+    parse_options, read_stream, step_batch
 from blink.gpu_engine.roofline import BF16_BYTES, projection_weights
 from gpu import requires_gpu
 
@@ -106,3 +106,14 @@ def test_breakdown_labels_are_the_forward_pass_labels_and_count_their_weights():
     assert op_bytes(cfg, chain, point) == BF16_BYTES * (weights["o"] + weights["gate_up"]
                                                         + weights["down"])
     assert op_bytes(cfg, "embedding", point) is None
+    # FP8 weights: one byte a weight, the LM head's too unless it is kept bf16
+    head = weights["lm_head"]
+    assert op_bytes(cfg, "lm head", point, weights_fp8=True) == BF16_BYTES * head
+    assert op_bytes(cfg, "lm head", point, weights_fp8=True, lm_head_fp8=True) == head
+    assert op_bytes(cfg, "down proj + residual", point, weights_fp8=True) == weights["down"]
+
+
+def test_options_take_ints_and_words():
+    assert parse_options("bf16head:quantization=fp8,fp8_lm_head=0,max_attention_splits=-1") == (
+        "bf16head", {"quantization": "fp8", "fp8_lm_head": 0, "max_attention_splits": -1})
+    assert parse_options("plain") == ("plain", {})

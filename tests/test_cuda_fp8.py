@@ -190,17 +190,21 @@ class Fp8Pair(Pair):
         self.arch = arch
         self.cfg, w, self.engine = models[arch]
         self.engine.fill_kv_cache(0xFF)  # NaN codes: a read of an unwritten slot shows
-        scales = self.engine.kv_scales.download()
-        self.ref = ReferenceModel(self.cfg, fp8.fp8_weights(w), NUM_BLOCKS, BLOCK,
-                                  kv_scales=scales)
+        scales = self.engine.kv_scales.download() if self.engine.kv_fp8 else None
+        self.ref = ReferenceModel(self.cfg, fp8.fp8_weights(w, self.engine.lm_head_fp8),
+                                  self.engine.num_blocks, BLOCK, kv_scales=scales)
         self.ref.k_cache.fill(np.nan)
         self.ref.v_cache.fill(np.nan)
         self.errors = []
 
     def step(self, chunks, want=None, eager=False):
         tokens = sum(len(t) for t, _, _ in chunks)
-        self.ref.fp8_activations = self.engine.bucket_for(tokens) > \
+        bucket, skinny_rows = self.engine.bucket_for(tokens), \
             self.engine.kernels.SKINNY_FP8_MAX_ROWS
+        self.ref.fp8_activations = bucket > skinny_rows
+        # an FP8 LM head of more than 16 logit rows: the FP8 GEMM on the rows quantized
+        self.ref.fp8_head_input = (self.engine.lm_head_fp8
+                                   and min(bucket, self.engine.max_num_seqs) > skinny_rows)
         return super().step(chunks, want, eager, tol=FP8_LOGITS_TOL)
 
 
@@ -230,6 +234,38 @@ def test_fp8_forward_prefill_chunks_and_decode(fp8_models, arch):
             s.append(int(np.argmax(row)))
         pos = [p + 1 for p in pos]
     pair.record("fp8 prefill, chunks, decode")
+
+
+@pytest.mark.parametrize("fp8_lm_head", [True, False])
+def test_fp8_lm_head_in_both_paths(cf, tmp_path_factory, fp8_lm_head):
+    """The LM head as FP8 (fp8_lm_head, the default: E4M3 codes with a scale per vocabulary row)
+    or bf16, on an engine of 24 sequences: a prefill of 20 prompts and decode steps of the 20
+    (more than 16 logit rows: the final RMSNorm's rows quantized, then cuBLASLt's FP8 GEMM), then
+    decode steps of 5 of them (the FP8 skinny kernel and its argmax): every step's logits within
+    FP8_LOGITS_TOL of the emulation (the LM head rounded or not), the greedy tokens the
+    logits' argmax, top-1 equal except at near-ties."""
+    path = write_random_checkpoint(tmp_path_factory.mktemp("fp8_head") / "llama", seed=20,
+                                   **FORWARD_SHAPES["llama"])
+    cfg = load_config(path)
+    w = load_weights(path, cfg)
+    engine = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                            max_num_batched_tokens=MAX_TOKENS, max_num_seqs=24,
+                            quantization="fp8", fp8_lm_head=fp8_lm_head)
+    try:
+        assert engine.lm_head_fp8 == fp8_lm_head
+        pair = Fp8Pair({"llama": (cfg, w, engine)}, "llama")
+        seqs = [list(prompt(cfg, 5, seed=30 + i)) for i in range(20)]
+        tables = [np.array([2 * i, 2 * i + 1]) for i in range(20)]
+        logits = pair.step([(np.array(s), 0, t) for s, t in zip(seqs, tables)])
+        for step in range(4):
+            live = range(20) if step < 2 else range(5)
+            for i, row in zip(live, logits):
+                seqs[i].append(int(np.argmax(row)))
+            logits = pair.step([(np.array(seqs[i][-1:]), len(seqs[i]) - 1, tables[i])
+                                for i in live])
+        pair.record(f"fp8 lm head {'fp8' if fp8_lm_head else 'bf16'}, gemm and skinny")
+    finally:
+        engine.close()
 
 
 def test_fp8_kv_calibration_matches_the_reference(fp8_models):
@@ -275,8 +311,8 @@ def gate_metrics(ours: np.ndarray, ref: np.ndarray) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def gate_engines(cf, tmp_path_factory):
-    """The llama test checkpoint on three engines: bf16, FP8 weights, FP8 weights and cache;
-    and the gate's sequences."""
+    """The llama test checkpoint on four engines: bf16, FP8 weights (the LM head's too), FP8
+    weights with a bf16 LM head, FP8 weights and cache; and the gate's sequences."""
     shape = FORWARD_SHAPES["llama"]
     path = write_random_checkpoint(tmp_path_factory.mktemp("gate") / "llama", seed=20, **shape)
     cfg = load_config(path)
@@ -286,6 +322,8 @@ def gate_engines(cf, tmp_path_factory):
                    max_num_batched_tokens=GATE_SEQS * GATE_PREFIX)
     engines = {"bf16": cf.CudaForward(cfg, w, **options),
                "fp8": cf.CudaForward(cfg, w, quantization="fp8", **options),
+               "fp8 (bf16 lm head)": cf.CudaForward(cfg, w, quantization="fp8",
+                                                    fp8_lm_head=False, **options),
                "fp8+kv": cf.CudaForward(cfg, w, quantization="fp8", kv_cache_dtype="fp8",
                                         **options)}
     rng = np.random.default_rng(7)
@@ -308,7 +346,7 @@ def test_fp8_accuracy_gate(gate_engines):
     hf = np.concatenate([hf_next_logits(path, list(s))[GATE_PREFIX - 1:GATE_PREFIX +
                                                        GATE_DECODE] for s in seqs])
     results = {}
-    for name in ("bf16", "fp8", "fp8+kv"):
+    for name in engines:
         results[f"{name} vs transformers"] = gate_metrics(logits[name], hf)
         if name != "bf16":
             results[f"{name} vs bf16 engine"] = gate_metrics(logits[name], logits["bf16"])
@@ -343,7 +381,7 @@ def test_fp8_greedy_streams_differ_only_at_near_ties(gate_engines):
                                                for i, t in zip(ids, tables)]))[0])
         streams[name] = (ids, np.stack(rows, 1))  # logits [seq, step, vocab]
     base_ids, base_logits = streams["bf16"]
-    for name in ("fp8", "fp8+kv"):
+    for name in (n for n in engines if n != "bf16"):
         ids, logits = streams[name]
         same = 0
         for s in range(len(seqs)):

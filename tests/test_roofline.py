@@ -38,6 +38,19 @@ def test_step_bytes_match_the_checkpoint(tmp_path, tied):
     assert need.kv == sum(contexts) * 3 * 2 * 2 * (64 // 4) * 2 == \
         sum(contexts) * kv_bytes_per_token(cfg)
     assert need.total == need.weights + need.embedding + need.kv
+    # FP8 weights: every 2-D projection (the LM head's too, unless kept bf16) as one byte an
+    # element and a float32 scale a row; the norm weights stay bf16
+    matrices = {n: b for n, b in sizes.items() if n.endswith("proj.weight")}
+    head = sizes["lm_head.weight" if not tied else "model.embed_tokens.weight"]
+    fp8_matrices = sum(b // 2 for b in matrices.values()) + 4 * sum(
+        b // 2 // (cfg.intermediate_size if "down_proj" in n else cfg.hidden_size)
+        for n, b in matrices.items())
+    norms = read_whole - sum(matrices.values()) - head
+    fp8_head = head // 2 + 4 * cfg.vocab_size
+    assert decode_step_bytes(cfg, contexts, weights_fp8=True).weights == \
+        fp8_matrices + fp8_head + norms
+    assert decode_step_bytes(cfg, contexts, weights_fp8=True, lm_head_fp8=False).weights == \
+        fp8_matrices + head + norms
 
 
 def test_a_weightless_folder_for_dummy_weights(tmp_path):
