@@ -43,6 +43,18 @@ from blink.ring.layout import HEADER_DTYPE, EngineKind, EngineState, RingGeometr
 log = logging.getLogger("blink.engine")
 
 KERNEL_SOURCE = cr.CSRC / "scheduler_kernel.cu"
+# The scheduler kernel's registers a thread: its one CTA shares an SM with the forward pass's
+# CTAs, and forward_kernels.cu's blink_hold_sm takes the same (kSchedulerRegisters, in the SM's
+# units of 8) so that bench_decode times the graphs beside what the live path has beside them.
+# A cap, not only a measurement: the serial walks it calls (scheduler.cuh BLINK_SCHED_CALL) are
+# allocated on their own, and linking gives the kernel the largest (prefix_match took 172).
+SCHEDULER_MAX_REGISTERS = 88
+
+
+def scheduler_cubin() -> bytes:
+    """The scheduler kernel linked with cudadevrt (device-side graph launch), ready to load."""
+    return cr.link_device_runtime(cr.nvcc_cubin(KERNEL_SOURCE, relocatable=True,
+                                                max_registers=SCHEDULER_MAX_REGISTERS))
 # With nothing to schedule, the scheduler CTA sleeps this long before it polls the ring again.
 # Each poll reads three words of every slot across PCIe (with the ring in host memory), so
 # polling back to back would load the bus and the front end's cache lines for nothing; 2 us
@@ -130,8 +142,7 @@ class CudaEngine:
         h["kv_block_size"] = config.block_size
         h["prefix_caching"] = int(config.prefix_caching)
 
-        self.module = cr.Module(cr.link_device_runtime(cr.nvcc_cubin(KERNEL_SOURCE,
-                                                                      relocatable=True)))
+        self.module = cr.Module(scheduler_cubin())
         self.control = MappedControl()
         self.step_log_path = step_log
         self.step_log = None

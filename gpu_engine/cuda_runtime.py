@@ -102,11 +102,13 @@ def _sources(path: Path, found: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def nvcc_cubin(source: Path, *, arch: str = "90a", relocatable: bool = False,
-               defines: dict | None = None) -> bytes:
+               defines: dict | None = None, max_registers: int | None = None) -> bytes:
     """One .cu file compiled to a cubin for `arch`, cached under $BLINK_CACHE_DIR/kernels by a
-    hash of the flags, the compiler version and the sources it includes. $BLINK_NVCC_DEFINES
-    ("NAME=VALUE,NAME", for comparing kernel variants: e.g. gemv.cuh's
-    BLINK_FP8_WEIGHT_DOUBLE_BUFFER=0) adds macros to every module's."""
+    hash of the flags, the compiler version and the sources it includes. max_registers: every
+    function's cap (-maxrregcount; with relocatable code each device function the kernel calls
+    gets its own allocation, and linking gives the kernel the largest). $BLINK_NVCC_DEFINES
+    ("NAME=VALUE,NAME") adds macros to every module's: a kernel variant behind a macro is timed
+    against the default by running a benchmark once with it and once without."""
     defines = dict(defines or {})
     for item in filter(None, os.environ.get("BLINK_NVCC_DEFINES", "").split(",")):
         name, _, value = item.partition("=")
@@ -118,6 +120,8 @@ def nvcc_cubin(source: Path, *, arch: str = "90a", relocatable: bool = False,
              "-lineinfo", f"-I{CSRC}"]
     if relocatable:
         flags.append("-rdc=true")
+    if max_registers is not None:
+        flags.append(f"-maxrregcount={max_registers}")
     flags += [f"-D{k}={v}" for k, v in sorted(defines.items())]
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(("\0".join(flags) + version).encode())

@@ -1697,8 +1697,8 @@ def test_forward_sized_for_the_sms_the_scheduler_leaves(cf, models):
     # the held SM's CTA takes what the scheduler kernel's takes, in the units the SM hands out
     # (registers 8 a thread, shared memory 128 bytes): the same kernels fit beside either
     from blink.gpu_engine import cuda_runtime as cr
-    from blink.gpu_engine.cuda_engine import KERNEL_SOURCE
-    scheduler = cr.Module(cr.link_device_runtime(cr.nvcc_cubin(KERNEL_SOURCE, relocatable=True)))
+    from blink.gpu_engine.cuda_engine import scheduler_cubin
+    scheduler = cr.Module(scheduler_cubin())
     attr = cr.cu.CUfunction_attribute
 
     def footprint(fn):

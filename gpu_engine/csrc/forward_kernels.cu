@@ -374,12 +374,14 @@ __global__ void blink_sampling_uniform(const uint64_t* seed, const uint32_t* ste
 // scheduler kernel's CTA holds one while the forward graphs it launched run. bench_decode and
 // the GEMM tuner time graphs beside it (CudaForward.holding_sms) so that they see the GPU the
 // live engine sees. Launched with the scheduler's thread count, it also takes the scheduler
-// kernel's registers and static shared memory (scheduler_kernel.cu's scheduler_run: ptxas's
-// 88 registers, in the same allocation unit of 8 as the 86 here, and 12,300 bytes of its own
-// plus 7,628 in the functions it calls, which the link puts in its CTA; test_cuda_forward
-// checks both against the loaded kernel, in the units the SM hands out): what fits beside
-// a CTA depends on both (beside the 6 registers a thread this kernel used to take, a skinny
-// projection's 114-register CTA fit twice on its SM; beside the scheduler's 82, or 86, once).
+// kernel's registers and static shared memory (scheduler_kernel.cu's scheduler_run: 88
+// registers, the cap it is built with, cuda_engine.SCHEDULER_MAX_REGISTERS, which the serial
+// walks it calls keep to as well, in the same allocation unit of 8 as the 86 here; and 12,300
+// bytes of its own plus 7,628 in the functions it calls, which the link puts in its CTA;
+// test_cuda_forward checks both against the loaded kernel, in the units the SM hands out):
+// what fits beside a CTA depends on both (beside the 6 registers a thread this kernel used to
+// take, a skinny projection's 114-register CTA fit twice on its SM; beside the scheduler's 82,
+// or 86, once).
 static constexpr int kSchedulerRegisters = 86;
 static constexpr int kSchedulerSmemBytes = 12300 + 7628;
 __global__ void __launch_bounds__(blink::engine::kSchedulerThreads, 1)

@@ -60,12 +60,6 @@ static constexpr int kGemvWarps = 8;
 static constexpr int kGemvThreads = kGemvWarps * kWarpSize;
 static constexpr int kGemvMinCtas = 2;
 
-// The FP8 skinny kernels' weight double-buffering (GemvShape::kWeightDoubleBuffer); 0 builds
-// the single-buffered loop it replaced, for comparison (cuda_runtime's BLINK_NVCC_DEFINES).
-#ifndef BLINK_FP8_WEIGHT_DOUBLE_BUFFER
-#define BLINK_FP8_WEIGHT_DOUBLE_BUFFER 1
-#endif
-
 enum GemvOut : int { kGemvBf16 = 0, kGemvF32 = 1, kGemvF32Add = 2, kGemvSiluMul = 3 };
 
 // Weights stream through once: no L1 allocation (x, re-read by every CTA, keeps the L1). Not
@@ -119,12 +113,11 @@ struct GemvShape {
   // the SiLU-gated gate|up projection (2 x 1) gains 8%, the 1 x 1 shape (12 loads a batch)
   // loses 12% with it, and two of the wider shapes spill under the register cap.
   static constexpr bool kDoubleBuffer = kLoadsPerStep * kUnroll <= 10;
-  // FP8 weights: a step's 16-byte weight load carries 16 weights, twice bf16's, so a batch of
-  // them is half the bytes in flight, and x's loads (two pieces a step, and the RMSNorm's
-  // weight) take as many registers as the weights'. Only the weights are double-buffered:
-  // batch b + 1's are issued before batch b's x loads (L1 hits: every warp of the CTA reads
-  // the same x) and MMAs, so a warp keeps two batches of weights in flight.
-  static constexpr bool kWeightDoubleBuffer = W::kFp8 && BLINK_FP8_WEIGHT_DOUBLE_BUFFER;
+  // (Tried on FP8 weights and not kept: double-buffering the weights alone, x and the norm's
+  // weight loaded per batch just before its MMAs, so that a warp keeps two batches of weights
+  // in flight. At 128 registers and no spills in the loop it made every FP8 projection slower,
+  // 8B batch 1 on the H200 2.441 -> 2.629 ms a step: gate|up 1,064 -> 1,180 us, down 532 -> 545,
+  // qkv 323 -> 344, o 209 -> 232; docs/performance.md, FP8 round 19.)
   static constexpr int kRedLd = kCols + 1;  // padded row of the cross-warp reduction
 };
 
@@ -487,20 +480,8 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
   Batch first;
   if (batches > 0) load_batch_w(0, first);
   AwaitPriorKernel();
-  if constexpr (S::kWeightDoubleBuffer) {
-    Batch second;
-    for (int b = 0; b < batches; b += 2) {
-      if (b + 1 < batches) load_batch_w(b + 1, second);
-      load_batch_x(b, first);
-      mma_batch(first);
-      if (b + 1 < batches) {
-        if (b + 2 < batches) load_batch_w(b + 2, first);
-        load_batch_x(b + 1, second);
-        mma_batch(second);
-      }
-    }
-  } else if constexpr (S::kDoubleBuffer) {
-    if (batches > 0) load_batch_x(0, first);
+  if (batches > 0) load_batch_x(0, first);
+  if constexpr (S::kDoubleBuffer) {
     Batch& even = first;
     Batch odd;
     for (int b = 0; b < batches; b += 2) {
@@ -512,7 +493,6 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
       }
     }
   } else {
-    if (batches > 0) load_batch_x(0, first);
     if (batches > 0) mma_batch(first);
     for (int b = 1; b < batches; ++b) {
       Batch batch;  // fresh registers: all of its loads are issued before its first MMA
