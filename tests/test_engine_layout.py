@@ -4,6 +4,7 @@ the kernel builds against it and defines none of those structs itself, and the E
 record the host builds reads back field for field through the C struct. CPU only."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -49,13 +50,31 @@ def test_header_compiles_with_nvcc(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def scheduler_max_registers() -> int:
+    """cuda_engine.SCHEDULER_MAX_REGISTERS, read from its source (it imports CUDA)."""
+    source = (ROOT / "gpu_engine" / "cuda_engine.py").read_text()
+    return int(re.search(r"^SCHEDULER_MAX_REGISTERS = (\d+)$", source, re.M).group(1))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_scheduler_kernel_builds(tmp_path):
-    """The flags cuda_runtime.nvcc_cubin(relocatable=True) uses for the engine."""
+    """The flags cuda_runtime.nvcc_cubin(relocatable=True, max_registers=) uses for the
+    engine."""
     r = subprocess.run(["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3",
-                        "-std=c++17", f"-I{CSRC}", "-rdc=true", "-o", str(tmp_path / "k.cubin"),
+                        "-std=c++17", f"-I{CSRC}", "-rdc=true",
+                        f"-maxrregcount={scheduler_max_registers()}",
+                        "-o", str(tmp_path / "k.cubin"),
                         str(CSRC / "scheduler_kernel.cu")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_held_sm_takes_the_scheduler_kernels_registers():
+    """blink_hold_sm (forward_kernels.cu) takes as many registers, in the SM's units of 8, as
+    the scheduler kernel's cap lets it take: bench_decode then times the forward graphs beside
+    what the live engine has beside them (the GPU test compares the loaded kernels)."""
+    source = (CSRC / "forward_kernels.cu").read_text()
+    held = int(re.search(r"kSchedulerRegisters = (\d+);", source).group(1))
+    assert -(-held // 8) == -(-scheduler_max_registers() // 8)
 
 
 def test_kernel_defines_no_shared_struct_itself():
