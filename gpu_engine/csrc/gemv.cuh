@@ -117,7 +117,8 @@ struct GemvShape {
   // weight loaded per batch just before its MMAs, so that a warp keeps two batches of weights
   // in flight. At 128 registers and no spills in the loop it made every FP8 projection slower,
   // 8B batch 1 on the H200 2.441 -> 2.629 ms a step: gate|up 1,064 -> 1,180 us, down 532 -> 545,
-  // qkv 323 -> 344, o 209 -> 232; docs/performance.md, FP8 round 19.)
+  // qkv 323 -> 344, o 209 -> 232. Under the cap ptxas issued x's loads step by step, each
+  // waited on before its MMAs; docs/performance.md, FP8 round 19.)
   static constexpr int kRedLd = kCols + 1;  // padded row of the cross-warp reduction
 };
 
