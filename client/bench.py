@@ -151,6 +151,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="extra front-end flag, repeatable (e.g. --frontend-arg=--workers=4)")
     eng.add_argument("--engine-arg", action="append", default=[],
                      help="extra engine flag, repeatable (e.g. --engine-arg=--kv-cache-mb=512)")
+    add_fp8_arguments(eng, "the started blink and host-cuda servers'")
     p.add_argument("--out", type=Path, default=None,
                    help="folder for bench.json and the plots (default bench-results; with "
                         "--report: beside the first file)")
@@ -164,7 +165,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "counted as failed (keeps a suite's time bounded with a slow peer)")
 
 
+def add_fp8_arguments(group, whose: str) -> None:
+    """--quantization and --kv-cache-dtype for started servers (blink bench, blink soak)."""
+    group.add_argument("--quantization", choices=["fp8"], default=None,
+                       help=f"{whose} --quantization (FP8 weights)")
+    group.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                       help=f"{whose} --kv-cache-dtype (an E4M3 KV cache)")
+
+
+def fp8_flags(args) -> list[str]:
+    """The engine flags of add_fp8_arguments' options, as given."""
+    return ((["--quantization", args.quantization] if args.quantization else [])
+            + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto"
+               else []))
+
+
 def check_arguments(args) -> None:
+    if fp8_flags(args) and args.target:
+        raise BenchError(f"{' '.join(fp8_flags(args))} set the servers blink bench starts: "
+                         f"drop them with --target (start that server with them instead)")
+    fp8_less = [s for s in args.systems if s not in ("blink", "host-cuda")]
+    if fp8_flags(args) and fp8_less:
+        raise BenchError(f"{' '.join(fp8_flags(args))}: an option of the blink and host-cuda "
+                         f"systems, not {', '.join(fp8_less)}")
     if args.target and (args.model or args.shape or args.systems != ["blink"]):
         raise BenchError("--target measures a running server: drop --model, --shape and "
                          "--systems (or drop --target to start servers)")
@@ -243,7 +266,7 @@ def engine_flags(args, system: str) -> list[str]:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.shape:
         flags += ["--load-format", "dummy"]
-    return flags + SYSTEM_FLAGS.get(system, []) + args.engine_arg
+    return flags + SYSTEM_FLAGS.get(system, []) + fp8_flags(args) + args.engine_arg
 
 
 def server_counters(target: str) -> dict:

@@ -176,9 +176,10 @@ def summary(doc: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from blink.client.bench import add_server_arguments
+    from blink.client.bench import add_fp8_arguments, add_server_arguments
     where = p.add_argument_group("what to soak")
     add_server_arguments(where)
+    add_fp8_arguments(where, "the started server's")
     where.add_argument("--max-model-len", type=int, default=None,
                        help="context length for the started server")
     where.add_argument("--engine-arg", action="append", default=[],
@@ -196,9 +197,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args) -> None:
-    if args.target and (args.model or args.shape or args.engine_arg or args.max_model_len):
+    from blink.client.bench import fp8_flags
+    if args.target and (args.model or args.shape or args.engine_arg or args.max_model_len
+                        or fp8_flags(args)):
         sys.exit("blink soak: --target soaks a running server: drop --model, --shape, "
-                 "--max-model-len and --engine-arg")
+                 "--max-model-len, --engine-arg, --quantization and --kv-cache-dtype")
     if args.model and args.shape:
         sys.exit("blink soak: give --model or --shape, not both")
     if args.duration <= 0 or args.concurrency < 1 or args.max_prompt < 1 or args.max_output < 1:
@@ -219,7 +222,7 @@ def cmd_soak(args) -> None:
     if args.target:
         doc = asyncio.run(soak(args.target, **options))
     else:
-        from blink.client.bench import model_folder
+        from blink.client.bench import fp8_flags, model_folder
         from blink.client.bench_data import BenchError
         from blink.client.bench_server import Server
         with tempfile.TemporaryDirectory(prefix="blink-soak-") as tmp:
@@ -230,7 +233,7 @@ def cmd_soak(args) -> None:
             flags = ["--slots", str(max(128, 2 * args.concurrency)),
                      *(["--load-format", "dummy"] if args.shape else []),
                      *(["--max-model-len", str(args.max_model_len)] if args.max_model_len
-                       else []), *args.engine_arg]
+                       else []), *fp8_flags(args), *args.engine_arg]
             try:
                 server = Server(model_dir, Path(tmp), flags, name="soak")
             except RuntimeError as e:

@@ -246,9 +246,26 @@ def test_bench_arguments_fail_clearly(capsys):
                           (["--model", "x", "--shape", "llama-3.2-1b"], "not both"),
                           (["--report", "b.json", "--model", "x"], "measures nothing"),
                           (["--target", "h:1", "--server-nice", "5"], "servers blink bench"),
-                          (["--server-nice", "25"], "between -20 and 19")):
+                          (["--server-nice", "25"], "between -20 and 19"),
+                          (["--target", "h:1", "--quantization", "fp8"], "drop them with"),
+                          (["--systems", "blink", "hf", "--kv-cache-dtype", "fp8"],
+                           "not hf")):
         with pytest.raises(SystemExit, match=message):
             bench.cmd_bench(parser.parse_args(["bench", *argv]))
+
+
+def test_fp8_options_reach_the_started_servers():
+    """--quantization and --kv-cache-dtype become the blink and host-cuda engines' flags (before
+    --engine-arg's, which may override them); without them nothing is added."""
+    parser = build_parser()
+    args = parser.parse_args(["bench", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+                              "--engine-arg=--kv-cache-mb=64"])
+    for system in ("blink", "host-cuda"):
+        flags = bench.engine_flags(args, system)
+        assert flags[-5:] == ["--quantization", "fp8", "--kv-cache-dtype", "fp8",
+                              "--kv-cache-mb=64"], flags
+    plain = bench.engine_flags(parser.parse_args(["bench"]), "blink")
+    assert "--quantization" not in plain and "--kv-cache-dtype" not in plain
 
 
 def tiny_llama(path, max_position_embeddings=512):

@@ -51,6 +51,7 @@ def test_leak_check_reports_what_is_left():
 
 def test_soak_arguments_fail_clearly(tmp_path):
     for args, message in ((["--target", "h:1", "--model", "m"], "--target soaks a running"),
+                          (["--target", "h:1", "--quantization", "fp8"], "--target soaks a"),
                           (["--cancel-fraction", "0.8", "--deadline-fraction", "0.5"],
                            "sum to at most 1"),
                           (["--duration", "0"], "must be positive")):
