@@ -181,13 +181,14 @@ def fp8_flags(args) -> list[str]:
 
 
 def check_arguments(args) -> None:
-    if fp8_flags(args) and args.target:
-        raise BenchError(f"{' '.join(fp8_flags(args))} set the servers blink bench starts: "
-                         f"drop them with --target (start that server with them instead)")
+    fp8 = " ".join(fp8_flags(args))
+    if fp8 and args.target:
+        raise BenchError(f"{fp8} set the servers blink bench starts: drop them with --target "
+                         f"(start that server with them instead)")
     fp8_less = [s for s in args.systems if s not in ("blink", "host-cuda")]
-    if fp8_flags(args) and fp8_less:
-        raise BenchError(f"{' '.join(fp8_flags(args))}: an option of the blink and host-cuda "
-                         f"systems, not {', '.join(fp8_less)}")
+    if fp8 and fp8_less:
+        raise BenchError(f"{fp8}: an option of the blink and host-cuda systems, not "
+                         f"{', '.join(fp8_less)}")
     if args.target and (args.model or args.shape or args.systems != ["blink"]):
         raise BenchError("--target measures a running server: drop --model, --shape and "
                          "--systems (or drop --target to start servers)")

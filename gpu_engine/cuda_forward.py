@@ -1310,7 +1310,8 @@ class CudaForward:
         tied = self.lm_head is self.embed
         self.lm_head_codes, self.lm_head_scale = self._quantized(self.lm_head, V, H,
                                                                  free=not tied)
-        self.lm_head = self.embed if tied else None
+        if not tied:
+            self.lm_head = None
 
     def _quantized(self, bf16: DeviceArray, rows: int, cols: int,
                    free: bool = True) -> tuple[DeviceArray, DeviceArray]:
@@ -1609,12 +1610,13 @@ class CudaForward:
         lm_argmax = 0
         if self.lm_head_fp8:
             skinny_head = self.skinny and k.skinny_fits(logit_rows, H, V, fp8=True)
+            head = self.lm_head_codes
         else:
             skinny_head = self.skinny and k.skinny_preferred(logit_rows, H, V, lm_head_tiled)
+            head = self.lm_head
         if skinny_head:
             lm_argmax = self.lm_argmax.ptr if self.lm_head_argmax else 0
-            head = self.lm_head_tiled if lm_head_tiled else (self.lm_head_codes
-                                                             if self.lm_head_fp8 else self.lm_head)
+            head = self.lm_head_tiled if lm_head_tiled else head
             op("lm head", k.skinny_linear, s, self.h_logits.ptr, head.ptr, self.logits.ptr,
                logit_rows, H, V, SKINNY_F32, w_tiled=lm_head_tiled,
                k_splits=k.skinny_splits("linear", logit_rows, H, V, self.skinny_split_blocks,
