@@ -182,7 +182,7 @@ class ForwardKernels:
     SKINNY_SPLIT_KINDS = ("linear", "qkv_rope_norm")
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
                     *(f"blink_paged_attention{variant}{layout}"
-                      for variant in ("", "_small", "_small_wide")
+                      for variant in ("", "_small", "_small_wide", "_wgmma")
                       for layout in ("", "_any_block")),
                     "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform",
@@ -262,6 +262,9 @@ class ForwardKernels:
         self.attention_small_smem = self._constant("blink_attention_small_smem_bytes")
         self.attention_wide_threads = self._constant("blink_attention_wide_threads")
         self.attention_wide_smem = self._constant("blink_attention_wide_smem_bytes")
+        self.attention_wgmma_threads = self._constant("blink_attention_wgmma_threads")
+        self.attention_wgmma_rows = self._constant("blink_attention_wgmma_rows")
+        self.attention_wgmma_smem = self._constant("blink_attention_wgmma_smem_bytes")
         self.sample_threads = self._constant("blink_sample_threads")
         self.gemv_threads = self._constant("blink_gemv_threads")
         self.attention_max_splits = self._constant("blink_attention_max_splits")
@@ -284,12 +287,13 @@ class ForwardKernels:
         # holds (registers and shared memory decide)
         self.attention_launch: dict[str, tuple[int, int]] = {}
         self.attention_ctas_per_sm: dict[str, int] = {}
-        for small, wide, threads, smem in (
-                (False, False, self.attention_threads, self.attention_smem),
-                (True, False, self.attention_threads, self.attention_small_smem),
-                (True, True, self.attention_wide_threads, self.attention_wide_smem)):
+        for small, wide, wgmma, threads, smem in (
+                (False, False, False, self.attention_threads, self.attention_smem),
+                (True, False, False, self.attention_threads, self.attention_small_smem),
+                (True, True, False, self.attention_wide_threads, self.attention_wide_smem),
+                (False, False, True, self.attention_wgmma_threads, self.attention_wgmma_smem)):
             for block_size in (self.attention_step_keys, 1):  # one of each block layout
-                name = self.attention_kernel(small, block_size, wide)
+                name = self.attention_kernel(small, block_size, wide, wgmma)
                 check(driver.cuFuncSetAttribute(
                     self.fn[name],
                     driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -403,7 +407,8 @@ class ForwardKernels:
     def attention(self, stream, rows, desc, positions, token_seq, block_tables,
                   max_blocks_per_seq, q, k_cache, v_cache, block_size, num_heads, num_kv_heads,
                   scale, out, num_splits=1, partial_out=0, partial_stats=0, tile_sems=0,
-                  small=False, wide=False, decode_min_keys=0, release_next=False, kv_scales=0):
+                  small=False, wide=False, wgmma=False, decode_min_keys=0, release_next=False,
+                  kv_scales=0):
         """One kernel: decode tokens with at least decode_min_keys keys on the flash-decoding
         path, every other token in tensor-core query tiles.
         num_splits > 1 lets up to that many CTAs share a tile's (or a decode token's, as many as
@@ -413,11 +418,13 @@ class ForwardKernels:
         before the first launch; each use leaves it zero). small: the tile variant with
         attention_small_rows query rows per CTA (decode-sized buckets); wide (with small): its
         kernel with attention_wide_threads threads a CTA (csrc/attention_common.cuh
-        kAttnWideWarps). kv_scales: an E4M3 cache's (the layer's, as rope_kv_write takes
-        them)."""
+        kAttnWideWarps). wgmma: the kernel whose query tiles of attention_wgmma_rows rows run
+        on wgmma (prefill-sized buckets; kAttnWgmmaRows). kv_scales: an E4M3 cache's (the
+        layer's, as rope_kv_write takes them)."""
         self._kv_checks(kv_scales, 0)
         group = num_heads // num_kv_heads
-        max_rows = self.attention_small_rows if small else self.attention_rows
+        max_rows = (self.attention_small_rows if small else
+                    self.attention_wgmma_rows if wgmma else self.attention_rows)
         self._need(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
         self._need(group <= max_rows, f"GQA group {group} > {max_rows} rows per CTA")
         self._need(num_splits == 1 or (partial_out and partial_stats and tile_sems),
@@ -425,7 +432,8 @@ class ForwardKernels:
         self._need(1 <= num_splits <= self.attention_max_splits,
                    f"num_splits {num_splits} not in [1, {self.attention_max_splits}]")
         self._need(small or not wide, "the wide attention kernel has the small query tiles")
-        name = self.attention_kernel(small, block_size, wide)
+        self._need(not (small and wgmma), "the wgmma attention kernel has the large query tiles")
+        name = self.attention_kernel(small, block_size, wide, wgmma)
         threads, smem = self.attention_launch[name]
         self.launch(name, (rows, num_kv_heads, num_splits), (threads,),
                     [_ptr(desc), _ptr(positions), _ptr(token_seq), _ptr(block_tables),
@@ -433,23 +441,26 @@ class ForwardKernels:
                      _i32(block_size), _i32(num_heads), _i32(num_kv_heads), _f32(scale),
                      _ptr(out), _i32(num_splits), _ptr(partial_out), _ptr(partial_stats),
                      _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1)),
-                     _i32(self.attention_slots(small, block_size, wide)),
+                     _i32(self.attention_slots(small, block_size, wide, wgmma)),
                      _i32(int(release_next)), _ptr(kv_scales)],
                     stream, smem=smem)
 
-    def attention_kernel(self, small: bool, block_size: int, wide: bool = False) -> str:
-        """The attention kernel for query tiles of attention_small_rows (small) or
-        attention_rows, with attention_wide_threads threads a CTA (wide) or
-        attention_threads, and a KV cache of block_size rows a block: the decode path of block
-        sizes that are multiples of attention_step_keys (16) reads a warp step's keys from one
-        block; the others' (_any_block) look up each key's block (csrc/attention.cuh
-        AttentionCta)."""
+    def attention_kernel(self, small: bool, block_size: int, wide: bool = False,
+                         wgmma: bool = False) -> str:
+        """The attention kernel for query tiles of attention_small_rows (small),
+        attention_wgmma_rows on wgmma (wgmma) or attention_rows, with attention_wide_threads
+        threads a CTA (wide), attention_wgmma_threads (wgmma) or attention_threads, and a KV
+        cache of block_size rows a block: the decode path of block sizes that are multiples of
+        attention_step_keys (16) reads a warp step's keys from one block; the others'
+        (_any_block) look up each key's block (csrc/attention.cuh AttentionCta)."""
         return ("blink_paged_attention" + ("_small" if small else "") + ("_wide" if wide else "")
+                + ("_wgmma" if wgmma else "")
                 + ("" if block_size % self.attention_step_keys == 0 else "_any_block"))
 
-    def attention_slots(self, small: bool, block_size: int, wide: bool = False) -> int:
+    def attention_slots(self, small: bool, block_size: int, wide: bool = False,
+                        wgmma: bool = False) -> int:
         """CTAs of that attention kernel the GPU holds at once."""
-        return (self.attention_ctas_per_sm[self.attention_kernel(small, block_size, wide)]
+        return (self.attention_ctas_per_sm[self.attention_kernel(small, block_size, wide, wgmma)]
                 * self.sm_count)
 
     @classmethod
@@ -939,7 +950,7 @@ class CudaForward:
                  skinny_split_blocks: int | None = None, lm_head_argmax: bool = True,
                  projection_chain: bool = False, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", kv_scales: np.ndarray | None = None,
-                 fp8_lm_head: bool = True):
+                 fp8_lm_head: bool = True, attention_wgmma_min_bucket: int | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -951,9 +962,11 @@ class CudaForward:
         projection that follows it and RoPE + KV write inside the qkv projection (False: as
         kernels of their own, the comparison bench_decode --no-fuse makes).
         max_attention_splits: caps attention_splits below the kernel's own cap (the comparison
-        bench_decode --options makes). gemm_tuning: each cuBLAS GEMM shape runs the fastest of
-        cuBLAS's own choice and cuBLASLt's candidates, timed at start-up or read from the cache
-        (gemm_tuning.py; False: cuBLAS's own choice everywhere).
+        bench_decode --options makes). attention_wgmma_min_bucket: overrides
+        ATTENTION_WGMMA_MIN_BUCKET (a huge value: no bucket takes the wgmma kernel).
+        gemm_tuning: each cuBLAS GEMM shape runs the fastest of cuBLAS's own choice and
+        cuBLASLt's candidates, timed at start-up or read from the cache (gemm_tuning.py; False:
+        cuBLAS's own choice everywhere).
         held_sms: SMs another kernel holds while the graphs run: the scheduler kernel's one CTA
         (0 where the host launches them). The graphs' kernels are sized for the other SMs
         (cuBLAS's SM count target, the attention grids), and bench_decode and the GEMM tuner
@@ -1053,6 +1066,9 @@ class CudaForward:
         self.rowblock_cluster = (rowblock_cluster if rowblock_cluster is not None
                                  else 4 if wide else 1)
         self.max_attention_splits = max_attention_splits
+        self.attention_wgmma_min_bucket = (self.ATTENTION_WGMMA_MIN_BUCKET
+                                           if attention_wgmma_min_bucket is None
+                                           else attention_wgmma_min_bucket)
         self.lm_head_tiled: DeviceArray | None = None  # the skinny LM head's (decode_weight_copy)
         # lm_head_fp8: the LM head's E4M3 codes [V, H] and their rows' scales [V] (the bf16
         # lm_head stays only where it is the embedding)
@@ -1526,7 +1542,8 @@ class CudaForward:
                    cfg.num_kv_heads, D ** -0.5, self.attn.ptr, self.attention_splits(rows),
                    self.attn_partial_out.ptr, self.attn_partial_stats.ptr,
                    self.attn_tile_sems.ptr, small=self.attention_small(rows),
-                   wide=self.attention_wide(rows), decode_min_keys=self.decode_min_keys,
+                   wide=self.attention_wide(rows), wgmma=self.attention_wgmma(rows),
+                   decode_min_keys=self.decode_min_keys,
                    release_next=release_next, kv_scales=kv_write["kv_scales"])
             if self.fp8:
                 fp8_layer(lw, rope_args, cache_args, kv_write, rope, attend)
@@ -1747,7 +1764,7 @@ class CudaForward:
         contexts stay one or a few CTAs and long ones spread over the GPU."""
         k = self.kernels
         slots = k.attention_slots(self.attention_small(bucket), self.block_size,
-                                  self.attention_wide(bucket))
+                                  self.attention_wide(bucket), self.attention_wgmma(bucket))
         ctas = bucket * self.cfg.num_kv_heads
 
         def fill(splits):
@@ -1787,6 +1804,25 @@ class CudaForward:
         return (self.attention_small(bucket) and k.attention_wide_threads > k.attention_threads
                 and bucket * self.cfg.num_kv_heads
                 <= k.attention_slots(True, self.block_size, wide=True))
+
+    # Buckets of at least this many tokens run the wgmma attention kernel (128-row query tiles
+    # on two warpgroups, csrc/attention_common.cuh kAttnWgmmaRows); smaller ones the mma.sync
+    # tiles. Measured on the H200, Llama-3.1-8B shape with FP8 weights: a 2,048-token chunk to
+    # context 8,192 (bench_decode --prefill) 1,360 -> 915 us of attention a layer (177 -> 263
+    # TFLOP/s; 1,535 -> 1,373 with the FP8 cache), the live 8,000-token first token 238 ->
+    # 216 ms (FP8 cache); but with every bucket on it the live 256-stream run (steps of ~460
+    # tokens, bucket 512, decodes beside 256-token prompts, FP8 cache) went 19,665 -> 17,750
+    # generated tok/s (11.4 -> 12.7 ms a step), so the mixed buckets keep the mma.sync tiles.
+    # 1,024 and 1,536 are not measured: the line sits at the one measured each way.
+    ATTENTION_WGMMA_MIN_BUCKET = 2048
+
+    def attention_wgmma(self, bucket: int) -> bool:
+        """Prefill-sized buckets take the wgmma attention kernel (ATTENTION_WGMMA_MIN_BUCKET;
+        never the decode-sized ones, attention_small), where the module has it (head dims 64
+        and 128: more threads than the large kernel)."""
+        k = self.kernels
+        return (bucket >= self.attention_wgmma_min_bucket and not self.attention_small(bucket)
+                and k.attention_wgmma_threads > k.attention_threads)
 
     def bucket_for(self, num_tokens: int) -> int | None:
         """The smallest bucket holding num_tokens, None when it exceeds the largest."""

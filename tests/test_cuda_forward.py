@@ -1056,8 +1056,9 @@ ATTENTION_BATCHES = {**MIXED, "decode": DECODES, "one long decode": [(3999, 1)]}
                           (128, 16, 2), (128, 32, 4), (128, 64, 1)])
 @pytest.mark.parametrize("batch", [1, 19, 99, "decode"])
 @pytest.mark.parametrize("splits", [1, 3, 64])
-# the kernel: 64-row query tiles, 16-row ones, 16-row ones with more warps a CTA
-@pytest.mark.parametrize("variant", ["", "small", "small_wide"])
+# the kernel: 64-row query tiles, 16-row ones, 16-row ones with more warps a CTA, 128-row ones
+# on wgmma (two warpgroups)
+@pytest.mark.parametrize("variant", ["", "small", "small_wide", "wgmma"])
 # decode tokens: all on the flash-decoding path, none, or split by context length in one launch
 @pytest.mark.parametrize("decode_min_keys", [0, 500, 2 ** 31 - 1])
 def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant,
@@ -1074,7 +1075,7 @@ def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, s
 @pytest.mark.parametrize("block_size", [32, 48, 8, 24, 5])
 @pytest.mark.parametrize("batch", [19, "decode"])
 @pytest.mark.parametrize("splits", [1, 64])
-@pytest.mark.parametrize("variant", ["", "small_wide"])
+@pytest.mark.parametrize("variant", ["", "small_wide", "wgmma"])
 def test_paged_attention_block_sizes(cf, stream, block_size, batch, splits, variant):
     """As test_paged_attention, with other block sizes (Llama-3.1-8B's heads, the decode path
     for every decode token)."""
@@ -1101,7 +1102,7 @@ def test_paged_attention_many_splits(cf, stream, head_dim, num_heads, num_kv_hea
                          [(64, 8, 8), (64, 8, 2), (128, 32, 8), (128, 16, 2), (128, 64, 1)])
 @pytest.mark.parametrize("batch", [19, 99, "decode", "one long decode"])
 @pytest.mark.parametrize("splits", [1, 64])
-@pytest.mark.parametrize("variant", ["", "small_wide"])
+@pytest.mark.parametrize("variant", ["", "small_wide", "wgmma"])
 @pytest.mark.parametrize("block_size", [16, 24])
 def test_paged_attention_fp8_kv(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits,
                                 variant, block_size):
@@ -1112,13 +1113,16 @@ def test_paged_attention_fp8_kv(cf, stream, head_dim, num_heads, num_kv_heads, b
 
 
 def _attention_flags(variant: str) -> dict[str, bool]:
-    """ForwardKernels.attention's kernel arguments for a variant ("", "small", "small_wide")."""
-    return dict(small=variant.startswith("small"), wide=variant.endswith("wide"))
+    """ForwardKernels.attention's kernel arguments for a variant ("", "small", "small_wide",
+    "wgmma")."""
+    return dict(small=variant.startswith("small"), wide=variant.endswith("wide"),
+                wgmma=variant == "wgmma")
 
 
 def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant,
                      decode_min_keys, block_size, kv_fp8=False):
-    """variant: the kernel's name past blink_paged_attention ("", "small", "small_wide").
+    """variant: the kernel's name past blink_paged_attention ("", "small", "small_wide",
+    "wgmma").
     kv_fp8: an E4M3 cache (the module built for it) with a scale per (k|v, KV head)."""
     k = kernels(cf, head_dim, kv_fp8)
     flags = _attention_flags(variant)
@@ -1482,6 +1486,23 @@ def test_forward_chunked_prefill_then_decode(models, arch):
         logits = pair.step([(np.array(ids[pos:pos + 1]), pos, table)])
         pos += 1
     pair.record("chunked prefill + decode")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_prefill_on_the_wgmma_attention_kernel(models, arch, monkeypatch):
+    """Prefill chunks past the decode-sized buckets with the wgmma attention kernel taking them
+    (eager launches; its default line, ATTENTION_WGMMA_MIN_BUCKET, is past this engine's
+    buckets): a 99-token prompt, then its next 70 tokens over those keys beside another
+    sequence's one-token prompt (the decode path, in the wgmma kernel's 8-warp CTAs), against
+    the reference."""
+    pair = Pair(models, arch)
+    monkeypatch.setattr(pair.engine, "attention_wgmma_min_bucket", 1)
+    assert pair.engine.attention_wgmma(MAX_TOKENS) and not pair.engine.attention_wgmma(64)
+    blocks = np.random.default_rng(5).permutation(NUM_BLOCKS)
+    ids, other = prompt(pair.cfg, 169, seed=6), prompt(pair.cfg, 1, seed=7)
+    pair.step([(ids[:99], 0, blocks[:11])], eager=True)
+    pair.step([(ids[99:], 99, blocks[:11]), (other, 0, blocks[11:12])], eager=True)
+    pair.record("prefill on the wgmma attention kernel")
 
 
 @pytest.mark.parametrize("splitk_cluster,rowblock_cluster", [(1, 1), (2, 2), (4, 4), (2, 4)])
@@ -1909,7 +1930,9 @@ def test_kernel_timings(cf, stream, models):
             ("prefill 64 after 960", [(960, 64)], 64, 3, "small"),
             ("prefill 64 after 960", [(960, 64)], 64, 1, ""),
             ("prefill 512 from 0", [(0, 512)], 512, 1, ""),
-            ("prefill 512 after 512", [(512, 512)], 512, 1, "")):
+            ("prefill 512 from 0", [(0, 512)], 512, 1, "wgmma"),
+            ("prefill 512 after 512", [(512, 512)], 512, 1, ""),
+            ("prefill 512 after 512", [(512, 512)], 512, 1, "wgmma")):
         pb = PagedBatch(seqs, bs, rng)
         pb.tables = np.arange(pb.tables.size, dtype=np.int32).reshape(pb.tables.shape) % blocks
         d = [dev(cf, a) for a in (pb.positions, pb.token_seq, pb.tables)]

@@ -11,7 +11,9 @@
 // the scale). Each query attends to cache positions 0..its own position, all of which the
 // RoPE/KV-write kernel wrote earlier in the same graph. Head dims 64 and 128 run the tiles on
 // mma.sync, a warp per 16 rows, keys and values copied into shared memory a tile ahead
-// (TileAttentionMmaCta); other head dims on WMMA through shared memory (PagedAttentionCta).
+// (TileAttentionMmaCta); in the wgmma kernel (prefill-sized buckets) the same function runs
+// 128-row tiles on Hopper's warpgroup MMAs, two warpgroups sharing each key tile; other head
+// dims on WMMA through shared memory (PagedAttentionCta).
 //
 // Decode tokens (a sequence with a single token in the batch) take a separate path in the same
 // kernel, DecodeAttentionCta: one pass of each key and value row, straight from the cache into
@@ -39,16 +41,18 @@ namespace blink {
 template <int kHeadDim, int kRows, int kWarps>
 __host__ __device__ constexpr size_t AttentionKernelSmem() {
   if constexpr (MmaPathsFit<kHeadDim>()) {
-    return DecodeLayout<kHeadDim, kWarps>::kBytes > TileStages<kHeadDim, kRows>::kBytes
+    using Stages = TileStages<kHeadDim, kRows, TileUsesWgmma<kRows, kWarps>()>;
+    return DecodeLayout<kHeadDim, kWarps>::kBytes > Stages::kBytes
                ? DecodeLayout<kHeadDim, kWarps>::kBytes
-               : TileStages<kHeadDim, kRows>::kBytes;
+               : Stages::kBytes;
   } else {
     return AttentionSmem<kHeadDim, kRows>::kBytes;
   }
 }
 
 // The attention kernel's body: grid (bucket, num_kv_heads, num_splits), kWarps * 32 threads
-// (kAttnWarps, or kAttnWideWarps<kHeadDim> with kRows = kAttnRowsSmall: the wide kernel),
+// (kAttnWarps, or kAttnWideWarps<kHeadDim> with kRows = kAttnRowsSmall: the wide kernel, or
+// kAttnWgmmaWarps<kHeadDim> with kRows = kAttnWgmmaRows<kHeadDim>: the wgmma kernel),
 // AttentionKernelSmem<kHeadDim, kRows, kWarps>() bytes of dynamic shared memory. A token alone
 // in its sequence this step that attends to at least decode_min_keys keys goes to
 // DecodeAttentionCta when its GQA group fits; every other token belongs to a query tile

@@ -22,6 +22,11 @@ struct AttnOperands {
     }
     return v;
   }
+  // a pair of q's bf16 values as the MMAs take it
+  static __device__ __forceinline__ uint32_t QueryPair(uint32_t v) {
+    if constexpr (Kv::kFp8) return Bf16x2ToF16x2(v, 1.f);
+    return v;
+  }
   static __device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1,
                                              uint32_t a2, uint32_t a3, uint32_t b0,
                                              uint32_t b1) {
@@ -49,9 +54,9 @@ struct AttnOperands {
   }
 };
 
-// Query rows (tokens x group heads) per CTA: 64 for prefill-sized buckets; 16 for decode-sized
+// Query rows (tokens x group heads) per CTA: 64 for the large buckets; 16 for decode-sized
 // ones, where a tile rarely has more rows (both variants hold kAttnMinCtas CTAs an SM:
-// registers decide).
+// registers decide); 128 in the wgmma kernel of the prefill-sized ones (kAttnWgmmaRows).
 static constexpr int kAttnRows = 64;
 static constexpr int kAttnRowsSmall = 16;
 // Keys per tile of PagedAttentionCta; both tile paths' splits hold whole ones.
@@ -82,6 +87,17 @@ __host__ __device__ constexpr bool MmaPathsFit() {
 // at 8,192 keys (8B 4.134 -> 4.203, 1B 0.884 -> 0.915 with 12).
 template <int kHeadDim>
 static constexpr int kAttnWideWarps = MmaPathsFit<kHeadDim>() ? 8 : kAttnWarps;
+
+// The wgmma kernel, for the prefill-sized buckets (CudaForward.attention_wgmma): query tiles of
+// 128 rows on two warpgroups (8 warps, a warp per 16 rows) running their MMAs on wgmma
+// (attention_tiles.cuh), which share each key tile the CTA copies into shared memory; one
+// 8-warp CTA an SM at head dim 128 leaves the registers that overlap a key tile's softmax with
+// the previous tile's O += P V. The WMMA head dims have the entry (64 rows on 4 warps, as the
+// large kernel) but never take it.
+template <int kHeadDim>
+static constexpr int kAttnWgmmaWarps = MmaPathsFit<kHeadDim>() ? 8 : kAttnWarps;
+template <int kHeadDim>
+static constexpr int kAttnWgmmaRows = 16 * kAttnWgmmaWarps<kHeadDim>;
 
 // CTAs per SM the kernel's registers must allow, from the warps an SM they allow: 12 at head
 // dim 128 (a register cap of 168 a thread: 3 CTAs of 4 warps, 1 of 8), 16 at 64 (a cap of 128)

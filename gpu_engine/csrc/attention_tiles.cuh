@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "attention_common.cuh"
+#include "wgmma.cuh"
 
 namespace blink {
 
@@ -323,23 +324,34 @@ __device__ __forceinline__ void PagedAttentionCta(
   }
 }
 
-// Shared memory of TileAttentionMmaCta: kStages stages of kKeys keys (a query tile's rows: 64
-// keys, or 16 in the decode-sized variant), each stage the keys' K rows then their V rows, 16
-// bits an element. Beside an E4M3 cache the first stage is the only 16-bit one (f16) and the
-// second holds two stages of the codes as copied (raw), which each thread converts into it.
-template <int kHeadDim, int kRows>
+// Whether a query tile's MMAs run on wgmma (Hopper's warpgroup MMAs, wgmma.cuh): the wgmma
+// kernel's 128-row tiles on two warpgroups, a warp per 16 rows as on mma.sync
+// (attention_common.cuh kAttnWgmmaRows). The other kernels' tiles keep mma.sync.
+template <int kRows, int kWarps>
+__host__ __device__ constexpr bool TileUsesWgmma() {
+  return kRows == 128 && kWarps == 8;
+}
+
+// Shared memory of TileAttentionMmaCta: kStages stages of kKeys keys (on mma.sync a query tile's
+// rows: 64 keys, or 16 in the decode-sized variant; on wgmma 64), each stage the keys' K rows
+// then their V rows, 16 bits an element. Beside an E4M3 cache the first stage is the only
+// 16-bit one (f16) and the second holds two stages of the codes as copied (raw), which each
+// thread converts into it. kWgmma: the layout wgmma's descriptors read (kAlign bytes more, for
+// the 1,024-byte alignment the swizzle needs).
+template <int kHeadDim, int kRows, bool kWgmma = false>
 struct TileStages {
-  static constexpr int kKeys = kRows;
+  static constexpr int kKeys = kWgmma ? 64 : kRows;
   static constexpr int kStages = 2;
   static constexpr int kPieces = kHeadDim / 8;  // 16-byte pieces of a row
   static constexpr size_t kStageBytes = 2 * kKeys * kHeadDim * sizeof(bf16);
-  static constexpr size_t kBytes = kStages * kStageBytes;
+  static constexpr size_t kAlign = kWgmma ? 1024 : 0;
+  static constexpr size_t kBytes = kStages * kStageBytes + kAlign;
   static constexpr int kRawPieces = kHeadDim / 16;  // 16-byte pieces of an E4M3 row
   static constexpr size_t kRawStageBytes = 2 * kKeys * kHeadDim;
   static_assert(2 * kRawStageBytes == kStageBytes, "two raw stages in the second one");
 
-  // Where piece p of row r sits: p XOR RowMask(r), the mask r mod 8 rotated right by one bit.
-  // A row is a multiple of 128 bytes, so a piece's bank group is its index mod 8, and the
+  // mma.sync: piece p of row r sits at p XOR RowMask(r), the mask r mod 8 rotated right by one
+  // bit. A row is a multiple of 128 bytes, so a piece's bank group is its index mod 8, and the
   // reads are conflict-free: ldmatrix's 8 rows r .. r + 7 of one piece (the mask is a
   // bijection mod 8), and a quarter warp's key fragments, rows 2 i and 2 i + 1 with pieces
   // 4 s .. 4 s + 3 each (their masks differ in bit 2). The mask depends on r mod 8 only, so a
@@ -349,6 +361,19 @@ struct TileStages {
     return (m >> 1 | m << 2) & 7;
   }
   static __device__ __forceinline__ int Swizzle(int r, int p) { return p ^ RowMask(r); }
+  // wgmma: a K or V tile is kHeadDim / 64 blocks of 64 dims, each kKeys rows of 128 bytes
+  // swizzled as wgmma's 128-byte mode reads them (piece p of row r at p XOR r mod 8). The K
+  // tile is then S = Q K^T's K-major B, the V tile O = P V's MN-major one.
+  static constexpr int kBlockElements = kKeys * 64;  // elements of one 64-dim block
+
+  // Where piece p (dims 8 p .. 8 p + 7) of row r of a K or V tile starts, in elements.
+  static __device__ __forceinline__ int PieceAt(int r, int p) {
+    if constexpr (kWgmma) {
+      return (p / 8) * kBlockElements + r * 64 + 8 * ((p % 8) ^ (r % 8));
+    } else {
+      return r * kHeadDim + 8 * Swizzle(r, p);
+    }
+  }
 };
 
 // The query tiles on mma.sync (head dims 64 and 128; others take PagedAttentionCta), for prefill
@@ -376,6 +401,14 @@ struct TileStages {
 // converts the pieces it copied into the one f16 stage (TileStages), and from there on the
 // tile runs as with bf16, on f16 operands (AttnOperands); the key scale folds into the
 // softmax's, the value scale multiplies the output (kv_scales: the layer's).
+// On wgmma (TileUsesWgmma: the wgmma kernel's 128 rows, two warpgroups): the stages hold 64
+// keys in wgmma's 128-byte swizzled layout (TileStages::PieceAt); each warpgroup computes S =
+// Q K^T for its 64 rows over a whole key tile (Q's A fragments in registers, K by descriptor),
+// each warp the softmax of its 16 rows (the same code), then O += P V (P from registers, V by
+// descriptor, MN-major). Beside a bf16 cache the loop is pipelined: S of tile j is computed
+// while O += P V of tile j - 1 runs, and its softmax while that finishes. Every warp issues
+// every wgmma, so a warp whose rows end before a key tile still takes it, masked; a
+// shared-memory fence hands the copies to the wgmmas' async proxy.
 template <int kHeadDim, int kRows, int kWarps, class Kv = KvBf16>
 __device__ __forceinline__ void TileAttentionMmaCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
@@ -384,14 +417,19 @@ __device__ __forceinline__ void TileAttentionMmaCta(
     int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits,
     float* partial_out, float* partial_stats, uint32_t* tile_sems,
     const float* kv_scales = nullptr) {
-  using Stages = TileStages<kHeadDim, kRows>;
+  constexpr bool kWgmma = TileUsesWgmma<kRows, kWarps>();
+  // wgmma beside a bf16 cache: the pipelined loop below (an E4M3 cache's codes convert into
+  // the one f16 stage, which the previous tile's O += P V must be done reading first)
+  constexpr bool kPipelined = kWgmma && !Kv::kFp8;
+  using Stages = TileStages<kHeadDim, kRows, kWgmma>;
   using Ops = AttnOperands<Kv>;
   constexpr int kKeys = Stages::kKeys, kPieces = Stages::kPieces;
   constexpr int kSteps = kHeadDim / 32;    // 32-dim steps of S = Q K^T (two MMAs each)
   constexpr int kOutTiles = kHeadDim / 8;  // 8-dim tiles of O = P V
-  // Keys per softmax block: 32 (64 would rescale O half as often, but its scores and
-  // probabilities spill 232 bytes of registers at head dim 128, where 32 spill 24)
-  constexpr int kBlockKeys = kKeys < 32 ? kKeys : 32;
+  // Keys per softmax block: on mma.sync 32 (64 would rescale O half as often, but its scores
+  // and probabilities spill 232 bytes of registers at head dim 128, where 32 spill 24); on
+  // wgmma a whole tile, the N of S = Q K^T's MMAs.
+  constexpr int kBlockKeys = kWgmma ? kKeys : kKeys < 32 ? kKeys : 32;
   constexpr int kKeyTiles = kBlockKeys / 8;  // 8-key tiles of S
   // threads copying one key row (the CTA's first kKeys * kCopyThreads threads copy)
   constexpr int kCopyThreads = kPieces < kWarps * kWarpSize / kKeys ? kPieces
@@ -412,7 +450,9 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int g = lane / 4, tq = lane % 4;
 
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_base[];
+  unsigned char* smem = smem_base;
+  if constexpr (kWgmma) smem += (1024 - SharedAddress(smem_base) % 1024) % 1024;
   auto stage_keys = [&](int stage) {  // (beside an E4M3 cache: the f16 stage, whichever tile)
     return reinterpret_cast<bf16*>(smem + (Kv::kFp8 ? 0 : stage * Stages::kStageBytes));
   };
@@ -427,9 +467,11 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   };
   // All threads: keys key_tile * kKeys .. of the split into stage key_tile % 2, then commit.
   // kCopyThreads threads per key row (one block-table lookup each): pieces p, p + kCopyThreads,
-  // .. of its K and V rows, p = tid % kCopyThreads. E4M3: the codes into raw_stage(key_tile),
-  // unswizzled (only the thread that copies a piece reads it back).
-  auto copy_key_tile = [&](int key_tile) {
+  // .. of its K and V rows, p = tid % kCopyThreads (bf16: `parts`, K rows, V rows or both).
+  // E4M3: the codes of both into raw_stage(key_tile), unswizzled (only the thread that copies
+  // a piece reads it back).
+  constexpr int kCopyKeys = 1, kCopyValues = 2;
+  auto copy_key_tile = [&](int key_tile, int parts = 3) {  // 3: kCopyKeys | kCopyValues
     if constexpr (Kv::kFp8) {
       fp8* dst = raw_stage(key_tile);
       const int r = tid / kRawCopyThreads, key = tile.key_begin + key_tile * kKeys + r;
@@ -458,9 +500,9 @@ __device__ __forceinline__ void TileAttentionMmaCta(
 #pragma unroll
         for (int i = 0; i < kPieces / kCopyThreads; ++i) {
           const int p = tid % kCopyThreads + kCopyThreads * i;
-          const int at = r * kHeadDim + 8 * Stages::Swizzle(r, p);
-          CpAsync16(dst + at, k_row + 8 * p, bytes);
-          CpAsync16(dst + kKeys * kHeadDim + at, v_row + 8 * p, bytes);
+          const int at = Stages::PieceAt(r, p);
+          if (parts & kCopyKeys) CpAsync16(dst + at, k_row + 8 * p, bytes);
+          if (parts & kCopyValues) CpAsync16(dst + kKeys * kHeadDim + at, v_row + 8 * p, bytes);
         }
       }
       CpAsyncCommit();
@@ -486,9 +528,9 @@ __device__ __forceinline__ void TileAttentionMmaCta(
           E4m3x4ToF16x4(codes.y, lo.z, lo.w);
           E4m3x4ToF16x4(codes.z, hi.x, hi.y);
           E4m3x4ToF16x4(codes.w, hi.z, hi.w);
-          bf16* row = dst + kv * kKeys * kHeadDim + r * kHeadDim;
-          *reinterpret_cast<uint4*>(row + 8 * Stages::Swizzle(r, 2 * p)) = lo;
-          *reinterpret_cast<uint4*>(row + 8 * Stages::Swizzle(r, 2 * p + 1)) = hi;
+          bf16* tile = dst + kv * kKeys * kHeadDim;
+          *reinterpret_cast<uint4*>(tile + Stages::PieceAt(r, 2 * p)) = lo;
+          *reinterpret_cast<uint4*>(tile + Stages::PieceAt(r, 2 * p + 1)) = hi;
         }
       }
     }
@@ -497,22 +539,36 @@ __device__ __forceinline__ void TileAttentionMmaCta(
 
   // This lane's two rows (h = 0: row g, h = 1: row g + 8 of the warp's): query head (computed
   // where used, not held through the key loop), position (-1 for rows past the tile: every key
-  // masked) and Q's 16-byte pieces.
+  // masked) and Q: on mma.sync its 16-byte pieces qr[h][s] (dims 32 s + 8 t .. + 7, the k
+  // order of MmaStep32); on wgmma the A fragments of each 16-dim step, qa[kk] (wgmma.cuh).
   auto query_head = [&](int h) {
     const int r = 16 * warp + g + 8 * h;
     return static_cast<size_t>(tile.t0 + r / group) * num_heads + kv_head * group + r % group;
   };
   int pos[2];
-  uint4 qr[2][kSteps];
+  uint4 qr[2][kWgmma ? 1 : kSteps];
+  uint32_t qa[kWgmma ? kHeadDim / 16 : 1][4];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const bool live = 16 * warp + g + 8 * h < tile.rows;
     pos[h] = live ? positions[tile.t0 + (16 * warp + g + 8 * h) / group] : -1;
+    const bf16* q_row = q + (live ? query_head(h) : 0) * kHeadDim;
+    if constexpr (kWgmma) {
 #pragma unroll
-    for (int s = 0; s < kSteps; ++s) {
-      qr[h][s] = live ? Ops::Query(*reinterpret_cast<const uint4*>(
-                            q + query_head(h) * kHeadDim + 32 * s + 8 * tq))
-                      : make_uint4(0, 0, 0, 0);
+      for (int kk = 0; kk < kHeadDim / 16; ++kk)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t pair =
+              live ? *reinterpret_cast<const uint32_t*>(q_row + 16 * kk + 8 * half + 2 * tq)
+                   : 0u;
+          qa[kk][2 * half + h] = Ops::QueryPair(pair);
+        }
+    } else {
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        qr[h][s] = live ? Ops::Query(*reinterpret_cast<const uint4*>(q_row + 32 * s + 8 * tq))
+                        : make_uint4(0, 0, 0, 0);
+      }
     }
   }
   // The warp's keys: up to its last row's; unmasked below the first row's (and the split's end).
@@ -529,30 +585,19 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   for (int j = 0; j < kOutTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.f, 0.f};  // run_sum: lane's keys
 
-  // The lane's stage rows: key fragments from rows = g (mod 8), ldmatrix addresses from rows
-  // = lane (mod 8) (r0 and every tile offset below are multiples of 8).
+  // The lane's stage rows (mma.sync): key fragments from rows = g (mod 8), ldmatrix addresses
+  // from rows = lane (mod 8) (r0 and every tile offset below are multiples of 8).
   const int key_mask = Stages::RowMask(g), value_mask = Stages::RowMask(lane & 7);
   const int value_row = (lane & 7) + 8 * ((lane >> 3) & 1), value_piece = lane >> 4;
 
-  // One softmax block: keys key0 .. key0 + kBlockKeys - 1, rows r0 .. of the stage, masked or
-  // not. Scores stay unscaled until the exponent (scale > 0: the max commutes with it).
-  auto key_block = [&](const bf16* k_tile, const bf16* v_tile, int r0, int key0, auto masked) {
-    float sc[kKeyTiles][4];  // [8-key tile n][C fragment]: rows g, g + 8; keys 8 n + 2 t (+1)
-#pragma unroll
-    for (int n = 0; n < kKeyTiles; ++n) {
-      const bf16* k_row = k_tile + (r0 + 8 * n + g) * kHeadDim;
-      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
-        const uint4 kv =
-            *reinterpret_cast<const uint4*>(k_row + 8 * ((4 * s + tq) ^ key_mask));
-        Ops::MmaStep32(sc[n], qr[0][s], qr[1][s], kv);
-      }
-    }
-    // Online softmax of rows g (h = 0: C elements 0, 1) and g + 8 (h = 1: elements 2, 3); a
-    // row may have no live key yet (-inf: p = 0, alpha = 0).
-    uint32_t pa[2][kKeyTiles];  // P's A fragments: [h][n]
-    float alpha[2];
+  // The online softmax of one block of scores: keys key0 .. key0 + kBlockKeys - 1 (sc[n]: the
+  // C fragments of 8-key tile n, rows g (elements 0, 1) and g + 8 (2, 3), keys 8 n + 2 t, + 1),
+  // masked or not, into P's A fragments pa[h][n] and the factors alpha[h] that O's rows are to
+  // be rescaled by (rescale_o). Scores stay unscaled until the exponent (scale > 0: the max
+  // commutes with it); a row may have no live key yet (-inf: p = 0, alpha = 0).
+  // (sc: float[kKeyTiles][4], pa: uint32_t[2][kKeyTiles], alpha: float[2]; spelled out, those
+  // parameter types crash CUDA 13.0's front end in this generic lambda)
+  auto softmax_block = [&](auto& sc, auto& pa, auto& alpha, int key0, auto masked) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float block_max = -INFINITY;
@@ -583,7 +628,9 @@ __device__ __forceinline__ void TileAttentionMmaCta(
       }
       run_sum[h] = run_sum[h] * alpha[h] + p_sum;
     }
-    // Once the rows' maxima settle (most blocks of a long context), O needs no rescaling.
+  };
+  // Once the rows' maxima settle (most blocks of a long context), O needs no rescaling.
+  auto rescale_o = [&](const float (&alpha)[2]) {
     if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int j = 0; j < kOutTiles; ++j) {
@@ -593,6 +640,35 @@ __device__ __forceinline__ void TileAttentionMmaCta(
         o[j][3] *= alpha[1];
       }
     }
+  };
+  // The softmax of a block whose keys start at key0, masked where they cross one of the warp's
+  // rows' positions or the split's end (warp-uniform).
+  auto softmax_any = [&](auto& sc, auto& pa, auto& alpha, int key0) {
+    if (key0 + kBlockKeys <= unmasked_stop) {
+      softmax_block(sc, pa, alpha, key0, std::false_type{});
+    } else {
+      softmax_block(sc, pa, alpha, key0, std::true_type{});
+    }
+  };
+
+  // One softmax block on mma.sync: keys key0 .. of rows r0 .. of the stage.
+  auto key_block = [&](const bf16* k_tile, const bf16* v_tile, int r0, int key0, auto masked) {
+    float sc[kKeyTiles][4];
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+      const bf16* k_row = k_tile + (r0 + 8 * n + g) * kHeadDim;
+      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const uint4 kv =
+            *reinterpret_cast<const uint4*>(k_row + 8 * ((4 * s + tq) ^ key_mask));
+        Ops::MmaStep32(sc[n], qr[0][s], qr[1][s], kv);
+      }
+    }
+    uint32_t pa[2][kKeyTiles];
+    float alpha[2];
+    softmax_block(sc, pa, alpha, key0, masked);
+    rescale_o(alpha);
     // O += P V, 16 keys (k) at a time; ldmatrix.trans: lanes 8 i .. 8 i + 7 address rows
     // (keys) 8 (i % 2) .. of dims 8 (i / 2) .. of a 16-dim pair of output tiles.
 #pragma unroll
@@ -610,26 +686,120 @@ __device__ __forceinline__ void TileAttentionMmaCta(
     }
   };
 
-  for (int key_tile = 0; key_tile < num_key_tiles; ++key_tile) {
-    if (key_tile + 1 < num_key_tiles) {
-      copy_key_tile(key_tile + 1);  // its stage's last readers passed the barrier below
-      CpAsyncWait<1>();
-    } else {
-      CpAsyncWait<0>();
-    }
-    if constexpr (Kv::kFp8) convert_key_tile(key_tile);  // the f16 stage's readers are done
-    __syncthreads();  // every thread's copies of this key tile have landed
-    const bf16* k_tile = stage_keys(key_tile % Stages::kStages);
-#pragma unroll 1
-    for (int r0 = 0; r0 < kKeys; r0 += kBlockKeys) {
-      const int key0 = tile.key_begin + key_tile * kKeys + r0;
-      if (key0 + kBlockKeys <= unmasked_stop) {  // warp-uniform branches
-        key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0, std::false_type{});
-      } else if (key0 < key_stop) {
-        key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0, std::true_type{});
+  // wgmma (the warpgroup's, asynchronous; each commits one group): S = Q K^T over a key tile
+  // (its 64 keys as N), and O += P V (16 keys a wgmma).
+  auto scores_wgmma = [&](const bf16* k_tile, float (&sc)[kKeyTiles][4]) {
+    if constexpr (kWgmma) {
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const bf16* k_step = k_tile + (kk / 4) * Stages::kBlockElements + 16 * (kk % 4);
+        WgmmaRs<kKeyTiles, Kv::kFp8, 0>(sc, qa[kk], WgmmaDescriptor(k_step, 16, 1024), kk > 0);
       }
+      WgmmaCommit();
     }
-    __syncthreads();  // every warp is done with this stage before it is copied over
+  };
+  auto values_wgmma = [&](const bf16* v_tile, const uint32_t (&pa)[2][kKeyTiles]) {
+    if constexpr (kWgmma) {
+      WgmmaFence();
+#pragma unroll
+      for (int kc = 0; kc < kBlockKeys / 16; ++kc) {
+        const uint32_t a[4] = {pa[0][2 * kc], pa[1][2 * kc], pa[0][2 * kc + 1],
+                               pa[1][2 * kc + 1]};
+        WgmmaRs<kOutTiles, Kv::kFp8, 1>(
+            o, a, WgmmaDescriptor(v_tile + 16 * kc * 64, Stages::kBlockElements * 2, 1024), 1);
+      }
+      WgmmaCommit();
+    }
+  };
+
+  if constexpr (kPipelined) {
+    // wgmma, pipelined (FlashAttention-3's intra-warpgroup overlap): iteration j issues S(j) =
+    // Q K(j)^T and then O += P(j - 1) V(j - 1), and computes the softmax of S(j) while the
+    // latter runs; O is rescaled once it has landed. K and V are copied apart: K(j + 1) as
+    // iteration j starts (its stage's K was last read by S(j - 1)), V(j + 1) once O += P(j - 1)
+    // V(j - 1) has read its stage's V. So at the top of iteration j, K(j) and V(j - 1) must
+    // have landed; only V(j)'s copy may still be in flight.
+    uint32_t pa_prev[2][kKeyTiles];
+    for (int key_tile = 0; key_tile < num_key_tiles; ++key_tile) {
+      if (key_tile == 0) {
+        CpAsyncWait<0>();
+      } else {
+        CpAsyncWait<1>();
+      }
+      FenceSharedForWgmma();  // this thread's copies, for the wgmmas
+      __syncthreads();        // every thread's
+      if (key_tile + 1 < num_key_tiles) copy_key_tile(key_tile + 1, kCopyKeys);
+      const bf16* stage = stage_keys(key_tile % Stages::kStages);
+      float sc[kKeyTiles][4];  // (the first wgmma overwrites it)
+      scores_wgmma(stage, sc);
+      if (key_tile > 0) {
+        values_wgmma(stage_keys((key_tile - 1) % Stages::kStages) + kKeys * kHeadDim, pa_prev);
+        WgmmaWait<1>();
+      } else {
+        WgmmaWait<0>();
+      }
+      WgmmaFenceOperands(sc);
+      uint32_t pa[2][kKeyTiles];
+      float alpha[2];
+      softmax_any(sc, pa, alpha, tile.key_begin + key_tile * kKeys);
+      WgmmaWait<0>();
+      WgmmaFenceOperands(o);
+      rescale_o(alpha);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n) pa_prev[h][n] = pa[h][n];
+      __syncthreads();  // every warp's O += P V is done with the previous stage's V
+      if (key_tile + 1 < num_key_tiles) copy_key_tile(key_tile + 1, kCopyValues);
+    }
+    if (num_key_tiles > 0) {  // the last tile's V: its copy may have been in flight until now
+      CpAsyncWait<0>();
+      FenceSharedForWgmma();
+      __syncthreads();
+      values_wgmma(stage_keys((num_key_tiles - 1) % Stages::kStages) + kKeys * kHeadDim,
+                   pa_prev);
+      WgmmaWait<0>();
+      WgmmaFenceOperands(o);
+    }
+  } else {
+    for (int key_tile = 0; key_tile < num_key_tiles; ++key_tile) {
+      if (key_tile + 1 < num_key_tiles) {
+        copy_key_tile(key_tile + 1);  // its stage's last readers passed the barrier below
+        CpAsyncWait<1>();
+      } else {
+        CpAsyncWait<0>();
+      }
+      if constexpr (Kv::kFp8) convert_key_tile(key_tile);  // the f16 stage's readers are done
+      if constexpr (kWgmma) FenceSharedForWgmma();  // this thread's copies, for the wgmmas
+      __syncthreads();  // every thread's copies of this key tile have landed
+      const bf16* k_tile = stage_keys(key_tile % Stages::kStages);
+      const int key0 = tile.key_begin + key_tile * kKeys;
+      if constexpr (kWgmma) {  // the whole tile: S, its softmax, O += P V
+        float sc[kKeyTiles][4];  // (the first wgmma overwrites it)
+        scores_wgmma(k_tile, sc);
+        WgmmaWait<0>();
+        WgmmaFenceOperands(sc);
+        uint32_t pa[2][kKeyTiles];
+        float alpha[2];
+        softmax_any(sc, pa, alpha, key0);
+        WgmmaFenceOperands(o);
+        rescale_o(alpha);
+        values_wgmma(k_tile + kKeys * kHeadDim, pa);
+        WgmmaWait<0>();
+        WgmmaFenceOperands(o);
+      } else {
+#pragma unroll 1
+        for (int r0 = 0; r0 < kKeys; r0 += kBlockKeys) {
+          if (key0 + r0 + kBlockKeys <= unmasked_stop) {  // warp-uniform branches
+            key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0 + r0, std::false_type{});
+          } else if (key0 + r0 < key_stop) {
+            key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0 + r0, std::true_type{});
+          }
+        }
+      }
+      __syncthreads();  // every warp is done with this stage before it is copied over
+    }
   }
 
   // Each row: its sum over its four lanes, then out (one split) or the partials; lane (g, t)

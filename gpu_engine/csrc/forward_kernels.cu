@@ -39,6 +39,8 @@ using Kv = blink::KvCache;
 using KvElement = Kv::Element;
 static constexpr int kHeadDim = BLINK_HEAD_DIM;
 static constexpr int kAttnWideWarps = blink::kAttnWideWarps<kHeadDim>;
+static constexpr int kAttnWgmmaWarps = blink::kAttnWgmmaWarps<kHeadDim>;
+static constexpr int kAttnWgmmaRows = blink::kAttnWgmmaRows<kHeadDim>;
 
 // Launch constants the host reads back (cuModuleGetGlobal), so they are written once, here.
 extern "C" __device__ const uint32_t blink_head_dim = kHeadDim;
@@ -48,6 +50,12 @@ extern "C" __device__ const uint32_t blink_attention_threads = blink::kAttnThrea
 extern "C" __device__ const uint32_t blink_attention_rows = blink::kAttnRows;
 extern "C" __device__ const uint32_t blink_attention_smem_bytes =
     blink::AttentionKernelSmem<kHeadDim, blink::kAttnRows, blink::kAttnWarps>();
+// the wgmma kernel (prefill-sized buckets)
+extern "C" __device__ const uint32_t blink_attention_wgmma_threads =
+    kAttnWgmmaWarps * blink::kWarpSize;
+extern "C" __device__ const uint32_t blink_attention_wgmma_rows = kAttnWgmmaRows;
+extern "C" __device__ const uint32_t blink_attention_wgmma_smem_bytes =
+    blink::AttentionKernelSmem<kHeadDim, kAttnWgmmaRows, kAttnWgmmaWarps>();
 extern "C" __device__ const uint32_t blink_attention_small_rows = blink::kAttnRowsSmall;
 extern "C" __device__ const uint32_t blink_attention_small_smem_bytes =
     blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall, blink::kAttnWarps>();
@@ -158,6 +166,9 @@ BLINK_PAGED_ATTENTION(blink_paged_attention_small_any_block, blink::kAttnRowsSma
                       blink::kAttnWarps)
 BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide_any_block, blink::kAttnRowsSmall, false,
                       kAttnWideWarps)
+BLINK_PAGED_ATTENTION(blink_paged_attention_wgmma, kAttnWgmmaRows, true, kAttnWgmmaWarps)
+BLINK_PAGED_ATTENTION(blink_paged_attention_wgmma_any_block, kAttnWgmmaRows, false,
+                      kAttnWgmmaWarps)
 #undef BLINK_PAGED_ATTENTION
 
 // Skinny linear layers (gemv.cuh), one entry per (row tiles, column tiles) shape; the _norm
