@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gpu import requires_gpu
 from test_cuda_forward import (BLOCK, FORWARD_SHAPES, MAX_SEQS, MAX_TOKENS, NUM_BLOCKS,
-                               POISON_BF16, REPORT, Pair, _blas, bf16_to_f32, cf, dev, desc,
+                               REPORT, Pair, _blas, bf16_to_f32, cf, dev, desc,
                                kernels, make_batch, prompt, rb, rel_err, stream)
 
 from blink.gpu_engine import fp8
