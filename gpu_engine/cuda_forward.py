@@ -265,6 +265,7 @@ class ForwardKernels:
         self.attention_wgmma_threads = self._constant("blink_attention_wgmma_threads")
         self.attention_wgmma_rows = self._constant("blink_attention_wgmma_rows")
         self.attention_wgmma_smem = self._constant("blink_attention_wgmma_smem_bytes")
+        self.attention_wgmma_available = bool(self._constant("blink_attention_wgmma_available"))
         self.sample_threads = self._constant("blink_sample_threads")
         self.gemv_threads = self._constant("blink_gemv_threads")
         self.attention_max_splits = self._constant("blink_attention_max_splits")
@@ -433,6 +434,8 @@ class ForwardKernels:
                    f"num_splits {num_splits} not in [1, {self.attention_max_splits}]")
         self._need(small or not wide, "the wide attention kernel has the small query tiles")
         self._need(not (small and wgmma), "the wgmma attention kernel has the large query tiles")
+        self._need(self.attention_wgmma_available or not wgmma,
+                   f"the wgmma attention kernel needs sm_90a (this module: sm_{self.arch})")
         name = self.attention_kernel(small, block_size, wide, wgmma)
         threads, smem = self.attention_launch[name]
         self.launch(name, (rows, num_kv_heads, num_splits), (threads,),
@@ -1818,10 +1821,11 @@ class CudaForward:
 
     def attention_wgmma(self, bucket: int) -> bool:
         """Prefill-sized buckets take the wgmma attention kernel (ATTENTION_WGMMA_MIN_BUCKET;
-        never the decode-sized ones, attention_small), where the module has it (head dims 64
-        and 128: more threads than the large kernel)."""
+        never the decode-sized ones, attention_small), where the module has it: built for
+        sm_90a, head dims 64 and 128 (more threads than the large kernel)."""
         k = self.kernels
         return (bucket >= self.attention_wgmma_min_bucket and not self.attention_small(bucket)
+                and k.attention_wgmma_available
                 and k.attention_wgmma_threads > k.attention_threads)
 
     def bucket_for(self, num_tokens: int) -> int | None:

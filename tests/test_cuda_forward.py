@@ -1126,6 +1126,8 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
     kv_fp8: an E4M3 cache (the module built for it) with a scale per (k|v, KV head)."""
     k = kernels(cf, head_dim, kv_fp8)
     flags = _attention_flags(variant)
+    if flags["wgmma"] and not k.attention_wgmma_available:
+        pytest.skip(f"the wgmma kernel needs sm_90a (this GPU: sm_{k.arch})")
     if flags["small"] and num_heads // num_kv_heads > k.attention_small_rows:
         pytest.skip("GQA group larger than the small variant's rows")
     seqs = ATTENTION_BATCHES[batch]
@@ -1496,7 +1498,11 @@ def test_forward_prefill_on_the_wgmma_attention_kernel(models, arch, monkeypatch
     sequence's one-token prompt (the decode path, in the wgmma kernel's 8-warp CTAs), against
     the reference."""
     pair = Pair(models, arch)
+    if not pair.engine.kernels.attention_wgmma_available:
+        pytest.skip(f"the wgmma kernel needs sm_90a (this GPU: sm_{pair.engine.kernels.arch})")
     monkeypatch.setattr(pair.engine, "attention_wgmma_min_bucket", 1)
+    # one split, so that each CTA walks the keys' tiles through both stages
+    monkeypatch.setattr(pair.engine, "max_attention_splits", 1)
     assert pair.engine.attention_wgmma(MAX_TOKENS) and not pair.engine.attention_wgmma(64)
     blocks = np.random.default_rng(5).permutation(NUM_BLOCKS)
     ids, other = prompt(pair.cfg, 169, seed=6), prompt(pair.cfg, 1, seed=7)
@@ -1933,6 +1939,8 @@ def test_kernel_timings(cf, stream, models):
             ("prefill 512 from 0", [(0, 512)], 512, 1, "wgmma"),
             ("prefill 512 after 512", [(512, 512)], 512, 1, ""),
             ("prefill 512 after 512", [(512, 512)], 512, 1, "wgmma")):
+        if variant == "wgmma" and not k.attention_wgmma_available:
+            continue  # (sm_90a only)
         pb = PagedBatch(seqs, bs, rng)
         pb.tables = np.arange(pb.tables.size, dtype=np.int32).reshape(pb.tables.shape) % blocks
         d = [dev(cf, a) for a in (pb.positions, pb.token_seq, pb.tables)]

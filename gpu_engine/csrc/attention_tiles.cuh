@@ -687,9 +687,12 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   };
 
   // wgmma (the warpgroup's, asynchronous; each commits one group): S = Q K^T over a key tile
-  // (its 64 keys as N), and O += P V (16 keys a wgmma).
+  // (its 64 keys as N), and O += P V (16 keys a wgmma). The operand fences keep every write
+  // and read of their registers before wgmma.fence.
   auto scores_wgmma = [&](const bf16* k_tile, float (&sc)[kKeyTiles][4]) {
     if constexpr (kWgmma) {
+      WgmmaFenceOperands(qa);
+      WgmmaFenceOperands(sc);
       WgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -699,8 +702,10 @@ __device__ __forceinline__ void TileAttentionMmaCta(
       WgmmaCommit();
     }
   };
-  auto values_wgmma = [&](const bf16* v_tile, const uint32_t (&pa)[2][kKeyTiles]) {
+  auto values_wgmma = [&](const bf16* v_tile, uint32_t (&pa)[2][kKeyTiles]) {
     if constexpr (kWgmma) {
+      WgmmaFenceOperands(pa);
+      WgmmaFenceOperands(o);
       WgmmaFence();
 #pragma unroll
       for (int kc = 0; kc < kBlockKeys / 16; ++kc) {

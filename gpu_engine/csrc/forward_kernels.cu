@@ -56,6 +56,9 @@ extern "C" __device__ const uint32_t blink_attention_wgmma_threads =
 extern "C" __device__ const uint32_t blink_attention_wgmma_rows = kAttnWgmmaRows;
 extern "C" __device__ const uint32_t blink_attention_wgmma_smem_bytes =
     blink::AttentionKernelSmem<kHeadDim, kAttnWgmmaRows, kAttnWgmmaWarps>();
+// 0 where the module is built for a GPU without wgmma (anything but sm_90a): its wgmma entries
+// trap, and the host never takes them
+extern "C" __device__ const uint32_t blink_attention_wgmma_available = blink::kWgmmaAvailable;
 extern "C" __device__ const uint32_t blink_attention_small_rows = blink::kAttnRowsSmall;
 extern "C" __device__ const uint32_t blink_attention_small_smem_bytes =
     blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall, blink::kAttnWarps>();

@@ -8,13 +8,27 @@
 // The MMAs run asynchronously: WgmmaFence before the first of a batch (its registers were
 // written by ordinary instructions), WgmmaCommit after the last, WgmmaWait<0> before the
 // results are read, and WgmmaFenceOperands around them so that the compiler moves no read or
-// write of the accumulators across.
+// write of the accumulators across. Only sm_90a has wgmma: elsewhere (a module built for
+// another GPU) kWgmmaAvailable is false, the host never picks a kernel that uses them, and
+// these helpers trap.
 #pragma once
 #include <cstdint>
 
 #include "utils.cuh"
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define BLINK_WGMMA_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define BLINK_WGMMA_ASM(...) __trap()
+#endif
+
 namespace blink {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+inline constexpr bool kWgmmaAvailable = true;
+#else
+inline constexpr bool kWgmmaAvailable = false;
+#endif
 
 // A shared-memory descriptor for B in 128-byte swizzled rows (PTX ISA, "matrix descriptor"):
 // 16-byte piece c of a 128-byte row r sits at c XOR (r mod 8), the pattern repeating every 1,024
@@ -29,27 +43,35 @@ __device__ __forceinline__ uint64_t WgmmaDescriptor(const void* smem, uint32_t l
 }
 
 __device__ __forceinline__ void WgmmaFence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  BLINK_WGMMA_ASM("wgmma.fence.sync.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void WgmmaCommit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  BLINK_WGMMA_ASM("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 template <int kInFlight>
 __device__ __forceinline__ void WgmmaWait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kInFlight) : "memory");
+  BLINK_WGMMA_ASM("wgmma.wait_group.sync.aligned %0;" ::"n"(kInFlight) : "memory");
 }
-template <int kTiles>
-__device__ __forceinline__ void WgmmaFenceOperands(float (&d)[kTiles][4]) {
+// (accumulators: float; A fragments: 32-bit registers)
+template <int kRows, int kCols>
+__device__ __forceinline__ void WgmmaFenceOperands(float (&d)[kRows][kCols]) {
 #pragma unroll
-  for (int j = 0; j < kTiles; ++j)
+  for (int j = 0; j < kRows; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+    for (int e = 0; e < kCols; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+template <int kRows, int kCols>
+__device__ __forceinline__ void WgmmaFenceOperands(uint32_t (&a)[kRows][kCols]) {
+#pragma unroll
+  for (int j = 0; j < kRows; ++j)
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) asm volatile("" : "+r"(a[j][e])::"memory");
 }
 
 // Shared memory written by ordinary stores or cp.async, made visible to the wgmmas that will
 // read it (the async proxy); a barrier then covers the other threads' writes.
 __device__ __forceinline__ void FenceSharedForWgmma() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  BLINK_WGMMA_ASM("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // The accumulators' operand lists: 32 registers (N = 64), 64 (N = 128).
@@ -84,12 +106,12 @@ __device__ __forceinline__ void FenceSharedForWgmma() {
 // One wgmma: SHAPE and TYPE strings, the accumulators' register list and operands, the
 // operand numbers of A's four registers, B's descriptor, the accumulate flag and tnsp-b.
 #define BLINK_WGMMA_RS(SHAPE, TYPE, REGS, OPERANDS, A, DESC, ACC, TNSP)                      \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACC ", 0;\n"                               \
-               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" REGS "}, {" A \
-               "}, " DESC ", p, 1, 1, " TNSP ";\n}\n"                                        \
-               : OPERANDS                                                                    \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate),   \
-                 "n"(kTransposeB))
+  BLINK_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, " ACC ", 0;\n"                            \
+                  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " {" REGS     \
+                  "}, {" A "}, " DESC ", p, 1, 1, " TNSP ";\n}\n"                          \
+                  : OPERANDS                                                                \
+                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc),               \
+                    "r"(accumulate), "n"(kTransposeB))
 #define BLINK_WGMMA_N64(TYPE)                                                                \
   BLINK_WGMMA_RS("m64n64k16", TYPE, BLINK_WGMMA_D32, BLINK_WGMMA_D32_OPERANDS,               \
                  "%32, %33, %34, %35", "%36", "%37", "%38")
@@ -103,7 +125,6 @@ template <int kTiles, bool kF16, int kTransposeB>
 __device__ __forceinline__ void WgmmaRs(float (&d)[kTiles][4], const uint32_t (&a)[4],
                                         uint64_t b_desc, int accumulate) {
   static_assert(kTiles == 8 || kTiles == 16, "N = 64 or 128");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   if constexpr (kTiles == 8 && kF16) {
     BLINK_WGMMA_N64("f16");
   } else if constexpr (kTiles == 8) {
@@ -113,13 +134,11 @@ __device__ __forceinline__ void WgmmaRs(float (&d)[kTiles][4], const uint32_t (&
   } else {
     BLINK_WGMMA_N128("bf16");
   }
-#else
-  __trap();  // built for sm_90a only (cuda_runtime.nvcc_cubin)
-#endif
 }
 
 #undef BLINK_WGMMA_N64
 #undef BLINK_WGMMA_N128
+#undef BLINK_WGMMA_ASM
 #undef BLINK_WGMMA_RS
 #undef BLINK_WGMMA_D32
 #undef BLINK_WGMMA_D32_OPERANDS
