@@ -435,7 +435,8 @@ class ForwardKernels:
         self._need(small or not wide, "the wide attention kernel has the small query tiles")
         self._need(not (small and wgmma), "the wgmma attention kernel has the large query tiles")
         self._need(self.attention_wgmma_available or not wgmma,
-                   f"the wgmma attention kernel needs sm_90a (this module: sm_{self.arch})")
+                   f"the wgmma attention kernel needs sm_90a and head dim 64 or 128 (this "
+                   f"module: sm_{self.arch}, head dim {self.head_dim})")
         name = self.attention_kernel(small, block_size, wide, wgmma)
         threads, smem = self.attention_launch[name]
         self.launch(name, (rows, num_kv_heads, num_splits), (threads,),
@@ -1822,11 +1823,9 @@ class CudaForward:
     def attention_wgmma(self, bucket: int) -> bool:
         """Prefill-sized buckets take the wgmma attention kernel (ATTENTION_WGMMA_MIN_BUCKET;
         never the decode-sized ones, attention_small), where the module has it: built for
-        sm_90a, head dims 64 and 128 (more threads than the large kernel)."""
-        k = self.kernels
+        sm_90a, head dims 64 and 128 (ForwardKernels.attention_wgmma_available)."""
         return (bucket >= self.attention_wgmma_min_bucket and not self.attention_small(bucket)
-                and k.attention_wgmma_available
-                and k.attention_wgmma_threads > k.attention_threads)
+                and self.kernels.attention_wgmma_available)
 
     def bucket_for(self, num_tokens: int) -> int | None:
         """The smallest bucket holding num_tokens, None when it exceeds the largest."""

@@ -1127,7 +1127,7 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
     k = kernels(cf, head_dim, kv_fp8)
     flags = _attention_flags(variant)
     if flags["wgmma"] and not k.attention_wgmma_available:
-        pytest.skip(f"the wgmma kernel needs sm_90a (this GPU: sm_{k.arch})")
+        pytest.skip(f"no wgmma attention in this module (sm_{k.arch}; it needs sm_90a)")
     if flags["small"] and num_heads // num_kv_heads > k.attention_small_rows:
         pytest.skip("GQA group larger than the small variant's rows")
     seqs = ATTENTION_BATCHES[batch]
@@ -1499,7 +1499,8 @@ def test_forward_prefill_on_the_wgmma_attention_kernel(models, arch, monkeypatch
     the reference."""
     pair = Pair(models, arch)
     if not pair.engine.kernels.attention_wgmma_available:
-        pytest.skip(f"the wgmma kernel needs sm_90a (this GPU: sm_{pair.engine.kernels.arch})")
+        pytest.skip(f"no wgmma attention in this module (sm_{pair.engine.kernels.arch}; "
+                    "it needs sm_90a)")
     monkeypatch.setattr(pair.engine, "attention_wgmma_min_bucket", 1)
     # one split, so that each CTA walks the keys' tiles through both stages
     monkeypatch.setattr(pair.engine, "max_attention_splits", 1)

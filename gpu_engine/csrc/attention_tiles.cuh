@@ -788,7 +788,6 @@ __device__ __forceinline__ void TileAttentionMmaCta(
         uint32_t pa[2][kKeyTiles];
         float alpha[2];
         softmax_any(sc, pa, alpha, key0);
-        WgmmaFenceOperands(o);
         rescale_o(alpha);
         values_wgmma(k_tile + kKeys * kHeadDim, pa);
         WgmmaWait<0>();

@@ -56,9 +56,10 @@ extern "C" __device__ const uint32_t blink_attention_wgmma_threads =
 extern "C" __device__ const uint32_t blink_attention_wgmma_rows = kAttnWgmmaRows;
 extern "C" __device__ const uint32_t blink_attention_wgmma_smem_bytes =
     blink::AttentionKernelSmem<kHeadDim, kAttnWgmmaRows, kAttnWgmmaWarps>();
-// 0 where the module is built for a GPU without wgmma (anything but sm_90a): its wgmma entries
-// trap, and the host never takes them
-extern "C" __device__ const uint32_t blink_attention_wgmma_available = blink::kWgmmaAvailable;
+// 0 where the wgmma entries do not run their tiles on wgmma: a module built for a GPU without
+// it (anything but sm_90a: they trap), or a head dim on the WMMA tiles; the host never takes them
+extern "C" __device__ const uint32_t blink_attention_wgmma_available =
+    blink::kWgmmaAvailable && blink::TileUsesWgmma<kAttnWgmmaRows, kAttnWgmmaWarps>();
 extern "C" __device__ const uint32_t blink_attention_small_rows = blink::kAttnRowsSmall;
 extern "C" __device__ const uint32_t blink_attention_small_smem_bytes =
     blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall, blink::kAttnWarps>();
