@@ -37,11 +37,12 @@
 namespace blink {
 
 // Dynamic shared memory of the attention kernel: the more of the decode path's and the mma.sync
-// query tiles' (a CTA takes one path), or the WMMA query tiles' for the other head dims.
-template <int kHeadDim, int kRows, int kWarps>
+// or wgmma query tiles' (a CTA takes one path), or the WMMA query tiles' for the other head
+// dims. kFp8: beside an E4M3 cache.
+template <int kHeadDim, int kRows, int kWarps, bool kFp8 = false>
 __host__ __device__ constexpr size_t AttentionKernelSmem() {
   if constexpr (MmaPathsFit<kHeadDim>()) {
-    using Stages = TileStages<kHeadDim, kRows, TileUsesWgmma<kRows, kWarps>()>;
+    using Stages = TileStages<kHeadDim, kRows, TileUsesWgmma<kRows, kWarps>(), kFp8>;
     return DecodeLayout<kHeadDim, kWarps>::kBytes > Stages::kBytes
                ? DecodeLayout<kHeadDim, kWarps>::kBytes
                : Stages::kBytes;

@@ -334,21 +334,27 @@ __host__ __device__ constexpr bool TileUsesWgmma() {
 
 // Shared memory of TileAttentionMmaCta: kStages stages of kKeys keys (on mma.sync a query tile's
 // rows: 64 keys, or 16 in the decode-sized variant; on wgmma 64), each stage the keys' K rows
-// then their V rows, 16 bits an element. Beside an E4M3 cache the first stage is the only
-// 16-bit one (f16) and the second holds two stages of the codes as copied (raw), which each
-// thread converts into it. kWgmma: the layout wgmma's descriptors read (kAlign bytes more, for
-// the 1,024-byte alignment the swizzle needs).
-template <int kHeadDim, int kRows, bool kWgmma = false>
+// then their V rows, 16 bits an element. Beside an E4M3 cache (kFp8) the codes are copied as
+// they are into raw stages (two, half a 16-bit stage each), which each thread converts into a
+// 16-bit (f16) stage: on mma.sync the first stage is the only 16-bit one and the second holds
+// the two raw stages; on wgmma (whose pipelined loop reads two 16-bit stages) the raw stages
+// follow both. kWgmma: the layout wgmma's descriptors read (kAlign bytes more, for the
+// 1,024-byte alignment the swizzle needs).
+template <int kHeadDim, int kRows, bool kWgmma = false, bool kFp8 = false>
 struct TileStages {
   static constexpr int kKeys = kWgmma ? 64 : kRows;
   static constexpr int kStages = 2;
   static constexpr int kPieces = kHeadDim / 8;  // 16-byte pieces of a row
   static constexpr size_t kStageBytes = 2 * kKeys * kHeadDim * sizeof(bf16);
   static constexpr size_t kAlign = kWgmma ? 1024 : 0;
-  static constexpr size_t kBytes = kStages * kStageBytes + kAlign;
   static constexpr int kRawPieces = kHeadDim / 16;  // 16-byte pieces of an E4M3 row
   static constexpr size_t kRawStageBytes = 2 * kKeys * kHeadDim;
-  static_assert(2 * kRawStageBytes == kStageBytes, "two raw stages in the second one");
+  static_assert(2 * kRawStageBytes == kStageBytes, "two raw stages in one 16-bit stage");
+  // where the raw stages start, and the 16-bit stages' number
+  static constexpr size_t kRawOffset = kFp8 && !kWgmma ? kStageBytes : kStages * kStageBytes;
+  static constexpr int k16BitStages = kFp8 && !kWgmma ? 1 : kStages;
+  static constexpr size_t kBytes =
+      kStages * kStageBytes + (kFp8 && kWgmma ? kStageBytes : 0) + kAlign;
 
   // mma.sync: piece p of row r sits at p XOR RowMask(r), the mask r mod 8 rotated right by one
   // bit. A row is a multiple of 128 bytes, so a piece's bank group is its index mod 8, and the
@@ -398,17 +404,17 @@ struct TileStages {
 // Partials and the split merge as in PagedAttentionCta. kWarps * 32 threads.
 // An E4M3 cache (Kv = KvFp8): the copies bring the codes (16-byte pieces, kRawCopyThreads a
 // row) into a raw stage, two tiles in flight as before; once a tile's have landed, each thread
-// converts the pieces it copied into the one f16 stage (TileStages), and from there on the
-// tile runs as with bf16, on f16 operands (AttnOperands); the key scale folds into the
-// softmax's, the value scale multiplies the output (kv_scales: the layer's).
+// converts the pieces it copied into an f16 stage (TileStages), and from there on the tile
+// runs as with bf16, on f16 operands (AttnOperands); the key scale folds into the softmax's,
+// the value scale multiplies the output (kv_scales: the layer's).
 // On wgmma (TileUsesWgmma: the wgmma kernel's 128 rows, two warpgroups): the stages hold 64
 // keys in wgmma's 128-byte swizzled layout (TileStages::PieceAt); each warpgroup computes S =
 // Q K^T for its 64 rows over a whole key tile (Q's A fragments in registers, K by descriptor),
 // each warp the softmax of its 16 rows (the same code), then O += P V (P from registers, V by
-// descriptor, MN-major). Beside a bf16 cache the loop is pipelined: S of tile j is computed
-// while O += P V of tile j - 1 runs, and its softmax while that finishes. Every warp issues
-// every wgmma, so a warp whose rows end before a key tile still takes it, masked; a
-// shared-memory fence hands the copies to the wgmmas' async proxy.
+// descriptor, MN-major). The loop is pipelined: S of tile j is computed while O += P V of
+// tile j - 1 runs, and its softmax while that finishes. Every warp issues every wgmma, so a
+// warp whose rows end before a key tile still takes it, masked; a shared-memory fence hands
+// the copies (and an E4M3 cache's conversions) to the wgmmas' async proxy.
 template <int kHeadDim, int kRows, int kWarps, class Kv = KvBf16>
 __device__ __forceinline__ void TileAttentionMmaCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
@@ -418,10 +424,7 @@ __device__ __forceinline__ void TileAttentionMmaCta(
     float* partial_out, float* partial_stats, uint32_t* tile_sems,
     const float* kv_scales = nullptr) {
   constexpr bool kWgmma = TileUsesWgmma<kRows, kWarps>();
-  // wgmma beside a bf16 cache: the pipelined loop below (an E4M3 cache's codes convert into
-  // the one f16 stage, which the previous tile's O += P V must be done reading first)
-  constexpr bool kPipelined = kWgmma && !Kv::kFp8;
-  using Stages = TileStages<kHeadDim, kRows, kWgmma>;
+  using Stages = TileStages<kHeadDim, kRows, kWgmma, Kv::kFp8>;
   using Ops = AttnOperands<Kv>;
   constexpr int kKeys = Stages::kKeys, kPieces = Stages::kPieces;
   constexpr int kSteps = kHeadDim / 32;    // 32-dim steps of S = Q K^T (two MMAs each)
@@ -453,8 +456,8 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   extern __shared__ __align__(128) unsigned char smem_base[];
   unsigned char* smem = smem_base;
   if constexpr (kWgmma) smem += (1024 - SharedAddress(smem_base) % 1024) % 1024;
-  auto stage_keys = [&](int stage) {  // (beside an E4M3 cache: the f16 stage, whichever tile)
-    return reinterpret_cast<bf16*>(smem + (Kv::kFp8 ? 0 : stage * Stages::kStageBytes));
+  auto stage_keys = [&](int stage) {  // (mma.sync beside an E4M3 cache: the one f16 stage)
+    return reinterpret_cast<bf16*>(smem + (stage % Stages::k16BitStages) * Stages::kStageBytes);
   };
   // E4M3: kRawCopyThreads threads copy a key row's codes, as kCopyThreads its bf16 values
   constexpr int kRawCopyThreads = Stages::kRawPieces < kWarps * kWarpSize / kKeys
@@ -462,21 +465,42 @@ __device__ __forceinline__ void TileAttentionMmaCta(
                                       : kWarps * kWarpSize / kKeys;
   static_assert(!Kv::kFp8 || Stages::kRawPieces % kRawCopyThreads == 0, "whole raw pieces");
   auto raw_stage = [&](int key_tile) {  // E4M3: where tile key_tile's codes are copied
-    return reinterpret_cast<fp8*>(smem + Stages::kStageBytes +
+    return reinterpret_cast<fp8*>(smem + Stages::kRawOffset +
                                   (key_tile % 2) * Stages::kRawStageBytes);
   };
-  // All threads: keys key_tile * kKeys .. of the split into stage key_tile % 2, then commit.
-  // kCopyThreads threads per key row (one block-table lookup each): pieces p, p + kCopyThreads,
-  // .. of its K and V rows, p = tid % kCopyThreads (bf16: `parts`, K rows, V rows or both).
-  // E4M3: the codes of both into raw_stage(key_tile), unswizzled (only the thread that copies
-  // a piece reads it back).
+  // The key row this thread copies in every tile (kCopyThreads or kRawCopyThreads threads a
+  // row), if any (a CTA may have more threads than a key tile has pieces).
+  constexpr int kRowCopyThreads = Kv::kFp8 ? kRawCopyThreads : kCopyThreads;
+  const int copy_row = tid / kRowCopyThreads;
+  const bool copies = kKeys * kRowCopyThreads == kWarps * kWarpSize || copy_row < kKeys;
+  // The block-table entry of this thread's key row in tile key_tile (-1: no key there). The
+  // wgmma loop loads each copy's a tile ahead of it, so that no copy waits on the table there
+  // (one CTA an SM: no other CTA's work would cover the wait). With a bf16 cache that changed
+  // nothing measurable (the entries hit L1; docs/performance.md, round 21).
+  auto table_entry = [&](int key_tile) {
+    const int key = tile.key_begin + key_tile * kKeys + copy_row;
+    return copies && key < key_end ? cache_rows.block_of(key) : -1;
+  };
+  // All threads: keys key_tile * kKeys .. of the split into stage key_tile % 2, then commit;
+  // `block`: table_entry(key_tile), or LookUpNow{} (the copying threads look it up here).
+  // kCopyThreads threads per key row: pieces p, p + kCopyThreads, .. of its K and V rows, p =
+  // tid % kCopyThreads (bf16: `parts`, K rows, V rows or both). E4M3: the codes of both into
+  // raw_stage(key_tile), unswizzled (only the thread that copies a piece reads it back).
   constexpr int kCopyKeys = 1, kCopyValues = 2;
-  auto copy_key_tile = [&](int key_tile, int parts = 3) {  // 3: kCopyKeys | kCopyValues
+  struct LookUpNow {};
+  auto copy_key_tile = [&](int key_tile, auto block, int parts = 3) {  // 3: both
+    const int r = copy_row, key = tile.key_begin + key_tile * kKeys + r;
+    constexpr bool kNow = std::is_same_v<decltype(block), LookUpNow>;
+    int64_t block_off = -1;  // (the offset from a prefetched entry)
+    if constexpr (!kNow) block_off = block >= 0 ? cache_rows.offset_in(block, key) : -1;
+    auto key_offset = [&]() -> int64_t {
+      if constexpr (kNow) return key < key_end ? cache_rows.offset(key) : -1;
+      return block_off;
+    };
     if constexpr (Kv::kFp8) {
       fp8* dst = raw_stage(key_tile);
-      const int r = tid / kRawCopyThreads, key = tile.key_begin + key_tile * kKeys + r;
-      if (kKeys * kRawCopyThreads == kWarps * kWarpSize || r < kKeys) {
-        const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
+      if (copies) {
+        const int64_t off = key_offset();
         const int bytes = off >= 0 ? 16 : 0;
         const fp8* k_row = k_cache + (off >= 0 ? off : 0);
         const fp8* v_row = v_cache + (off >= 0 ? off : 0);
@@ -490,10 +514,8 @@ __device__ __forceinline__ void TileAttentionMmaCta(
       CpAsyncCommit();
     } else {
       bf16* dst = stage_keys(key_tile % Stages::kStages);
-      const int r = tid / kCopyThreads, key = tile.key_begin + key_tile * kKeys + r;
-      // every thread copies, unless the CTA has more threads than a key tile has pieces
-      if (kKeys * kCopyThreads == kWarps * kWarpSize || r < kKeys) {
-        const int64_t off = key < key_end ? cache_rows.offset(key) : -1;
+      if (copies) {
+        const int64_t off = key_offset();
         const int bytes = off >= 0 ? 16 : 0;
         const bf16* k_row = k_cache + (off >= 0 ? off : 0);
         const bf16* v_row = v_cache + (off >= 0 ? off : 0);
@@ -509,13 +531,13 @@ __device__ __forceinline__ void TileAttentionMmaCta(
     }
   };
   // E4M3: once tile key_tile's copies have landed (this thread's own: it reads back only what
-  // it copied), its pieces as f16 into the f16 stage, where the bf16 copies would have put
+  // it copied), its pieces as f16 into its f16 stage, where the bf16 copies would have put
   // them (two 8-dim pieces, swizzled, for each 16 codes)
   auto convert_key_tile = [&](int key_tile) {
     const fp8* src = raw_stage(key_tile);
-    bf16* dst = stage_keys(0);
-    const int r = tid / kRawCopyThreads;
-    if (kKeys * kRawCopyThreads == kWarps * kWarpSize || r < kKeys) {
+    bf16* dst = stage_keys(key_tile % Stages::kStages);
+    const int r = copy_row;
+    if (copies) {
 #pragma unroll
       for (int i = 0; i < Stages::kRawPieces / kRawCopyThreads; ++i) {
         const int p = tid % kRawCopyThreads + kRawCopyThreads * i;
@@ -535,7 +557,12 @@ __device__ __forceinline__ void TileAttentionMmaCta(
       }
     }
   };
-  copy_key_tile(0);  // in flight while Q is read
+  if constexpr (kWgmma) {  // in flight while Q is read
+    copy_key_tile(0, table_entry(0));
+  } else {
+    copy_key_tile(0, LookUpNow{});
+  }
+  int block_ahead = kWgmma ? table_entry(1) : -1;  // the next copy's (wgmma)
 
   // This lane's two rows (h = 0: row g, h = 1: row g + 8 of the warp's): query head (computed
   // where used, not held through the key loop), position (-1 for rows past the tile: every key
@@ -718,23 +745,38 @@ __device__ __forceinline__ void TileAttentionMmaCta(
     }
   };
 
-  if constexpr (kPipelined) {
+  if constexpr (kWgmma) {
     // wgmma, pipelined (FlashAttention-3's intra-warpgroup overlap): iteration j issues S(j) =
     // Q K(j)^T and then O += P(j - 1) V(j - 1), and computes the softmax of S(j) while the
-    // latter runs; O is rescaled once it has landed. K and V are copied apart: K(j + 1) as
-    // iteration j starts (its stage's K was last read by S(j - 1)), V(j + 1) once O += P(j - 1)
-    // V(j - 1) has read its stage's V. So at the top of iteration j, K(j) and V(j - 1) must
-    // have landed; only V(j)'s copy may still be in flight.
+    // latter runs; O is rescaled once it has landed.
+    // - A bf16 cache: K and V are copied apart, K(j + 1) as iteration j starts (its stage's K
+    //   was last read by S(j - 1)), V(j + 1) once O += P(j - 1) V(j - 1) has read its stage's
+    //   V. So at the top of iteration j, K(j) and V(j - 1) must have landed; only V(j)'s copy
+    //   may still be in flight.
+    // - An E4M3 cache: tile j + 1's codes are copied whole into their raw stage as iteration j
+    //   starts (its last reader: this thread's conversion of tile j - 1), once tile j's have
+    //   landed and before they are converted into f16 stage j % 2 (last read by S(j - 2) and
+    //   O += P(j - 2) V(j - 2), both done before the barrier that ends iteration j - 1).
     uint32_t pa_prev[2][kKeyTiles];
     for (int key_tile = 0; key_tile < num_key_tiles; ++key_tile) {
-      if (key_tile == 0) {
+      const bool next = key_tile + 1 < num_key_tiles;
+      const int block_next = block_ahead;  // tile key_tile + 1's
+      if constexpr (Kv::kFp8) {
+        CpAsyncWait<0>();
+        if (next) copy_key_tile(key_tile + 1, block_next);
+        block_ahead = table_entry(key_tile + 2);
+        convert_key_tile(key_tile);
+      } else if (key_tile == 0) {
         CpAsyncWait<0>();
       } else {
         CpAsyncWait<1>();
       }
-      FenceSharedForWgmma();  // this thread's copies, for the wgmmas
+      FenceSharedForWgmma();  // this thread's copies (or conversions), for the wgmmas
       __syncthreads();        // every thread's
-      if (key_tile + 1 < num_key_tiles) copy_key_tile(key_tile + 1, kCopyKeys);
+      if constexpr (!Kv::kFp8) {
+        if (next) copy_key_tile(key_tile + 1, block_next, kCopyKeys);
+        block_ahead = table_entry(key_tile + 2);
+      }
       const bf16* stage = stage_keys(key_tile % Stages::kStages);
       float sc[kKeyTiles][4];  // (the first wgmma overwrites it)
       scores_wgmma(stage, sc);
@@ -756,12 +798,14 @@ __device__ __forceinline__ void TileAttentionMmaCta(
 #pragma unroll
         for (int n = 0; n < kKeyTiles; ++n) pa_prev[h][n] = pa[h][n];
       __syncthreads();  // every warp's O += P V is done with the previous stage's V
-      if (key_tile + 1 < num_key_tiles) copy_key_tile(key_tile + 1, kCopyValues);
+      if (!Kv::kFp8 && next) copy_key_tile(key_tile + 1, block_next, kCopyValues);
     }
-    if (num_key_tiles > 0) {  // the last tile's V: its copy may have been in flight until now
-      CpAsyncWait<0>();
-      FenceSharedForWgmma();
-      __syncthreads();
+    if (num_key_tiles > 0) {  // the last tile's V (bf16: its copy may have been in flight)
+      if constexpr (!Kv::kFp8) {
+        CpAsyncWait<0>();
+        FenceSharedForWgmma();
+        __syncthreads();
+      }
       values_wgmma(stage_keys((num_key_tiles - 1) % Stages::kStages) + kKeys * kHeadDim,
                    pa_prev);
       WgmmaWait<0>();
@@ -770,36 +814,21 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   } else {
     for (int key_tile = 0; key_tile < num_key_tiles; ++key_tile) {
       if (key_tile + 1 < num_key_tiles) {
-        copy_key_tile(key_tile + 1);  // its stage's last readers passed the barrier below
+        copy_key_tile(key_tile + 1, LookUpNow{});  // its stage's readers passed the barrier
         CpAsyncWait<1>();
       } else {
         CpAsyncWait<0>();
       }
       if constexpr (Kv::kFp8) convert_key_tile(key_tile);  // the f16 stage's readers are done
-      if constexpr (kWgmma) FenceSharedForWgmma();  // this thread's copies, for the wgmmas
       __syncthreads();  // every thread's copies of this key tile have landed
       const bf16* k_tile = stage_keys(key_tile % Stages::kStages);
       const int key0 = tile.key_begin + key_tile * kKeys;
-      if constexpr (kWgmma) {  // the whole tile: S, its softmax, O += P V
-        float sc[kKeyTiles][4];  // (the first wgmma overwrites it)
-        scores_wgmma(k_tile, sc);
-        WgmmaWait<0>();
-        WgmmaFenceOperands(sc);
-        uint32_t pa[2][kKeyTiles];
-        float alpha[2];
-        softmax_any(sc, pa, alpha, key0);
-        rescale_o(alpha);
-        values_wgmma(k_tile + kKeys * kHeadDim, pa);
-        WgmmaWait<0>();
-        WgmmaFenceOperands(o);
-      } else {
 #pragma unroll 1
-        for (int r0 = 0; r0 < kKeys; r0 += kBlockKeys) {
-          if (key0 + r0 + kBlockKeys <= unmasked_stop) {  // warp-uniform branches
-            key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0 + r0, std::false_type{});
-          } else if (key0 + r0 < key_stop) {
-            key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0 + r0, std::true_type{});
-          }
+      for (int r0 = 0; r0 < kKeys; r0 += kBlockKeys) {
+        if (key0 + r0 + kBlockKeys <= unmasked_stop) {  // warp-uniform branches
+          key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0 + r0, std::false_type{});
+        } else if (key0 + r0 < key_stop) {
+          key_block(k_tile, k_tile + kKeys * kHeadDim, r0, key0 + r0, std::true_type{});
         }
       }
       __syncthreads();  // every warp is done with this stage before it is copied over

@@ -49,26 +49,26 @@ extern "C" __device__ const uint32_t blink_rope_threads = blink::kRopeThreads;
 extern "C" __device__ const uint32_t blink_attention_threads = blink::kAttnThreads;
 extern "C" __device__ const uint32_t blink_attention_rows = blink::kAttnRows;
 extern "C" __device__ const uint32_t blink_attention_smem_bytes =
-    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRows, blink::kAttnWarps>();
+    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRows, blink::kAttnWarps, Kv::kFp8>();
 // the wgmma kernel (prefill-sized buckets)
 extern "C" __device__ const uint32_t blink_attention_wgmma_threads =
     kAttnWgmmaWarps * blink::kWarpSize;
 extern "C" __device__ const uint32_t blink_attention_wgmma_rows = kAttnWgmmaRows;
 extern "C" __device__ const uint32_t blink_attention_wgmma_smem_bytes =
-    blink::AttentionKernelSmem<kHeadDim, kAttnWgmmaRows, kAttnWgmmaWarps>();
+    blink::AttentionKernelSmem<kHeadDim, kAttnWgmmaRows, kAttnWgmmaWarps, Kv::kFp8>();
 // 0 where the wgmma entries do not run their tiles on wgmma: a module built for a GPU without
 // it (anything but sm_90a: they trap), or a head dim on the WMMA tiles; the host never takes them
 extern "C" __device__ const uint32_t blink_attention_wgmma_available =
     blink::kWgmmaAvailable && blink::TileUsesWgmma<kAttnWgmmaRows, kAttnWgmmaWarps>();
 extern "C" __device__ const uint32_t blink_attention_small_rows = blink::kAttnRowsSmall;
 extern "C" __device__ const uint32_t blink_attention_small_smem_bytes =
-    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall, blink::kAttnWarps>();
+    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall, blink::kAttnWarps, Kv::kFp8>();
 // the wide kernel (small query tiles; as many threads as the others where the head dim takes
 // the WMMA tiles, and then never chosen)
 extern "C" __device__ const uint32_t blink_attention_wide_threads =
     kAttnWideWarps * blink::kWarpSize;
 extern "C" __device__ const uint32_t blink_attention_wide_smem_bytes =
-    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall, kAttnWideWarps>();
+    blink::AttentionKernelSmem<kHeadDim, blink::kAttnRowsSmall, kAttnWideWarps, Kv::kFp8>();
 extern "C" __device__ const uint32_t blink_sample_threads = blink::kSampleThreads;
 extern "C" __device__ const uint32_t blink_attention_max_splits = blink::kDecodeMaxSplits;
 // block sizes that are multiples of it take the attention kernels without _any_block
