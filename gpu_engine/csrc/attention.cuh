@@ -54,9 +54,9 @@ __host__ __device__ constexpr size_t AttentionKernelSmem() {
 // The attention kernel's body: grid (bucket, num_kv_heads, num_splits), kWarps * 32 threads
 // (kAttnWarps, or kAttnWideWarps<kHeadDim> with kRows = kAttnRowsSmall: the wide kernel, or
 // kAttnWgmmaWarps<kHeadDim> with kRows = kAttnWgmmaRows<kHeadDim>: the wgmma kernel),
-// AttentionKernelSmem<kHeadDim, kRows, kWarps>() bytes of dynamic shared memory. A token alone
-// in its sequence this step that attends to at least decode_min_keys keys goes to
-// DecodeAttentionCta when its GQA group fits; every other token belongs to a query tile
+// AttentionKernelSmem<kHeadDim, kRows, kWarps, Kv::kFp8>() bytes of dynamic shared memory. A
+// token alone in its sequence this step that attends to at least decode_min_keys keys goes
+// to DecodeAttentionCta when its GQA group fits; every other token belongs to a query tile
 // (TileAttentionMmaCta for head dims 64 and 128, PagedAttentionCta for the others).
 // (gpu_engine/cuda_forward.py sets the threshold: 0, the decode path is the faster one at every
 // context measured.) slots: the CTAs of this kernel the GPU holds at once (CTAs an SM x SMs).
@@ -68,7 +68,7 @@ __host__ __device__ constexpr size_t AttentionKernelSmem() {
 // and 8,192 keys 3.959 -> 3.920 and 4.313 -> 4.222, 32 x 512 5.446 -> 5.327; 1B 0.831 ->
 // 0.816, 0.905 -> 0.887 and 1.325 -> 1.269 (docs/performance.md, round 6).
 // Kv: the cache's element (kv_cache.cuh); an E4M3 cache (kv_scales: the layer's) takes the
-// mma.sync paths only (head dims 64 and 128: the host refuses the others).
+// MMA paths only, mma.sync or wgmma (head dims 64 and 128: the host refuses the others).
 template <int kHeadDim, int kRows, bool kStepInOneBlock, int kWarps, class Kv = KvBf16>
 __device__ __forceinline__ void AttentionCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,

@@ -389,10 +389,11 @@ struct TileStages {
 // - Keys and values come through shared memory: all the CTA's threads copy the next kKeys keys'
 //   K and V rows (cp.async, zeros past the tile's keys) while the warps compute on the current
 //   ones, two stages; so each key is read from L2 once per CTA, and the warps wait on global
-//   memory only for the block-table lookups that start each copy. A warp takes 32 keys as one
-//   softmax block: one rescale of O per block (none once its rows' maxima stop moving), and
-//   the causal mask only in blocks that cross a row's position or the split's end (warps with
-//   rows past the tile take the masked blocks throughout).
+//   memory only for the block-table lookups that start each copy (none in the wgmma loop,
+//   which loads them a tile ahead: table_entry). A warp takes 32 keys as one softmax block:
+//   one rescale of O per block (none once its rows' maxima stop moving), and the causal mask
+//   only in blocks that cross a row's position or the split's end (warps with rows past the
+//   tile take the masked blocks throughout).
 // - The row sums add the fp32 probabilities, P V their bf16 roundings (as FlashAttention-2;
 //   the other two paths sum the rounded values): a relative difference of at most 2^-9.
 // - Q is the A operand (rows g and g + 8 of the warp's 16), K the col-major B operand (column
@@ -403,10 +404,11 @@ struct TileStages {
 // A warp stops at the last key its rows may see (causal); the copies run to the tile's last.
 // Partials and the split merge as in PagedAttentionCta. kWarps * 32 threads.
 // An E4M3 cache (Kv = KvFp8): the copies bring the codes (16-byte pieces, kRawCopyThreads a
-// row) into a raw stage, two tiles in flight as before; once a tile's have landed, each thread
-// converts the pieces it copied into an f16 stage (TileStages), and from there on the tile
-// runs as with bf16, on f16 operands (AttnOperands); the key scale folds into the softmax's,
-// the value scale multiplies the output (kv_scales: the layer's).
+// row) into a raw stage (mma.sync: two tiles in flight as before; wgmma: tile j + 1's, issued
+// once tile j's have landed); once a tile's have landed, each thread converts the pieces it
+// copied into an f16 stage (TileStages), and from there on the tile runs as with bf16, on f16
+// operands (AttnOperands); the key scale folds into the softmax's, the value scale multiplies
+// the output (kv_scales: the layer's).
 // On wgmma (TileUsesWgmma: the wgmma kernel's 128 rows, two warpgroups): the stages hold 64
 // keys in wgmma's 128-byte swizzled layout (TileStages::PieceAt); each warpgroup computes S =
 // Q K^T for its 64 rows over a whole key tile (Q's A fragments in registers, K by descriptor),
@@ -473,10 +475,11 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   constexpr int kRowCopyThreads = Kv::kFp8 ? kRawCopyThreads : kCopyThreads;
   const int copy_row = tid / kRowCopyThreads;
   const bool copies = kKeys * kRowCopyThreads == kWarps * kWarpSize || copy_row < kKeys;
-  // The block-table entry of this thread's key row in tile key_tile (-1: no key there). The
-  // wgmma loop loads each copy's a tile ahead of it, so that no copy waits on the table there
-  // (one CTA an SM: no other CTA's work would cover the wait). With a bf16 cache that changed
-  // nothing measurable (the entries hit L1; docs/performance.md, round 21).
+  // The block-table entry of this thread's key row in tile key_tile (-1: no key there, or no
+  // block in the table). The wgmma loop loads each copy's a tile ahead of it, so that no copy
+  // waits on the table there (one CTA an SM: no other CTA's work would cover the wait). With a
+  // bf16 cache that changed nothing measurable (the entries hit L1; docs/performance.md, round
+  // 21).
   auto table_entry = [&](int key_tile) {
     const int key = tile.key_begin + key_tile * kKeys + copy_row;
     return copies && key < key_end ? cache_rows.block_of(key) : -1;
