@@ -78,7 +78,24 @@ SHAPES = {
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         max_position_embeddings=131072, tie_word_embeddings=False, attention_bias=False,
         o_proj_bias=False, qk_norm=False, bos_token_id=128000, eos_token_ids=(128001,)),
+    # two shapes between those, about 170 MB of o, gate|up and down a layer in bf16: where the
+    # projection chain's rule by size (ForwardKernels.CHAIN_MIN_LAYER_BYTES) is drawn
+    "llama-3.2-3b": ModelConfig(
+        name="llama-3.2-3b", architecture="llama", vocab_size=128256, hidden_size=3072,
+        intermediate_size=8192, num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, tie_word_embeddings=True, attention_bias=False,
+        o_proj_bias=False, qk_norm=False, bos_token_id=128000, eos_token_ids=(128001,)),
+    "qwen3-4b": ModelConfig(
+        name="qwen3-4b", architecture="qwen3", vocab_size=151936, hidden_size=2560,
+        intermediate_size=9728, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+        max_position_embeddings=40960, tie_word_embeddings=True, attention_bias=False,
+        o_proj_bias=False, qk_norm=True, bos_token_id=None, eos_token_ids=(151645, 151643)),
 }
+DEFAULT_SHAPES = ["llama-3.2-1b", "llama-3.1-8b"]
 STEPS = 50
 REPEATS = 5
 BLOCK = 16
@@ -394,7 +411,7 @@ def print_breakdown(name: str, cfg: ModelConfig, point: Point | MixedPoint, rows
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
     parser.add_argument("--points", nargs="*", type=Point.parse,
                         default=[Point(1, 512), Point(32, 512)],
                         help="BATCHxCONTEXT decode points (default 1x512 32x512; none: "

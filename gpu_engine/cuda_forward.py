@@ -629,6 +629,28 @@ class ForwardKernels:
         self.launch(name, (k_splits * -(-out_features // (16 * row_tiles)),),
                     (self.gemv_threads,), args, stream)
 
+    # The projection chain wins at batch 1 where a layer's o, gate|up and down weights come to
+    # at least this many bytes (bf16): its ring saves a drain and a refill of the memory pipe
+    # at two kernel boundaries, and costs its loader's polls and copies of x, a few round trips
+    # a phase, which weigh more the smaller the projections. Measured on the H200
+    # (deploy/chain_rule_check.sh, batch 1 at 512 keys, ms a step, chain against none; docs/
+    # performance.md round 22): Llama-3.1-8B, 386 MB a layer, 3.795-3.806 against 3.826;
+    # Qwen3-4B, 170 MB, 2.627 against 2.527; Llama-3.2-3B, 170 MB, 1.938 against 1.862;
+    # Llama-3.2-1B, 109 MB, 0.814 against 0.767. The line sits between 170 and 386 MB.
+    CHAIN_MIN_LAYER_BYTES = 256 << 20
+
+    @staticmethod
+    def chain_layer_bytes(hidden: int, inter: int, q_size: int) -> int:
+        """The bf16 bytes of a layer's o, gate|up and down weights: what one chain launch
+        streams."""
+        return 2 * (hidden * q_size + 2 * inter * hidden + hidden * inter)
+
+    def chain_preferred(self, hidden: int, inter: int, q_size: int) -> bool:
+        """Whether one-token steps should run a layer of these sizes on projection_chain (it
+        takes them, and they are at least CHAIN_MIN_LAYER_BYTES)."""
+        return (self.chain_fits(hidden, inter, q_size)
+                and self.chain_layer_bytes(hidden, inter, q_size) >= self.CHAIN_MIN_LAYER_BYTES)
+
     def chain_fits(self, hidden: int, inter: int, q_size: int) -> bool:
         """Whether projection_chain takes a layer of these sizes (and fits an SM)."""
         return (self.chain_ctas_per_sm >= 1 and hidden % 32 == 0 and inter % 32 == 0
@@ -952,7 +974,7 @@ class CudaForward:
                  rowblock_gate_up: bool = True, norm_release: bool = True,
                  splitk_cluster: int | None = None, rowblock_cluster: int | None = None,
                  skinny_split_blocks: int | None = None, lm_head_argmax: bool = True,
-                 projection_chain: bool = False, quantization: str | None = None,
+                 projection_chain: bool | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", kv_scales: np.ndarray | None = None,
                  fp8_lm_head: bool = True, attention_wgmma_min_bucket: int | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
@@ -1010,11 +1032,10 @@ class CudaForward:
         projection_chain: in the one-token bucket, each layer's o, gate|up and down
         projections (with the residual adds, the RMSNorm and SiLU * up) run as one persistent
         kernel (ForwardKernels.projection_chain) where the layer takes it (fused norms, tiled
-        weights, no o bias). Off by default: bit-identical to the three unsplit skinny kernels;
-        on the H200 faster on the 8B shape and slower on the 1B one (batch 1 at 512 keys:
-        3.716-3.725 against 3.792-3.799 ms a step, 0.797-0.798 against 0.760), so it waits for
-        a rule by shape (docs/performance.md round 16); bench_decode --options
-        chain:projection_chain=1 times it.
+        weights, no o bias); bit-identical to the three unsplit skinny kernels. None (the
+        default): where ForwardKernels.chain_preferred says so (layers of at least
+        CHAIN_MIN_LAYER_BYTES), with bf16 weights; bench_decode --options
+        chain:projection_chain=1 / nochain:projection_chain=0 times either way.
         quantization "fp8": the projections' weights as E4M3 codes with a float32 scale per
         output row (quantized on the GPU at load, csrc/quantize.cuh; the RMSNorm weights kept
         apart, not folded in): decode-sized steps run the FP8 skinny kernels (dequantizing in
@@ -1090,7 +1111,8 @@ class CudaForward:
             raise CudaError(refusal)
         self.skinny_split_blocks = skinny_split_blocks
         self.lm_head_argmax = lm_head_argmax
-        self.projection_chain = projection_chain
+        self.projection_chain = (not self.fp8 and k.chain_preferred(H, I, cfg.q_size)
+                                 if projection_chain is None else projection_chain)
         self.stream = new_stream()
         self.blas = Cublas()
         self.blas.set_stream(int(self.stream))  # before set_workspace: it resets the workspace

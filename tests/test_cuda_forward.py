@@ -542,10 +542,11 @@ def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode, layout,
                         norm_eps=eps, **fp8_args)
 
 
-# (hidden, intermediate, q size): Llama-3.2-1B's (row blocks past the grid, chunks past the
-# ring), one where every projection ends on a partial chunk, and a small one (one chunk each)
-@pytest.mark.parametrize("hidden,inter,q_size", [(2048, 8192, 2048), (2080, 1056, 544),
-                                                 (256, 512, 256)])
+# (hidden, intermediate, q size): Llama-3.1-8B's (where the chain is on by default) and
+# Llama-3.2-1B's (row blocks past the grid, chunks past the ring), one where every projection
+# ends on a partial chunk, and a small one (one chunk each)
+@pytest.mark.parametrize("hidden,inter,q_size", [(4096, 14336, 4096), (2048, 8192, 2048),
+                                                 (2080, 1056, 544), (256, 512, 256)])
 def test_projection_chain(cf, stream, hidden, inter, q_size):
     """The batch-1 projections after attention in one persistent kernel (gemv_chain.cuh): x +=
     attn Wo^T, act = silu(gate) * up of rms_norm(x) Wgu^T, x += act Wdown^T, against float64,
@@ -603,6 +604,10 @@ def test_projection_chain(cf, stream, hidden, inter, q_size):
 def test_projection_chain_refuses_shapes_it_does_not_take(cf, stream):
     k = kernels(cf)
     assert k.chain_fits(2048, 8192, 2048) and not k.chain_fits(2048, 8200, 2048)
+    # the rule by size: on for Llama-3.1-8B's layers, off for Llama-3.2-1B's, and never where
+    # the chain does not take the shape
+    assert k.chain_preferred(4096, 14336, 4096) and not k.chain_preferred(2048, 8192, 2048)
+    assert not k.chain_preferred(4096, k.chain_max_k + 32, 4096)
     assert not k.chain_fits(4096, k.chain_max_k + 32, 4096)
     with pytest.raises(ValueError, match="projection chain"):
         k.projection_chain(stream, 0, 0, 0, 0, 0, 0, 0, 256, 520, 256, 1e-5, 0)
@@ -1795,7 +1800,7 @@ def test_forward_projection_chain_matches_skinny_kernels(cf, models, arch):
     make = functools.partial(cf.CudaForward, cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
                              max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
                              skinny_split_blocks=0)
-    chained, skinny = make(projection_chain=True), make()
+    chained, skinny = make(projection_chain=True), make(projection_chain=False)
     try:
         assert sum(skinny.graph_node_types[1].values()) - \
             sum(chained.graph_node_types[1].values()) == 2 * cfg.num_layers

@@ -1,8 +1,10 @@
 // The projections after a decode token's attention (o + residual, RMSNorm + gate|up + SiLU,
 // down + residual) in one persistent kernel, for batch 1: three kernels a layer become one.
-// Off by default (CudaForward projection_chain): correct, bit for bit the skinny kernels' sums;
-// on the H200 faster on the 8B shape and slower on the 1B one (docs/performance.md round 16:
-// 8B batch 1 3.716 against 3.792 ms a step, 1B 0.797 against 0.760).
+// Bit for bit the skinny kernels' sums. On by default only where a layer's three projections
+// come to ForwardKernels.CHAIN_MIN_LAYER_BYTES (CudaForward projection_chain): on the H200 it
+// wins on Llama-3.1-8B's 386 MB a layer and loses on 109-170 MB ones (docs/performance.md
+// round 22: batch 1 at 512 keys, 8B 3.795-3.806 against 3.826 ms a step, Qwen3-4B 2.627
+// against 2.527, Llama-3.2-3B 1.938 against 1.862, Llama-3.2-1B 0.814 against 0.767).
 //
 // Why try: at batch 1 every projection needs all of the one before it, so each kernel boundary
 // is a drain and a refill of the memory pipe: the slowest CTA's tail, then the next kernel's
@@ -27,22 +29,22 @@
 // whichever CTA takes a row block.
 //
 // Dataflow, not grid barriers: a projection's x (attn, the residual stream's shadow, act) is
-// written by every CTA in the phase before, but a chunk needs only its own columns of x. So
-// each stored row block of o and gate|up is counted (fence, add) on the slice of the next x it
-// wrote (kChainSliceCols columns), and a loader warp copies each slice of x into shared memory
-// (L2-only loads, as attention reads what other SMs wrote) once its count is full (acquire),
-// lane l polling slice next + l, so that gate|up starts on the first columns of the shadow
-// while o's last row blocks are still streaming, and down on the first columns of act during
-// gate|up's tail (a grid barrier a phase, round 16's first version, waited for the slowest
-// CTA: gate|up's last ends ~2 us after the median one, a row block being 4 us of an SM's share
-// of the bandwidth). x has two buffers, phase 2 taking phase 0's once the consumers are past
-// it. The down projection adds into residual rows that another CTA's o projection added into:
-// ordered by the same chain (down's first chunk needs act, act all of the shadow, the shadow
-// every o row block). After gate|up the CTA lets the next kernel launch (the next layer's qkv
-// projection takes the room beside it and starts on its weights; it waits for this grid's end
-// before reading x). The last CTA out (an arrival count), once its producer has tagged the end
-// and its loader has loaded down's last slice, is the last user of the counters and zeroes
-// them for the next step.
+// written by every CTA in the phase before, but a chunk needs only its own columns of x. So each
+// stored row block of o and gate|up is counted (fence, add) on the slice of the next x it wrote
+// (kChainSliceCols columns), and a loader warp copies each slice of x into shared memory (L2-only
+// loads, as attention reads what other SMs wrote) once its count is full (each lane acquiring the
+// count of the slice it copies), so that gate|up starts on the first columns of the shadow while
+// o's last row blocks are still streaming, and down on the first columns of act during gate|up's
+// tail (a grid barrier a phase, round 16's first version, waited for the slowest CTA: gate|up's
+// last ends ~2 us after the median one, a row block being 4 us of an SM's share of the bandwidth).
+// x has two buffers, phase 2 taking phase 0's once the consumers are past it. The down projection
+// adds into residual rows that another CTA's o projection added into: ordered by the same chain
+// (down's first chunk needs act, act all of the shadow, the shadow every o row block). After
+// gate|up the CTA lets the next kernel launch (the next layer's qkv projection takes the room
+// beside it and starts on its weights; it waits for this grid's end before reading x). A CTA's
+// loader copies the shadow only once its producer has taken a row block of gate|up. The last CTA
+// out (an arrival count), once its producer has tagged the end and its loader has made its last
+// poll, is the last user of the counters and zeroes them for the next step.
 //
 // No CTA waits for another CTA, only for row blocks, and a row block is taken only by a running
 // CTA's producer, which takes all of a projection's before any of the next: so a CTA waits only
@@ -125,6 +127,12 @@ struct ChainTag {
   int phase, row_block;
 };
 
+// What the producer tells the loader of each phase, once it knows (0 until then): whether its
+// CTA took any row block of it. The loader waits for it before copying the shadow: a CTA that
+// starts after gate|up's row blocks are gone must not copy the shadow while other CTAs' down
+// projections rewrite it (never read, but a race, and bandwidth for nothing).
+enum ChainPhaseWork : int { kChainWorkUnknown = 0, kChainWorkSome = 1, kChainWorkNone = 2 };
+
 // A phase's row blocks and the chunks of each.
 __device__ __forceinline__ int ChainRowBlocks(const ChainProjection& q, int phase) {
   return (q.N + 16 * ChainRowTiles(phase) - 1) / (16 * ChainRowTiles(phase));
@@ -179,8 +187,10 @@ struct ChainRing {
   }
   // The producer warp's lane: row blocks taken from the layer's counters, phase after phase,
   // each chunk into its slot as soon as the consumers are done with the chunk kChainSlots
-  // before it; then an empty slot tagged as the end.
-  __device__ __forceinline__ void produce(const ChainProjection* p, ChainCounters* counters) {
+  // before it; then an empty slot tagged as the end. work[phase] says, as soon as it is known,
+  // whether any row block of the phase was taken (ChainPhaseWork).
+  __device__ __forceinline__ void produce(const ChainProjection* p, ChainCounters* counters,
+                                          volatile int* work) {
     int i = 0;
     auto take_slot = [&]() {
       const int s = i % kChainSlots;
@@ -191,8 +201,9 @@ struct ChainRing {
     };
     for (int phase = 0; phase < kChainPhases; ++phase) {
       const int blocks = ChainRowBlocks(p[phase], phase), chunks = ChainChunks(p[phase], phase);
-      for (int rb = atomicAdd(&counters->next_row_block[phase], 1u); rb < blocks;
-           rb = atomicAdd(&counters->next_row_block[phase], 1u)) {
+      int rb = atomicAdd(&counters->next_row_block[phase], 1u);
+      work[phase] = rb < blocks ? kChainWorkSome : kChainWorkNone;
+      for (; rb < blocks; rb = atomicAdd(&counters->next_row_block[phase], 1u)) {
         for (int c = 0; c < chunks; ++c) {
           const int s = take_slot();
           tag[s] = {phase, rb};
@@ -211,49 +222,72 @@ __device__ __forceinline__ constexpr int ChainXLoaded(int phase, int slices) {
   return phase * 2 * kChainMaxSlices + slices;
 }
 
-// The loader warp: each phase's x into shared memory (phase % 2's buffer), slices as the
-// phase before finishes them (phase 0's, attn, all at once after the prior kernel): lane l
-// polls slice next + l, and the run of finished slices from `next` is copied at once and
-// published on x_loaded. Phase 2 reuses phase 0's buffer once the consumers are past phase 0
-// (consumers_phase).
+// The loader warp: each phase's x into shared memory (phase % 2's buffer), slices as the phase
+// before finishes them (phase 0's, attn, after the prior kernel): each poll looks at the next eight
+// slices, and the run of finished ones is copied and published on x_loaded. Phase 2 reuses phase
+// 0's buffer once the consumers are past phase 0 (consumers_phase). The shadow's slices are copied
+// only once the producer has taken a row block of gate|up (work), and other phases' x is skipped
+// where it knows there is none of theirs. loader_done is set once the loader will touch no counter
+// again.
 __device__ __forceinline__ void LoadChainX(const ChainProjection* p, ChainCounters* counters,
                                            bf16* x_buffers, int x_stride,
                                            volatile int* x_loaded,
-                                           const volatile int* consumers_phase) {
-  constexpr int kBatch = 16;  // 16-byte loads a lane in flight (8 slices a round trip)
-  constexpr int kSliceLoads = kChainSliceCols / 8;
+                                           const volatile int* consumers_phase,
+                                           const volatile int* work, volatile int* loader_done) {
+  // Four lanes a slice, eight slices a poll: every lane polls the slice whose columns it then
+  // copies, so its own acquire orders its loads (lanes copying slices other lanes polled would
+  // need a fence each, which cost the chain 2 µs a layer on the H200: 8B 3.76 -> 3.82 ms a
+  // step with fence.acq_rel.gpu, 3.86 with fence.sc).
+  constexpr int kSliceLoads = kChainSliceCols / 8;  // 16-byte pieces a slice
+  constexpr int kLanesPerSlice = 4;
+  constexpr int kSlicesPerPoll = kWarpSize / kLanesPerSlice;
+  constexpr int kBatch = kSliceLoads / kLanesPerSlice;  // a lane's loads of its slice, in flight
   const int lane = threadIdx.x % kWarpSize;
   AwaitPriorKernel();  // attn
   for (int phase = 0; phase < kChainPhases; ++phase) {
     const ChainProjection& q = p[phase];
     uint4* dst = reinterpret_cast<uint4*>(x_buffers + (phase % 2) * x_stride);
     const uint4* src = reinterpret_cast<const uint4*>(q.x);
+    // The shadow (phase 1's x) is rewritten by the down projections of phase 2, so it is
+    // copied only once the producer has taken a gate|up row block (which it knows about a
+    // row block before its o work ends; the shadow is whole only at the grid's o end). attn
+    // and act are written once a launch and final once counted: their slices are copied as
+    // they become ready, unless the producer already knows there is no work (act's answer
+    // comes only at the end of the CTA's gate|up; waiting for it, down's first chunk waited
+    // for all of act to be copied at once: 8B 3.72 -> 3.87 ms a step).
+    int phase_work = work[phase];
+    if (phase == 1) {
+      while ((phase_work = work[phase]) == kChainWorkUnknown) __nanosleep(64);
+    }
+    if (phase_work == kChainWorkNone) continue;  // no consumer of this CTA waits for it
     if (phase == 2) {
       while (*consumers_phase < 1) {
       }
       __threadfence_block();
     }
-    const int slices = ChainSlices(q.K);
+    const int slices = ChainSlices(q.K), pieces = q.K / 8;
     for (int next = 0; next < slices;) {
-      const int j = next + lane;
-      const bool done = phase == 0 || j >= slices ||
-                        LoadAcquireGpu(&counters->ready[phase - 1][j]) >=
-                            ChainSliceRowBlocks(j, q.K);
-      const uint32_t waiting = __ballot_sync(kFullMask, !done);
-      __syncwarp();  // the polls' acquires before every lane's loads
-      const int end = min(slices, next + (waiting ? __ffs(waiting) - 1 : kWarpSize));
-      const int loads = min(end * kSliceLoads, q.K / 8);
-      for (int i0 = next * kSliceLoads; i0 < loads; i0 += kBatch * kWarpSize) {
+      const int j = next + lane / kLanesPerSlice;
+      const bool ready = phase == 0 || j >= slices ||
+                         LoadAcquireGpu(&counters->ready[phase - 1][j]) >=
+                             ChainSliceRowBlocks(j, q.K);
+      // the run of ready slices from `next`, copied and published together
+      const uint32_t waiting = __ballot_sync(kFullMask, !ready);
+      const int end = min(slices, next + (waiting ? (__ffs(waiting) - 1) / kLanesPerSlice
+                                                  : kSlicesPerPoll));
+      if (j < end) {
+        const int first = j * kSliceLoads + lane % kLanesPerSlice;
+        const int last = min((j + 1) * kSliceLoads, pieces);
         uint4 v[kBatch];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          const int i = i0 + b * kWarpSize + lane;
-          if (i < loads) v[b] = __ldcg(src + i);
+          const int i = first + kLanesPerSlice * b;
+          if (i < last) v[b] = __ldcg(src + i);
         }
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
-          const int i = i0 + b * kWarpSize + lane;
-          if (i < loads) dst[i] = v[b];
+          const int i = first + kLanesPerSlice * b;
+          if (i < last) dst[i] = v[b];
         }
       }
       if (end > next) {
@@ -266,6 +300,8 @@ __device__ __forceinline__ void LoadChainX(const ChainProjection* p, ChainCounte
       }
     }
   }
+  __syncwarp();
+  if (lane == 0) *loader_done = 1;  // every poll has returned (its value was used above)
 }
 
 // The consumer warps' barrier (named barrier 1; the producer warp does not take part).
@@ -348,7 +384,7 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
   extern __shared__ __align__(128) char chain_slots[];
   __shared__ __align__(8) uint64_t full[kChainSlots], empty[kChainSlots];
   __shared__ ChainTag tag[kChainSlots];
-  __shared__ int x_loaded, consumers_phase;
+  __shared__ int x_loaded, consumers_phase, loader_done, work[kChainPhases];
   __shared__ union {
     GemvSums<1, 1> one;
     GemvSums<2, 1> two;
@@ -362,14 +398,16 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
     }
     x_loaded = 0;
     consumers_phase = 0;
+    loader_done = 0;
+    for (int phase = 0; phase < kChainPhases; ++phase) work[phase] = kChainWorkUnknown;
   }
   __syncthreads();
   if (threadIdx.x >= kGemvThreads + kWarpSize) {
-    LoadChainX(p, counters, x, x_stride, &x_loaded, &consumers_phase);
+    LoadChainX(p, counters, x, x_stride, &x_loaded, &consumers_phase, work, &loader_done);
     return;
   }
   if (threadIdx.x >= kGemvThreads) {  // the producer warp: weights, which nothing before
-    if (threadIdx.x == kGemvThreads) ring.produce(p, counters);  // this kernel writes
+    if (threadIdx.x == kGemvThreads) ring.produce(p, counters, work);  // this kernel writes
     return;
   }
   AwaitPriorKernel();  // the residual stream
@@ -385,14 +423,17 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
   ReleaseNextKernel();
   ChainPhaseCta<1, false>(2, p[2], kGemvF32Add, eps, ring, x, &x_loaded, sums.one, counters);
   // Every CTA's producer took its last row block before tagging the end, which its consumers
-  // have seen, and its loader is done with the counters once it has loaded down's last slice:
-  // the last CTA out is the last user of every counter.
+  // have seen, and its loader says when it is done with the counters: the last CTA out is the
+  // last user of every counter. Fence, count, and the last one fences again before its
+  // stores (LastCtaToArrive's pattern), so the zeroing follows every other CTA's last use.
   if (threadIdx.x == 0) {
-    const int last = ChainXLoaded(2, ChainSlices(p[2].K));
-    while (*static_cast<volatile int*>(&x_loaded) < last) {
+    while (*static_cast<volatile int*>(&loader_done) == 0) {
     }
     __threadfence();
-    if (atomicAdd(&counters->arrivals, 1u) == gridDim.x - 1) *counters = ChainCounters{};
+    if (atomicAdd(&counters->arrivals, 1u) == gridDim.x - 1) {
+      __threadfence();
+      *counters = ChainCounters{};
+    }
   }
 }
 
