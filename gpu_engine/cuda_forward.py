@@ -1111,7 +1111,7 @@ class CudaForward:
             raise CudaError(refusal)
         self.skinny_split_blocks = skinny_split_blocks
         self.lm_head_argmax = lm_head_argmax
-        self.projection_chain = (not self.fp8 and k.chain_preferred(H, I, cfg.q_size)
+        self.projection_chain = (skinny and not self.fp8 and k.chain_preferred(H, I, cfg.q_size)
                                  if projection_chain is None else projection_chain)
         self.stream = new_stream()
         self.blas = Cublas()

@@ -51,7 +51,8 @@
 // for work that running CTAs hold and finish without waiting for anything later. The grid need
 // not be resident at once (an SM limit such as MPS's, or another kernel beside it, makes it
 // slower, not stuck; test_projection_chain runs a grid three times the GPU's). CTAs that start
-// after the work is gone find the counters spent, tag their end and count themselves out.
+// after the work is gone find the counters spent, tag their end and count themselves out (their
+// loader may still copy attn, and act where down's row blocks remain when it asks).
 // Assumed: two launches on the same counters are never next to each other in a stream (the
 // second's producers, started early, would take row blocks before the first zeroes the
 // counters; the forward pass gives each layer its own). A launch that faults leaves its
@@ -243,6 +244,7 @@ __device__ __forceinline__ void LoadChainX(const ChainProjection* p, ChainCounte
   constexpr int kSlicesPerPoll = kWarpSize / kLanesPerSlice;
   constexpr int kBatch = kSliceLoads / kLanesPerSlice;  // a lane's loads of its slice, in flight
   const int lane = threadIdx.x % kWarpSize;
+  bool copied_shadow = false;
   AwaitPriorKernel();  // attn
   for (int phase = 0; phase < kChainPhases; ++phase) {
     const ChainProjection& q = p[phase];
@@ -254,12 +256,17 @@ __device__ __forceinline__ void LoadChainX(const ChainProjection* p, ChainCounte
     // and act are written once a launch and final once counted: their slices are copied as
     // they become ready, unless the producer already knows there is no work (act's answer
     // comes only at the end of the CTA's gate|up; waiting for it, down's first chunk waited
-    // for all of act to be copied at once: 8B 3.72 -> 3.87 ms a step).
-    int phase_work = work[phase];
-    if (phase == 1) {
-      while ((phase_work = work[phase]) == kChainWorkUnknown) __nanosleep(64);
+    // for all of act to be copied at once: 8B 3.72 -> 3.87 ms a step). Where the CTA has no
+    // gate|up row block, act waits for the answer too: it comes one atomic later then.
+    // Lane 0's look serves the warp: lanes reading the word apart, as the producer writes it,
+    // could take different ways around the warp's collectives below.
+    auto look = [&]() { return __shfl_sync(kFullMask, work[phase], 0); };
+    int phase_work = look();
+    if (phase == 1 || (phase == 2 && !copied_shadow)) {
+      while ((phase_work = look()) == kChainWorkUnknown) __nanosleep(64);
     }
     if (phase_work == kChainWorkNone) continue;  // no consumer of this CTA waits for it
+    copied_shadow |= phase == 1;
     if (phase == 2) {
       while (*consumers_phase < 1) {
       }
@@ -301,7 +308,10 @@ __device__ __forceinline__ void LoadChainX(const ChainProjection* p, ChainCounte
     }
   }
   __syncwarp();
-  if (lane == 0) *loader_done = 1;  // every poll has returned (its value was used above)
+  if (lane == 0) {  // every poll has returned (its value was used above)
+    __threadfence_block();
+    *loader_done = 1;
+  }
 }
 
 // The consumer warps' barrier (named barrier 1; the producer warp does not take part).
