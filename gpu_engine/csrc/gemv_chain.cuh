@@ -237,8 +237,8 @@ __device__ __forceinline__ void LoadChainX(const ChainProjection* p, ChainCounte
                                            const volatile int* work, volatile int* loader_done) {
   // Four lanes a slice, eight slices a poll: every lane polls the slice whose columns it then
   // copies, so its own acquire orders its loads (lanes copying slices other lanes polled would
-  // need a fence each, which cost the chain 2 µs a layer on the H200: 8B 3.76 -> 3.82 ms a
-  // step with fence.acq_rel.gpu, 3.86 with fence.sc).
+  // need a fence each, which cost the chain 1-2 µs a layer on the H200: 8B 3.764 -> 3.822 ms
+  // a step with fence.acq_rel.gpu, 1B 0.808 -> 0.833; docs/performance.md round 22).
   constexpr int kSliceLoads = kChainSliceCols / 8;  // 16-byte pieces a slice
   constexpr int kLanesPerSlice = 4;
   constexpr int kSlicesPerPoll = kWarpSize / kLanesPerSlice;
