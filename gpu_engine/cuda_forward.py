@@ -164,7 +164,8 @@ class ChainProjection(ctypes.Structure):
     argument; the module exports its size, which ForwardKernels checks."""
     _fields_ = [("x", ctypes.c_uint64), ("w", ctypes.c_uint64), ("w_tile_stride", ctypes.c_uint32),
                 ("N", ctypes.c_int32), ("K", ctypes.c_int32), ("out", ctypes.c_uint64),
-                ("shadow", ctypes.c_uint64)]
+                ("shadow", ctypes.c_uint64), ("w_scale", ctypes.c_uint64),
+                ("norm_w", ctypes.c_uint64)]
 
 
 class ForwardKernels:
@@ -190,6 +191,7 @@ class ForwardKernels:
                     "blink_splitk_add_linear_x2", "blink_splitk_add_linear_x4",
                     "blink_rowblock_silu_mul", "blink_rowblock_silu_mul_x2",
                     "blink_rowblock_silu_mul_x4", "blink_projection_chain",
+                    "blink_projection_chain_fp8",
                     *(f"blink_skinny_linear_{a}x{c}" for a, c in SKINNY_SHAPES),
                     *(f"blink_skinny_{kind}_{a}x{c}_k2" for kind, (a, c)
                       in itertools.product(SKINNY_SPLIT_KINDS, SKINNY_SPLIT_SHAPES)),
@@ -317,11 +319,15 @@ class ForwardKernels:
         self.chain_threads = self._constant("blink_chain_threads")  # a producer, a loader warp
         if self._constant("blink_chain_projection_bytes") != ctypes.sizeof(ChainProjection):
             raise CudaError("blink::ChainProjection and cuda_forward.ChainProjection disagree")
-        check(driver.cuFuncSetAttribute(self.fn["blink_projection_chain"], max_smem,
-                                        self.chain_smem), "cuFuncSetAttribute(chain smem)")
-        self.chain_ctas_per_sm = check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            self.fn["blink_projection_chain"], self.chain_threads, self.chain_smem),
-            "occupancy of blink_projection_chain")
+        chain_entries = ("blink_projection_chain", "blink_projection_chain_fp8")  # bf16, E4M3
+        for name in chain_entries:
+            check(driver.cuFuncSetAttribute(self.fn[name], max_smem, self.chain_smem),
+                  f"cuFuncSetAttribute({name} smem)")
+        # the chain's CTAs an SM (one, by its shared memory): the fewer of its two entries'
+        self.chain_ctas_per_sm = min(
+            check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                self.fn[name], self.chain_threads, self.chain_smem), f"occupancy of {name}")
+            for name in chain_entries)
         # the K-splitting skinny kernels' CTAs an SM (their registers decide: skinny_splits)
         self.skinny_split_ctas_per_sm = {
             name: check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -638,48 +644,68 @@ class ForwardKernels:
     # Qwen3-4B, 170 MB, 2.627 against 2.527; Llama-3.2-3B, 170 MB, 1.938 against 1.862;
     # Llama-3.2-1B, 109 MB, 0.814 against 0.767. The line sits between 170 and 386 MB.
     CHAIN_MIN_LAYER_BYTES = 256 << 20
+    # With E4M3 weights (the _fp8 entry): none, the chain is never on by default. It loses on
+    # every shape measured (deploy/chain_rule_check.sh, docs/performance.md round 23; ms a
+    # step, chain against none): Llama-3.1-8B, 193 MB of codes a layer, 2.666 against 2.455;
+    # Qwen3-4B 2.182 against 1.928; Llama-3.2-3B 1.530 against 1.322; Llama-3.2-1B 0.689
+    # against 0.591. Its consumer warps, not the memory, bound it there.
+    CHAIN_MIN_LAYER_BYTES_FP8: int | None = None
 
     @staticmethod
-    def chain_layer_bytes(hidden: int, inter: int, q_size: int) -> int:
-        """The bf16 bytes of a layer's o, gate|up and down weights: what one chain launch
-        streams."""
-        return 2 * (hidden * q_size + 2 * inter * hidden + hidden * inter)
+    def chain_layer_bytes(hidden: int, inter: int, q_size: int, fp8: bool = False) -> int:
+        """The bytes of a layer's o, gate|up and down weights (bf16, or fp8: E4M3 codes): what
+        one chain launch streams."""
+        return (1 if fp8 else 2) * (hidden * q_size + 2 * inter * hidden + hidden * inter)
 
-    def chain_preferred(self, hidden: int, inter: int, q_size: int) -> bool:
+    def chain_preferred(self, hidden: int, inter: int, q_size: int, fp8: bool = False) -> bool:
         """Whether one-token steps should run a layer of these sizes on projection_chain (it
-        takes them, and they are at least CHAIN_MIN_LAYER_BYTES)."""
-        return (self.chain_fits(hidden, inter, q_size)
-                and self.chain_layer_bytes(hidden, inter, q_size) >= self.CHAIN_MIN_LAYER_BYTES)
+        takes them, and they are at least CHAIN_MIN_LAYER_BYTES, or with fp8 (E4M3 weights)
+        CHAIN_MIN_LAYER_BYTES_FP8: None, never)."""
+        line = self.CHAIN_MIN_LAYER_BYTES_FP8 if fp8 else self.CHAIN_MIN_LAYER_BYTES
+        return (line is not None and self.chain_fits(hidden, inter, q_size, fp8)
+                and self.chain_layer_bytes(hidden, inter, q_size, fp8) >= line)
 
-    def chain_fits(self, hidden: int, inter: int, q_size: int) -> bool:
-        """Whether projection_chain takes a layer of these sizes (and fits an SM)."""
-        return (self.chain_ctas_per_sm >= 1 and hidden % 32 == 0 and inter % 32 == 0
-                and q_size % 32 == 0 and max(hidden, inter, q_size) <= self.chain_max_k
-                and all(self.tiled_elements(n, k) < 2 ** 31
+    def chain_fits(self, hidden: int, inter: int, q_size: int, fp8: bool = False) -> bool:
+        """Whether projection_chain takes a layer of these sizes (and fits an SM); fp8: with
+        E4M3 weights (K a multiple of SKINNY_FP8_K_ALIGN, as the FP8 skinny kernels')."""
+        align, itemsize = (self.SKINNY_FP8_K_ALIGN, 1) if fp8 else (32, 2)
+        return (self.chain_ctas_per_sm >= 1 and hidden % align == 0 and inter % align == 0
+                and q_size % align == 0 and max(hidden, inter, q_size) <= self.chain_max_k
+                and all(self.tiled_elements(n, k, itemsize) < 2 ** 31
                         for n, k in ((hidden, q_size), (2 * inter, hidden), (hidden, inter))))
 
     def projection_chain(self, stream, attn, wo, x, x_shadow, wgu, act, wdown, hidden, inter,
-                         q_size, eps, counters, grid: int | None = None) -> None:
+                         q_size, eps, counters, grid: int | None = None, *,
+                         w_scales: tuple[int, int, int] | None = None, norm_w=0) -> None:
         """One token row's projections after attention, in one persistent kernel
         (csrc/gemv_chain.cuh): x += attn @ wo^T (x_shadow its bf16 copy); act = silu(gate) * up
         of x_shadow's RMSNorm @ wgu^T (the norm's weight folded into wgu, gate|up interleaved);
         x += act @ wdown^T (and x_shadow). Every weight tiled (tile_weights). counters:
         chain_counters_words u32, zero before the first launch, left zero by each. grid: by
         default one CTA an SM but the held ones; any count gives the same sums (CTAs take row
-        blocks as they go, and none waits for a CTA that has not started)."""
-        self._need(self.chain_fits(hidden, inter, q_size),
-                   f"the projection chain takes sizes that are multiples of 32 up to "
-                   f"{self.chain_max_k}, got hidden {hidden}, intermediate {inter}, q {q_size}")
-
+        blocks as they go, and none waits for a CTA that has not started).
+        w_scales: E4M3 weights (the _fp8 entry): the three weights' rows' scales (o, gate|up,
+        down), and norm_w the RMSNorm's weight (not folded into the codes), as the FP8 skinny
+        kernels take them."""
+        fp8 = w_scales is not None
+        self._need(self.chain_fits(hidden, inter, q_size, fp8),
+                   f"the projection chain takes sizes that are multiples of "
+                   f"{self.SKINNY_FP8_K_ALIGN if fp8 else 32} up to {self.chain_max_k}, got "
+                   f"hidden {hidden}, intermediate {inter}, q {q_size}")
+        self._need(not fp8 or (all(w_scales) and norm_w),
+                   "E4M3 weights need their scales and the RMSNorm's weight")
+        scales = w_scales or (0, 0, 0)
         x_stride = max(hidden, inter, q_size)  # two such buffers of x in shared memory
 
-        def proj(x_in, w, n, k, out, shadow=0):
-            return ChainProjection(int(x_in), int(w), self.tile_stride(k), n, k, int(out),
-                                   int(shadow))
-        chain = (ChainProjection * 3)(proj(attn, wo, hidden, q_size, x, x_shadow),
-                                      proj(x_shadow, wgu, 2 * inter, hidden, act),
-                                      proj(act, wdown, hidden, inter, x, x_shadow))
-        self.launch("blink_projection_chain", (grid or self.device_sm_count - self.held_sms,),
+        def proj(x_in, w, n, k, out, shadow, scale, norm=0):
+            return ChainProjection(int(x_in), int(w), self.tile_stride(k, 1 if fp8 else 2), n,
+                                   k, int(out), int(shadow), int(scale), int(norm))
+        chain = (ChainProjection * 3)(
+            proj(attn, wo, hidden, q_size, x, x_shadow, scales[0]),
+            proj(x_shadow, wgu, 2 * inter, hidden, act, 0, scales[1], norm_w),
+            proj(act, wdown, hidden, inter, x, x_shadow, scales[2]))
+        self.launch(f"blink_projection_chain{_FP8[fp8]}",
+                    (grid or self.device_sm_count - self.held_sms,),
                     (self.chain_threads,), [chain, _f32(eps), _i32(x_stride), _ptr(counters)],
                     stream, smem=self.chain_ring_bytes + 2 * 2 * x_stride)
 
@@ -1032,10 +1058,11 @@ class CudaForward:
         projection_chain: in the one-token bucket, each layer's o, gate|up and down
         projections (with the residual adds, the RMSNorm and SiLU * up) run as one persistent
         kernel (ForwardKernels.projection_chain) where the layer takes it (fused norms, tiled
-        weights, no o bias); bit-identical to the three unsplit skinny kernels. None (the
-        default): where ForwardKernels.chain_preferred says so (layers of at least
-        CHAIN_MIN_LAYER_BYTES), with bf16 weights; bench_decode --options
-        chain:projection_chain=1 / nochain:projection_chain=0 times either way.
+        weights, no o bias); bit-identical to the three unsplit skinny kernels (bf16 or FP8
+        weights). None (the default): where ForwardKernels.chain_preferred says so (bf16
+        layers of at least CHAIN_MIN_LAYER_BYTES; never with FP8 weights, where it is slower),
+        with the skinny kernels; bench_decode --options chain:projection_chain=1 /
+        nochain:projection_chain=0 times either way.
         quantization "fp8": the projections' weights as E4M3 codes with a float32 scale per
         output row (quantized on the GPU at load, csrc/quantize.cuh; the RMSNorm weights kept
         apart, not folded in): decode-sized steps run the FP8 skinny kernels (dequantizing in
@@ -1062,10 +1089,9 @@ class CudaForward:
             if any(n % align for n in (H, I, cfg.q_size)):
                 raise ValueError(f"--quantization fp8 needs hidden ({H}), intermediate ({I}) and "
                                  f"q ({cfg.q_size}) sizes that are multiples of {align}")
-            if not skinny or projection_chain:
+            if not skinny:
                 raise ValueError("--quantization fp8 runs decode-sized steps on its skinny "
-                                 "kernels (skinny=False and the projection chain are bf16 "
-                                 "comparisons)")
+                                 "kernels (skinny=False is a bf16 comparison)")
         if (num_blocks is not None and num_blocks <= 0) or block_size <= 0 \
                 or max_num_batched_tokens <= 0 or max_num_seqs <= 0:
             raise ValueError("num_blocks, block_size, max_num_batched_tokens and max_num_seqs "
@@ -1111,7 +1137,7 @@ class CudaForward:
             raise CudaError(refusal)
         self.skinny_split_blocks = skinny_split_blocks
         self.lm_head_argmax = lm_head_argmax
-        self.projection_chain = (skinny and not self.fp8 and k.chain_preferred(H, I, cfg.q_size)
+        self.projection_chain = (skinny and k.chain_preferred(H, I, cfg.q_size, self.fp8)
                                  if projection_chain is None else projection_chain)
         self.stream = new_stream()
         self.blas = Cublas()
@@ -1481,6 +1507,24 @@ class CudaForward:
         # 17..32 rows; a cuBLAS GEMM after a norm, in larger steps, launches at its end anyway)
         norm_release = in_order and self.norm_release
 
+        def chained(lw) -> bool:
+            """Whether layer lw's o, gate|up and down projections run as one persistent kernel
+            (batch 1, the norms fused, no o bias, the tiled copies), whose CTAs stream the three
+            projections' weights through shared memory without a drain between them."""
+            return (self.projection_chain and rows == 1 and fuse and lw.bo is None
+                    and all(n in lw.tiled for n in ("wo", "wgu", "wdown"))
+                    and k.chain_fits(H, I, Q, self.fp8))
+
+        def chain(li, lw):
+            """Layer li's projections after attention on projection_chain (E4M3 weights: with
+            their scales and the RMSNorm's weight)."""
+            fp8 = ({"w_scales": tuple(lw.scales[n].ptr for n in ("wo", "wgu", "wdown")),
+                    "norm_w": lw.post_norm.ptr} if self.fp8 else {})
+            op("o proj + residual, rmsnorm + gate|up proj + silu*mul, down proj + residual",
+               k.projection_chain, s, self.attn.ptr, lw.tiled["wo"].ptr, self.x.ptr,
+               self.x_shadow.ptr, lw.tiled["wgu"].ptr, self.act.ptr, lw.tiled["wdown"].ptr, H,
+               I, Q, eps, self.chain_counters.ptr + 4 * k.chain_counters_words * li, **fp8)
+
         def fp8_linear(label, lw, name, dst, in_f, out_f, accumulate=False):
             """dst (+)= act_q @ lw.<name>^T on cuBLASLt's FP8 GEMM (E4M3 act_q with its rows'
             scales, the weight's codes with theirs): bf16 out, or fp32 added into dst. The
@@ -1500,7 +1544,7 @@ class CudaForward:
             op(label, k.skinny_linear, s, x, w, dst, rows, in_f, out_f, mode, w_tiled=tiled,
                k_splits=splits, w_scale=lw.scales[name].ptr, **kwargs)
 
-        def fp8_layer(lw, rope_args, cache_args, kv_write, rope, attend):
+        def fp8_layer(li, lw, rope_args, cache_args, kv_write, rope, attend):
             """One layer on FP8 weights: decode-sized buckets (fuse) on the FP8 skinny kernels,
             with the RMSNorms and RoPE + KV write folded in as on bf16 weights (the norms'
             weights given, not folded); others on cuBLASLt's FP8 GEMMs, each input quantized
@@ -1525,6 +1569,8 @@ class CudaForward:
                     fp8_linear("qkv proj", lw, "wqkv", self.qkv.ptr, H, Q + 2 * KV)
                 rope()
             attend(release_next=in_order and fuse)
+            if chained(lw):
+                return chain(li, lw)
             if fuse:
                 fp8_skinny("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
                            SKINNY_F32_ADD, shadow=self.x_shadow.ptr)
@@ -1572,7 +1618,7 @@ class CudaForward:
                    decode_min_keys=self.decode_min_keys,
                    release_next=release_next, kv_scales=kv_write["kv_scales"])
             if self.fp8:
-                fp8_layer(lw, rope_args, cache_args, kv_write, rope, attend)
+                fp8_layer(li, lw, rope_args, cache_args, kv_write, rope, attend)
                 continue
             # RoPE + KV write ride in the skinny qkv projection, with the RMSNorm too (decode
             # buckets) or after its kernel (17 to 32 rows); Qwen3's per-head q/k norms need
@@ -1603,19 +1649,10 @@ class CudaForward:
             # x += attn @ Wo^T: the residual add rides in the projection (fp32 output); o_proj's
             # bias (where a model has one) is added by the norm kernel, so it stays a kernel
             fuse_post = fuse and lw.bo is None
-            # batch 1: o, gate|up and down in one persistent kernel, whose CTAs stream the
-            # three projections' weights through shared memory without a drain between them
-            chain = (self.projection_chain and rows == 1 and fuse_post
-                     and all(n in lw.tiled for n in ("wo", "wgu", "wdown"))
-                     and k.chain_fits(H, I, Q))
-            attend(release_next=in_order and (chain or skinny(Q, H, True)
+            attend(release_next=in_order and (chained(lw) or skinny(Q, H, True)
                                               or splitk(lw, "wo", Q, H)))
-            if chain:
-                op("o proj + residual, rmsnorm + gate|up proj + silu*mul, down proj + residual",
-                   k.projection_chain, s, self.attn.ptr, lw.tiled["wo"].ptr,
-                   self.x.ptr, self.x_shadow.ptr, lw.tiled["wgu"].ptr, self.act.ptr,
-                   lw.tiled["wdown"].ptr, H, I, Q, eps,
-                   self.chain_counters.ptr + 4 * k.chain_counters_words * li)
+            if chained(lw):
+                chain(li, lw)
                 continue
             linear("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
                    accumulate=True, shadow=shadow if fuse_post else 0)

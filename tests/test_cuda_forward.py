@@ -544,26 +544,47 @@ def test_skinny_linear_with_rmsnorm(cf, stream, rows, k_in, n_out, mode, layout,
 
 # (hidden, intermediate, q size): Llama-3.1-8B's (where the chain is on by default) and
 # Llama-3.2-1B's (row blocks past the grid, chunks past the ring), one where every projection
-# ends on a partial chunk, and a small one (one chunk each)
+# ends on a partial chunk (E4M3 weights: each size 32 more, whole 64-k steps), and a small one
+# (one chunk each)
 @pytest.mark.parametrize("hidden,inter,q_size", [(4096, 14336, 4096), (2048, 8192, 2048),
                                                  (2080, 1056, 544), (256, 512, 256)])
-def test_projection_chain(cf, stream, hidden, inter, q_size):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_projection_chain(cf, stream, hidden, inter, q_size, fp8):
     """The batch-1 projections after attention in one persistent kernel (gemv_chain.cuh): x +=
     attn Wo^T, act = silu(gate) * up of rms_norm(x) Wgu^T, x += act Wdown^T, against float64,
     and bit for bit against the three skinny kernels (unsplit), whose sums it takes in the same
     order; twice, each launch leaving its counters zero for the next; and with a grid
     three times what the GPU holds at once, since no CTA may wait for one that has not
-    started."""
+    started. E4M3 weights (the _fp8 entry): the reference takes the codes' values, x rounded
+    to f16 as the kernels feed their MMAs, and the RMSNorm's weight given apart."""
+    if fp8:
+        hidden, inter, q_size = (-(-n // 64) * 64 for n in (hidden, inter, q_size))
     k = kernels(cf)
     rng = np.random.default_rng(hidden + inter)
     eps = 1e-5
     attn = rb(rng.standard_normal(q_size))
     x0 = (rng.standard_normal(hidden) * 7).astype(np.float32)  # a residual stream's scale
-    wo = rb(rng.standard_normal((hidden, q_size)) * q_size ** -0.5)
-    wgu = rb(rng.standard_normal((2 * inter, hidden)) * hidden ** -0.5)
-    wdown = rb(rng.standard_normal((hidden, inter)) * inter ** -0.5)
+    ws = [rb(rng.standard_normal((n, kin)) * kin ** -0.5)
+          for n, kin in ((hidden, q_size), (2 * inter, hidden), (hidden, inter))]
+    fp8_args = [{}, {}, {}]
+    if fp8:
+        norm_w = rb(1 + 0.3 * rng.standard_normal(hidden))
+        quantized = [fp8_weight(w) for w in ws]
+        d_w = [dev(cf, tiled(cf, codes)) for codes, _, _ in quantized]
+        scales = [dev(cf, scale) for _, scale, _ in quantized]
+        d_norm_w = dev(cf, float32_to_bf16_bits(norm_w))
+        fp8_args = [{"w_scale": scale.ptr} for scale in scales]
+        fp8_args[1]["norm_w"] = d_norm_w.ptr
+        chain_args = {"w_scales": tuple(scale.ptr for scale in scales), "norm_w": d_norm_w.ptr}
+        wo, wgu, wdown = (values for _, _, values in quantized)
+        mma_input = f16_input
+    else:
+        d_w = [dev(cf, tiled(cf, float32_to_bf16_bits(w))) for w in ws]
+        chain_args = {}
+        wo, wgu, wdown = (w.astype(np.float64) for w in ws)
+        norm_w = 1
+        mma_input = np.asarray
     d_attn = dev(cf, float32_to_bf16_bits(attn))
-    d_w = [dev(cf, tiled(cf, float32_to_bf16_bits(w))) for w in (wo, wgu, wdown)]
 
     def run(chain: bool, grid=None):
         x = dev(cf, x0)
@@ -573,24 +594,24 @@ def test_projection_chain(cf, stream, hidden, inter, q_size):
         if chain:
             k.projection_chain(stream, d_attn.ptr, d_w[0].ptr, x.ptr, shadow.ptr, d_w[1].ptr,
                                act.ptr, d_w[2].ptr, hidden, inter, q_size, eps, counters.ptr,
-                               grid=grid)
+                               grid=grid, **chain_args)
         else:
             k.skinny_linear(stream, d_attn.ptr, d_w[0].ptr, x.ptr, 1, q_size, hidden,
-                            cf.SKINNY_F32_ADD, shadow=shadow.ptr, w_tiled=True)
+                            cf.SKINNY_F32_ADD, shadow=shadow.ptr, w_tiled=True, **fp8_args[0])
             k.skinny_linear(stream, shadow.ptr, d_w[1].ptr, act.ptr, 1, hidden, 2 * inter,
-                            cf.SKINNY_SILU_MUL, norm_eps=eps, w_tiled=True)
+                            cf.SKINNY_SILU_MUL, norm_eps=eps, w_tiled=True, **fp8_args[1])
             k.skinny_linear(stream, act.ptr, d_w[2].ptr, x.ptr, 1, inter, hidden,
-                            cf.SKINNY_F32_ADD, shadow=shadow.ptr, w_tiled=True)
+                            cf.SKINNY_F32_ADD, shadow=shadow.ptr, w_tiled=True, **fp8_args[2])
         cf.synchronize(stream)
         assert not counters.download().any()
         return x.download(), shadow.download(), act.download()
 
-    x1 = x0 + attn.astype(np.float64) @ wo.T.astype(np.float64)
-    h = rb(x1) * _rms_scale(rb(x1), eps)[0]
-    gate_up = (h @ wgu.T.astype(np.float64)).reshape(inter // 16, 2, 16)
+    x1 = x0 + mma_input(attn) @ wo.T
+    h = mma_input(rb(x1) * norm_w) * _rms_scale(rb(x1), eps)[0]
+    gate_up = (h @ wgu.T).reshape(inter // 16, 2, 16)
     gate, up = rb(gate_up[:, 0].ravel()), rb(gate_up[:, 1].ravel())
     act_ref = gate / (1 + np.exp(-gate.astype(np.float64))) * up
-    x_ref = x1 + rb(act_ref).astype(np.float64) @ wdown.T.astype(np.float64)
+    x_ref = x1 + mma_input(rb(act_ref)) @ wdown.T
     skinny = run(chain=False)
     for grid in (None, None, 3 * k.chain_ctas_per_sm * k.device_sm_count):
         x, shadow, act = run(chain=True, grid=grid)
@@ -604,13 +625,24 @@ def test_projection_chain(cf, stream, hidden, inter, q_size):
 def test_projection_chain_refuses_shapes_it_does_not_take(cf, stream):
     k = kernels(cf)
     assert k.chain_fits(2048, 8192, 2048) and not k.chain_fits(2048, 8200, 2048)
-    # the rule by size: on for Llama-3.1-8B's layers, off for Llama-3.2-1B's, and never where
-    # the chain does not take the shape
+    # E4M3 weights: whole 64-k steps
+    assert k.chain_fits(2048, 8192, 2048, fp8=True) and not k.chain_fits(2048, 8224, 2048,
+                                                                         fp8=True)
+    # the rule by size: on for Llama-3.1-8B's bf16 layers, off for Llama-3.2-1B's, never with
+    # E4M3 weights (slower on every shape measured), nor where the chain does not take the shape
     assert k.chain_preferred(4096, 14336, 4096) and not k.chain_preferred(2048, 8192, 2048)
     assert not k.chain_preferred(4096, k.chain_max_k + 32, 4096)
+    assert not any(k.chain_preferred(*shape, fp8=True)
+                   for shape in ((4096, 14336, 4096), (2048, 8192, 2048)))
     assert not k.chain_fits(4096, k.chain_max_k + 32, 4096)
     with pytest.raises(ValueError, match="projection chain"):
         k.projection_chain(stream, 0, 0, 0, 0, 0, 0, 0, 256, 520, 256, 1e-5, 0)
+    with pytest.raises(ValueError, match="projection chain"):  # 544: not whole 64-k steps
+        k.projection_chain(stream, 0, 0, 0, 0, 0, 0, 0, 256, 544, 256, 1e-5, 0,
+                           w_scales=(1, 1, 1), norm_w=1)
+    with pytest.raises(ValueError, match="scales"):
+        k.projection_chain(stream, 0, 0, 0, 0, 0, 0, 0, 256, 512, 256, 1e-5, 0,
+                           w_scales=(1, 0, 1), norm_w=1)
 
 
 def test_skinny_linear_refuses_shapes_it_does_not_take(cf, stream):
@@ -1790,16 +1822,17 @@ def test_forward_fused_norm_rope_matches_separate_kernels(cf, models, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_forward_projection_chain_matches_skinny_kernels(cf, models, arch):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_forward_projection_chain_matches_skinny_kernels(cf, models, arch, quantization):
     """With projection_chain, one-token steps run each layer's o, gate|up and down projections
     as one persistent kernel: two kernels a layer fewer than the skinny kernels, whose sums it
     takes in the same order, so a prompt fed one token at a time and then decoded gives
     bit-identical logits and tokens to those kernels unsplit (skinny_split_blocks 0), and
-    every layer's counters are zero after each step."""
+    every layer's counters are zero after each step; bf16 and E4M3 weights."""
     cfg, w, _ = models[arch]
     make = functools.partial(cf.CudaForward, cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
                              max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
-                             skinny_split_blocks=0)
+                             skinny_split_blocks=0, quantization=quantization)
     chained, skinny = make(projection_chain=True), make(projection_chain=False)
     try:
         assert sum(skinny.graph_node_types[1].values()) - \

@@ -282,12 +282,17 @@ BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x2_k2, 1, 2, true, 2, blin
 // residual, RMSNorm + gate|up + SiLU, down + residual. One CTA an SM by default (the ring and
 // two x_stride-element buffers of dynamic shared memory, x_stride the layer's largest K; the
 // grid need not be resident at once); counters: the layer's, zero before the first launch
-// (each launch leaves them zero).
-__global__ void __launch_bounds__(blink::kChainThreads, 1)
-    blink_projection_chain(const __grid_constant__ blink::ChainProjections chain, float eps,
-                           int x_stride, blink::ChainCounters* counters) {
-  blink::ProjectionChainCta(chain.p, eps, x_stride, counters);
-}
+// (each launch leaves them zero). _fp8: E4M3 weights (gemv.cuh Fp8Weights; each projection's
+// w_scale, and gate|up's norm_w).
+#define BLINK_PROJECTION_CHAIN(NAME, W)                                                      \
+  __global__ void __launch_bounds__(blink::kChainThreads, 1)                                 \
+      NAME(const __grid_constant__ blink::ChainProjections chain, float eps, int x_stride,   \
+           blink::ChainCounters* counters) {                                                 \
+    blink::ProjectionChainCta<W>(chain.p, eps, x_stride, counters);                          \
+  }
+BLINK_PROJECTION_CHAIN(blink_projection_chain, blink::Bf16Weights)
+BLINK_PROJECTION_CHAIN(blink_projection_chain_fp8, blink::Fp8Weights)
+#undef BLINK_PROJECTION_CHAIN
 
 // Split-K linear with shared activations, added into fp32 (gemv.cuh SplitKAddLinearCta): the
 // residual-adding projections of 17..32-row steps; and gate|up + SiLU of those steps, a CTA's

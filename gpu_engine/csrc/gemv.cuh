@@ -238,19 +238,16 @@ __device__ __forceinline__ void GemvStepMma(float (&acc)[kRowTiles][kColTiles][4
   }
 }
 
-// One 64-k step of a lane's MMAs on FP8 weights: W rows g, g + 8 of each row tile (wv: 16 codes
-// each, k 16 t .. + 15 of the step) against x row g of each column tile over the same k (xv:
-// two bf16 pieces, k 16 t .. + 7 and + 8 .. + 15). x is rounded to f16 times kFp8InputScale
-// (and, kNormIn, times the RMSNorm's weight over those k: nw); MMA i takes k 16 t + 4 i .. + 3,
-// the same permutation of k in A and B (as MmaBf16Step32 permutes them). kNormIn: the lane's
-// share of each x row's sum of squares too (of x as stored).
-template <int kRowTiles, int kColTiles, bool kNormIn>
-__device__ __forceinline__ void GemvStepMmaFp8(float (&acc)[kRowTiles][kColTiles][4],
-                                               float (&sum_sq)[kColTiles],
-                                               const uint4 (&wv)[kRowTiles][2],
-                                               const uint4 (&xv)[kColTiles][2],
-                                               const uint4 (&nw)[2]) {
-  uint32_t xb[kColTiles][8];  // f16 pairs: k 16 t + 2 i, + 1 in word i
+// x's part of one 64-k step of a lane's MMAs on FP8 weights (GemvStepMmaFp8): x row g of each
+// column tile over k 16 t .. + 15 of the step (xv: two bf16 pieces, k 16 t .. + 7 and + 8 .. +
+// 15), rounded to f16 times kFp8InputScale (and, kNormIn, times the RMSNorm's weight over those
+// k: nw), into xb[j] as the MMAs take it (f16 pairs: k 16 t + 2 i, + 1 in word i). kNormIn: the
+// lane's share of each x row's sum of squares too (of x as stored).
+template <int kColTiles, bool kNormIn>
+__device__ __forceinline__ void GemvStepInputFp8(uint32_t (&xb)[kColTiles][8],
+                                                 float (&sum_sq)[kColTiles],
+                                                 const uint4 (&xv)[kColTiles][2],
+                                                 const uint4 (&nw)[2]) {
 #pragma unroll
   for (int j = 0; j < kColTiles; ++j) {
 #pragma unroll
@@ -270,6 +267,15 @@ __device__ __forceinline__ void GemvStepMmaFp8(float (&acc)[kRowTiles][kColTiles
       }
     }
   }
+}
+
+// The weights' part: W rows g, g + 8 of each row tile (wv: 16 codes each, k 16 t .. + 15 of
+// the step) against xb (GemvStepInputFp8); MMA i takes k 16 t + 4 i .. + 3, the same
+// permutation of k in A and B (as MmaBf16Step32 permutes them).
+template <int kRowTiles, int kColTiles>
+__device__ __forceinline__ void GemvStepMmasFp8(
+    float (&acc)[kRowTiles][kColTiles][4], const uint4 (&wv)[kRowTiles][2],
+    const uint32_t (&xb)[kColTiles][8]) {
 #pragma unroll
   for (int a = 0; a < kRowTiles; ++a) {
     const uint32_t lo[4] = {wv[a][0].x, wv[a][0].y, wv[a][0].z, wv[a][0].w};
@@ -284,6 +290,19 @@ __device__ __forceinline__ void GemvStepMmaFp8(float (&acc)[kRowTiles][kColTiles
         MmaF16(acc[a][j], lo0, hi0, lo1, hi1, xb[j][2 * i], xb[j][2 * i + 1]);
     }
   }
+}
+
+// One 64-k step of a lane's MMAs on FP8 weights: x's part (GemvStepInputFp8), then the
+// weights' (GemvStepMmasFp8).
+template <int kRowTiles, int kColTiles, bool kNormIn>
+__device__ __forceinline__ void GemvStepMmaFp8(float (&acc)[kRowTiles][kColTiles][4],
+                                               float (&sum_sq)[kColTiles],
+                                               const uint4 (&wv)[kRowTiles][2],
+                                               const uint4 (&xv)[kColTiles][2],
+                                               const uint4 (&nw)[2]) {
+  uint32_t xb[kColTiles][8];
+  GemvStepInputFp8<kColTiles, kNormIn>(xb, sum_sq, xv, nw);
+  GemvStepMmasFp8(acc, wv, xb);
 }
 
 // A warp's accumulators (and kNormIn sums of squares) into sums.red / sums.sum_sq. Accumulator
@@ -315,13 +334,10 @@ __device__ __forceinline__ void GemvWarpSums(const float (&acc)[kRowTiles][kColT
 }
 
 // sums.row_scale of each token row, once the warps' sums are in (and, kSplits > 1, met in
-// part): 1 / rms(x_m) with kNormIn, else 1; FP8 weights: times 1 / kFp8InputScale, and each of
-// the CTA's rows' weight scale into sums.w_scale (rows past N: the last row's).
+// part): 1 / rms(x_m) with kNormIn, else 1; FP8 weights: times 1 / kFp8InputScale.
 template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits, class W>
-__device__ __forceinline__ void GemvRowScales(GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
-                                              int M, int K, float eps,
-                                              const float* w_scale = nullptr, int n0 = 0,
-                                              int N = 0) {
+__device__ __forceinline__ void GemvTokenScales(GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
+                                                int M, int K, float eps) {
   using S = GemvShape<kRowTiles, kColTiles, W>;
   if (threadIdx.x < min(M, S::kCols)) {
     float scale = 1.f;
@@ -338,6 +354,17 @@ __device__ __forceinline__ void GemvRowScales(GemvSums<kRowTiles, kColTiles, kSp
     if constexpr (W::kFp8) scale *= 1.f / kFp8InputScale;
     sums.row_scale[threadIdx.x] = scale;
   }
+}
+
+// GemvTokenScales, and FP8 weights: each of the CTA's rows' weight scale into sums.w_scale
+// (rows past N: the last row's).
+template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits, class W>
+__device__ __forceinline__ void GemvRowScales(GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
+                                              int M, int K, float eps,
+                                              const float* w_scale = nullptr, int n0 = 0,
+                                              int N = 0) {
+  using S = GemvShape<kRowTiles, kColTiles, W>;
+  GemvTokenScales<kNormIn>(sums, M, K, eps);
   if constexpr (W::kFp8) {
     if (threadIdx.x < S::kRows) sums.w_scale[threadIdx.x] = w_scale[min(n0 + threadIdx.x, N - 1)];
   }

@@ -5,6 +5,12 @@
 // wins on Llama-3.1-8B's 386 MB a layer and loses on 109-170 MB ones (docs/performance.md
 // round 22: batch 1 at 512 keys, 8B 3.795-3.806 against 3.826 ms a step, Qwen3-4B 2.627
 // against 2.527, Llama-3.2-3B 1.938 against 1.862, Llama-3.2-1B 0.814 against 0.767).
+// E4M3 weights (the _fp8 entry, gemv.cuh Fp8Weights) take the same ring, bit for bit the FP8
+// skinny kernels' sums, and lose on every shape measured, so they are never on by default
+// (round 23: 8B 2.666 against 2.455 ms, 1B 0.689 against 0.591). A KB of E4M3 codes is four
+// MMAs and eight conversions a lane where a KB of bf16 is two MMAs, and the chain's eight
+// consumer warps an SM are half the skinny kernels' sixteen: they consume about 3.1 TB/s, where
+// the ring brings more.
 //
 // Why try: at batch 1 every projection needs all of the one before it, so each kernel boundary
 // is a drain and a refill of the memory pipe: the slowest CTA's tail, then the next kernel's
@@ -81,11 +87,13 @@ static constexpr int kChainMaxSlices = kChainMaxK / kChainSliceCols;
 // One projection of the chain: out (+)= x @ W^T for the one token row.
 struct ChainProjection {
   const bf16* x;  // [K]
-  const bf16* w;  // tiled (gemv.cuh), tiles w_tile_stride elements apart
-  uint32_t w_tile_stride;
+  const void* w;  // tiled (gemv.cuh): bf16, or E4M3 codes (the _fp8 entry), tiles
+  uint32_t w_tile_stride;  // elements apart
   int N, K;
   void* out;    // the fp32 residual stream, added into (o, down), or act in bf16 (gate|up)
   bf16* shadow;  // the residual stream's bf16 copy (o, down)
+  const float* w_scale;  // E4M3 codes: their rows' scales (bf16 weights: null)
+  const bf16* norm_w;    // E4M3 gate|up: the RMSNorm's weight (bf16 weights have it folded in)
 };
 
 // The kernel's argument: o, gate|up, down (ForwardKernels.projection_chain packs it; the module
@@ -97,7 +105,8 @@ struct ChainProjections {
 // A phase's row tiles a row block: gate|up pairs 16 gate rows with their 16 up rows.
 __device__ __forceinline__ int ChainRowTiles(int phase) { return phase == 1 ? 2 : 1; }
 
-// A chunk's 32-k steps: a slot holds the same steps of each of the row block's row tiles.
+// A chunk's steps (1 KB of a row tile each: 32 k of bf16, 64 of E4M3): a slot holds the same
+// steps of each of the row block's row tiles.
 __device__ __forceinline__ constexpr int ChainChunkSteps(int row_tiles) {
   return kChainSlotBytes / (row_tiles * kChainStepBytes);
 }
@@ -138,23 +147,26 @@ enum ChainPhaseWork : int { kChainWorkUnknown = 0, kChainWorkSome = 1, kChainWor
 __device__ __forceinline__ int ChainRowBlocks(const ChainProjection& q, int phase) {
   return (q.N + 16 * ChainRowTiles(phase) - 1) / (16 * ChainRowTiles(phase));
 }
+template <class W>
 __device__ __forceinline__ int ChainChunks(const ChainProjection& q, int phase) {
   const int per_chunk = ChainChunkSteps(ChainRowTiles(phase));
-  return (q.K / 32 + per_chunk - 1) / per_chunk;
+  return (q.K / W::kStepK + per_chunk - 1) / per_chunk;
 }
 
 // The producer: chunk `chunk` of `row_block` of phase `phase` into `slot`, counted on `full`.
+template <class W>
 __device__ __forceinline__ void IssueChainChunk(const ChainProjection& q, int phase,
                                                 int row_block, int chunk, char* slot,
                                                 uint64_t* full) {
   const int rt = ChainRowTiles(phase), per_chunk = ChainChunkSteps(rt);
-  const int first = chunk * per_chunk, steps = min(per_chunk, q.K / 32 - first);
+  const int first = chunk * per_chunk, steps = min(per_chunk, q.K / W::kStepK - first);
   const uint32_t bytes = static_cast<uint32_t>(steps) * kChainStepBytes;
   MbarrierExpectBytes(full, rt * bytes);
   for (int a = 0; a < rt; ++a) {
     const int tile = min(row_block * rt + a, (q.N - 1) / 16);
-    const bf16* src = q.w + static_cast<size_t>(tile) * q.w_tile_stride +
-                      static_cast<size_t>(first) * (kChainStepBytes / sizeof(bf16));
+    const char* src = static_cast<const char*>(q.w) +
+                      static_cast<size_t>(tile) * q.w_tile_stride * sizeof(typename W::Element) +
+                      static_cast<size_t>(first) * kChainStepBytes;
     BulkCopy(slot + a * per_chunk * kChainStepBytes, src, bytes, full);
   }
 }
@@ -190,6 +202,7 @@ struct ChainRing {
   // each chunk into its slot as soon as the consumers are done with the chunk kChainSlots
   // before it; then an empty slot tagged as the end. work[phase] says, as soon as it is known,
   // whether any row block of the phase was taken (ChainPhaseWork).
+  template <class W>
   __device__ __forceinline__ void produce(const ChainProjection* p, ChainCounters* counters,
                                           volatile int* work) {
     int i = 0;
@@ -201,14 +214,15 @@ struct ChainRing {
       return s;
     };
     for (int phase = 0; phase < kChainPhases; ++phase) {
-      const int blocks = ChainRowBlocks(p[phase], phase), chunks = ChainChunks(p[phase], phase);
+      const int blocks = ChainRowBlocks(p[phase], phase);
+      const int chunks = ChainChunks<W>(p[phase], phase);
       int rb = atomicAdd(&counters->next_row_block[phase], 1u);
       work[phase] = rb < blocks ? kChainWorkSome : kChainWorkNone;
       for (; rb < blocks; rb = atomicAdd(&counters->next_row_block[phase], 1u)) {
         for (int c = 0; c < chunks; ++c) {
           const int s = take_slot();
           tag[s] = {phase, rb};
-          IssueChainChunk(p[phase], phase, rb, c, slots + s * kChainSlotBytes, &full[s]);
+          IssueChainChunk<W>(p[phase], phase, rb, c, slots + s * kChainSlotBytes, &full[s]);
         }
       }
     }
@@ -321,36 +335,59 @@ __device__ __forceinline__ void ConsumerSync() {
 
 // One phase: the row blocks of projection q that the producer tagged with `phase`, each
 // accumulated from the ring and stored (mode: kGemvF32Add with the shadow, or kGemvSiluMul).
-template <int kRowTiles, bool kNormIn>
+// W: the weights' kind, as the skinny kernels take it (E4M3 codes: the same MMAs as
+// SkinnyAccumulate's on them, x times the RMSNorm's weight with kNormIn, the rows' scales in
+// the epilogue).
+template <class W, int kRowTiles, bool kNormIn>
 __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& q, int mode,
-                                              float eps, ChainRing& ring, const bf16* x,
+                                              float eps, ChainRing& ring, bf16* x,
                                               const volatile int* x_loaded,
-                                              GemvSums<kRowTiles, 1>& sums,
+                                              GemvSums<kRowTiles, 1, 1, W>& sums,
                                               ChainCounters* counters) {
   constexpr int kPerChunk = ChainChunkSteps(kRowTiles);
   constexpr int kWarpSteps = kPerChunk / kGemvWarps;  // a warp's steps of a full chunk
   static_assert(kPerChunk % kGemvWarps == 0, "a chunk's steps round-robin over the warps");
+  constexpr int kStepK = W::kStepK, kPieceK = kStepK / 4;  // k a step, k a lane's row piece
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int g = lane / 4, t = lane % 4;
-  const int steps = q.K / 32, chunks = ChainChunks(q, phase);
-  // lane (g, t)'s 16 bytes of a step: rows g and g + 8, k 8 t .. + 7 (gemv.cuh's tiled layout)
-  const int lane_bytes = (g * 32 + 8 * t) * static_cast<int>(sizeof(bf16));
+  const int steps = q.K / kStepK, chunks = ChainChunks<W>(q, phase);
+  // lane (g, t)'s 16 bytes of a step: rows g and g + 8, k kPieceK t .. + kPieceK - 1 (gemv.cuh's
+  // tiled layout: 64 g + 16 t bytes either way)
+  const int lane_bytes = g * (kChainStepBytes / 16) + 16 * t;
   int x_needed = 0;  // slices of x this CTA has waited for
+  // E4M3: x's f16 form (GemvStepInputFp8) is the same for every row block of the phase, and a
+  // warp reads only its own steps' columns of x (w, w + 8, ... of every row block). So a warp's
+  // first row block of the phase converts them in place, in shared memory, and sums the squares
+  // of x (kNormIn), and its later ones read the f16 words and keep those sums: the skinny
+  // kernels' values, computed once a CTA, not once a row block.
+  bool x_converted = false;
+  float sum_sq[1] = {0.f};
   for (ChainTag tag = ring.peek(); tag.phase == phase; tag = ring.peek()) {
     const int rb = tag.row_block;
+    // E4M3: the row block's weight scales, loaded as it starts, for its epilogue (loaded in
+    // it, each row block's wait on DRAM stalled the CTA's ring: 8B batch 1 on the H200 2.828
+    // -> 2.742 ms a step)
+    float w_scale = 0.f;
+    if constexpr (W::kFp8) {
+      if (threadIdx.x < 16 * kRowTiles)
+        w_scale = q.w_scale[min(rb * 16 * kRowTiles + static_cast<int>(threadIdx.x), q.N - 1)];
+    }
     float acc[kRowTiles][1][4] = {};
-    float sum_sq[1] = {0.f};
+    if constexpr (!W::kFp8) sum_sq[0] = 0.f;
     for (int c = 0; c < chunks; ++c) {
       const char* slot = ring.acquire();
       const int first = c * kPerChunk, here = min(kPerChunk, steps - first);
-      const int slices = ChainSlices((first + here) * 32);
+      const int slices = ChainSlices((first + here) * kStepK);
       if (slices > x_needed) {  // the loader warp's copies of them
         while (*x_loaded < ChainXLoaded(phase, slices)) {
         }
         __threadfence_block();
         x_needed = slices;
       }
-      uint4 wv[kWarpSteps][kRowTiles][2], xv[kWarpSteps][1];
+      using XFrag = typename W::XFrag;
+      uint4 wv[kWarpSteps][kRowTiles][2];
+      // E4M3: x as stored (bf16), or converted (f16 words); nw: kNormIn's RMSNorm weight
+      XFrag xv[kWarpSteps][1], nw[kWarpSteps];
 #pragma unroll
       for (int u = 0; u < kWarpSteps; ++u) {
         const int step = warp + u * kGemvWarps;
@@ -361,17 +398,48 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
           for (int h = 0; h < 2; ++h)
             wv[u][a][h] = *reinterpret_cast<const uint4*>(
                 slot + (a * kPerChunk + step) * kChainStepBytes + lane_bytes + h * 512);
-        xv[u][0] = *reinterpret_cast<const uint4*>(x + (first + step) * 32 + 8 * t);
+        const int k = (first + step) * kStepK + kPieceK * t;
+        if constexpr (W::kFp8) {
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            xv[u][0][p] = *reinterpret_cast<const uint4*>(x + k + 8 * p);
+            if (kNormIn && !x_converted)
+              nw[u][p] = __ldg(reinterpret_cast<const uint4*>(q.norm_w + k + 8 * p));
+          }
+        } else {
+          xv[u][0] = *reinterpret_cast<const uint4*>(x + k);
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kWarpSteps; ++u)
-        if (warp + u * kGemvWarps < here)
+      for (int u = 0; u < kWarpSteps; ++u) {
+        if (warp + u * kGemvWarps >= here) continue;
+        if constexpr (W::kFp8) {
+          uint32_t xb[1][8];
+          uint4* xs = reinterpret_cast<uint4*>(x + (first + warp + u * kGemvWarps) * kStepK +
+                                               kPieceK * t);
+          if (x_converted) {
+            xb[0][0] = xv[u][0][0].x, xb[0][1] = xv[u][0][0].y, xb[0][2] = xv[u][0][0].z;
+            xb[0][3] = xv[u][0][0].w, xb[0][4] = xv[u][0][1].x, xb[0][5] = xv[u][0][1].y;
+            xb[0][6] = xv[u][0][1].z, xb[0][7] = xv[u][0][1].w;
+          } else {
+            GemvStepInputFp8<1, kNormIn>(xb, sum_sq, xv[u], nw[u]);
+            xs[0] = make_uint4(xb[0][0], xb[0][1], xb[0][2], xb[0][3]);
+            xs[1] = make_uint4(xb[0][4], xb[0][5], xb[0][6], xb[0][7]);
+          }
+          GemvStepMmasFp8(acc, wv[u], xb);
+        } else {
           GemvStepMma<kRowTiles, 1, kNormIn>(acc, sum_sq, wv[u], xv[u]);
+        }
+      }
       ring.release();
     }
+    x_converted = true;
     GemvWarpSums<kNormIn>(acc, sum_sq, sums);
     ConsumerSync();
-    GemvRowScales<kNormIn>(sums, 1, q.K, eps);
+    GemvTokenScales<kNormIn>(sums, 1, q.K, eps);
+    if constexpr (W::kFp8) {
+      if (threadIdx.x < 16 * kRowTiles) sums.w_scale[threadIdx.x] = w_scale;
+    }
     ConsumerSync();
     if constexpr (kRowTiles == 2)
       SkinnyStoreSiluMul(sums, rb, 1, q.N, static_cast<bf16*>(q.out), q.N / 2);
@@ -387,8 +455,11 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
 
 // The whole chain; blockDim.x = kChainThreads (the consumer warps, the producer warp, the
 // loader warp), kChainRingBytes + 2 x_stride bf16 of dynamic shared memory, x_stride the
-// layer's largest K; any grid size (one CTA an SM, by default). p: o, gate|up, down.
+// layer's largest K; any grid size (one CTA an SM, by default). p: o, gate|up, down. W:
+// Bf16Weights, or Fp8Weights (every projection's E4M3 codes, with w_scale, and norm_w for
+// gate|up).
 static constexpr int kChainThreads = kGemvThreads + 2 * kWarpSize;
+template <class W>
 __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, float eps,
                                                    int x_stride, ChainCounters* counters) {
   extern __shared__ __align__(128) char chain_slots[];
@@ -396,8 +467,8 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
   __shared__ ChainTag tag[kChainSlots];
   __shared__ int x_loaded, consumers_phase, loader_done, work[kChainPhases];
   __shared__ union {
-    GemvSums<1, 1> one;
-    GemvSums<2, 1> two;
+    GemvSums<1, 1, 1, W> one;
+    GemvSums<2, 1, 1, W> two;
   } sums;
   ChainRing ring{chain_slots, full, empty, tag};
   bf16* x = reinterpret_cast<bf16*>(chain_slots + kChainRingBytes);
@@ -417,21 +488,23 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
     return;
   }
   if (threadIdx.x >= kGemvThreads) {  // the producer warp: weights, which nothing before
-    if (threadIdx.x == kGemvThreads) ring.produce(p, counters, work);  // this kernel writes
+    if (threadIdx.x == kGemvThreads) ring.produce<W>(p, counters, work);  // this kernel writes
     return;
   }
   AwaitPriorKernel();  // the residual stream
-  ChainPhaseCta<1, false>(0, p[0], kGemvF32Add, eps, ring, x, &x_loaded, sums.one, counters);
+  ChainPhaseCta<W, 1, false>(0, p[0], kGemvF32Add, eps, ring, x, &x_loaded, sums.one,
+                             counters);
   if (threadIdx.x == 0) {  // the loader may refill phase 0's buffer (the last ConsumerSync)
     __threadfence_block();
     *static_cast<volatile int*>(&consumers_phase) = 1;
   }
-  ChainPhaseCta<2, true>(1, p[1], kGemvSiluMul, eps, ring, x + x_stride, &x_loaded, sums.two,
-                         counters);
+  ChainPhaseCta<W, 2, true>(1, p[1], kGemvSiluMul, eps, ring, x + x_stride, &x_loaded,
+                            sums.two, counters);
   // The next kernel (the next layer's qkv) may take the room beside this CTA and start on its
   // weights during the last projection; it waits for this grid's end before reading x.
   ReleaseNextKernel();
-  ChainPhaseCta<1, false>(2, p[2], kGemvF32Add, eps, ring, x, &x_loaded, sums.one, counters);
+  ChainPhaseCta<W, 1, false>(2, p[2], kGemvF32Add, eps, ring, x, &x_loaded, sums.one,
+                             counters);
   // Every CTA's producer took its last row block before tagging the end, which its consumers
   // have seen, and its loader says when it is done with the counters: the last CTA out is the
   // last user of every counter. Fence, count, and the last one fences again before its
