@@ -679,11 +679,11 @@ class ForwardKernels:
                          w_scales: tuple[int, int, int] | None = None, norm_w=0) -> None:
         """One token row's projections after attention, in one persistent kernel
         (csrc/gemv_chain.cuh): x += attn @ wo^T (x_shadow its bf16 copy); act = silu(gate) * up
-        of x_shadow's RMSNorm @ wgu^T (the norm's weight folded into wgu, gate|up interleaved);
-        x += act @ wdown^T (and x_shadow). Every weight tiled (tile_weights). counters:
-        chain_counters_words u32, zero before the first launch, left zero by each. grid: by
-        default one CTA an SM but the held ones; any count gives the same sums (CTAs take row
-        blocks as they go, and none waits for a CTA that has not started).
+        of x_shadow's RMSNorm @ wgu^T (bf16: the norm's weight folded into wgu; gate|up
+        interleaved); x += act @ wdown^T (and x_shadow). Every weight tiled (tile_weights).
+        counters: chain_counters_words u32, zero before the first launch, left zero by each.
+        grid: by default one CTA an SM but the held ones; any count gives the same sums (CTAs
+        take row blocks as they go, and none waits for a CTA that has not started).
         w_scales: E4M3 weights (the _fp8 entry): the three weights' rows' scales (o, gate|up,
         down), and norm_w the RMSNorm's weight (not folded into the codes), as the FP8 skinny
         kernels take them."""
@@ -692,8 +692,9 @@ class ForwardKernels:
                    f"the projection chain takes sizes that are multiples of "
                    f"{self.SKINNY_FP8_K_ALIGN if fp8 else 32} up to {self.chain_max_k}, got "
                    f"hidden {hidden}, intermediate {inter}, q {q_size}")
-        self._need(not fp8 or (all(w_scales) and norm_w),
-                   "E4M3 weights need their scales and the RMSNorm's weight")
+        self._need(not fp8 or (len(w_scales) == 3 and all(w_scales) and norm_w),
+                   "E4M3 weights need their three scales and the RMSNorm's weight")
+        self._need(fp8 or not norm_w, "bf16 weights have the RMSNorm's weight folded in")
         scales = w_scales or (0, 0, 0)
         x_stride = max(hidden, inter, q_size)  # two such buffers of x in shared memory
 

@@ -643,6 +643,8 @@ def test_projection_chain_refuses_shapes_it_does_not_take(cf, stream):
     with pytest.raises(ValueError, match="scales"):
         k.projection_chain(stream, 0, 0, 0, 0, 0, 0, 0, 256, 512, 256, 1e-5, 0,
                            w_scales=(1, 0, 1), norm_w=1)
+    with pytest.raises(ValueError, match="folded"):  # bf16 weights have the norm in them
+        k.projection_chain(stream, 0, 0, 0, 0, 0, 0, 0, 256, 512, 256, 1e-5, 0, norm_w=1)
 
 
 def test_skinny_linear_refuses_shapes_it_does_not_take(cf, stream):

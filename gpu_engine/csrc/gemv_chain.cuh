@@ -25,7 +25,7 @@
 // Work split: the producer warp takes each projection's row blocks (the skinny kernel's: 16
 // rows, gate|up's 16 gate and 16 up rows) from the layer's counter, one at a time, so an SM
 // that streams faster takes more. It copies each row block's tiled weights, kChainSlotBytes at
-// a time (a chunk: the same 32-k steps of each of its row tiles), into the next free slot with
+// a time (a chunk: the same 1 KB steps of each of its row tiles), into the next free slot with
 // cp.async.bulk, tags the slot with the chunk's phase and row block, and refills a slot as soon
 // as every consumer warp is done with it, so the CTA always has kChainSlots chunks on their way,
 // the next projection's first ones while it waits for its x; a slot tagged with no phase
@@ -359,7 +359,7 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
   // warp reads only its own steps' columns of x (w, w + 8, ... of every row block). So a warp's
   // first row block of the phase converts them in place, in shared memory, and sums the squares
   // of x (kNormIn), and its later ones read the f16 words and keep those sums: the skinny
-  // kernels' values, computed once a CTA, not once a row block.
+  // kernels' values, computed once a CTA a phase, not once a row block.
   bool x_converted = false;
   float sum_sq[1] = {0.f};
   for (ChainTag tag = ring.peek(); tag.phase == phase; tag = ring.peek()) {
@@ -410,6 +410,9 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
           xv[u][0] = *reinterpret_cast<const uint4*>(x + k);
         }
       }
+      // E4M3, first row block: the eight lanes of each t loaded the same words of x, which one
+      // of them rewrites below; every lane's load is done first
+      if (W::kFp8 && !x_converted) __syncwarp();
 #pragma unroll
       for (int u = 0; u < kWarpSteps; ++u) {
         if (warp + u * kGemvWarps >= here) continue;
@@ -423,8 +426,10 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
             xb[0][6] = xv[u][0][1].z, xb[0][7] = xv[u][0][1].w;
           } else {
             GemvStepInputFp8<1, kNormIn>(xb, sum_sq, xv[u], nw[u]);
-            xs[0] = make_uint4(xb[0][0], xb[0][1], xb[0][2], xb[0][3]);
-            xs[1] = make_uint4(xb[0][4], xb[0][5], xb[0][6], xb[0][7]);
+            if (g == 0) {
+              xs[0] = make_uint4(xb[0][0], xb[0][1], xb[0][2], xb[0][3]);
+              xs[1] = make_uint4(xb[0][4], xb[0][5], xb[0][6], xb[0][7]);
+            }
           }
           GemvStepMmasFp8(acc, wv[u], xb);
         } else {
