@@ -49,6 +49,9 @@ class RequestRecord:
     error: str | None = None
     finish_reason: str = ""
     cached_prompt_tokens: int = 0    # taken from the engine's prefix cache (its final's timings)
+    # the server's own TTFT (its final's timings): from the front end's receipt of the request
+    # to its first token read from the ring, so TTFT minus this is gRPC's and the client's share
+    server_ttft_s: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -85,6 +88,7 @@ async def stream_request(client: AsyncBlinkClient, request: BenchRequest,
         if stream.result is not None:
             record.finish_reason = stream.result.finish_reason
             record.cached_prompt_tokens = stream.result.cached_prompt_tokens
+            record.server_ttft_s = stream.result.time_to_first_token_s
     except BlinkError as e:
         record.error = str(e)
     return token_ids

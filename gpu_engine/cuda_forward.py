@@ -415,16 +415,18 @@ class ForwardKernels:
                   max_blocks_per_seq, q, k_cache, v_cache, block_size, num_heads, num_kv_heads,
                   scale, out, num_splits=1, partial_out=0, partial_stats=0, tile_sems=0,
                   small=False, wide=False, wgmma=False, decode_min_keys=0, release_next=False,
-                  kv_scales=0):
+                  kv_scales=0, split_stride=None):
         """One kernel: decode tokens with at least decode_min_keys keys on the flash-decoding
         path, every other token in tensor-core query tiles.
         num_splits > 1 lets up to that many CTAs share a tile's (or a decode token's, as many as
-        the kernel's DecodeChunksPerSplit finds fastest) keys; they
-        meet in partial_out: [rows, num_heads, num_splits, D] f32, partial_stats:
-        [rows, num_heads, num_splits, 2] f32 and tile_sems: [rows, num_kv_heads] u32 (zero
-        before the first launch; each use leaves it zero). small: the tile variant with
-        attention_small_rows query rows per CTA (decode-sized buckets); wide (with small): its
-        kernel with attention_wide_threads threads a CTA (csrc/attention_common.cuh
+        the kernel's DecodeChunksPerSplit finds fastest) keys; they meet in partial_out:
+        [rows, num_heads, split_stride, D] f32, partial_stats: [rows, num_heads, split_stride,
+        2] f32 and tile_sems: [rows, num_kv_heads] u32 (zero before the first launch; each use
+        leaves it zero). split_stride (default num_splits, at most attention_max_splits) above
+        num_splits lets a query tile's keys split over its other tokens' CTAs too, up to
+        split_stride splits (csrc/attention_tiles.cuh FindQueryTile). small: the tile variant
+        with attention_small_rows query rows per CTA (decode-sized buckets); wide (with small):
+        its kernel with attention_wide_threads threads a CTA (csrc/attention_common.cuh
         kAttnWideWarps). wgmma: the kernel whose query tiles of attention_wgmma_rows rows run
         on wgmma (prefill-sized buckets; kAttnWgmmaRows). kv_scales: an E4M3 cache's (the
         layer's, as rope_kv_write takes them)."""
@@ -434,10 +436,14 @@ class ForwardKernels:
                     self.attention_wgmma_rows if wgmma else self.attention_rows)
         self._need(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
         self._need(group <= max_rows, f"GQA group {group} > {max_rows} rows per CTA")
-        self._need(num_splits == 1 or (partial_out and partial_stats and tile_sems),
-                   "num_splits > 1 needs the partial-output workspace and tile counters")
         self._need(1 <= num_splits <= self.attention_max_splits,
                    f"num_splits {num_splits} not in [1, {self.attention_max_splits}]")
+        split_stride = num_splits if split_stride is None else split_stride
+        self._need(num_splits <= split_stride <= self.attention_max_splits,
+                   f"split_stride {split_stride} not in [num_splits {num_splits}, "
+                   f"{self.attention_max_splits}]")
+        self._need(split_stride == 1 or (partial_out and partial_stats and tile_sems),
+                   "splits need the partial-output workspace and tile counters")
         self._need(small or not wide, "the wide attention kernel has the small query tiles")
         self._need(not (small and wgmma), "the wgmma attention kernel has the large query tiles")
         self._need(self.attention_wgmma_available or not wgmma,
@@ -449,7 +455,8 @@ class ForwardKernels:
                     [_ptr(desc), _ptr(positions), _ptr(token_seq), _ptr(block_tables),
                      _i32(max_blocks_per_seq), _ptr(q), _ptr(k_cache), _ptr(v_cache),
                      _i32(block_size), _i32(num_heads), _i32(num_kv_heads), _f32(scale),
-                     _ptr(out), _i32(num_splits), _ptr(partial_out), _ptr(partial_stats),
+                     _ptr(out), _i32(num_splits), _i32(split_stride), _ptr(partial_out),
+                     _ptr(partial_stats),
                      _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1)),
                      _i32(self.attention_slots(small, block_size, wide, wgmma)),
                      _i32(int(release_next)), _ptr(kv_scales)],
@@ -1003,7 +1010,8 @@ class CudaForward:
                  skinny_split_blocks: int | None = None, lm_head_argmax: bool = True,
                  projection_chain: bool | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", kv_scales: np.ndarray | None = None,
-                 fp8_lm_head: bool = True, attention_wgmma_min_bucket: int | None = None):
+                 fp8_lm_head: bool = True, attention_wgmma_min_bucket: int | None = None,
+                 attention_spread_max_bucket: int | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -1016,7 +1024,9 @@ class CudaForward:
         kernels of their own, the comparison bench_decode --no-fuse makes).
         max_attention_splits: caps attention_splits below the kernel's own cap (the comparison
         bench_decode --options makes). attention_wgmma_min_bucket: overrides
-        ATTENTION_WGMMA_MIN_BUCKET (a huge value: no bucket takes the wgmma kernel).
+        ATTENTION_WGMMA_MIN_BUCKET (a huge value: no bucket takes the wgmma kernel);
+        attention_spread_max_bucket ATTENTION_SPREAD_MAX_BUCKET (0: no query tile's keys split
+        over its other tokens' CTAs).
         gemm_tuning: each cuBLAS GEMM shape runs the fastest of cuBLAS's own choice and
         cuBLASLt's candidates, timed at start-up or read from the cache (gemm_tuning.py; False:
         cuBLAS's own choice everywhere).
@@ -1121,6 +1131,9 @@ class CudaForward:
         self.attention_wgmma_min_bucket = (self.ATTENTION_WGMMA_MIN_BUCKET
                                            if attention_wgmma_min_bucket is None
                                            else attention_wgmma_min_bucket)
+        self.attention_spread_max_bucket = (self.ATTENTION_SPREAD_MAX_BUCKET
+                                            if attention_spread_max_bucket is None
+                                            else attention_spread_max_bucket)
         self.lm_head_tiled: DeviceArray | None = None  # the skinny LM head's (decode_weight_copy)
         # lm_head_fp8: the LM head's E4M3 codes [V, H] and their rows' scales [V] (the bf16
         # lm_head stays only where it is the embedding)
@@ -1215,7 +1228,7 @@ class CudaForward:
                 raise CudaError(f"--quantization fp8: {reason}")
         # Split-key attention workspace, for the buckets that split (attention_splits), and
         # one arrival counter per (token, kv head): zero now, left zero by every launch.
-        part_rows = max(b * self.attention_splits(b) for b in self.buckets)
+        part_rows = max(b * self.attention_split_stride(b) for b in self.buckets)
         self.attn_partial_out = self._alloc(part_rows * cfg.num_heads * D, np.float32)
         self.attn_partial_stats = self._alloc(part_rows * cfg.num_heads * 2, np.float32)
         self.attn_tile_sems = self._alloc(T * cfg.num_kv_heads, np.uint32)
@@ -1617,7 +1630,8 @@ class CudaForward:
                    self.attn_tile_sems.ptr, small=self.attention_small(rows),
                    wide=self.attention_wide(rows), wgmma=self.attention_wgmma(rows),
                    decode_min_keys=self.decode_min_keys,
-                   release_next=release_next, kv_scales=kv_write["kv_scales"])
+                   release_next=release_next, kv_scales=kv_write["kv_scales"],
+                   split_stride=self.attention_split_stride(rows))
             if self.fp8:
                 fp8_layer(li, lw, rope_args, cache_args, kv_write, rope, attend)
                 continue
@@ -1836,6 +1850,27 @@ class CudaForward:
         cap = min(k.attention_max_splits, self.max_attention_splits or k.attention_max_splits)
         most = max(1, min(cap, -(-2 * slots // ctas)))
         return max(range(1, most + 1), key=lambda s: (fill(s), s))
+
+    # Buckets of at most this many tokens let a query tile's keys split over its other tokens'
+    # CTAs (attention_split_stride): there a chunk of a few hundred tokens deep into its context
+    # (a prefix-cache hit, the end of a chunked prompt) has too few tiles to fill the GPU. Its
+    # cost is the workspace, 16 splits a token row at most on the 64-row tiles: 134 MB at 8B.
+    ATTENTION_SPREAD_MAX_BUCKET = 512
+
+    def attention_split_stride(self, bucket: int) -> int:
+        """The workspace's splits per query row in a bucket (ForwardKernels.attention's
+        split_stride): attention_splits, times the tokens of a query tile where their CTAs
+        take splits of its keys too (ATTENTION_SPREAD_MAX_BUCKET), up to attention_max_splits.
+        Measured on the H200 (bench_decode --prefill 100x2100, Llama-3.1-8B shape): see
+        docs/performance.md, prefix caching."""
+        splits = self.attention_splits(bucket)
+        if bucket > self.attention_spread_max_bucket:
+            return splits
+        k = self.kernels
+        rows = (k.attention_small_rows if self.attention_small(bucket) else
+                k.attention_wgmma_rows if self.attention_wgmma(bucket) else k.attention_rows)
+        tile_tokens = max(1, rows // (self.cfg.num_heads // self.cfg.num_kv_heads))
+        return min(k.attention_max_splits, splits * tile_tokens)
 
     # Models at least this wide run the split-K kernel in clusters of two CTAs and the row-block
     # one in clusters of four, which share x's reads from L2. Measured on the H200

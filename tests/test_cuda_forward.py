@@ -1085,7 +1085,10 @@ DECODES = [(1000, 1), (63, 1), (64, 1), (0, 1), (2047, 1), (129, 1), (5, 1), (70
            (3000, 1), (31, 1), (32, 1)]
 # One decode token at 4,000 keys (63 chunks of 64): with few (token, KV head) CTAs its keys
 # spread over more splits than the merge keeps loads in flight for (16).
-ATTENTION_BATCHES = {**MIXED, "decode": DECODES, "one long decode": [(3999, 1)]}
+ATTENTION_BATCHES = {**MIXED, "decode": DECODES, "one long decode": [(3999, 1)],
+                     # chunks deep into their contexts (as a prefix-cache hit leaves them),
+                     # two starting inside a query tile, beside a decode and a fresh prompt
+                     "deep chunks": [(3990, 40), (1900, 50), (700, 21), (1300, 1), (3, 4)]}
 
 
 # (head_dim, num_heads, num_kv_heads): GQA groups 1, 4 (Llama 8B), 3 and 7 (runtime groups under
@@ -1151,6 +1154,24 @@ def test_paged_attention_fp8_kv(cf, stream, head_dim, num_heads, num_kv_heads, b
                      0, block_size=block_size, kv_fp8=True)
 
 
+# Query tiles spread over their tokens' CTAs (split_stride above the grid's splits): chunks deep
+# into their contexts take a split per kTileSplitMinKeys keys, from CTAs of several tokens.
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads",
+                         [(64, 8, 2), (64, 12, 4), (128, 32, 8), (128, 28, 4), (128, 64, 1)])
+@pytest.mark.parametrize("batch", ["deep chunks", 99])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("variant", ["", "small", "small_wide", "wgmma"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_paged_attention_spread_tiles(cf, stream, head_dim, num_heads, num_kv_heads, batch,
+                                      splits, variant, kv):
+    """As test_paged_attention with split_stride = splits x a tile's tokens (CudaForward's
+    attention_split_stride for the buckets of short chunks)."""
+    if kv == "fp8" and head_dim == 64 and num_heads == 12:
+        pytest.skip("one GQA group of 3 is enough beside the bf16 cache")
+    _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant, 0,
+                     block_size=16, kv_fp8=kv == "fp8", spread=True)
+
+
 def _attention_flags(variant: str) -> dict[str, bool]:
     """ForwardKernels.attention's kernel arguments for a variant ("", "small", "small_wide",
     "wgmma")."""
@@ -1159,10 +1180,12 @@ def _attention_flags(variant: str) -> dict[str, bool]:
 
 
 def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant,
-                     decode_min_keys, block_size, kv_fp8=False):
+                     decode_min_keys, block_size, kv_fp8=False, spread=False):
     """variant: the kernel's name past blink_paged_attention ("", "small", "small_wide",
     "wgmma").
-    kv_fp8: an E4M3 cache (the module built for it) with a scale per (k|v, KV head)."""
+    kv_fp8: an E4M3 cache (the module built for it) with a scale per (k|v, KV head).
+    spread: a query tile's keys split over its tokens' CTAs too (split_stride = splits x the
+    tile's tokens, at most attention_max_splits)."""
     k = kernels(cf, head_dim, kv_fp8)
     flags = _attention_flags(variant)
     if flags["wgmma"] and not k.attention_wgmma_available:
@@ -1202,9 +1225,14 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
         token_seq=np.concatenate([pb.token_seq, np.full(pad, pb.token_seq[-1], np.int32)]),
         tables=pb.tables, q=float32_to_bf16_bits(q), kc=kc_bits, vc=vc_bits).items()}
     out = dev(cf, np.zeros((BUCKET, num_heads, D), np.uint16), poison=True)
+    stride = splits
+    if spread:
+        rows = (k.attention_small_rows if flags["small"] else
+                k.attention_wgmma_rows if flags["wgmma"] else k.attention_rows)
+        stride = min(k.attention_max_splits, splits * max(1, rows // (num_heads // num_kv_heads)))
     # Splits: workspaces poisoned too (a split with no key must not be read).
-    part_out = dev(cf, np.zeros((BUCKET, num_heads, splits, D), np.float32), poison=True)
-    part_stats = dev(cf, np.zeros((BUCKET, num_heads, splits, 2), np.float32), poison=True)
+    part_out = dev(cf, np.zeros((BUCKET, num_heads, stride, D), np.float32), poison=True)
+    part_stats = dev(cf, np.zeros((BUCKET, num_heads, stride, 2), np.float32), poison=True)
     sems = dev(cf, np.zeros((BUCKET, num_kv_heads), np.uint32))
 
     def launch():
@@ -1213,7 +1241,7 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
                     d["token_seq"].ptr, d["tables"].ptr, pb.max_blocks, d["q"].ptr, d["kc"].ptr,
                     d["vc"].ptr, bs, num_heads, num_kv_heads, D ** -0.5, out.ptr, splits,
                     part_out.ptr, part_stats.ptr, sems.ptr, **flags,
-                    decode_min_keys=decode_min_keys, **kv_args)
+                    decode_min_keys=decode_min_keys, split_stride=stride, **kv_args)
         cf.synchronize(stream)
         assert (sems.download() == 0).all(), "a tile counter was left non-zero"
         return out.download()
@@ -1223,13 +1251,20 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
                          vc.astype(np.float64), pb, num_heads, num_kv_heads)
     err = rel_err(bf16_to_f32(got[:tokens]), ref)
     REPORT["errors"][f"attention D={D} heads={num_heads}/{num_kv_heads} batch={batch} "
-                     f"splits={splits} kernel={variant or 'large'} "
+                     f"splits={splits}{f'/{stride}' if spread else ''} "
+                     f"kernel={variant or 'large'} "
                      f"decode_min_keys={decode_min_keys}"
                      + ("" if bs == 16 else f" block_size={bs}")
                      + (" kv fp8" if kv_fp8 else "")] = err
     assert np.isfinite(bf16_to_f32(got[:tokens])).all()
     assert err < 1e-2
     assert (got[tokens:] == POISON_BF16).all()
+    if spread and batch == "deep chunks" and stride > splits:
+        # the first chunk's tiles (4,030 keys) split beyond the grid's splits: its rows'
+        # partials were written past them (the workspace is poisoned elsewhere)
+        written = np.isfinite(part_stats.download()[:seqs[0][1], :, splits:, 0])
+        assert written.any(), "no query tile's keys spread over its tokens' CTAs"
+
     np.testing.assert_array_equal(launch(), got)
 
 

@@ -39,15 +39,20 @@ namespace blink {
 // Dynamic shared memory of the attention kernel: the more of the decode path's and the mma.sync
 // or wgmma query tiles' (a CTA takes one path), or the WMMA query tiles' for the other head
 // dims. kFp8: beside an E4M3 cache.
+// (The query tiles' split merge reuses the same memory: TileMergeSmem.)
 template <int kHeadDim, int kRows, int kWarps, bool kFp8 = false>
 __host__ __device__ constexpr size_t AttentionKernelSmem() {
   if constexpr (MmaPathsFit<kHeadDim>()) {
     using Stages = TileStages<kHeadDim, kRows, TileUsesWgmma<kRows, kWarps>(), kFp8>;
-    return DecodeLayout<kHeadDim, kWarps>::kBytes > Stages::kBytes
-               ? DecodeLayout<kHeadDim, kWarps>::kBytes
-               : Stages::kBytes;
+    constexpr size_t decode = DecodeLayout<kHeadDim, kWarps>::kBytes;
+    constexpr size_t tiles = Stages::kBytes > TileMergeSmem<kRows>() + Stages::kAlign
+                                 ? Stages::kBytes
+                                 : TileMergeSmem<kRows>() + Stages::kAlign;
+    return decode > tiles ? decode : tiles;
   } else {
-    return AttentionSmem<kHeadDim, kRows>::kBytes;
+    return AttentionSmem<kHeadDim, kRows>::kBytes > TileMergeSmem<kRows>()
+               ? AttentionSmem<kHeadDim, kRows>::kBytes
+               : TileMergeSmem<kRows>();
   }
 }
 
@@ -74,9 +79,9 @@ __device__ __forceinline__ void AttentionCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,
     const typename Kv::Element* k_cache, const typename Kv::Element* v_cache, int block_size,
-    int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits, float* partial_out,
-    float* partial_stats, uint32_t* tile_sems, int decode_min_keys, int slots,
-    const float* kv_scales = nullptr) {
+    int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits, int split_stride,
+    float* partial_out, float* partial_stats, uint32_t* tile_sems, int decode_min_keys,
+    int slots, const float* kv_scales = nullptr) {
   static_assert(MmaPathsFit<kHeadDim>() || !Kv::kFp8,
                 "an E4M3 KV cache needs head dim 64 or 128 (the mma.sync paths)");
   // Everything the path choice needs, loaded at once (one memory latency, not a chain): rows
@@ -100,8 +105,8 @@ __device__ __forceinline__ void AttentionCta(
         position + 1 >= decode_min_keys) {
       DecodeAttentionCta<kHeadDim, kStepInOneBlock, kWarps, Kv>(
           t, seq, position, block_tables, max_blocks_per_seq, q, k_cache, v_cache, block_size,
-          num_heads, num_kv_heads, scale, out, num_splits, num_tokens * num_kv_heads, slots,
-          partial_out, partial_stats, tile_sems, kv_scales);
+          num_heads, num_kv_heads, scale, out, num_splits, split_stride,
+          num_tokens * num_kv_heads, slots, partial_out, partial_stats, tile_sems, kv_scales);
       return;
     }
   }
@@ -110,14 +115,15 @@ __device__ __forceinline__ void AttentionCta(
     TileAttentionMmaCta<kHeadDim, kRows, kWarps, Kv>(desc, positions, token_seq, block_tables,
                                                      max_blocks_per_seq, q, k_cache, v_cache,
                                                      block_size, num_heads, num_kv_heads, scale,
-                                                     out, num_splits, partial_out,
-                                                     partial_stats, tile_sems, kv_scales);
+                                                     out, num_splits, split_stride,
+                                                     partial_out, partial_stats, tile_sems,
+                                                     kv_scales);
   } else {
     static_assert(kWarps == kAttnWarps, "the WMMA query tiles run on kAttnWarps warps");
     PagedAttentionCta<kHeadDim, kRows>(desc, positions, token_seq, block_tables,
                                        max_blocks_per_seq, q, k_cache, v_cache, block_size,
                                        num_heads, num_kv_heads, scale, out, num_splits,
-                                       partial_out, partial_stats, tile_sems);
+                                       split_stride, partial_out, partial_stats, tile_sems);
   }
 }
 

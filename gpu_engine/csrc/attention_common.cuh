@@ -61,6 +61,24 @@ static constexpr int kAttnRows = 64;
 static constexpr int kAttnRowsSmall = 16;
 // Keys per tile of PagedAttentionCta; both tile paths' splits hold whole ones.
 static constexpr int kAttnKeys = 64;
+// The most CTAs that share one query tile's or decode token's keys (the split merges' bound;
+// the host's attention_splits and split strides stay within it).
+static constexpr int kAttnMaxSplits = 64;
+// A query tile spread over its tokens' CTAs (attention_tiles.cuh FindQueryTile: a chunk of a
+// few hundred tokens deep into its context, as a prefix-cache hit leaves it) takes a split
+// for every this many of its keys, up to the CTAs it has; 16-row tiles (the decode-sized
+// buckets' kernels) for every half as many. Fewer, longer splits where the merge and each
+// CTA's fixed costs would outweigh the keys they save. Measured on the H200 (bench_decode
+// --prefill, Llama-3.1-8B shape, attention us a layer at 512 / 256 keys a split): a chunk of
+// 100 tokens to 2,100 keys on 64-row tiles 53.2 / 56.6 (112 unsplit), one of 52 on 16-row
+// tiles 50.6 / 43.5 (54.8). BLINK_TILE_SPLIT_MIN_KEYS (-D) overrides the 64-row figure.
+#ifndef BLINK_TILE_SPLIT_MIN_KEYS
+#define BLINK_TILE_SPLIT_MIN_KEYS 512
+#endif
+template <int kRows>
+static constexpr int kTileSplitMinKeys =
+    kRows >= 64 ? BLINK_TILE_SPLIT_MIN_KEYS : BLINK_TILE_SPLIT_MIN_KEYS / 2;
+static_assert(kTileSplitMinKeys<16> % kAttnKeys == 0, "whole key tiles a split");
 // Warps of a CTA: kAttnWarps, or kAttnWideWarps in the decode-sized buckets' wide kernel (below).
 static constexpr int kAttnWarps = 4;
 static constexpr int kAttnThreads = kAttnWarps * kWarpSize;

@@ -13,7 +13,7 @@ namespace blink {
 static constexpr int kMmaKeys = 16;
 
 static constexpr int kDecodeMaxGroup = 8;    // larger GQA groups take the tile path
-static constexpr int kDecodeMaxSplits = 64;  // the host's attention_splits() stays within it
+static constexpr int kDecodeMaxSplits = kAttnMaxSplits;
 // What a decode CTA costs beyond streaming its chunks (block-table and key latencies before its
 // first chunk, the partial write and the split merge), in chunk times: fitted on the H200 to
 // bench_decode with the split count capped (Llama-3.1-8B and 3.2-1B shapes, batch 1 and 32 at
@@ -127,7 +127,7 @@ __device__ __forceinline__ uint2 MergedSplits4(const float* row_out, const float
 // s_weight: [kGroup][kDecodeMaxSplits] f32.
 template <int kHeadDim>
 __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int group,
-                                                     int num_heads, int num_splits,
+                                                     int num_heads, int split_stride,
                                                      int active_splits, const float* partial_out,
                                                      const float* partial_stats, bf16* out,
                                                      float* s_weight) {
@@ -138,8 +138,8 @@ __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int gro
       const size_t row = head0 + e / kHeadDim;
       const int d = e % kHeadDim;
       *reinterpret_cast<uint2*>(out + row * kHeadDim + d) =
-          MergedSplits4(partial_out + row * num_splits * kHeadDim,
-                        partial_stats + 2 * row * num_splits, d, kHeadDim, active_splits);
+          MergedSplits4(partial_out + row * split_stride * kHeadDim,
+                        partial_stats + 2 * row * split_stride, d, kHeadDim, active_splits);
     }
     return;
   }
@@ -147,7 +147,7 @@ __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int gro
   for (int g = warp; g < group; g += blockDim.x / kWarpSize) {
     float weight[2];  // 0 past the splits
     const float inv_total =
-        SplitWeights(partial_stats + 2 * (head0 + g) * num_splits, active_splits, weight);
+        SplitWeights(partial_stats + 2 * (head0 + g) * split_stride, active_splits, weight);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int z = lane + kWarpSize * i;
@@ -159,7 +159,7 @@ __device__ __forceinline__ void MergeDecodeSplitsCta(int t, int kv_head, int gro
   for (int e = 4 * threadIdx.x; e < group * kHeadDim; e += 4 * blockDim.x) {
     const int g = e / kHeadDim, d = e % kHeadDim;
     const float4* o = reinterpret_cast<const float4*>(
-        partial_out + (head0 + g) * num_splits * kHeadDim + d);
+        partial_out + (head0 + g) * split_stride * kHeadDim + d);
     const float* w = s_weight + g * kDecodeMaxSplits;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 16
@@ -218,8 +218,8 @@ __device__ __forceinline__ void DecodeAttentionCta(
     int t, int seq, int position, const int32_t* block_tables, int max_blocks_per_seq,
     const bf16* q, const typename Kv::Element* k_cache, const typename Kv::Element* v_cache,
     int block_size, int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits,
-    int ctas, int slots, float* partial_out, float* partial_stats, uint32_t* tile_sems,
-    const float* kv_scales = nullptr) {
+    int split_stride, int ctas, int slots, float* partial_out, float* partial_stats,
+    uint32_t* tile_sems, const float* kv_scales = nullptr) {
   static_assert(MmaPathsFit<kHeadDim>(), "head dims 64 and 128");
   using L = DecodeLayout<kHeadDim, kWarps>;
   using Ops = AttnOperands<Kv>;
@@ -490,7 +490,7 @@ __device__ __forceinline__ void DecodeAttentionCta(
     if (active_splits == 1) {
       out[(head0 + h) * kHeadDim + d] = __float2bfloat16(v / sum);
     } else {
-      const size_t part = (head0 + h) * num_splits + split;
+      const size_t part = (head0 + h) * split_stride + split;
       partial_out[part * kHeadDim + d] = v;
       if (d == 0) {
         partial_stats[2 * part] = cta_max;
@@ -502,7 +502,7 @@ __device__ __forceinline__ void DecodeAttentionCta(
   // The last of the token's splits to arrive merges them.
   uint32_t* sem = tile_sems + static_cast<size_t>(t) * num_kv_heads + kv_head;
   if (!LastCtaToArrive(sem, active_splits)) return;
-  MergeDecodeSplitsCta<kHeadDim>(t, kv_head, group, num_heads, num_splits, active_splits,
+  MergeDecodeSplitsCta<kHeadDim>(t, kv_head, group, num_heads, split_stride, active_splits,
                                  partial_out, partial_stats, out,
                                  reinterpret_cast<float*>(smem + L::kMergeWeights));
   if (tid == 0) *sem = 0;

@@ -37,96 +37,171 @@ struct AttentionSmem {
                 "WMMA regions must be 32-byte aligned");
 };
 
+// Shared memory of a split tile's merge (CombineTileCta), after the tile's own work: each row's
+// splits' weights, f32 [kRows][kAttnMaxSplits].
+template <int kRows>
+__host__ __device__ constexpr size_t TileMergeSmem() {
+  return sizeof(float) * kRows * kAttnMaxSplits;
+}
+
 // Merges the split partials of one tile: `m` tokens from t0, the `group` query heads of
 // kv_head. out = sum_z 2^(m_z - M) O_z / sum_z 2^(m_z - M) l_z with M = max_z m_z over the
-// tile's active splits (<= 64; split 0 holds key 0, so M is finite); a split that saw no
-// unmasked key of a row (m_z = -inf, its partial output zeros) weighs nothing. A warp per row:
-// its lanes read the splits' statistics at once (lane z: splits z and z + 32), and the
-// partial outputs are read 8 splits at a time, so the merge costs a few L2 round trips rather
-// than one per split. Other CTAs wrote the partials: read through L2 (ld.cg).
+// tile's active splits (<= kAttnMaxSplits; split 0 holds key 0, so M is finite); a split that
+// saw no unmasked key of a row (m_z = -inf, its partial output zeros) weighs nothing. Other
+// CTAs wrote the partials: read through L2 (ld.cg). Two passes, each a few round trips
+// whatever the tile's rows: a thread per row turns its splits' (max, sum) into normalized
+// weights in shared memory (s_weight: TileMergeSmem), then each thread sums its output
+// elements (4 consecutive dims each, kMergeBatch of them at once) split by split, so that a
+// split's loads of all of them are in flight together. (A warp per row, as this merge was
+// before, took a round trip per row and 8 splits: 16 in series for a 64-row tile.)
+// split_stride: the workspace's splits per query row.
 template <int kHeadDim>
-__device__ __forceinline__ void CombineTileCta(int t0, int m, int kv_head, int group,
-                                               int num_heads, int num_splits, int active_splits,
-                                               const float* partial_out,
-                                               const float* partial_stats, bf16* out) {
-  constexpr int kPerLane = (kHeadDim + kWarpSize - 1) / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int num_warps = blockDim.x / kWarpSize;
-  for (int r = warp; r < m * group; r += num_warps) {
-    const size_t head = static_cast<size_t>(t0 + r / group) * num_heads + kv_head * group +
-                        r % group;
-    float weight[2];
-    const float inv_total =
-        SplitWeights(partial_stats + head * num_splits * 2, active_splits, weight);
-    float acc[kPerLane] = {};
-    const float* o = partial_out + head * num_splits * kHeadDim;
+__device__ __noinline__ void CombineTileCta(int t0, int m, int kv_head, int group,
+                                               int num_heads, int split_stride,
+                                               int active_splits, const float* partial_out,
+                                               const float* partial_stats, bf16* out,
+                                               float* s_weight) {
+  constexpr int kMergeBatch = 8;
+  const int rows = m * group;
+  auto head_of = [&](int r) {  // query row r of the tile: its (token, head) row of out
+    return static_cast<size_t>(t0 + r / group) * num_heads + kv_head * group + r % group;
+  };
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    const float2* stats =
+        reinterpret_cast<const float2*>(partial_stats) + head_of(r) * split_stride;
+    float* weight = s_weight + r * kAttnMaxSplits;
+    // M and sum_z 2^(m_z - M) l_z in one pass, rescaled as M grows (split 0's m_z is finite)
+    float max_all = -INFINITY, total = 0.f;
 #pragma unroll 8
     for (int z = 0; z < active_splits; ++z) {
-      const float w =
-          __shfl_sync(kFullMask, z < kWarpSize ? weight[0] : weight[1], z % kWarpSize);
+      const float2 st = __ldcg(stats + z);
+      weight[z] = st.x;
+      if (st.x > max_all) {
+        total *= exp2f(max_all - st.x);
+        max_all = st.x;
+      }
+      total += exp2f(st.x - max_all) * st.y;  // 0 at -inf
+    }
+    const float inv_total = 1.f / total;
+    for (int z = 0; z < active_splits; ++z) weight[z] = exp2f(weight[z] - max_all) * inv_total;
+  }
+  __syncthreads();
+  constexpr int kQuads = kHeadDim / 4;  // 4-dim pieces of a head vector
+  static_assert(kHeadDim % 4 == 0, "whole 4-dim pieces");
+  const int pieces = rows * kQuads, stride = kMergeBatch * blockDim.x;
+  for (int base = threadIdx.x; base < pieces; base += stride) {
+    float4 acc[kMergeBatch];
+    const float4* part[kMergeBatch];
+    const float* weight[kMergeBatch];
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) {
-        const int c = lane + kWarpSize * i;
-        if (c < kHeadDim) acc[i] += w * __ldcg(o + z * kHeadDim + c);
+    for (int b = 0; b < kMergeBatch; ++b) {
+      const int e = min(base + b * static_cast<int>(blockDim.x), pieces - 1);
+      const int r = e / kQuads;
+      acc[b] = make_float4(0.f, 0.f, 0.f, 0.f);
+      part[b] = reinterpret_cast<const float4*>(partial_out + head_of(r) * split_stride *
+                                                                  kHeadDim) + e % kQuads;
+      weight[b] = s_weight + r * kAttnMaxSplits;
+    }
+#pragma unroll 2
+    for (int z = 0; z < active_splits; ++z) {
+#pragma unroll
+      for (int b = 0; b < kMergeBatch; ++b) {
+        const float4 v = __ldcg(part[b] + z * kQuads);
+        const float w = weight[b][z];
+        acc[b].x += w * v.x;
+        acc[b].y += w * v.y;
+        acc[b].z += w * v.z;
+        acc[b].w += w * v.w;
       }
     }
-    bf16* dst = out + head * kHeadDim;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = lane + kWarpSize * i;
-      if (c < kHeadDim) dst[c] = __float2bfloat16(acc[i] * inv_total);
+    for (int b = 0; b < kMergeBatch; ++b) {
+      const int e = base + b * static_cast<int>(blockDim.x);
+      if (e >= pieces) break;
+      __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(
+          out + head_of(e / kQuads) * kHeadDim + 4 * (e % kQuads));
+      dst[0] = __floats2bfloat162_rn(acc[b].x, acc[b].y);
+      dst[1] = __floats2bfloat162_rn(acc[b].z, acc[b].w);
     }
   }
 }
 
-// The tile path's ending for a split tile: the last CTA merges the tile's rows.
+// The tile path's ending for a split tile: the last CTA merges the tile's rows (s_weight: the
+// CTA's shared memory, TileMergeSmem bytes, free once its own rows are written).
 template <int kHeadDim>
 __device__ __forceinline__ void FinishSplitCta(int t0, int m, int kv_head, int group,
-                                               int num_heads, int num_kv_heads, int num_splits,
+                                               int num_heads, int num_kv_heads, int split_stride,
                                                int active_splits, const float* partial_out,
                                                const float* partial_stats, uint32_t* tile_sems,
-                                               bf16* out) {
+                                               bf16* out, float* s_weight) {
   uint32_t* sem = tile_sems + static_cast<size_t>(t0) * num_kv_heads + kv_head;
   if (!LastCtaToArrive(sem, active_splits)) return;
-  CombineTileCta<kHeadDim>(t0, m, kv_head, group, num_heads, num_splits, active_splits,
-                           partial_out, partial_stats, out);
+  CombineTileCta<kHeadDim>(t0, m, kv_head, group, num_heads, split_stride, active_splits,
+                           partial_out, partial_stats, out, s_weight);
   if (threadIdx.x == 0) *sem = 0;
 }
 
 // The query tile a CTA of the tile paths computes: tokens t0 .. t0 + m - 1 of one sequence (a
 // run of its tokens in the batch, cut at positions that are multiples of rows-per-CTA / group),
 // `rows` = m * group query rows (row = token offset * group + head of the group), and this
-// CTA's split of the keys 0 .. the last token's position: [key_begin, key_end), whole
-// kAttnKeys tiles per split.
+// CTA's split of the keys 0 .. the last token's position: split `split` of `active_splits`,
+// [key_begin, key_end), whole kAttnKeys tiles per split.
 struct QueryTile {
-  int t0, m, rows, seq, num_keys, key_begin, key_end, active_splits;
+  int t0, m, rows, seq, num_keys, key_begin, key_end, split, active_splits;
 };
 
 // The tile of CTA (blockIdx.x, ., blockIdx.z) with kRows rows per CTA; false when the CTA has
 // none (its token is not a tile's first, or its split is past the tile's keys).
+// Splits: the grid's z (num_splits CTAs a token) split every tile's keys, as evenly as whole
+// key tiles allow. split_stride > num_splits (the host's choice for buckets of short chunks):
+// the tile's other tokens' CTAs, which would have nothing to do, take splits of its keys too,
+// CTA (t0 + i, z) split i * num_splits + z: a chunk of 100 tokens deep into its context (a
+// prefix-cache hit) is 7 tiles a KV head, too few CTAs for the GPU unless their keys split.
+// Those tiles take a split per kTileSplitMinKeys<kRows> keys, at most split_stride (<=
+// kAttnMaxSplits) or their CTAs; a split's partials sit at query row x split_stride + split.
+// Tokens of a sequence's run are consecutive in the batch and in position.
 template <int kRows>
 __device__ __forceinline__ bool FindQueryTile(const BatchDesc* desc, const int32_t* positions,
                                               const int32_t* token_seq, int group,
-                                              int num_splits, QueryTile* tile) {
-  const int t0 = blockIdx.x;
+                                              int num_splits, int split_stride,
+                                              QueryTile* tile) {
+  const int x = blockIdx.x;
   const int num_tokens = desc->num_tokens;
-  if (t0 >= num_tokens) return false;
+  if (x >= num_tokens) return false;
   const int tile_tokens = kRows / group;
-  const int seq = token_seq[t0];
-  if (t0 > 0 && token_seq[t0 - 1] == seq && positions[t0] % tile_tokens != 0) return false;
+  const bool spread = split_stride > num_splits;
+  const int seq = token_seq[x];
+  // the tile's first token: x's run back to a multiple of tile_tokens in position
+  int t0 = x;
+  if (spread) {
+    const int edge = x - positions[x] % tile_tokens;  // where x's tile starts, if the run does
+    if (edge >= 0 && token_seq[edge] == seq) {
+      t0 = edge;
+    } else {
+      while (t0 > edge && t0 > 0 && token_seq[t0 - 1] == seq) --t0;
+    }
+  } else if (x > 0 && token_seq[x - 1] == seq && positions[x] % tile_tokens != 0) {
+    return false;
+  }
   int m = 1;
   while (m < tile_tokens && t0 + m < num_tokens && token_seq[t0 + m] == seq &&
          positions[t0 + m] % tile_tokens != 0) {
     ++m;
   }
   const int num_keys = positions[t0 + m - 1] + 1;
-  const int span = (num_keys + num_splits - 1) / num_splits;
+  int ctas = num_splits;
+  if (spread) {
+    const int wanted = (num_keys + kTileSplitMinKeys<kRows> - 1) / kTileSplitMinKeys<kRows>;
+    ctas = max(num_splits, min(wanted, min(m * num_splits, split_stride)));
+  }
+  const int span = (num_keys + ctas - 1) / ctas;
   const int split_keys = (span + kAttnKeys - 1) / kAttnKeys * kAttnKeys;
   const int active_splits = (num_keys + split_keys - 1) / split_keys;
-  if (static_cast<int>(blockIdx.z) >= active_splits) return false;  // uniform over the CTA
-  const int key_begin = blockIdx.z * split_keys;
+  const int split = (x - t0) * num_splits + static_cast<int>(blockIdx.z);
+  if (split >= active_splits) return false;  // uniform over the CTA
+  const int key_begin = split * split_keys;
   *tile = QueryTile{t0, m, m * group, seq, num_keys, key_begin,
-                    min(key_begin + split_keys, num_keys), active_splits};
+                    min(key_begin + split_keys, num_keys), split, active_splits};
   return true;
 }
 
@@ -143,7 +218,8 @@ __device__ __forceinline__ void PagedAttentionCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
     const bf16* v_cache, int block_size, int num_heads, int num_kv_heads, float scale, bf16* out,
-    int num_splits, float* partial_out, float* partial_stats, uint32_t* tile_sems) {
+    int num_splits, int split_stride, float* partial_out, float* partial_stats,
+    uint32_t* tile_sems) {
   namespace wmma = nvcuda::wmma;
   using L = AttentionSmem<kHeadDim, kRows>;
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per head vector
@@ -151,12 +227,13 @@ __device__ __forceinline__ void PagedAttentionCta(
   constexpr int kLoads = kAttnKeys * kChunks / kAttnThreads;  // K (and V) chunks per thread
   static_assert(kAttnKeys * kChunks % kAttnThreads == 0, "whole chunks per thread");
 
-  const int kv_head = blockIdx.y, split = blockIdx.z;
+  const int kv_head = blockIdx.y;
   const int group = num_heads / num_kv_heads;
   QueryTile tile;
-  if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, &tile)) return;
+  if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, split_stride, &tile))
+    return;
   const int t0 = tile.t0, m = tile.m, rows = tile.rows, key_begin = tile.key_begin;
-  const int key_end = tile.key_end, active_splits = tile.active_splits;
+  const int key_end = tile.key_end, split = tile.split, active_splits = tile.active_splits;
   const int row_tiles = (rows + 15) / 16;
   const int padded_rows = row_tiles * 16;
   const int32_t* table = block_tables + static_cast<size_t>(tile.seq) * max_blocks_per_seq;
@@ -309,7 +386,7 @@ __device__ __forceinline__ void PagedAttentionCta(
         dst[c] = __float2bfloat16(s_o[r * L::kLdO + c] * inv_sum);
       }
     } else {
-      const size_t part = head * num_splits + split;
+      const size_t part = head * split_stride + split;
       float* dst = partial_out + part * kHeadDim;
       for (int c = lane; c < kHeadDim; c += kWarpSize) dst[c] = s_o[r * L::kLdO + c];
       if (lane == 0) {
@@ -319,8 +396,9 @@ __device__ __forceinline__ void PagedAttentionCta(
     }
   }
   if (active_splits > 1) {
-    FinishSplitCta<kHeadDim>(t0, m, kv_head, group, num_heads, num_kv_heads, num_splits,
-                             active_splits, partial_out, partial_stats, tile_sems, out);
+    FinishSplitCta<kHeadDim>(t0, m, kv_head, group, num_heads, num_kv_heads, split_stride,
+                             active_splits, partial_out, partial_stats, tile_sems, out,
+                             reinterpret_cast<float*>(smem));
   }
 }
 
@@ -422,7 +500,7 @@ __device__ __forceinline__ void TileAttentionMmaCta(
     const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
     const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,
     const typename Kv::Element* k_cache, const typename Kv::Element* v_cache, int block_size,
-    int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits,
+    int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits, int split_stride,
     float* partial_out, float* partial_stats, uint32_t* tile_sems,
     const float* kv_scales = nullptr) {
   constexpr bool kWgmma = TileUsesWgmma<kRows, kWarps>();
@@ -443,10 +521,11 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   static_assert(kRows % 16 == 0 && kRows / 16 <= kWarps, "a warp per 16 rows");
   static_assert(kCopyThreads > 0 && kPieces % kCopyThreads == 0 && kKeys % 16 == 0,
                 "every thread copies whole pieces of one row; whole MMA k-steps of keys");
-  const int kv_head = blockIdx.y, split = blockIdx.z;
+  const int kv_head = blockIdx.y;
   const int group = num_heads / num_kv_heads;
   QueryTile tile;
-  if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, &tile)) return;
+  if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, split_stride, &tile))
+    return;
   // The tile's last token sees the most keys: the split ends at or before its key.
   const int key_end = tile.key_end;
   const int num_key_tiles = (key_end - tile.key_begin + kKeys - 1) / kKeys;
@@ -861,7 +940,7 @@ __device__ __forceinline__ void TileAttentionMmaCta(
             __floats2bfloat162_rn(o[j][2 * h] * inv_sum, o[j][2 * h + 1] * inv_sum);
       }
     } else {
-      const size_t part = query_head(h) * num_splits + split;
+      const size_t part = query_head(h) * split_stride + tile.split;
       float* dst = partial_out + part * kHeadDim + 2 * tq;
 #pragma unroll
       for (int j = 0; j < kOutTiles; ++j) {
@@ -875,8 +954,8 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   }
   if (tile.active_splits > 1) {
     FinishSplitCta<kHeadDim>(tile.t0, tile.m, kv_head, group, num_heads, num_kv_heads,
-                             num_splits, tile.active_splits, partial_out, partial_stats,
-                             tile_sems, out);
+                             split_stride, tile.active_splits, partial_out, partial_stats,
+                             tile_sems, out, reinterpret_cast<float*>(smem));
   }
 }
 

@@ -153,13 +153,14 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
            const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,               \
            const KvElement* k_cache, const KvElement* v_cache, int block_size,               \
            int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits,          \
-           float* partial_out, float* partial_stats, uint32_t* tile_sems,                    \
+           int split_stride, float* partial_out, float* partial_stats, uint32_t* tile_sems,  \
            int decode_min_keys, int slots, int release_next, const float* kv_scales) {       \
     if (release_next) blink::ReleaseNextKernel();                                            \
     blink::AttentionCta<kHeadDim, ROWS, STEP_IN_ONE_BLOCK, WARPS, Kv>(/* it waits for the  \
         previous kernel */ desc, positions, token_seq, block_tables, max_blocks_per_seq, q,  \
         k_cache, v_cache, block_size, num_heads, num_kv_heads, scale, out, num_splits,       \
-        partial_out, partial_stats, tile_sems, decode_min_keys, slots, kv_scales);           \
+        split_stride, partial_out, partial_stats, tile_sems, decode_min_keys, slots,         \
+        kv_scales);                                                                          \
   }
 BLINK_PAGED_ATTENTION(blink_paged_attention, blink::kAttnRows, true, blink::kAttnWarps)
 BLINK_PAGED_ATTENTION(blink_paged_attention_small, blink::kAttnRowsSmall, true, blink::kAttnWarps)
