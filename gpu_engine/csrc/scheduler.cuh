@@ -315,62 +315,27 @@ BLINK_HD inline const int32_t* cached_tokens_of(const SchedState& s, int32_t blo
   return s.block_tokens + static_cast<size_t>(block) * static_cast<size_t>(s.cfg.block_size);
 }
 
-// A cached block's identity as a lookup compares it: its key, parent uid and uid, and whether
-// its tokens differ from `tokens`, every load issued before any comparison (the token loads
-// without an early exit), so one candidate costs one round trip to memory. (A key, then the
-// tokens, then the uid, one after another, cost three: about 3 us a block on the H200 with the
-// table's own load, 0.4 ms for a 2,000-token prefix.)
-struct CachedIdentity {
-  uint64_t key, parent, uid;
-  int32_t differ;  // nonzero where a token differs
-};
-
-BLINK_HD inline CachedIdentity load_identity(const SchedState& s, int32_t block,
-                                             const int32_t* tokens) {
-  CachedIdentity c{s.block_key[block], s.block_parent[block], s.block_uid[block], 0};
-  const int32_t* have = cached_tokens_of(s, block);
+// The cached block with this identity (parent uid, tokens) under `key`, or -1. The token
+// comparison reads every token without an early exit, so its loads are in flight together (one
+// round trip to memory, not one a token).
+BLINK_HD inline int32_t cache_find(const SchedState& s, uint64_t key, uint64_t parent_uid,
+                                   const int32_t* tokens) {
+  for (uint32_t i = static_cast<uint32_t>(key) & s.cache_mask;; i = (i + 1) & s.cache_mask) {
+    const int32_t b = s.cache_table[i];
+    if (b < 0) return -1;
+    if (s.block_key[b] != key || s.block_parent[b] != parent_uid) continue;
+    const int32_t* have = cached_tokens_of(s, b);
+    int32_t differ = 0;
 #if defined(__CUDA_ARCH__)
 #pragma unroll 16
 #endif
-  for (int32_t t = 0; t < s.cfg.block_size; ++t) c.differ |= have[t] ^ tokens[t];
-  return c;
-}
-
-// The home slot of `key` in the prefix cache's table.
-BLINK_HD inline uint32_t cache_home(const SchedState& s, uint64_t key) {
-  return static_cast<uint32_t>(key) & s.cache_mask;
-}
-
-// The cached block with this identity (parent uid, tokens) under `key`, or -1, and its uid in
-// *uid. first: the table's entry at the key's home slot (s.cache_table[cache_home(key)]),
-// loaded by the caller, who may have loaded it early; first_identity: that entry's identity
-// where it is one (first >= 0), loaded likewise.
-BLINK_HD inline int32_t cache_find(const SchedState& s, uint64_t key, uint64_t parent_uid,
-                                   const int32_t* tokens, int32_t first,
-                                   const CachedIdentity& first_identity, uint64_t* uid) {
-  uint32_t i = cache_home(s, key);
-  CachedIdentity c = first_identity;
-  for (int32_t b = first; b >= 0;) {
-    if (c.key == key && c.parent == parent_uid && c.differ == 0) {
-      *uid = c.uid;
-      return b;
-    }
-    i = (i + 1) & s.cache_mask;
-    b = s.cache_table[i];
-    if (b >= 0) c = load_identity(s, b, tokens);
+    for (int32_t t = 0; t < s.cfg.block_size; ++t) differ |= have[t] ^ tokens[t];
+    if (differ == 0) return b;
   }
-  return -1;
-}
-
-BLINK_HD inline int32_t cache_find(const SchedState& s, uint64_t key, uint64_t parent_uid,
-                                   const int32_t* tokens, uint64_t* uid) {
-  const int32_t first = s.cache_table[cache_home(s, key)];
-  const CachedIdentity c = first >= 0 ? load_identity(s, first, tokens) : CachedIdentity{};
-  return cache_find(s, key, parent_uid, tokens, first, c, uid);
 }
 
 BLINK_HD inline void cache_insert(SchedState& s, int32_t block) {
-  uint32_t i = cache_home(s, s.block_key[block]);
+  uint32_t i = static_cast<uint32_t>(s.block_key[block]) & s.cache_mask;
   while (s.cache_table[i] >= 0) i = (i + 1) & s.cache_mask;
   s.cache_table[i] = block;
 }
@@ -379,10 +344,10 @@ BLINK_HD inline void cache_insert(SchedState& s, int32_t block) {
 // (linear probing's deletion without tombstones: every entry stays reachable from its home).
 BLINK_HD inline void cache_erase(SchedState& s, int32_t block) {
   const uint32_t mask = s.cache_mask;
-  uint32_t hole = cache_home(s, s.block_key[block]);
+  uint32_t hole = static_cast<uint32_t>(s.block_key[block]) & mask;
   while (s.cache_table[hole] != block) hole = (hole + 1) & mask;
   for (uint32_t j = (hole + 1) & mask; s.cache_table[j] >= 0; j = (j + 1) & mask) {
-    const uint32_t home = cache_home(s, s.block_key[s.cache_table[j]]);
+    const uint32_t home = static_cast<uint32_t>(s.block_key[s.cache_table[j]]) & mask;
     // the entry at j may fill the hole unless its home lies cyclically in (hole, j]
     const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
     if (stays) continue;
@@ -503,38 +468,20 @@ BLINK_SCHED_CALL BLINK_HD void pool_release(SchedState& s, SeqState& q) {
 // KvBlockPool.match: the cached blocks of q's longest cached prefix of at most num_tokens - 1
 // tokens, written into q's block-table row and uid row (q is waiting: it holds no blocks, so
 // the rows are free) but not taken; returns how many. 0 when prefix caching is off.
-// Pipelined a block ahead: block j's first candidate is loaded, then block j + 1's key is
-// computed (it depends on the tokens only) and its home entry loaded while block j's loads are
-// in flight, then block j is compared; the decisions are the serial walk's.
 BLINK_SCHED_CALL BLINK_HD int32_t prefix_match(const SchedState& s, SeqState& q) {
   if (!s.cfg.prefix_caching) return 0;
   const int32_t bs = s.cfg.block_size;
-  const int32_t blocks = (q.num_tokens - 1) / bs;  // whole blocks of at most num_tokens - 1
-  if (blocks <= 0) return 0;
   const int32_t* tokens = seq_tokens(s, q.slot);
   int32_t* table = block_table(s, q.slot);
   uint64_t* uids = block_uids(s, q.slot);
   uint64_t parent = 0;
-  uint64_t key = seq_block_key(s, q, 0);
-  int32_t first = s.cache_table[cache_home(s, key)];
   int32_t hit = 0;
-  for (; hit < blocks; ++hit) {
+  for (; (hit + 1) * bs < q.num_tokens; ++hit) {
     const int32_t* block_tokens = tokens + hit * bs;
-    const CachedIdentity c = first >= 0 ? load_identity(s, first, block_tokens)
-                                        : CachedIdentity{};
-    uint64_t next_key = 0;
-    int32_t next_first = -1;
-    if (hit + 1 < blocks) {
-      next_key = seq_block_key(s, q, hit + 1);
-      next_first = s.cache_table[cache_home(s, next_key)];
-    }
-    uint64_t uid = 0;
-    const int32_t b = cache_find(s, key, parent, block_tokens, first, c, &uid);
+    const int32_t b = cache_find(s, seq_block_key(s, q, hit), parent, block_tokens);
     if (b < 0) break;
     table[hit] = b;
-    parent = uids[hit] = uid;
-    key = next_key;
-    first = next_first;
+    parent = uids[hit] = s.block_uid[b];
   }
   return hit;
 }
@@ -585,11 +532,10 @@ BLINK_SCHED_CALL BLINK_HD void prefix_register(SchedState& s, SeqState& q) {
     const uint64_t parent = j > 0 ? uids[j - 1] : 0;
     const int32_t* block_tokens = tokens + j * bs;
     const uint64_t key = seq_block_key(s, q, j);
-    uint64_t uid = 0;
-    int32_t b = cache_find(s, key, parent, block_tokens, &uid);
+    int32_t b = cache_find(s, key, parent, block_tokens);
     if (b < 0) {
       b = table[j];
-      uid = s.block_uid[b] = s.next_uid++;
+      s.block_uid[b] = s.next_uid++;
       s.block_parent[b] = parent;
       s.block_key[b] = key;
       int32_t* keep = s.block_tokens + static_cast<size_t>(b) * static_cast<size_t>(bs);
@@ -597,7 +543,7 @@ BLINK_SCHED_CALL BLINK_HD void prefix_register(SchedState& s, SeqState& q) {
       cache_insert(s, b);
       ++s.num_cached;
     }
-    uids[j] = uid;
+    uids[j] = s.block_uid[b];
   }
   q.num_keyed = full;
 }
