@@ -432,8 +432,7 @@ class ForwardKernels:
         layer's, as rope_kv_write takes them)."""
         self._kv_checks(kv_scales, 0)
         group = num_heads // num_kv_heads
-        max_rows = (self.attention_small_rows if small else
-                    self.attention_wgmma_rows if wgmma else self.attention_rows)
+        max_rows = self.attention_tile_rows(small, wgmma)
         self._need(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
         self._need(group <= max_rows, f"GQA group {group} > {max_rows} rows per CTA")
         self._need(1 <= num_splits <= self.attention_max_splits,
@@ -456,11 +455,23 @@ class ForwardKernels:
                      _i32(max_blocks_per_seq), _ptr(q), _ptr(k_cache), _ptr(v_cache),
                      _i32(block_size), _i32(num_heads), _i32(num_kv_heads), _f32(scale),
                      _ptr(out), _i32(num_splits), _i32(split_stride), _ptr(partial_out),
-                     _ptr(partial_stats),
-                     _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1)),
+                     _ptr(partial_stats), _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1)),
                      _i32(self.attention_slots(small, block_size, wide, wgmma)),
                      _i32(int(release_next)), _ptr(kv_scales)],
                     stream, smem=smem)
+
+    def attention_tile_rows(self, small: bool = False, wgmma: bool = False) -> int:
+        """Query rows a CTA's tile holds in the small, the wgmma or the large kernel."""
+        return (self.attention_small_rows if small else
+                self.attention_wgmma_rows if wgmma else self.attention_rows)
+
+    def attention_spread_stride(self, num_splits: int, group: int, small: bool = False,
+                                wgmma: bool = False) -> int:
+        """attention's split_stride where a query tile's keys also split over its other
+        tokens' CTAs: num_splits x the tile's tokens (GQA group `group`), at most
+        attention_max_splits."""
+        tile_tokens = max(1, self.attention_tile_rows(small, wgmma) // group)
+        return min(self.attention_max_splits, num_splits * tile_tokens)
 
     def attention_kernel(self, small: bool, block_size: int, wide: bool = False,
                          wgmma: bool = False) -> str:
@@ -1866,11 +1877,9 @@ class CudaForward:
         splits = self.attention_splits(bucket)
         if bucket > self.attention_spread_max_bucket:
             return splits
-        k = self.kernels
-        rows = (k.attention_small_rows if self.attention_small(bucket) else
-                k.attention_wgmma_rows if self.attention_wgmma(bucket) else k.attention_rows)
-        tile_tokens = max(1, rows // (self.cfg.num_heads // self.cfg.num_kv_heads))
-        return min(k.attention_max_splits, splits * tile_tokens)
+        return self.kernels.attention_spread_stride(
+            splits, self.cfg.num_heads // self.cfg.num_kv_heads, self.attention_small(bucket),
+            self.attention_wgmma(bucket))
 
     # Models at least this wide run the split-K kernel in clusters of two CTAs and the row-block
     # one in clusters of four, which share x's reads from L2. Measured on the H200

@@ -1225,11 +1225,8 @@ def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, split
         token_seq=np.concatenate([pb.token_seq, np.full(pad, pb.token_seq[-1], np.int32)]),
         tables=pb.tables, q=float32_to_bf16_bits(q), kc=kc_bits, vc=vc_bits).items()}
     out = dev(cf, np.zeros((BUCKET, num_heads, D), np.uint16), poison=True)
-    stride = splits
-    if spread:
-        rows = (k.attention_small_rows if flags["small"] else
-                k.attention_wgmma_rows if flags["wgmma"] else k.attention_rows)
-        stride = min(k.attention_max_splits, splits * max(1, rows // (num_heads // num_kv_heads)))
+    stride = (k.attention_spread_stride(splits, num_heads // num_kv_heads, flags["small"],
+                                        flags["wgmma"]) if spread else splits)
     # Splits: workspaces poisoned too (a split with no key must not be read).
     part_out = dev(cf, np.zeros((BUCKET, num_heads, stride, D), np.float32), poison=True)
     part_stats = dev(cf, np.zeros((BUCKET, num_heads, stride, 2), np.float32), poison=True)
