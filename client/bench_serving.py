@@ -30,7 +30,8 @@ The prefix suite measures that cache, on a server started as for the others:
   and warm (one 2,000-token prefix that the first cold request put in the cache, then 100
   tokens of their own), a few output tokens each: the median TTFT of each kind, warm / cold
   (the target: at most 10%), and the prompt tokens each request was served from the cache
-  (what the engine reports, Timings.cached_prompt_tokens).
+  (what the engine reports, Timings.cached_prompt_tokens); then the same with an 8,000-token
+  prefix (a long system prompt or document: the lookup walks 500 cached blocks).
 - chat: 32 conversations at once, 8 turns each; a turn sends the whole conversation so far
   (the previous turn's prompt, its reply, 100 new user tokens) and generates 128 tokens:
   generated tokens/s over the run, TTFT and TPOT medians, and the share of prompt tokens
@@ -158,6 +159,8 @@ SUITES = {
     # the copy-rate check and the two engine starts included)
     "prefix": [
         SharedPrefix("shared prefix 2000 + 100", 8, 2000, 100, 4),
+        # a long system prompt or document: the lookup walks 500 cached blocks
+        SharedPrefix("shared prefix 8000 + 100", 4, 8000, 100, 4),
         Chat("chat 32 x 8 turns of 100 + 128", 32, 8, 100, 128),
     ],
 }

@@ -152,18 +152,23 @@ def test_serving_workloads_are_cold_by_construction():
 
 def test_shared_prefix_and_chat_prompts():
     """The prefix suite's prompts: cold ones random from their first token, warm ones exactly
-    the 2,000-token shared prefix and then their own; a chat's user turns all differ."""
-    from blink.client.bench_serving import SUITES
-    shared, chat = SUITES["prefix"]
-    reqs = shared_prefix_requests(shared.pairs, shared.prefix_tokens, shared.own_tokens,
-                                  shared.output_tokens, 128_256, seed=3)
-    cold, warm = reqs[0::2], reqs[1::2]
-    assert len(cold) == len(warm) == shared.pairs
-    assert all(len(r.prompt) == 2100 and r.output_len == shared.output_tokens for r in reqs)
-    assert len({r.prompt[:16] for r in cold}) == shared.pairs
-    for i, a in enumerate(warm):  # each other's and the first cold one's, which cached it
-        for b in [cold[0], *warm[i + 1:]]:
-            assert len(os.path.commonprefix([a.prompt, b.prompt])) == 2000
+    the shared prefix (2,000 tokens, then 8,000) and then their own; a chat's user turns all
+    differ."""
+    from blink.client.bench_serving import SUITES, SharedPrefix
+    shared_workloads = [w for w in SUITES["prefix"] if isinstance(w, SharedPrefix)]
+    assert [(w.prefix_tokens, w.own_tokens) for w in shared_workloads] == [(2000, 100),
+                                                                           (8000, 100)]
+    for shared in shared_workloads:
+        reqs = shared_prefix_requests(shared.pairs, shared.prefix_tokens, shared.own_tokens,
+                                      shared.output_tokens, 128_256, seed=3)
+        cold, warm = reqs[0::2], reqs[1::2]
+        assert len(cold) == len(warm) == shared.pairs
+        assert all(len(r.prompt) == shared.prefix_tokens + 100
+                   and r.output_len == shared.output_tokens for r in reqs)
+        assert len({r.prompt[:16] for r in cold}) == shared.pairs
+        for i, a in enumerate(warm):  # each other's and the first cold one's, which cached it
+            for b in [cold[0], *warm[i + 1:]]:
+                assert len(os.path.commonprefix([a.prompt, b.prompt])) == shared.prefix_tokens
     turns = chat_user_turns(4, 3, 10, 2048, seed=1)
     assert [[len(m) for m in c] for c in turns] == [[10] * 3] * 4
     assert len({m for c in turns for m in c}) == 12

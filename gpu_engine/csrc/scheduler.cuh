@@ -138,6 +138,9 @@ struct SeqState {
   // Its first num_hashed blocks' keys are in its row of SchedState.seq_block_keys (the tokens
   // never change, so they outlive a preemption).
   int32_t num_hashed;
+  // While it waits unadmitted: its first num_hinted blocks have a lookup hint in its rows
+  // (prefix_hint_block), which prefix_match checks before it probes; 0 once it holds blocks.
+  int32_t num_hinted;
   int32_t cached_tokens;  // prompt tokens its last admission took from the prefix cache
   uint32_t preemptions;
   SeqStatus status;
@@ -283,19 +286,26 @@ BLINK_HD inline uint64_t* block_uids(const SchedState& s, int32_t slot) {
 // ---------------------------------------------------------------------------------------------
 // The prefix cache's table and evictable queue (KvBlockPool.cached and ._evictable)
 
-// A block's 64-bit key: splitmix64 over the key of the block before it (a seed for the first)
-// and its tokens, so it stands for every token up to the block's end. Override the mask
-// (tests/test_scheduler_parity.py builds the replay with a 2-bit key) to make every lookup
-// probe through colliding keys: the decisions must not change.
+// A block's 64-bit key: the key of the block before it (a seed for the first) mixed with the
+// block's digest, splitmix64 folded over its tokens from the seed, so the key stands for every
+// token up to the block's end. A digest depends on its block alone: a new prompt's are computed
+// all at once (prefix_keys_and_hints_cta, a thread a block), and one splitmix64 a block is left
+// serial (a chain folded over every token took one GPU thread ~120 us for 2,000 tokens).
+// Override the mask (tests/test_scheduler_parity.py builds the replay with a 2-bit key) to make
+// every lookup probe through colliding keys: the decisions must not change.
 #ifndef BLINK_PREFIX_KEY_MASK
 #define BLINK_PREFIX_KEY_MASK 0xffffffffffffffffull
 #endif
 static constexpr uint64_t kPrefixKeySeed = 0x424c494e4b505843ull;  // "BLINKPXC"
 
-BLINK_HD inline uint64_t prefix_key(uint64_t previous_key, const int32_t* tokens, int32_t n) {
-  uint64_t h = splitmix64(previous_key);
+BLINK_HD inline uint64_t prefix_block_digest(const int32_t* tokens, int32_t n) {
+  uint64_t h = kPrefixKeySeed;
   for (int32_t i = 0; i < n; ++i) h = splitmix64(h ^ static_cast<uint32_t>(tokens[i]));
   return h;
+}
+
+BLINK_HD inline uint64_t prefix_key(uint64_t previous_key, uint64_t digest) {
+  return splitmix64(previous_key ^ digest);
 }
 
 // The key of q's block j (its tokens must be known), computing the keys of its blocks up to j
@@ -306,7 +316,8 @@ BLINK_HD inline uint64_t seq_block_key(const SchedState& s, SeqState& q, int32_t
   const int32_t* tokens = seq_tokens(s, q.slot);
   for (; q.num_hashed <= j; ++q.num_hashed) {
     const int32_t k = q.num_hashed;
-    keys[k] = prefix_key(k > 0 ? keys[k - 1] : kPrefixKeySeed, tokens + k * bs, bs);
+    keys[k] = prefix_key(k > 0 ? keys[k - 1] : kPrefixKeySeed,
+                         prefix_block_digest(tokens + k * bs, bs));
   }
   return keys[j] & static_cast<uint64_t>(BLINK_PREFIX_KEY_MASK);
 }
@@ -315,15 +326,16 @@ BLINK_HD inline const int32_t* cached_tokens_of(const SchedState& s, int32_t blo
   return s.block_tokens + static_cast<size_t>(block) * static_cast<size_t>(s.cfg.block_size);
 }
 
-// The cached block with this identity (parent uid, tokens) under `key`, or -1. The token
-// comparison reads every token without an early exit, so its loads are in flight together (one
-// round trip to memory, not one a token).
+// The cached block with this identity (parent uid, tokens) under `key`, or -1; any_parent: the
+// first with the key and tokens, whatever its parent (prefix_hint_block). The token comparison
+// reads every token without an early exit, so its loads are in flight together (one round trip
+// to memory, not one a token).
 BLINK_HD inline int32_t cache_find(const SchedState& s, uint64_t key, uint64_t parent_uid,
-                                   const int32_t* tokens) {
+                                   const int32_t* tokens, bool any_parent = false) {
   for (uint32_t i = static_cast<uint32_t>(key) & s.cache_mask;; i = (i + 1) & s.cache_mask) {
     const int32_t b = s.cache_table[i];
     if (b < 0) return -1;
-    if (s.block_key[b] != key || s.block_parent[b] != parent_uid) continue;
+    if (s.block_key[b] != key || (!any_parent && s.block_parent[b] != parent_uid)) continue;
     const int32_t* have = cached_tokens_of(s, b);
     int32_t differ = 0;
 #if defined(__CUDA_ARCH__)
@@ -465,9 +477,48 @@ BLINK_SCHED_CALL BLINK_HD void pool_release(SchedState& s, SeqState& q) {
   q.num_keyed = 0;
 }
 
+// The blocks prefix_match may look up: those of at most num_tokens - 1 tokens (the last token
+// is always computed, for its logits).
+BLINK_HD inline int32_t prefix_lookable_blocks(const SchedState& s, const SeqState& q) {
+  return (q.num_tokens - 1) / s.cfg.block_size;
+}
+
+// A lookup hint for waiting q's block j (its key computed): a cached block with its key and
+// tokens and that block's uid, written where prefix_match writes its hits (q's block-table and
+// uid rows, free while q waits), or -1 and 0. The parent is not compared: prefix_match checks
+// it, and that the block is still the same cache entry, and probes where a hint fails. Blocks
+// are independent: any thread may hint its own (the kernel's Admit hints a new prompt's blocks
+// a thread a block as it adds the request, prefix_keys_and_hints_cta).
+BLINK_HD inline void prefix_hint_block(const SchedState& s, const SeqState& q, int32_t j) {
+  const uint64_t key =
+      block_row(s, s.seq_block_keys, q.slot)[j] & static_cast<uint64_t>(BLINK_PREFIX_KEY_MASK);
+  const int32_t found =
+      cache_find(s, key, 0, seq_tokens(s, q.slot) + j * s.cfg.block_size, /*any_parent=*/true);
+  block_table(s, q.slot)[j] = found;
+  block_uids(s, q.slot)[j] = found >= 0 ? s.block_uid[found] : 0;
+}
+
+// prefix_hint_block for every block waiting q may look up, serially (the CPU replay's Admit).
+BLINK_HD inline void prefix_hint_blocks(const SchedState& s, SeqState& q) {
+  if (!s.cfg.prefix_caching) return;
+  const int32_t lookable = prefix_lookable_blocks(s, q);
+  if (lookable > 0) seq_block_key(s, q, lookable - 1);
+  for (int32_t j = 0; j < lookable; ++j) prefix_hint_block(s, q, j);
+  q.num_hinted = lookable;
+}
+
 // KvBlockPool.match: the cached blocks of q's longest cached prefix of at most num_tokens - 1
 // tokens, written into q's block-table row and uid row (q is waiting: it holds no blocks, so
 // the rows are free) but not taken; returns how many. 0 when prefix caching is off.
+// Hinted blocks are checked kHintBatch at a time, every load of a batch in flight together (the
+// serial probe, cache_find, takes three dependent round trips to memory: ~1.6 us a block on the
+// H200, the scheduler's data gone from L2 after a forward pass). A hint holds where its block
+// is still the same cache entry (its uid unchanged: an evicted block's uid is zeroed, uids are
+// never reused) and continues the chain (its parent is the last hit's uid); that block then has
+// the identity cache_find looks for, which at most one cached block has (prefix_register never
+// caches an identity twice), so it is cache_find's answer. A block whose hint fails (cached
+// since the hint, or an older block of the same key and tokens under an evicted parent met
+// first) or that has none is probed, and the hints go on from the block after it.
 BLINK_SCHED_CALL BLINK_HD int32_t prefix_match(const SchedState& s, SeqState& q) {
   if (!s.cfg.prefix_caching) return 0;
   const int32_t bs = s.cfg.block_size;
@@ -476,12 +527,37 @@ BLINK_SCHED_CALL BLINK_HD int32_t prefix_match(const SchedState& s, SeqState& q)
   uint64_t* uids = block_uids(s, q.slot);
   uint64_t parent = 0;
   int32_t hit = 0;
-  for (; (hit + 1) * bs < q.num_tokens; ++hit) {
-    const int32_t* block_tokens = tokens + hit * bs;
-    const int32_t b = cache_find(s, seq_block_key(s, q, hit), parent, block_tokens);
+  const int32_t lookable = prefix_lookable_blocks(s, q);
+  const int32_t hinted = min_i32(q.num_hinted, lookable);
+  constexpr int32_t kHintBatch = 8;
+  while (hit < lookable) {
+    for (bool batch_held = true; batch_held && hit < hinted;) {
+      int32_t b[kHintBatch];
+      uint64_t hinted_uid[kHintBatch], uid[kHintBatch], parent_of[kHintBatch];
+      for (int32_t k = 0; k < kHintBatch; ++k) {
+        const bool in = hit + k < hinted;
+        b[k] = in ? table[hit + k] : -1;
+        hinted_uid[k] = in ? uids[hit + k] : 0;
+      }
+      for (int32_t k = 0; k < kHintBatch; ++k) {
+        uid[k] = b[k] >= 0 ? s.block_uid[b[k]] : 0;
+        parent_of[k] = b[k] >= 0 ? s.block_parent[b[k]] : 0;
+      }
+      for (int32_t k = 0; k < kHintBatch && hit < hinted; ++k) {
+        if (uid[k] == 0 || uid[k] != hinted_uid[k] || parent_of[k] != parent) {
+          batch_held = false;
+          break;
+        }
+        parent = uid[k];  // (the rows hold the hint: the hit is written)
+        ++hit;
+      }
+    }
+    if (hit == lookable) break;
+    const int32_t b = cache_find(s, seq_block_key(s, q, hit), parent, tokens + hit * bs);
     if (b < 0) break;
     table[hit] = b;
     parent = uids[hit] = s.block_uid[b];
+    ++hit;
   }
   return hit;
 }
@@ -506,6 +582,7 @@ BLINK_HD inline void prefix_admit(SchedState& s, SeqState& q, int32_t hit) {
     if (s.block_refs[b]++ == 0) lru_unlink(s, b);
   }
   q.num_blocks = q.num_keyed = hit;
+  q.num_hinted = 0;  // its rows are its block table now
   q.num_computed = hit * s.cfg.block_size;
   q.cached_tokens = min_i32(q.num_computed, q.prompt_len);
   if (s.cfg.prefix_caching) {
@@ -1159,6 +1236,35 @@ __device__ inline uint32_t slot_crc_cta(uint32_t gen, const uint8_t* payload, ui
   const uint32_t payload_crc = crc[0];
   __syncthreads();
   return crc32_combine(slot_crc(gen, nullptr, 0), payload_crc, n);
+}
+
+// A newly added (waiting) q's prefix-cache keys and lookup hints, the whole CTA: each thread
+// digests its own blocks, thread 0 chains the digests into keys (one splitmix64 a block), then
+// each thread hints its own blocks (prefix_hint_block), so that prefix_match mostly checks
+// hints a batch at a time instead of probing block after block. q's token row must be written
+// and visible to the CTA. A no-op when prefix caching is off. Measured on the H200 (the live
+// prefix suite's step log, Llama-3.1-8B shape): see docs/performance.md, *A prompt's prefix
+// keys and lookups, a thread a block*.
+__device__ __noinline__ void prefix_keys_and_hints_cta(const SchedState& s, SeqState& q) {
+  if (!s.cfg.prefix_caching) return;
+  const int32_t bs = s.cfg.block_size, first = q.num_hashed, blocks = q.num_tokens / bs;
+  const int32_t tid = static_cast<int32_t>(threadIdx.x), nt = static_cast<int32_t>(blockDim.x);
+  uint64_t* keys = block_row(s, s.seq_block_keys, q.slot);
+  const int32_t* tokens = seq_tokens(s, q.slot);
+  for (int32_t k = first + tid; k < blocks; k += nt)
+    keys[k] = prefix_block_digest(tokens + k * bs, bs);
+  __syncthreads();
+  if (tid == 0 && blocks > first) {
+    uint64_t key = first > 0 ? keys[first - 1] : kPrefixKeySeed;
+#pragma unroll 8
+    for (int32_t k = first; k < blocks; ++k) keys[k] = key = prefix_key(key, keys[k]);
+    q.num_hashed = blocks;
+  }
+  __syncthreads();
+  const int32_t lookable = prefix_lookable_blocks(s, q);
+  for (int32_t j = tid; j < lookable; j += nt) prefix_hint_block(s, q, j);
+  if (tid == 0) q.num_hinted = lookable;
+  __syncthreads();
 }
 
 #endif  // __CUDACC__

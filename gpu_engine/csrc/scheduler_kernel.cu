@@ -123,8 +123,10 @@ __device__ void FinishRecord(const EngineDevice& e, int32_t slot, uint32_t gen,
 // Copies candidate slot `i` (fixed part + prompt) out of mapped memory into e.scratch_slot with
 // the whole CTA (4-byte volatile loads, many in flight), checks its CRC (slot_crc_cta) and
 // fields. Returns the reject reason (kNone: accepted; e.scratch_slot holds it), or -1 to wait
-// (CRC wrong within the grace period: bytes of a completed write may still be landing).
-__device__ int ConsumeSlot(EngineDevice& e, uint32_t i, uint32_t gen) {
+// (CRC wrong within the grace period: bytes of a completed write may still be landing). Not
+// inlined: its loads in flight took the kernel from 88 to 96 registers a thread (the launch
+// bounds, not -maxrregcount, cap an entry), and blink_hold_sm mirrors the footprint.
+__device__ __noinline__ int ConsumeSlot(EngineDevice& e, uint32_t i, uint32_t gen) {
   __shared__ uint32_t s_crc_scratch[2 * kThreads + 256];
   __shared__ int s_tokens_ok, s_result;
   const uint8_t* slot = slot_ptr(e, i);
@@ -135,11 +137,26 @@ __device__ int ConsumeSlot(EngineDevice& e, uint32_t i, uint32_t gen) {
   __syncthreads();
   const auto* f = reinterpret_cast<const ring::RequestSlotFixed*>(e.scratch_slot);
   const uint32_t plen = min(f->prompt_len, e.ring.max_prompt_tokens);
+  const uint32_t vocab_size = e.vocab_size;  // (not reloaded after each store to words)
   bool ok = true;
-  for (uint32_t t = threadIdx.x; t < plen; t += kThreads) {
-    const uint32_t tok = vload32(slot + 4 * (fixed_words + t));
-    words[fixed_words + t] = tok;
-    ok &= sched::token_in_vocab(static_cast<int32_t>(tok), e.vocab_size);
+  // kTokenLoads loads a thread in flight before any is used: a load then its store, one after
+  // the other, waited a round trip over PCIe each (~9 a thread for a 2,100-token prompt)
+  constexpr uint32_t kTokenLoads = 8;
+  for (uint32_t base = threadIdx.x; base < plen; base += kTokenLoads * kThreads) {
+    uint32_t tok[kTokenLoads];
+#pragma unroll
+    for (uint32_t j = 0; j < kTokenLoads; ++j) {
+      const uint32_t t = base + j * kThreads;
+      if (t < plen) tok[j] = vload32(slot + 4 * (fixed_words + t));
+    }
+#pragma unroll
+    for (uint32_t j = 0; j < kTokenLoads; ++j) {
+      const uint32_t t = base + j * kThreads;
+      if (t < plen) {
+        words[fixed_words + t] = tok[j];
+        ok &= sched::token_in_vocab(static_cast<int32_t>(tok[j]), vocab_size);
+      }
+    }
   }
   if (!ok) s_tokens_ok = 0;
   __syncthreads();
@@ -225,7 +242,8 @@ __device__ void ScanRing(const EngineDevice& e, RingScan& scan) {
 // then admits the accepted ones in request-id order (ReferenceEngine._admit: add_seq retires a
 // stale sequence of a reused slot itself, so blocks are released in the same order as in
 // Python), and the whole CTA copies their prompts into their token rows (thread 0 copying
-// token after token took ~0.3 us a token: 0.6 ms for a 2,000-token prompt).
+// token after token took ~0.3 us a token: 0.6 ms for a 2,000-token prompt) and computes their
+// blocks' prefix-cache keys and lookup hints (sched::prefix_keys_and_hints_cta).
 __device__ void Admit(EngineDevice& e, const RingScan& scan) {
   if (threadIdx.x == 0) e.num_new = 0;
   __syncthreads();
@@ -276,6 +294,10 @@ __device__ void Admit(EngineDevice& e, const RingScan& scan) {
     for (int32_t t = threadIdx.x; t < r.prompt_len; t += kThreads) row[t] = r.prompt[t];
   }
   __syncthreads();
+  // their prefix-cache keys and lookup hints, a thread a block, before schedule_step's
+  // lookups
+  for (int a = 0; a < e.num_new; ++a)
+    sched::prefix_keys_and_hints_cta(e.sched, e.sched.seqs[e.staged[a].slot]);
 }
 
 // --- retirement and bookkeeping (thread 0) -----------------------------------------------------

@@ -178,10 +178,13 @@ BLINK_HD void run_event(SchedState* s, StepPlan* plan, ReplayBatch* batch, const
       Admission one{u64_at(a + 2), a[1], static_cast<int32_t>(a[0]),
                     static_cast<int32_t>(prompt[0]), reinterpret_cast<const int32_t*>(prompt + 1),
                     p};
+      bool added = false;
       admit_in_order(*s, &one, 1, [&](const Admission&, AddResult r) {
-        if (r != AddResult::kAdded && r != AddResult::kReplacedStale)
-          emit_error(w, kErrAdd, static_cast<int64_t>(r));
+        added = r == AddResult::kAdded || r == AddResult::kReplacedStale;
+        if (!added) emit_error(w, kErrAdd, static_cast<int64_t>(r));
       });
+      // as the kernel's Admit does: the new prompt's lookup hints
+      if (added) prefix_hint_blocks(*s, s->seqs[one.slot]);
       return;
     }
     case kOpSample: {
