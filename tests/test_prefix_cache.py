@@ -210,14 +210,22 @@ def test_shared_prefixes_and_chat_turns_under_concurrency(engine, checkpoints, m
         assert len(d.token_ids) == 12
         ties += check_tokens(engine, model_dir, prompt, list(d.token_ids))
     assert all(d.cached_prompt_tokens >= 16 for d in done[-4:])
-    # a chat: each turn resends the conversation so far and adds to it
+    # a chat: each turn resends the conversation so far and adds to it. A later turn is served
+    # every full block the turn before computed (nothing is evicted here): its reply's blocks,
+    # keyed as its decode filled them, and its prompt's, keyed as it was admitted (the CUDA
+    # scheduler computes a new prompt's keys a thread a block), must chain to the same keys.
     conversation = list(systems[0])
     with BlinkClient(stack.target) as client:
+        computed = 0  # tokens the turn before computed (its reply's last one never is)
         for turn in range(3):
             conversation += [rnd.randrange(8, 2000) for _ in range(6)]
             d = client.generate(conversation, greedy, return_token_ids=True)
             ties += check_tokens(engine, model_dir, conversation, list(d.token_ids))
-            assert d.cached_prompt_tokens >= 32
+            if turn == 0:  # the system prompt's two full blocks, which the streams cached
+                assert d.cached_prompt_tokens >= 32
+            else:
+                assert d.cached_prompt_tokens == computed // 16 * 16
+            computed = len(conversation) + len(d.token_ids) - 1
             conversation += list(d.token_ids)
         s = assert_all_blocks_back(client)
     print(f"engine prefix cache ({engine}): {n} streams over 3 system prompts + a 3-turn chat, "
