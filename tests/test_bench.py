@@ -163,7 +163,7 @@ def test_shared_prefix_and_chat_prompts():
                                       shared.output_tokens, 128_256, seed=3)
         cold, warm = reqs[0::2], reqs[1::2]
         assert len(cold) == len(warm) == shared.pairs
-        assert all(len(r.prompt) == shared.prefix_tokens + 100
+        assert all(len(r.prompt) == shared.prefix_tokens + shared.own_tokens
                    and r.output_len == shared.output_tokens for r in reqs)
         assert len({r.prompt[:16] for r in cold}) == shared.pairs
         for i, a in enumerate(warm):  # each other's and the first cold one's, which cached it
