@@ -101,18 +101,32 @@ struct Fp8Weights {
 };
 
 // 16-byte loads in flight per lane per step: 2 per row tile (rows g, g + 8), kXPieces per column
-// tile. Steps are unrolled so that about 16 such loads are in flight per lane.
-template <int kRowTiles, int kColTiles, class W = Bf16Weights>
+// tile. Steps are unrolled so that about 16 such loads are in flight per lane. kNormIn: the
+// kernel folds the RMSNorm in (SkinnyAccumulate's), which only the FP8 batches below look at.
+template <int kRowTiles, int kColTiles, class W = Bf16Weights, bool kNormIn = false>
 struct GemvShape {
   static constexpr int kRows = 16 * kRowTiles;
   static constexpr int kCols = 8 * kColTiles;
   static constexpr int kLoadsPerStep = 2 * kRowTiles + W::kXPieces * kColTiles;
-  static constexpr int kUnroll = kLoadsPerStep <= 4 ? 4 : 2;
+  // FP8 weights at one column tile (up to 8 token rows), but for the plain shape of two row
+  // tiles: half the batch, double-buffered, so that a warp always has a batch in flight. A CTA
+  // of FP8 rows streams half bf16's bytes, so the latency of its first loads and its tail
+  // weigh double, most where the grid is a wave or less. Measured on the H200 (bench_decode
+  // --breakdown, batch 1 at 512 keys, us a layer, single -> double): Llama-3.1-8B qkv 10.08 ->
+  // 9.71, o 6.54 -> 5.90, gate|up 33.72 -> 34.31, down 16.77 -> 15.68, the step 2.453 -> 2.427
+  // ms; Llama-3.2-1B qkv 5.40 -> 5.63, o 4.15 -> 3.82, gate|up 12.06 -> 11.50, down 7.15 ->
+  // 6.73, the step 0.592 -> 0.565 ms. The plain two-row-tile shape (the LM head's, 4,008 CTAs)
+  // lost 132 -> 142 us (8B) and 75 -> 84 (1B), so it keeps one batch. (Also tried: x staged in
+  // shared memory, so that a batch holds weights alone; slower on every FP8 projection,
+  // docs/performance.md FP8 round 24.)
+  static constexpr bool kFp8DoubleBuffer =
+      W::kFp8 && kColTiles == 1 && (kRowTiles == 1 || kNormIn);
+  static constexpr int kUnroll = (kLoadsPerStep <= 4 ? 4 : 2) / (kFp8DoubleBuffer ? 2 : 1);
   // Two batches in registers (the next one's loads in flight during this one's MMAs) for the
   // shapes with two row tiles and one column tile (10 loads a batch). Measured on the H200:
   // the SiLU-gated gate|up projection (2 x 1) gains 8%, the 1 x 1 shape (12 loads a batch)
   // loses 12% with it, and two of the wider shapes spill under the register cap.
-  static constexpr bool kDoubleBuffer = kLoadsPerStep * kUnroll <= 10;
+  static constexpr bool kDoubleBuffer = kFp8DoubleBuffer || kLoadsPerStep * kUnroll <= 10;
   // (Tried on FP8 weights and not kept: double-buffering the weights alone, x and the norm's
   // weight loaded per batch just before its MMAs, so that a warp keeps two batches of weights
   // in flight. At 128 registers and no spills in the loop it made every FP8 projection slower,
@@ -396,7 +410,7 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
                                                  GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
                                                  const float* w_scale = nullptr,
                                                  const bf16* norm_w = nullptr) {
-  using S = GemvShape<kRowTiles, kColTiles, W>;
+  using S = GemvShape<kRowTiles, kColTiles, W, kNormIn>;
   static_assert(sizeof(sums) <= 48 * 1024, "static shared memory");
   constexpr int kUnroll = S::kUnroll;
   constexpr int kStepK = W::kStepK, kPieceK = kStepK / 4;  // k a step, k a lane loads a row
