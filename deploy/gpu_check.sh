@@ -10,8 +10,8 @@
 # 900 s; 540 before 2026-12-04) bounds the tests, every run together: on a machine that stops a
 # command at 600 s (the lent H200), set BLINK_SKIP_BENCH=1 and run the benchmark on its own, and
 # run the two parts as two commands, each with BLINK_TEST_TIMEOUT under that limit:
-# `deploy/gpu_check.sh -n 4 tests/test_cuda_forward.py` and `deploy/gpu_check.sh tests
-# --ignore=tests/test_cuda_forward.py`.
+#   deploy/gpu_check.sh -n 4 tests/test_cuda_forward.py
+#   deploy/gpu_check.sh tests --ignore=tests/test_cuda_forward.py
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 python3 -c "import cuda.bindings, grpc, google.protobuf as p; print('cuda-bindings', cuda.bindings.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__)"
