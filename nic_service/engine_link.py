@@ -20,6 +20,7 @@ from blink.ring.layout import (
     HEADER_DTYPE, LAYOUT_VERSION, RECORD_DTYPE, RING_MAGIC, EngineKind, EngineState,
     FinishReason, RingGeometry, SlotRequest, encode_slot,
 )
+from blink.nic_service.record_watch import RecordWatch, WatchedRecords
 from blink.ring.shm import RingTransport, ShmSegment, ShmTransport
 
 log = logging.getLogger("blink.frontend")
@@ -125,14 +126,18 @@ ENGINE_COUNTERS = ("requests_admitted", "requests_finished", "requests_cancelled
 class EngineLink:
     def __init__(self, ring_name: str, *, queue_timeout_s: float = 30.0,
                  max_queued: int = 1024, engine_timeout_s: float = 3.0,
-                 poll_interval_s: float = 0.0005, stream_interval_s: float = 0.0,
-                 attach_interval_s: float = 0.2,
+                 poll_interval_s: float = 0.0002, idle_poll_interval_s: float = 0.02,
+                 stream_interval_s: float = 0.0, attach_interval_s: float = 0.2,
                  on_alive_change: Callable[[bool], None] | None = None,
                  worker: tuple[int, int] = (0, 1), rdma_engine: tuple[str, int] | None = None):
         """worker: (index, count) of the front-end processes sharing this ring; this one uses
         its contiguous share of the slots, and request ids that order all of theirs in time.
         rdma_engine: (IP, port) of the engine's RDMA CM listener, to reach its ring over RDMA
         (blink.ring.rdma) instead of in /dev/shm/ring_name.
+        poll_interval_s: how often live requests' records are looked at: in shared memory by
+        RecordWatch's thread, which wakes the poll loop when one moved; over RDMA by the loop's
+        own timer, which asyncio rounds up to whole milliseconds.
+        idle_poll_interval_s: the loop's poll otherwise (the heartbeat, the header's counters).
         stream_interval_s: a live request's new tokens are handed on at most once per this many
         seconds (its first token and its finish at once), so an engine faster than that has
         several tokens go out in one message; 0: as soon as a poll finds them."""
@@ -144,12 +149,16 @@ class EngineLink:
             self._dialer = RdmaDialer(*rdma_engine)
             self.ring_where = f"rdma://{self._dialer.where}"
         self.worker_index, self.workers = worker
+        if not (poll_interval_s > 0 and idle_poll_interval_s > 0):
+            raise ValueError(f"poll intervals must be > 0, got {poll_interval_s} and "
+                             f"{idle_poll_interval_s}")
         if not 0 <= self.worker_index < self.workers:
             raise ValueError(f"worker {worker}: the index must be in [0, count)")
         self.queue_timeout_s = queue_timeout_s
         self.max_queued = max_queued
         self.engine_timeout_s = engine_timeout_s
         self.poll_interval_s = poll_interval_s
+        self.idle_poll_interval_s = idle_poll_interval_s
         self.stream_interval_s = stream_interval_s
         self.attach_interval_s = attach_interval_s
         self.on_alive_change = on_alive_change
@@ -171,6 +180,10 @@ class EngineLink:
         self._last_beat = 0
         self._last_beat_change = 0.0
         self._task: asyncio.Task | None = None
+        self._watch: RecordWatch | None = None  # started with the loop (start)
+        self._watched = False  # the attached ring's records are watched (shared memory)
+        self._waiter: asyncio.Future | None = None  # the poll loop's wait between polls
+        self._woken = False  # a wake came while the loop was polling: poll again at once
         self._header_stats: np.void | None = None  # the attached instance's latest header
         # instance -> its heartbeat when declared dead: the same instance is attached again
         # only once that heartbeat moves (a stalled engine that recovers), never while it stays
@@ -186,6 +199,7 @@ class EngineLink:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._watch = RecordWatch(asyncio.get_running_loop(), self._wake, self.poll_interval_s)
         self._task = asyncio.create_task(self._run(), name="engine-link")
 
     async def stop(self) -> None:
@@ -196,6 +210,8 @@ class EngineLink:
             except asyncio.CancelledError:
                 pass
         self._detach(EngineUnavailable("front end is shutting down"))
+        if self._watch is not None:
+            self._watch.stop()
 
     @property
     def slots_in_use(self) -> int:
@@ -257,6 +273,10 @@ class EngineLink:
         self._live[slot] = handle
         i = slot - self._share.start
         self._want_gen[i], self._seen[i], self._due[i] = gen, 0, 0.0
+        if self._watched:
+            self._watch.arm()
+        else:
+            self._wake()  # off the idle interval, onto the live one
         return handle
 
     def cancel(self, handle: RequestHandle, *, stop_matched: bool = False) -> None:
@@ -305,15 +325,44 @@ class EngineLink:
         while True:
             if self._transport is None:
                 self._try_attach()
-                await asyncio.sleep(self.poll_interval_s if self._transport
-                                    else self.attach_interval_s)
-                continue
+                if self._transport is None:
+                    await asyncio.sleep(self.attach_interval_s)
+                    continue
             try:
                 self._poll_once()
             except Exception as e:  # a broken mapping must not kill the loop
                 log.exception("ring poll failed")
                 self._detach(EngineUnavailable(f"ring poll failed: {e}"))
-            await asyncio.sleep(self.poll_interval_s)
+            self._watch.polled()
+            await self._until_next_poll()
+
+    async def _until_next_poll(self) -> None:
+        """Waits for a wake (RecordWatch: a live record moved; a request went live) or the
+        interval: the live one over RDMA, where nothing else wakes the loop, else the idle one."""
+        if self._woken:
+            self._woken = False
+            return
+        # a watch thread that died (never expected: it logs) leaves the loop its own timer
+        live_unwatched = self._live and not (self._watched and self._watch.running)
+        if live_unwatched and self.poll_interval_s < 1e-3:
+            await asyncio.sleep(self.poll_interval_s)  # no call_later: epoll's 1 ms either way
+            return
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(self.poll_interval_s if live_unwatched
+                                else self.idle_poll_interval_s, self._wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter, self._woken = None, False
+
+    def _wake(self) -> None:
+        """Polls now: ends the loop's wait, or has its next one return at once."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        else:
+            self._woken = True
 
     def _try_attach(self) -> None:
         try:
@@ -351,12 +400,28 @@ class EngineLink:
         self._want_gen = np.full(len(share), -1, np.int64)
         self._seen = np.zeros(len(share), np.int64)
         self._due = np.zeros(len(share))
+        self._watch_records(transport, geom, share)
         # alive only once the heartbeat moves: a killed engine leaves a SERVING header behind
         self._last_beat = beat
         if not self.alive:
             self._last_beat_change = time.monotonic()
         log.info("attached to engine ring %s (instance %x): model %s, %d slots",
                  self.ring_where, info.instance, info.model_name, geom.num_slots)
+
+    def _watch_records(self, transport: RingTransport, geom: RingGeometry, share: range) -> None:
+        """Hands RecordWatch views of this share's records, where the transport has them."""
+        view = getattr(transport, "strided_u32", None)
+        if view is None or self._watch is None:
+            return
+
+        def field(name: str) -> np.ndarray:
+            offset = geom.record_offset(share.start) + RECORD_DTYPE.fields[name][1]
+            return view(offset, geom.record_bytes, len(share))
+
+        self._watch.watch(WatchedRecords(field("gen"), field("finish_reason"),
+                                         field("num_tokens"), self._want_gen, self._seen,
+                                         self._due, self._live))
+        self._watched = True
 
     def heartbeat_age(self) -> float | None:
         """Seconds since the heartbeat of the engine instance attached last moved (it keeps
@@ -386,6 +451,9 @@ class EngineLink:
                 fut.set_exception(EngineUnavailable(str(why)))
         self._waiters.clear()
         self._free.clear()
+        if self._watch is not None:
+            self._watch.unwatch()  # its views into the ring go before the ring does
+        self._watched = False
         if self._transport is not None:
             self._transport.close()
         self._transport, self.info = None, None

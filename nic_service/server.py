@@ -65,6 +65,7 @@ class FrontendConfig:
     # a stream's tokens go out at most once per this many seconds, several to a message when the
     # engine is faster (its first token and its end at once); 0: each engine step's as it comes
     stream_interval_s: float = 0.0
+    poll_interval_s: float = 0.0002    # live records checked this often (EngineLink)
     rdma_engine: tuple[str, int] | None = None  # the engine's RDMA CM (IP, port): its ring by RDMA
 
 
@@ -488,6 +489,7 @@ class Frontend:
                                max_queued=config.max_queued,
                                engine_timeout_s=config.engine_timeout_s,
                                stream_interval_s=config.stream_interval_s,
+                               poll_interval_s=config.poll_interval_s,
                                on_alive_change=self._on_alive_change,
                                worker=config.worker, rdma_engine=config.rdma_engine)
         self.metrics = FrontendMetrics(self.link) if config.metrics_port is not None else None

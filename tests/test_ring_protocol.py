@@ -380,3 +380,93 @@ def test_stream_interval_holds_tokens_but_not_the_first_or_the_finish(interval_s
         assert drain(handle) == ([[11, 12, 13]] if interval_s else [[13]], FinishReason.LENGTH)
     finally:
         ring.close()
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["shared-memory", "no-live-views"])
+def test_a_moving_record_wakes_the_poll_loop(watched, monkeypatch):
+    """With the idle poll an hour apart, a live request's tokens and finish still reach it: in
+    shared memory RecordWatch's thread wakes the loop when the record moves; on a transport
+    without live views (RDMA) submit moves the loop onto its live timer. Once nothing is live,
+    the thread disarms; stopping the link with a request live ends the thread."""
+    import asyncio
+
+    from blink.nic_service.engine_link import EngineLink, Finished
+    if not watched:
+        monkeypatch.delattr(ShmTransport, "strided_u32")
+    name = f"blink-test-{secrets.token_hex(6)}"
+    server = RingServer(name, RingGeometry(1, max_prompt_tokens=63, max_output_tokens=64),
+                        model_name="unit", vocab_size=VOCAB, context_length=64, eos_ids=(2,))
+    server.set_state(layout.EngineState.SERVING)
+
+    async def next_event(handle):
+        return await asyncio.wait_for(handle.events.get(), 10)
+
+    async def scenario():
+        link = EngineLink(name, engine_timeout_s=1e9, idle_poll_interval_s=0.005)
+        await link.start()
+        try:
+            while not link.alive:
+                server.beat()
+                await asyncio.sleep(0.01)
+            link.idle_poll_interval_s = 3600.0
+            await asyncio.sleep(0.05)  # the loop is in its hour-long wait now
+            handle = await link.submit(dict(prompt=np.asarray([5, 6], np.int32), max_tokens=2))
+            (r,), _ = server.poll(LIMITS)
+            server.open_record(r.slot, r.gen, len(r.prompt))
+            server.append_token(r.slot, 0, 10)
+            assert (await next_event(handle)).ids == [10]
+            server.append_token(r.slot, 1, 11)
+            server.finish(r.slot, r.gen, FinishReason.LENGTH)
+            events = [await next_event(handle)]
+            if not isinstance(events[-1], Finished):
+                events.append(await next_event(handle))
+            assert events[0].ids == [11] and events[-1].reason is FinishReason.LENGTH
+            assert link._watched is watched
+            if watched:
+                assert link._watch.wakes >= 2
+                for _ in range(100):  # the thread sees nothing live at its next tick
+                    if not link._watch._armed.is_set():
+                        break
+                    await asyncio.sleep(0.01)
+                assert not link._watch._armed.is_set()
+            await link.submit(dict(prompt=np.asarray([5, 6], np.int32), max_tokens=2))
+            await asyncio.sleep(0.01)  # the thread armed, ticking
+        finally:
+            await link.stop()
+        assert not link._watch.running
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
+
+
+def test_record_watch_sees_only_what_the_poll_would_hand_on():
+    """WatchedRecords.moved, the thread's test for waking the loop, against each case of
+    EngineLink._poll_records: a record of the live generation with unread tokens or a finish
+    moves; a stale generation's record, read tokens, and tokens a stream interval still holds
+    (until the finish) do not."""
+    from blink.nic_service.record_watch import WatchedRecords
+    n = 4
+    ring = np.zeros((n, 16), np.uint32)  # records of 64 bytes: gen, finish, count, ...
+    gen, finish, count = (ring[:, i] for i in range(3))
+    want_gen, seen, due = np.full(n, -1, np.int64), np.zeros(n, np.int64), np.zeros(n)
+    w = WatchedRecords(gen, finish, count, want_gen, seen, due, live={})
+    assert gen.base is ring and not w.moved()
+    gen[2], count[2] = 7, 3                     # the previous request's record in slot 2
+    want_gen[2] = 8
+    assert not w.moved()
+    gen[2], count[2] = 8, 0                     # the engine took generation 8: reset, nothing yet
+    assert not w.moved()
+    count[2] = 1
+    assert w.moved()
+    seen[2] = 1                                 # the loop read it
+    assert not w.moved()
+    count[2], due[2] = 2, time.monotonic() + 3600
+    assert not w.moved()                        # held by the stream interval
+    finish[2] = FinishReason.LENGTH
+    assert w.moved()                            # the finish goes at once, with what is held
+    seen[2] = 2
+    assert w.moved()                            # a finish with nothing unread (a cancel) too
+    want_gen[2] = -1                            # finished: no longer live
+    assert not w.moved()

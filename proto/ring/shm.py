@@ -141,6 +141,16 @@ class ShmTransport:
     def read_strided(self, offset: int, stride: int, count: int, length: int) -> bytes:
         return gather_strided(self._mem, offset, stride, count, length)
 
+    def strided_u32(self, offset: int, stride: int, count: int) -> np.ndarray:
+        """A live [count] u32 view of the words `stride` apart from `offset`: its reads see the
+        engine's writes as they land (shared memory only; drop it before `close`). It holds an
+        export of the mapping, so a view left behind keeps the mapping (close leaves it to the
+        process) rather than reading unmapped memory."""
+        if count and offset + (count - 1) * stride + 4 > self.size:
+            raise ValueError("strided view past the end of the ring")
+        return np.ndarray((count,), "<u4", np.frombuffer(self.segment.mmap, np.uint8), offset,
+                          (stride,))
+
     def close(self) -> None:
         self._mem.release()
         self.segment.close()
