@@ -382,19 +382,21 @@ def test_stream_interval_holds_tokens_but_not_the_first_or_the_finish(interval_s
         ring.close()
 
 
+@pytest.mark.parametrize("worker", [(0, 1), (1, 2)], ids=["one-worker", "second-of-two"])
 @pytest.mark.parametrize("watched", [True, False], ids=["shared-memory", "no-live-views"])
-def test_a_moving_record_wakes_the_poll_loop(watched, monkeypatch):
+def test_a_moving_record_wakes_the_poll_loop(watched, worker, monkeypatch):
     """With the idle poll an hour apart, a live request's tokens and finish still reach it: in
-    shared memory RecordWatch's thread wakes the loop when the record moves; on a transport
-    without live views (RDMA) submit moves the loop onto its live timer. Once nothing is live,
-    the thread disarms; stopping the link with a request live ends the thread."""
+    shared memory RecordWatch's thread wakes the loop when the record moves (its views start at
+    the worker's share of the slots); on a transport without live views (RDMA) submit moves the
+    loop onto its live timer. Once nothing is live, the thread disarms; stopping the link with a
+    request live ends the thread."""
     import asyncio
 
     from blink.nic_service.engine_link import EngineLink, Finished
     if not watched:
         monkeypatch.delattr(ShmTransport, "strided_u32")
     name = f"blink-test-{secrets.token_hex(6)}"
-    server = RingServer(name, RingGeometry(1, max_prompt_tokens=63, max_output_tokens=64),
+    server = RingServer(name, RingGeometry(4, max_prompt_tokens=63, max_output_tokens=64),
                         model_name="unit", vocab_size=VOCAB, context_length=64, eos_ids=(2,))
     server.set_state(layout.EngineState.SERVING)
 
@@ -402,7 +404,7 @@ def test_a_moving_record_wakes_the_poll_loop(watched, monkeypatch):
         return await asyncio.wait_for(handle.events.get(), 10)
 
     async def scenario():
-        link = EngineLink(name, engine_timeout_s=1e9, idle_poll_interval_s=0.005)
+        link = EngineLink(name, engine_timeout_s=1e9, idle_poll_interval_s=0.005, worker=worker)
         await link.start()
         try:
             while not link.alive:
