@@ -472,3 +472,45 @@ def test_record_watch_sees_only_what_the_poll_would_hand_on():
     assert w.moved()                            # a finish with nothing unread (a cancel) too
     want_gen[2] = -1                            # finished: no longer live
     assert not w.moved()
+
+
+def test_the_record_watch_wakes_once_held_tokens_are_due():
+    """With a stream interval, a token the interval holds wakes the loop when it is due, not
+    before (no wake per tick while it waits) and not never (the idle poll is an hour apart)."""
+    import asyncio
+
+    from blink.nic_service.engine_link import EngineLink
+    name = f"blink-test-{secrets.token_hex(6)}"
+    server = RingServer(name, RingGeometry(2, max_prompt_tokens=63, max_output_tokens=64),
+                        model_name="unit", vocab_size=VOCAB, context_length=64, eos_ids=(2,))
+    server.set_state(layout.EngineState.SERVING)
+    interval_s = 0.1
+
+    async def scenario():
+        link = EngineLink(name, engine_timeout_s=1e9, idle_poll_interval_s=0.005,
+                          stream_interval_s=interval_s)
+        await link.start()
+        try:
+            while not link.alive:
+                server.beat()
+                await asyncio.sleep(0.01)
+            link.idle_poll_interval_s = 3600.0
+            await asyncio.sleep(0.05)
+            handle = await link.submit(dict(prompt=np.asarray([5, 6], np.int32), max_tokens=4))
+            (r,), _ = server.poll(LIMITS)
+            server.open_record(r.slot, r.gen, len(r.prompt))
+            server.append_token(r.slot, 0, 10)
+            assert (await asyncio.wait_for(handle.events.get(), 10)).ids == [10]
+            held_at, wakes = time.monotonic(), link._watch.wakes
+            server.append_token(r.slot, 1, 11)
+            event = await asyncio.wait_for(handle.events.get(), 10)
+            assert event.ids == [11]
+            assert time.monotonic() - held_at >= 0.5 * interval_s  # held, then handed on
+            assert link._watch.wakes - wakes <= 3  # one wake once due, not one a tick
+        finally:
+            await link.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
