@@ -344,9 +344,6 @@ class EngineLink:
             return
         # a watch thread that died (never expected: it logs) leaves the loop its own timer
         live_unwatched = self._live and not (self._watched and self._watch.running)
-        if live_unwatched and self.poll_interval_s < 1e-3:
-            await asyncio.sleep(self.poll_interval_s)  # no call_later: epoll's 1 ms either way
-            return
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
         timer = loop.call_later(self.poll_interval_s if live_unwatched

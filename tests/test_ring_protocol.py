@@ -382,6 +382,37 @@ def test_stream_interval_holds_tokens_but_not_the_first_or_the_finish(interval_s
         ring.close()
 
 
+def serving_ring(name: str, slots: int) -> RingServer:
+    server = RingServer(name, RingGeometry(slots, max_prompt_tokens=63, max_output_tokens=64),
+                        model_name="unit", vocab_size=VOCAB, context_length=64, eos_ids=(2,))
+    server.set_state(layout.EngineState.SERVING)
+    return server
+
+
+async def idling_link(server: RingServer, name: str, **link_args):
+    """An EngineLink started on the server's ring and alive, its idle poll then an hour apart:
+    only a wake (RecordWatch's, or the live timer's) makes it poll again."""
+    import asyncio
+
+    from blink.nic_service.engine_link import EngineLink
+    link = EngineLink(name, engine_timeout_s=1e9, idle_poll_interval_s=0.005, **link_args)
+    await link.start()
+    while not link.alive:
+        server.beat()
+        await asyncio.sleep(0.01)
+    link.idle_poll_interval_s = 3600.0
+    await asyncio.sleep(0.05)  # the loop is in its hour-long wait now
+    return link
+
+
+async def submit_and_admit(link, server: RingServer, max_tokens: int):
+    """A request through the link, taken by the engine: (its handle, the engine's request)."""
+    handle = await link.submit(dict(prompt=np.asarray([5, 6], np.int32), max_tokens=max_tokens))
+    (r,), _ = server.poll(LIMITS)
+    server.open_record(r.slot, r.gen, len(r.prompt))
+    return handle, r
+
+
 @pytest.mark.parametrize("worker", [(0, 1), (1, 2)], ids=["one-worker", "second-of-two"])
 @pytest.mark.parametrize("watched", [True, False], ids=["shared-memory", "no-live-views"])
 def test_a_moving_record_wakes_the_poll_loop(watched, worker, monkeypatch):
@@ -392,29 +423,19 @@ def test_a_moving_record_wakes_the_poll_loop(watched, worker, monkeypatch):
     request live ends the thread."""
     import asyncio
 
-    from blink.nic_service.engine_link import EngineLink, Finished
+    from blink.nic_service.engine_link import Finished
     if not watched:
         monkeypatch.delattr(ShmTransport, "strided_u32")
     name = f"blink-test-{secrets.token_hex(6)}"
-    server = RingServer(name, RingGeometry(4, max_prompt_tokens=63, max_output_tokens=64),
-                        model_name="unit", vocab_size=VOCAB, context_length=64, eos_ids=(2,))
-    server.set_state(layout.EngineState.SERVING)
+    server = serving_ring(name, 4)
 
     async def next_event(handle):
         return await asyncio.wait_for(handle.events.get(), 10)
 
     async def scenario():
-        link = EngineLink(name, engine_timeout_s=1e9, idle_poll_interval_s=0.005, worker=worker)
-        await link.start()
+        link = await idling_link(server, name, worker=worker)
         try:
-            while not link.alive:
-                server.beat()
-                await asyncio.sleep(0.01)
-            link.idle_poll_interval_s = 3600.0
-            await asyncio.sleep(0.05)  # the loop is in its hour-long wait now
-            handle = await link.submit(dict(prompt=np.asarray([5, 6], np.int32), max_tokens=2))
-            (r,), _ = server.poll(LIMITS)
-            server.open_record(r.slot, r.gen, len(r.prompt))
+            handle, r = await submit_and_admit(link, server, max_tokens=2)
             server.append_token(r.slot, 0, 10)
             assert (await next_event(handle)).ids == [10]
             server.append_token(r.slot, 1, 11)
@@ -479,26 +500,14 @@ def test_the_record_watch_wakes_once_held_tokens_are_due():
     before (no wake per tick while it waits) and not never (the idle poll is an hour apart)."""
     import asyncio
 
-    from blink.nic_service.engine_link import EngineLink
     name = f"blink-test-{secrets.token_hex(6)}"
-    server = RingServer(name, RingGeometry(2, max_prompt_tokens=63, max_output_tokens=64),
-                        model_name="unit", vocab_size=VOCAB, context_length=64, eos_ids=(2,))
-    server.set_state(layout.EngineState.SERVING)
+    server = serving_ring(name, 2)
     interval_s = 0.1
 
     async def scenario():
-        link = EngineLink(name, engine_timeout_s=1e9, idle_poll_interval_s=0.005,
-                          stream_interval_s=interval_s)
-        await link.start()
+        link = await idling_link(server, name, stream_interval_s=interval_s)
         try:
-            while not link.alive:
-                server.beat()
-                await asyncio.sleep(0.01)
-            link.idle_poll_interval_s = 3600.0
-            await asyncio.sleep(0.05)
-            handle = await link.submit(dict(prompt=np.asarray([5, 6], np.int32), max_tokens=4))
-            (r,), _ = server.poll(LIMITS)
-            server.open_record(r.slot, r.gen, len(r.prompt))
+            handle, r = await submit_and_admit(link, server, max_tokens=4)
             server.append_token(r.slot, 0, 10)
             assert (await asyncio.wait_for(handle.events.get(), 10)).ids == [10]
             held_at, wakes = time.monotonic(), link._watch.wakes
