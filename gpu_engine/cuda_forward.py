@@ -662,11 +662,12 @@ class ForwardKernels:
     # Qwen3-4B, 170 MB, 2.627 against 2.527; Llama-3.2-3B, 170 MB, 1.938 against 1.862;
     # Llama-3.2-1B, 109 MB, 0.814 against 0.767. The line sits between 170 and 386 MB.
     CHAIN_MIN_LAYER_BYTES = 256 << 20
-    # With E4M3 weights (the _fp8 entry): none, the chain is never on by default. It loses on
-    # every shape measured (deploy/chain_rule_check.sh, docs/performance.md round 23; ms a
-    # step, chain against none): Llama-3.1-8B, 193 MB of codes a layer, 2.666 against 2.455;
-    # Qwen3-4B 2.182 against 1.928; Llama-3.2-3B 1.530 against 1.322; Llama-3.2-1B 0.689
-    # against 0.591. Its consumer warps, not the memory, bound it there.
+    # With E4M3 weights (the _fp8 entry): none, the chain is never on by default. Before its
+    # epilogue warp it lost on every shape measured (deploy/chain_rule_check.sh, docs/
+    # performance.md round 23; ms a step, chain against none): Llama-3.1-8B, 193 MB of codes
+    # a layer, 2.666 against 2.455; Qwen3-4B 2.182 against 1.928; Llama-3.2-3B 1.530 against
+    # 1.322; Llama-3.2-1B 0.689 against 0.591. With it (round 26): 8B 2.397-2.401 against
+    # 2.406, even; 1B 0.655 against 0.560. The smaller shapes were not run again.
     CHAIN_MIN_LAYER_BYTES_FP8: int | None = None
 
     @staticmethod

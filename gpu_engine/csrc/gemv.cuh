@@ -349,24 +349,26 @@ __device__ __forceinline__ void GemvWarpSums(const float (&acc)[kRowTiles][kColT
 
 // sums.row_scale of each token row, once the warps' sums are in (and, kSplits > 1, met in
 // part): 1 / rms(x_m) with kNormIn, else 1; FP8 weights: times 1 / kFp8InputScale.
+// tid: the calling thread's index among those that call it (thread m computes row m's).
 template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits, class W>
 __device__ __forceinline__ void GemvTokenScales(GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
-                                                int M, int K, float eps) {
+                                                int M, int K, float eps,
+                                                int tid = threadIdx.x) {
   using S = GemvShape<kRowTiles, kColTiles, W>;
-  if (threadIdx.x < min(M, S::kCols)) {
+  if (tid < min(M, S::kCols)) {
     float scale = 1.f;
     if constexpr (kNormIn) {
       float v = 0.f;
       if constexpr (kSplits > 1) {
-        v = sums.part[S::kRows * S::kCols + threadIdx.x];
+        v = sums.part[S::kRows * S::kCols + tid];
       } else {
 #pragma unroll
-        for (int q = 0; q < kGemvWarps; ++q) v += sums.sum_sq[q][threadIdx.x];
+        for (int q = 0; q < kGemvWarps; ++q) v += sums.sum_sq[q][tid];
       }
       scale = rsqrtf(v / K + eps);
     }
     if constexpr (W::kFp8) scale *= 1.f / kFp8InputScale;
-    sums.row_scale[threadIdx.x] = scale;
+    sums.row_scale[tid] = scale;
   }
 }
 
@@ -565,17 +567,19 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
 // kGemvF32Add: added into an fp32 out; then `shadow`, when not null, gets the sum as bf16: the
 // copy a following kNormIn projection reads). kGemvF32 with `argmax` (the LM head): each row m
 // of out also folds its argmax over the CTA's columns into argmax[m] (argmax.cuh PackArgMax;
-// zero before the first CTA), a warp a row and one atomicMax a CTA.
+// zero before the first CTA), a warp a row and one atomicMax a CTA. tid, threads: the calling
+// thread's index among the `threads` (whole warps) that call it.
 template <int kRowTiles, int kColTiles, int kSplits, class W>
 __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
                                             int row_block, int M, int N, void* out, int ldo,
                                             int mode, bf16* shadow,
-                                            unsigned long long* argmax = nullptr) {
+                                            unsigned long long* argmax = nullptr,
+                                            int tid = threadIdx.x, int threads = blockDim.x) {
   using S = GemvShape<kRowTiles, kColTiles, W>;
   const int n0 = row_block * S::kRows, cols = min(M, S::kCols);
   if (argmax != nullptr && mode == kGemvF32) {
-    const int lane = threadIdx.x % kWarpSize;
-    for (int m = threadIdx.x / kWarpSize; m < cols; m += blockDim.x / kWarpSize) {
+    const int lane = tid % kWarpSize;
+    for (int m = tid / kWarpSize; m < cols; m += threads / kWarpSize) {
       unsigned long long best = 0;
       for (int r = lane; r < S::kRows; r += kWarpSize) {
         if (n0 + r < N) {
@@ -586,7 +590,7 @@ __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles,
       if (lane == 0) atomicMax(argmax + m, best);
     }
   }
-  for (int i = threadIdx.x; i < S::kRows * cols; i += blockDim.x) {
+  for (int i = tid; i < S::kRows * cols; i += threads) {
     const int r = i % S::kRows, m = i / S::kRows, n = n0 + r;
     if (n >= N) continue;
     const float v = sums.total(r, m);
@@ -605,12 +609,14 @@ __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles,
 
 // kGemvSiluMul: the CTA's rows 0..15 are the gate of features f0 .. f0 + 15 (f0 = 16 x its row
 // block) and rows 16..31 their up (kRowTiles == 2); out[m, f] = silu(gate) * up in bf16, f < N / 2.
+// tid, threads: as SkinnyStore's.
 template <int kColTiles, int kSplits, class W>
 __device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles, kSplits, W>& sums,
                                                    int row_block, int M, int N, bf16* out,
-                                                   int ldo) {
+                                                   int ldo, int tid = threadIdx.x,
+                                                   int threads = blockDim.x) {
   const int f0 = row_block * 16, cols = min(M, GemvShape<2, kColTiles, W>::kCols);
-  for (int i = threadIdx.x; i < 16 * cols; i += blockDim.x) {
+  for (int i = tid; i < 16 * cols; i += threads) {
     const int r = i % 16, m = i / 16;
     if (f0 + r >= N / 2) continue;
     // rounded to bf16 as the unfused path stores gate and up before SiLU

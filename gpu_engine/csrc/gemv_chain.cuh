@@ -6,11 +6,9 @@
 // round 22: batch 1 at 512 keys, 8B 3.795-3.806 against 3.826 ms a step, Qwen3-4B 2.627
 // against 2.527, Llama-3.2-3B 1.938 against 1.862, Llama-3.2-1B 0.814 against 0.767).
 // E4M3 weights (the _fp8 entry, gemv.cuh Fp8Weights) take the same ring, bit for bit the FP8
-// skinny kernels' sums, and lose on every shape measured, so they are never on by default
-// (round 23: 8B 2.666 against 2.455 ms, 1B 0.689 against 0.591). A KB of E4M3 codes is four
-// MMAs and eight conversions a lane where a KB of bf16 is two MMAs, and the chain's eight
-// consumer warps an SM are half the skinny kernels' sixteen: they consume about 3.1 TB/s, where
-// the ring brings more.
+// skinny kernels' sums; they are never on by default: at 8B about even with the FP8 skinny
+// kernels since the epilogue warp below (round 26: 2.397-2.401 against 2.406 ms a step; 2.643
+// before it), at 1B slower (0.655 against 0.560).
 //
 // Why try: at batch 1 every projection needs all of the one before it, so each kernel boundary
 // is a drain and a refill of the memory pipe: the slowest CTA's tail, then the next kernel's
@@ -32,11 +30,15 @@
 // ends the CTA's work. The 8 consumer warps follow the tags and take a chunk's steps
 // round-robin as SkinnyAccumulate's warps take a row block's (warp w: steps w, w + 8, ...,
 // ascending), with the same MMAs and epilogues: bit for bit the unsplit skinny kernel's sums,
-// whichever CTA takes a row block.
+// whichever CTA takes a row block. They hand each row block's warp sums to an epilogue warp
+// (ChainEpilogue: two buffers in shared memory, named barriers) and go on with the next row
+// block while it stores them: the epilogue's three CTA barriers and its read of the residual
+// stream held every consumer warp, the ring full behind them (ncu, 1B: a fifth of the warps'
+// stall samples at those barriers; E4M3 at 8B 2.643 -> 2.399 ms a step, bf16 3.718 -> 3.704).
 //
 // Dataflow, not grid barriers: a projection's x (attn, the residual stream's shadow, act) is
 // written by every CTA in the phase before, but a chunk needs only its own columns of x. So each
-// stored row block of o and gate|up is counted (fence, add) on the slice of the next x it wrote
+// stored row block of o and gate|up is counted (a release add) on the slice of the next x it wrote
 // (kChainSliceCols columns), and a loader warp copies each slice of x into shared memory (L2-only
 // loads, as attention reads what other SMs wrote) once its count is full (each lane acquiring the
 // count of the slice it copies), so that gate|up starts on the first columns of the shadow while
@@ -49,8 +51,8 @@
 // gate|up the CTA lets the next kernel launch (the next layer's qkv projection takes the room
 // beside it and starts on its weights; it waits for this grid's end before reading x). A CTA's
 // loader copies the shadow only once its producer has taken a row block of gate|up. The last CTA
-// out (an arrival count), once its producer has tagged the end and its loader has made its last
-// poll, is the last user of the counters and zeroes them for the next step.
+// out (an arrival count, by its epilogue warp once the end is handed off and its loader has made
+// its last poll) is the last user of the counters and zeroes them for the next step.
 //
 // No CTA waits for another CTA, only for row blocks, and a row block is taken only by a running
 // CTA's producer, which takes all of a projection's before any of the next: so a CTA waits only
@@ -328,22 +330,136 @@ __device__ __forceinline__ void LoadChainX(const ChainProjection* p, ChainCounte
   }
 }
 
-// The consumer warps' barrier (named barrier 1; the producer warp does not take part).
+// The consumer warps' barrier (named barrier 1; the other warps do not take part).
 __device__ __forceinline__ void ConsumerSync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kGemvThreads) : "memory");
 }
 
+// The consumers' hand-off to the epilogue warp: kChainHandOffs buffers, each a row block's warp
+// sums (and, E4M3, its rows' weight scales) and which row block they are (phase kChainPhases:
+// no more). Named barriers kChainFullBarrier + b: buffer b is full (the consumer warps arrive,
+// the epilogue warp waits); kChainFreeBarrier + b: the epilogue warp is done with it (it
+// arrives, the consumers wait before they write it again). A barrier orders the shared-memory
+// accesses of the threads that take part. Two buffers: the consumers may run a row block ahead
+// of the epilogue (three measured the same on the H200, 1B and 8B, bf16 and E4M3, within 3 us
+// a step; docs/performance.md round 26).
+static constexpr int kChainHandOffs = 2;
+template <class W>
+struct ChainHandOff {
+  union Buffer {
+    GemvSums<1, 1, 1, W> one;
+    GemvSums<2, 1, 1, W> two;
+  } buffer[kChainHandOffs];
+  ChainTag job[kChainHandOffs];
+};
+static constexpr int kChainFullBarrier = 2, kChainFreeBarrier = 2 + kChainHandOffs;
+static constexpr int kChainHandOffThreads = kGemvThreads + kWarpSize;
+
+__device__ __forceinline__ void ChainHandOffArrive(int barrier) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(barrier), "n"(kChainHandOffThreads) : "memory");
+}
+__device__ __forceinline__ void ChainHandOffWait(int barrier) {
+  asm volatile("bar.sync %0, %1;" ::"r"(barrier), "n"(kChainHandOffThreads) : "memory");
+}
+
+template <int kRowTiles, class W>
+__device__ __forceinline__ auto& ChainSumsOf(typename ChainHandOff<W>::Buffer& buffer) {
+  if constexpr (kRowTiles == 2) {
+    return buffer.two;
+  } else {
+    return buffer.one;
+  }
+}
+
+// The consumers' side of the hand-off: job `jobs` (the CTA's row blocks so far) into buffer
+// jobs % kChainHandOffs, once the epilogue warp is done with the job that buffer held.
+template <int kRowTiles, bool kNormIn, class W>
+__device__ __forceinline__ void ChainHandOffSums(ChainHandOff<W>& hand_off, int& jobs,
+                                                 ChainTag job, const float (&acc)[kRowTiles][1][4],
+                                                 const float (&sum_sq)[1], float w_scale) {
+  const int b = jobs % kChainHandOffs;
+  if (jobs >= kChainHandOffs) ChainHandOffWait(kChainFreeBarrier + b);
+  if (job.phase < kChainPhases) {
+    auto& sums = ChainSumsOf<kRowTiles, W>(hand_off.buffer[b]);
+    GemvWarpSums<kNormIn>(acc, sum_sq, sums);
+    if constexpr (W::kFp8) {
+      if (threadIdx.x < 16 * kRowTiles) sums.w_scale[threadIdx.x] = w_scale;
+    }
+  }
+  if (threadIdx.x == 0) hand_off.job[b] = job;
+  ChainHandOffArrive(kChainFullBarrier + b);
+  ++jobs;
+}
+
+// The epilogue warp: each row block's sums as the consumers hand them off, stored (o and down
+// added into the residual stream and its shadow, gate|up as SiLU(gate) * up) and counted on the
+// slice of the next projection's x they wrote, while the consumers go on with the next row
+// block (each row block's epilogue, a read of the residual stream among it, held all eight
+// consumer warps, the CTA's ring filling up behind them). Then, the hand-off ended, the CTA's
+// arrival (ProjectionChainCta).
+template <class W>
+__device__ __forceinline__ void ChainEpilogue(const ChainProjection* p, float eps,
+                                              ChainHandOff<W>& hand_off,
+                                              ChainCounters* counters,
+                                              const volatile int* loader_done) {
+  const int lane = threadIdx.x % kWarpSize;
+  bool released = false;
+  for (int k = 0;; ++k) {
+    const int b = k % kChainHandOffs;
+    ChainHandOffWait(kChainFullBarrier + b);
+    const ChainTag job = hand_off.job[b];
+    // The next kernel (the next layer's qkv) may take the room beside this CTA and start on
+    // its weights during the last projection; it waits for this grid's end before reading x.
+    if (job.phase >= 2 && !released) {
+      ReleaseNextKernel();
+      released = true;
+    }
+    if (job.phase == kChainPhases) break;
+    const ChainProjection& q = p[job.phase];
+    if (job.phase == 1) {
+      auto& sums = hand_off.buffer[b].two;
+      GemvTokenScales<true>(sums, 1, q.K, eps, lane);
+      __syncwarp();
+      SkinnyStoreSiluMul(sums, job.row_block, 1, q.N, static_cast<bf16*>(q.out), q.N / 2, lane,
+                         kWarpSize);
+    } else {
+      auto& sums = hand_off.buffer[b].one;
+      GemvTokenScales<false>(sums, 1, q.K, eps, lane);
+      __syncwarp();
+      SkinnyStore(sums, job.row_block, 1, q.N, q.out, q.N, kGemvF32Add, q.shadow, nullptr, lane,
+                  kWarpSize);
+    }
+    __syncwarp();  // every lane's stores before lane 0's count (a release)
+    if (job.phase + 1 < kChainPhases && lane == 0)  // its columns of the next one's x
+      RedAddReleaseGpu(&counters->ready[job.phase][job.row_block * 16 / kChainSliceCols], 1u);
+    ChainHandOffArrive(kChainFreeBarrier + b);
+  }
+  // Every CTA's producer took its last row block before tagging the end, which its consumers
+  // saw before they handed the end off, and its loader says when it is done with the counters:
+  // the last CTA out is the last user of every counter. Fence, count, and the last one fences
+  // again before its stores (LastCtaToArrive's pattern), so the zeroing follows every other
+  // CTA's last use.
+  if (lane == 0) {
+    while (*loader_done == 0) {
+    }
+    __threadfence();
+    if (atomicAdd(&counters->arrivals, 1u) == gridDim.x - 1) {
+      __threadfence();
+      *counters = ChainCounters{};
+    }
+  }
+}
+
 // One phase: the row blocks of projection q that the producer tagged with `phase`, each
-// accumulated from the ring and stored (mode: kGemvF32Add with the shadow, or kGemvSiluMul).
-// W: the weights' kind, as the skinny kernels take it (E4M3 codes: the same MMAs as
-// SkinnyAccumulate's on them, x times the RMSNorm's weight with kNormIn, the rows' scales in
-// the epilogue).
+// accumulated from the ring and handed to the epilogue warp (ChainHandOffSums; `jobs` counts the
+// CTA's hand-offs). W: the weights' kind, as the skinny kernels take it (E4M3 codes: the same
+// MMAs as SkinnyAccumulate's on them, x times the RMSNorm's weight with kNormIn, the rows'
+// scales in the epilogue).
 template <class W, int kRowTiles, bool kNormIn>
-__device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& q, int mode,
-                                              float eps, ChainRing& ring, bf16* x,
+__device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& q,
+                                              ChainRing& ring, bf16* x,
                                               const volatile int* x_loaded,
-                                              GemvSums<kRowTiles, 1, 1, W>& sums,
-                                              ChainCounters* counters) {
+                                              ChainHandOff<W>& hand_off, int& jobs) {
   constexpr int kPerChunk = ChainChunkSteps(kRowTiles);
   constexpr int kWarpSteps = kPerChunk / kGemvWarps;  // a warp's steps of a full chunk
   static_assert(kPerChunk % kGemvWarps == 0, "a chunk's steps round-robin over the warps");
@@ -439,31 +555,16 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
       ring.release();
     }
     x_converted = true;
-    GemvWarpSums<kNormIn>(acc, sum_sq, sums);
-    ConsumerSync();
-    GemvTokenScales<kNormIn>(sums, 1, q.K, eps);
-    if constexpr (W::kFp8) {
-      if (threadIdx.x < 16 * kRowTiles) sums.w_scale[threadIdx.x] = w_scale;
-    }
-    ConsumerSync();
-    if constexpr (kRowTiles == 2)
-      SkinnyStoreSiluMul(sums, rb, 1, q.N, static_cast<bf16*>(q.out), q.N / 2);
-    else
-      SkinnyStore(sums, rb, 1, q.N, q.out, q.N, mode, q.shadow);
-    ConsumerSync();  // the sums are the next row block's
-    if (phase + 1 < kChainPhases && threadIdx.x == 0) {  // its columns of the next one's x
-      __threadfence();
-      atomicAdd(&counters->ready[phase][rb * 16 / kChainSliceCols], 1u);
-    }
+    ChainHandOffSums<kRowTiles, kNormIn>(hand_off, jobs, tag, acc, sum_sq, w_scale);
   }
 }
 
 // The whole chain; blockDim.x = kChainThreads (the consumer warps, the producer warp, the
-// loader warp), kChainRingBytes + 2 x_stride bf16 of dynamic shared memory, x_stride the
-// layer's largest K; any grid size (one CTA an SM, by default). p: o, gate|up, down. W:
-// Bf16Weights, or Fp8Weights (every projection's E4M3 codes, with w_scale, and norm_w for
-// gate|up).
-static constexpr int kChainThreads = kGemvThreads + 2 * kWarpSize;
+// loader warp, the epilogue warp), kChainRingBytes + 2 x_stride bf16 of dynamic shared memory,
+// x_stride the layer's largest K; any grid size (one CTA an SM, by default). p: o, gate|up,
+// down. W: Bf16Weights, or Fp8Weights (every projection's E4M3 codes, with w_scale, and norm_w
+// for gate|up).
+static constexpr int kChainThreads = kGemvThreads + 3 * kWarpSize;
 template <class W>
 __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, float eps,
                                                    int x_stride, ChainCounters* counters) {
@@ -471,10 +572,7 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
   __shared__ __align__(8) uint64_t full[kChainSlots], empty[kChainSlots];
   __shared__ ChainTag tag[kChainSlots];
   __shared__ int x_loaded, consumers_phase, loader_done, work[kChainPhases];
-  __shared__ union {
-    GemvSums<1, 1, 1, W> one;
-    GemvSums<2, 1, 1, W> two;
-  } sums;
+  __shared__ ChainHandOff<W> hand_off;
   ChainRing ring{chain_slots, full, empty, tag};
   bf16* x = reinterpret_cast<bf16*>(chain_slots + kChainRingBytes);
   if (threadIdx.x == 0) {
@@ -488,6 +586,10 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
     for (int phase = 0; phase < kChainPhases; ++phase) work[phase] = kChainWorkUnknown;
   }
   __syncthreads();
+  if (threadIdx.x >= kGemvThreads + 2 * kWarpSize) {
+    ChainEpilogue(p, eps, hand_off, counters, &loader_done);
+    return;
+  }
   if (threadIdx.x >= kGemvThreads + kWarpSize) {
     LoadChainX(p, counters, x, x_stride, &x_loaded, &consumers_phase, work, &loader_done);
     return;
@@ -497,32 +599,22 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
     return;
   }
   AwaitPriorKernel();  // the residual stream
-  ChainPhaseCta<W, 1, false>(0, p[0], kGemvF32Add, eps, ring, x, &x_loaded, sums.one,
-                             counters);
-  if (threadIdx.x == 0) {  // the loader may refill phase 0's buffer (the last ConsumerSync)
+  int jobs = 0;  // row blocks handed to the epilogue warp
+  ChainPhaseCta<W, 1, false>(0, p[0], ring, x, &x_loaded, hand_off, jobs);
+  ConsumerSync();  // every consumer warp is past phase 0's x
+  if (threadIdx.x == 0) {  // the loader may refill phase 0's buffer
     __threadfence_block();
     *static_cast<volatile int*>(&consumers_phase) = 1;
   }
-  ChainPhaseCta<W, 2, true>(1, p[1], kGemvSiluMul, eps, ring, x + x_stride, &x_loaded,
-                            sums.two, counters);
-  // The next kernel (the next layer's qkv) may take the room beside this CTA and start on its
-  // weights during the last projection; it waits for this grid's end before reading x.
-  ReleaseNextKernel();
-  ChainPhaseCta<W, 1, false>(2, p[2], kGemvF32Add, eps, ring, x, &x_loaded, sums.one,
-                             counters);
-  // Every CTA's producer took its last row block before tagging the end, which its consumers
-  // have seen, and its loader says when it is done with the counters: the last CTA out is the
-  // last user of every counter. Fence, count, and the last one fences again before its
-  // stores (LastCtaToArrive's pattern), so the zeroing follows every other CTA's last use.
-  if (threadIdx.x == 0) {
-    while (*static_cast<volatile int*>(&loader_done) == 0) {
-    }
-    __threadfence();
-    if (atomicAdd(&counters->arrivals, 1u) == gridDim.x - 1) {
-      __threadfence();
-      *counters = ChainCounters{};
-    }
-  }
+  ChainPhaseCta<W, 2, true>(1, p[1], ring, x + x_stride, &x_loaded, hand_off, jobs);
+  ReleaseNextKernel();  // as the epilogue warp does at the first row block of down
+  ChainPhaseCta<W, 1, false>(2, p[2], ring, x, &x_loaded, hand_off, jobs);
+  // The end of the hand-off, then a wait for the epilogue warp's last row blocks (their buffers'
+  // release: every barrier arrival has its wait).
+  const float no_acc[1][1][4] = {}, no_sum_sq[1] = {};
+  ChainHandOffSums<1, false>(hand_off, jobs, ChainTag{kChainPhases, 0}, no_acc, no_sum_sq, 0.f);
+  for (int j = max(jobs - kChainHandOffs, 0); j < jobs - 1; ++j)
+    ChainHandOffWait(kChainFreeBarrier + j % kChainHandOffs);
 }
 
 }  // namespace blink

@@ -83,6 +83,14 @@ __device__ __forceinline__ uint32_t LoadAcquireGpu(const uint32_t* p) {
   return v;
 }
 
+// p += v at GPU scope, a release: this thread's earlier writes (and those ordered before them,
+// as by a barrier) are visible to whoever acquires the sum (LoadAcquireGpu). One instruction,
+// where a fence and a plain atomic wait for the fence (__threadfence is a sequentially
+// consistent one).
+__device__ __forceinline__ void RedAddReleaseGpu(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // Called by each of `ctas` CTAs once its results are written (every thread): true in the last
 // to arrive at the counter `sem`, whose reads of the others' results are then ordered after
 // their writes (threadFenceReduction pattern: fence, count, and the last one reads). That CTA
