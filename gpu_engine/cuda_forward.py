@@ -666,8 +666,8 @@ class ForwardKernels:
     # epilogue warp it lost on every shape measured (deploy/chain_rule_check.sh, docs/
     # performance.md round 23; ms a step, chain against none): Llama-3.1-8B, 193 MB of codes
     # a layer, 2.666 against 2.455; Qwen3-4B 2.182 against 1.928; Llama-3.2-3B 1.530 against
-    # 1.322; Llama-3.2-1B 0.689 against 0.591. With it (round 26): 8B 2.397-2.401 against
-    # 2.406, even; 1B 0.655 against 0.560. The smaller shapes were not run again.
+    # 1.322; Llama-3.2-1B 0.689 against 0.591. With it (round 26): 8B 2.399-2.401 against
+    # 2.406, even; 1B 0.654-0.656 against 0.560. The smaller shapes were not run again.
     CHAIN_MIN_LAYER_BYTES_FP8: int | None = None
 
     @staticmethod

@@ -7,8 +7,8 @@
 // against 2.527, Llama-3.2-3B 1.938 against 1.862, Llama-3.2-1B 0.814 against 0.767).
 // E4M3 weights (the _fp8 entry, gemv.cuh Fp8Weights) take the same ring, bit for bit the FP8
 // skinny kernels' sums; they are never on by default: at 8B about even with the FP8 skinny
-// kernels since the epilogue warp below (round 26: 2.397-2.401 against 2.406 ms a step; 2.643
-// before it), at 1B slower (0.655 against 0.560).
+// kernels since the epilogue warp below (round 26: 2.399-2.401 against 2.406 ms a step; 2.643
+// before it), at 1B slower (0.654-0.656 against 0.560).
 //
 // Why try: at batch 1 every projection needs all of the one before it, so each kernel boundary
 // is a drain and a refill of the memory pipe: the slowest CTA's tail, then the next kernel's
