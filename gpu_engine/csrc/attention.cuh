@@ -1,11 +1,13 @@
 // Paged causal attention for a flat batch mixing prefill chunks and decode tokens, with GQA.
 //
-// Work split (fixed grid, live batch): the grid is (bucket, num_kv_heads). Each sequence's run of
-// tokens is cut into tiles at positions that are multiples of rows-per-CTA / group;
-// the CTA whose token starts a tile (the first token of its sequence's run, or one at a tile
-// boundary) computes the whole tile for one kv head; the other CTAs exit at once. A tile's query
-// rows are (token, head of the group) pairs, row = token_offset * group + g, so every key and
-// value the CTA reads serves all of them. The keys 0 .. last position of the tile are streamed
+// Work split (fixed grid, live batch): the grid is (bucket, num_kv_heads, splits). Each
+// sequence's run of tokens is cut into tiles at positions that are multiples of rows-per-CTA /
+// group; the CTA whose token starts a tile (the first token of its sequence's run, or one at a
+// tile boundary) computes the tile for one kv head, or, in buckets of short chunks, the run's
+// CTAs take its tiles' splits in dispatch order (attention_tiles.cuh FindQueryTile); the other
+// CTAs exit at once, without waiting for the previous kernel. A tile's query rows are (token,
+// head of the group) pairs, row = token_offset * group + g, so every key and value the CTA
+// reads serves all of them. The keys 0 .. last position of the tile are streamed
 // once per CTA; S = Q K^T and O += P V run on tensor cores (bf16 in, fp32 accumulate); the
 // softmax is online in fp32 with the running max and sum per row (exp2 with log2(e) folded into
 // the scale). Each query attends to cache positions 0..its own position, all of which the
@@ -110,20 +112,25 @@ __device__ __forceinline__ void AttentionCta(
       return;
     }
   }
+  // The CTA's query tile, from the batch arrays alone; a CTA without one exits without waiting
+  // (the grid still ends after its predecessor: a token's tile or decode CTA waits).
+  QueryTile tile;
+  if (!FindQueryTile<kRows>(desc, positions, token_seq, num_heads / num_kv_heads, num_kv_heads,
+                            num_splits, split_stride, slots, &tile)) {
+    return;
+  }
   AwaitPriorKernel();  // the query tiles read this step's keys, values and q throughout
   if constexpr (MmaPathsFit<kHeadDim>()) {
-    TileAttentionMmaCta<kHeadDim, kRows, kWarps, Kv>(desc, positions, token_seq, block_tables,
-                                                     max_blocks_per_seq, q, k_cache, v_cache,
-                                                     block_size, num_heads, num_kv_heads, scale,
-                                                     out, num_splits, split_stride,
-                                                     partial_out, partial_stats, tile_sems,
-                                                     kv_scales);
+    TileAttentionMmaCta<kHeadDim, kRows, kWarps, Kv>(
+        tile, positions, block_tables, max_blocks_per_seq, q, k_cache, v_cache, block_size,
+        num_heads, num_kv_heads, scale, out, split_stride, partial_out, partial_stats,
+        tile_sems, kv_scales);
   } else {
     static_assert(kWarps == kAttnWarps, "the WMMA query tiles run on kAttnWarps warps");
-    PagedAttentionCta<kHeadDim, kRows>(desc, positions, token_seq, block_tables,
-                                       max_blocks_per_seq, q, k_cache, v_cache, block_size,
-                                       num_heads, num_kv_heads, scale, out, num_splits,
-                                       split_stride, partial_out, partial_stats, tile_sems);
+    PagedAttentionCta<kHeadDim, kRows>(tile, positions, block_tables, max_blocks_per_seq, q,
+                                       k_cache, v_cache, block_size, num_heads, num_kv_heads,
+                                       scale, out, split_stride, partial_out, partial_stats,
+                                       tile_sems);
   }
 }
 

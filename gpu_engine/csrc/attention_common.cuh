@@ -66,11 +66,15 @@ static constexpr int kAttnKeys = 64;
 static constexpr int kAttnMaxSplits = 64;
 // A query tile spread over its tokens' CTAs (attention_tiles.cuh FindQueryTile: a chunk of a
 // few hundred tokens deep into its context, as a prefix-cache hit leaves it) takes a split
-// for every this many of its keys, up to the CTAs it has; 16-row tiles (the decode-sized
-// buckets' kernels) for every half as many. Fewer, longer splits where the merge and each
-// CTA's fixed costs would outweigh the keys they save. Measured on the H200 (bench_decode
-// --prefill, Llama-3.1-8B shape, attention us a layer at 512 / 256 keys a split): a chunk of
-// 100 tokens to 2,100 keys on 64-row tiles 53.2 / 56.6 (112 unsplit), one of 52 on 16-row
+// for every this many of its keys (16-row tiles, the decode-sized buckets' kernels: every half
+// as many), or more where that leaves the GPU's attention slots idle: as many as fill them
+// once, the batch's other tokens counted a CTA a KV head each, down to kTileSplitFewestKeys
+// keys a split; never more than the CTAs of its tokens. Fewer, longer splits where the merge
+// and each CTA's fixed costs would outweigh the keys they save. Measured on the H200
+// (bench_decode --prefill, attention us a layer, one call): a chunk of 100 tokens to 2,100 keys
+// on 64-row tiles, a split every 512 keys / filling the slots (7 splits of 320 keys), 8B 46.6 /
+// 41.1, 1B 32.5 / 29.7 (docs/performance.md, round 27); before the items went to the CTAs in
+// dispatch order, 512 / 256 keys a split 53.2 / 56.6 (112 unsplit); a chunk of 52 on 16-row
 // tiles 50.6 / 43.5 (54.8). BLINK_TILE_SPLIT_MIN_KEYS (-D) overrides the 64-row figure.
 #ifndef BLINK_TILE_SPLIT_MIN_KEYS
 #define BLINK_TILE_SPLIT_MIN_KEYS 512
@@ -79,6 +83,7 @@ template <int kRows>
 static constexpr int kTileSplitMinKeys =
     kRows >= 64 ? BLINK_TILE_SPLIT_MIN_KEYS : BLINK_TILE_SPLIT_MIN_KEYS / 2;
 static_assert(kTileSplitMinKeys<16> % kAttnKeys == 0, "whole key tiles a split");
+static constexpr int kTileSplitFewestKeys = 2 * kAttnKeys;
 // Warps of a CTA: kAttnWarps, or kAttnWideWarps in the decode-sized buckets' wide kernel (below).
 static constexpr int kAttnWarps = 4;
 static constexpr int kAttnThreads = kAttnWarps * kWarpSize;

@@ -143,64 +143,137 @@ __device__ __forceinline__ void FinishSplitCta(int t0, int m, int kv_head, int g
 
 // The query tile a CTA of the tile paths computes: tokens t0 .. t0 + m - 1 of one sequence (a
 // run of its tokens in the batch, cut at positions that are multiples of rows-per-CTA / group),
-// `rows` = m * group query rows (row = token offset * group + head of the group), and this
-// CTA's split of the keys 0 .. the last token's position: split `split` of `active_splits`,
-// [key_begin, key_end), whole kAttnKeys tiles per split.
+// `rows` = m * group query rows (row = token offset * group + head of the group) of KV head
+// kv_head, and this CTA's split of the keys 0 .. the last token's position: split `split` of
+// `active_splits`, [key_begin, key_end), whole kAttnKeys tiles per split.
 struct QueryTile {
-  int t0, m, rows, seq, num_keys, key_begin, key_end, split, active_splits;
+  int t0, m, rows, seq, kv_head, num_keys, key_begin, key_end, split, active_splits;
 };
 
-// The tile of CTA (blockIdx.x, ., blockIdx.z) with kRows rows per CTA; false when the CTA has
-// none (its token is not a tile's first, or its split is past the tile's keys).
-// Splits: the grid's z (num_splits CTAs a token) split every tile's keys, as evenly as whole
-// key tiles allow. split_stride > num_splits (the host's choice for buckets of short chunks):
-// the tile's other tokens' CTAs, which would have nothing to do, take splits of its keys too,
-// CTA (t0 + i, z) split i * num_splits + z: a chunk of 100 tokens deep into its context (a
-// prefix-cache hit) is 7 tiles a KV head, too few CTAs for the GPU unless their keys split.
-// Those tiles take a split per kTileSplitMinKeys<kRows> keys, at most split_stride (<=
-// kAttnMaxSplits) or their CTAs; a split's partials sit at query row x split_stride + split.
-// Tokens of a sequence's run are consecutive in the batch and in position.
+// The first index i in [lo, hi) of the non-decreasing array a with a[i] > value (upper) or
+// a[i] >= value (!upper); hi if there is none. Warp-collective (every lane, the same
+// arguments): each round probes 32 evenly spaced entries at once, so a bucket of up to 1,024
+// tokens takes two round trips (a search one entry at a time took one a token).
+__device__ __forceinline__ int WarpBound(const int32_t* a, int lo, int hi, int value,
+                                         bool upper) {
+  const int lane = threadIdx.x % kWarpSize;
+  while (lo < hi) {
+    const int step = (hi - lo + kWarpSize - 1) / kWarpSize;
+    const int i = lo + lane * step;
+    // (a probe at or past hi stands for hi, where the answer is if no entry is)
+    const bool past = i >= hi || (upper ? a[i] > value : a[i] >= value);
+    const unsigned ballot = __ballot_sync(kFullMask, past);
+    const int f = ballot ? __ffs(ballot) - 1 : kWarpSize;  // answer in (probe f - 1, probe f]
+    hi = min(lo + f * step, hi);
+    lo = f == 0 ? lo : lo + (f - 1) * step + 1;
+  }
+  return lo;
+}
+
+// The tile of CTA (blockIdx.x, blockIdx.y, blockIdx.z) with kRows rows per CTA; false when the
+// CTA has none. It reads only the batch arrays, which are written before the graph launches,
+// so it runs before the kernel's wait for its predecessor (programmatic dependent launch).
+// Warp-collective: every lane of the CTA calls it. Arithmetic on the run of blockIdx.x's
+// sequence: its tokens r0 .. r1 - 1 are consecutive in the batch and in position, so where
+// each tile starts, its tokens and its keys follow from the run's bounds (two warp searches,
+// WarpBound) and one position.
+// - Splits: the grid's z (num_splits CTAs a token) split every tile's keys, as evenly as whole
+//   key tiles allow; CTA (t0, kv_head, z) computes split z of the tile starting at token t0.
+// - split_stride > num_splits (the host's choice for buckets of short chunks): a tile's keys
+//   also split over the CTAs of its other tokens, which would have nothing to do (a chunk of
+//   100 tokens deep into its context, a prefix-cache hit, is 7 tiles a KV head, too few CTAs
+//   for the GPU unless their keys split): a split per kTileSplitMinKeys<kRows> keys, or as
+//   many as fill the GPU's slots once where the batch leaves them idle (attention_common.cuh),
+//   at most split_stride (<= kAttnMaxSplits) or m x num_splits; a split's partials sit at
+//   query row x split_stride + split. The run's (tile, split, KV head) items go to the run's
+//   CTAs in the order the GPU dispatches them (x fastest, then y, then z): the first ones
+//   dispatched take the work, so it spreads evenly over the SMs. (Each tile's splits were its
+//   first tokens' CTAs, a quarter of the grid at 100 tokens in the 128 bucket, scattered among
+//   CTAs that exit at once: the SMs the dispatch gave three of them ran long while others
+//   idled, 40% of the kernel's time on average under ncu.)
 template <int kRows>
 __device__ __forceinline__ bool FindQueryTile(const BatchDesc* desc, const int32_t* positions,
                                               const int32_t* token_seq, int group,
-                                              int num_splits, int split_stride,
-                                              QueryTile* tile) {
-  const int x = blockIdx.x;
+                                              int num_kv_heads, int num_splits,
+                                              int split_stride, int slots, QueryTile* tile) {
+  const int x = blockIdx.x, lane = threadIdx.x % kWarpSize;
   const int num_tokens = desc->num_tokens;
   if (x >= num_tokens) return false;
   const int tile_tokens = kRows / group;
+  const int seq = token_seq[x], position = positions[x];
+  const int r0 = WarpBound(token_seq, 0, x, seq, false);
+  const int r1 = WarpBound(token_seq, x + 1, num_tokens, seq, true);
+  const int first = position - (x - r0), last = position + (r1 - 1 - x);  // the run's positions
+  const int first_tile = first / tile_tokens;
+  // Tile k of the run: its first token, tokens and keys (its last position + 1).
+  auto tile_at = [&](int k, int* t0, int* m) {
+    const int begin = k == 0 ? first : (first_tile + k) * tile_tokens;
+    const int end = min((first_tile + k + 1) * tile_tokens, last + 1);
+    *t0 = r0 + (begin - first);
+    *m = end - begin;
+    return end;
+  };
+  const int num_tiles = last / tile_tokens - first_tile + 1;
+  // A tile's split size in keys (whole key tiles) and its splits.
   const bool spread = split_stride > num_splits;
-  const int seq = token_seq[x];
-  // the tile's first token: x's run back to a multiple of tile_tokens in position
-  int t0 = x;
-  if (spread) {
-    const int edge = x - positions[x] % tile_tokens;  // where x's tile starts, if the run does
-    if (edge >= 0 && token_seq[edge] == seq) {
-      t0 = edge;
-    } else {
-      while (t0 > edge && t0 > 0 && token_seq[t0 - 1] == seq) --t0;
+  // The splits a tile would take for the run's CTAs to fill the GPU's slots once, counting a
+  // CTA a KV head for each of the batch's other tokens (a decode's, or a part of another run's
+  // tile; 0 beside 256 decodes, as a full batch's chunk is).
+  const int fill = slots / (num_kv_heads * (num_tiles + num_tokens - (r1 - r0)));
+  auto split_keys_of = [&](int m, int num_keys) {
+    int ctas = num_splits;
+    if (spread) {
+      const int by_keys = (num_keys + kTileSplitMinKeys<kRows> - 1) / kTileSplitMinKeys<kRows>;
+      const int most = (num_keys + kTileSplitFewestKeys - 1) / kTileSplitFewestKeys;
+      const int wanted = max(by_keys, min(fill, most));
+      ctas = max(num_splits, min(wanted, min(m * num_splits, split_stride)));
     }
-  } else if (x > 0 && token_seq[x - 1] == seq && positions[x] % tile_tokens != 0) {
-    return false;
+    const int span = (num_keys + ctas - 1) / ctas;
+    return (span + kAttnKeys - 1) / kAttnKeys * kAttnKeys;
+  };
+  int t0, m, num_keys, split = 0, kv_head;
+  if (!spread) {  // the tile of x, if x starts it
+    num_keys = tile_at(position / tile_tokens - first_tile, &t0, &m);
+    if (t0 != x) return false;
+    split = blockIdx.z;
+    kv_head = blockIdx.y;
+  } else {  // the run's item of this CTA's place in the dispatch order, if any
+    const int run = r1 - r0;
+    const int item = (x - r0) + run * (static_cast<int>(blockIdx.y) +
+                                       num_kv_heads * static_cast<int>(blockIdx.z));
+    kv_head = item % num_kv_heads;
+    const int j = item / num_kv_heads;  // the (tile, split) pair, tile after tile
+    int before = 0, k = -1;  // splits of the tiles before lane 0's
+    for (int base = 0; base < num_tiles && k < 0; base += kWarpSize) {
+      int splits = 0;
+      if (base + lane < num_tiles) {
+        int lane_t0, lane_m;
+        const int lane_keys = tile_at(base + lane, &lane_t0, &lane_m);
+        const int size = split_keys_of(lane_m, lane_keys);
+        splits = (lane_keys + size - 1) / size;
+      }
+      int through = splits;  // inclusive prefix sum over the lanes
+#pragma unroll
+      for (int o = 1; o < kWarpSize; o <<= 1) {
+        const int v = __shfl_up_sync(kFullMask, through, o);
+        if (lane >= o) through += v;
+      }
+      const unsigned hit = __ballot_sync(kFullMask, before + through > j);
+      if (hit) {
+        const int f = __ffs(hit) - 1;
+        k = base + f;
+        split = j - (before + __shfl_sync(kFullMask, through - splits, f));
+      }
+      before += __shfl_sync(kFullMask, through, kWarpSize - 1);
+    }
+    if (k < 0) return false;  // uniform over the CTA
+    num_keys = tile_at(k, &t0, &m);
   }
-  int m = 1;
-  while (m < tile_tokens && t0 + m < num_tokens && token_seq[t0 + m] == seq &&
-         positions[t0 + m] % tile_tokens != 0) {
-    ++m;
-  }
-  const int num_keys = positions[t0 + m - 1] + 1;
-  int ctas = num_splits;
-  if (spread) {
-    const int wanted = (num_keys + kTileSplitMinKeys<kRows> - 1) / kTileSplitMinKeys<kRows>;
-    ctas = max(num_splits, min(wanted, min(m * num_splits, split_stride)));
-  }
-  const int span = (num_keys + ctas - 1) / ctas;
-  const int split_keys = (span + kAttnKeys - 1) / kAttnKeys * kAttnKeys;
+  const int split_keys = split_keys_of(m, num_keys);
   const int active_splits = (num_keys + split_keys - 1) / split_keys;
-  const int split = (x - t0) * num_splits + static_cast<int>(blockIdx.z);
   if (split >= active_splits) return false;  // uniform over the CTA
   const int key_begin = split * split_keys;
-  *tile = QueryTile{t0, m, m * group, seq, num_keys, key_begin,
+  *tile = QueryTile{t0, m, m * group, seq, kv_head, num_keys, key_begin,
                     min(key_begin + split_keys, num_keys), split, active_splits};
   return true;
 }
@@ -215,11 +288,10 @@ __device__ __forceinline__ bool FindQueryTile(const BatchDesc* desc, const int32
 // the tile's last CTA (FinishSplitCta; tile_sems: [bucket, num_kv_heads] u32, zero at rest).
 template <int kHeadDim, int kRows>
 __device__ __forceinline__ void PagedAttentionCta(
-    const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
-    const int32_t* block_tables, int max_blocks_per_seq, const bf16* q, const bf16* k_cache,
-    const bf16* v_cache, int block_size, int num_heads, int num_kv_heads, float scale, bf16* out,
-    int num_splits, int split_stride, float* partial_out, float* partial_stats,
-    uint32_t* tile_sems) {
+    const QueryTile& tile, const int32_t* positions, const int32_t* block_tables,
+    int max_blocks_per_seq, const bf16* q, const bf16* k_cache, const bf16* v_cache,
+    int block_size, int num_heads, int num_kv_heads, float scale, bf16* out, int split_stride,
+    float* partial_out, float* partial_stats, uint32_t* tile_sems) {
   namespace wmma = nvcuda::wmma;
   using L = AttentionSmem<kHeadDim, kRows>;
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per head vector
@@ -227,11 +299,8 @@ __device__ __forceinline__ void PagedAttentionCta(
   constexpr int kLoads = kAttnKeys * kChunks / kAttnThreads;  // K (and V) chunks per thread
   static_assert(kAttnKeys * kChunks % kAttnThreads == 0, "whole chunks per thread");
 
-  const int kv_head = blockIdx.y;
+  const int kv_head = tile.kv_head;
   const int group = num_heads / num_kv_heads;
-  QueryTile tile;
-  if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, split_stride, &tile))
-    return;
   const int t0 = tile.t0, m = tile.m, rows = tile.rows, key_begin = tile.key_begin;
   const int key_end = tile.key_end, split = tile.split, active_splits = tile.active_splits;
   const int row_tiles = (rows + 15) / 16;
@@ -497,12 +566,11 @@ struct TileStages {
 // the copies (and an E4M3 cache's conversions) to the wgmmas' async proxy.
 template <int kHeadDim, int kRows, int kWarps, class Kv = KvBf16>
 __device__ __forceinline__ void TileAttentionMmaCta(
-    const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
-    const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,
-    const typename Kv::Element* k_cache, const typename Kv::Element* v_cache, int block_size,
-    int num_heads, int num_kv_heads, float scale, bf16* out, int num_splits, int split_stride,
-    float* partial_out, float* partial_stats, uint32_t* tile_sems,
-    const float* kv_scales = nullptr) {
+    const QueryTile& tile, const int32_t* positions, const int32_t* block_tables,
+    int max_blocks_per_seq, const bf16* q, const typename Kv::Element* k_cache,
+    const typename Kv::Element* v_cache, int block_size, int num_heads, int num_kv_heads,
+    float scale, bf16* out, int split_stride, float* partial_out, float* partial_stats,
+    uint32_t* tile_sems, const float* kv_scales = nullptr) {
   constexpr bool kWgmma = TileUsesWgmma<kRows, kWarps>();
   using Stages = TileStages<kHeadDim, kRows, kWgmma, Kv::kFp8>;
   using Ops = AttnOperands<Kv>;
@@ -521,11 +589,8 @@ __device__ __forceinline__ void TileAttentionMmaCta(
   static_assert(kRows % 16 == 0 && kRows / 16 <= kWarps, "a warp per 16 rows");
   static_assert(kCopyThreads > 0 && kPieces % kCopyThreads == 0 && kKeys % 16 == 0,
                 "every thread copies whole pieces of one row; whole MMA k-steps of keys");
-  const int kv_head = blockIdx.y;
+  const int kv_head = tile.kv_head;
   const int group = num_heads / num_kv_heads;
-  QueryTile tile;
-  if (!FindQueryTile<kRows>(desc, positions, token_seq, group, num_splits, split_stride, &tile))
-    return;
   // The tile's last token sees the most keys: the split ends at or before its key.
   const int key_end = tile.key_end;
   const int num_key_tiles = (key_end - tile.key_begin + kKeys - 1) / kKeys;
