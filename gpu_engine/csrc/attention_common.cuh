@@ -71,11 +71,12 @@ static constexpr int kAttnMaxSplits = 64;
 // once, the batch's other tokens counted a CTA a KV head each, down to kTileSplitFewestKeys
 // keys a split; never more than the CTAs of its tokens. Fewer, longer splits where the merge
 // and each CTA's fixed costs would outweigh the keys they save. Measured on the H200
-// (bench_decode --prefill, attention us a layer, one call): a chunk of 100 tokens to 2,100 keys
-// on 64-row tiles, a split every 512 keys / filling the slots (7 splits of 320 keys), 8B 46.6 /
-// 41.1, 1B 32.5 / 29.7 (docs/performance.md, round 27); before the items went to the CTAs in
-// dispatch order, 512 / 256 keys a split 53.2 / 56.6 (112 unsplit); a chunk of 52 on 16-row
-// tiles 50.6 / 43.5 (54.8). BLINK_TILE_SPLIT_MIN_KEYS (-D) overrides the 64-row figure.
+// (bench_decode --prefill, attention us a layer, one call): a chunk of 100 tokens to 2,100
+// keys on 64-row tiles, a split every 512 keys / filling the slots (7 of 320 keys a full
+// tile), 8B 46.6 / 41.1, 1B 32.5 / 29.7 (docs/performance.md, round 27); before the items
+// went to the CTAs in dispatch order, 512 / 256 keys a split 53.2 / 56.6 (112 unsplit); a
+// chunk of 52 on 16-row tiles 50.6 / 43.5 (54.8). BLINK_TILE_SPLIT_MIN_KEYS (-D) overrides
+// the 64-row figure.
 #ifndef BLINK_TILE_SPLIT_MIN_KEYS
 #define BLINK_TILE_SPLIT_MIN_KEYS 512
 #endif

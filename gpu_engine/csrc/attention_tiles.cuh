@@ -201,6 +201,10 @@ __device__ __forceinline__ bool FindQueryTile(const BatchDesc* desc, const int32
   if (x >= num_tokens) return false;
   const int tile_tokens = kRows / group;
   const int seq = token_seq[x], position = positions[x];
+  const bool spread = split_stride > num_splits;
+  // Not spread, only the CTAs of a tile's first token work: the others (in a prefill bucket
+  // all but one a tile, 31 in 32 of the wgmma kernel's) leave on one load, before the searches.
+  if (!spread && x > 0 && token_seq[x - 1] == seq && position % tile_tokens != 0) return false;
   const int r0 = WarpBound(token_seq, 0, x, seq, false);
   const int r1 = WarpBound(token_seq, x + 1, num_tokens, seq, true);
   const int first = position - (x - r0), last = position + (r1 - 1 - x);  // the run's positions
@@ -215,7 +219,6 @@ __device__ __forceinline__ bool FindQueryTile(const BatchDesc* desc, const int32
   };
   const int num_tiles = last / tile_tokens - first_tile + 1;
   // A tile's split size in keys (whole key tiles) and its splits.
-  const bool spread = split_stride > num_splits;
   // The splits a tile would take for the run's CTAs to fill the GPU's slots once, counting a
   // CTA a KV head for each of the batch's other tokens (a decode's, or a part of another run's
   // tile; 0 beside 256 decodes, as a full batch's chunk is).
