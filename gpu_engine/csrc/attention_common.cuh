@@ -64,19 +64,23 @@ static constexpr int kAttnKeys = 64;
 // The most CTAs that share one query tile's or decode token's keys (the split merges' bound;
 // the host's attention_splits and split strides stay within it).
 static constexpr int kAttnMaxSplits = 64;
-// A query tile spread over its tokens' CTAs (attention_tiles.cuh FindQueryTile: a chunk of a
-// few hundred tokens deep into its context, as a prefix-cache hit leaves it) takes a split
-// for every this many of its keys (16-row tiles, the decode-sized buckets' kernels: every half
-// as many), or more where that leaves the GPU's attention slots idle: as many as fill them
-// once, the batch's other tokens counted a CTA a KV head each, down to kTileSplitFewestKeys
-// keys a split; never more than the CTAs of its tokens. Fewer, longer splits where the merge
-// and each CTA's fixed costs would outweigh the keys they save. Measured on the H200
+// A query tile spread over its run's CTAs (attention_tiles.cuh FindQueryTile: a chunk of a few
+// hundred tokens deep into its context, as a prefix-cache hit leaves it) takes a split for
+// every this many of its keys (16-row tiles, the decode-sized buckets' kernels: every half as
+// many), or more where that leaves the GPU's attention slots idle: as many as fill them once,
+// the batch's other tokens counted a CTA a KV head each, down to kTileSplitFewestKeys keys a
+// split. A chunk's short last tile takes as many as the others, unless the run's splits would
+// outnumber its CTAs (then each tile at most its own tokens' CTAs). Fewer, longer splits where
+// the merge and each CTA's fixed costs would outweigh the keys they save. Measured on the H200
 // (bench_decode --prefill, attention us a layer, one call): a chunk of 100 tokens to 2,100
 // keys on 64-row tiles, a split every 512 keys / filling the slots (7 of 320 keys a full
 // tile), 8B 46.6 / 41.1, 1B 32.5 / 29.7 (docs/performance.md, round 27); before the items
 // went to the CTAs in dispatch order, 512 / 256 keys a split 53.2 / 56.6 (112 unsplit); a
-// chunk of 52 on 16-row tiles 50.6 / 43.5 (54.8). BLINK_TILE_SPLIT_MIN_KEYS (-D) overrides
-// the 64-row figure.
+// chunk of 52 on 16-row tiles 50.6 / 43.5 (54.8). The short tile's splits as the others' (its
+// 4 tokens had capped it at 4): 100 tokens at 4,000 keys 110-113 -> 87-89 us (8B), 53.3-53.6
+// -> 50.5-50.8 (1B); at 2,000 the same within the runs' spread (8B 49.3-49.6 / 49.6-51.0), 1B
+// 30.8-35.2 / 37.0-37.3 (round 28). BLINK_TILE_SPLIT_MIN_KEYS (-D) overrides the 64-row
+// figure.
 #ifndef BLINK_TILE_SPLIT_MIN_KEYS
 #define BLINK_TILE_SPLIT_MIN_KEYS 512
 #endif

@@ -173,24 +173,27 @@ __device__ __forceinline__ int WarpBound(const int32_t* a, int lo, int hi, int v
 // The tile of CTA (blockIdx.x, blockIdx.y, blockIdx.z) with kRows rows per CTA; false when the
 // CTA has none. It reads only the batch arrays, which are written before the graph launches,
 // so it runs before the kernel's wait for its predecessor (programmatic dependent launch).
-// Warp-collective: every lane of the CTA calls it. Arithmetic on the run of blockIdx.x's
-// sequence: its tokens r0 .. r1 - 1 are consecutive in the batch and in position, so where
-// each tile starts, its tokens and its keys follow from the run's bounds (two warp searches,
-// WarpBound) and one position.
+// Warp-collective: every lane of the CTA calls it. A sequence's run of tokens in the batch is
+// consecutive in position too, so where each of its tiles starts, its tokens and its keys
+// follow by arithmetic from the run's bounds (warp searches, WarpBound) and one position.
 // - Splits: the grid's z (num_splits CTAs a token) split every tile's keys, as evenly as whole
 //   key tiles allow; CTA (t0, kv_head, z) computes split z of the tile starting at token t0.
 // - split_stride > num_splits (the host's choice for buckets of short chunks): a tile's keys
-//   also split over the CTAs of its other tokens, which would have nothing to do (a chunk of
-//   100 tokens deep into its context, a prefix-cache hit, is 7 tiles a KV head, too few CTAs
-//   for the GPU unless their keys split): a split per kTileSplitMinKeys<kRows> keys, or as
-//   many as fill the GPU's slots once where the batch leaves them idle (attention_common.cuh),
-//   at most split_stride (<= kAttnMaxSplits) or m x num_splits; a split's partials sit at
-//   query row x split_stride + split. The run's (tile, split, KV head) items go to the run's
-//   CTAs in the order the GPU dispatches them (x fastest, then y, then z): the first ones
+//   also split over the CTAs of the run's other tokens, which would have nothing to do (a
+//   chunk of 100 tokens deep into its context, a prefix-cache hit, is 7 tiles a KV head, too
+//   few CTAs for the GPU unless their keys split): a split per kTileSplitMinKeys<kRows> keys,
+//   or as many as fill the GPU's slots once where the batch leaves them idle
+//   (attention_common.cuh), at most split_stride (<= kAttnMaxSplits); a split's partials sit
+//   at query row x split_stride + split. The run's (tile, split, KV head) items go to the
+//   run's CTAs in the order the GPU dispatches them (x fastest, then y, then z): the first ones
 //   dispatched take the work, so it spreads evenly over the SMs. (Each tile's splits were its
 //   first tokens' CTAs, a quarter of the grid at 100 tokens in the 128 bucket, scattered among
 //   CTAs that exit at once: the SMs the dispatch gave three of them ran long while others
-//   idled, 40% of the kernel's time on average under ncu.)
+//   idled, 40% of the kernel's time on average under ncu.) Only where the run's items would
+//   outnumber its CTAs (a run of a few tokens) does a tile take at most its own tokens' CTAs'
+//   worth; otherwise a short last tile's splits are as short as the others' (its 4 tokens
+//   capped it at 4 splits of 576 keys beside the full tiles' 7 of 320, the kernel's longest
+//   CTAs).
 template <int kRows>
 __device__ __forceinline__ bool FindQueryTile(const BatchDesc* desc, const int32_t* positions,
                                               const int32_t* token_seq, int group,
@@ -201,78 +204,89 @@ __device__ __forceinline__ bool FindQueryTile(const BatchDesc* desc, const int32
   if (x >= num_tokens) return false;
   const int tile_tokens = kRows / group;
   const int seq = token_seq[x], position = positions[x];
-  const bool spread = split_stride > num_splits;
-  // Not spread, only the CTAs of a tile's first token work: the others (in a prefill bucket
-  // all but one a tile, 31 in 32 of the wgmma kernel's) leave on one load, before the searches.
-  if (!spread && x > 0 && token_seq[x - 1] == seq && position % tile_tokens != 0) return false;
-  const int r0 = WarpBound(token_seq, 0, x, seq, false);
-  const int r1 = WarpBound(token_seq, x + 1, num_tokens, seq, true);
-  const int first = position - (x - r0), last = position + (r1 - 1 - x);  // the run's positions
-  const int first_tile = first / tile_tokens;
-  // Tile k of the run: its first token, tokens and keys (its last position + 1).
-  auto tile_at = [&](int k, int* t0, int* m) {
-    const int begin = k == 0 ? first : (first_tile + k) * tile_tokens;
-    const int end = min((first_tile + k + 1) * tile_tokens, last + 1);
-    *t0 = r0 + (begin - first);
-    *m = end - begin;
-    return end;
-  };
-  const int num_tiles = last / tile_tokens - first_tile + 1;
-  // A tile's split size in keys (whole key tiles) and its splits.
-  // The splits a tile would take for the run's CTAs to fill the GPU's slots once, counting a
-  // CTA a KV head for each of the batch's other tokens (a decode's, or a part of another run's
-  // tile; 0 beside 256 decodes, as a full batch's chunk is).
-  const int fill = slots / (num_kv_heads * (num_tiles + num_tokens - (r1 - r0)));
-  auto split_keys_of = [&](int m, int num_keys) {
-    int ctas = num_splits;
-    if (spread) {
-      const int by_keys = (num_keys + kTileSplitMinKeys<kRows> - 1) / kTileSplitMinKeys<kRows>;
-      const int most = (num_keys + kTileSplitFewestKeys - 1) / kTileSplitFewestKeys;
-      const int wanted = max(by_keys, min(fill, most));
-      ctas = max(num_splits, min(wanted, min(m * num_splits, split_stride)));
-    }
+  auto split_size = [](int num_keys, int ctas) {  // keys a split, whole key tiles
     const int span = (num_keys + ctas - 1) / ctas;
     return (span + kAttnKeys - 1) / kAttnKeys * kAttnKeys;
   };
-  int t0, m, num_keys, split = 0, kv_head;
-  if (!spread) {  // the tile of x, if x starts it
-    num_keys = tile_at(position / tile_tokens - first_tile, &t0, &m);
-    if (t0 != x) return false;
+  int t0, m, num_keys, split, kv_head, split_keys;
+  if (split_stride <= num_splits) {
+    // Only the CTAs of a tile's first token work: the others (in a prefill bucket all but one
+    // a tile, 31 in 32 of the wgmma kernel's) leave on one load, before the search.
+    if (x > 0 && token_seq[x - 1] == seq && position % tile_tokens != 0) return false;
+    const int r1 = WarpBound(token_seq, x + 1, num_tokens, seq, true);  // the run's end
+    t0 = x;
+    m = min(tile_tokens - position % tile_tokens, r1 - x);
+    num_keys = position + m;
     split = blockIdx.z;
     kv_head = blockIdx.y;
-  } else {  // the run's item of this CTA's place in the dispatch order, if any
+    split_keys = split_size(num_keys, num_splits);
+  } else {
+    const int r0 = WarpBound(token_seq, 0, x, seq, false);
+    const int r1 = WarpBound(token_seq, x + 1, num_tokens, seq, true);
     const int run = r1 - r0;
+    const int first = position - (x - r0), last = position + (r1 - 1 - x);  // its positions
+    const int first_tile = first / tile_tokens;
+    const int num_tiles = last / tile_tokens - first_tile + 1;
+    // Tile k of the run: its first token, tokens and keys (its last position + 1).
+    auto tile_at = [&](int k, int* t0, int* m) {
+      const int begin = k == 0 ? first : (first_tile + k) * tile_tokens;
+      const int end = min((first_tile + k + 1) * tile_tokens, last + 1);
+      *t0 = r0 + (begin - first);
+      *m = end - begin;
+      return end;
+    };
+    // The splits a tile would take for the run's CTAs to fill the GPU's slots once, counting a
+    // CTA a KV head for each of the batch's other tokens (a decode's, or a part of another
+    // run's tile; 0 beside 256 decodes, as a full batch's chunk is).
+    const int fill = slots / (num_kv_heads * (num_tiles + num_tokens - run));
+    auto split_keys_of = [&](int m, int num_keys, bool capped) {
+      const int by_keys = (num_keys + kTileSplitMinKeys<kRows> - 1) / kTileSplitMinKeys<kRows>;
+      const int most = (num_keys + kTileSplitFewestKeys - 1) / kTileSplitFewestKeys;
+      int ctas = min(max(by_keys, min(fill, most)), split_stride);
+      if (capped) ctas = min(ctas, m * num_splits);
+      return split_size(num_keys, max(num_splits, ctas));
+    };
+    // This CTA's item: its place in the run's dispatch order, j = the (tile, split) pair, tile
+    // after tile. A warp prefix sum over the tiles' splits finds j's tile (lane 0's tiles
+    // before, `before` splits); `total`: the run's splits, which its CTAs must cover.
     const int item = (x - r0) + run * (static_cast<int>(blockIdx.y) +
                                        num_kv_heads * static_cast<int>(blockIdx.z));
     kv_head = item % num_kv_heads;
-    const int j = item / num_kv_heads;  // the (tile, split) pair, tile after tile
-    int before = 0, k = -1;  // splits of the tiles before lane 0's
-    for (int base = 0; base < num_tiles && k < 0; base += kWarpSize) {
-      int splits = 0;
-      if (base + lane < num_tiles) {
-        int lane_t0, lane_m;
-        const int lane_keys = tile_at(base + lane, &lane_t0, &lane_m);
-        const int size = split_keys_of(lane_m, lane_keys);
-        splits = (lane_keys + size - 1) / size;
-      }
-      int through = splits;  // inclusive prefix sum over the lanes
+    const int j = item / num_kv_heads;
+    int k = -1, total = 0;
+    auto find_item = [&](bool capped) {
+      k = -1;
+      total = 0;
+      for (int base = 0; base < num_tiles; base += kWarpSize) {
+        int splits = 0;
+        if (base + lane < num_tiles) {
+          int lane_t0, lane_m;
+          const int lane_keys = tile_at(base + lane, &lane_t0, &lane_m);
+          const int size = split_keys_of(lane_m, lane_keys, capped);
+          splits = (lane_keys + size - 1) / size;
+        }
+        int through = splits;  // inclusive prefix sum over the lanes
 #pragma unroll
-      for (int o = 1; o < kWarpSize; o <<= 1) {
-        const int v = __shfl_up_sync(kFullMask, through, o);
-        if (lane >= o) through += v;
+        for (int o = 1; o < kWarpSize; o <<= 1) {
+          const int v = __shfl_up_sync(kFullMask, through, o);
+          if (lane >= o) through += v;
+        }
+        const unsigned hit = __ballot_sync(kFullMask, total + through > j);
+        if (hit && k < 0) {
+          const int f = __ffs(hit) - 1;
+          k = base + f;
+          split = j - (total + __shfl_sync(kFullMask, through - splits, f));
+        }
+        total += __shfl_sync(kFullMask, through, kWarpSize - 1);
       }
-      const unsigned hit = __ballot_sync(kFullMask, before + through > j);
-      if (hit) {
-        const int f = __ffs(hit) - 1;
-        k = base + f;
-        split = j - (before + __shfl_sync(kFullMask, through - splits, f));
-      }
-      before += __shfl_sync(kFullMask, through, kWarpSize - 1);
-    }
-    if (k < 0) return false;  // uniform over the CTA
+    };
+    bool capped = false;
+    find_item(capped);
+    if (total > run * num_splits) find_item(capped = true);  // uniform over the CTA
+    if (k < 0) return false;
     num_keys = tile_at(k, &t0, &m);
+    split_keys = split_keys_of(m, num_keys, capped);
   }
-  const int split_keys = split_keys_of(m, num_keys);
   const int active_splits = (num_keys + split_keys - 1) / split_keys;
   if (split >= active_splits) return false;  // uniform over the CTA
   const int key_begin = split * split_keys;
