@@ -160,19 +160,25 @@ def build_request(
     if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Iterable):
         raise TypeError(f"prompt must be str, token ids or chat messages, not {type(prompt).__name__}")
     items = list(prompt)
-    if all(type(t) is int for t in items):
-        # token ids as plain ints, the usual case, without the ABC checks below: a 2,000-token
-        # prompt's request built in 0.3 ms rather than 1.9 (a few % of a cached prompt's TTFT).
-        # SetInParent selects the oneof even for [], so the server reports the empty prompt.
-        request.token_ids.SetInParent()
+    try:
+        # token ids, the usual case, handed straight to protobuf: it takes ints (NumPy's too) and
+        # refuses anything else with TypeError, all in C and all or nothing; a Python check of
+        # each id first made a 2,100-token prompt's request twice as slow (0.13 ms against
+        # 0.066 on a 2-core VM). An id outside uint32 raises ValueError, as it always did.
         request.token_ids.ids.extend(items)
-    elif items and all(isinstance(m, Mapping) for m in items):
+    except TypeError:
+        pass  # chat messages, or a mixed or odd sequence: told apart below
+    else:
+        # selects the oneof even for [], so the server reports the empty prompt
+        request.token_ids.SetInParent()
+        return request
+    if items and all(isinstance(m, Mapping) for m in items):
         request.messages.SetInParent()
         for i, m in enumerate(items):
             if "role" not in m or "content" not in m:
                 raise ValueError(f"chat message {i} needs 'role' and 'content', got {sorted(m)}")
             request.messages.messages.add(role=m["role"], content=m["content"])
-    elif all(isinstance(t, numbers.Integral) for t in items):  # NumPy's integers too
+    elif all(isinstance(t, numbers.Integral) for t in items):  # integers without __index__
         request.token_ids.SetInParent()
         request.token_ids.ids.extend(int(t) for t in items)
     else:

@@ -159,6 +159,18 @@ def test_build_request_rejects_mixed_or_odd_prompts():
         build_request([{"content": "no role"}])
     # An empty token list still selects the oneof, so the server can say the prompt is empty.
     assert build_request([]).WhichOneof("prompt") == "token_ids"
+    with pytest.raises(TypeError, match="only token ids"):
+        build_request([1, 2.0])
+    with pytest.raises(ValueError, match="out of range"):
+        build_request([1, -1])
+
+
+def test_build_request_takes_any_integers_as_token_ids():
+    import numpy as np
+    for prompt in ([3, 7], (3, 7), range(3, 8, 4), np.array([3, 7]), [np.uint32(3), True + 6]):
+        request = build_request(prompt)
+        assert request.WhichOneof("prompt") == "token_ids"
+        assert list(request.token_ids.ids) == [3, 7]
 
 
 @pytest.mark.parametrize(

@@ -316,20 +316,25 @@ class _MoveAfterRead:
         return getattr(self.inner, name)
 
 
+@pytest.mark.parametrize("few_live", [8, 0], ids=["record-by-record", "vectorised"])
 @pytest.mark.parametrize("k", range(1, 9))
-def test_front_end_record_reads_miss_no_move_of_the_engine(k):
+def test_front_end_record_reads_miss_no_move_of_the_engine(k, few_live, monkeypatch):
     """EngineLink reads a record's gen, then its finish_reason, then its num_tokens: after
     whichever of its reads the engine appends the last token and finishes, no token is lost
     (a count read before the finish would miss it); after whichever the engine admits the
-    slot's next request, that request gets nothing of the previous one's record."""
+    slot's next request, that request gets nothing of the previous one's record. Both ways of
+    reading the records: each live one's words (a few live requests), the share's columns."""
+    from blink.nic_service import engine_link
+    monkeypatch.setattr(engine_link, "FEW_LIVE", few_live)
     ring = LinkedRing()
     server, link = ring.server, ring.link
     plain = link._transport
 
     def poll_with_move(move) -> None:
-        link._transport = _MoveAfterRead(plain, k, move)
-        for _ in range(3):  # the move lands in the first poll, or (k past its reads) the second
+        moving = link._transport = _MoveAfterRead(plain, k, move)
+        while moving.reads < k:  # the move lands in the first poll, or (k past its reads) later
             link._poll_once()
+        link._poll_once()  # and a poll after it
         link._transport = plain
 
     try:
