@@ -266,6 +266,9 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(text="hi", model="gpt-17"), "unknown model 'gpt-17'"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 999_999, 2**32 - 1])),
      "token id 999999 is outside the vocabulary"),
+    # past int32 too: checked before the ids are taken as int32
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 2**31])),
+     "token id 2147483648 is outside the vocabulary"),
     (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop_token_ids=[10**6])),
      "outside the vocabulary"),
     (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop=[""])), "stop strings"),
@@ -285,9 +288,12 @@ def test_bad_input_is_invalid_argument_and_others_keep_going(engine, stack, clie
 
     t = threading.Thread(target=background)
     t.start()
+    vocab = client.model_info().vocab_size  # the first id outside it, at the boundary
+    at_vocab = (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, vocab - 1, vocab])),
+                f"token id {vocab} is outside the vocabulary")
     with grpc.insecure_channel(stack.target) as ch:
         stub = pb_grpc.BlinkStub(ch)
-        for req, message in BAD_REQUESTS:
+        for req, message in BAD_REQUESTS + [at_vocab]:
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(req, timeout=30))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (req, err.value)
