@@ -553,13 +553,12 @@ class EngineLink:
         t, geom, share = self._transport, self.info.geometry, self._share
         base, stride, n = geom.record_offset(share.start), geom.record_bytes, len(share)
 
-        def column(name: str) -> np.ndarray:  # [n] u4: one field of every record in the share
-            offset = base + RECORD_DTYPE.fields[name][1]
-            return np.frombuffer(t.read_strided(offset, stride, n, 4), "<u4")
+        def column(field: int) -> np.ndarray:  # [n] u4: one field of every record in the share
+            return np.frombuffer(t.read_strided(base + field, stride, n, 4), "<u4")
 
-        gen = column("gen")
-        finish = column("finish_reason")
-        count = column("num_tokens").astype(np.int64)
+        gen = column(_GEN)
+        finish = column(_FINISH)
+        count = column(_COUNT).astype(np.int64)
         seen = self._seen
         # a record moved: new tokens that are due (stream_interval_s after the last ones), or a
         # finish (at once, with whatever tokens wait)
