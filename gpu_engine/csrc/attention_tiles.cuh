@@ -194,11 +194,14 @@ __device__ __forceinline__ int WarpBound(const int32_t* a, int lo, int hi, int v
 //   worth; otherwise a short last tile's splits are as short as the others' (its 4 tokens
 //   capped it at 4 splits of 576 keys beside the full tiles' 7 of 320, the kernel's longest
 //   CTAs).
+// Not inlined: its split search inlined twice grew the kernel by 640 instructions and moved the
+// batch-1 decode path (which never calls it) 10 KB further in, 0.9% slower at 8B; called, it
+// costs the prefill CTAs little (8B 100 tokens at 4,000 keys: 89 us; inlined, 82-89).
 template <int kRows>
-__device__ __forceinline__ bool FindQueryTile(const BatchDesc* desc, const int32_t* positions,
-                                              const int32_t* token_seq, int group,
-                                              int num_kv_heads, int num_splits,
-                                              int split_stride, int slots, QueryTile* tile) {
+__device__ __noinline__ bool FindQueryTile(const BatchDesc* desc, const int32_t* positions,
+                                           const int32_t* token_seq, int group,
+                                           int num_kv_heads, int num_splits,
+                                           int split_stride, int slots, QueryTile* tile) {
   const int x = blockIdx.x, lane = threadIdx.x % kWarpSize;
   const int num_tokens = desc->num_tokens;
   if (x >= num_tokens) return false;
