@@ -140,6 +140,12 @@ def _stats_dict(msg: blink_pb2.ServerStats) -> dict[str, Any]:
     return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
 
 
+def _is_token_id(t) -> bool:
+    """An integer, NumPy's too, and not a bool (protobuf takes a bool for 1 or 0 with a
+    deprecation warning only)."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
 def build_request(
     prompt: Prompt,
     sampling: Sampling | None = None,
@@ -149,7 +155,9 @@ def build_request(
     client_request_id: str = "",
 ) -> blink_pb2.GenerateRequest:
     """The GenerateRequest for a prompt: str -> text, ints -> token_ids, dicts -> messages.
-    client_request_id: your id for the request, in the server's log line for it."""
+    client_request_id: your id for the request, in the server's log line for it. TypeError for
+    a sequence of anything else (a bool is no token id), ValueError for an id outside uint32
+    (the server checks the model's vocabulary)."""
     request = blink_pb2.GenerateRequest(model=model, return_token_ids=return_token_ids,
                                         client_request_id=client_request_id)
     if sampling is not None:
@@ -164,10 +172,19 @@ def build_request(
         # token ids, the usual case, handed straight to protobuf: it takes ints (NumPy's too) and
         # refuses anything else with TypeError, all in C and all or nothing; a Python check of
         # each id first made a 2,100-token prompt's request twice as slow (0.13 ms against
-        # 0.066 on a 2-core VM). An id outside uint32 raises ValueError, as it always did.
+        # 0.066 on a 2-core VM).
         request.token_ids.ids.extend(items)
     except TypeError:
         pass  # chat messages, or a mixed or odd sequence: told apart below
+    except ValueError as e:
+        # an id outside uint32, or protobuf's deprecation warning for a bool made an error by
+        # -W error: named here, and a sequence that is not all ints gets the type error below
+        request.token_ids.ClearField("ids")
+        if all(_is_token_id(t) for t in items):
+            bad = next((t for t in items if not 0 <= t < 2**32), None)
+            if bad is None:
+                raise
+            raise ValueError(f"token ids are uint32 (0 .. 2**32 - 1), got {bad}") from e
     else:
         # selects the oneof even for [], so the server reports the empty prompt
         request.token_ids.SetInParent()
@@ -178,7 +195,7 @@ def build_request(
             if "role" not in m or "content" not in m:
                 raise ValueError(f"chat message {i} needs 'role' and 'content', got {sorted(m)}")
             request.messages.messages.add(role=m["role"], content=m["content"])
-    elif all(isinstance(t, numbers.Integral) for t in items):  # integers without __index__
+    elif all(_is_token_id(t) for t in items):  # integers without __index__
         request.token_ids.SetInParent()
         request.token_ids.ids.extend(int(t) for t in items)
     else:

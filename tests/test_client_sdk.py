@@ -14,6 +14,7 @@ import pickle
 import socket
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -161,8 +162,18 @@ def test_build_request_rejects_mixed_or_odd_prompts():
     assert build_request([]).WhichOneof("prompt") == "token_ids"
     with pytest.raises(TypeError, match="only token ids"):
         build_request([1, 2.0])
-    with pytest.raises(ValueError, match="out of range"):
-        build_request([1, -1])
+    for ids in ([1, -1], [5, 2**32]):
+        with pytest.raises(ValueError, match="uint32"):
+            build_request(ids)
+    # the type error first where a sequence mixes an id out of range with a string
+    with pytest.raises(TypeError, match="only token ids"):
+        build_request([2**32, "a"])
+    # a bool is no token id: protobuf only warns on one (until it refuses them), and the SDK
+    # refuses one wherever the warning is made an error
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TypeError, match="only token ids"):
+            build_request([True, 5])
 
 
 def test_build_request_takes_any_integers_as_token_ids():
