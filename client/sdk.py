@@ -179,7 +179,6 @@ def build_request(
     except ValueError as e:
         # an id outside uint32, or protobuf's deprecation warning for a bool made an error by
         # -W error: named here, and a sequence that is not all ints gets the type error below
-        request.token_ids.ClearField("ids")
         if all(_is_token_id(t) for t in items):
             bad = next((t for t in items if not 0 <= t < 2**32), None)
             if bad is None:
