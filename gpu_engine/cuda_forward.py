@@ -1748,7 +1748,19 @@ class CudaForward:
         for _, enqueue in self.ops(rows):
             enqueue()
 
+    def _describe_empty_batch(self) -> None:
+        """Writes an empty batch (no tokens, sequences or logits; the done counter kept) into
+        the device's BatchDesc. A launch of bucket b's kernels may trust num_tokens <= b, so
+        capture's passes must not run on a batch left there by an earlier run: the E4M3 cache's
+        calibration prefill leaves up to max_num_batched_tokens, and the attention kernel of a
+        smaller bucket then wrote its query tiles' partial sums outside the workspace."""
+        empty = np.zeros(3, np.int32)  # num_tokens, num_seqs, num_logits
+        check(driver.cuMemcpyHtoDAsync(self.desc.ptr, empty.ctypes.data, empty.nbytes,
+                                       self.stream), "cuMemcpyHtoDAsync(desc)")
+        synchronize(self.stream)
+
     def _capture(self, rows: int):
+        self._describe_empty_batch()
         if self.gemm_tuner is not None:
             # the bucket's GEMMs recorded, not launched (its other kernels run, as in the
             # eager pass below, on an empty batch)

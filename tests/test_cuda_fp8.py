@@ -236,6 +236,40 @@ def test_fp8_forward_prefill_chunks_and_decode(fp8_models, arch):
     pair.record("fp8 prefill, chunks, decode")
 
 
+def test_fp8_kv_calibration_leaves_capture_an_empty_batch(cf, tmp_path_factory):
+    """The E4M3 cache's calibration prefill runs before the graphs are captured, on one
+    sequence of max_num_batched_tokens; capture's passes run each bucket's kernels on the batch
+    in device memory, which must be empty then (a bucket's kernels trust num_tokens <= the
+    bucket: on the calibration's batch the attention of a smaller bucket wrote its query tiles'
+    partial sums outside the workspace, an illegal address at start-up on the Llama shapes).
+    An engine that calibrated gives the same logits, bit for bit, as one given its scales (no
+    calibration before its capture), over prefill and decode steps in several buckets."""
+    path = write_random_checkpoint(tmp_path_factory.mktemp("fp8_calib") / "llama", seed=20,
+                                   **FORWARD_SHAPES["llama"])
+    cfg = load_config(path)
+    w = load_weights(path, cfg)
+    options = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK, max_num_batched_tokens=456,
+                   max_num_seqs=MAX_SEQS, quantization="fp8", kv_cache_dtype="fp8")
+    calibrated = cf.CudaForward(cfg, w, **options)
+    try:
+        assert calibrated.desc.download()[0]["num_tokens"] == 0  # what capture ran on
+        given = cf.CudaForward(cfg, w, kv_scales=calibrated.kv_scales.download(), **options)
+        try:
+            seqs = [list(prompt(cfg, n, seed=40 + i)) for i, n in enumerate((200, 33, 7))]
+            tables = [np.arange(16 * i, 16 * i + 16) for i in range(3)]
+            chunks = [(np.array(s), 0, t) for s, t in zip(seqs, tables)]
+            for step in range(4):  # a 240-token prefill, then decode steps of the three
+                want = given.run(make_batch(chunks))[0]
+                np.testing.assert_array_equal(calibrated.run(make_batch(chunks))[0], want)
+                for s, row in zip(seqs, want):
+                    s.append(int(np.argmax(row)))
+                chunks = [(np.array(s[-1:]), len(s) - 1, t) for s, t in zip(seqs, tables)]
+        finally:
+            given.close()
+    finally:
+        calibrated.close()
+
+
 @pytest.mark.parametrize("fp8_lm_head", [True, False])
 def test_fp8_lm_head_in_both_paths(cf, tmp_path_factory, fp8_lm_head):
     """The LM head as FP8 (fp8_lm_head, the default: E4M3 codes with a scale per vocabulary row)
