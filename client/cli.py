@@ -184,6 +184,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with FP8 weights, keep the LM head in bf16: by default it is E4M3 "
                         "with a scale per vocabulary row too, which halves its reads (8B "
                         "shape: 1 GB a decode step) and adds its rounding to the logits")
+    p.add_argument("--no-fp8-fast-accum", dest="fp8_fast_accum", action="store_false",
+                   help="with FP8 weights, have cuBLASLt's FP8 GEMMs (prefill-sized steps, "
+                        "batches past 16 rows) promote their sums to fp32 as they go: by "
+                        "default they accumulate in the tensor cores' own precision, as "
+                        "vLLM's and TensorRT-LLM's do (8B shape on an H200: a 256-decode "
+                        "step 7% faster, an 8k prompt's chunks 5%)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: keys and values as E4M3 with a scale per layer and KV head (the "
                         "checkpoint's k_scale / v_scale, or calibrated at start-up): the cache "
@@ -263,7 +269,8 @@ def _engine_config(args, model_dir: Path):
                         gemm_tuning=args.gemm_tuning, sm_count_target=args.sm_count_target,
                         decode_weight_copy=args.decode_weight_copy,
                         quantization=args.quantization, fp8_lm_head=args.fp8_lm_head,
-                        kv_cache_dtype=args.kv_cache_dtype, prefix_caching=args.prefix_caching)
+                        fp8_fast_accum=args.fp8_fast_accum, kv_cache_dtype=args.kv_cache_dtype,
+                        prefix_caching=args.prefix_caching)
 
 
 def _auth_token(path: Path | None) -> str | None:
@@ -517,6 +524,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv += ["--quantization", args.quantization]
     if not args.fp8_lm_head:
         argv.append("--no-fp8-lm-head")
+    if not args.fp8_fast_accum:
+        argv.append("--no-fp8-fast-accum")
     if args.kv_cache_dtype != "auto":
         argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.step_log is not None:

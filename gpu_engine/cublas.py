@@ -38,6 +38,7 @@ STATUS_NOT_SUPPORTED = 15
 # cublasLtMatmulAlgoConfigAttributes_t
 LT_DESC_TRANSA, LT_DESC_TRANSB, LT_DESC_SM_COUNT_TARGET = 3, 4, 15
 LT_DESC_A_SCALE_POINTER, LT_DESC_B_SCALE_POINTER = 17, 18
+LT_DESC_FAST_ACCUM = 25
 LT_DESC_A_SCALE_MODE, LT_DESC_B_SCALE_MODE = 31, 32
 # cublasLtMatmulMatrixScale_t: a float32 per row of op(A) and per column of op(B)
 LT_SCALE_OUTER_VEC_32F = 3
@@ -56,11 +57,15 @@ class GemmShape:
     out_type: int      # R_16BF or R_32F
     accumulate: bool   # beta = 1: added into an fp32 out (the residual stream)
     fp8: bool = False
+    # fp8: the MMAs accumulate in the tensor cores' own precision, never promoted to fp32 in
+    # between (cuBLASLt's FAST_ACCUM; Cublas.fp8_fast_accum)
+    fast_accum: bool = False
 
     @property
     def key(self) -> str:
         out = "f32+=" if self.accumulate else "f32" if self.out_type == R_32F else "bf16"
-        return f"{'fp8:' if self.fp8 else ''}{self.rows}x{self.in_features}->" \
+        kind = ("fp8fa:" if self.fast_accum else "fp8:") if self.fp8 else ""
+        return f"{kind}{self.rows}x{self.in_features}->" \
                f"{self.out_features}:{out}"
 
     @property
@@ -197,6 +202,9 @@ class Cublas:
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.stream, self.workspace, self.workspace_bytes = 0, 0, 0
         self.sm_count_target = 0  # 0: the device's SMs
+        # FP8 GEMMs accumulate without cuBLASLt's periodic promotion to fp32 (GemmShape's
+        # fast_accum), as vLLM's and TensorRT-LLM's FP8 GEMMs do
+        self.fp8_fast_accum = False
         # shape -> the cuBLASLt algorithm linear() runs it with (others: GemmEx's own choice)
         self.algos: dict[GemmShape, LtAlgo] = {}
         self._calls: list[GemmCall] | None = None  # linear() records here instead (recording)
@@ -284,7 +292,7 @@ class Cublas:
         there is one)."""
         if accumulate and out_type != R_32F:
             raise ValueError("accumulate needs an fp32 output")
-        shape = GemmShape(rows, in_features, out_features, out_type, accumulate, fp8=True)
+        shape = self.fp8_shape(rows, in_features, out_features, out_type, accumulate)
         if self._calls is not None:
             self._calls.append(GemmCall(shape, x, w, out, x_scale, w_scale))
             return
@@ -293,6 +301,12 @@ class Cublas:
         if algo is None:
             algo = self._fp8_default(shape)
         self._lt_matmul(shape, algo, x, w, out, x_scale, w_scale)
+
+    def fp8_shape(self, rows: int, in_features: int, out_features: int, out_type: int,
+                  accumulate: bool) -> GemmShape:
+        """The shape linear_fp8 runs such a call as (with this handle's fp8_fast_accum)."""
+        return GemmShape(rows, in_features, out_features, out_type, accumulate, fp8=True,
+                         fast_accum=self.fp8_fast_accum)
 
     def _fp8_default(self, shape: GemmShape) -> LtAlgo:
         algo = self._fp8_defaults.get(shape)
@@ -386,6 +400,8 @@ class Cublas:
                           (LT_DESC_B_SCALE_MODE, ctypes.c_int32(LT_SCALE_OUTER_VEC_32F)),
                           (LT_DESC_A_SCALE_POINTER, ctypes.c_void_p(self.workspace)),
                           (LT_DESC_B_SCALE_POINTER, ctypes.c_void_p(self.workspace))]
+                if shape.fast_accum:
+                    attrs.append((LT_DESC_FAST_ACCUM, ctypes.c_int8(1)))
             for attr, value in attrs:
                 self._check(api["cublasLtMatmulDescSetAttribute"](
                     desc, attr, ctypes.byref(value), ctypes.sizeof(value)),

@@ -41,7 +41,7 @@ class HostDrivenCudaEngine(ReferenceEngine):
             held_sms=0, sm_count_target=config.sm_count_target,  # the host launches the graphs
             decode_weight_copy=config.decode_weight_copy,
             quantization=config.quantization_for(cfg), fp8_lm_head=config.fp8_lm_head,
-            kv_cache_dtype=config.kv_cache_dtype,
+            fp8_fast_accum=config.fp8_fast_accum, kv_cache_dtype=config.kv_cache_dtype,
             kv_scales=weights.kv_scales if weights is not None else None)
         log.info("host-driven CUDA engine: weights, KV cache (%d blocks) and %d forward graphs "
                  "ready in %.1f s", self.forward.num_blocks, len(self.forward.graph_execs),

@@ -66,6 +66,9 @@ class EngineConfig:
     quantization: str | None = None
     # with FP8 weights: the LM head as E4M3 with a scale per vocabulary row too (False: bf16)
     fp8_lm_head: bool = True
+    # with FP8 weights: cuBLASLt's FP8 GEMMs (prefill-sized steps) accumulate in the tensor
+    # cores' own precision, not promoted to fp32 as they go (False: promoted; CUDA engines)
+    fp8_fast_accum: bool = True
     # "fp8": an E4M3 KV cache with a scale per (layer, KV head), from the checkpoint or
     # calibrated at start-up; "auto": bf16 (the CPU engine emulates the E4M3 one's rounding)
     kv_cache_dtype: str = "auto"

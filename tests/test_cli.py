@@ -102,10 +102,13 @@ def test_serve_generate_and_engine_restart(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("flag,field", [("--no-gemm-tuning", "gemm_tuning"),
-                                        ("--no-decode-weight-copy", "decode_weight_copy")])
+                                        ("--no-decode-weight-copy", "decode_weight_copy"),
+                                        ("--no-fp8-lm-head", "fp8_lm_head"),
+                                        ("--no-fp8-fast-accum", "fp8_fast_accum")])
 def test_engine_off_flags_reach_the_engine(tmp_path, flag, field):
-    """--no-gemm-tuning, --no-decode-weight-copy: `blink serve` passes each to the engine
-    process it starts, and the engine's config turns that feature off (on by default)."""
+    """--no-gemm-tuning, --no-decode-weight-copy, --no-fp8-lm-head, --no-fp8-fast-accum:
+    `blink serve` passes each to the engine process it starts, and the engine's config turns
+    that feature off (on by default)."""
     from blink.client.cli import _engine_argv, _engine_config, build_parser
     parser = build_parser()
     on = parser.parse_args(["serve", "--model", str(tmp_path)])

@@ -44,10 +44,15 @@ def test_lt_algo_is_64_bytes_and_round_trips_through_hex():
 
 
 def test_shape_keys_tell_every_field_apart():
-    shapes = [GemmShape(r, i, o, t, a) for r in (9, 448) for i, o in ((4096, 6144), (6144, 4096))
-              for t, a in ((R_16BF, False), (R_32F, False), (R_32F, True))]
+    shapes = [GemmShape(r, i, o, t, a, fp8, fast) for r in (9, 448)
+              for i, o in ((4096, 6144), (6144, 4096))
+              for t, a in ((R_16BF, False), (R_32F, False), (R_32F, True))
+              for fp8, fast in ((False, False), (True, False), (True, True))]
     assert len({s.key for s in shapes}) == len(shapes)
     assert GemmShape(448, 4096, 28672, R_16BF, False).key == "448x4096->28672:bf16"
+    # an FP8 GEMM with fast accumulation is another descriptor: its algorithms are timed apart
+    assert GemmShape(448, 4096, 28672, R_16BF, False, fp8=True, fast_accum=True).key == \
+        "fp8fa:448x4096->28672:bf16"
 
 
 def test_cache_round_trip_merges_and_survives_garbage(tmp_path):
