@@ -188,8 +188,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with FP8 weights, have cuBLASLt's FP8 GEMMs (prefill-sized steps, "
                         "batches past 16 rows) promote their sums to fp32 as they go: by "
                         "default they accumulate in the tensor cores' own precision, as "
-                        "vLLM's and TensorRT-LLM's do (8B shape on an H200: a 256-decode "
-                        "step 7% faster, an 8k prompt's chunks 5%)")
+                        "vLLM's and TensorRT-LLM's do (faster; the README's FP8 section has "
+                        "both ways' speed and accuracy)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: keys and values as E4M3 with a scale per layer and KV head (the "
                         "checkpoint's k_scale / v_scale, or calibrated at start-up): the cache "

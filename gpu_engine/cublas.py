@@ -61,6 +61,10 @@ class GemmShape:
     # between (cuBLASLt's FAST_ACCUM; Cublas.fp8_fast_accum)
     fast_accum: bool = False
 
+    def __post_init__(self):
+        if self.fast_accum and not self.fp8:
+            raise ValueError("fast_accum is an FP8 GEMM's accumulation mode")
+
     @property
     def key(self) -> str:
         out = "f32+=" if self.accumulate else "f32" if self.out_type == R_32F else "bf16"
@@ -202,8 +206,8 @@ class Cublas:
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.stream, self.workspace, self.workspace_bytes = 0, 0, 0
         self.sm_count_target = 0  # 0: the device's SMs
-        # FP8 GEMMs accumulate without cuBLASLt's periodic promotion to fp32 (GemmShape's
-        # fast_accum), as vLLM's and TensorRT-LLM's FP8 GEMMs do
+        # True: FP8 GEMMs accumulate without cuBLASLt's periodic promotion to fp32 (GemmShape's
+        # fast_accum), as vLLM's and TensorRT-LLM's FP8 GEMMs do; False, cuBLAS's default
         self.fp8_fast_accum = False
         # shape -> the cuBLASLt algorithm linear() runs it with (others: GemmEx's own choice)
         self.algos: dict[GemmShape, LtAlgo] = {}

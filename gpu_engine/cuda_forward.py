@@ -1098,8 +1098,7 @@ class CudaForward:
         False keeps it bf16. fp8_fast_accum: cuBLASLt's FP8 GEMMs (prefill-sized steps and
         batches past the skinny kernels') accumulate in the tensor cores' own precision,
         without cuBLASLt's periodic promotion to fp32, as vLLM's and TensorRT-LLM's FP8 GEMMs
-        do (Cublas.fp8_fast_accum; on the H200, 8B: a 256-decode step 7% faster, a 2,048-token
-        chunk at 8,192 keys 5%; the accuracy gate's figures in the README are with it).
+        do (Cublas.fp8_fast_accum; what it gains and costs: docs/performance.md, round 30).
         kv_cache_dtype "fp8": an E4M3 KV cache with a float32 scale
         per (layer, KV head): kv_scales [num_layers, 2, num_kv_heads] (keys', values'), or
         calibrated at start-up on fp8.calibration_tokens (calibrate_kv_scales)."""
@@ -1755,15 +1754,20 @@ class CudaForward:
         for _, enqueue in self.ops(rows):
             enqueue()
 
-    def _describe_empty_batch(self) -> None:
-        """Writes an empty batch (no tokens, sequences or logits; the done counter kept) into
-        the device's BatchDesc. A launch of bucket b's kernels may trust num_tokens <= b, so
-        capture's passes must not run on a batch left there by an earlier run: the E4M3 cache's
-        calibration prefill leaves up to max_num_batched_tokens, and the attention kernel of a
-        smaller bucket then wrote its query tiles' partial sums outside the workspace."""
-        empty = np.zeros(3, np.int32)  # num_tokens, num_seqs, num_logits
-        check(driver.cuMemcpyHtoDAsync(self.desc.ptr, empty.ctypes.data, empty.nbytes,
+    def _write_batch_counts(self, counts: np.ndarray) -> None:
+        """Queues the BatchDesc's num_tokens, num_seqs and num_logits (int32 [3]; the done
+        counter is the graphs' to write). `counts` must live until the stream has passed it."""
+        check(driver.cuMemcpyHtoDAsync(self.desc.ptr, counts.ctypes.data, counts.nbytes,
                                        self.stream), "cuMemcpyHtoDAsync(desc)")
+
+    def _describe_empty_batch(self) -> None:
+        """Writes an empty batch into the device's BatchDesc. A launch of bucket b's kernels
+        may trust num_tokens <= b, so capture's passes must not run on a batch left there by an
+        earlier run: the E4M3 cache's calibration prefill leaves up to 512 tokens
+        (fp8.calibration_count), and the attention kernel of a smaller bucket then wrote its
+        query tiles' partial sums outside the workspace."""
+        empty = np.zeros(3, np.int32)
+        self._write_batch_counts(empty)
         synchronize(self.stream)
 
     def _capture(self, rows: int):
@@ -1775,7 +1779,8 @@ class CudaForward:
                 self._record(rows)
             self.gemm_tuner.tune(calls)
         # One eager pass first (an empty batch: our kernels exit at once, the GEMMs run on
-        # zeros) so that module loading and cuBLAS's first-call set-up stay out of the capture.
+        # whatever their inputs hold) so that module loading and cuBLAS's first-call set-up
+        # stay out of the capture.
         self._record(rows)
         synchronize(self.stream)
         mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
@@ -2038,12 +2043,11 @@ class CudaForward:
             self.seed: per_row(seed, np.uint64),
             self.step: per_row(step, np.uint32),
             # num_tokens, num_seqs, num_logits; done_counter is the graph's to write
-            self.desc: np.array([T, S, L], np.int32).view(np.uint8),
+            self.desc: np.array([T, S, L], np.int32),
         }
         for dev, arr in host.items():
             if dev is self.desc:
-                check(driver.cuMemcpyHtoDAsync(dev.ptr, arr.ctypes.data, arr.nbytes, self.stream),
-                      "cuMemcpyHtoDAsync(desc)")
+                self._write_batch_counts(arr)
             else:
                 dev.upload(arr, self.stream)
         if sampled_only:

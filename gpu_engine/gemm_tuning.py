@@ -219,6 +219,9 @@ class GemmTuner:
         for ptr, nbytes in scales:
             check(cu.cuMemsetD32Async(ptr, 0x3C000000, nbytes // 4, self.stream))  # f32 2^-7
 
+        # linear_fp8 runs the handle's accumulation mode, which the calls were recorded in
+        assert not shape.fp8 or shape.fast_accum == self.blas.fp8_fast_accum, shape.key
+
         def run(c: GemmCall, algo) -> None:
             if shape.fp8:  # algo None: cuBLASLt's first choice, the FP8 GEMMs' default
                 self.blas.linear_fp8(c.x, c.x_scale, c.w, c.w_scale, c.out, shape.rows,

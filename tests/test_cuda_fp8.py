@@ -109,7 +109,7 @@ def test_silu_mul_fp8(cf, stream, tokens):
 
 # --- cuBLASLt's FP8 GEMM ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("fast_accum", [False, True], ids=["exact", "fast-accum"])
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast-accum"])
 @pytest.mark.parametrize("rows", [16, 32, 160])
 def test_cublas_linear_fp8(cf, stream, rows, fast_accum):
     """E4M3 x and w with a scale per token row and per weight row (outer-vector scaling): bf16
@@ -151,11 +151,23 @@ def test_cublas_linear_fp8(cf, stream, rows, fast_accum):
     for _, _, ref, out16, out32 in layers:
         assert rel_err(bf16_to_f32(out16.download()), ref) < 1e-2
         # Hopper's FP8 tensor cores sum in less than fp32 between cuBLAS's promotions:
-        # measured 1.2e-4 (bf16 GEMMs: within 1e-5); without the promotions, over all of K
+        # measured 1.2e-4 (bf16 GEMMs: within 1e-5); without the promotions, over all of K,
+        # 5.3e-4 to 5.5e-4
         errors.append(rel_err(out32.download(), ref + resid))
-        assert errors[-1] < (1e-2 if fast_accum else 1e-3)
-    REPORT["errors"][f"cublas fp8 {rows} rows, {'fast' if fast_accum else 'exact'} "
+        assert errors[-1] < (2e-3 if fast_accum else 1e-3)
+    REPORT["errors"][f"cublas fp8 {rows} rows, {'fast' if fast_accum else 'promoted'} "
                      f"accumulation (rel err, fp32 out)"] = float(max(errors))
+    print(f"cublas fp8 {rows} rows, fast_accum={fast_accum}: fp32 out rel err {max(errors):.2e}")
+    if fast_accum:  # the mode took effect: the promoted GEMM's sums differ in their low bits
+        dw, dws, _, _, out32 = layers[0]
+        fast = out32.download()
+        blas.fp8_fast_accum = False
+        out32.upload(resid)
+        blas.linear_fp8(dx.ptr, dxs.ptr, dw.ptr, dws.ptr, out32.ptr, rows, k_in, n_out, R_32F,
+                        accumulate=True)
+        cf.synchronize(stream)
+        assert not np.array_equal(out32.download(), fast)
+        blas.fp8_fast_accum = True
     dw, dws, ref, out16, _ = layers[1]
     for algo in blas.lt_candidates(blas.fp8_shape(rows, k_in, n_out, R_16BF, False)):
         out16.fill_bytes(0xFF)
@@ -245,7 +257,7 @@ def test_fp8_forward_prefill_chunks_and_decode(fp8_models, arch):
 
 def test_fp8_kv_calibration_leaves_capture_an_empty_batch(cf, tmp_path_factory):
     """The E4M3 cache's calibration prefill runs before the graphs are captured, on one
-    sequence of max_num_batched_tokens; capture's passes run each bucket's kernels on the batch
+    sequence of up to 512 tokens (here 456); capture's passes run each bucket's kernels on the batch
     in device memory, which must be empty then (a bucket's kernels trust num_tokens <= the
     bucket: on the calibration's batch the attention of a smaller bucket wrote its query tiles'
     partial sums outside the workspace, an illegal address at start-up on the Llama shapes).
@@ -259,7 +271,8 @@ def test_fp8_kv_calibration_leaves_capture_an_empty_batch(cf, tmp_path_factory):
                    max_num_seqs=MAX_SEQS, quantization="fp8", kv_cache_dtype="fp8")
     calibrated = cf.CudaForward(cfg, w, **options)
     try:
-        assert calibrated.desc.download()[0]["num_tokens"] == 0  # what capture ran on
+        counts = calibrated.desc.download()[0]  # what capture ran on
+        assert (counts["num_tokens"], counts["num_seqs"], counts["num_logits"]) == (0, 0, 0)
         given = cf.CudaForward(cfg, w, kv_scales=calibrated.kv_scales.download(), **options)
         try:
             seqs = [list(prompt(cfg, n, seed=40 + i)) for i, n in enumerate((200, 33, 7))]
