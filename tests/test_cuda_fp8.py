@@ -278,7 +278,7 @@ def test_fp8_kv_calibration_leaves_capture_an_empty_batch(cf, tmp_path_factory):
             seqs = [list(prompt(cfg, n, seed=40 + i)) for i, n in enumerate((200, 33, 7))]
             tables = [np.arange(16 * i, 16 * i + 16) for i in range(3)]
             chunks = [(np.array(s), 0, t) for s, t in zip(seqs, tables)]
-            for step in range(4):  # a 240-token prefill, then decode steps of the three
+            for _ in range(4):  # a 240-token prefill, then decode steps of the three
                 want = given.run(make_batch(chunks))[0]
                 np.testing.assert_array_equal(calibrated.run(make_batch(chunks))[0], want)
                 for s, row in zip(seqs, want):
