@@ -30,11 +30,13 @@
 // ends the CTA's work. The 8 consumer warps follow the tags and take a chunk's steps
 // round-robin as SkinnyAccumulate's warps take a row block's (warp w: steps w, w + 8, ...,
 // ascending), with the same MMAs and epilogues: bit for bit the unsplit skinny kernel's sums,
-// whichever CTA takes a row block. They hand each row block's warp sums to an epilogue warp
-// (ChainEpilogue: two buffers in shared memory, named barriers) and go on with the next row
-// block while it stores them: the epilogue's three CTA barriers and its read of the residual
-// stream held every consumer warp, the ring full behind them (ncu, 1B: a fifth of the warps'
-// stall samples at those barriers; E4M3 at 8B 2.643 -> 2.399 ms a step, bf16 3.718 -> 3.704).
+// whichever CTA takes a row block. They hand each row block's warp sums to the epilogue warps
+// (ChainEpilogue: two buffers in shared memory, a warp each, named barriers) and go on with the
+// next row block while they store them: the epilogue's three CTA barriers and its read of the
+// residual stream held every consumer warp, the ring full behind them (ncu, 1B: a fifth of the
+// warps' stall samples at those barriers; E4M3 at 8B 2.643 -> 2.399 ms a step, bf16 3.718 ->
+// 3.704), and with one epilogue warp, gate|up's consumers still waited for it to free a buffer
+// (ncu, 8B E4M3: 7.5% of the kernel's stall samples; docs/performance.md round 31).
 //
 // Dataflow, not grid barriers: a projection's x (attn, the residual stream's shadow, act) is
 // written by every CTA in the phase before, but a chunk needs only its own columns of x. So each
@@ -51,8 +53,8 @@
 // gate|up the CTA lets the next kernel launch (the next layer's qkv projection takes the room
 // beside it and starts on its weights; it waits for this grid's end before reading x). A CTA's
 // loader copies the shadow only once its producer has taken a row block of gate|up. The last CTA
-// out (an arrival count, by its epilogue warp once the end is handed off and its loader has made
-// its last poll) is the last user of the counters and zeroes them for the next step.
+// out (an arrival count, by each epilogue warp once its end is handed off and the loader has
+// made its last poll) is the last user of the counters and zeroes them for the next step.
 //
 // No CTA waits for another CTA, only for row blocks, and a row block is taken only by a running
 // CTA's producer, which takes all of a projection's before any of the next: so a CTA waits only
@@ -335,12 +337,12 @@ __device__ __forceinline__ void ConsumerSync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kGemvThreads) : "memory");
 }
 
-// The consumers' hand-off to the epilogue warp: kChainHandOffs buffers, each a row block's warp
+// The consumers' hand-off to the epilogue warps: kChainHandOffs buffers, each a row block's warp
 // sums (and, E4M3, its rows' weight scales) and which row block they are (phase kChainPhases:
 // no more). Named barriers kChainFullBarrier + b: buffer b is full (the consumer warps arrive,
-// the epilogue warp waits); kChainFreeBarrier + b: the epilogue warp is done with it (it
-// arrives, the consumers wait before they write it again). A barrier orders the shared-memory
-// accesses of the threads that take part. Two buffers: the consumers may run a row block ahead
+// its epilogue warp waits); kChainFreeBarrier + b: that warp is done with it (it arrives, the
+// consumers wait before they write it again). A barrier orders the shared-memory accesses of
+// the threads that take part. Two buffers: the consumers may run a row block ahead
 // of the epilogue (three measured the same on the H200, 1B and 8B, bf16 and E4M3, within 3 us
 // a step; docs/performance.md round 26).
 static constexpr int kChainHandOffs = 2;
@@ -354,6 +356,14 @@ struct ChainHandOff {
 };
 static constexpr int kChainFullBarrier = 2, kChainFreeBarrier = 2 + kChainHandOffs;
 static constexpr int kChainHandOffThreads = kGemvThreads + kWarpSize;
+// Epilogue warps: warp e takes the jobs k = e, e + kChainEpilogueWarps, ..., so each buffer has
+// one epilogue warp (its barriers count the consumers and that warp), and one warp's stores and
+// release of a row block's count overlap the other's. Two against one on the H200 (bench_decode,
+// batch 1 at 512 keys, ms a step, alternating in one call, two runs each): 8B 3.708 -> 3.699,
+// E4M3 2.406 -> 2.401-2.402; 1B 0.808-0.809 -> 0.795-0.796, E4M3 0.656 -> 0.657. The twelfth
+// warp costs no registers: the cap for 11 warps a CTA was already 168 (12 warps' worth).
+static constexpr int kChainEpilogueWarps = 2;
+static_assert(kChainHandOffs % kChainEpilogueWarps == 0, "a buffer's jobs go to one warp");
 
 __device__ __forceinline__ void ChainHandOffArrive(int barrier) {
   asm volatile("bar.arrive %0, %1;" ::"r"(barrier), "n"(kChainHandOffThreads) : "memory");
@@ -372,7 +382,7 @@ __device__ __forceinline__ auto& ChainSumsOf(typename ChainHandOff<W>::Buffer& b
 }
 
 // The consumers' side of the hand-off: job `jobs` (the CTA's row blocks so far) into buffer
-// jobs % kChainHandOffs, once the epilogue warp is done with the job that buffer held.
+// jobs % kChainHandOffs, once its epilogue warp is done with the job that buffer held.
 template <int kRowTiles, bool kNormIn, class W>
 __device__ __forceinline__ void ChainHandOffSums(ChainHandOff<W>& hand_off, int& jobs,
                                                  ChainTag job, const float (&acc)[kRowTiles][1][4],
@@ -391,20 +401,20 @@ __device__ __forceinline__ void ChainHandOffSums(ChainHandOff<W>& hand_off, int&
   ++jobs;
 }
 
-// The epilogue warp: each row block's sums as the consumers hand them off, stored (o and down
-// added into the residual stream and its shadow, gate|up as SiLU(gate) * up) and counted on the
-// slice of the next projection's x they wrote, while the consumers go on with the next row
-// block (each row block's epilogue, a read of the residual stream among it, held all eight
-// consumer warps, the CTA's ring filling up behind them). Then, the hand-off ended, the CTA's
-// arrival (ProjectionChainCta).
+// An epilogue warp (`warp` of kChainEpilogueWarps): the row blocks' sums of its buffer as the
+// consumers hand them off, stored (o and down added into the residual stream and its shadow,
+// gate|up as SiLU(gate) * up) and counted on the slice of the next projection's x they wrote,
+// while the consumers go on with the next row block (each row block's epilogue, a read of the
+// residual stream among it, held all eight consumer warps, the CTA's ring filling up behind
+// them). Then, its end handed off, the warp's arrival (ProjectionChainCta).
 template <class W>
-__device__ __forceinline__ void ChainEpilogue(const ChainProjection* p, float eps,
+__device__ __forceinline__ void ChainEpilogue(int warp, const ChainProjection* p, float eps,
                                               ChainHandOff<W>& hand_off,
                                               ChainCounters* counters,
                                               const volatile int* loader_done) {
   const int lane = threadIdx.x % kWarpSize;
   bool released = false;
-  for (int k = 0;; ++k) {
+  for (int k = warp;; k += kChainEpilogueWarps) {
     const int b = k % kChainHandOffs;
     ChainHandOffWait(kChainFullBarrier + b);
     const ChainTag job = hand_off.job[b];
@@ -435,15 +445,15 @@ __device__ __forceinline__ void ChainEpilogue(const ChainProjection* p, float ep
     ChainHandOffArrive(kChainFreeBarrier + b);
   }
   // Every CTA's producer took its last row block before tagging the end, which its consumers
-  // saw before they handed the end off, and its loader says when it is done with the counters:
-  // the last CTA out is the last user of every counter. Fence, count, and the last one fences
-  // again before its stores (LastCtaToArrive's pattern), so the zeroing follows every other
-  // CTA's last use.
+  // saw before they handed the ends off, and its loader says when it is done with the counters:
+  // the last epilogue warp out (kChainEpilogueWarps a CTA) is the last user of every counter.
+  // Fence, count, and the last one fences again before its stores (LastCtaToArrive's pattern),
+  // so the zeroing follows every other warp's last use.
   if (lane == 0) {
     while (*loader_done == 0) {
     }
     __threadfence();
-    if (atomicAdd(&counters->arrivals, 1u) == gridDim.x - 1) {
+    if (atomicAdd(&counters->arrivals, 1u) == kChainEpilogueWarps * gridDim.x - 1) {
       __threadfence();
       *counters = ChainCounters{};
     }
@@ -451,7 +461,7 @@ __device__ __forceinline__ void ChainEpilogue(const ChainProjection* p, float ep
 }
 
 // One phase: the row blocks of projection q that the producer tagged with `phase`, each
-// accumulated from the ring and handed to the epilogue warp (ChainHandOffSums; `jobs` counts the
+// accumulated from the ring and handed to the epilogue warps (ChainHandOffSums; `jobs` counts the
 // CTA's hand-offs). W: the weights' kind, as the skinny kernels take it (E4M3 codes: the same
 // MMAs as SkinnyAccumulate's on them, x times the RMSNorm's weight with kNormIn, the rows'
 // scales in the epilogue).
@@ -560,11 +570,11 @@ __device__ __forceinline__ void ChainPhaseCta(int phase, const ChainProjection& 
 }
 
 // The whole chain; blockDim.x = kChainThreads (the consumer warps, the producer warp, the
-// loader warp, the epilogue warp), kChainRingBytes + 2 x_stride bf16 of dynamic shared memory,
+// loader warp, the epilogue warps), kChainRingBytes + 2 x_stride bf16 of dynamic shared memory,
 // x_stride the layer's largest K; any grid size (one CTA an SM, by default). p: o, gate|up,
 // down. W: Bf16Weights, or Fp8Weights (every projection's E4M3 codes, with w_scale, and norm_w
 // for gate|up).
-static constexpr int kChainThreads = kGemvThreads + 3 * kWarpSize;
+static constexpr int kChainThreads = kGemvThreads + (2 + kChainEpilogueWarps) * kWarpSize;
 template <class W>
 __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, float eps,
                                                    int x_stride, ChainCounters* counters) {
@@ -587,7 +597,8 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
   }
   __syncthreads();
   if (threadIdx.x >= kGemvThreads + 2 * kWarpSize) {
-    ChainEpilogue(p, eps, hand_off, counters, &loader_done);
+    ChainEpilogue((threadIdx.x - kGemvThreads) / kWarpSize - 2, p, eps, hand_off, counters,
+                  &loader_done);
     return;
   }
   if (threadIdx.x >= kGemvThreads + kWarpSize) {
@@ -599,7 +610,7 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
     return;
   }
   AwaitPriorKernel();  // the residual stream
-  int jobs = 0;  // row blocks handed to the epilogue warp
+  int jobs = 0;  // row blocks handed to the epilogue warps
   ChainPhaseCta<W, 1, false>(0, p[0], ring, x, &x_loaded, hand_off, jobs);
   ConsumerSync();  // every consumer warp is past phase 0's x
   if (threadIdx.x == 0) {  // the loader may refill phase 0's buffer
@@ -607,13 +618,15 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
     *static_cast<volatile int*>(&consumers_phase) = 1;
   }
   ChainPhaseCta<W, 2, true>(1, p[1], ring, x + x_stride, &x_loaded, hand_off, jobs);
-  ReleaseNextKernel();  // as the epilogue warp does at the first row block of down
+  ReleaseNextKernel();  // as the epilogue warps do at their first row block of down
   ChainPhaseCta<W, 1, false>(2, p[2], ring, x, &x_loaded, hand_off, jobs);
-  // The end of the hand-off, then a wait for the epilogue warp's last row blocks (their buffers'
-  // release: every barrier arrival has its wait).
+  // The end of the hand-off, one a warp, then a wait for the epilogue warps' last row blocks
+  // (their buffers' release: every barrier arrival has its wait).
   const float no_acc[1][1][4] = {}, no_sum_sq[1] = {};
-  ChainHandOffSums<1, false>(hand_off, jobs, ChainTag{kChainPhases, 0}, no_acc, no_sum_sq, 0.f);
-  for (int j = max(jobs - kChainHandOffs, 0); j < jobs - 1; ++j)
+  for (int e = 0; e < kChainEpilogueWarps; ++e)  // one end a warp
+    ChainHandOffSums<1, false>(hand_off, jobs, ChainTag{kChainPhases, 0}, no_acc, no_sum_sq,
+                               0.f);
+  for (int j = max(jobs - kChainHandOffs, 0); j < jobs - kChainEpilogueWarps; ++j)
     ChainHandOffWait(kChainFreeBarrier + j % kChainHandOffs);
 }
 
