@@ -316,7 +316,8 @@ class ForwardKernels:
         self.chain_ring_bytes = self._constant("blink_chain_ring_bytes")  # then two of x
         self.chain_max_k = self._constant("blink_chain_max_k")
         self.chain_counters_words = self._constant("blink_chain_counters_bytes") // 4
-        self.chain_threads = self._constant("blink_chain_threads")  # a producer, a loader warp
+        # the consumer warps, a producer, a loader and two epilogue warps
+        self.chain_threads = self._constant("blink_chain_threads")
         if self._constant("blink_chain_projection_bytes") != ctypes.sizeof(ChainProjection):
             raise CudaError("blink::ChainProjection and cuda_forward.ChainProjection disagree")
         chain_entries = ("blink_projection_chain", "blink_projection_chain_fp8")  # bf16, E4M3

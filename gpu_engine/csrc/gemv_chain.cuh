@@ -8,7 +8,8 @@
 // E4M3 weights (the _fp8 entry, gemv.cuh Fp8Weights) take the same ring, bit for bit the FP8
 // skinny kernels' sums; they are never on by default: at 8B about even with the FP8 skinny
 // kernels since the epilogue warp below (round 26: 2.399-2.401 against 2.406 ms a step; 2.643
-// before it), at 1B slower (0.654-0.656 against 0.560).
+// before it; 2.401-2.402 against 2.414 with two, round 31), at 1B slower (0.654-0.656 against
+// 0.560).
 //
 // Why try: at batch 1 every projection needs all of the one before it, so each kernel boundary
 // is a drain and a refill of the memory pipe: the slowest CTA's tail, then the next kernel's
@@ -52,9 +53,9 @@
 // (down's first chunk needs act, act all of the shadow, the shadow every o row block). After
 // gate|up the CTA lets the next kernel launch (the next layer's qkv projection takes the room
 // beside it and starts on its weights; it waits for this grid's end before reading x). A CTA's
-// loader copies the shadow only once its producer has taken a row block of gate|up. The last CTA
-// out (an arrival count, by each epilogue warp once its end is handed off and the loader has
-// made its last poll) is the last user of the counters and zeroes them for the next step.
+// loader copies the shadow only once its producer has taken a row block of gate|up. The last
+// epilogue warp out (an arrival count, by each once its end is handed off and its CTA's loader
+// has made its last poll) is the last user of the counters and zeroes them for the next step.
 //
 // No CTA waits for another CTA, only for row blocks, and a row block is taken only by a running
 // CTA's producer, which takes all of a projection's before any of the next: so a CTA waits only
@@ -115,9 +116,9 @@ __device__ __forceinline__ constexpr int ChainChunkSteps(int row_tiles) {
   return kChainSlotBytes / (row_tiles * kChainStepBytes);
 }
 
-// The layer's counters: the CTAs out, and each phase's next row block (the
+// The layer's counters: the epilogue warps out, and each phase's next row block (the
 // producers take row blocks as they need them, so an SM that streams faster takes more).
-// Zero before the first launch; the last CTA out zeroes them for the next.
+// Zero before the first launch; the last epilogue warp out zeroes them for the next.
 struct ChainCounters {
   uint32_t arrivals;
   uint32_t next_row_block[kChainPhases];
@@ -618,10 +619,11 @@ __device__ __forceinline__ void ProjectionChainCta(const ChainProjection* p, flo
     *static_cast<volatile int*>(&consumers_phase) = 1;
   }
   ChainPhaseCta<W, 2, true>(1, p[1], ring, x + x_stride, &x_loaded, hand_off, jobs);
-  ReleaseNextKernel();  // as the epilogue warps do at their first row block of down
+  ReleaseNextKernel();  // (the epilogue warps call it too, at their first job past gate|up)
   ChainPhaseCta<W, 1, false>(2, p[2], ring, x, &x_loaded, hand_off, jobs);
-  // The end of the hand-off, one a warp, then a wait for the epilogue warps' last row blocks
-  // (their buffers' release: every barrier arrival has its wait).
+  // The end of the hand-off, one a warp; handing them off waited for the buffers' releases of
+  // the last real row blocks, so every barrier arrival has its wait (the loop below has work
+  // only where there are more buffers than epilogue warps).
   const float no_acc[1][1][4] = {}, no_sum_sq[1] = {};
   for (int e = 0; e < kChainEpilogueWarps; ++e)  // one end a warp
     ChainHandOffSums<1, false>(hand_off, jobs, ChainTag{kChainPhases, 0}, no_acc, no_sum_sq,
