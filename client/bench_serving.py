@@ -31,7 +31,10 @@ The prefix suite measures that cache, on a server started as for the others:
   tokens of their own), a few output tokens each: the median TTFT of each kind, warm / cold
   (the target: at most 10%), and the prompt tokens each request was served from the cache
   (what the engine reports, Timings.cached_prompt_tokens); then the same with an 8,000-token
-  prefix (a long system prompt or document: the lookup walks 500 cached blocks).
+  prefix (a long system prompt or document: the lookup walks 500 cached blocks). Beside the
+  server's own TTFT, the client's and gRPC's share (the client's TTFT minus the server's own)
+  and its floor: the warm requests sent again, by the same client code, to a bare gRPC server
+  that waits as long as the engine took and answers (bench_grpc_floor.py).
 - chat: 32 conversations at once, 8 turns each; a turn sends the whole conversation so far
   (the previous turn's prompt, its reply, 100 new user tokens) and generates 128 tokens:
   generated tokens/s over the run, TTFT and TPOT medians, and the share of prompt tokens
@@ -55,11 +58,12 @@ import math
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from blink.client.bench_data import BenchRequest, chat_user_turns, random_requests, \
     shared_prefix_requests
+from blink.client.bench_grpc_floor import floor_server
 from blink.client.bench_load import RequestRecord, run_conversations, run_requests
 from blink.client.bench_metrics import full_batch_gaps_ms, summarize
 from blink.client.bench_server import Server, shape_folder
@@ -99,7 +103,12 @@ class SharedPrefix:
         requests = shared_prefix_requests(self.pairs, self.prefix_tokens, self.own_tokens,
                                           self.output_tokens, vocab_size, seed=seed)
         records, _, _ = asyncio.run(run_requests(target, requests, concurrency=1))
-        return SharedPrefixResult(shape, self, cold=records[0::2], warm=records[1::2])
+        result = SharedPrefixResult(shape, self, cold=records[0::2], warm=records[1::2])
+        # the warm requests again, to a bare gRPC server that waits as long as the engine did
+        with floor_server(statistics.median(r.server_ttft_s for r in result.warm)) as floor:
+            result.floor, _, _ = asyncio.run(run_requests(floor, requests[1::2],
+                                                          concurrency=1))
+        return result
 
 
 @dataclass(frozen=True)
@@ -226,8 +235,10 @@ class SharedPrefixResult:
     step_range: tuple[int, int] = (0, 0)  # as Result's
     gpu: GpuClocks | None = None
     prefix_caching: bool = True
+    floor: list[RequestRecord] = field(default_factory=list)  # the warm ones, bench_grpc_floor
 
     HEADER = ("| shape | workload | TTFT p50 cold (ms) | TTFT p50 warm (ms) | warm / cold | "
+              "client and gRPC, warm (their floor) (ms) | "
               "cached prompt tokens a request, warm (cold) | SM MHz, W (power-capped) |")
 
     @property
@@ -246,14 +257,24 @@ class SharedPrefixResult:
                 f"{self.cold_ttft_ms:.1f} ms, warm {self.warm_ttft_ms:.1f} ms, warm / cold "
                 f"{self.warm_ttft_ms / self.cold_ttft_ms:.1%} (target <= 10%); the server's "
                 f"own (from the request's receipt) cold {server[0]:.1f} ms, warm "
-                f"{server[1]:.1f} ms; cached prompt tokens a request: warm "
+                f"{server[1]:.1f} ms; the client and gRPC, warm {client_path_ms(self.warm):.2f}"
+                f" ms (a bare gRPC server after the same wait: "
+                f"{client_path_ms(self.floor):.2f}); cached prompt tokens a request: warm "
                 f"{_counts(self.warm)} of {w.prefix_tokens + w.own_tokens:,}, cold "
                 f"{_counts(self.cold)}" + gpu_note(self.gpu))
 
     def row(self) -> str:
         return (f"| {self.shape} | {label(self)} | {self.cold_ttft_ms:.1f} | "
                 f"{self.warm_ttft_ms:.1f} | {self.warm_ttft_ms / self.cold_ttft_ms:.1%} | "
+                f"{client_path_ms(self.warm):.2f} ({client_path_ms(self.floor):.2f}) | "
                 f"{_counts(self.warm)} ({_counts(self.cold)}) | {gpu_cell(self.gpu)} |")
+
+
+def client_path_ms(records: list[RequestRecord]) -> float:
+    """The median of the client's TTFT minus the server's own (what the final's timings say):
+    gRPC both ways and the client's side."""
+    return statistics.median((r.token_times[0] - r.sent - r.server_ttft_s) * 1e3
+                             for r in records)
 
 
 @dataclass

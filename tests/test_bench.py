@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -508,6 +509,12 @@ def test_prefix_suite_on_the_cpu_engine(bench_checkpoint, tmp_path, capsys):
     assert [r.cached_prompt_tokens for r in shared_run.cold] == [0, 0]
     assert shared_run.step_range[1] > shared_run.step_range[0]
     assert "warm 64 of 72, cold 0" in shared_run.line()
+    # the warm requests again, to the bare gRPC server, which waited as long as the engine took
+    wait = statistics.median(r.server_ttft_s for r in shared_run.warm)
+    assert [(r.tokens, r.finish_reason, r.error) for r in shared_run.floor] == [
+        (1, "length", None)] * 2
+    assert all(r.server_ttft_s >= wait and r.token_times[0] - r.sent > r.server_ttft_s
+               for r in shared_run.floor)
     for c in range(chat.conversations):
         turns = chat_run.turns[c * chat.turns:(c + 1) * chat.turns]
         assert [r.tokens for r in turns] == [16] * chat.turns
@@ -523,4 +530,6 @@ def test_prefix_suite_on_the_cpu_engine(bench_checkpoint, tmp_path, capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
     assert [row.split(" | ")[1] for row in rows] == [
         "shared", "shared (no prefix caching)", "chat", "chat (no prefix caching)"]
-    assert rows[0].split(" | ")[5] == "64 (0)" and rows[2].split(" | ")[5] == "56.2%"
+    assert rows[0].split(" | ")[6] == "64 (0)" and rows[2].split(" | ")[5] == "56.2%"
+    client_path, floor = rows[0].split(" | ")[5].split()
+    assert float(client_path) > 0 and float(floor.strip("()")) > 0
