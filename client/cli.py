@@ -825,7 +825,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="DEBUG" if args.verbose else args.log_level.upper(),
                         handlers=[_log_handler(args)])
-    args.func(args)
+    try:
+        args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: what the command holds is released on the way out
+        # (a stream's call cancelled in the server, a benchmark's servers stopped); no traceback
+        print(file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 
 def _log_handler(args) -> logging.Handler:

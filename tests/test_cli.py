@@ -2,6 +2,7 @@
 restarts a crashed engine while its front end keeps serving."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -55,11 +56,14 @@ def test_dummy_weights_need_the_cuda_engine(checkpoints):
     assert "--load-format dummy needs the cuda, host-cuda or hf engine" in out.stderr
 
 
-def test_serve_generate_and_engine_restart(checkpoints, tmp_path):
+@contextlib.contextmanager
+def serving(tmp_path, model, *flags: str):
+    """`blink serve` of `model` with `flags` on a free port: (its process, its target); stopped
+    with SIGTERM after the block, which it must survive to exit 0."""
     ready, log = tmp_path / "port", open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "blink.client.cli", "serve", "--model", str(checkpoints["llama"]),
-         "--port", "0", "--ready-file", str(ready), "--engine", "cpu", "--engine-timeout", "1"],
+        [sys.executable, "-m", "blink.client.cli", "serve", "--model", str(model),
+         "--port", "0", "--ready-file", str(ready), *flags],
         stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -67,7 +71,17 @@ def test_serve_generate_and_engine_restart(checkpoints, tmp_path):
             assert serve.poll() is None and time.monotonic() < deadline, \
                 (tmp_path / "serve.log").read_text()
             time.sleep(0.05)
-        target = f"127.0.0.1:{ready.read_text()}"
+        yield serve, f"127.0.0.1:{ready.read_text()}"
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(20)
+        log.close()
+    assert serve.returncode == 0
+
+
+def test_serve_generate_and_engine_restart(checkpoints, tmp_path):
+    with serving(tmp_path, checkpoints["llama"], "--engine", "cpu",
+                 "--engine-timeout", "1") as (serve, target):
         out = blink("generate", "--target", target, "--max-tokens", "8", "--temperature", "0",
                     "--ignore-eos", "Hello")
         assert out.returncode == 0, out.stderr
@@ -94,11 +108,27 @@ def test_serve_generate_and_engine_restart(checkpoints, tmp_path):
             assert client.stats()["engine_attachments"] == 2
             assert children(serve.pid) != [engine]
             assert client.generate("after restart").completion_tokens > 0
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(20)
-        log.close()
-    assert serve.returncode == 0
+
+
+def test_generate_stops_on_ctrl_c_and_cancels_in_the_server(checkpoints, tmp_path):
+    """Ctrl-C in `blink generate` mid-stream: exit status 130 and no traceback, and the server
+    ends the request as cancelled (not left generating its 400 tokens)."""
+    with serving(tmp_path, checkpoints["llama"], "--engine", "synthetic",
+                 "--synthetic-step-ms", "20") as (_, target):
+        gen = subprocess.Popen([sys.executable, "-m", "blink.client.cli", "generate", "--target",
+                                target, "--max-tokens", "400", "--ignore-eos", "Hello"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert gen.stdout.read(1)  # streaming
+        gen.send_signal(signal.SIGINT)
+        _, err = gen.communicate(timeout=10)
+        assert gen.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
+        with BlinkClient(target) as client:
+            deadline = time.monotonic() + 5
+            while client.stats()["requests_cancelled"] != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            stats = client.stats()
+        assert (stats["requests_cancelled"], stats["requests_finished"]) == (1, 0)
+        assert stats["tokens_generated"] < 400
 
 
 @pytest.mark.parametrize("flag,field", [("--no-gemm-tuning", "gemm_tuning"),
