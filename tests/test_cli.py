@@ -12,6 +12,7 @@ import time
 
 import pytest
 from conftest import children
+from test_serving_behaviour import wait_for
 
 from blink.client.sdk import BlinkClient
 
@@ -123,9 +124,7 @@ def test_generate_stops_on_ctrl_c_and_cancels_in_the_server(checkpoints, tmp_pat
         _, err = gen.communicate(timeout=10)
         assert gen.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
         with BlinkClient(target) as client:
-            deadline = time.monotonic() + 5
-            while client.stats()["requests_cancelled"] != 1 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_for(lambda: client.stats()["requests_cancelled"] == 1, timeout=5, interval=0.02)
             stats = client.stats()
         assert (stats["requests_cancelled"], stats["requests_finished"]) == (1, 0)
         assert stats["tokens_generated"] < 400
