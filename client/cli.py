@@ -159,6 +159,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "choice of kernel. By default a shape where one of cuBLASLt's "
                         "candidates, timed at start-up, is at least 3%% faster runs that one "
                         "(choices cached in $BLINK_CACHE_DIR/gemm, default ~/.cache/blink/gemm)")
+    p.add_argument("--gemm-split-k", action="store_true",
+                   help="cuda and host-cuda engines: the GEMM tuner also times split-K "
+                        "variants of cuBLASLt's first candidates for GEMMs of up to 256 rows "
+                        "(prefill chunks of few tokens); off by default until measured")
     p.add_argument("--sm-count-target", type=int, default=None,
                    help="cuda and host-cuda engines: the SMs the forward pass's kernels are "
                         "sized for (cuBLAS's SM count target, the attention grids); default: "
@@ -266,7 +270,8 @@ def _engine_config(args, model_dir: Path):
                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_batched_tokens,
                         max_model_len=args.max_model_len, load_format=args.load_format,
-                        gemm_tuning=args.gemm_tuning, sm_count_target=args.sm_count_target,
+                        gemm_tuning=args.gemm_tuning, gemm_split_k=args.gemm_split_k,
+                        sm_count_target=args.sm_count_target,
                         decode_weight_copy=args.decode_weight_copy,
                         quantization=args.quantization, fp8_lm_head=args.fp8_lm_head,
                         fp8_fast_accum=args.fp8_fast_accum, kv_cache_dtype=args.kv_cache_dtype,
@@ -514,6 +519,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv.append("--hf-static-cache")
     if not args.gemm_tuning:
         argv.append("--no-gemm-tuning")
+    if args.gemm_split_k:
+        argv.append("--gemm-split-k")
     if not args.prefix_caching:
         argv.append("--no-prefix-caching")
     if args.sm_count_target is not None:

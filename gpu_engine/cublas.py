@@ -43,7 +43,19 @@ LT_DESC_A_SCALE_MODE, LT_DESC_B_SCALE_MODE = 31, 32
 # cublasLtMatmulMatrixScale_t: a float32 per row of op(A) and per column of op(B)
 LT_SCALE_OUTER_VEC_32F = 3
 LT_PREF_MAX_WORKSPACE_BYTES = 1
-LT_CONFIG_ID, LT_CONFIG_TILE_ID, LT_CONFIG_SPLITK_NUM = 0, 1, 2
+LT_CONFIG_ID, LT_CONFIG_TILE_ID, LT_CONFIG_SPLITK_NUM, LT_CONFIG_REDUCTION_SCHEME = 0, 1, 2, 3
+# cublasLtReductionScheme_t: how a split-K algorithm sums its parts. INPLACE adds them into the
+# output in the output's type (in turn: the workspace holds only counters that order them);
+# COMPUTE_TYPE sums them in fp32 in the workspace, then writes the output.
+LT_REDUCTION_NONE, LT_REDUCTION_INPLACE, LT_REDUCTION_COMPUTE_TYPE = 0, 1, 2
+
+# Split-K variants the tuner also times (Cublas.split_k): a GEMM of few rows has few output
+# tiles (8B's o projection at 128 rows: 32 for 132 SMs), so cutting K fills the GPU. Each
+# count is tried on the heuristic's first SPLIT_K_BASES algorithms, for shapes of up to
+# SPLIT_K_MAX_ROWS rows (above, the output tiles fill the GPU by themselves).
+SPLIT_K_COUNTS = (2, 3, 4, 6, 8)
+SPLIT_K_BASES = 3
+SPLIT_K_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -209,6 +221,9 @@ class Cublas:
         # True: FP8 GEMMs accumulate without cuBLASLt's periodic promotion to fp32 (GemmShape's
         # fast_accum), as vLLM's and TensorRT-LLM's FP8 GEMMs do; False, cuBLAS's default
         self.fp8_fast_accum = False
+        # True: lt_candidates adds split-K variants of the heuristic's first algorithms for
+        # shapes of few rows (what the tuner then times; SPLIT_K_COUNTS)
+        self.split_k = False
         # shape -> the cuBLASLt algorithm linear() runs it with (others: GemmEx's own choice)
         self.algos: dict[GemmShape, LtAlgo] = {}
         self._calls: list[GemmCall] | None = None  # linear() records here instead (recording)
@@ -315,7 +330,7 @@ class Cublas:
     def _fp8_default(self, shape: GemmShape) -> LtAlgo:
         algo = self._fp8_defaults.get(shape)
         if algo is None:
-            candidates = self.lt_candidates(shape, count=1)
+            candidates = self._lt_heuristic(shape, count=1)
             if not candidates:
                 raise CublasError(f"cuBLASLt has no FP8 GEMM with per-row scales for "
                                   f"{shape.key} on this GPU (it needs compute capability 9.0 "
@@ -371,6 +386,10 @@ class Cublas:
                 "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(LtAlgo), ctypes.c_int,
                                                          p, ctypes.c_size_t,
                                                          ctypes.POINTER(ctypes.c_size_t)],
+                "cublasLtMatmulAlgoConfigSetAttribute": [ctypes.POINTER(LtAlgo), ctypes.c_int,
+                                                         p, ctypes.c_size_t],
+                "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, ctypes.POINTER(LtAlgo),
+                                            ctypes.POINTER(_LtHeuristicResult)],
                 "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(LtAlgo), p,
                                    ctypes.c_size_t, p],
             }
@@ -424,8 +443,49 @@ class Cublas:
         return plan
 
     def lt_candidates(self, shape: GemmShape, count: int = 16) -> list[LtAlgo]:
+        """The algorithms the tuner times for the shape: cuBLASLt's heuristic's `count`, best
+        guess first, then (split_k, shapes of up to SPLIT_K_MAX_ROWS rows) split-K variants of
+        its first SPLIT_K_BASES; all fit the workspace (set_workspace first)."""
+        found = self._lt_heuristic(shape, count)
+        if self.split_k and shape.rows <= SPLIT_K_MAX_ROWS:
+            found += self._lt_split_k(shape, found[:SPLIT_K_BASES])
+        unique: dict[bytes, LtAlgo] = {}  # a variant the heuristic offers too: its place
+        for algo in found:
+            unique.setdefault(bytes(algo), algo)
+        return list(unique.values())
+
+    def _lt_split_k(self, shape: GemmShape, bases: list[LtAlgo]) -> list[LtAlgo]:
+        """Each base algorithm with each of SPLIT_K_COUNTS, where cuBLASLt accepts it for the
+        shape within the workspace (cublasLtMatmulAlgoCheck). The parts are summed in fp32:
+        in place where the output is fp32, in the workspace otherwise (a bf16 output summed
+        in place would round at every part)."""
+        api, handle = self._lt_api()
+        desc, a, b, c = self._lt_plan(shape)
+        schemes = (LT_REDUCTION_INPLACE, LT_REDUCTION_COMPUTE_TYPE) \
+            if shape.out_type == R_32F else (LT_REDUCTION_COMPUTE_TYPE,)
+        variants = []
+        for base in bases:
+            for parts in SPLIT_K_COUNTS:
+                for scheme in schemes:  # the first that cuBLASLt accepts
+                    algo = LtAlgo.from_buffer_copy(base)
+                    if any(api["cublasLtMatmulAlgoConfigSetAttribute"](
+                            ctypes.byref(algo), attr, ctypes.byref(v), ctypes.sizeof(v)) != 0
+                           for attr, v in ((LT_CONFIG_SPLITK_NUM, ctypes.c_uint32(parts)),
+                                           (LT_CONFIG_REDUCTION_SCHEME,
+                                            ctypes.c_uint32(scheme)))):
+                        continue  # an attribute this algorithm does not take
+                    result = _LtHeuristicResult()
+                    status = api["cublasLtMatmulAlgoCheck"](handle, desc, a, b, c, c,
+                                                            ctypes.byref(algo),
+                                                            ctypes.byref(result))
+                    if status == 0 and result.workspace_size <= self.workspace_bytes:
+                        variants.append(algo)
+                        break
+        return variants
+
+    def _lt_heuristic(self, shape: GemmShape, count: int) -> list[LtAlgo]:
         """cuBLASLt's heuristic's algorithms for the shape, best guess first, those that fit
-        the workspace (set_workspace first)."""
+        the workspace."""
         api, handle = self._lt_api()
         desc, a, b, c = self._lt_plan(shape)
         pref = ctypes.c_void_p()
@@ -451,11 +511,12 @@ class Cublas:
                 if r.state == 0 and r.workspace_size <= self.workspace_bytes]
 
     def lt_describe(self, algo: LtAlgo) -> str:
-        """The algorithm's id, tile and split-K count, for logs."""
+        """The algorithm's id, tile, split-K count and reduction scheme, for logs."""
         api, _ = self._lt_api()
         parts = []
         for attr, name in ((LT_CONFIG_ID, "id"), (LT_CONFIG_TILE_ID, "tile"),
-                           (LT_CONFIG_SPLITK_NUM, "split-k")):
+                           (LT_CONFIG_SPLITK_NUM, "split-k"),
+                           (LT_CONFIG_REDUCTION_SCHEME, "reduction")):
             value, written = ctypes.c_uint32(), ctypes.c_size_t()
             status = api["cublasLtMatmulAlgoConfigGetAttribute"](
                 ctypes.byref(algo), attr, ctypes.byref(value), ctypes.sizeof(value),

@@ -1015,7 +1015,7 @@ class CudaForward:
                  random_seed: int = 0, skinny: bool = True,
                  decode_min_keys: int | None = None, programmatic_launch: bool = True,
                  fuse_norm_rope: bool = True, max_attention_splits: int | None = None,
-                 gemm_tuning: bool = True, held_sms: int = 1,
+                 gemm_tuning: bool = True, gemm_split_k: bool = False, held_sms: int = 1,
                  sm_count_target: int | None = None, decode_weight_copy: bool = True,
                  splitk_residual: bool = True, skinny_qkv_rope: bool = True,
                  rowblock_gate_up: bool = True, norm_release: bool = True,
@@ -1043,7 +1043,8 @@ class CudaForward:
         over its other tokens' CTAs).
         gemm_tuning: each cuBLAS GEMM shape runs the fastest of cuBLAS's own choice and
         cuBLASLt's candidates, timed at start-up or read from the cache (gemm_tuning.py; False:
-        cuBLAS's own choice everywhere).
+        cuBLAS's own choice everywhere). gemm_split_k: the tuner also times split-K variants
+        of cuBLASLt's first candidates for shapes of few rows (Cublas.split_k).
         held_sms: SMs another kernel holds while the graphs run: the scheduler kernel's one CTA
         (0 where the host launches them). The graphs' kernels are sized for the other SMs
         (cuBLAS's SM count target, the attention grids), and bench_decode and the GEMM tuner
@@ -1178,6 +1179,7 @@ class CudaForward:
         self.blas.set_workspace(self.workspace.ptr, workspace_bytes)
         self.blas.set_pointer_mode(device=False)
         self.blas.fp8_fast_accum = bool(fp8_fast_accum)
+        self.blas.split_k = bool(gemm_split_k)
         # cuBLAS sizes its persistent GEMMs' grids for the device's SMs: with one held, one CTA
         # of such a grid waits for a second round
         self.blas.set_sm_count_target(0 if k.sm_count == k.device_sm_count else k.sm_count)
@@ -1188,7 +1190,7 @@ class CudaForward:
             name = check(driver.cuDeviceGetName(256, k.device), "cuDeviceGetName")
             path = cache_file(cache_dir("gemm"), name.split(b"\0")[0].decode(),
                               self.blas.version, workspace_bytes, self.blas.sm_count_target,
-                              k.held_sms)
+                              k.held_sms, self.blas.split_k)
             self.gemm_tuner = GemmTuner(self.blas, self.stream, ChoiceCache(path),
                                         beside=self.holding_sms)
 

@@ -141,13 +141,15 @@ class ChoiceCache:
 
 
 def cache_file(directory: Path, device_name: str, cublas_version: int,
-               workspace_bytes: int, sm_count_target: int = 0, held_sms: int = 0) -> Path:
-    """Where one GPU model, cuBLAS version, workspace size, SM count target (0: the device's)
-    and count of SMs held beside the timing keep their choices (the workspace bounds which
-    algorithms can run, the target how cuBLAS sizes them, the held SMs what they run beside)."""
+               workspace_bytes: int, sm_count_target: int = 0, held_sms: int = 0,
+               split_k: bool = False) -> Path:
+    """Where one GPU model, cuBLAS version, workspace size, SM count target (0: the device's),
+    count of SMs held beside the timing and candidate set keep their choices (the workspace
+    bounds which algorithms can run, the target how cuBLAS sizes them, the held SMs what they
+    run beside; split_k: Cublas.split_k's variants were timed too)."""
     device = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower() or "gpu"
     sms = (f"-sms{sm_count_target}" if sm_count_target else "") + \
-        (f"-held{held_sms}" if held_sms else "")
+        (f"-held{held_sms}" if held_sms else "") + ("-splitk" if split_k else "")
     return directory / (f"{device}-cublas{cublas_version}-ws{workspace_bytes >> 20}m{sms}"
                         f"-v{METHOD_VERSION}.json")
 

@@ -52,6 +52,9 @@ class EngineConfig:
     # CUDA engines: time cuBLAS's own GEMM choice against cuBLASLt's candidates at start-up and
     # keep the fastest per shape (gpu_engine/gemm_tuning.py); False: cuBLAS's own everywhere
     gemm_tuning: bool = True
+    # CUDA engines: the tuner also times split-K variants of cuBLASLt's first candidates for
+    # GEMMs of up to 256 rows (Cublas.split_k; off until measured on the H200)
+    gemm_split_k: bool = False
     # CUDA engines: the SMs the forward pass's kernels are sized for (cuBLAS's SM count target,
     # the attention grids); None: the device's less those the scheduler kernel holds; 0: all
     sm_count_target: int | None = None

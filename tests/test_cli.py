@@ -130,6 +130,19 @@ def test_generate_stops_on_ctrl_c_and_cancels_in_the_server(checkpoints, tmp_pat
         assert stats["tokens_generated"] < 400
 
 
+def test_gemm_split_k_flag_reaches_the_engine(tmp_path):
+    """--gemm-split-k (off by default) travels from `blink serve` to the engine's config."""
+    from blink.client.cli import _engine_argv, _engine_config, build_parser
+    parser = build_parser()
+    off = parser.parse_args(["serve", "--model", str(tmp_path)])
+    assert _engine_config(off, tmp_path).gemm_split_k is False
+    assert "--gemm-split-k" not in _engine_argv(off, tmp_path)
+    argv = _engine_argv(parser.parse_args(["serve", "--model", str(tmp_path), "--gemm-split-k"]),
+                        tmp_path)
+    engine = parser.parse_args(argv[argv.index("engine"):])
+    assert _engine_config(engine, tmp_path).gemm_split_k is True
+
+
 @pytest.mark.parametrize("flag,field", [("--no-gemm-tuning", "gemm_tuning"),
                                         ("--no-decode-weight-copy", "decode_weight_copy"),
                                         ("--no-fp8-lm-head", "fp8_lm_head"),

@@ -183,10 +183,12 @@ def test_cublas_linear_bf16_and_fp32_accumulate(cf, stream, rows):
     blas.close()
 
 
+@pytest.mark.parametrize("split_k", [False, True])
 @pytest.mark.parametrize("rows", [19, 160])
-def test_cublas_lt_every_candidate_computes_the_linear(cf, stream, rows):
-    """Every algorithm cuBLASLt offers for a shape (what the GEMM tuner may pick), bf16 out and
-    fp32 accumulate, against float64; and a recorded linear() launches nothing."""
+def test_cublas_lt_every_candidate_computes_the_linear(cf, stream, rows, split_k):
+    """Every algorithm cuBLASLt offers for a shape (what the GEMM tuner may pick; split_k: with
+    Cublas.split_k's variants), bf16 out and fp32 accumulate, against float64; and a recorded
+    linear() launches nothing."""
     from blink.gpu_engine.cublas import R_16BF, R_32F, GemmShape
     rng = np.random.default_rng(rows)
     k_in, n_out = 1024, 384
@@ -195,10 +197,13 @@ def test_cublas_lt_every_candidate_computes_the_linear(cf, stream, rows):
     resid = rng.standard_normal((rows, n_out)).astype(np.float32)
     ref = x.astype(np.float64) @ w.T.astype(np.float64)
     blas, _ws = _blas(cf, stream)
+    blas.split_k = split_k
     dx, dw = dev(cf, float32_to_bf16_bits(x)), dev(cf, float32_to_bf16_bits(w))
     for out_type, accumulate in ((R_16BF, False), (R_32F, True)):
         algos = blas.lt_candidates(GemmShape(rows, k_in, n_out, out_type, accumulate))
         assert algos, "cuBLASLt offered no algorithm"
+        REPORT["env"][f"cublas_lt_candidates_{rows}_rows_{out_type}_split_k_{split_k}"] = \
+            [blas.lt_describe(a) for a in algos]
         for algo in algos:
             if accumulate:
                 out = dev(cf, resid)
@@ -217,7 +222,6 @@ def test_cublas_lt_every_candidate_computes_the_linear(cf, stream, rows):
     assert [(c.shape, c.x, c.w, c.out) for c in calls] == [
         (GemmShape(rows, k_in, n_out, R_16BF, False), dx.ptr, dw.ptr, out.ptr)]
     assert (out.download() == POISON_BF16).all()
-    REPORT["env"][f"cublas_lt_candidates_{rows}_rows"] = len(algos)
     blas.close()
 
 

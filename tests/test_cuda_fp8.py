@@ -115,8 +115,8 @@ def test_cublas_linear_fp8(cf, stream, rows, fast_accum):
     """E4M3 x and w with a scale per token row and per weight row (outer-vector scaling): bf16
     out and fp32 added into the residual, against float64 on the codes' values; two calls with
     their own scales captured into one graph (a scale pointer is each call's), and every
-    candidate algorithm the tuner may pick; with cuBLASLt's periodic promotion to fp32 and
-    without it (fast_accum, the engine's default)."""
+    candidate algorithm the tuner may pick (split-K variants too, and with fp32 outputs); with
+    cuBLASLt's periodic promotion to fp32 and without it (fast_accum, the engine's default)."""
     from blink.gpu_engine import cuda_runtime as cr
     from blink.gpu_engine.cublas import R_16BF, R_32F
     rng = np.random.default_rng(rows)
@@ -168,13 +168,21 @@ def test_cublas_linear_fp8(cf, stream, rows, fast_accum):
         cf.synchronize(stream)
         assert not np.array_equal(out32.download(), fast)
         blas.fp8_fast_accum = True
-    dw, dws, ref, out16, _ = layers[1]
+    dw, dws, ref, out16, out32 = layers[1]
+    blas.split_k = True  # the heuristic's candidates and their split-K variants
     for algo in blas.lt_candidates(blas.fp8_shape(rows, k_in, n_out, R_16BF, False)):
         out16.fill_bytes(0xFF)
         blas.linear_fp8(dx.ptr, dxs.ptr, dw.ptr, dws.ptr, out16.ptr, rows, k_in, n_out,
                         algo=algo)
         cf.synchronize(stream)
         assert rel_err(bf16_to_f32(out16.download()), ref) < 1e-2, blas.lt_describe(algo)
+    for algo in blas.lt_candidates(blas.fp8_shape(rows, k_in, n_out, R_32F, True)):
+        out32.upload(resid)
+        blas.linear_fp8(dx.ptr, dxs.ptr, dw.ptr, dws.ptr, out32.ptr, rows, k_in, n_out, R_32F,
+                        accumulate=True, algo=algo)
+        cf.synchronize(stream)
+        assert rel_err(out32.download(), ref + resid) < (2e-3 if fast_accum else 1e-3), \
+            blas.lt_describe(algo)
     blas.close()
 
 

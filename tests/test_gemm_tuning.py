@@ -66,6 +66,9 @@ def test_cache_round_trip_merges_and_survives_garbage(tmp_path):
     # the same target timed on the whole GPU (a host-launched engine): other timings
     assert cache_file(tmp_path, "NVIDIA H200", 130100, 32 << 20, 131).name == \
         f"nvidia-h200-cublas130100-ws32m-sms131-v{METHOD_VERSION}.json"
+    # split-K variants timed too: another candidate set, another file
+    assert cache_file(tmp_path, "NVIDIA H200", 130100, 32 << 20, 131, 1, split_k=True).name \
+        == f"nvidia-h200-cublas130100-ws32m-sms131-held1-splitk-v{METHOD_VERSION}.json"
     cache = ChoiceCache(path)
     assert cache.load() == {}
     first = {"a": Choice(algo(1), 267.0, 145.4, "id 6 tile 20 split-k 1"),
@@ -176,6 +179,122 @@ class FakeGpu:
 
     def cuGraphExecDestroy(self, graph):
         self.destroyed += 1
+
+
+class FakeLt:
+    """The cuBLASLt calls Cublas.lt_candidates makes, on fake algorithms: an algorithm is its
+    name's bytes, with the split-K count in data[6] and the reduction scheme in data[7]. The
+    heuristic offers `offered`; "nosplit" takes no split-K count; "noinplace" no in-place
+    reduction; a workspace reduction needs rows x out x 4 bytes a part, as cuBLASLt's does."""
+
+    def __init__(self, offered: list[LtAlgo]):
+        self.offered, self.checked = offered, []
+        self.api = {name: getattr(self, name) for name in (
+            "cublasLtMatmulPreferenceCreate", "cublasLtMatmulPreferenceSetAttribute",
+            "cublasLtMatmulPreferenceDestroy", "cublasLtMatmulAlgoGetHeuristic",
+            "cublasLtMatmulAlgoConfigSetAttribute", "cublasLtMatmulAlgoCheck")}
+
+    def cublasLtMatmulPreferenceCreate(self, pref):
+        return 0
+
+    def cublasLtMatmulPreferenceSetAttribute(self, pref, attr, value, size):
+        return 0
+
+    def cublasLtMatmulPreferenceDestroy(self, pref):
+        return 0
+
+    def cublasLtMatmulAlgoGetHeuristic(self, handle, desc, a, b, c, d, pref, count, results,
+                                       found):
+        for i, offered in enumerate(self.offered[:count]):
+            results[i].algo = offered
+        found._obj.value = min(count, len(self.offered))
+        return 0
+
+    def cublasLtMatmulAlgoConfigSetAttribute(self, algo, attr, value, size):
+        from blink.gpu_engine.cublas import LT_CONFIG_SPLITK_NUM
+        assert size == 4  # both attributes are uint32_t
+        if attr == LT_CONFIG_SPLITK_NUM and bytes(algo._obj).startswith(b"nosplit"):
+            return 15  # CUBLAS_STATUS_NOT_SUPPORTED
+        algo._obj.data[6 if attr == LT_CONFIG_SPLITK_NUM else 7] = value._obj.value
+        return 0
+
+    def cublasLtMatmulAlgoCheck(self, handle, desc, a, b, c, d, algo, result):
+        from blink.gpu_engine.cublas import LT_REDUCTION_INPLACE
+        parts, scheme = algo._obj.data[6], algo._obj.data[7]
+        self.checked.append((split_name(algo._obj), parts, scheme))
+        if scheme == LT_REDUCTION_INPLACE:
+            if bytes(algo._obj).startswith(b"noinplace"):
+                return 15
+            result._obj.workspace_size = 64
+        else:
+            result._obj.workspace_size = self.rows * self.out * 4 * parts
+        return 0
+
+
+def split_name(algo: LtAlgo) -> str:
+    return bytes(algo)[:48].rstrip(b"\0").decode()
+
+
+def fake_lt_blas(shape: GemmShape, offered: list[str], workspace: int = 8 << 20):
+    from blink.gpu_engine.cublas import Cublas
+    lt = FakeLt([name_algo(n) for n in offered])
+    lt.rows, lt.out = shape.rows, shape.out_features
+    blas = Cublas.__new__(Cublas)  # no libcublas: the fake's calls only
+    blas.split_k, blas.workspace, blas.workspace_bytes = True, 1, workspace
+    blas._lt, blas._lt_plans, blas._fp8_defaults = (lt.api, None), {shape: (1, 2, 3, 4)}, {}
+    return blas, lt
+
+
+def test_split_k_variants_follow_what_cublaslt_accepts():
+    """Cublas.split_k adds, after the heuristic's candidates in its order, each of the first
+    SPLIT_K_BASES with each SPLIT_K_COUNTS count: summed in place where the output is fp32
+    and the algorithm takes it, in the workspace otherwise (bf16 outputs always), kept only
+    where cuBLASLt's check accepts it within the workspace; no variant twice; none for shapes
+    past SPLIT_K_MAX_ROWS rows, none with split_k off; an FP8 shape's default stays the
+    heuristic's first."""
+    from blink.gpu_engine.cublas import LT_REDUCTION_COMPUTE_TYPE as WS
+    from blink.gpu_engine.cublas import LT_REDUCTION_INPLACE as INPLACE
+    from blink.gpu_engine.cublas import SPLIT_K_BASES, SPLIT_K_COUNTS, SPLIT_K_MAX_ROWS
+    assert SPLIT_K_BASES == 3
+    offered = ["noinplace-a", "nosplit-b", "c", "d"]
+
+    def candidates(shape, workspace=8 << 20):
+        blas, lt = fake_lt_blas(shape, offered, workspace)
+        names = [(split_name(a), a.data[6], a.data[7]) for a in blas.lt_candidates(shape)]
+        return names, lt.checked
+
+    # bf16 out, 128 x 4096 -> 4096: a part's fp32 sums are 2 MB, 4 fit in 8 MB
+    bf16 = GemmShape(128, 4096, 4096, R_16BF, False)
+    names, checked = candidates(bf16)
+    assert names[:4] == [(n, 0, 0) for n in offered]  # the heuristic's, in its order
+    assert names[4:] == [(n, k, WS) for n in ("noinplace-a", "c") for k in (2, 3, 4)]
+    assert {(n, s) for n, _, s in checked} == {("noinplace-a", WS), ("c", WS)}  # never d
+    # fp32 out (the residual add): in place where the algorithm takes it, whatever the count
+    f32 = GemmShape(128, 4096, 4096, R_32F, True)
+    names, checked = candidates(f32)
+    assert names[4:] == [("noinplace-a", k, WS) for k in (2, 3, 4)] + \
+        [("c", k, INPLACE) for k in SPLIT_K_COUNTS]
+    assert ("noinplace-a", 8, INPLACE) in checked and ("noinplace-a", 8, WS) in checked
+    # a workspace of 1 MB holds no part's sums: only in-place variants are left
+    names, _ = candidates(f32, workspace=1 << 20)
+    assert names[4:] == [("c", k, INPLACE) for k in SPLIT_K_COUNTS]
+    # shapes with enough output tiles, and split_k off: the heuristic's alone
+    wide = GemmShape(SPLIT_K_MAX_ROWS + 1, 4096, 4096, R_16BF, False)
+    assert [n for n, _, _ in candidates(wide)[0]] == offered
+    blas, _ = fake_lt_blas(bf16, offered)
+    blas.split_k = False
+    assert [split_name(a) for a in blas.lt_candidates(bf16)] == offered
+    # a variant the heuristic already offers keeps the heuristic's place, once
+    blas, lt = fake_lt_blas(bf16, offered)
+    twin = name_algo("c")
+    twin.data[6], twin.data[7] = 3, WS
+    lt.offered.append(twin)
+    found = [(split_name(a), a.data[6]) for a in blas.lt_candidates(bf16)]
+    assert found.count(("c", 3)) == 1 and found.index(("c", 3)) == 4
+    # FP8 GEMMs with no tuned choice run the heuristic's first, found with no variant checked
+    fp8 = GemmShape(128, 4096, 4096, R_16BF, False, fp8=True)
+    blas, lt = fake_lt_blas(fp8, offered)
+    assert split_name(blas._fp8_default(fp8)) == "noinplace-a" and lt.checked == []
 
 
 class FakeBlas:
