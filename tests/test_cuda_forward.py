@@ -1703,6 +1703,19 @@ def test_forward_mixed_batch(models, arch):
     pair.record("mixed batch")
 
 
+def test_default_buckets(cf):
+    """Powers of two, then four an octave (two where four would pass MAX_BUCKETS), the cap
+    last; fine_from moves where the octaves split."""
+    assert cf.default_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert cf.default_buckets(512) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 224, 256, 320,
+                                       384, 448, 512]
+    assert cf.default_buckets(200, fine_from=64) == [1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128,
+                                                     160, 192, 200]
+    assert cf.default_buckets(2048, fine_from=64)[6:11] == [64, 80, 96, 112, 128]
+    assert len(cf.default_buckets(2048, fine_from=64)) == 27
+    assert cf.default_buckets(1 << 16)[-3:] == [32768, 49152, 65536]  # two an octave
+
+
 def test_forward_graphs_cover_every_bucket(models):
     _, _, engine = models["llama"]
     assert sorted(engine.graph_execs) == engine.buckets == [1, 2, 4, 8, 16, 32, 64, 128]
