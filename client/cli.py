@@ -349,7 +349,7 @@ def _fp8_for_this_gpu(config, compute_capability: tuple[int, int]):
 def cmd_engine(args) -> None:
     from blink.gpu_engine.ring_server import RingInUse
     if args.exit_with_parent is not None:
-        _exit_with_parent(args.exit_with_parent)
+        _exit_with_parent(args.exit_with_parent, "blink engine")
     _check_transport(args)
     _check_engine_args(args)
     config = _engine_config(args, _model_dir(
@@ -438,8 +438,10 @@ def _claim_port(args) -> None:
         args.port = probe.getsockname()[1]
 
 
-def _frontend_worker(args, model_dir: Path, index: int) -> None:
-    """One extra front-end worker process (multiprocessing target)."""
+def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None:
+    """One extra front-end worker process (multiprocessing target). It stops with its parent,
+    however that ends (a kill -9 of serve used to leave it serving NOT_SERVING on the port)."""
+    _exit_with_parent(parent_pid, f"blink front-end worker {index + 1}")
     from blink.nic_service.server import serve
     logging.basicConfig(level="DEBUG" if args.verbose else args.log_level.upper(),
                         handlers=[_log_handler(args)])
@@ -452,21 +454,28 @@ def _frontend_worker(args, model_dir: Path, index: int) -> None:
 
 class FrontendWorkers:
     """Front-end workers 1 .. N-1 as processes (this process is worker 0), each restarted if it
-    dies until stop(). The port must have been claimed (_claim_port)."""
+    dies until stop(): at once after a run of RESTART_RESET_S, else after a wait that doubles
+    up to RESTART_MAX_WAIT_S (a worker that cannot start, its metrics port taken say, is not
+    restarted twice a second for ever). The port must have been claimed (_claim_port)."""
+    RESTART_RESET_S = 30.0
+    RESTART_MAX_WAIT_S = 30.0
 
     def __init__(self, args, model_dir: Path):
         self.args, self.model_dir = args, model_dir
         self.procs: dict[int, object] = {}
+        self.started: dict[int, float] = {}      # index -> when its process started
+        self.restart_wait: dict[int, float] = {}  # index -> its next quick failure's wait
+        self.restart_at: dict[int, float] = {}    # index -> when to start it again
         self.stopping = False
         self._watcher = None
 
     def _spawn(self, index: int) -> None:
         import multiprocessing
         proc = multiprocessing.get_context("spawn").Process(
-            target=_frontend_worker, args=(self.args, self.model_dir, index),
+            target=_frontend_worker, args=(self.args, self.model_dir, index, os.getpid()),
             name=f"blink-frontend-{index}")
         proc.start()
-        self.procs[index] = proc
+        self.procs[index], self.started[index] = proc, time.monotonic()
 
     def start(self) -> None:
         if self.args.workers == 1:
@@ -478,14 +487,27 @@ class FrontendWorkers:
         self._watcher.start()
 
     def _watch(self) -> None:
-        log = logging.getLogger("blink.frontend")
         while not self.stopping:
             time.sleep(0.5)
-            for index, proc in list(self.procs.items()):
-                if not self.stopping and not proc.is_alive():
-                    log.warning("front-end worker %d exited with %s; restarting", index + 1,
-                                proc.exitcode)
-                    self._spawn(index)
+            for index in list(self.procs):
+                if not self.stopping:
+                    self._restart_if_dead(index, time.monotonic())
+
+    def _restart_if_dead(self, index: int, now: float) -> None:
+        proc = self.procs[index]
+        if proc.is_alive():
+            return
+        if index not in self.restart_at:  # it just died: when to start it again
+            ran = now - self.started[index]
+            wait = 0.0 if ran > self.RESTART_RESET_S else self.restart_wait.get(index, 0.5)
+            self.restart_wait[index] = min(max(2 * wait, 0.5), self.RESTART_MAX_WAIT_S)
+            self.restart_at[index] = now + wait
+            logging.getLogger("blink.frontend").warning(
+                "front-end worker %d exited with %s after %.1f s; restarting in %.1f s",
+                index + 1, proc.exitcode, ran, wait)
+        if now >= self.restart_at[index]:
+            del self.restart_at[index]
+            self._spawn(index)
 
     def stop(self) -> None:
         """SIGTERM to every worker: each drains its own streams."""
@@ -546,15 +568,16 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
     return argv
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def _exit_with_parent(parent_pid: int, who: str) -> None:
     """SIGTERM to this process when its parent exits (Linux prctl PR_SET_PDEATHSIG), set by the
-    engine itself after exec: a preexec_fn would run Python in a child forked from serve's
-    threads (gRPC's), which can crash before the exec (a restarted engine exited with SIGSEGV
-    so). A parent already gone by then has left this process to another: exit."""
+    child itself (the engine after exec, a front-end worker as it starts): a preexec_fn would
+    run Python in a child forked from serve's threads (gRPC's), which can crash before the exec
+    (a restarted engine exited with SIGSEGV so). A parent already gone by then has left this
+    process to another: exit."""
     import ctypes
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     if os.getppid() != parent_pid:
-        sys.exit(f"blink engine: its parent {parent_pid} has exited")
+        sys.exit(f"{who}: its parent {parent_pid} has exited")
 
 
 async def _supervise_engine(argv: list[str], stop: asyncio.Event, link,
@@ -562,21 +585,25 @@ async def _supervise_engine(argv: list[str], stop: asyncio.Event, link,
     """Runs the engine process and restarts it when it dies, or when its heartbeat (as the
     front end's link sees it) has not moved for restart_timeout_s (0: never); the front end
     keeps serving and re-attaches on its own. An engine that exits before its first heartbeat
-    ends the supervision: returns its exit status (0 once `stop` is set)."""
+    ends the supervision: returns its exit status (0 once `stop` is set). An engine killed
+    leaves its ring in /dev/shm: removed here (serve's ring is its own)."""
     log = logging.getLogger("blink.serve")
     backoff = 0.5
     while not stop.is_set():
         # its own session: a terminal's Ctrl-C reaches serve, which drains before stopping the
         # engine; and the engine gets SIGTERM should serve itself die (--exit-with-parent)
         proc = await asyncio.create_subprocess_exec(*argv, start_new_session=True)
-        started = time.monotonic()
+        started, attachments = time.monotonic(), link.attachments
         waiter = asyncio.ensure_future(proc.wait())
         stopper = asyncio.ensure_future(stop.wait())
         ready = False
         while not (waiter.done() or stopper.done()):
             await asyncio.wait({waiter, stopper}, timeout=1.0)
+            # ready once the link has attached since this engine started: until then its
+            # liveness and heartbeat are the previous engine's (a restart would take those of
+            # a crashed engine for this one's, and kill it as stuck while it still loads)
+            ready = ready or link.attachments > attachments
             age = link.heartbeat_age()
-            ready = ready or link.alive
             if (proc.returncode is None and ready and restart_timeout_s
                     and age is not None and age > restart_timeout_s):
                 log.warning("engine stuck (no heartbeat for %.0f s); killing it to restart",
@@ -584,19 +611,41 @@ async def _supervise_engine(argv: list[str], stop: asyncio.Event, link,
                 proc.kill()
         if stop.is_set():
             if proc.returncode is None:
+                # an engine that answers gets time to stop its kernel; a silent one (stalled,
+                # stopped) may never act on SIGTERM
                 proc.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(waiter, 10)
-                except asyncio.TimeoutError:
+                if not (await asyncio.wait({waiter}, timeout=10 if link.alive else 2))[0]:
                     proc.kill()
+                    await waiter
+            _remove_ring_of(link.ring_name, proc.pid)
             return 0
         stopper.cancel()
         if not ready:
+            _remove_ring_of(link.ring_name, proc.pid)
             return proc.returncode or 1
         log.warning("engine exited with %s; restarting", proc.returncode)
         backoff = 0.5 if time.monotonic() - started > 30 else min(backoff * 2, 10)
         await asyncio.sleep(backoff)
     return 0
+
+
+def _remove_ring_of(ring_name: str, engine_pid: int) -> None:
+    """Removes /dev/shm/ring_name if the engine `engine_pid` (exited) left it behind."""
+    import numpy as np
+
+    from blink.ring.layout import HEADER_DTYPE
+    from blink.ring.shm import ShmSegment
+    try:
+        seg = ShmSegment.attach(ring_name)
+    except (FileNotFoundError, PermissionError, ValueError):
+        return
+    try:
+        if seg.size >= HEADER_DTYPE.itemsize:
+            header = np.frombuffer(seg.mmap[:HEADER_DTYPE.itemsize], HEADER_DTYPE)[0]
+            if int(header["engine_pid"]) == engine_pid:
+                seg.unlink()
+    finally:
+        seg.close()
 
 
 def default_ring_name() -> str:

@@ -44,6 +44,9 @@ class EngineInfo:
     eos_ids: tuple[int, ...]
     geometry: RingGeometry
     engine_kind: EngineKind
+    # the whole paged KV cache in tokens (its blocks x block size): no sequence grows past it;
+    # 0 where the engine has no paged cache (the hf engine)
+    kv_capacity_tokens: int = 0
 
 
 @dataclass
@@ -109,7 +112,8 @@ def _open_ring(ring_name: str, dialer=None) -> tuple[RingTransport, EngineInfo]:
             model_name=bytes(h["model_name"]).rstrip(b"\0").decode(errors="replace"),
             vocab_size=int(h["vocab_size"]), context_length=int(h["context_length"]),
             eos_ids=tuple(int(x) for x in h["eos_ids"][: int(h["num_eos_ids"])]),
-            geometry=geom, engine_kind=EngineKind(int(h["engine_kind"])))
+            geometry=geom, engine_kind=EngineKind(int(h["engine_kind"])),
+            kv_capacity_tokens=int(h["kv_blocks_total"]) * int(h["kv_block_size"]))
         return transport, info
     except BaseException:
         transport.close()
@@ -304,8 +308,12 @@ class EngineLink:
             return
         handle.cancelled, handle.stop_matched = True, stop_matched
         if self.alive and self.info.instance == handle.instance:
-            off = self.info.geometry.slot_offset(handle.slot) + 4
-            self._transport.write(off, u32_bytes(handle.gen))
+            self._write_cancel(handle.slot, handle.gen)
+
+    def _write_cancel(self, slot: int, gen: int) -> None:
+        """The slot's cancel word: the engine stops generation `gen` of the slot when it reads
+        it (at once if running, as it admits it otherwise)."""
+        self._transport.write(self.info.geometry.slot_offset(slot) + 4, u32_bytes(gen))
 
     async def _acquire_slot(self) -> int:
         if self._free and not self._waiters:
@@ -430,6 +438,7 @@ class EngineLink:
             log.error("the ring has %d slots: too few for %d front-end workers",
                       geom.num_slots, self.workers)
             return
+        self._cancel_orphans(share, begins[share.start:share.stop])
         self._free = deque(reversed(share))  # the share's first slot first
         self._share = share
         self._want_gen = np.full(len(share), -1, np.int64)
@@ -442,6 +451,25 @@ class EngineLink:
             self._last_beat_change = time.monotonic()
         log.info("attached to engine ring %s (instance %x): model %s, %d slots",
                  self.ring_where, info.instance, info.model_name, geom.num_slots)
+
+    def _cancel_orphans(self, share: range, last_gen: np.ndarray) -> None:
+        """Cancels what an earlier front end left running in this share's slots (it was killed,
+        or it gave up on the engine as stalled and the engine came back): each slot whose last
+        generation (last_gen, its seq_begin) the engine has not finished. Otherwise the engine
+        generates for no one until max_tokens, holding KV blocks and a sequence of
+        --max-num-seqs, unless a new request happens to take the slot. A generation not
+        admitted yet is cancelled as it is admitted; one that is finished is left alone."""
+        t, geom = self._transport, self.info.geometry
+        base, stride, n = geom.record_offset(share.start), geom.record_bytes, len(share)
+        gen = np.frombuffer(t.read_strided(base + _GEN, stride, n, 4), "<u4")  # gen first
+        finish = np.frombuffer(t.read_strided(base + _FINISH, stride, n, 4), "<u4")
+        orphans = np.flatnonzero((last_gen != 0)
+                                 & ((gen != last_gen) | (finish == FinishReason.NONE)))
+        for i in orphans.tolist():
+            self._write_cancel(share.start + i, int(last_gen[i]))
+        if len(orphans):
+            log.warning("cancelled %d requests an earlier front end left in the engine",
+                        len(orphans))
 
     def _watch_records(self, transport: RingTransport, geom: RingGeometry, share: range) -> None:
         """Hands RecordWatch views of this share's records, where the transport has them."""
@@ -480,6 +508,7 @@ class EngineLink:
             if not handle.done:
                 handle.done = True
                 handle.events.put_nowait(why)
+        self._cancel_live()
         self._live.clear()
         for fut in self._waiters:
             if not fut.done():
@@ -492,6 +521,19 @@ class EngineLink:
         if self._transport is not None:
             self._transport.close()
         self._transport, self.info = None, None
+
+    def _cancel_live(self) -> None:
+        """Asks the engine to stop every live request of this link, which is giving them up: a
+        stalled engine that recovers then does not generate for no one (a re-attach cancels
+        them too: _cancel_orphans). Best effort: the mapping may be what failed."""
+        if self._transport is None or self.info is None:
+            return
+        try:
+            for handle in self._live.values():
+                if handle.instance == self.info.instance:
+                    self._write_cancel(handle.slot, handle.gen)
+        except Exception as e:  # a broken mapping: the re-attach's pass cancels them
+            log.debug("cancelling live requests on detach: %s", e)
 
     def _poll_once(self) -> None:
         if self._read_header() and self._live:

@@ -259,7 +259,14 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                                  f"and at least one token must be generated")
 
         s = req.sampling
-        max_tokens = s.max_tokens if s.HasField("max_tokens") else ctx - len(ids)
+        if s.HasField("max_tokens"):
+            max_tokens = s.max_tokens
+        else:  # as much as the context, and the whole KV cache where that is smaller, allow
+            room = min(ctx, info.kv_capacity_tokens or ctx)
+            if len(ids) >= room:
+                raise InvalidRequest(f"prompt has {len(ids)} tokens; the KV cache holds {room} "
+                                     f"and at least one token must be generated")
+            max_tokens = room - len(ids)
         if max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1")
         if len(ids) + max_tokens > ctx:

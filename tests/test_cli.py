@@ -130,6 +130,47 @@ def test_generate_stops_on_ctrl_c_and_cancels_in_the_server(checkpoints, tmp_pat
         assert stats["tokens_generated"] < 400
 
 
+def test_front_end_worker_restarts_back_off_while_it_keeps_failing(tmp_path):
+    """A front-end worker that dies is started again: at once after a long run, else after a
+    wait that doubles per quick failure up to RESTART_MAX_WAIT_S (one that cannot start used
+    to be restarted twice a second for ever), back to short once one runs long."""
+    from blink.client.cli import FrontendWorkers
+    workers = FrontendWorkers(args=None, model_dir=tmp_path)
+    clock = {"now": 0.0, "lifetime": 0.0}
+    spawns = []
+
+    class Process:
+        exitcode = 1
+
+        def __init__(self):
+            self.dies_at = clock["now"] + clock["lifetime"]
+
+        def is_alive(self):
+            return clock["now"] < self.dies_at
+
+    def spawn(index):
+        spawns.append(clock["now"])
+        workers.procs[index], workers.started[index] = Process(), clock["now"]
+
+    def watch_until(t):  # the watcher's 0.5 s ticks
+        while clock["now"] < t:
+            clock["now"] += 0.5
+            workers._restart_if_dead(1, clock["now"])
+    workers._spawn = spawn
+    spawn(1)
+    watch_until(120)  # the worker dies as soon as it starts
+    waits = [b - a for a, b in zip(spawns, spawns[1:])]
+    assert waits[:7] == [1.0, 1.5, 2.5, 4.5, 8.5, 16.5, 30.5]  # the wait, and a tick to see it
+    assert set(waits[6:]) == {30.5}
+    clock["lifetime"] = 40.0  # the next start runs long, then dies: restarted at the next tick
+    watch_until(spawns[-1] + 30.5)
+    long_run = spawns[-1]
+    clock["lifetime"] = 0.0
+    watch_until(long_run + 43)
+    # seen dead at 40: at once; then quick failures again, from the shortest wait
+    assert [t - long_run for t in spawns if t > long_run] == [40.0, 41.0, 42.5]
+
+
 def test_gemm_split_k_flag_reaches_the_engine(tmp_path):
     """--gemm-split-k (off by default) travels from `blink serve` to the engine's config."""
     from blink.client.cli import _engine_argv, _engine_config, build_parser

@@ -93,6 +93,85 @@ def test_stalled_engine_that_recovers_is_attached_again(checkpoints, make_stack)
         assert client.stats()["engine_attachments"] == 2
 
 
+def idle(client) -> bool:
+    s = client.stats()
+    return (s["sequences_running"] == 0 and s["sequences_waiting"] == 0
+            and s["kv_blocks_free"] == s["kv_blocks_total"])
+
+
+def streams_until_error(target: str, n: int) -> list[threading.Thread]:
+    """n threads, each streaming a request that would run for minutes, until it errors."""
+    def stream():
+        with BlinkClient(target) as client:
+            try:
+                for _ in client.stream(list(range(1, 9)), exact(16000)):
+                    pass
+            except BlinkError:
+                pass
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_a_killed_front_end_s_requests_are_cancelled_by_the_next(long_checkpoint, make_stack):
+    """A front end killed with live streams (OOM, kill -9) leaves their sequences in the engine;
+    the front end started after it cancels them as it attaches, so their KV blocks and the
+    engine's sequences come back (they used to run for no one until max_tokens)."""
+    stack = make_stack(long_checkpoint, engine_args=["--engine", "cpu"])
+    with BlinkClient(stack.target) as client:
+        threads = streams_until_error(stack.target, 3)
+        wait_for(lambda: client.stats()["sequences_running"] == 3, 10, "3 running")
+    stack.frontend.send_signal(signal.SIGKILL)
+    stack.frontend.wait()
+    stack.start_frontend()
+    stack.wait_serving()
+    with BlinkClient(stack.target) as client:
+        wait_for(lambda: idle(client), 10, "the engine idle")
+        assert client.stats()["requests_cancelled"] == 3
+        assert client.generate(list(range(1, 9)), exact(4)).completion_tokens == 4
+    for t in threads:
+        t.join(5)
+
+
+def test_requests_given_up_on_a_stalled_engine_are_cancelled(long_checkpoint, make_stack):
+    """Streams that failed UNAVAILABLE because the engine stalled past --engine-timeout are
+    cancelled in the engine: once it recovers it does not go on generating for no one."""
+    stack = make_stack(long_checkpoint, engine_args=["--engine", "cpu"],
+                       frontend_args=["--engine-timeout", "1"])
+    with BlinkClient(stack.target) as client:
+        threads = streams_until_error(stack.target, 2)
+        wait_for(lambda: client.stats()["sequences_running"] == 2, 10, "2 running")
+        os.kill(stack.engine.pid, signal.SIGSTOP)
+        try:
+            for t in threads:
+                t.join(10)
+            assert not any(t.is_alive() for t in threads)  # the streams ended (UNAVAILABLE)
+        finally:
+            os.kill(stack.engine.pid, signal.SIGCONT)
+        wait_for(lambda: client.health() == "SERVING", 10, "SERVING again")
+        wait_for(lambda: idle(client), 10, "the engine idle")
+        assert client.stats()["requests_cancelled"] == 2
+
+
+def test_unset_max_tokens_fits_a_kv_cache_smaller_than_the_context(checkpoints, make_stack):
+    """With max_tokens unset a request may generate the rest of the context, or of the whole
+    KV cache where that holds fewer tokens (here 128 of a 512-token context); it used to be
+    rejected, the context's rest being more than the cache holds. A prompt the cache cannot
+    hold with a token to spare is INVALID_ARGUMENT, saying so."""
+    stack = make_stack(checkpoints["llama"], engine_args=[
+        "--engine", "cpu", "--num-kv-blocks", "8", "--block-size", "16"])
+    greedy = Sampling(temperature=0.0, ignore_eos=True)
+    with BlinkClient(stack.target) as client:
+        out = client.generate(list(range(1, 21)), greedy)
+        assert (out.completion_tokens, out.finish_reason) == (108, "length")
+        with pytest.raises(BlinkError) as err:
+            client.generate(list(range(1, 129)), greedy)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the KV cache holds 128" in str(err.value)
+        wait_for(lambda: idle(client), 5, "the engine idle")
+
+
 def test_long_prefill_keeps_the_heartbeat(long_checkpoint, make_stack):
     """One 6,000-token chunk over a 6,000-token context: a layer's attention took longer than
     a one-second liveness timeout when the heartbeat moved only between layers."""
@@ -106,6 +185,30 @@ def test_long_prefill_keeps_the_heartbeat(long_checkpoint, make_stack):
                                timeout=300)
         assert done.completion_tokens == 2
         assert client.stats()["engine_attachments"] == 1  # never given up
+
+
+def test_a_restarted_engine_still_loading_is_not_taken_for_stuck(checkpoints, tmp_path):
+    """serve's engine killed, and its successor slow to start (held stopped for 4 s before its
+    first heartbeat, as a large model's load would): with --engine-restart-timeout 2 the
+    successor is not killed as stuck while it loads (the dead engine's heartbeat age, which the
+    front end's link still reported, used to count against it), and it serves."""
+    serve = Serve(checkpoints["llama"], tmp_path, "--engine-restart-timeout", "2")
+    try:
+        first = serve.engine_pid()
+        os.kill(first, signal.SIGKILL)
+        (second,) = wait_for(lambda: [p for p in children(serve.proc.pid) if p != first], 10,
+                             "the next engine")
+        os.kill(second, signal.SIGSTOP)
+        time.sleep(4)
+        os.kill(second, signal.SIGCONT)
+        with BlinkClient(serve.target) as client:
+            wait_for(lambda: client.stats()["engine_attachments"] == 2
+                     and client.health() == "SERVING", 30, "the next engine serving")
+            assert client.generate("restarted", exact(3)).completion_tokens == 3
+        assert serve.engine_pid() == second
+        assert "engine stuck" not in serve.log_path.read_text()
+    finally:
+        assert serve.stop() == 0
 
 
 def test_serve_restarts_a_stuck_engine(checkpoints, tmp_path):
@@ -169,6 +272,50 @@ def test_engine_stops_when_serve_is_killed(checkpoints, tmp_path):
     finally:
         serve.stop()
         if not _gone(engine):  # (the failure's orphan)
+            os.kill(engine, signal.SIGKILL)
+
+
+def test_front_end_workers_stop_when_serve_is_killed(checkpoints, tmp_path):
+    """serve --workers 2 killed with SIGKILL: its second front-end worker exits too (its own
+    parent-death signal) and the port is free for the next serve; it used to go on holding
+    the port, answering NOT_SERVING, and the next serve could not listen."""
+    serve = Serve(checkpoints["llama"], tmp_path, "--workers", "2")
+    wait_for(lambda: len(children(serve.proc.pid)) >= 2, 10, "the engine and the worker")
+    kids = children(serve.proc.pid)
+    try:
+        serve.proc.kill()
+        serve.proc.wait(10)
+        wait_for(lambda: all(_gone(pid) for pid in kids), 30, "every child to exit")
+        port = int(serve.target.rsplit(":", 1)[1])
+        with socket.socket() as probe:  # as SO_REUSEPORT-less a bind as another program's
+            probe.bind(("127.0.0.1", port))
+    finally:
+        serve.stop()
+        for pid in kids:
+            if not _gone(pid):  # (the failure's orphans)
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_with_a_stopped_engine_ends_soon_and_removes_the_ring(checkpoints, tmp_path):
+    """SIGTERM to serve whose engine is stopped (SIGSTOP: it cannot act on SIGTERM): serve
+    kills it after a short wait rather than the 10 s a live engine gets, and removes the ring
+    the killed engine left in /dev/shm."""
+    serve = Serve(checkpoints["llama"], tmp_path, "--engine-timeout", "1",
+                  "--engine-restart-timeout", "0")
+    ring = next(iter(line.split("(ring ")[1].split(")")[0]
+                     for line in serve.log_path.read_text().splitlines() if "(ring " in line))
+    assert os.path.exists(ring)
+    engine = serve.engine_pid()
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        with BlinkClient(serve.target) as client:
+            wait_for(lambda: client.health() == "NOT_SERVING", 10, "NOT_SERVING")
+        t0 = time.monotonic()
+        assert serve.stop() == 0
+        assert time.monotonic() - t0 < 6
+        assert _gone(engine) and not os.path.exists(ring)
+    finally:
+        if not _gone(engine):
             os.kill(engine, signal.SIGKILL)
 
 
@@ -572,7 +719,7 @@ def test_front_end_workers_share_port_and_ring(checkpoints, make_stack, tmp_path
                if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
     assert len(workers) == 2, workers
     os.kill(workers[0], signal.SIGKILL)
-    wait_for(lambda: "exited with -9; restarting" in log.read_text()
+    wait_for(lambda: "exited with -9 after" in log.read_text()
              and len(re.findall(r"worker \d/3 listening", log.read_text())) == 4, 30,
              "the worker restarted")
     assert all(d.completion_tokens == 4 for d in asyncio.run(many()))
