@@ -502,13 +502,16 @@ class EngineLink:
             if self.on_alive_change:
                 self.on_alive_change(alive)
 
-    def _detach(self, why: Exception) -> None:
+    def _detach(self, why: Exception, cancel: bool = True) -> None:
+        """Gives the attached engine up: live requests fail with `why` and (cancel) are
+        cancelled in it; waiters for a slot fail; the mapping goes."""
         self._set_alive(False)
         for handle in self._live.values():
             if not handle.done:
                 handle.done = True
                 handle.events.put_nowait(why)
-        self._cancel_live()
+        if cancel:
+            self._cancel_live()
         self._live.clear()
         for fut in self._waiters:
             if not fut.done():
@@ -546,7 +549,8 @@ class EngineLink:
         h = np.frombuffer(t.read(0, HEADER_DTYPE.itemsize), HEADER_DTYPE)[0]
         now = time.monotonic()
         if int(h["engine_instance"]) != self.info.instance or not t.is_current():
-            self._detach(EngineUnavailable("the engine was restarted"))
+            # (no cancels: what the mapping shows may be another engine's ring)
+            self._detach(EngineUnavailable("the engine was restarted"), cancel=False)
             return False
         self._header_stats = h
         if int(h["engine_state"]) == EngineState.STOPPED:
