@@ -424,11 +424,14 @@ def cmd_frontend(args) -> None:
 
 def _claim_port(args) -> None:
     """Before several workers bind one port with SO_REUSEPORT: fail if another program holds it
-    (reuse would silently share it), and pick a concrete port for --port 0."""
+    (reuse would silently share it), and pick a concrete port for --port 0; and clear the
+    counts the workers share (a previous front end's on the same ring)."""
     if args.workers < 1:
         sys.exit("blink: --workers must be >= 1")
     if args.workers == 1:
         return  # one process: gRPC's own bind (without port reuse) says if the port is taken
+    from blink.nic_service.engine_link import WorkerCounts
+    WorkerCounts.reset(args.ring_name)
     import socket
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:
         try:
@@ -521,6 +524,9 @@ class FrontendWorkers:
             proc.join(timeout_s + 10)
             if proc.is_alive():
                 proc.kill()
+        if self.procs:
+            from blink.nic_service.engine_link import WorkerCounts
+            WorkerCounts.reset(self.args.ring_name)
 
 
 def _engine_argv(args, model_dir: Path) -> list[str]:

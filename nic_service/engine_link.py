@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from blink.ring.layout import (
     FinishReason, RingGeometry, SlotRequest, encode_slot, u32_bytes,
 )
 from blink.nic_service.record_watch import RecordWatch, WatchedRecords
-from blink.ring.shm import RingTransport, ShmSegment, ShmTransport
+from blink.ring.shm import RingTransport, ShmSegment, ShmTransport, shm_path
 
 log = logging.getLogger("blink.frontend")
 
@@ -139,6 +141,41 @@ ENGINE_COUNTERS = ("requests_admitted", "requests_finished", "requests_cancelled
                    "prefix_evicted_blocks")
 
 
+class WorkerCounts:
+    """A count per front-end worker, shared by the workers of one front end (the processes of
+    `--workers N` on one ring) in /dev/shm/{ring}.frontend-counts, so that each can report their
+    sum; each adds to its own word only. One worker: kept in memory. A worker that is restarted
+    finds its count where it left it; the front end's parent clears the file as it starts
+    (reset)."""
+
+    def __init__(self, ring_name: str, index: int, workers: int):
+        self.index = index
+        if workers == 1:
+            self._counts = np.zeros(1, np.uint64)
+            return
+        fd = os.open(self.path(ring_name), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < 8 * workers:
+                os.ftruncate(fd, 8 * workers)
+            self._counts = np.frombuffer(mmap.mmap(fd, 8 * workers), np.uint64)
+        finally:
+            os.close(fd)  # the mapping stays
+
+    @staticmethod
+    def path(ring_name: str):
+        return shm_path(f"{ring_name}.frontend-counts")
+
+    @classmethod
+    def reset(cls, ring_name: str) -> None:
+        cls.path(ring_name).unlink(missing_ok=True)
+
+    def add(self, n: int = 1) -> None:
+        self._counts[self.index] += n
+
+    def total(self) -> int:
+        return int(self._counts.sum())
+
+
 class EngineLink:
     def __init__(self, ring_name: str, *, queue_timeout_s: float = 30.0,
                  max_queued: int = 1024, engine_timeout_s: float = 3.0,
@@ -212,7 +249,8 @@ class EngineLink:
         # engine counters (ring header) of the instances before the current one: totals that
         # survive engine restarts (counter_totals)
         self._carried = dict.fromkeys(ENGINE_COUNTERS, 0)
-        self._stop_string_finishes = 0  # engine "cancels" that were stop-string finishes
+        # engine "cancels" that were stop-string finishes, every worker's
+        self._stop_string_finishes = WorkerCounts(ring_name, *worker)
         self._instance = None           # the engine instance attached last
         self._instance_was_alive = False  # ... and whether its heartbeat ever moved
 
@@ -251,7 +289,7 @@ class EngineLink:
         h = self._header_stats
         totals = {k: self._carried[k] + (int(h[k]) if h is not None else 0)
                   for k in ENGINE_COUNTERS}
-        moved = min(self._stop_string_finishes, totals["requests_cancelled"])
+        moved = min(self._stop_string_finishes.total(), totals["requests_cancelled"])
         totals["requests_cancelled"] -= moved
         totals["requests_finished"] += moved
         return totals
@@ -660,7 +698,7 @@ class EngineLink:
         # detail, prompt_len, preemptions and cached_tokens are written before the finish reason
         rec = self._record(slot)
         if reason == FinishReason.CANCELLED and handle.stop_matched:
-            self._stop_string_finishes += 1
+            self._stop_string_finishes.add()
         handle.done = True
         handle.finished = Finished(reason, int(rec["detail"]), int(rec["prompt_len"]),
                                    int(rec["preemptions"]), int(rec["cached_tokens"]))

@@ -25,10 +25,13 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.
 
 
 class EngineCollector:
-    """Engine state at scrape time, from the front end's link to the ring."""
+    """Engine state at scrape time, from the front end's link to the ring: this process's view
+    (liveness, its slots and queue) and, where engine_wide, the engine's own gauges and
+    counters, which one worker of several exports (each exporting them, a sum over the workers'
+    targets would count every token once a worker)."""
 
-    def __init__(self, link: EngineLink):
-        self.link = link
+    def __init__(self, link: EngineLink, engine_wide: bool = True):
+        self.link, self.engine_wide = link, engine_wide
 
     def collect(self):
         link = self.link
@@ -46,6 +49,8 @@ class EngineCollector:
         yield GaugeMetricFamily("blink:num_requests_queued",
                                 "requests waiting in the front end for a free slot",
                                 value=link.waiting_for_slot)
+        if not self.engine_wide:
+            return
         h = link.header_snapshot()
         if h is not None and link.info is not None:
             for name, field, text in (
@@ -85,7 +90,7 @@ class EngineCollector:
 
 
 class FrontendMetrics:
-    def __init__(self, link: EngineLink):
+    def __init__(self, link: EngineLink, engine_wide: bool = True):
         self.registry = CollectorRegistry()
         self.ttft = Histogram("blink:time_to_first_token_seconds",
                               "request received to first token streamed", registry=self.registry,
@@ -102,7 +107,7 @@ class FrontendMetrics:
                               ["code"], registry=self.registry)
         self.prompt_tokens = Counter("blink:prompt_tokens", "prompt tokens of admitted requests",
                                      registry=self.registry)
-        self.registry.register(EngineCollector(link))
+        self.registry.register(EngineCollector(link, engine_wide))
 
     def serve(self, port: int, host: str) -> int:
         server, _ = start_http_server(port, host, registry=self.registry)
@@ -110,16 +115,20 @@ class FrontendMetrics:
 
 
 class RequestClock:
-    """One request's timing for the metrics: first token, the gaps after it, the end."""
+    """One request's timing for the metrics: first token, the gaps after it, the end; and
+    how many tokens it streamed, and whether its end was counted (finished or failed)."""
 
     def __init__(self, metrics: FrontendMetrics | None, received: float):
         self.metrics, self.received = metrics, received
         self.first: float | None = None  # monotonic time of the first token
         self.last: float | None = None
+        self.generated = 0
+        self.ended = False
 
     def tokens(self, n: int) -> None:
         if not n:
             return
+        self.generated += n
         now = time.monotonic()
         if self.metrics is not None:
             if self.last is None:  # the first token; the rest of its chunk came with it
@@ -133,10 +142,12 @@ class RequestClock:
         self.last = now
 
     def finished(self, reason: str) -> None:
+        self.ended = True
         if self.metrics is not None:
             self.metrics.e2e.observe(time.monotonic() - self.received)
             self.metrics.finished.labels(reason).inc()
 
     def failed(self, code: str) -> None:
+        self.ended = True
         if self.metrics is not None:
             self.metrics.failed.labels(code).inc()

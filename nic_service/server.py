@@ -329,11 +329,16 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         try:
             async for response in self._stream(prep, handle, clock, context):
                 yield response
-        except asyncio.CancelledError:  # the client went away or its deadline passed
-            log_request(handle, prep, clock, "cancelled by the client", 0)
-            clock.failed("CANCELLED")
-            raise
         finally:
+            if not clock.ended:
+                # the client went away or its deadline passed: gRPC cancelled this handler, in
+                # the stream (CancelledError) or in its own send of a message (then the
+                # generator is closed at its yield, and only this runs)
+                remaining = context.time_remaining()
+                expired = remaining is not None and remaining <= 0
+                log_request(handle, prep, clock, "deadline exceeded" if expired
+                            else "cancelled by the client", clock.generated)
+                clock.failed("DEADLINE_EXCEEDED" if expired else "CANCELLED")
             self.link.cancel(handle)  # no-op when the engine already finished it
 
     async def _fail(self, context, clock: RequestClock, code: grpc.StatusCode, message: str):
@@ -344,17 +349,18 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                       context):
         detok = IncrementalDetokenizer(self.codec.tokenizer)
         stopper = StopStringMatcher(prep.stops) if prep.stops else None
-        received, generated = clock.received, 0
+        received = clock.received
 
         def final(reason, matched: str, preemptions: int,
                   cached_tokens: int) -> pb.GenerateResponse:
             now = time.monotonic()
             name = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
             clock.finished(name)
-            log_request(handle, prep, clock, name, generated)
+            log_request(handle, prep, clock, name, clock.generated)
             return pb.GenerateResponse(final=pb.Final(
                 finish_reason=reason, matched_stop=matched,
-                usage=pb.Usage(prompt_tokens=len(prep.prompt_ids), completion_tokens=generated),
+                usage=pb.Usage(prompt_tokens=len(prep.prompt_ids),
+                               completion_tokens=clock.generated),
                 timings=pb.Timings(time_to_first_token_s=(clock.first or now) - received,
                                    total_s=now - received, preemptions=preemptions,
                                    cached_prompt_tokens=cached_tokens),
@@ -371,11 +377,10 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                     break
                 event = Tokens(event.ids + nxt.ids)
             if isinstance(event, Exception):
-                log_request(handle, prep, clock, f"unavailable: {event}", generated)
+                log_request(handle, prep, clock, f"unavailable: {event}", clock.generated)
                 await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE, str(event))
             if isinstance(event, Tokens):
                 clock.tokens(len(event.ids))
-                generated += len(event.ids)
                 shown = event.ids if prep.terminal_ids.isdisjoint(event.ids) else \
                     [t for t in event.ids if t not in prep.terminal_ids]
                 text = detok.push(shown)
@@ -396,10 +401,10 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                 code = (grpc.StatusCode.INTERNAL if event.detail == RejectReason.CORRUPT
                         else grpc.StatusCode.INVALID_ARGUMENT)
                 why = RejectReason(event.detail).describe()
-                log_request(handle, prep, clock, f"rejected: {why}", generated)
+                log_request(handle, prep, clock, f"rejected: {why}", clock.generated)
                 await self._fail(context, clock, code, f"engine rejected the request: {why}")
             if event.reason is FinishReason.CANCELLED:
-                log_request(handle, prep, clock, "cancelled", generated)
+                log_request(handle, prep, clock, "cancelled", clock.generated)
                 await self._fail(context, clock, grpc.StatusCode.CANCELLED,
                                  "the request was cancelled")
             text = detok.flush()
@@ -514,7 +519,9 @@ class Frontend:
                                poll_interval_s=config.poll_interval_s,
                                on_alive_change=self._on_alive_change,
                                worker=config.worker, rdma_engine=config.rdma_engine)
-        self.metrics = FrontendMetrics(self.link) if config.metrics_port is not None else None
+        # the engine's own gauges and counters from the first worker only
+        self.metrics = FrontendMetrics(self.link, engine_wide=config.worker[0] == 0) \
+            if config.metrics_port is not None else None
         self.metrics_port: int | None = None
         self.server: grpc.aio.Server | None = None
         self.servicer: BlinkServicer | None = None

@@ -507,6 +507,108 @@ def test_metrics_request_logs_and_counters_across_restarts(checkpoints, tmp_path
         assert serve.stop() == 0
 
 
+def test_client_cancels_and_deadlines_are_counted_and_logged(long_checkpoint, tmp_path):
+    """Streams the client cancels, and streams whose deadline passes, mid-stream on a fast
+    engine: each counts once in request_failure_total (CANCELLED, DEADLINE_EXCEEDED) and logs
+    its line with the tokens it streamed. Both used to go uncounted and unlogged whenever gRPC
+    was sending a message as the cancel came (the handler is then closed at its yield), and a
+    cancel's log line said 0 tokens."""
+    import json
+    serve = Serve(long_checkpoint, tmp_path, "--metrics-port", "0", "--log-format", "json",
+                  "--engine", "synthetic", "--synthetic-step-ms", "1")
+    try:
+        port = metrics_port(serve)
+        with BlinkClient(serve.target) as client:
+            for _ in range(3):
+                stream, got = client.stream("cancel me", exact(5000), return_token_ids=True), 0
+                for delta in stream:
+                    got += len(delta.token_ids)
+                    if got >= 5:
+                        break
+                stream.cancel()
+                assert got >= 5
+            for _ in range(2):
+                with pytest.raises(BlinkError) as err:
+                    for _ in client.stream("too slow", exact(10_000), timeout=0.3):
+                        pass
+                assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_for(lambda: idle(client), 10, "the engine idle")
+
+        def failures():
+            m = scrape(port)
+            return {code: m.get(("blink:request_failure_total", (("code", code),)), 0)
+                    for code in ("CANCELLED", "DEADLINE_EXCEEDED")}
+        wait_for(lambda: failures() == {"CANCELLED": 3, "DEADLINE_EXCEEDED": 2}, 10,
+                 f"the failures counted (have {failures()})")
+        requests = [json.loads(line)["request"] for line in serve.log_path.read_text().splitlines()
+                    if line.startswith("{") and '"request"' in line]
+        outcomes = sorted(r["outcome"] for r in requests)
+        assert outcomes == ["cancelled by the client"] * 3 + ["deadline exceeded"] * 2
+        assert all(r["completion_tokens"] >= 5 for r in requests)
+    finally:
+        assert serve.stop() == 0
+
+
+def test_front_end_workers_agree_on_stats_and_export_the_engine_once(checkpoints, tmp_path):
+    """--workers 2: half the requests end on a stop string (the engine counts those as
+    cancels, the front end as finishes). Every worker's GetServerStats gives the same counts,
+    each worker's own stop-string finishes and the other's (they used to differ by worker);
+    the engine's gauges and counters are on the first worker's metrics port alone (a sum over
+    the workers' targets counted each token twice), the front end's own on both."""
+    import asyncio
+
+    from blink.client.sdk import AsyncBlinkClient
+    import re
+    serve = Serve(checkpoints["llama"], tmp_path, "--workers", "2", "--metrics-port", "0")
+    try:
+        ports = wait_for(lambda: [int(p) for p in re.findall(
+            r"metrics on http://[\d.]+:(\d+)/metrics", serve.log_path.read_text())][1:] and
+            [int(p) for p in re.findall(r"metrics on http://[\d.]+:(\d+)/metrics",
+                                        serve.log_path.read_text())], 30, "both metrics ports")
+        with BlinkClient(serve.target) as client:
+            text = client.generate("where to stop", exact(12)).text
+        stop = text[len(text) // 2:][:2]
+
+        async def many():
+            clients = [AsyncBlinkClient(serve.target,
+                                        options=[("grpc.use_local_subchannel_pool", 1)])
+                       for _ in range(24)]
+            try:
+                return await asyncio.gather(*(c.generate("where to stop", Sampling(
+                    max_tokens=12, temperature=0.0, ignore_eos=True,
+                    stop=(stop,) if i % 2 else ())) for i, c in enumerate(clients)))
+            finally:
+                for c in clients:
+                    await c.close()
+        done = asyncio.run(many())
+        assert sorted(d.finish_reason for d in done) == ["length"] * 12 + ["stop"] * 12
+
+        async def stats_of_each_connection():
+            clients = [AsyncBlinkClient(serve.target,
+                                        options=[("grpc.use_local_subchannel_pool", 1)])
+                       for _ in range(12)]
+            try:
+                return await asyncio.gather(*(c.stats() for c in clients))
+            finally:
+                for c in clients:
+                    await c.close()
+        def answers():  # (each worker's header read is up to its idle poll, 20 ms, old)
+            return {(s["requests_finished"], s["requests_cancelled"])
+                    for s in asyncio.run(stats_of_each_connection())}
+        wait_for(lambda: answers() == {(25, 0)}, 5, "the workers' stats to agree")
+        engine_wide = [("blink:generation_tokens_total", ()) in scrape(p) for p in ports]
+        assert sorted(engine_wide) == [False, True]  # one worker's port has them
+        first, second = (scrape(p) for p in sorted(ports, key=lambda p: not engine_wide[
+            ports.index(p)]))
+        assert first[("blink:generation_tokens_total", ())] >= 12 * 13
+        assert ("blink:engine_alive", ()) in second
+        successes = sum(m.get(("blink:request_success_total", (("finished_reason", r),)), 0)
+                        for m in (first, second) for r in ("length", "stop"))
+        assert successes == 25
+    finally:
+        assert serve.stop() == 0
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["on", "off"])
 def test_prefix_cache_in_timings_stats_and_metrics(checkpoints, tmp_path, prefix_caching):
     """A prompt of three full KV blocks and a bit, sent twice: with prefix caching the second
