@@ -740,6 +740,8 @@ def cmd_generate(args) -> None:
             done = stream.result
         except BlinkError as e:
             sys.exit(f"\nblink: {e}")
+        except (TypeError, ValueError) as e:  # what the request builder refuses (-1 tokens)
+            sys.exit(f"blink: {e}")
     sys.stdout.write("\n")
     print(f"[{done.finish_reason}; {done.prompt_tokens} prompt + {done.completion_tokens} "
           f"generated tokens; first token {done.time_to_first_token_s * 1e3:.1f} ms, "

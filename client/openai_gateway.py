@@ -7,11 +7,15 @@ and the usual benchmark tools work against Blink unchanged.
 It is a gRPC client of the front end (aiohttp, the `openai` extra) and stays off the CPU-free
 path: run it where HTTP clients need it. Endpoints: GET /v1/models; POST /v1/completions
 (prompt: a string or token ids) and POST /v1/chat/completions (messages through the model's
-chat template), both with `stream` (server-sent events ending in `data: [DONE]`). Parameters:
-max_tokens (max_completion_tokens), temperature, top_p, top_k, seed, stop (string or list),
-n = 1. An `Authorization: Bearer KEY` header is passed on as the gRPC bearer token. Blink's
-errors map to HTTP statuses (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429,
-UNAVAILABLE 503, DEADLINE_EXCEEDED 504) with OpenAI's error body.
+chat template), both with `stream` (server-sent events ending in `data: [DONE]`, a usage chunk
+before it with `stream_options.include_usage`). Parameters: max_tokens (max_completion_tokens),
+temperature, top_p, top_k, seed, stop (string or list), n = 1; null is the default; one that
+Blink does not serve (logprobs, echo, penalties, tools, ...) set to anything but its neutral
+value is a 400, and a model other than the served one a 404 (model_not_found). An
+`Authorization: Bearer KEY` header is passed on as the gRPC bearer token. Blink's errors map to
+HTTP statuses (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, UNAVAILABLE
+503, DEADLINE_EXCEEDED 504) with OpenAI's error body. A client that disconnects cancels its
+request in the server.
 """
 from __future__ import annotations
 
@@ -32,30 +36,72 @@ class BadRequest(ValueError):
     pass
 
 
-def _error(web, status: int, message: str, kind: str):
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
-                             status=status)
+# HTTP status -> OpenAI's error type
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
+              404: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def _error(web, status: int, message: str, code: str | None = None):
+    kind = ERROR_TYPE.get(status, "server_error")
+    return web.json_response({"error": {"message": message, "type": kind, "param": None,
+                                        "code": code}}, status=status)
+
+
+def _blink_error(web, e: BlinkError):
+    return _error(web, HTTP_STATUS.get(e.code, 500), e.details, e.code.name.lower())
+
+
+# Parameters OpenAI's API has and Blink does not serve: a request that sets one to anything
+# but its neutral value is a 400, not a completion that silently ignores it.
+UNSUPPORTED = {"echo": (None, False), "logprobs": (None, False), "top_logprobs": (None,),
+               "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0),
+               "frequency_penalty": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
+               "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none")}
+
+
+def _int(body: dict, key: str, lo: int, hi: int) -> int | None:
+    """body[key] as an int in [lo, hi]; None when absent or null."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise BadRequest(f"'{key}' must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _number(body: dict, key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"'{key}' must be a number, got {value!r}")
+    return float(value)
 
 
 def sampling_from(body: dict) -> Sampling:
-    """OpenAI request fields -> Blink sampling (unsupported values are a 400, not ignored)."""
-    if body.get("n", 1) != 1:
+    """OpenAI request fields -> Blink sampling (unsupported values are a 400, not ignored;
+    null is the default, as OpenAI documents)."""
+    if body.get("n") not in (None, 1):
         raise BadRequest("only n = 1 is supported")
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    try:
-        return Sampling(max_tokens=None if max_tokens is None else int(max_tokens),
-                        temperature=_opt_float(body, "temperature"),
-                        top_p=_opt_float(body, "top_p"),
-                        top_k=None if body.get("top_k") is None else int(body["top_k"]),
-                        seed=None if body.get("seed") is None else int(body["seed"]), stop=stop)
-    except (TypeError, ValueError) as e:
-        raise BadRequest(f"bad sampling parameter: {e}") from None
-
-
-def _opt_float(body: dict, key: str) -> float | None:
-    return None if body.get(key) is None else float(body[key])
+    for key, neutral in UNSUPPORTED.items():
+        if key in body and body[key] not in neutral:
+            raise BadRequest(f"'{key}' is not supported by this server")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise BadRequest("only the text response_format is supported")
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+        raise BadRequest("'stop' must be a string or a list of strings")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    seed = _int(body, "seed", -(1 << 63), (1 << 64) - 1)
+    top_k = _int(body, "top_k", -1, (1 << 31) - 1)
+    return Sampling(max_tokens=_int(body, key, 0, (1 << 32) - 1),
+                    temperature=_number(body, "temperature"), top_p=_number(body, "top_p"),
+                    top_k=None if top_k is None else max(top_k, 0),  # -1 (vLLM's off): 0
+                    seed=None if seed is None else seed % (1 << 64), stop=tuple(stop))
 
 
 def _prompt(body: dict, chat: bool):
@@ -67,7 +113,10 @@ def _prompt(body: dict, chat: bool):
         for m in messages:
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                if not all(isinstance(p, dict) and p.get("type") == "text"
+                           and isinstance(p.get("text"), str) for p in content):
+                    raise BadRequest("only text content parts are supported")
+                content = "".join(p["text"] for p in content)
             if not isinstance(content, str) or not isinstance(m.get("role"), str):
                 raise BadRequest("each message needs a string 'role' and text 'content'")
             out.append({"role": m["role"], "content": content})
@@ -75,8 +124,9 @@ def _prompt(body: dict, chat: bool):
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                   and all(isinstance(t, int) for t in prompt)):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31
+            for t in prompt)):
         return prompt
     raise BadRequest("'prompt' must be a string or a list of token ids (one prompt)")
 
@@ -88,20 +138,25 @@ def make_app(target: str):
     from aiohttp import web
     state: dict = {}
 
-    async def client_for(request) -> AsyncBlinkClient:
+    def client_for(request) -> AsyncBlinkClient:
+        """The gateway's one channel, with the request's bearer token (if any) on its calls."""
+        if "client" not in state:
+            state["client"] = AsyncBlinkClient(target)
         auth = request.headers.get("Authorization", "")
-        token = auth[7:] if auth.startswith("Bearer ") else None
-        if token not in state:
-            state[token] = AsyncBlinkClient(target, token=token)
-        return state[token]
+        return state["client"].with_token(auth[7:] if auth.startswith("Bearer ") else None)
+
+    async def served_model(client: AsyncBlinkClient) -> str:
+        if "model" not in state:
+            state["model"] = (await client.model_info(timeout=10)).name
+        return state["model"]
 
     async def models(request):
         try:
-            info = await (await client_for(request)).model_info(timeout=10)
+            name = await served_model(client_for(request))
         except BlinkError as e:
-            return _error(web, HTTP_STATUS.get(e.code, 500), e.details, e.code.name.lower())
+            return _blink_error(web, e)
         return web.json_response({"object": "list", "data": [
-            {"id": info.name, "object": "model", "created": 0, "owned_by": "blink"}]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "blink"}]})
 
     async def generate(request, chat: bool):
         try:
@@ -110,77 +165,29 @@ def make_app(target: str):
                 raise BadRequest("the body must be a JSON object")
             prompt, sampling = _prompt(body, chat), sampling_from(body)
         except (BadRequest, json.JSONDecodeError) as e:
-            return _error(web, 400, str(e), "invalid_request_error")
-        client = await client_for(request)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
-        created, model = int(time.time()), body.get("model") or ""
-        kind = "chat.completion" if chat else "text_completion"
-
-        def choice(text: str | None, finish: str | None, stream: bool) -> dict:
-            if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None,
-                        "finish_reason": finish}
-            key = "delta" if stream else "message"
-            msg = {"content": text} if text is not None else {}
-            if not stream:
-                msg["role"] = "assistant"
-            return {"index": 0, key: msg, "logprobs": None, "finish_reason": finish}
-
-        stream = client.stream(prompt, sampling)
-        if not body.get("stream"):
-            try:
-                text = "".join([d.text async for d in stream])
-            except BlinkError as e:
-                return _error(web, HTTP_STATUS.get(e.code, 500), e.details, e.code.name.lower())
-            done = stream.result
-            return web.json_response({
-                "id": rid, "object": kind, "created": created, "model": model,
-                "choices": [choice(text, FINISH.get(done.finish_reason, "stop"), False)],
-                "usage": {"prompt_tokens": done.prompt_tokens,
-                          "completion_tokens": done.completion_tokens,
-                          "total_tokens": done.prompt_tokens + done.completion_tokens,
-                          # served from the prefix cache, as OpenAI reports its prompt caching
-                          "prompt_tokens_details": {
-                              "cached_tokens": done.cached_prompt_tokens}}})
-
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        response = None
-
-        async def send(payload) -> None:
-            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
-
-        def frame(text, finish) -> dict:
-            return {"id": rid, "object": chunk_kind, "created": created, "model": model,
-                    "choices": [choice(text, finish, True)]}
+            return _error(web, 400, str(e))
+        client = client_for(request)
         try:
-            async for delta in stream:
-                if response is None:  # headers only once the server accepted the request
-                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                           "Cache-Control": "no-cache"})
-                    await response.prepare(request)
-                    if chat:
-                        await send({**frame(None, None), "choices": [{
-                            "index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
-                if delta.text:
-                    await send(frame(delta.text, None))
+            model = await served_model(client)
         except BlinkError as e:
-            if response is None:
-                return _error(web, HTTP_STATUS.get(e.code, 500), e.details,
-                              e.code.name.lower())
-            await send({"error": {"message": e.details, "type": e.code.name.lower()}})
-            await response.write(b"data: [DONE]\n\n")
-            return response
-        if response is None:
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-        done = stream.result
-        await send(frame(None if chat else "", FINISH.get(done.finish_reason, "stop")))
-        await response.write(b"data: [DONE]\n\n")
-        return response
+            return _blink_error(web, e)
+        if body.get("model") not in (None, "", model):
+            return _error(web, 404, f"The model `{body['model']}` does not exist: this server "
+                                    f"serves `{model}`", "model_not_found")
+        try:
+            stream = client.stream(prompt, sampling)
+        except (TypeError, ValueError) as e:  # what the SDK's request builder refuses
+            return _error(web, 400, str(e))
+        try:  # a client that goes away (an error writing to it, or aiohttp's cancel of this
+            # handler) cancels the request in the server rather than leave it generating
+            return await (_stream if body.get("stream") else _complete)(
+                web, request, body, chat, model, stream)
+        finally:
+            stream.cancel()  # a no-op once the call has finished
 
     async def close(app) -> None:
-        for c in state.values():
-            await c.close()
+        if "client" in state:
+            await state["client"].close()
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
@@ -190,11 +197,97 @@ def make_app(target: str):
     return app
 
 
+class _Shapes:
+    """One request's response objects in OpenAI's shapes."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+
+    def choice(self, text: str | None, finish: str | None, stream: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        msg = {"content": text} if text is not None else {}
+        if not stream:
+            msg["role"] = "assistant"
+        return {"index": 0, "delta" if stream else "message": msg, "logprobs": None,
+                "finish_reason": finish}
+
+    def envelope(self, stream: bool, choices: list, **more) -> dict:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat \
+            else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, **more}
+
+
+def _usage(done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            # served from the prefix cache, as OpenAI reports its prompt caching
+            "prompt_tokens_details": {"cached_tokens": done.cached_prompt_tokens}}
+
+
+async def _complete(web, request, body: dict, chat: bool, model: str, stream):
+    try:
+        text = "".join([d.text async for d in stream])
+    except BlinkError as e:
+        return _blink_error(web, e)
+    done, shapes = stream.result, _Shapes(chat, model)
+    return web.json_response(shapes.envelope(
+        False, [shapes.choice(text, FINISH.get(done.finish_reason, "stop"), False)],
+        usage=_usage(done)))
+
+
+async def _stream(web, request, body: dict, chat: bool, model: str, stream):
+    """Server-sent events: (chat) the assistant's role, the text as it comes, the finish, (with
+    stream_options.include_usage) a chunk of usage alone, then [DONE]. Headers go out once the
+    server accepted the request, so an error before the first token is an HTTP status."""
+    shapes, response = _Shapes(chat, model), None
+
+    async def send(payload) -> None:
+        await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+    async def start() -> None:
+        nonlocal response
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        if chat:
+            await send(shapes.envelope(True, [{"index": 0, "delta": {"role": "assistant"},
+                                               "logprobs": None, "finish_reason": None}]))
+    try:
+        async for delta in stream:
+            if response is None:
+                await start()
+            if delta.text:
+                await send(shapes.envelope(True, [shapes.choice(delta.text, None, True)]))
+    except BlinkError as e:
+        if response is None:
+            return _blink_error(web, e)
+        await send({"error": {"message": e.details, "type": ERROR_TYPE.get(
+            HTTP_STATUS.get(e.code, 500), "server_error"), "code": e.code.name.lower()}})
+        await response.write(b"data: [DONE]\n\n")
+        return response
+    if response is None:  # nothing streamed (a stop string at once, say)
+        await start()
+    done = stream.result
+    await send(shapes.envelope(True, [shapes.choice(None if chat else "", FINISH.get(
+        done.finish_reason, "stop"), True)]))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        await send(shapes.envelope(True, [], usage=_usage(done)))
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
 def cmd_openai(args) -> None:
     try:
         from aiohttp import web
     except ImportError:
         raise SystemExit("blink openai needs aiohttp: pip install 'blink-serve[openai]'")
-    print(f"blink openai: http://{args.host}:{args.port}/v1 -> Blink at {args.target}",
-          flush=True)
-    web.run_app(make_app(args.target), host=args.host, port=args.port, print=None)
+    banner = f"blink openai: http://{args.host}:{args.port}/v1 -> Blink at {args.target}"
+    try:  # handler_cancellation: a client's disconnect cancels its handler (and its request)
+        web.run_app(make_app(args.target), host=args.host, port=args.port,
+                    print=lambda _: print(banner, flush=True), handler_cancellation=True)
+    except OSError as e:  # the port taken, say
+        raise SystemExit(f"blink openai: {e}") from None

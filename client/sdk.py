@@ -15,6 +15,7 @@ Every failed call raises BlinkError; its codes are documented at the top of blin
 from __future__ import annotations
 
 import asyncio
+import copy
 import numbers
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -493,6 +494,13 @@ class AsyncBlinkClient:
 
     async def close(self) -> None:
         await self._channel.close()
+
+    def with_token(self, token: str | None) -> AsyncBlinkClient:
+        """This client's channel with another bearer token on its calls (one channel for many
+        callers' tokens, as a gateway needs; closing either client closes the channel)."""
+        other = copy.copy(self)
+        other._metadata = _auth(token)
+        return other
 
     async def __aenter__(self) -> AsyncBlinkClient:
         return self

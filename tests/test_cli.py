@@ -130,6 +130,21 @@ def test_generate_stops_on_ctrl_c_and_cancels_in_the_server(checkpoints, tmp_pat
         assert stats["tokens_generated"] < 400
 
 
+def test_client_commands_end_in_one_line_on_bad_numbers_and_a_taken_port(checkpoints, tmp_path):
+    """`blink generate --max-tokens -1` and `blink openai` on a port in use: one line and a
+    non-zero status, no traceback (both printed one)."""
+    pytest.importorskip("aiohttp", reason="the openai extra (aiohttp) is not installed")
+    with serving(tmp_path, checkpoints["llama"], "--engine", "synthetic") as (_, target):
+        for flag in ("--max-tokens", "--seed", "--top-k"):
+            out = blink("generate", "--target", target, flag, "-1", "Hello")
+            assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+            assert "out of range" in out.stderr
+        port = target.rsplit(":", 1)[1]
+        out = blink("openai", "--target", target, "--host", "127.0.0.1", "--port", port)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith("blink openai:") and "in use" in out.stderr
+
+
 def test_front_end_worker_restarts_back_off_while_it_keeps_failing(tmp_path):
     """A front-end worker that dies is started again: at once after a long run, else after a
     wait that doubles per quick failure up to RESTART_MAX_WAIT_S (one that cannot start used

@@ -15,9 +15,10 @@ openai = pytest.importorskip("openai", reason="the test extra (openai) is not in
 pytest.importorskip("aiohttp", reason="the test extra (aiohttp) is not installed")
 
 
-@pytest.fixture
-def gateway(checkpoints, make_stack, tmp_path):
-    stack = make_stack(checkpoints["llama"])
+def start_gateway(model_dir, make_stack, tmp_path):
+    """A Blink stack on model_dir and `blink openai` in front of it: (OpenAI client, stack,
+    gateway process); the process must be stopped (stop_gateway)."""
+    stack = make_stack(model_dir)
     stack.wait_serving()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,10 +38,23 @@ def gateway(checkpoints, make_stack, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, \
                 (tmp_path / "gateway.log").read_text()
             time.sleep(0.1)
+    return client, stack, proc
+
+
+@pytest.fixture
+def gateway(checkpoints, make_stack, tmp_path):
+    client, stack, proc = start_gateway(checkpoints["llama"], make_stack, tmp_path)
     yield client, stack
     proc.terminate()
     proc.wait(10)
-    log.close()
+
+
+@pytest.fixture
+def long_gateway(long_checkpoint, make_stack, tmp_path):
+    client, stack, proc = start_gateway(long_checkpoint, make_stack, tmp_path)
+    yield client, stack
+    proc.terminate()
+    proc.wait(10)
 
 
 def test_openai_sdk_through_the_gateway(gateway):
@@ -84,3 +98,93 @@ def test_openai_sdk_through_the_gateway(gateway):
         client.completions.create(model="llama", prompt="hi", max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="n = 1"):
         client.completions.create(model="llama", prompt="hi", n=2)
+
+
+def post(client, path: str, body: dict, timeout: float = 30):
+    """(status, parsed JSON body) of a raw POST to the gateway."""
+    import json
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(f"{client.base_url}{path.lstrip('/')}",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
+    """Values the gateway cannot serve are a 400 in OpenAI's error body (they were a 500 and a
+    traceback, or silently ignored), a model other than the served one a 404; null is the
+    default; stream_options.include_usage streams a usage chunk before [DONE]."""
+    client, _ = gateway
+    base = {"model": "llama", "prompt": "hi", "max_tokens": 3}
+    for bad in ({"stop": 5}, {"stop": [None]}, {"max_tokens": -1}, {"max_tokens": 1e30},
+                {"seed": 2 ** 70}, {"top_k": -2}, {"prompt": [-1]}, {"prompt": [2 ** 40]},
+                {"prompt": [True]}, {"logprobs": 2}, {"echo": True}, {"best_of": 3},
+                {"presence_penalty": 1.0}, {"logit_bias": {"5": 10}}, {"suffix": "x"},
+                {"response_format": {"type": "json_object"}}):
+        status, body = post(client, "/completions", {**base, **bad})
+        assert (status, body["error"]["type"]) == (400, "invalid_request_error"), (bad, body)
+    status, body = post(client, "/chat/completions", {
+        "model": "llama", "max_tokens": 3,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert status == 400, body
+    status, body = post(client, "/chat/completions", {
+        "model": "llama", "max_tokens": 3, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
+    assert status == 400 and "text content" in body["error"]["message"], body
+    status, body = post(client, "/completions", {**base, "model": "gpt-4-nope"})
+    assert (status, body["error"]["code"]) == (404, "model_not_found"), body
+    # null is the default; max_tokens applies where max_completion_tokens is null
+    status, body = post(client, "/completions", {**base, "n": None, "seed": -5,
+                                                 "max_completion_tokens": None, "top_k": -1,
+                                                 "temperature": 0, "logprobs": None})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    chunks = list(client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_a_client_that_goes_away_cancels_its_request(long_gateway):
+    """A streaming client that closes its connection after a few chunks, and a client whose
+    non-streaming request times out, each cancel their request in the server: the slot and
+    the KV blocks come back at once (the engine used to generate their 10,000 tokens)."""
+    import http.client
+    import json
+    import socket as sockets
+    import urllib.request
+    client, stack = long_gateway
+    body = {"model": client.models.list().data[0].id, "prompt": "go on", "max_tokens": 10_000,
+            "temperature": 0}
+    host, port = client.base_url.host, client.base_url.port
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.read(200)
+    conn.sock.shutdown(sockets.SHUT_RDWR)
+    conn.close()
+    with BlinkClient(stack.target) as blink:
+        assert wait_idle(blink) and blink.stats()["requests_cancelled"] == 1
+        req = urllib.request.Request(f"{client.base_url}completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(OSError):  # the client's own timeout: it gives up and goes away
+            urllib.request.urlopen(req, timeout=1)
+        assert wait_idle(blink) and blink.stats()["requests_cancelled"] == 2
+
+
+def wait_idle(blink, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = blink.stats()
+        if s["ring_slots_in_use"] == 0 and s["sequences_running"] == 0 \
+                and s["kv_blocks_free"] == s["kv_blocks_total"]:
+            return True
+        time.sleep(0.05)
+    return False
