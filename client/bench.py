@@ -322,9 +322,11 @@ def measure(target: str, requests: list[BenchRequest], args, rate: float, desc: 
                        "saturated": saturated},
             "server": {**{k: after[k] - before[k] for k in after if k in before},
                        **{f"{k}_cpu_s": v for k, v in cpu.items()},
+                       # per token streamed: a run cut by --run-timeout streamed more than
+                       # its completed requests' output tokens
                        **({"frontend_cpu_us_per_token":
-                           cpu["frontend"] / metrics["output_tokens"] * 1e6}
-                          if cpu and metrics["output_tokens"] else {})},
+                           cpu["frontend"] / metrics["streamed_tokens"] * 1e6}
+                          if cpu and metrics["streamed_tokens"] else {})},
             "requests": request_rows(records)}
 
 
