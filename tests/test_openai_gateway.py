@@ -15,10 +15,10 @@ openai = pytest.importorskip("openai", reason="the test extra (openai) is not in
 pytest.importorskip("aiohttp", reason="the test extra (aiohttp) is not installed")
 
 
-def start_gateway(model_dir, make_stack, tmp_path):
+def start_gateway(model_dir, make_stack, tmp_path, engine_args=()):
     """A Blink stack on model_dir and `blink openai` in front of it: (OpenAI client, stack,
-    gateway process); the process must be stopped (stop_gateway)."""
-    stack = make_stack(model_dir)
+    gateway process); the caller stops the process."""
+    stack = make_stack(model_dir, engine_args=engine_args)
     stack.wait_serving()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,8 +50,10 @@ def gateway(checkpoints, make_stack, tmp_path):
 
 
 @pytest.fixture
-def long_gateway(long_checkpoint, make_stack, tmp_path):
-    client, stack, proc = start_gateway(long_checkpoint, make_stack, tmp_path)
+def slow_gateway(long_checkpoint, make_stack, tmp_path):
+    """A gateway before an engine of 5 ms steps: a long request runs for a long while."""
+    client, stack, proc = start_gateway(long_checkpoint, make_stack, tmp_path, [
+        "--engine", "synthetic", "--synthetic-step-ms", "5"])
     yield client, stack
     proc.terminate()
     proc.wait(10)
@@ -150,15 +152,16 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_a_client_that_goes_away_cancels_its_request(long_gateway):
+def test_a_client_that_goes_away_cancels_its_request(slow_gateway):
     """A streaming client that closes its connection after a few chunks, and a client whose
     non-streaming request times out, each cancel their request in the server: the slot and
-    the KV blocks come back at once (the engine used to generate their 10,000 tokens)."""
+    the KV blocks come back at once (the engine used to generate their 10,000 tokens, 50 s
+    of its steps)."""
     import http.client
     import json
     import socket as sockets
     import urllib.request
-    client, stack = long_gateway
+    client, stack = slow_gateway
     body = {"model": client.models.list().data[0].id, "prompt": "go on", "max_tokens": 10_000,
             "temperature": 0}
     host, port = client.base_url.host, client.base_url.port
