@@ -85,7 +85,11 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self.pool.match(seq)
             n = min(seq.num_tokens - len(hit) * self.pool.block_size, budget)
-            if not self.pool.can_admit(seq, hit, len(hit) * self.pool.block_size + n):
+            # admitted only when all of its tokens fit beside the running ones, though it takes
+            # the blocks of this step's chunk alone: admitted on its first chunk's room, a long
+            # prompt under KV pressure was preempted (as the newest) chunks later and admitted
+            # again, its prefill recomputed time after time
+            if not self.pool.can_admit(seq, hit, seq.num_tokens):
                 break
             self.waiting.popleft()
             self.pool.admit(seq, hit)

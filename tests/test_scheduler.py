@@ -95,6 +95,38 @@ def test_preemption_evicts_newest_and_recomputes():
     check_invariants(sched)
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "cache"])
+def test_a_long_prompt_waits_for_room_rather_than_thrash(prefix_caching):
+    """A long prompt that fits the KV cache alone but not beside the running decodes waits in
+    the queue until all of it fits. Admitted on its first chunk's room, it prefilled a few
+    chunks, could not grow, preempted itself (the newest) and was admitted again, over and
+    over: with no prefix cache its 600-token prefill was computed many times over."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
+                      KvBlockPool(64, 16, prefix_caching))  # 1,024 tokens of KV
+    decodes = [seq(i, 160, max_tokens=60, ignore_eos=True) for i in range(4)]
+    for d in decodes:
+        sched.add(d)
+    for _ in range(6):  # prefilled (640 tokens), decoding
+        run_step(sched)
+    long = seq(9, 600, max_tokens=16, ignore_eos=True)  # 600 + 16 fits the 1,024 alone
+    sched.add(long)
+    computed = 0
+    for _ in range(400):
+        for d in decodes:  # a decode that has its tokens leaves
+            if d.status is SeqStatus.RUNNING and len(d.output) >= d.params.max_tokens:
+                sched.running.remove(d)
+                sched.pool.release(d)
+                d.status = SeqStatus.FINISHED
+        plan = run_step(sched)
+        computed += sum(n for s, n in plan.scheduled if s is long)
+        check_invariants(sched)
+        if long.output:
+            break
+    assert long.output and long.preemptions == 0
+    assert computed == 600  # its prefill, once
+    assert all(d.preemptions == 0 for d in decodes)
+
+
 def test_random_workload_never_leaks_or_deadlocks():
     rnd = random.Random(0)
     pool = KvBlockPool(24, 4)

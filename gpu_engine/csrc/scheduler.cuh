@@ -845,7 +845,8 @@ BLINK_HD inline void schedule_step(SchedState& s, StepPlan& plan) {
     SeqState& q = s.seqs[slot];
     const int32_t hit = prefix_match(s, q);
     const int32_t n = min_i32(q.num_tokens - hit * s.cfg.block_size, budget);
-    if (!prefix_can_admit(s, q, hit, hit * s.cfg.block_size + n)) break;
+    // all of its tokens must fit, though it takes this chunk's blocks alone (Scheduler.schedule)
+    if (!prefix_can_admit(s, q, hit, q.num_tokens)) break;
     waiting_pop_front(s);
     prefix_admit(s, q, hit);
     pool_grow(s, q, q.num_computed + n);
