@@ -239,8 +239,11 @@ class ReferenceEngine:
         self._honour_cancels()
 
     def _honour_cancels(self) -> None:
+        """Retires the cancelled sequences in slot order, as the kernel's HonourCancels: the
+        order sets the free list and the prefix cache's eviction order, so every later decision
+        of the two engines depends on it."""
         cancels = self.ring.cancel_words()
-        for seq in list(self.core.active.values()):
+        for seq in sorted(self.core.active.values(), key=lambda s: s.slot):
             if cancels[seq.slot] == seq.gen:
                 self.counters["requests_cancelled"] += 1
                 self._retire(seq, FinishReason.CANCELLED, 0)

@@ -617,3 +617,25 @@ if __name__ == "__main__":
         print(f"wrote {VECTORS}")
     else:
         sys.exit(f"usage: {sys.argv[0]} --write-vectors")
+
+
+def test_the_cpu_engine_retires_one_iteration_s_cancels_in_slot_order():
+    """Cancels seen in one iteration retire in slot order, as the kernel's HonourCancels does:
+    the order sets the free list and the prefix cache's eviction order, so every later decision
+    of the two engines depends on it (the CPU engine retired them in admission order)."""
+    from types import SimpleNamespace
+
+    from blink.gpu_engine.reference_engine import ReferenceEngine
+    engine = ReferenceEngine.__new__(ReferenceEngine)  # its cancel pass alone, no model
+    admitted = [Sequence(slot, 1, i, [1, 2], SamplingParams(max_tokens=4))
+                for i, slot in enumerate((5, 2, 7, 0))]
+    engine.core = SimpleNamespace(active={s.slot: s for s in admitted})
+    cancel_gen = [0] * 8
+    for slot in (5, 7, 0):
+        cancel_gen[slot] = 1
+    engine.ring = SimpleNamespace(cancel_words=lambda: cancel_gen)
+    engine.counters = {"requests_cancelled": 0}
+    retired = []
+    engine._retire = lambda seq, reason, detail: retired.append(seq.slot)
+    engine._honour_cancels()
+    assert retired == [0, 5, 7] and engine.counters["requests_cancelled"] == 3
