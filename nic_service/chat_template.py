@@ -23,11 +23,12 @@ def render_chat(
     template: str,
     messages: list[dict[str, str]],
     *,
-    bos_token: str,
-    eos_token: str,
     add_generation_prompt: bool = True,
+    **special_tokens,
 ) -> str:
-    """Renders `messages` ({"role": ..., "content": ...} dicts) into the model's prompt text.
+    """Renders `messages` ({"role": ..., "content": ...} dicts) into the model's prompt text;
+    special_tokens: bos_token, eos_token, pad_token, ... as the template may use them
+    (load_special_tokens).
 
     Raises ValueError when the template is broken, refuses the conversation (raise_exception), or
     tries something the sandbox forbids.
@@ -41,8 +42,7 @@ def render_chat(
             tools=None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
+            **special_tokens,
         )
     except _TemplateRaised as e:
         raise ValueError(f"the chat template rejected the conversation: {e.message}") from e
@@ -82,6 +82,47 @@ def load_chat_template(model_dir: str | os.PathLike) -> str | None:
             f"{config_path} has chat templates named {sorted(map(str, named))} but none named 'default'"
         )
     raise ValueError(f"{config_path}: chat_template must be a string or a list of named templates")
+
+
+# The special tokens transformers hands a chat template (its special_tokens_map).
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                      "mask_token")
+
+
+def load_special_tokens(model_dir: str | os.PathLike) -> dict:
+    """The special tokens a chat template sees, as transformers passes them: each of
+    SPECIAL_TOKEN_KEYS (and additional_special_tokens, a list) from tokenizer_config.json, then
+    from special_tokens_map.json over them in a folder saved without `added_tokens_decoder`
+    (older ones, Blink's demo model), as transformers reads such a folder."""
+    config, legacy = (_read_json(os.path.join(model_dir, name))
+                      for name in ("tokenizer_config.json", "special_tokens_map.json"))
+    out: dict = {}
+    for source in (config, legacy if "added_tokens_decoder" not in config else {}):
+        for key in SPECIAL_TOKEN_KEYS:
+            if _token_text(source.get(key)):
+                out[key] = _token_text(source[key])
+        extra = source.get("additional_special_tokens")
+        if isinstance(extra, list) and extra:
+            out["additional_special_tokens"] = [_token_text(t) for t in extra]
+    return out
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    return value if isinstance(value, dict) else {}
+
+
+def _token_text(token) -> str:
+    """A special token as written in the configs: its text, or {"content": text, ...}."""
+    if isinstance(token, dict):
+        return token.get("content") or ""
+    return token if isinstance(token, str) else ""
 
 
 class _TemplateRaised(jinja2.exceptions.TemplateError):

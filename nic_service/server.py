@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tokenizers import Tokenizer
 
-from blink.nic_service.chat_template import load_chat_template, render_chat
+from blink.nic_service.chat_template import load_chat_template, load_special_tokens, render_chat
 from blink.nic_service.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from blink.nic_service.metrics import FrontendMetrics, RequestClock
 from blink.nic_service.engine_link import (
@@ -97,14 +97,19 @@ class PromptCodec:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises plain Exception on a malformed file
             raise OSError(f"cannot load {path}: {e}") from None
-        cfg_path = Path(model_dir) / "tokenizer_config.json"
+        if self.tokenizer.truncation is not None or self.tokenizer.padding is not None:
+            # a setting saved with the file (a tokenizer saved after a call that truncated):
+            # as in transformers, prompts are neither cut nor padded unless asked
+            log.warning("%s has a saved truncation or padding setting: not applied to prompts",
+                        path)
+            self.tokenizer.no_truncation()
+            self.tokenizer.no_padding()
         try:
             self.chat_template = load_chat_template(model_dir)
-            tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+            self.special_tokens = load_special_tokens(model_dir)
         except (ValueError, OSError) as e:
-            raise OSError(f"cannot read the chat template or {cfg_path}: {e}") from None
-        self.bos_token = _token_text(tcfg.get("bos_token"))
-        self.eos_token = _token_text(tcfg.get("eos_token"))
+            raise OSError(f"cannot read the chat template or the tokenizer's config: {e}") \
+                from None
         config_path = Path(model_dir) / "config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.architecture = (config.get("architectures") or ["unknown"])[0]
@@ -116,16 +121,10 @@ class PromptCodec:
         if self.chat_template is None:
             raise InvalidRequest("this model has no chat template; send `text` or `token_ids`")
         try:
-            return render_chat(self.chat_template, messages, bos_token=self.bos_token,
-                               eos_token=self.eos_token, add_generation_prompt=True)
+            return render_chat(self.chat_template, messages, add_generation_prompt=True,
+                               **self.special_tokens)
         except ValueError as e:
             raise InvalidRequest(f"chat template failed: {e}") from None
-
-
-def _token_text(tok) -> str:
-    if isinstance(tok, dict):
-        return tok.get("content", "")
-    return tok or ""
 
 
 def token_id_array(ids: Sequence[int]) -> np.ndarray:

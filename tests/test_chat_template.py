@@ -194,3 +194,61 @@ def test_broken_tokenizer_config_is_an_error(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_chat_template(tmp_path)
+
+
+TOKENS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}"
+                   "{% endfor %}{{ pad_token }}assistant:")
+
+
+@pytest.mark.parametrize("config", [
+    {},  # an older folder: the special tokens in special_tokens_map.json alone
+    {"bos_token": "<|end_of_text|>", "pad_token": "<|eot|>"},  # the map's win, then these
+    {"added_tokens_decoder": {}, "eos_token": "<|eot|>"},  # a newer one: its config alone
+], ids=["legacy-map", "config-over-map", "config-only"])
+def test_the_server_renders_chat_as_transformers_on_the_same_folder(tmp_path, config):
+    """PromptCodec hands the template every special token transformers does (pad_token too),
+    from tokenizer_config.json and, where a folder keeps them there alone, special_tokens_map.json
+    (it read bos_token and eos_token from the config alone: an older folder's prompts lost them);
+    prompts and chats are encoded as transformers encodes them."""
+    transformers = pytest.importorskip("transformers")
+    from blink.gpu_engine.demo_model import write_random_checkpoint
+    from blink.nic_service.server import PromptCodec
+    folder = write_random_checkpoint(tmp_path / "m", seed=3, hidden_size=32, intermediate_size=64,
+                                     num_layers=1, num_heads=2, num_kv_heads=1)
+    tcfg = json.loads((folder / "tokenizer_config.json").read_text())
+    tcfg = {k: v for k, v in tcfg.items() if k not in ("bos_token", "eos_token", "pad_token",
+                                                        "added_tokens_decoder")}
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {**tcfg, **config, "chat_template": TOKENS_TEMPLATE}))
+    codec, hf = PromptCodec(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Again"}]
+    want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert codec.render(messages) == want
+    if "added_tokens_decoder" not in config:  # the map's BOS (the old server's prompt lacked it)
+        assert want.startswith("<|begin_of_text|>")
+    assert codec.encode(want, False) == hf(want, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("setting", ["truncation", "padding"])
+def test_a_tokenizer_file_s_saved_truncation_or_padding_is_not_applied(tmp_path, setting):
+    """A tokenizer.json saved with truncation or padding on (saved after a call that asked for
+    them): the server's prompts are neither cut nor padded, as transformers' are not (a chat
+    prompt lost its end, the generation prompt included)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    from blink.gpu_engine.demo_model import write_random_checkpoint
+    from blink.nic_service.server import PromptCodec
+    folder = write_random_checkpoint(tmp_path / "m", seed=4, hidden_size=32, intermediate_size=64,
+                                     num_layers=1, num_heads=2, num_kv_heads=1)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    if setting == "truncation":
+        tok.enable_truncation(max_length=4)
+    else:
+        tok.enable_padding(length=64, pad_id=2)
+    tok.save(str(folder / "tokenizer.json"))
+    codec, hf = PromptCodec(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    text = "The quick brown fox jumps over the lazy dog"
+    assert codec.encode(text, True) == hf(text)["input_ids"]
+    assert 4 < len(codec.encode(text, True)) < 64
