@@ -430,8 +430,6 @@ def _claim_port(args) -> None:
         sys.exit("blink: --workers must be >= 1")
     if args.workers == 1:
         return  # one process: gRPC's own bind (without port reuse) says if the port is taken
-    from blink.nic_service.engine_link import WorkerCounts
-    WorkerCounts.reset(args.ring_name)
     import socket
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:
         try:
@@ -439,6 +437,8 @@ def _claim_port(args) -> None:
         except OSError as e:
             sys.exit(f"blink: cannot listen on {args.host}:{args.port}: {e.strerror}")
         args.port = probe.getsockname()[1]
+    from blink.nic_service.engine_link import WorkerCounts
+    WorkerCounts.reset(args.ring_name)  # the port is ours: so is the ring
 
 
 def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None:
@@ -490,11 +490,17 @@ class FrontendWorkers:
         self._watcher.start()
 
     def _watch(self) -> None:
+        # the workers it restarts get their parent-death signal when this thread ends: it
+        # must not end on an error
         while not self.stopping:
             time.sleep(0.5)
             for index in list(self.procs):
                 if not self.stopping:
-                    self._restart_if_dead(index, time.monotonic())
+                    try:
+                        self._restart_if_dead(index, time.monotonic())
+                    except Exception:  # (a spawn refused: EAGAIN) the next tick tries again
+                        logging.getLogger("blink.frontend").exception(
+                            "restarting front-end worker %d", index + 1)
 
     def _restart_if_dead(self, index: int, now: float) -> None:
         proc = self.procs[index]
@@ -875,6 +881,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="127.0.0.1:50051", help="the Blink server (gRPC)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names requests may ask for (OpenAI's `model`; the first is "
+                        "what /v1/models lists): any other is a 404, model_not_found. By "
+                        "default `model` is not checked, since clients send Hub ids or paths "
+                        "where the server knows its folder's name")
     p.set_defaults(func=cmd_openai)
 
     for name, func, text in (("info", cmd_info, "describe the served model"),

@@ -11,7 +11,8 @@ chat template), both with `stream` (server-sent events ending in `data: [DONE]`,
 before it with `stream_options.include_usage`). Parameters: max_tokens (max_completion_tokens),
 temperature, top_p, top_k, seed, stop (string or list), n = 1; null is the default; one that
 Blink does not serve (logprobs, echo, penalties, tools, ...) set to anything but its neutral
-value is a 400, and a model other than the served one a 404 (model_not_found). An
+value is a 400; with --served-model-name, a model not among its names is a 404
+(model_not_found), else `model` is not checked (clients send Hub ids or paths). An
 `Authorization: Bearer KEY` header is passed on as the gRPC bearer token. Blink's errors map to
 HTTP statuses (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, UNAVAILABLE
 503, DEADLINE_EXCEEDED 504) with OpenAI's error body. A client that disconnects cancels its
@@ -90,6 +91,10 @@ def sampling_from(body: dict) -> Sampling:
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise BadRequest("only the text response_format is supported")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and isinstance(
+            options.get("include_usage", False), bool)):
+        raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
@@ -134,7 +139,9 @@ def _prompt(body: dict, chat: bool):
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def make_app(target: str):
+def make_app(target: str, served_model_names: list[str] | None = None):
+    """served_model_names: the names `model` may be (any other: 404), the first listed by
+    /v1/models; None: `model` is not checked, /v1/models lists the server's own name."""
     from aiohttp import web
     state: dict = {}
 
@@ -145,16 +152,13 @@ def make_app(target: str):
         auth = request.headers.get("Authorization", "")
         return state["client"].with_token(auth[7:] if auth.startswith("Bearer ") else None)
 
-    async def served_model(client: AsyncBlinkClient) -> str:
-        if "model" not in state:
-            state["model"] = (await client.model_info(timeout=10)).name
-        return state["model"]
-
     async def models(request):
-        try:
-            name = await served_model(client_for(request))
+        try:  # the caller's token checked by the server, whatever the listed name
+            name = (await client_for(request).model_info(timeout=10)).name
         except BlinkError as e:
             return _blink_error(web, e)
+        if served_model_names:
+            name = served_model_names[0]
         return web.json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "blink"}]})
 
@@ -166,14 +170,10 @@ def make_app(target: str):
             prompt, sampling = _prompt(body, chat), sampling_from(body)
         except (BadRequest, json.JSONDecodeError) as e:
             return _error(web, 400, str(e))
+        model = body.get("model") or ""
+        if served_model_names and model not in served_model_names:
+            return _error(web, 404, f"The model `{model}` does not exist.", "model_not_found")
         client = client_for(request)
-        try:
-            model = await served_model(client)
-        except BlinkError as e:
-            return _blink_error(web, e)
-        if body.get("model") not in (None, "", model):
-            return _error(web, 404, f"The model `{body['model']}` does not exist: this server "
-                                    f"serves `{model}`", "model_not_found")
         try:
             stream = client.stream(prompt, sampling)
         except (TypeError, ValueError) as e:  # what the SDK's request builder refuses
@@ -287,7 +287,8 @@ def cmd_openai(args) -> None:
         raise SystemExit("blink openai needs aiohttp: pip install 'blink-serve[openai]'")
     banner = f"blink openai: http://{args.host}:{args.port}/v1 -> Blink at {args.target}"
     try:  # handler_cancellation: a client's disconnect cancels its handler (and its request)
-        web.run_app(make_app(args.target), host=args.host, port=args.port,
-                    print=lambda _: print(banner, flush=True), handler_cancellation=True)
+        web.run_app(make_app(args.target, args.served_model_name), host=args.host,
+                    port=args.port, print=lambda _: print(banner, flush=True),
+                    handler_cancellation=True)
     except OSError as e:  # the port taken, say
         raise SystemExit(f"blink openai: {e}") from None

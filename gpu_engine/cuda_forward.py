@@ -976,25 +976,6 @@ def _rows16(rows: int) -> int:
     return -(-rows // 16) * 16
 
 
-def default_buckets(max_num_batched_tokens: int, fine_from: int = 128) -> list[int]:
-    """1, 2, 4, ... up to fine_from, then four buckets an octave (with 128: 160, 192, 224, 256,
-    320, ...; two an octave where four would pass MAX_BUCKETS), below the cap, then the cap
-    itself. A step runs its bucket's graph, padded to the bucket's size; prefill-heavy steps are
-    compute-bound, so padding costs its share of the step: with powers of two only, a 600-token
-    step (the 256-stream saturation's usual size) ran as 1,024 tokens."""
-    from blink.gpu_engine.engine_layout import MAX_BUCKETS
-    for per_octave in (4, 2, 1):
-        out, b = [], 1
-        while b < max_num_batched_tokens:
-            out.append(b)
-            octave = 1 << (b.bit_length() - 1)  # the power of two at or below b
-            b += octave // per_octave if b >= fine_from else b
-        if len(out) < MAX_BUCKETS:
-            return out + [max_num_batched_tokens]
-    raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} needs more than "
-                     f"{MAX_BUCKETS} buckets")
-
-
 class CudaForward:
     """Weights, KV cache, batch arrays, activations and one device-launchable graph per bucket.
 
@@ -1042,8 +1023,9 @@ class CudaForward:
         ATTENTION_WGMMA_MIN_BUCKET (a huge value: no bucket takes the wgmma kernel);
         attention_spread_max_bucket ATTENTION_SPREAD_MAX_BUCKET (0: no query tile's keys split
         over its other tokens' CTAs). fine_buckets_from: the buckets go four an octave from this
-        size up (default_buckets; 64 adds 80, 96 and 112, so a warm prefix request's 100-token
-        step runs as 112 rows rather than 128: the comparison bench_decode --options makes).
+        size up (engine_layout.default_buckets; 64 adds 80, 96 and 112, so a warm prefix
+        request's 100-token step runs as 112 rows rather than 128: the comparison bench_decode
+        --options makes).
         gemm_tuning: each cuBLAS GEMM shape runs the fastest of cuBLAS's own choice and
         cuBLASLt's candidates, timed at start-up or read from the cache (gemm_tuning.py; False:
         cuBLAS's own choice everywhere). gemm_split_k: the tuner also times split-K variants
@@ -1136,7 +1118,8 @@ class CudaForward:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
-        self.buckets = default_buckets(max_num_batched_tokens, fine_buckets_from)
+        self.buckets = engine_layout.default_buckets(max_num_batched_tokens,
+                                                     fine_buckets_from)
         self.max_tokens = self.buckets[-1]
         self.skinny = skinny
         self.fuse_norm_rope = fuse_norm_rope

@@ -34,6 +34,27 @@ MAX_BUCKETS = 32         # forward graphs (token buckets) at most
 SCHEDULER_THREADS = 256  # the scheduler CTA: its launch bounds and the host's launch
 
 
+def default_buckets(max_num_batched_tokens: int, fine_from: int = 128) -> list[int]:
+    """1, 2, 4, ... up to fine_from, then four buckets an octave (with 128: 160, 192, 224, 256,
+    320, ...; two an octave where four would pass MAX_BUCKETS), below the cap, then the cap
+    itself. A step runs its bucket's graph, padded to the bucket's size; prefill-heavy steps are
+    compute-bound, so padding costs its share of the step: with powers of two only, a 600-token
+    step (the 256-stream saturation's usual size) ran as 1,024 tokens. fine_from: at least 4
+    (below, a quarter octave is no step at all)."""
+    if fine_from < 4:
+        raise ValueError(f"fine_from must be at least 4, got {fine_from}")
+    for per_octave in (4, 2, 1):
+        out, b = [], 1
+        while b < max_num_batched_tokens:
+            out.append(b)
+            octave = 1 << (b.bit_length() - 1)  # the power of two at or below b
+            b += octave // per_octave if b >= fine_from else b
+        if len(out) < MAX_BUCKETS:
+            return out + [max_num_batched_tokens]
+    raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} needs more than "
+                     f"{MAX_BUCKETS} buckets")
+
+
 def pointer(c_type: str, doc: str) -> np.dtype:
     """An address: u64 here, `c_type` in C."""
     return np.dtype("<u8", metadata={"c_type": c_type, "doc": doc})

@@ -451,6 +451,14 @@ class EngineLink:
         except EngineUnavailable as e:
             log.debug("attach: %s", e)
             return
+        try:
+            self._attach(transport, info)
+        except Exception:  # a read or write that failed (RDMA): the next try starts afresh
+            log.exception("attaching to the engine ring failed")
+            transport.close()
+            self._transport, self.info = None, None
+
+    def _attach(self, transport: RingTransport, info: EngineInfo) -> None:
         beat = int(np.frombuffer(transport.read(0, HEADER_DTYPE.itemsize),
                                  HEADER_DTYPE)[0]["heartbeat"])
         if self._dead_beats.get(info.instance, beat + 1) == beat:

@@ -328,15 +328,22 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         try:
             async for response in self._stream(prep, handle, clock, context):
                 yield response
+        except Exception:  # (not an abort: those count their code first) a bug of ours
+            if not clock.ended:
+                log.exception("request %s failed", handle.request_id)
+                log_request(handle, prep, clock, "internal error", clock.generated)
+                clock.failed("INTERNAL")
+            raise
         finally:
             if not clock.ended:
-                # the client went away or its deadline passed: gRPC cancelled this handler, in
-                # the stream (CancelledError) or in its own send of a message (then the
-                # generator is closed at its yield, and only this runs)
+                # the client went away or its deadline passed, or the server is stopping:
+                # gRPC cancelled this handler, in the stream (CancelledError) or in its own
+                # send of a message (then the generator is closed at its yield: only this runs)
                 remaining = context.time_remaining()
                 expired = remaining is not None and remaining <= 0
-                log_request(handle, prep, clock, "deadline exceeded" if expired
-                            else "cancelled by the client", clock.generated)
+                why = ("deadline exceeded" if expired else "cancelled at shutdown"
+                       if self.draining else "cancelled by the client")
+                log_request(handle, prep, clock, why, clock.generated)
                 clock.failed("DEADLINE_EXCEEDED" if expired else "CANCELLED")
             self.link.cancel(handle)  # no-op when the engine already finished it
 

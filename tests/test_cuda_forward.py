@@ -225,12 +225,14 @@ def test_cublas_lt_every_candidate_computes_the_linear(cf, stream, rows, split_k
     blas.close()
 
 
-def test_gemm_tuner_times_caches_and_installs(cf, stream, tmp_path, monkeypatch):
+@pytest.mark.parametrize("split_k", [False, True])
+def test_gemm_tuner_times_caches_and_installs(cf, stream, tmp_path, monkeypatch, split_k):
     """The tuner times each recorded shape over all its calls (layers), installs its choice in
     blas.algos (here every shape takes its fastest cuBLASLt candidate: margin -100%), leaves
     the operands zero; a second tuner takes every choice from the cache (same algorithms,
     nothing timed), a third times again only the shape whose cached algorithm is not one
-    cuBLAS offers; the tuned (cuBLASLt) linear computes x @ w^T."""
+    cuBLAS offers; the tuned (cuBLASLt) linear computes x @ w^T. split_k: with Cublas.split_k's
+    variants among the candidates (timed in device-launched graphs, as the forward runs them)."""
     from blink.gpu_engine import gemm_tuning
     from blink.gpu_engine.cublas import R_16BF, R_32F, GemmShape, LtAlgo
     from blink.gpu_engine.gemm_tuning import Choice, ChoiceCache, GemmTuner
@@ -243,6 +245,7 @@ def test_gemm_tuner_times_caches_and_installs(cf, stream, tmp_path, monkeypatch)
     out16 = dev(cf, np.zeros((256, n_out), np.uint16))
     out32 = dev(cf, np.zeros((256, n_out), np.float32))
     blas, _ws = _blas(cf, stream, 32 << 20)
+    blas.split_k = split_k
     cache = ChoiceCache(tmp_path / "gemm.json")
     with blas.recording() as calls:
         for rows in (24, 256):
@@ -263,6 +266,7 @@ def test_gemm_tuner_times_caches_and_installs(cf, stream, tmp_path, monkeypatch)
     assert not x.download().any() and not out32.download().any()
     assert not out16.download().any()
     again, _ws2 = _blas(cf, stream, 32 << 20)
+    again.split_k = split_k
     second = GemmTuner(again, stream, cache)
     second.tune(calls)
     assert second.timed == 0
@@ -272,6 +276,7 @@ def test_gemm_tuner_times_caches_and_installs(cf, stream, tmp_path, monkeypatch)
     bogus = LtAlgo.from_hex("ff" * 64)
     cache.store({stale.key: Choice(bogus, 1.0, 1.0)})
     third_blas, _ws3 = _blas(cf, stream, 32 << 20)
+    third_blas.split_k = split_k
     third = GemmTuner(third_blas, stream, cache)
     third.tune(calls)
     assert third.timed == 1 and bytes(third_blas.algos[stale]) != bytes(bogus)
@@ -284,7 +289,7 @@ def test_gemm_tuner_times_caches_and_installs(cf, stream, tmp_path, monkeypatch)
         ref = xs[:rows].astype(np.float64) @ bf16_to_f32(ws[1].download()).T.astype(np.float64)
         got = bf16_to_f32(out16.download()[:rows])
         assert rel_err(got, ref) < 1e-2
-    REPORT["env"]["gemm_tuner_test"] = tuner.summary()
+    REPORT["env"][f"gemm_tuner_test{'_split_k' if split_k else ''}"] = tuner.summary()
     blas.close()
     again.close()
 
@@ -1701,19 +1706,6 @@ def test_forward_mixed_batch(models, arch):
         for s in active:
             done[s] += plans[s][step]
     pair.record("mixed batch")
-
-
-def test_default_buckets(cf):
-    """Powers of two, then four an octave (two where four would pass MAX_BUCKETS), the cap
-    last; fine_from moves where the octaves split."""
-    assert cf.default_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert cf.default_buckets(512) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 224, 256, 320,
-                                       384, 448, 512]
-    assert cf.default_buckets(200, fine_from=64) == [1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128,
-                                                     160, 192, 200]
-    assert cf.default_buckets(2048, fine_from=64)[6:11] == [64, 80, 96, 112, 128]
-    assert len(cf.default_buckets(2048, fine_from=64)) == 27
-    assert cf.default_buckets(1 << 16)[-3:] == [32768, 49152, 65536]  # two an octave
 
 
 def test_forward_graphs_cover_every_bucket(models):

@@ -188,3 +188,18 @@ def test_init_record_refuses_what_the_kernel_cannot_hold():
         el.engine_init_record(**dict(a, forward_pointers=missing))
     with pytest.raises(ValueError, match="SchedConfig"):
         el.sched_config(num_slots=1)
+
+
+def test_default_buckets():
+    """Powers of two, then four an octave (two where four would pass MAX_BUCKETS), the cap
+    last; fine_from moves where the octaves split."""
+    assert el.default_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert el.default_buckets(512) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 224, 256,
+                                          320, 384, 448, 512]
+    assert el.default_buckets(200, fine_from=64) == [1, 2, 4, 8, 16, 32, 64, 80, 96, 112,
+                                                        128, 160, 192, 200]
+    assert el.default_buckets(2048, fine_from=64)[6:11] == [64, 80, 96, 112, 128]
+    assert len(el.default_buckets(2048, fine_from=64)) == 27
+    assert el.default_buckets(1 << 16)[-3:] == [32768, 49152, 65536]  # two an octave
+    with pytest.raises(ValueError):
+        el.default_buckets(256, fine_from=2)

@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai", reason="the test extra (openai) is not in
 pytest.importorskip("aiohttp", reason="the test extra (aiohttp) is not installed")
 
 
-def start_gateway(model_dir, make_stack, tmp_path, engine_args=()):
+def start_gateway(model_dir, make_stack, tmp_path, engine_args=(), gateway_args=()):
     """A Blink stack on model_dir and `blink openai` in front of it: (OpenAI client, stack,
     gateway process); the caller stops the process."""
     stack = make_stack(model_dir, engine_args=engine_args)
@@ -25,7 +25,7 @@ def start_gateway(model_dir, make_stack, tmp_path, engine_args=()):
         port = s.getsockname()[1]
     log = open(tmp_path / "gateway.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "blink.client.cli", "openai", "--target",
-                             stack.target, "--port", str(port)], stdout=log,
+                             stack.target, "--port", str(port), *gateway_args], stdout=log,
                             stderr=subprocess.STDOUT)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                            max_retries=0, timeout=30)
@@ -43,7 +43,9 @@ def start_gateway(model_dir, make_stack, tmp_path, engine_args=()):
 
 @pytest.fixture
 def gateway(checkpoints, make_stack, tmp_path):
-    client, stack, proc = start_gateway(checkpoints["llama"], make_stack, tmp_path)
+    """A gateway that serves the model as `llama` alone (--served-model-name)."""
+    client, stack, proc = start_gateway(checkpoints["llama"], make_stack, tmp_path,
+                                        gateway_args=["--served-model-name", "llama"])
     yield client, stack
     proc.terminate()
     proc.wait(10)
@@ -120,14 +122,16 @@ def post(client, path: str, body: dict, timeout: float = 30):
 def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
     """Values the gateway cannot serve are a 400 in OpenAI's error body (they were a 500 and a
     traceback, or silently ignored), a model other than the served one a 404; null is the
-    default; stream_options.include_usage streams a usage chunk before [DONE]."""
+    default; stream_options.include_usage streams a usage chunk before [DONE]. (This gateway
+    serves `llama` alone: --served-model-name.)"""
     client, _ = gateway
     base = {"model": "llama", "prompt": "hi", "max_tokens": 3}
     for bad in ({"stop": 5}, {"stop": [None]}, {"max_tokens": -1}, {"max_tokens": 1e30},
                 {"seed": 2 ** 70}, {"top_k": -2}, {"prompt": [-1]}, {"prompt": [2 ** 40]},
                 {"prompt": [True]}, {"logprobs": 2}, {"echo": True}, {"best_of": 3},
                 {"presence_penalty": 1.0}, {"logit_bias": {"5": 10}}, {"suffix": "x"},
-                {"response_format": {"type": "json_object"}}):
+                {"response_format": {"type": "json_object"}}, {"stream_options": True},
+                {"stream_options": {"include_usage": "yes"}}):
         status, body = post(client, "/completions", {**base, **bad})
         assert (status, body["error"]["type"]) == (400, "invalid_request_error"), (bad, body)
     status, body = post(client, "/chat/completions", {
@@ -162,6 +166,9 @@ def test_a_client_that_goes_away_cancels_its_request(slow_gateway):
     import socket as sockets
     import urllib.request
     client, stack = slow_gateway
+    # no --served-model-name: `model` is not checked (clients send Hub ids or paths)
+    assert post(client, "completions", {"model": "some-org/Some-Model-8B", "prompt": "hi",
+                                        "max_tokens": 2})[0] == 200
     body = {"model": client.models.list().data[0].id, "prompt": "go on", "max_tokens": 10_000,
             "temperature": 0}
     host, port = client.base_url.host, client.base_url.port
