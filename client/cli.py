@@ -451,8 +451,13 @@ def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None
     args.worker_index, args.ready_file = index, None
     if args.metrics_port:
         args.metrics_port += index  # worker i: metrics port + i
-    asyncio.run(serve(_frontend_config(args, model_dir), None,
-                      shutdown_timeout_s=args.shutdown_timeout))
+    try:
+        asyncio.run(serve(_frontend_config(args, model_dir), None,
+                          shutdown_timeout_s=args.shutdown_timeout))
+    finally:
+        if os.getppid() != parent_pid:  # the parent died (SIGKILL): nobody else clears them
+            from blink.nic_service.engine_link import WorkerCounts
+            WorkerCounts.reset(args.ring_name)
 
 
 class FrontendWorkers:

@@ -3,6 +3,7 @@ loudly, a taken port, and the drain on SIGTERM. Real processes, real ports, real
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -279,9 +280,13 @@ def test_front_end_workers_stop_when_serve_is_killed(checkpoints, tmp_path):
     """serve --workers 2 killed with SIGKILL: its second front-end worker exits too (its own
     parent-death signal) and the port is free for the next serve; it used to go on holding
     the port, answering NOT_SERVING, and the next serve could not listen."""
+    from blink.nic_service.engine_link import WorkerCounts
     serve = Serve(checkpoints["llama"], tmp_path, "--workers", "2")
-    wait_for(lambda: len(children(serve.proc.pid)) >= 2, 10, "the engine and the worker")
+    wait_for(lambda: "worker 2/2 listening" in serve.log_path.read_text(), 30, "worker 2")
     kids = children(serve.proc.pid)
+    assert any("spawn_main" in open(f"/proc/{pid}/cmdline").read() for pid in kids), kids
+    ring = re.search(r"\(ring /dev/shm/([^)]+)\)", serve.log_path.read_text()).group(1)
+    assert WorkerCounts.path(ring).exists()
     try:
         serve.proc.kill()
         serve.proc.wait(10)
@@ -289,6 +294,9 @@ def test_front_end_workers_stop_when_serve_is_killed(checkpoints, tmp_path):
         port = int(serve.target.rsplit(":", 1)[1])
         with socket.socket() as probe:  # as SO_REUSEPORT-less a bind as another program's
             probe.bind(("127.0.0.1", port))
+        # the workers clear the counts they shared as they go, the engine its ring
+        wait_for(lambda: not WorkerCounts.path(ring).exists(), 10, "the counts removed")
+        assert not (WorkerCounts.path(ring).parent / ring).exists()
     finally:
         serve.stop()
         for pid in kids:
