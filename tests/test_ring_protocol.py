@@ -476,6 +476,8 @@ def test_a_moving_record_wakes_the_poll_loop(watched, worker, monkeypatch):
         asyncio.run(scenario())
     finally:
         server.close()
+        from blink.nic_service.engine_link import WorkerCounts
+        WorkerCounts.reset(name)  # (what a front end's parent clears as it stops)
 
 
 def test_record_watch_sees_only_what_the_poll_would_hand_on():
