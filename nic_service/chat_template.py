@@ -64,14 +64,7 @@ def load_chat_template(model_dir: str | os.PathLike) -> str | None:
         with open(jinja_path, encoding="utf-8") as f:
             return f.read()
     config_path = os.path.join(model_dir, "tokenizer_config.json")
-    if not os.path.isfile(config_path):
-        return None
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from e
-    template = config.get("chat_template") if isinstance(config, dict) else None
+    template = _read_json(config_path).get("chat_template")
     if template is None or isinstance(template, str):
         return template
     if isinstance(template, list):
@@ -108,6 +101,7 @@ def load_special_tokens(model_dir: str | os.PathLike) -> dict:
 
 
 def _read_json(path: str) -> dict:
+    """A JSON file's object; {} when the file is missing or holds something else."""
     if not os.path.isfile(path):
         return {}
     try:

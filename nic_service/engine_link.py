@@ -505,10 +505,8 @@ class EngineLink:
         generates for no one until max_tokens, holding KV blocks and a sequence of
         --max-num-seqs, unless a new request happens to take the slot. A generation not
         admitted yet is cancelled as it is admitted; one that is finished is left alone."""
-        t, geom = self._transport, self.info.geometry
-        base, stride, n = geom.record_offset(share.start), geom.record_bytes, len(share)
-        gen = np.frombuffer(t.read_strided(base + _GEN, stride, n, 4), "<u4")  # gen first
-        finish = np.frombuffer(t.read_strided(base + _FINISH, stride, n, 4), "<u4")
+        gen = self._record_column(share, _GEN)  # gen first, as the protocol reads a record
+        finish = self._record_column(share, _FINISH)
         orphans = np.flatnonzero((last_gen != 0)
                                  & ((gen != last_gen) | (finish == FinishReason.NONE)))
         for i in orphans.tolist():
@@ -638,19 +636,21 @@ class EngineLink:
             if reason != FinishReason.NONE:
                 self._finish(handle, FinishReason(reason))
 
+    def _record_column(self, share: range, field: int) -> np.ndarray:
+        """[len(share)] u4: one field (its offset in a record) of every record in the share, in
+        one strided read."""
+        geom = self.info.geometry
+        return np.frombuffer(self._transport.read_strided(
+            geom.record_offset(share.start) + field, geom.record_bytes, len(share), 4), "<u4")
+
     def _moved_all(self, now: float) -> list[tuple[int, int, int, int]]:
         """The records that moved, (index in the share, count, tokens read before, finish
         reason) each, marked read: from the share's three columns, a strided read each, in one
         vectorised pass."""
-        t, geom, share = self._transport, self.info.geometry, self._share
-        base, stride, n = geom.record_offset(share.start), geom.record_bytes, len(share)
-
-        def column(field: int) -> np.ndarray:  # [n] u4: one field of every record in the share
-            return np.frombuffer(t.read_strided(base + field, stride, n, 4), "<u4")
-
-        gen = column(_GEN)
-        finish = column(_FINISH)
-        count = column(_COUNT).astype(np.int64)
+        share = self._share
+        gen = self._record_column(share, _GEN)
+        finish = self._record_column(share, _FINISH)
+        count = self._record_column(share, _COUNT).astype(np.int64)
         seen = self._seen
         # a record moved: new tokens that are due (stream_interval_s after the last ones), or a
         # finish (at once, with whatever tokens wait)
