@@ -43,8 +43,11 @@ def children(pid: int) -> list[int]:
     """The child processes of `pid` (e.g. the engine `blink serve` started)."""
     out = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(c) for c in f.read().split()]
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except FileNotFoundError:  # a thread that ended since the listing
+            continue
     return out
 
 
