@@ -25,12 +25,12 @@ def _model_dir(arg: str | None, *, need_weights: bool = True) -> Path:
         from blink.gpu_engine.demo_model import ensure_demo_model
         print(f"blink: {DEMO_NOTE}", file=sys.stderr)
         return ensure_demo_model()
-    from blink.gpu_engine.checkpoint import CheckpointError, load_config
+    from blink.gpu_engine.checkpoint import CheckpointError, check_weights, load_config
     path = Path(arg).expanduser()
     if not (path / "config.json").is_file():
         sys.exit(f"blink: {path} is not a Hugging Face checkpoint folder (no config.json)")
     try:
-        load_config(path)
+        cfg = load_config(path)
     except CheckpointError as e:
         sys.exit(f"blink: {path}: {e}")
     if not (path / "tokenizer.json").is_file():
@@ -38,6 +38,11 @@ def _model_dir(arg: str | None, *, need_weights: bool = True) -> Path:
     if need_weights and not any(path.glob("*.safetensors")):
         sys.exit(f"blink: {path} has no *.safetensors weights (--load-format dummy serves "
                  f"random weights in its shapes)")
+    if need_weights:
+        try:  # the weight files' headers: names, shapes and dtypes, before anything starts
+            check_weights(path, cfg)
+        except CheckpointError as e:
+            sys.exit(f"blink: {path}: {e}")
     return path
 
 
@@ -347,6 +352,7 @@ def _fp8_for_this_gpu(config, compute_capability: tuple[int, int]):
 
 
 def cmd_engine(args) -> None:
+    from blink.gpu_engine.checkpoint import CheckpointError
     from blink.gpu_engine.ring_server import RingInUse
     if args.exit_with_parent is not None:
         _exit_with_parent(args.exit_with_parent, "blink engine")
@@ -395,7 +401,7 @@ def cmd_engine(args) -> None:
             sys.exit("blink engine: --load-format dummy needs the cuda, host-cuda or hf engine")
         else:
             run_engine(config)
-    except RingInUse as e:
+    except (RingInUse, CheckpointError) as e:  # weights the headers' check could not see
         sys.exit(f"blink engine: {e}")
     finally:
         if export is not None:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from blink.ring.layout import MAX_EOS_IDS
+
 log = logging.getLogger(__name__)
 
 
@@ -97,14 +99,35 @@ def _int_list(value, what: str) -> list[int]:
     return values
 
 
+def _positive(value, what: str) -> float:
+    """A config number as a float, refused in one line unless it is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise CheckpointError(f"config.json: {what} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _positive_int(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise CheckpointError(f"config.json: {what} must be a positive int, got {value!r}")
+    return value
+
+
 def _parse_rope(raw: dict, max_pos: int) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either the legacy `rope_theta` + `rope_scaling` keys that
     hub checkpoints carry or the `rope_parameters` dict that transformers 5 writes."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    new, legacy = raw.get("rope_parameters"), raw.get("rope_scaling")
+    if new and legacy and new != legacy:
+        # transformers takes rope_scaling then, vLLM rope_parameters: which one the checkpoint
+        # was trained with, only its author knows
+        raise CheckpointError("config.json has both rope_parameters and rope_scaling, and they "
+                              "differ: keep the one the model was trained with")
+    params = new or legacy or {}
     if not isinstance(params, dict):
         raise CheckpointError(f"rope_scaling/rope_parameters must be an object, got {params!r}")
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+    theta = _positive(params.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if _positive(partial, "partial_rotary_factor") != 1.0:
         raise CheckpointError("partial_rotary_factor != 1 is not supported")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -115,17 +138,44 @@ def _parse_rope(raw: dict, max_pos: int) -> tuple[float, dict | None]:
     missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
     if missing:
         raise CheckpointError(f"llama3 RoPE scaling lacks {', '.join(missing)}")
+    # a top-level original_max_position_embeddings wins over the scaling's own, as in
+    # transformers (Phi-3 style configs keep it there)
+    original = raw.get("original_max_position_embeddings",
+                       params.get("original_max_position_embeddings", max_pos))
     scaling = {
         "rope_type": "llama3",
-        "factor": float(params["factor"]),
-        "low_freq_factor": float(params["low_freq_factor"]),
-        "high_freq_factor": float(params["high_freq_factor"]),
-        "original_max_position_embeddings": int(
-            params.get("original_max_position_embeddings", max_pos)),
+        **{k: _positive(params[k], f"RoPE scaling {k}")
+           for k in ("factor", "low_freq_factor", "high_freq_factor")},
+        "original_max_position_embeddings": _positive_int(
+            original, "original_max_position_embeddings"),
     }
     if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise CheckpointError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor")
     return theta, scaling
+
+
+def _architecture(raw: dict, model_dir: Path) -> str:
+    """Our short name for the model config.json describes: its `architectures` entry, which
+    must agree with its `model_type` (transformers builds the model model_type names, so a Qwen2
+    folder labelled LlamaForCausalLM would otherwise lose its biases), or model_type alone."""
+    archs = raw.get("architectures") or []
+    archs = [archs] if isinstance(archs, str) else archs
+    model_type = raw.get("model_type")
+    if not isinstance(archs, list):
+        raise CheckpointError(f"config.json: architectures must be a list, got {archs!r}")
+    arch = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
+    if arch is None and not archs and model_type in _ARCHITECTURES.values():
+        arch = model_type
+    if arch is None:
+        raise CheckpointError(
+            f"unsupported architecture {archs or model_type!r} in {model_dir}/config.json "
+            f"(supported: {', '.join(_ARCHITECTURES)})")
+    if model_type is not None and model_type != arch:
+        raise CheckpointError(
+            f"config.json: model_type {model_type!r} does not match the architecture "
+            f"{next(a for a in _ARCHITECTURES if _ARCHITECTURES[a] == arch)} ({arch!r}); "
+            f"transformers would build a {model_type!r} model from it")
+    return arch
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
@@ -134,19 +184,10 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
     raw = _read_json(model_dir / "config.json")
 
-    archs = raw.get("architectures") or []
-    arch = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
-    if arch is None:
-        raise CheckpointError(
-            f"unsupported architecture {archs or raw.get('model_type')!r} in "
-            f"{model_dir}/config.json "
-            f"(supported: {', '.join(_ARCHITECTURES)})")
+    arch = _architecture(raw, model_dir)
 
     def need_int(key: str) -> int:
-        v = raw.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise CheckpointError(f"config.json: {key} must be a positive int, got {v!r}")
-        return v
+        return _positive_int(raw.get(key), key)
 
     hidden = need_int("hidden_size")
     heads = need_int("num_attention_heads")
@@ -178,6 +219,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if gen_path.is_file():
         eos += _int_list(_read_json(gen_path).get("eos_token_id"), "generation_config eos_token_id")
     eos_ids = tuple(dict.fromkeys(eos))
+    if len(eos_ids) > MAX_EOS_IDS:  # what the ring's header carries to both engines
+        raise CheckpointError(f"{len(eos_ids)} eos token ids (config.json and "
+                              f"generation_config.json): at most {MAX_EOS_IDS} are supported")
     bos = raw.get("bos_token_id")
     if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool)):
         raise CheckpointError(f"config.json bos_token_id must be an int, got {bos!r}")
@@ -197,7 +241,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_positive(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_pos,
@@ -292,13 +336,20 @@ def _read_safetensors_header(path: Path) -> dict[str, _TensorRef]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     size = path.stat().st_size
     refs = {}
     for name, e in header.items():
         if name == "__metadata__":
             continue
-        begin, end = e["data_offsets"]
-        ref = _TensorRef(path, e["dtype"], tuple(e["shape"]), 8 + n + begin, 8 + n + end)
+        try:
+            (begin, end), dtype, shape = e["data_offsets"], e["dtype"], e["shape"]
+            ref = _TensorRef(path, dtype, tuple(int(d) for d in shape), 8 + n + int(begin),
+                             8 + n + int(end))
+        except (TypeError, ValueError, KeyError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name}: "
+                                  f"{e!r}") from None
         if ref.end > size:
             raise CheckpointError(
                 f"{path}: tensor {name} runs past the end of the file (truncated?)")
@@ -306,16 +357,19 @@ def _read_safetensors_header(path: Path) -> dict[str, _TensorRef]:
     return refs
 
 
-def _read_tensor(ref: _TensorRef, mm: np.memmap, name: str) -> np.ndarray:
-    """The tensor as a fresh float32 array (F8_E4M3: the codes' values, unscaled)."""
+def _check_ref(ref: _TensorRef, name: str) -> None:
+    """What a tensor's header entry must say for _read_tensor to read it."""
     if ref.dtype not in _DTYPES:
         raise CheckpointError(f"{ref.path.name}: tensor {name} has dtype {ref.dtype}; "
                               f"only F32, F16, BF16 and F8_E4M3 are supported")
-    dt = _DTYPES[ref.dtype]
-    count = math.prod(ref.shape)
-    if ref.end - ref.start != count * dt.itemsize:
+    if ref.end - ref.start != math.prod(ref.shape) * _DTYPES[ref.dtype].itemsize:
         raise CheckpointError(f"{ref.path.name}: tensor {name} byte size does not match its shape")
-    raw = mm[ref.start:ref.end].view(dt).reshape(ref.shape)
+
+
+def _read_tensor(ref: _TensorRef, mm: np.memmap, name: str) -> np.ndarray:
+    """The tensor as a fresh float32 array (F8_E4M3: the codes' values, unscaled)."""
+    _check_ref(ref, name)
+    raw = mm[ref.start:ref.end].view(_DTYPES[ref.dtype]).reshape(ref.shape)
     if ref.dtype == "BF16":
         # bf16 is the top half of a float32: shift the 16 bits up and reinterpret.
         return (raw.astype(np.uint32) << 16).view(np.float32)
@@ -372,9 +426,8 @@ class ModelWeights:
     kv_scales: np.ndarray | None = None
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
-    """All weights as float32 NumPy arrays, shapes checked against `cfg`."""
-    model_dir = Path(model_dir)
+def _tensor_refs(model_dir: Path) -> dict[str, _TensorRef]:
+    """Every tensor of the checkpoint's weight files, by name, from their headers."""
     refs: dict[str, _TensorRef] = {}
     for f in _weight_files(model_dir):
         for name, ref in _read_safetensors_header(f).items():
@@ -382,6 +435,36 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
                 raise CheckpointError(f"tensor {name} appears in both {refs[name].path.name} "
                                       f"and {f.name}")
             refs[name] = ref
+    return refs
+
+
+def _model_ref(refs: dict[str, _TensorRef], model_dir: Path, name: str,
+               shape: tuple[int, ...]) -> _TensorRef:
+    """The header entry of a tensor the model needs, checked against the shape `cfg` implies."""
+    ref = refs.get(name)
+    if ref is None:
+        raise CheckpointError(f"tensor {name} not found in the weights of {model_dir}")
+    if ref.shape != shape:
+        raise CheckpointError(f"tensor {name} has shape {list(ref.shape)}, "
+                              f"config.json implies {list(shape)}")
+    _check_ref(ref, name)
+    return ref
+
+
+def check_weights(model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Refuses (CheckpointError) weight files load_weights would refuse for their names, shapes,
+    dtypes or sizes, from the headers alone (no tensor is read): a command's check before
+    anything starts. An FP8 weight's scale tensor is checked when it is read."""
+    model_dir = Path(model_dir)
+    refs = _tensor_refs(model_dir)
+    _model_tensors(cfg, "lm_head.weight" in refs,
+                   lambda name, shape: _model_ref(refs, model_dir, name, shape))
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
+    """All weights as float32 NumPy arrays, shapes checked against `cfg`."""
+    model_dir = Path(model_dir)
+    refs = _tensor_refs(model_dir)
     maps: dict[Path, np.memmap] = {}
 
     def read(name: str, ref: _TensorRef) -> np.ndarray:
@@ -390,17 +473,26 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
         return _read_tensor(ref, maps[ref.path], name)
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        ref = refs.get(name)
-        if ref is None:
-            raise CheckpointError(f"tensor {name} not found in the weights of {model_dir}")
-        if ref.shape != shape:
-            raise CheckpointError(f"tensor {name} has shape {list(ref.shape)}, "
-                                  f"config.json implies {list(shape)}")
+        ref = _model_ref(refs, model_dir, name, shape)
         value = read(name, ref)
         if ref.dtype == "F8_E4M3":  # the codes times their scales
             value = _scaled_fp8(name, value, refs, read, cfg.fp8_weight_block)
         return value
 
+    weights = _model_tensors(cfg, "lm_head.weight" in refs, get)
+    if weights.lm_head is not weights.embed and cfg.tie_word_embeddings:
+        if np.array_equal(weights.lm_head, weights.embed):
+            weights.lm_head = weights.embed
+        else:  # as transformers does: the stored head, not the embedding
+            log.warning("config.json ties the embedding to the LM head, but lm_head.weight "
+                        "differs from it: serving lm_head.weight, as transformers does")
+    weights.kv_scales = _kv_scales(cfg, refs, read)
+    return weights
+
+
+def _model_tensors(cfg: ModelConfig, has_lm_head: bool, get) -> ModelWeights:
+    """The model's tensors as `get(name, shape)` gives them: load_weights' arrays, or
+    check_weights' header entries. A tied model's stored lm_head.weight is taken too."""
     H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     Q, KV = cfg.q_size, cfg.kv_size
     layers = []
@@ -426,9 +518,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
             down_proj=get(p + "mlp.down_proj.weight", (H, I)),
         ))
     embed = get("model.embed_tokens.weight", (V, H))
-    lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight", (V, H))
+    tied = cfg.tie_word_embeddings and not has_lm_head
+    lm_head = embed if tied else get("lm_head.weight", (V, H))
     return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (H,)),
-                        lm_head=lm_head, kv_scales=_kv_scales(cfg, refs, read))
+                        lm_head=lm_head)
 
 
 def _scaled_fp8(name: str, codes: np.ndarray, refs: dict, read,

@@ -204,3 +204,103 @@ def test_rope_inv_freq_matches_transformers(tmp_path, scaling):
     if scaling:  # the scaling really changes something, so the comparison above means something
         plain, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_cfg)
         assert not np.allclose(ours, plain.numpy())
+
+
+def test_a_tied_config_with_its_own_lm_head_serves_that_head(tmp_path, f32_ckpt):
+    """config.json ties the embedding to the head but the folder stores an lm_head.weight of its
+    own: transformers serves the stored head (and warns), so must we; a stored copy equal to the
+    embedding stays one array."""
+    path = shutil.copytree(f32_ckpt, tmp_path / "m")
+    _rewrite_config(path, tie_word_embeddings=True)
+    w = load_weights(path, load_config(path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    head = hf.lm_head.weight.detach().numpy()
+    assert not np.array_equal(head, hf.model.embed_tokens.weight.detach().numpy())
+    np.testing.assert_array_equal(w.lm_head, head)
+    cfg = load_config(path)
+
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    save_file(tensors, path / "model.safetensors")
+    w = load_weights(path, cfg)
+    assert w.lm_head is w.embed
+
+
+def test_rope_keys_as_transformers_reads_them(tmp_path, f32_ckpt):
+    """A top-level original_max_position_embeddings wins over the llama3 scaling's own (as
+    transformers has it); rope_parameters and rope_scaling that disagree are refused."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    path = shutil.copytree(f32_ckpt, tmp_path / "m")
+    _rewrite_config(path, rope_scaling=LLAMA3_ROPE, original_max_position_embeddings=16)
+    cfg = load_config(path)
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 16
+    expect, _ = ROPE_INIT_FUNCTIONS["llama3"](transformers.AutoConfig.from_pretrained(path))
+    np.testing.assert_allclose(rope_inv_freq(cfg), expect.numpy(), rtol=1.2e-7, atol=0)
+
+    _rewrite_config(path, original_max_position_embeddings=None,
+                    rope_parameters=dict(LLAMA3_ROPE, rope_theta=500000.0))
+    with pytest.raises(CheckpointError, match="both rope_parameters and rope_scaling"):
+        load_config(path)
+    _rewrite_config(path, rope_scaling=dict(LLAMA3_ROPE, rope_theta=500000.0))
+    assert load_config(path).rope_theta == 500000.0  # the same in both: no doubt
+
+
+def test_model_type_must_match_the_architecture(tmp_path):
+    """transformers builds the model config.json's model_type names: a Qwen2 folder labelled
+    LlamaForCausalLM is a Qwen2 model (with q/k/v biases) to it, so it is refused, not served
+    as Llama; with no architectures, model_type alone says the model."""
+    path = write_random_checkpoint(tmp_path / "q", architecture="qwen2", **TINY)
+    _rewrite_config(path, architectures=["LlamaForCausalLM"])
+    with pytest.raises(CheckpointError, match="model_type 'qwen2' does not match .*Llama"):
+        load_config(path)
+    _rewrite_config(path, architectures=None)
+    assert load_config(path).architecture == "qwen2"
+    _rewrite_config(path, architectures="Qwen2ForCausalLM")
+    assert load_config(path).attention_bias
+
+
+def test_config_values_and_weight_headers_are_refused_in_one_error(tmp_path, f32_ckpt):
+    """Malformed numbers, more eos ids than the ring carries and broken safetensors headers are
+    CheckpointErrors (one line at start-up), not ValueErrors or KeyErrors from deep inside;
+    check_weights finds the weight files' problems from their headers alone."""
+    from blink.gpu_engine.checkpoint import check_weights
+
+    path = shutil.copytree(f32_ckpt, tmp_path / "m")
+    for changes, message in (
+            (dict(rms_norm_eps="x"), "rms_norm_eps must be a positive number"),
+            (dict(rope_theta="abc"), "rope_theta must be a positive number"),
+            (dict(rope_scaling=dict(LLAMA3_ROPE, low_freq_factor=0)),
+             "low_freq_factor must be a positive number"),
+            (dict(rope_scaling=dict(LLAMA3_ROPE, original_max_position_embeddings="8k")),
+             "original_max_position_embeddings must be a positive int"),
+            (dict(eos_token_id=list(range(3, 10))), "9 eos token ids.*at most 8")):
+        _rewrite_config(path, **changes)
+        with pytest.raises(CheckpointError, match=message):
+            load_config(path)
+        _rewrite_config(path, **{k: json.loads((f32_ckpt / "config.json").read_text()).get(k)
+                                 for k in changes})
+    cfg = load_config(path)
+    check_weights(path, cfg)
+    with pytest.raises(CheckpointError, match="config.json implies"):
+        check_weights(path, dataclasses.replace(cfg, intermediate_size=97))
+    with pytest.raises(CheckpointError, match="q_norm.weight not found"):
+        check_weights(path, dataclasses.replace(cfg, qk_norm=True))
+
+    data = (path / "model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    for broken, message in (
+            ([], "not a JSON object"),
+            ({**header, "model.norm.weight": {"dtype": "F32", "shape": [64]}},
+             "corrupt safetensors header entry for model.norm.weight"),
+            ({**header, "model.norm.weight": dict(header["model.norm.weight"], dtype="F64")},
+             "model.norm.weight has dtype F64")):
+        text = json.dumps(broken, separators=(",", ":")).encode()
+        assert len(text) <= n  # the same header length, its end padded with spaces
+        text = text.ljust(n)
+        (path / "model.safetensors").write_bytes(data[:8] + text + data[8 + n:])
+        for load in (check_weights, load_weights):
+            with pytest.raises(CheckpointError, match=message):
+                load(path, cfg)

@@ -2,6 +2,7 @@
 loudly, a taken port, and the drain on SIGTERM. Real processes, real ports, real rings."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -402,17 +403,24 @@ def broken_models(checkpoints, tmp_path):
     bad_tok = tmp_path / "bad-tokenizer"
     shutil.copytree(good, bad_tok)
     (bad_tok / "tokenizer.json").write_text("{not json")
-    return no_tok, no_weights, bad_tok
+    wrong_shape = tmp_path / "wrong-shape"  # config.json and the weights disagree
+    shutil.copytree(good, wrong_shape)
+    config = json.loads((wrong_shape / "config.json").read_text())
+    config["intermediate_size"] += 1
+    (wrong_shape / "config.json").write_text(json.dumps(config))
+    return no_tok, no_weights, bad_tok, wrong_shape
 
 
 def test_fail_fast_with_one_line(checkpoints, broken_models):
     """Each of these used to hang, restart the engine forever, or print a traceback."""
-    no_tok, no_weights, bad_tok = broken_models
+    no_tok, no_weights, bad_tok, wrong_shape = broken_models
     for args, message in (
             (["serve", "--model", str(bad_tok), "--port", "0"], "cannot load"),
             (["frontend", "--model", str(bad_tok), "--port", "0"], "cannot load"),
             (["serve", "--model", str(no_tok), "--port", "0"], "no tokenizer.json"),
             (["serve", "--model", str(no_weights), "--port", "0"], "no *.safetensors"),
+            (["serve", "--model", str(wrong_shape), "--port", "0"], "config.json implies"),
+            (["engine", "--model", str(wrong_shape)], "config.json implies"),
             (["serve", "--model", str(checkpoints["llama"]), "--slots", "0", "--port", "0"],
              "--slots must be >= 1"),
             (["engine", "--model", str(checkpoints["llama"]), "--max-num-seqs", "0"],
