@@ -116,9 +116,16 @@ def test_generate_stops_on_ctrl_c_and_cancels_in_the_server(checkpoints, tmp_pat
     ends the request as cancelled (not left generating its 400 tokens)."""
     with serving(tmp_path, checkpoints["llama"], "--engine", "synthetic",
                  "--synthetic-step-ms", "20") as (_, target):
-        gen = subprocess.Popen([sys.executable, "-m", "blink.client.cli", "generate", "--target",
-                                target, "--max-tokens", "400", "--ignore-eos", "Hello"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # a shell's background job inherits SIGINT ignored, which Python then keeps (and exec
+        # passes on): the child gets a SIGINT it can receive however pytest was started
+        ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            gen = subprocess.Popen([sys.executable, "-m", "blink.client.cli", "generate",
+                                    "--target", target, "--max-tokens", "400", "--ignore-eos",
+                                    "Hello"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        finally:
+            signal.signal(signal.SIGINT, ignored)
         assert gen.stdout.read(1)  # streaming
         gen.send_signal(signal.SIGINT)
         _, err = gen.communicate(timeout=10)
