@@ -80,7 +80,12 @@ def _number(body: dict, key: str) -> float | None:
     return float(value)
 
 
-def sampling_from(body: dict) -> Sampling:
+# /v1/completions' max_tokens when the request leaves it out (OpenAI's documented default, and
+# vLLM's); chat completions default to the rest of the context, as the server does
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def sampling_from(body: dict, chat: bool) -> Sampling:
     """OpenAI request fields -> Blink sampling (unsupported values are a 400, not ignored;
     null is the default, as OpenAI documents)."""
     if body.get("n") not in (None, 1):
@@ -103,7 +108,10 @@ def sampling_from(body: dict) -> Sampling:
         else "max_tokens"
     seed = _int(body, "seed", -(1 << 63), (1 << 64) - 1)
     top_k = _int(body, "top_k", -1, (1 << 31) - 1)
-    return Sampling(max_tokens=_int(body, key, 0, (1 << 32) - 1),
+    max_tokens = _int(body, key, 0, (1 << 32) - 1)
+    if max_tokens is None and not chat:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    return Sampling(max_tokens=max_tokens,
                     temperature=_number(body, "temperature"), top_p=_number(body, "top_p"),
                     top_k=None if top_k is None else max(top_k, 0),  # -1 (vLLM's off): 0
                     seed=None if seed is None else seed % (1 << 64), stop=tuple(stop))
@@ -167,7 +175,7 @@ def make_app(target: str, served_model_names: list[str] | None = None):
             body = await request.json()
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
-            prompt, sampling = _prompt(body, chat), sampling_from(body)
+            prompt, sampling = _prompt(body, chat), sampling_from(body, chat)
         except (BadRequest, json.JSONDecodeError) as e:
             return _error(web, 400, str(e))
         model = body.get("model") or ""
@@ -244,9 +252,13 @@ async def _stream(web, request, body: dict, chat: bool, model: str, stream):
     stream_options.include_usage) a chunk of usage alone, then [DONE]. Headers go out once the
     server accepted the request, so an error before the first token is an HTTP status."""
     shapes, response = _Shapes(chat, model), None
+    include_usage = (body.get("stream_options") or {}).get("include_usage")
 
     async def send(payload) -> None:
         await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+    async def send_chunk(choices: list) -> None:  # with include_usage, usage null but at the end
+        await send(shapes.envelope(True, choices, **({"usage": None} if include_usage else {})))
 
     async def start() -> None:
         nonlocal response
@@ -254,14 +266,14 @@ async def _stream(web, request, body: dict, chat: bool, model: str, stream):
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         if chat:
-            await send(shapes.envelope(True, [{"index": 0, "delta": {"role": "assistant"},
-                                               "logprobs": None, "finish_reason": None}]))
+            await send_chunk([{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
+                               "finish_reason": None}])
     try:
         async for delta in stream:
             if response is None:
                 await start()
             if delta.text:
-                await send(shapes.envelope(True, [shapes.choice(delta.text, None, True)]))
+                await send_chunk([shapes.choice(delta.text, None, True)])
     except BlinkError as e:
         if response is None:
             return _blink_error(web, e)
@@ -272,9 +284,9 @@ async def _stream(web, request, body: dict, chat: bool, model: str, stream):
     if response is None:  # nothing streamed (a stop string at once, say)
         await start()
     done = stream.result
-    await send(shapes.envelope(True, [shapes.choice(None if chat else "", FINISH.get(
-        done.finish_reason, "stop"), True)]))
-    if (body.get("stream_options") or {}).get("include_usage"):
+    await send_chunk([shapes.choice(None if chat else "", FINISH.get(done.finish_reason, "stop"),
+                                    True)])
+    if include_usage:
         await send(shapes.envelope(True, [], usage=_usage(done)))
     await response.write(b"data: [DONE]\n\n")
     return response

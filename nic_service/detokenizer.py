@@ -152,11 +152,12 @@ def _is_byte_piece(piece: str) -> bool:
 class StopStringMatcher:
     """Cuts a text stream before the first stop string, holding back only text that could start one.
 
-    The result does not depend on how the stream is split into feed() calls: of all occurrences in the
-    stream, the one that starts earliest wins (ties: the longest stop). So a complete match is reported
-    only once no stop that starts earlier, or at the same place and is longer, can still complete; until
-    then the text from that place on is held back. If the stream ends first, flush() settles it and
-    `matched` says which stop won.
+    The stream ends at the first feed() after which a stop string is complete, as vLLM and OpenAI
+    end generation on the token that completes a stop (the server feeds a token's text at a time):
+    a longer stop that started earlier and could still complete is not waited for. Of the stops
+    complete then, the one that starts earliest wins (ties: the longest), so the text returned
+    never holds a whole stop string. Text that could be the start of a stop is held back until it
+    is not; flush() returns it when the stream ends first.
     """
 
     def __init__(self, stops: Sequence[str]):
@@ -176,14 +177,12 @@ class StopStringMatcher:
             raise RuntimeError("feed() after the stream ended (a stop string matched, or flush() was called)")
         buf = self._pending + text
         match = self._earliest_match(buf)
-        cut = self._first_partial(buf)
-        if match is not None and (cut is None or cut > match[0]):
+        if match is not None:
             start, stop = match
             self._pending = ""
             self.matched = stop
             return buf[:start], stop
-        if match is not None:
-            cut = min(cut, match[0])
+        cut = self._first_partial(buf)
         if cut is None:
             cut = len(buf)
         self._pending = buf[cut:]
@@ -195,14 +194,7 @@ class StopStringMatcher:
             return ""
         self._finished = True
         buf, self._pending = self._pending, ""
-        if self.matched is not None:
-            return ""
-        # No more text: held-back partial matches can no longer complete; a complete one now wins.
-        match = self._earliest_match(buf)
-        if match is None:
-            return buf
-        start, self.matched = match
-        return buf[:start]
+        return buf  # partial matches only (a complete one ended the stream in feed)
 
     def _earliest_match(self, buf: str) -> tuple[int, str] | None:
         # (start, stop) of the occurrence starting earliest, the longest stop on a tie.

@@ -372,6 +372,23 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                                    cached_prompt_tokens=cached_tokens),
                 request_id=str(handle.request_id)))
 
+        def text_of(ids: list[int]) -> tuple[str, str | None, list[int]]:
+            """(the text ids add to the stream, the stop string it completes or None, the ids
+            up to the one that completes it). With stop strings, a token at a time: the stream
+            ends on the token that completes one, as in vLLM, and usage and token_ids count
+            no token the engine generated after it."""
+            if stopper is None:
+                return detok.push(ids if prep.terminal_ids.isdisjoint(ids) else
+                                  [t for t in ids if t not in prep.terminal_ids]), None, ids
+            pieces = []
+            for k, token in enumerate(ids):
+                piece, matched = stopper.feed(
+                    detok.push(() if token in prep.terminal_ids else (token,)))
+                pieces.append(piece)
+                if matched is not None:
+                    return "".join(pieces), matched, ids[:k + 1]
+            return "".join(pieces), None, ids
+
         while True:
             event = await handle.events.get()
             # a client that is behind gets what is queued as one chunk: one detokenizer pass,
@@ -386,17 +403,12 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                 log_request(handle, prep, clock, f"unavailable: {event}", clock.generated)
                 await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE, str(event))
             if isinstance(event, Tokens):
-                clock.tokens(len(event.ids))
-                shown = event.ids if prep.terminal_ids.isdisjoint(event.ids) else \
-                    [t for t in event.ids if t not in prep.terminal_ids]
-                text = detok.push(shown)
-                matched = None
-                if stopper is not None:
-                    text, matched = stopper.feed(text)
+                text, matched, ids = text_of(event.ids)
+                clock.tokens(len(ids))
                 # token_ids: every generated token, the final EOS or stop token too (so they
                 # add up to usage.completion_tokens); text: never the terminal token
                 if text or prep.return_token_ids:
-                    yield chunk_message(text, event.ids if prep.return_token_ids else ())
+                    yield chunk_message(text, ids if prep.return_token_ids else ())
                 if matched is not None:
                     self.link.cancel(handle, stop_matched=True)
                     yield final(pb.FINISH_REASON_STOP, matched, *self.link.counts_so_far(handle))
@@ -418,8 +430,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             if stopper is not None:
                 text, matched = stopper.feed(text)
                 if matched is None:
-                    text += stopper.flush()  # may still settle a pending match
-                    matched = stopper.matched
+                    text += stopper.flush()  # what could have started a stop, and did not
             if text:
                 yield chunk_message(text)
             if matched is not None:

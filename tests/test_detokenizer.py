@@ -339,28 +339,24 @@ def test_overlapping_stops_earliest_start_wins():
     assert matcher.feed("bc") == ("", "ab")
 
 
-def test_stop_inside_a_longer_pending_stop_waits_for_it():
-    # "bc" is complete in "abc", but "abcd" starts earlier and may still complete.
+def test_a_complete_stop_ends_the_stream_though_a_longer_one_could_still_complete():
+    # "bc" is complete in "abc"; "abcd", which starts earlier, is not waited for (as vLLM stops
+    # on the token that completes a stop); text that may start a stop is still held back
+    assert StopStringMatcher(["bc", "abcd"]).feed("xabc") == ("xa", "bc")
     matcher = StopStringMatcher(["bc", "abcd"])
-    assert matcher.feed("xabc") == ("x", None)
-    assert matcher.feed("d") == ("", "abcd")
+    assert matcher.feed("xab") == ("x", None)
+    assert matcher.feed("cd") == ("", "abcd")  # both complete: the earlier start wins
     matcher = StopStringMatcher(["bc", "abcd"])
-    assert matcher.feed("xabc") == ("x", None)
-    assert matcher.feed("e") == ("a", "bc")
-    # If the stream ends first, flush settles it.
-    matcher = StopStringMatcher(["bc", "abcd"])
-    assert matcher.feed("xabc") == ("x", None)
-    assert matcher.flush() == "a" and matcher.matched == "bc"
+    assert matcher.feed("xa") == ("x", None)
+    assert matcher.flush() == "a" and matcher.matched is None
 
 
-def test_stops_that_are_prefixes_of_each_other_longest_wins_on_a_tie():
-    assert StopStringMatcher(["ab", "abc"]).feed("zabcz") == ("z", "abc")
-    matcher = StopStringMatcher(["ab", "abc"])
-    assert matcher.feed("zab") == ("z", None)  # "abc" may still complete at the same start
-    assert matcher.feed("x") == ("", "ab")
-    matcher = StopStringMatcher(["abc", "ab"])
-    assert matcher.feed("zab") == ("z", None)
-    assert matcher.feed("c") == ("", "abc")
+def test_stops_that_are_prefixes_of_each_other():
+    assert StopStringMatcher(["ab", "abc"]).feed("zabcz") == ("z", "abc")  # a tie: the longest
+    for stops in (["ab", "abc"], ["abc", "ab"]):
+        matcher = StopStringMatcher(stops)
+        assert matcher.feed("za") == ("z", None)
+        assert matcher.feed("b") == ("", "ab")  # complete: "abc" is not waited for
 
 
 def test_repeated_partial_matches():
@@ -400,12 +396,17 @@ def test_no_stops_passes_everything_through():
     assert matcher.flush() == ""
 
 
-def _oracle(full: str, stops: list[str]) -> tuple[str, str | None]:
-    found = [(full.find(s), -len(s), s) for s in stops if full.find(s) >= 0]
-    if not found:
-        return full, None
-    start, _, stop = min(found)
-    return full[:start], stop
+def _oracle(chunks: list[str], stops: list[str]) -> tuple[str, str | None]:
+    """The stream ends at the first chunk after which some stop is complete; of those complete
+    then, the earliest start (ties: the longest) says where the text ends."""
+    full = ""
+    for chunk in chunks:
+        full += chunk
+        found = [(full.find(s), -len(s), s) for s in stops if full.find(s) >= 0]
+        if found:
+            start, _, stop = min(found)
+            return full[:start], stop
+    return full, None
 
 
 def test_random_chunking_matches_find_oracle():
@@ -424,6 +425,7 @@ def test_random_chunking_matches_find_oracle():
                 break
         else:
             emitted.append(matcher.flush())
-        assert ("".join(emitted), matcher.matched) == _oracle(full, stops), (full, stops, chunks)
-        if len(stops) == 1:
+        assert ("".join(emitted), matcher.matched) == _oracle(chunks, stops), (full, stops,
+                                                                              chunks)
+        if len(stops) == 1:  # one stop: where the stream is cut does not matter
             assert "".join(emitted) == (full[: full.find(stops[0])] if stops[0] in full else full)

@@ -154,6 +154,33 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
         temperature=0, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert all(c.usage is None for c in chunks[:-1])
+    # OpenAI's chunks before the last carry "usage": null, not no usage key (the SDK above
+    # reads both as None: the raw lines tell them apart)
+    import json
+    import urllib.request
+    req = urllib.request.Request(
+        f"{client.base_url}chat/completions", headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": "llama", "messages": [{"role": "user", "content": "Hi"}],
+                         "max_tokens": 3, "stream": True,
+                         "stream_options": {"include_usage": True}}).encode())
+    with urllib.request.urlopen(req, timeout=30) as r:
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    assert len(events) >= 3 and all("usage" in e and e["usage"] is None for e in events[:-1])
+    assert events[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_completions_default_to_16_tokens_chat_to_the_context(gateway):
+    """/v1/completions without max_tokens generates at most 16 tokens, OpenAI's documented
+    default (and vLLM's); chat completions run to the context's end or EOS, as the server."""
+    client, _ = gateway
+    prompt = "Once upon a time"
+    longer = client.completions.create(model="llama", prompt=prompt, max_tokens=40,
+                                       temperature=0)
+    assert longer.usage.completion_tokens == 40  # greedy runs past 16 with no EOS
+    default = client.completions.create(model="llama", prompt=prompt, temperature=0)
+    assert default.usage.completion_tokens == 16 and default.choices[0].finish_reason == "length"
+    assert longer.choices[0].text.startswith(default.choices[0].text)
 
 
 def test_a_client_that_goes_away_cancels_its_request(slow_gateway):

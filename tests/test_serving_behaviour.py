@@ -225,6 +225,30 @@ def test_stop_string_spanning_tokens(client, checkpoints):
     assert wait_for(lambda: engine_idle(client))
 
 
+def test_a_stop_string_ends_the_stream_on_the_token_that_completes_it(checkpoints,
+                                                                      engine_stack):
+    """Tokens that reach the front end together (here by --stream-interval-ms; a fast engine
+    does it too) are matched a token at a time: a stop string's finish returns and counts the
+    tokens up to the one that completes it, as vLLM does, never those generated after it."""
+    tok = Tokenizer.from_file(str(checkpoints["llama"] / "tokenizer.json"))
+    stack = engine_stack(checkpoints["llama"], frontend_args=["--stream-interval-ms", "300"])
+    with BlinkClient(stack.target) as c:
+        prompt = "stop string test, a longer prompt"
+        full = c.generate(prompt, GREEDY, return_token_ids=True)
+        pieces = [tok.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+        # the last two characters of the text up to token k, absent from the text before it
+        k = next(k for k in range(6, len(pieces) - 4)
+                 if full.text.startswith(pieces[k + 1]) and pieces[k + 1][-2:] not in pieces[k]
+                 and "\ufffd" not in pieces[k + 1][-2:])
+        stop = pieces[k + 1][-2:]
+        done = c.generate(prompt, Sampling(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                           stop=(stop,)), return_token_ids=True)
+        assert done.finish_reason == "stop" and done.matched_stop == stop
+        assert done.text == full.text[:full.text.find(stop)]
+        assert done.token_ids == full.token_ids[:k + 1] and done.completion_tokens == k + 1
+        assert wait_for(lambda: engine_idle(c))
+
+
 def test_eos_ends_stream(checkpoints, tmp_path, engine_stack):
     """A checkpoint whose EOS is a token the model produces greedily: generation ends there
     (finish EOS) unless ignore_eos is set."""
