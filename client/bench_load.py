@@ -99,7 +99,8 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
                        ignore_eos: bool = True, seed: int = 0, timeout: float = 3600.0,
                        connections: int = 1, run_timeout: float | None = None,
                        on_done: Callable[[RequestRecord], None] | None = None,
-                       offsets: np.ndarray | None = None, start: float | None = None
+                       offsets: np.ndarray | None = None, start: float | None = None,
+                       claim: Callable[[], int] | None = None
                        ) -> tuple[list[RequestRecord], float, ClientLoad]:
     """Sends every request (greedy, max_tokens = its output length) on the schedule, round
     robin over `connections` TCP connections (a server with several front-end workers on one
@@ -108,7 +109,10 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
     failed request keeps its error and does not stop the others. run_timeout: seconds after
     which requests not yet finished (or sent) are cancelled and recorded as failed.
     offsets, start: this process's share of a schedule drawn elsewhere, and the perf_counter
-    time its offsets count from (run_in_processes)."""
+    time its offsets count from (run_in_processes). claim (with concurrency): the index of the
+    next request to send, from a counter several processes share, so that their `concurrency`
+    workers together are one closed loop over the whole list (the records of requests another
+    process claimed stay unsent here)."""
     if offsets is None:
         offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     records = [RequestRecord(len(r.prompt), r.output_len) for r in requests]
@@ -129,10 +133,20 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
             async with gate:
                 await one(i, request, record)
 
+        async def claimed_loop() -> None:  # a client of the shared closed loop
+            while (i := claim()) < len(requests):
+                delay = start + offsets[i] - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await one(i, requests[i], records[i])
+
         async def send_all() -> None:
             tasks = []
             try:
-                for i, (request, record, offset) in enumerate(zip(requests, records, offsets)):
+                if claim is not None:
+                    tasks = [asyncio.ensure_future(claimed_loop()) for _ in range(concurrency)]
+                for i, (request, record, offset) in enumerate(
+                        zip(requests, records, offsets) if claim is None else ()):
                     delay = start + offset - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
@@ -192,15 +206,30 @@ async def run_conversations(target: str, user_turns: list[list[tuple[int, ...]]]
 
 
 def _client_process(requests: list[BenchRequest], offsets: np.ndarray, options: dict,
-                    ready, go, start, results, index: int) -> None:
-    """One client process of run_in_processes: waits for the common start, runs its share."""
+                    ready, go, start, results, index: int, processes: int, counter) -> None:
+    """One client process of run_in_processes: waits for the common start, runs its share:
+    with a concurrency cap, the requests it claims from the shared counter; otherwise every
+    processes-th one from its index. Puts (its index, [(request index, record)], its load)."""
     ready.wait()
     go.wait()
     try:
-        records, _, load = asyncio.run(run_requests(options.pop("target"), requests,
-                                                    offsets=offsets, start=start.value,
-                                                    **options))
-        results.put((index, records, load))
+        claimed: list[int] = []
+
+        def claim() -> int:
+            with counter.get_lock():
+                i, counter.value = counter.value, counter.value + 1
+            if i < len(requests):
+                claimed.append(i)
+            return i
+
+        if options["concurrency"] is None:  # open loop: a fixed share of the schedule
+            claimed = list(range(index, len(requests), processes))
+            requests, offsets = requests[index::processes], offsets[index::processes]
+        records, _, load = asyncio.run(run_requests(
+            options.pop("target"), requests, offsets=offsets, start=start.value,
+            claim=None if options["concurrency"] is None else claim, **options))
+        mine = records if options["concurrency"] is None else [records[i] for i in claimed]
+        results.put((index, list(zip(claimed, mine)), load))
     except BaseException as e:  # the parent reports it; a silent child would hang the run
         results.put((index, None, f"{type(e).__name__}: {e}"))
 
@@ -209,10 +238,12 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
                      rate: float = math.inf, burstiness: float = 1.0,
                      concurrency: int | None = None, seed: int = 0, connections: int = 1,
                      **options) -> tuple[list[RequestRecord], float, ClientLoad]:
-    """run_requests spread over `processes` client processes: request i goes to process
-    i % processes with its arrival time from the one schedule, concurrency and connections are
-    shared out, and the records come back in request order. The merged ClientLoad sums the
-    processes' CPU and keeps the busiest event loop's (what tells a saturated client)."""
+    """run_requests spread over `processes` client processes on the one arrival schedule, the
+    records back in request order. Open loop, request i goes to process i % processes; with a
+    concurrency cap, the cap is shared out and each process's clients take the next request of
+    the whole list when they are free (a shared counter), so the processes together stay one
+    closed loop of `concurrency` to the end. Connections are shared out. The merged ClientLoad
+    sums the processes' CPU and keeps the busiest event loop's (what tells a saturated client)."""
     # no process without a request, or without a share of the concurrency cap
     processes = max(1, min(processes, len(requests), concurrency or processes))
     on_done = options.pop("on_done", None)  # called here: a callback does not cross processes
@@ -223,7 +254,7 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     ctx = multiprocessing.get_context("spawn")  # no copy of the parent's gRPC state
     ready, go = ctx.Barrier(processes + 1), ctx.Event()
-    start, results = ctx.Value("d", 0.0), ctx.Queue()
+    start, results, counter = ctx.Value("d", 0.0), ctx.Queue(), ctx.Value("q", 0)
     workers = []
     for k in range(processes):
         share = dict(options, target=target,
@@ -231,8 +262,7 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
                      concurrency=(concurrency // processes + (k < concurrency % processes)
                                   if concurrency else None))
         workers.append(ctx.Process(target=_client_process, daemon=True, args=(
-            requests[k::processes], offsets[k::processes], share, ready, go, start,
-            results, k)))
+            requests, offsets, share, ready, go, start, results, k, processes, counter)))
     for worker in workers:
         worker.start()
     try:
@@ -258,9 +288,16 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
             worker.join(timeout=5)
             if worker.is_alive():
                 worker.kill()
-    records: list[RequestRecord] = [None] * len(requests)  # type: ignore[list-item]
-    for k, (share, _) in shares.items():
-        records[k::processes] = share
+    records: list[RequestRecord | None] = [None] * len(requests)
+    for pairs, _ in shares.values():
+        for i, record in pairs:
+            records[i] = record
+    limit = options.get("run_timeout")
+    for i, record in enumerate(records):  # never claimed: the run's time limit came first
+        if record is None:
+            records[i] = RequestRecord(len(requests[i].prompt), requests[i].output_len,
+                                       error=f"cut by the run time limit ({limit:g} s)"
+                                       if limit else "never sent")
     for record in records if on_done else ():
         on_done(record)
     loads = [load for _, load in shares.values()]

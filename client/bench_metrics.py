@@ -1,9 +1,9 @@
 """The benchmark's numbers from the client's records (bench_load.RequestRecord).
 
 Per request: TTFT = first token - sent; TPOT = (last token - first token) / (tokens - 1);
-end-to-end latency = last token - sent. ITL: every gap between consecutive tokens of a request
-(tokens that arrive in one chunk of the stream count as gaps of zero, as in vLLM's benchmark).
-Each is summarised as mean, P50, P90 and P99 in milliseconds. Decode TPOT: the mean of the gaps
+end-to-end latency = last token - sent. ITL: every gap between consecutive chunks of a
+request's stream, as in vLLM's benchmark (tokens that arrive in one chunk are one arrival and
+add no gap; at a token a chunk this is the gap between tokens). Each is summarised as mean, P50, P90 and P99 in milliseconds. Decode TPOT: the mean of the gaps
 during which no prompt of the run was being prefilled (no request lay between its send and its
 first token): where streams arrive together, TPOT and ITL also hold the steps that prefilled
 the later streams' prompts while the first ones decoded; this is the decode steps' own time
@@ -111,7 +111,8 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: Slo = Slo()) -> 
     ttft = [(r.token_times[0] - r.sent) * 1e3 for r in done]
     tpot = [(r.token_times[-1] - r.token_times[0]) / (r.tokens - 1) * 1e3
             for r in done if r.tokens > 1]
-    itl = [float(g) * 1e3 for r in done for g in np.diff(r.token_times)]
+    # a chunk's tokens share its arrival time: only the gaps between chunks
+    itl = [float(g) * 1e3 for r in done for g in np.diff(r.token_times) if g > 0]
     e2e = [(r.token_times[-1] - r.sent) * 1e3 for r in done]
     output_tokens = sum(r.tokens for r in done)
     streamed_tokens = sum(r.tokens for r in records)

@@ -137,6 +137,12 @@ def summary_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def completed_values(rows: list[dict], key: str) -> list[float]:
+    """request_rows' `key` of the requests that completed: what the summary's figures count
+    (a failed or cut request's TTFT and TPOT are not a latency the server gave)."""
+    return [q[key] for q in rows if q[key] is not None and q["error"] is None]
+
+
 def plot(doc: dict, out_dir: Path) -> list[Path]:
     """latency_throughput.png, cdf.png and (with interference runs) interference.png."""
     import matplotlib
@@ -174,7 +180,7 @@ def plot(doc: dict, out_dir: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for system, r in top.items():
         for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):
-            v = np.sort([q[key] for q in r["requests"] if q[key] is not None])
+            v = np.sort(completed_values(r["requests"], key))
             if v.size:
                 ax.plot(v, np.arange(1, v.size + 1) / v.size,
                         label=f"{system} (rate {r['rate']})")

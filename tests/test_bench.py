@@ -43,7 +43,7 @@ def test_metrics_arithmetic():
     def rec(sent, times, prompt=10, want=None, error=None):
         return RequestRecord(prompt, want or len(times), sent, list(times), error)
     records = [rec(0.0, [0.100, 0.110, 0.130]),           # TTFT 100, TPOT 15, ITL 10, 20
-               rec(1.0, [1.300, 1.300, 1.340, 1.400]),    # TTFT 300, TPOT 33.3, ITL 0, 40, 60
+               rec(1.0, [1.300, 1.300, 1.340, 1.400]),    # TTFT 300, TPOT 33.3, ITL 40, 60
                rec(2.0, [2.050], want=5),                 # one token of five: short output
                rec(3.0, [], error="UNAVAILABLE: gone"),
                rec(3.5, [3.6, 3.7], want=9, error="cut by the run time limit (2 s)")]
@@ -59,12 +59,17 @@ def test_metrics_arithmetic():
     assert m["ttft_ms"]["mean"] == pytest.approx((100 + 300 + 50) / 3)
     assert m["ttft_ms"]["p50"] == pytest.approx(100)
     assert m["tpot_ms"]["mean"] == pytest.approx((15 + 100 / 3) / 2)
-    assert m["itl_ms"]["p50"] == pytest.approx(20)  # gaps 10, 20, 0, 40, 60
-    assert m["itl_ms"]["p99"] == pytest.approx(np.percentile([10, 20, 0, 40, 60], 99))
+    # between chunks, as vLLM counts them: the two tokens of one chunk add no gap of 0
+    assert m["itl_ms"]["mean"] == pytest.approx(32.5)  # gaps 10, 20, 40, 60
+    assert m["itl_ms"]["p99"] == pytest.approx(np.percentile([10, 20, 40, 60], 99))
     assert m["e2e_ms"]["p90"] == pytest.approx(np.percentile([130, 400, 50], 90))
     # within both SLOs: the first (100 ms, 15 ms) and the third (50 ms, no TPOT)
     assert m["goodput"] == pytest.approx(1.0)
     assert summarize(records, 2.0)["goodput"] is None
+    # the report's CDFs plot what the summary counts: the cut request's 100 ms TTFT is not one
+    from blink.client.bench_report import completed_values, request_rows
+    assert completed_values(request_rows(records), "ttft_ms") == pytest.approx([100, 300, 50])
+    assert completed_values(request_rows(records), "tpot_ms") == pytest.approx([15, 100 / 3])
 
 
 def test_full_batch_gaps_are_those_while_every_stream_decodes():
@@ -202,8 +207,10 @@ def test_sharegpt_convention_against_the_tokenizers_library(tmp_path):
                                 {"value": "ok"}]}]
     reqs = sharegpt_requests(1, path, context_length=4096, conversations=convs, seed=0)
     want = tok.encode("Tell me about the sea, please.").ids
-    assert reqs == [BenchRequest(tuple(want), len(tok.encode(
-        "The sea is large and full of water and fish.", add_special_tokens=False).ids))]
+    # the reply counted as vLLM's benchmark counts it, with the tokenizer's special tokens
+    reply = tok.encode("The sea is large and full of water and fish.")
+    assert reply.ids[0] == tok.token_to_id("<|begin_of_text|>")
+    assert reqs == [BenchRequest(tuple(want), len(reply.ids))]
     with pytest.raises(BenchError, match="fewer than"):
         sharegpt_requests(2, path, context_length=4096, conversations=convs)
     with pytest.raises(BenchError, match="tokenizer"):
@@ -451,21 +458,29 @@ def test_client_in_several_processes_keeps_request_order(bench_checkpoint, tmp_p
 
 
 def test_client_processes_share_the_concurrency_cap(bench_checkpoint, tmp_path):
-    """A closed loop of 2 over 4 client processes: never more than 2 requests in flight (a
-    process whose share of the cap would be 0 is not started)."""
+    """A closed loop of 2 over 4 client processes (a process whose share of the cap would be 0
+    is not started): never more than 2 requests in flight, and 2 all along until the last
+    request, though the long requests are every other one (shared out by index, a process
+    with the long ones kept one of the 2 busy while the other's slot sat idle)."""
     from blink.client.bench_load import run_in_processes
     from blink.client.bench_server import Server
-    server = Server(bench_checkpoint, tmp_path, ["--engine", "cpu"])
+    server = Server(bench_checkpoint, tmp_path, ["--engine", "synthetic",
+                                                 "--synthetic-step-ms", "5"])
     try:
-        vocab = json.loads((bench_checkpoint / "config.json").read_text())["vocab_size"]
-        requests = random_requests(8, 8, 24, vocab, seed=3)
+        requests = [BenchRequest(tuple(range(300, 316)), 120 if i % 2 == 0 else 8)
+                    for i in range(12)]
         records, _, _ = run_in_processes(4, server.target, requests, concurrency=2)
     finally:
         server.stop()
-    assert [r.tokens for r in records] == [24] * 8
+    assert [r.tokens for r in records] == [120 if i % 2 == 0 else 8 for i in range(12)]
     events = sorted([(r.sent, 1) for r in records] + [(r.token_times[-1], -1) for r in records])
-    in_flight = np.cumsum([step for _, step in events])
+    times, steps = np.array([t for t, _ in events]), np.array([step for _, step in events])
+    in_flight = np.cumsum(steps)
     assert in_flight.max() == 2
+    # time-weighted, from the first send to the last request's send (its own run is alone)
+    last_send = max(r.sent for r in records)
+    spans = np.diff(np.minimum(times, last_send))
+    assert (in_flight[:-1] * spans).sum() / spans.sum() > 1.8
 
 
 def test_run_timeout_bounds_a_run(tmp_path):
