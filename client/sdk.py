@@ -258,14 +258,10 @@ def _status_name(response: health_pb2.HealthCheckResponse) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-class GenerationStream:
-    """Iterator of Deltas for one Generate call; `result` is the Completion once the final arrived.
+class _Stream:
+    """What both streams share: the call, the folding of its messages, and cancel()."""
 
-    `cancel()` (or `close()`, leaving a `with` block, or dropping the stream) cancels the call in
-    the server; iteration then just stops.
-    """
-
-    def __init__(self, call: Any):  # call: grpc's response iterator, also a grpc.Call
+    def __init__(self, call: Any):  # grpc's response iterator (also a grpc.Call) or grpc.aio's
         self._call = call
         self._folder = _Folder()
         self._cancelled = False
@@ -273,6 +269,20 @@ class GenerationStream:
     @property
     def result(self) -> Completion | None:
         return self._folder.result
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()  # a no-op once the call has finished
+
+    close = cancel
+
+
+class GenerationStream(_Stream):
+    """Iterator of Deltas for one Generate call; `result` is the Completion once the final arrived.
+
+    `cancel()` (or `close()`, leaving a `with` block, or dropping the stream) cancels the call in
+    the server; iteration then just stops.
+    """
 
     def __iter__(self) -> GenerationStream:
         return self
@@ -293,12 +303,6 @@ class GenerationStream:
         self._folder.end()
         raise StopIteration
 
-    def cancel(self) -> None:
-        self._cancelled = True
-        self._call.cancel()  # a no-op once the call has finished
-
-    close = cancel
-
     def __enter__(self) -> GenerationStream:
         return self
 
@@ -310,20 +314,11 @@ class GenerationStream:
             self._call.cancel()
 
 
-class AsyncGenerationStream:
+class AsyncGenerationStream(_Stream):
     """Async iterator of Deltas for one Generate call; see GenerationStream.
 
     Cancelling the task that awaits the next delta cancels the call as well.
     """
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall):
-        self._call = call
-        self._folder = _Folder()
-        self._cancelled = False
-
-    @property
-    def result(self) -> Completion | None:
-        return self._folder.result
 
     def __aiter__(self) -> AsyncGenerationStream:
         return self
@@ -348,12 +343,6 @@ class AsyncGenerationStream:
                 return delta
         self._folder.end()
         raise StopAsyncIteration
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        self._call.cancel()
-
-    close = cancel
 
     async def aclose(self) -> None:  # for contextlib.aclosing
         self.cancel()
@@ -398,16 +387,38 @@ def _auth(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
-class BlinkClient:
-    """Blocking client over one channel. Use as a context manager or call close().
-    tls: a secure channel (Tls); token: sent as 'authorization: Bearer <token>'."""
+class _Client:
+    """What the blocking and the asyncio client share: one channel (grpc or grpc.aio), its
+    bearer token, the stubs and the Generate call a request makes."""
+
+    _grpc: Any  # the grpc module whose channels the subclass uses
 
     def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = (),
                  tls: Tls | None = None, token: str | None = None):
-        self._channel = _open_channel(grpc, target, options, tls)
+        self._channel = _open_channel(self._grpc, target, options, tls)
         self._metadata = _auth(token)
         self._stub = blink_pb2_grpc.BlinkStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def with_token(self, token: str | None):
+        """This client's channel with another bearer token on its calls (one channel for many
+        callers' tokens, as a gateway needs; closing either client closes the channel)."""
+        other = copy.copy(self)
+        other._metadata = _auth(token)
+        return other
+
+    def _generate_call(self, prompt: Prompt, sampling: Sampling | None, timeout: float | None,
+                       return_token_ids: bool, model: str, client_request_id: str) -> Any:
+        request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model,
+                                client_request_id=client_request_id)
+        return self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+
+
+class BlinkClient(_Client):
+    """Blocking client over one channel. Use as a context manager or call close().
+    tls: a secure channel (Tls); token: sent as 'authorization: Bearer <token>'."""
+
+    _grpc = grpc
 
     def close(self) -> None:
         self._channel.close()
@@ -428,9 +439,8 @@ class BlinkClient:
         model: str = "",
         client_request_id: str = "",
     ) -> GenerationStream:
-        request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model,
-                                client_request_id=client_request_id)
-        return GenerationStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
+        return GenerationStream(self._generate_call(prompt, sampling, timeout, return_token_ids,
+                                                    model, client_request_id))
 
     def generate(
         self,
@@ -482,25 +492,13 @@ class BlinkClient:
             time.sleep(_READY_POLL_S)
 
 
-class AsyncBlinkClient:
+class AsyncBlinkClient(_Client):
     """BlinkClient on grpc.aio: the same methods, awaited. Use `async with` or `await close()`."""
 
-    def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = (),
-                 tls: Tls | None = None, token: str | None = None):
-        self._channel = _open_channel(grpc.aio, target, options, tls)
-        self._metadata = _auth(token)
-        self._stub = blink_pb2_grpc.BlinkStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+    _grpc = grpc.aio
 
     async def close(self) -> None:
         await self._channel.close()
-
-    def with_token(self, token: str | None) -> AsyncBlinkClient:
-        """This client's channel with another bearer token on its calls (one channel for many
-        callers' tokens, as a gateway needs; closing either client closes the channel)."""
-        other = copy.copy(self)
-        other._metadata = _auth(token)
-        return other
 
     async def __aenter__(self) -> AsyncBlinkClient:
         return self
@@ -518,9 +516,9 @@ class AsyncBlinkClient:
         model: str = "",
         client_request_id: str = "",
     ) -> AsyncGenerationStream:
-        request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model,
-                                client_request_id=client_request_id)
-        return AsyncGenerationStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata))
+        return AsyncGenerationStream(self._generate_call(prompt, sampling, timeout,
+                                                         return_token_ids, model,
+                                                         client_request_id))
 
     async def generate(
         self,
