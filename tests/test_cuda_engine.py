@@ -24,6 +24,7 @@ import pytest
 from gpu import requires_gpu
 from oracle import check_against_bf16_reference, hf_bf16, hf_logits
 from test_prefix_cache import assert_all_blocks_back
+from test_serving_e2e import solo_and_staggered
 
 from blink.client.sdk import AsyncBlinkClient, BlinkClient, Sampling
 
@@ -170,21 +171,6 @@ def test_cuda_64_concurrent_streams_staggered(checkpoints, cuda_stacks):
     prompts = [[rnd.randrange(3, 2000) for _ in range(rnd.randrange(1, 120))] for _ in range(64)]
     lengths = [rnd.randrange(8, 64) for _ in range(64)]
 
-    def sampling(i):
-        return Sampling(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)
-
-    with BlinkClient(stack.target) as client:
-        solo = [client.generate(p, sampling(i), return_token_ids=True)
-                for i, p in enumerate(prompts)]
-
-    async def staggered():
-        async with AsyncBlinkClient(stack.target) as client:
-            async def one(i):
-                await asyncio.sleep(rnd.random() * 0.3)
-                return await client.generate(prompts[i], sampling(i), return_token_ids=True,
-                                             timeout=120)
-            return await asyncio.gather(*(one(i) for i in range(64)))
-
     # a stream that runs while the 64 arrive: its inter-token gaps show whether admissions
     # (prefill chunks joining the batch) stall running sequences (printed, not asserted)
     gaps = []
@@ -199,10 +185,8 @@ def test_cuda_64_concurrent_streams_staggered(checkpoints, cuda_stacks):
                     gaps.append(now - last)
                 last = now
 
-    watcher = threading.Thread(target=bystander)
-    watcher.start()
-    together = asyncio.run(staggered())
-    watcher.join(60)
+    solo, together = solo_and_staggered(stack.target, prompts, lengths, spread_s=0.3,
+                                        timeout=120, rnd=rnd, during=bystander)
     if gaps:
         print(f"engine arrivals: a running stream's inter-token gap while 64 requests arrived: "
               f"median {1e3 * statistics.median(gaps):.2f} ms, max {1e3 * max(gaps):.2f} ms")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -98,28 +99,42 @@ def test_greedy_matches_transformers(arch, stacks, checkpoints):
     assert outcomes.count("exact") >= len(PROMPTS) - 2, outcomes
 
 
+def solo_and_staggered(target: str, prompts: list[list[int]], lengths: list[int], *,
+                       spread_s: float, timeout: float, rnd: random.Random, during=None):
+    """Each prompt's greedy run alone, one after another, then all of them again at random
+    times within spread_s (arrivals while others generate), `during` (if given) running in a
+    thread meanwhile: (solo Completions, staggered Completions), in prompt order."""
+    def sampling(i):
+        return Sampling(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)
+
+    with BlinkClient(target) as client:
+        solo = [client.generate(p, sampling(i), return_token_ids=True)
+                for i, p in enumerate(prompts)]
+
+    async def staggered():
+        async with AsyncBlinkClient(target) as client:
+            async def one(i):
+                await asyncio.sleep(rnd.random() * spread_s)
+                return await client.generate(prompts[i], sampling(i), return_token_ids=True,
+                                             timeout=timeout)
+            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    watcher = threading.Thread(target=during) if during else None
+    if watcher:
+        watcher.start()
+    together = asyncio.run(staggered())
+    if watcher:
+        watcher.join(60)
+    return solo, together
+
+
 def test_64_concurrent_streams_equal_solo_runs(stacks, checkpoints):
     stack = stacks("llama")
     rnd = random.Random(5)
     prompts = [[rnd.randrange(3, 2000) for _ in range(rnd.randrange(1, 120))] for _ in range(64)]
     lengths = [rnd.randrange(1, 40) for _ in range(64)]
-
-    def sampling(i):
-        return Sampling(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)
-
-    with BlinkClient(stack.target) as client:
-        solo = [client.generate(p, sampling(i), return_token_ids=True)
-                for i, p in enumerate(prompts)]
-
-    async def staggered():
-        async with AsyncBlinkClient(stack.target) as client:
-            async def one(i):
-                await asyncio.sleep(rnd.random() * 0.5)  # arrivals while others generate
-                return await client.generate(prompts[i], sampling(i), return_token_ids=True,
-                                             timeout=300)
-            return await asyncio.gather(*(one(i) for i in range(64)))
-
-    together = asyncio.run(staggered())
+    solo, together = solo_and_staggered(stack.target, prompts, lengths, spread_s=0.5,
+                                        timeout=300, rnd=rnd)
     for i, (a, b) in enumerate(zip(solo, together)):
         assert b.completion_tokens == lengths[i]
         if a.token_ids != b.token_ids:  # allowed only at near-ties of the reference
