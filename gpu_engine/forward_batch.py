@@ -29,6 +29,24 @@ class ForwardBatch:
     # this step; a prefill chunk that does not reach the prompt's end wants none).
     logit_seqs: np.ndarray
 
+    @classmethod
+    def of_chunks(cls, chunks, logit_seqs=None) -> ForwardBatch:
+        """chunks: [(token_ids, start_position, block_table)], a sequence's run each, in batch
+        order; logit_seqs: every sequence by default."""
+        lens = [len(t) for t, _, _ in chunks]
+        tables = np.full((len(chunks), max(len(bt) for _, _, bt in chunks)), -1, np.int32)
+        for s, (_, _, bt) in enumerate(chunks):
+            tables[s, :len(bt)] = bt
+        return cls(
+            token_ids=np.concatenate([t for t, _, _ in chunks]).astype(np.int32),
+            positions=np.concatenate([np.arange(p, p + len(t)) for t, p, _ in chunks]).astype(
+                np.int32),
+            seq_starts=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+            context_lens=np.array([p + len(t) for t, p, _ in chunks], np.int32),
+            block_tables=tables,
+            logit_seqs=np.array(range(len(chunks)) if logit_seqs is None else logit_seqs,
+                                np.int32))
+
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])

@@ -57,21 +57,7 @@ def poisoned_model(cfg, weights, num_blocks: int) -> ReferenceModel:
     return model
 
 
-def make_batch(chunks, want_logits=None) -> ForwardBatch:
-    """chunks: [(token_ids, start_position, block_table)] one per sequence, in batch order."""
-    lens = [len(t) for t, _, _ in chunks]
-    width = max(len(bt) for _, _, bt in chunks)
-    tables = np.full((len(chunks), width), -1, np.int32)
-    for s, (_, _, bt) in enumerate(chunks):
-        tables[s, :len(bt)] = bt
-    return ForwardBatch(
-        token_ids=np.concatenate([t for t, _, _ in chunks]).astype(np.int32),
-        positions=np.concatenate([np.arange(p, p + len(t)) for t, p, _ in chunks]).astype(np.int32),
-        seq_starts=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
-        context_lens=np.array([p + len(t) for t, p, _ in chunks], np.int32),
-        block_tables=tables,
-        logit_seqs=np.array(range(len(chunks)) if want_logits is None else want_logits, np.int32),
-    )
+make_batch = ForwardBatch.of_chunks  # chunks: [(token_ids, start, block_table)]
 
 
 def blocks_for(n_tokens: int) -> int:
