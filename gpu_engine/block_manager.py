@@ -140,10 +140,13 @@ class KvBlockPool:
             seq.block_table.append(block)
             seq.block_uids.append(self._uid[block])
         seq.num_computed = len(hit) * self.block_size
-        seq.cached_tokens = min(seq.num_computed, len(seq.prompt))
-        if self.prefix_caching:
-            self.query_tokens += seq.num_tokens
-            self.hit_tokens += seq.num_computed
+        if seq.preemptions == 0:
+            # a request's first admission alone, as vLLM counts its hit rate: a preempted
+            # one's lookup finds its own blocks again, which saved no request any prefill
+            seq.cached_tokens = min(seq.num_computed, len(seq.prompt))
+            if self.prefix_caching:
+                self.query_tokens += seq.num_tokens
+                self.hit_tokens += seq.num_computed
 
     def register(self, seq: Sequence) -> None:
         """After a step: seq's newly full, computed blocks join the cache, in order. A block

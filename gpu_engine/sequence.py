@@ -41,7 +41,7 @@ class Sequence:
     # With prefix caching: the cache uid of each of its first full computed blocks (its own,
     # or the cached twin of a block it computed again), the identity its next block is keyed by
     block_uids: list[int] = field(default_factory=list)
-    cached_tokens: int = 0   # prompt tokens its last admission took from the prefix cache
+    cached_tokens: int = 0   # prompt tokens its first admission took from the prefix cache
     status: SeqStatus = SeqStatus.WAITING
     preemptions: int = 0
 

@@ -78,7 +78,8 @@ class EngineCollector:
                  "requests the engine refused (bad slots)"),
                 # in tokens, as vLLM's: hits / queries is the prefix cache's hit rate
                 ("blink:prefix_cache_queries", "prefix_query_tokens",
-                 "tokens of admitted requests looked up in the prefix cache"),
+                 "tokens of admitted requests looked up in the prefix cache (their first "
+                 "admission: a preempted request's recompute is not a query)"),
                 ("blink:prefix_cache_hits", "prefix_hit_tokens",
                  "of those, tokens found in the prefix cache (prefill skipped)"),
                 ("blink:prefix_cache_evicted_blocks", "prefix_evicted_blocks",

@@ -57,6 +57,22 @@ def test_a_finished_prompt_is_found_again_up_to_its_last_full_block():
     assert pool.match(seq(3, [99, 1, 2, 3, 4, 5, 6, 7, 8])) == []
 
 
+def test_a_preempted_sequence_s_readmission_is_not_counted_as_a_hit():
+    """The hit rate counts each request's first lookup alone, as vLLM's does: a preempted
+    sequence finds its own blocks again, which saved no request a prefill; the tokens its
+    request took from the cache stay those of its first admission."""
+    pool = KvBlockPool(16, BS, prefix_caching=True)
+    s = computed(pool, seq(0, range(10)))           # no hit: 10 tokens looked up
+    assert (pool.query_tokens, pool.hit_tokens, s.cached_tokens) == (10, 0, 0)
+    pool.release(s)                                 # preempted (Scheduler._preempt)
+    s.num_computed, s.preemptions = 0, 1
+    hit = pool.match(s)
+    assert hit == [0, 1]
+    pool.admit(s, hit)
+    assert s.num_computed == 8                      # it still skips the recompute
+    assert (pool.query_tokens, pool.hit_tokens, s.cached_tokens) == (10, 0, 0)
+
+
 def test_shared_blocks_are_counted_and_never_freed_while_held():
     pool = KvBlockPool(8, BS, prefix_caching=True)
     a = computed(pool, seq(0, range(9)))

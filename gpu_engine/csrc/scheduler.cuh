@@ -141,7 +141,7 @@ struct SeqState {
   // While it waits unadmitted: its first num_hinted blocks have a lookup hint in its rows
   // (prefix_hint_block), which prefix_match checks before it probes; 0 once it holds blocks.
   int32_t num_hinted;
-  int32_t cached_tokens;  // prompt tokens its last admission took from the prefix cache
+  int32_t cached_tokens;  // prompt tokens its first admission took from the prefix cache
   uint32_t preemptions;
   SeqStatus status;
   SamplingParams params;
@@ -584,10 +584,12 @@ BLINK_HD inline void prefix_admit(SchedState& s, SeqState& q, int32_t hit) {
   q.num_blocks = q.num_keyed = hit;
   q.num_hinted = 0;  // its rows are its block table now
   q.num_computed = hit * s.cfg.block_size;
-  q.cached_tokens = min_i32(q.num_computed, q.prompt_len);
-  if (s.cfg.prefix_caching) {
-    s.query_tokens += static_cast<uint64_t>(q.num_tokens);
-    s.hit_tokens += static_cast<uint64_t>(q.num_computed);
+  if (q.preemptions == 0) {  // its first admission alone counts (block_manager.admit)
+    q.cached_tokens = min_i32(q.num_computed, q.prompt_len);
+    if (s.cfg.prefix_caching) {
+      s.query_tokens += static_cast<uint64_t>(q.num_tokens);
+      s.hit_tokens += static_cast<uint64_t>(q.num_computed);
+    }
   }
 }
 
