@@ -142,18 +142,21 @@ ENGINE_COUNTERS = ("requests_admitted", "requests_finished", "requests_cancelled
 
 
 class WorkerCounts:
-    """A count per front-end worker, shared by the workers of one front end (the processes of
-    `--workers N` on one ring) in /dev/shm/{ring}.frontend-counts, so that each can report their
-    sum; each adds to its own word only. One worker: kept in memory. A worker that is restarted
-    finds its count where it left it; the front end's parent clears the file as it starts
-    (reset)."""
+    """A number per front-end worker, shared by the workers of one front end (the processes of
+    `--workers N` on one ring) in /dev/shm/{ring}.frontend-{kind}, so that each can report their
+    sum; each writes its own word only. One worker: kept in memory. A worker that is restarted
+    finds its number where it left it; the front end's parent clears the files as it starts
+    (reset). Kinds: "counts" (stop-string finishes), "slots" and "queued" (its slots in use and
+    its requests waiting for one, now)."""
 
-    def __init__(self, ring_name: str, index: int, workers: int):
+    KINDS = ("counts", "slots", "queued")
+
+    def __init__(self, ring_name: str, index: int, workers: int, kind: str = "counts"):
         self.index = index
         if workers == 1:
             self._counts = np.zeros(1, np.uint64)
             return
-        fd = os.open(self.path(ring_name), os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.path(ring_name, kind), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < 8 * workers:
                 os.ftruncate(fd, 8 * workers)
@@ -162,15 +165,19 @@ class WorkerCounts:
             os.close(fd)  # the mapping stays
 
     @staticmethod
-    def path(ring_name: str):
-        return shm_path(f"{ring_name}.frontend-counts")
+    def path(ring_name: str, kind: str = "counts"):
+        return shm_path(f"{ring_name}.frontend-{kind}")
 
     @classmethod
     def reset(cls, ring_name: str) -> None:
-        cls.path(ring_name).unlink(missing_ok=True)
+        for kind in cls.KINDS:
+            cls.path(ring_name, kind).unlink(missing_ok=True)
 
     def add(self, n: int = 1) -> None:
         self._counts[self.index] += n
+
+    def set(self, n: int) -> None:
+        self._counts[self.index] = n
 
     def total(self) -> int:
         return int(self._counts.sum())
@@ -251,6 +258,10 @@ class EngineLink:
         self._carried = dict.fromkeys(ENGINE_COUNTERS, 0)
         # engine "cancels" that were stop-string finishes, every worker's
         self._stop_string_finishes = WorkerCounts(ring_name, *worker)
+        # this worker's slots in use and requests waiting for one, where every worker reads
+        # them: GetServerStats answers for the whole server from whichever worker it reaches
+        self._shared_slots = WorkerCounts(ring_name, *worker, kind="slots")
+        self._shared_queued = WorkerCounts(ring_name, *worker, kind="queued")
         self._instance = None           # the engine instance attached last
         self._instance_was_alive = False  # ... and whether its heartbeat ever moved
 
@@ -279,6 +290,19 @@ class EngineLink:
     @property
     def waiting_for_slot(self) -> int:
         return sum(not w.done() for w in self._waiters)
+
+    def _publish_load(self) -> None:
+        self._shared_slots.set(len(self._live))
+        self._shared_queued.set(self.waiting_for_slot)
+
+    @property
+    def server_slots_in_use(self) -> int:
+        """Slots in use by every worker of this front end (slots_in_use: this one's)."""
+        return self._shared_slots.total()
+
+    @property
+    def server_waiting_for_slot(self) -> int:
+        return self._shared_queued.total()
 
     def header_snapshot(self) -> np.void | None:
         return self._header_stats
@@ -330,6 +354,7 @@ class EngineLink:
         self._transport.write(base, u32_bytes(gen))
         handle = RequestHandle(slot, gen, request_id, instance)
         self._live[slot] = handle
+        self._publish_load()
         i = slot - self._share.start
         self._want_gen[i], self._seen[i], self._due[i] = gen, 0, 0.0
         if self._watched:
@@ -361,6 +386,7 @@ class EngineLink:
                                  f"{len(self._waiters)} requests already wait")
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
+        self._publish_load()
         try:
             return await asyncio.wait_for(fut, self.queue_timeout_s)
         except BaseException as e:
@@ -373,6 +399,7 @@ class EngineLink:
         finally:
             if fut in self._waiters:
                 self._waiters.remove(fut)
+            self._publish_load()
 
     def _release_slot(self, slot: int) -> None:
         while self._waiters:
@@ -381,6 +408,7 @@ class EngineLink:
                 fut.set_result(slot)
                 return
         self._free.append(slot)
+        self._publish_load()
 
     # -- the poll loop --------------------------------------------------------------------------
 
@@ -562,6 +590,7 @@ class EngineLink:
                 fut.set_exception(EngineUnavailable(str(why)))
         self._waiters.clear()
         self._free.clear()
+        self._publish_load()
         if self._watch is not None:
             self._watch.unwatch()  # its views into the ring go before the ring does
         self._watched = False

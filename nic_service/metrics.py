@@ -2,9 +2,12 @@
 vLLM (`blink:` where vLLM has `vllm:`).
 
 Latencies are measured here, per request, as the client sees them minus the network: time to
-first token, inter-token latency (per streamed chunk, divided over its tokens), end-to-end
-latency. Finishes are counted by reason as the client got them (a stop string is "stop", even
-though the front end stops the engine's sequence with a cancel). The engine's gauges and
+first token, inter-token latency (per streamed chunk, divided over its tokens; the tokens
+that came with the first have none, as vLLM observes none for a first token), end-to-end
+latency. Prompt tokens count once a request's first token came (its prefill done, as vLLM
+counts them). Finishes are counted by vLLM's reasons as the client got them: "stop" (a stop
+string, stop token or EOS; a stop string although the front end stops the engine's sequence
+with a cancel) or "length". The engine's gauges and
 counters are read from the ring header at scrape time; its counters are summed over engine
 restarts (EngineLink.counter_totals), so they never go down.
 """
@@ -19,7 +22,9 @@ from blink.nic_service.engine_link import EngineLink
 
 # seconds: from a millisecond (a decode step) to minutes (a long prompt behind a queue)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
-                   5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+                   5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0, 7680.0)
+# the proto's finish reasons (lower case) as vLLM's metric labels
+FINISHED_LABELS = {"eos": "stop", "stop": "stop", "length": "length"}
 ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
                0.1, 0.2, 0.5, 1.0, 2.5)
 
@@ -104,9 +109,12 @@ class FrontendMetrics:
                              buckets=LATENCY_BUCKETS)
         self.finished = Counter("blink:request_success", "requests finished, by reason",
                                 ["finished_reason"], registry=self.registry)
+        for label in set(FINISHED_LABELS.values()):  # at 0 from the start, as vLLM's
+            self.finished.labels(label)
         self.failed = Counter("blink:request_failure", "requests ended with an error status",
                               ["code"], registry=self.registry)
-        self.prompt_tokens = Counter("blink:prompt_tokens", "prompt tokens of admitted requests",
+        self.prompt_tokens = Counter("blink:prompt_tokens",
+                                     "prompt tokens of requests that had their first token",
                                      registry=self.registry)
         self.registry.register(EngineCollector(link, engine_wide))
 
@@ -124,6 +132,7 @@ class RequestClock:
         self.first: float | None = None  # monotonic time of the first token
         self.last: float | None = None
         self.generated = 0
+        self.prompt_tokens = 0  # counted in the metrics with the first token
         self.ended = False
 
     def tokens(self, n: int) -> None:
@@ -132,9 +141,11 @@ class RequestClock:
         self.generated += n
         now = time.monotonic()
         if self.metrics is not None:
-            if self.last is None:  # the first token; the rest of its chunk came with it
+            if self.last is None:  # the first token; the rest of its chunk came with it, at
+                # gaps the front end did not see (no gap rather than a false 0)
                 self.metrics.ttft.observe(now - self.received)
-                gaps = [0.0] * (n - 1)
+                self.metrics.prompt_tokens.inc(self.prompt_tokens)
+                gaps = []
             else:
                 gaps = [(now - self.last) / n] * n
             for gap in gaps:  # one inter-token gap per token after the first
@@ -146,7 +157,7 @@ class RequestClock:
         self.ended = True
         if self.metrics is not None:
             self.metrics.e2e.observe(time.monotonic() - self.received)
-            self.metrics.finished.labels(reason).inc()
+            self.metrics.finished.labels(FINISHED_LABELS.get(reason, reason)).inc()
 
     def failed(self, code: str) -> None:
         self.ended = True

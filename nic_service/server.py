@@ -192,18 +192,22 @@ def chunk_message(text: str, token_ids: Sequence[int] = ()) -> pb.GenerateRespon
     return message
 
 
-def log_request(handle: RequestHandle, prep: Prepared, clock: RequestClock, outcome: str,
-                generated: int) -> None:
+def log_request(handle: RequestHandle | None, prep: Prepared | None, clock: RequestClock,
+                outcome: str, generated: int) -> None:
     """One line per finished request: ids, token counts, latencies and how it ended (as JSON
-    fields too, under --log-format json)."""
+    fields too, under --log-format json). No handle: it ended before it had a slot (no request
+    id); no prep: before its prompt was read."""
     now = time.monotonic()
-    fields = dict(request_id=handle.request_id, client_request_id=prep.client_request_id,
-                  prompt_tokens=len(prep.prompt_ids), completion_tokens=generated,
+    fields = dict(request_id=handle.request_id if handle else None,
+                  client_request_id=prep.client_request_id if prep else "",
+                  prompt_tokens=len(prep.prompt_ids) if prep else 0,
+                  completion_tokens=generated,
                   ttft_s=round(clock.first - clock.received, 6) if clock.first else None,
                   total_s=round(now - clock.received, 6), outcome=outcome)
     log.info("request %s%s: %d prompt + %d generated tokens, first token %s, total %.3f s: %s",
-             handle.request_id,
-             f" (client id {prep.client_request_id!r})" if prep.client_request_id else "",
+             handle.request_id if handle else "(no slot)",
+             f" (client id {prep.client_request_id!r})" if prep and prep.client_request_id
+             else "",
              fields["prompt_tokens"], generated,
              f"{fields['ttft_s']:.3f} s" if fields["ttft_s"] is not None else "none",
              fields["total_s"], outcome, extra={"request": fields})
@@ -314,8 +318,10 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         if not self.link.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not available")
         clock = RequestClock(self.metrics, received)
+        prep = None
         try:
             prep = await self._prepare(request)
+            clock.prompt_tokens = len(prep.prompt_ids)
             handle = await self.link.submit(prep.slot_fields)
         except InvalidRequest as e:
             await self._fail(context, clock, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -323,8 +329,9 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             await self._fail(context, clock, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except EngineUnavailable as e:
             await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE, str(e))
-        if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(prep.prompt_ids))
+        except asyncio.CancelledError:  # before it had a slot: queued for one, or tokenizing
+            self._gone(context, clock, None, prep)
+            raise
         try:
             async for response in self._stream(prep, handle, clock, context):
                 yield response
@@ -336,16 +343,22 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             raise
         finally:
             if not clock.ended:
-                # the client went away or its deadline passed, or the server is stopping:
                 # gRPC cancelled this handler, in the stream (CancelledError) or in its own
                 # send of a message (then the generator is closed at its yield: only this runs)
-                remaining = context.time_remaining()
-                expired = remaining is not None and remaining <= 0
-                why = ("deadline exceeded" if expired else "cancelled at shutdown"
-                       if self.draining else "cancelled by the client")
-                log_request(handle, prep, clock, why, clock.generated)
-                clock.failed("DEADLINE_EXCEEDED" if expired else "CANCELLED")
+                self._gone(context, clock, handle, prep)
             self.link.cancel(handle)  # no-op when the engine already finished it
+
+    def _gone(self, context, clock: RequestClock, handle: RequestHandle | None,
+              prep: Prepared | None) -> None:
+        """Counts and logs a request whose client went away or whose deadline passed, or that
+        the server's stop cancelled."""
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= 0
+        why = ("deadline exceeded" if expired else "cancelled at shutdown" if self.draining
+               else "cancelled by the client")
+        log_request(handle, prep, clock, why if handle else f"{why} before it had a slot",
+                    clock.generated)
+        clock.failed("DEADLINE_EXCEEDED" if expired else "CANCELLED")
 
     async def _fail(self, context, clock: RequestClock, code: grpc.StatusCode, message: str):
         clock.failed(code.name)
@@ -458,8 +471,9 @@ class BlinkServicer(pb_grpc.BlinkServicer):
     async def GetServerStats(self, request, context):
         await refuse_undecodable(request, context)
         link = self.link
-        stats = pb.ServerStats(engine_alive=link.alive, ring_slots_in_use=link.slots_in_use,
-                               requests_waiting_for_slot=link.waiting_for_slot,
+        stats = pb.ServerStats(engine_alive=link.alive,
+                               ring_slots_in_use=link.server_slots_in_use,  # every worker's
+                               requests_waiting_for_slot=link.server_waiting_for_slot,
                                engine_attachments=link.attachments)
         h = link.header_snapshot()
         if h is not None and link.info is not None:

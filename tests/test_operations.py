@@ -296,7 +296,8 @@ def test_front_end_workers_stop_when_serve_is_killed(checkpoints, tmp_path):
         with socket.socket() as probe:  # as SO_REUSEPORT-less a bind as another program's
             probe.bind(("127.0.0.1", port))
         # the workers clear the counts they shared as they go, the engine its ring
-        wait_for(lambda: not WorkerCounts.path(ring).exists(), 10, "the counts removed")
+        wait_for(lambda: not any(WorkerCounts.path(ring, kind).exists()
+                                 for kind in WorkerCounts.KINDS), 10, "the counts removed")
         assert not (WorkerCounts.path(ring).parent / ring).exists()
     finally:
         serve.stop()
@@ -492,9 +493,11 @@ def test_metrics_request_logs_and_counters_across_restarts(checkpoints, tmp_path
         m = scrape(port)
         assert m[("blink:time_to_first_token_seconds_count", ())] == 6
         assert m[("blink:e2e_request_latency_seconds_count", ())] == 6
-        # one gap per streamed token after each request's first
+        # a gap per streamed token after each request's first chunk (its other tokens, if
+        # the front end saw it late, have none)
         streamed = 4 * 12 + stopped.completion_tokens + 3
-        assert m[("blink:inter_token_latency_seconds_count", ())] == streamed - 6
+        assert streamed - 12 <= m[("blink:inter_token_latency_seconds_count", ())] <= \
+            streamed - 6
         assert m[("blink:request_success_total", (("finished_reason", "length"),))] == 5
         assert m[("blink:request_success_total", (("finished_reason", "stop"),))] == 1
         assert m[("blink:engine_alive", ())] == 1 and m[("blink:kv_cache_usage_perc", ())] == 0
@@ -561,6 +564,119 @@ def test_client_cancels_and_deadlines_are_counted_and_logged(long_checkpoint, tm
         outcomes = sorted(r["outcome"] for r in requests)
         assert outcomes == ["cancelled by the client"] * 3 + ["deadline exceeded"] * 2
         assert all(r["completion_tokens"] >= 5 for r in requests)
+    finally:
+        assert serve.stop() == 0
+
+
+def test_request_clock_observes_as_vllm_does():
+    """The front end's per-request metrics, against vLLM's definitions: the tokens that came
+    with the first have no inter-token gap (it used to observe zeros), later chunks one gap a
+    token; prompt tokens count once the first token came (a request given up before it does
+    not count them); an EOS finish is labelled "stop" and both labels exist from the start."""
+    import types
+
+    from blink.nic_service.metrics import FrontendMetrics, RequestClock
+    link = types.SimpleNamespace(alive=False, heartbeat_age=lambda: None, attachments=0,
+                                 slots_in_use=0, waiting_for_slot=0)
+    metrics = FrontendMetrics(link, engine_wide=False)
+
+    def value(name, **labels):
+        return metrics.registry.get_sample_value(name, labels) or 0.0
+    for label in ("stop", "length"):  # exported at 0 before any request
+        assert metrics.registry.get_sample_value("blink:request_success_total",
+                                                 {"finished_reason": label}) == 0.0
+    given_up = RequestClock(metrics, time.monotonic())
+    given_up.prompt_tokens = 5
+    given_up.failed("CANCELLED")
+    clock = RequestClock(metrics, time.monotonic())
+    clock.prompt_tokens = 7
+    clock.tokens(3)
+    assert value("blink:inter_token_latency_seconds_count") == 0
+    assert value("blink:prompt_tokens_total") == 7
+    clock.tokens(2)
+    assert value("blink:inter_token_latency_seconds_count") == 2
+    clock.finished("eos")
+    assert value("blink:request_success_total", finished_reason="stop") == 1
+    assert value("blink:request_failure_total", code="CANCELLED") == 1
+
+
+def test_requests_that_end_waiting_for_a_slot_are_counted_and_logged(long_checkpoint,
+                                                                     tmp_path):
+    """--slots 1, held by a long stream: a request whose deadline passes in the queue for the
+    slot and one its client cancels there each count in request_failure_total and log a line
+    (both went uncounted and unlogged: the handler was cancelled before it had a slot); their
+    prompts are not counted in prompt_tokens_total (no prefill ran)."""
+    import json
+    import threading
+    serve = Serve(long_checkpoint, tmp_path, "--metrics-port", "0", "--log-format", "json",
+                  "--engine", "synthetic", "--synthetic-step-ms", "5", "--slots", "1")
+    try:
+        port = metrics_port(serve)
+        with BlinkClient(serve.target) as client:
+            holder = client.stream("hold the slot", exact(5000))
+            next(iter(holder))
+            prompt_tokens = scrape(port)[("blink:prompt_tokens_total", ())]
+            with pytest.raises(BlinkError) as err:
+                client.generate("too late", exact(4), timeout=0.3)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            queued = client.stream("given up", exact(4))
+            threading.Timer(0.3, queued.cancel).start()
+            assert list(queued) == []
+            holder.cancel()
+
+        def failures():
+            m = scrape(port)
+            return {code: m.get(("blink:request_failure_total", (("code", code),)), 0)
+                    for code in ("CANCELLED", "DEADLINE_EXCEEDED")}
+        wait_for(lambda: failures() == {"CANCELLED": 2, "DEADLINE_EXCEEDED": 1}, 10,
+                 f"the failures counted (have {failures()})")
+        assert scrape(port)[("blink:prompt_tokens_total", ())] == prompt_tokens
+        requests = [json.loads(line)["request"] for line in serve.log_path.read_text().splitlines()
+                    if line.startswith("{") and '"request"' in line]
+        outcomes = sorted(r["outcome"] for r in requests)
+        assert outcomes == ["cancelled by the client",
+                            "cancelled by the client before it had a slot",
+                            "deadline exceeded before it had a slot"], outcomes
+    finally:
+        assert serve.stop() == 0
+
+
+def test_every_worker_s_stats_count_every_worker_s_slots(checkpoints, tmp_path):
+    """--workers 2 with 8 live streams: GetServerStats, from whichever worker a connection
+    reaches, says 8 slots in use of the ring's (it said that worker's own, 2 or 6, beside the
+    whole ring's slot count); each worker's metrics keep its own share (their sum is 8)."""
+    import asyncio
+
+    from blink.client.sdk import AsyncBlinkClient
+    serve = Serve(checkpoints["llama"], tmp_path, "--workers", "2", "--engine", "synthetic",
+                  "--synthetic-step-ms", "20", "--metrics-port", "0")
+    try:
+        async def run():
+            def connection():
+                return AsyncBlinkClient(serve.target,
+                                        options=[("grpc.use_local_subchannel_pool", 1)])
+            streamers, askers = [connection() for _ in range(8)], [connection() for _ in
+                                                                   range(12)]
+            streams = [c.stream("hold on", Sampling(max_tokens=400, ignore_eos=True))
+                       for c in streamers]
+            for stream in streams:  # every one streaming
+                await stream.__anext__()
+            stats = await asyncio.gather(*(c.stats() for c in askers))
+            shares = [scrape(p)[("blink:ring_slots_in_use", ())] for p in ports]
+            for stream in streams:
+                stream.cancel()
+            for c in streamers + askers:
+                await c.close()
+            return stats, shares
+        ports = wait_for(lambda: [int(p) for p in re.findall(
+            r"metrics on http://[\d.]+:(\d+)/metrics", serve.log_path.read_text())][1:] and
+            [int(p) for p in re.findall(r"metrics on http://[\d.]+:(\d+)/metrics",
+                                        serve.log_path.read_text())], 30, "both metrics ports")
+        stats, shares = asyncio.run(run())
+        assert {(s["ring_slots_in_use"], s["ring_slots"]) for s in stats} == {(8, 128)}
+        assert sum(shares) == 8 and len(shares) == 2
+        with BlinkClient(serve.target) as client:
+            wait_for(lambda: client.stats()["ring_slots_in_use"] == 0, 10, "the slots back")
     finally:
         assert serve.stop() == 0
 
