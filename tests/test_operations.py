@@ -465,6 +465,13 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def failures(port: int) -> dict[str, float]:
+    """request_failure_total of the clients' cancels and deadlines, from the metrics port."""
+    m = scrape(port)
+    return {code: m.get(("blink:request_failure_total", (("code", code),)), 0)
+            for code in ("CANCELLED", "DEADLINE_EXCEEDED")}
+
+
 def metrics_port(serve: Serve) -> int:
     """The port `--metrics-port 0` took, as the server's log says."""
     import re
@@ -553,12 +560,8 @@ def test_client_cancels_and_deadlines_are_counted_and_logged(long_checkpoint, tm
                 assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             wait_for(lambda: idle(client), 10, "the engine idle")
 
-        def failures():
-            m = scrape(port)
-            return {code: m.get(("blink:request_failure_total", (("code", code),)), 0)
-                    for code in ("CANCELLED", "DEADLINE_EXCEEDED")}
-        wait_for(lambda: failures() == {"CANCELLED": 3, "DEADLINE_EXCEEDED": 2}, 10,
-                 f"the failures counted (have {failures()})")
+        wait_for(lambda: failures(port) == {"CANCELLED": 3, "DEADLINE_EXCEEDED": 2}, 10,
+                 f"the failures counted (have {failures(port)})")
         requests = [json.loads(line)["request"] for line in serve.log_path.read_text().splitlines()
                     if line.startswith("{") and '"request"' in line]
         outcomes = sorted(r["outcome"] for r in requests)
@@ -624,12 +627,8 @@ def test_requests_that_end_waiting_for_a_slot_are_counted_and_logged(long_checkp
             assert list(queued) == []
             holder.cancel()
 
-        def failures():
-            m = scrape(port)
-            return {code: m.get(("blink:request_failure_total", (("code", code),)), 0)
-                    for code in ("CANCELLED", "DEADLINE_EXCEEDED")}
-        wait_for(lambda: failures() == {"CANCELLED": 2, "DEADLINE_EXCEEDED": 1}, 10,
-                 f"the failures counted (have {failures()})")
+        wait_for(lambda: failures(port) == {"CANCELLED": 2, "DEADLINE_EXCEEDED": 1}, 10,
+                 f"the failures counted (have {failures(port)})")
         assert scrape(port)[("blink:prompt_tokens_total", ())] == prompt_tokens
         requests = [json.loads(line)["request"] for line in serve.log_path.read_text().splitlines()
                     if line.startswith("{") and '"request"' in line]
