@@ -53,6 +53,10 @@ def _check_engine_args(args) -> None:
             sys.exit(f"blink: --{name.replace('_', '-')} must be >= 1")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         sys.exit("blink: --num-kv-blocks must be >= 1")
+    if args.slots < args.max_num_seqs:
+        print(f"blink: warning: --slots {args.slots} is below --max-num-seqs "
+              f"{args.max_num_seqs}: a request holds its slot while it runs, so at most "
+              f"{args.slots} sequences run at once", file=sys.stderr)
     if args.max_model_len is not None and args.max_model_len < 2:
         sys.exit("blink: --max-model-len must be >= 2")
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -253,8 +257,12 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between the server's pings on idle connections")
     p.add_argument("--max-connection-age", type=float, default=None,
                    help="seconds after which a connection is asked to reconnect (GOAWAY), so "
-                        "load balancers can rebalance long-lived channels; streams in flight "
-                        "get 5 minutes more")
+                        "load balancers can rebalance long-lived channels; its streams in "
+                        "flight go on (see --max-connection-age-grace)")
+    p.add_argument("--max-connection-age-grace", type=float, default=None,
+                   help="with --max-connection-age: seconds the streams in flight on an aged "
+                        "connection may still run before it closes and cuts them (default: no "
+                        "limit: a stream as long as the context is never cut)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
                         "default: off)")
@@ -313,6 +321,7 @@ def _frontend_config(args, model_dir: Path):
                           auth_token=_auth_token(args.auth_token_file),
                           keepalive_time_s=args.keepalive_time,
                           max_connection_age_s=args.max_connection_age,
+                          max_connection_age_grace_s=args.max_connection_age_grace,
                           worker=(args.worker_index, args.workers),
                           rdma_engine=args.rdma_addr if args.transport == "rdma" else None)
 

@@ -19,6 +19,12 @@ if [ -f "$stamp" ] && .venv/bin/python -c "import blink.client.cli" 2>/dev/null;
   exit 0  # installed from this pyproject.toml already
 fi
 .venv/bin/python -m pip install -q --upgrade pip
+if [ "${1:-}" = "test" ] && [ -n "${TORCH_INDEX_URL:-}" ]; then
+  # where pip would take PyTorch's CUDA build (public PyPI on x86_64: several GB), the CPU
+  # one first: TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu deploy/setup.sh test
+  .venv/bin/python -m pip install -q "$(grep -o 'torch==[0-9.]*' pyproject.toml)" \
+    --index-url "$TORCH_INDEX_URL"
+fi
 .venv/bin/python -m pip install -q -e "$target"
 rm -f .venv/.blink-installed-*-"${1:-serve}"
 touch "$stamp"

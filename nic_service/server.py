@@ -63,6 +63,7 @@ class FrontendConfig:
     auth_token: str | None = None      # Blink RPCs need metadata "authorization: Bearer <token>"
     keepalive_time_s: float = 60.0     # server pings idle connections this often
     max_connection_age_s: float | None = None  # then GOAWAY: L4/L7 balancers get to rebalance
+    max_connection_age_grace_s: float | None = None  # then its streams are cut (None: never)
     worker: tuple[int, int] = (0, 1)   # (index, count): front-end processes sharing port and ring
     # a stream's tokens go out at most once per this many seconds, several to a message when the
     # engine is faster (its first token and its end at once); 0: each engine step's as it comes
@@ -581,9 +582,10 @@ class Frontend:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
         if cfg.max_connection_age_s:
-            options += [("grpc.max_connection_age_ms", int(cfg.max_connection_age_s * 1000)),
-                        # streams in flight get this long to end before the connection closes
-                        ("grpc.max_connection_age_grace_ms", 300_000)]
+            options.append(("grpc.max_connection_age_ms", int(cfg.max_connection_age_s * 1000)))
+            if cfg.max_connection_age_grace_s is not None:  # gRPC's default: no limit
+                options.append(("grpc.max_connection_age_grace_ms",
+                                 int(cfg.max_connection_age_grace_s * 1000)))
         interceptors = [BearerTokenCheck(cfg.auth_token)] if cfg.auth_token else []
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.servicer = BlinkServicer(self.config, self.codec, self.link, self.metrics)

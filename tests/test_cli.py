@@ -50,6 +50,15 @@ def test_auto_engine_choice(monkeypatch):
     assert choose_engine("cuda") == "cuda"
 
 
+def test_fewer_slots_than_sequences_is_warned(tmp_path):
+    """A request holds a ring slot while it runs: --slots below --max-num-seqs caps the batch
+    at the slots, which the operator is told (the Kubernetes layout ran 128 of its 256)."""
+    out = blink("serve", "--slots", "2", "--max-num-seqs", "8", "--model", str(tmp_path))
+    assert "--slots 2 is below --max-num-seqs 8" in out.stderr and out.returncode != 0
+    out = blink("serve", "--slots", "8", "--max-num-seqs", "8", "--model", str(tmp_path))
+    assert "warning" not in out.stderr and out.returncode != 0  # (no config.json there)
+
+
 def test_dummy_weights_need_the_cuda_engine(checkpoints):
     out = blink("engine", "--model", str(checkpoints["llama"]), "--engine", "cpu",
                 "--load-format", "dummy", "--ring-name", f"blink-test-dummy-{os.getpid()}")

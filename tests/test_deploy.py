@@ -17,7 +17,8 @@ DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 K8S_VERSION = "1.30.0"
 ENVOY_TYPED_CONFIGS = ("envoy.extensions.filters.network.http_connection_manager.v3",
                        "envoy.extensions.filters.http.router.v3",
-                       "envoy.extensions.upstreams.http.v3")
+                       "envoy.extensions.upstreams.http.v3",
+                       "envoy.extensions.retry.host.previous_hosts.v3")
 
 
 def parse_blink(argv: list[str]):
@@ -37,7 +38,12 @@ def test_kubernetes_manifests():
     (container,) = pod["containers"]
     args = parse_blink(container["args"])
     assert container["command"] == ["blink"] and args.command == "serve"
-    assert args.shutdown_timeout < pod["terminationGracePeriodSeconds"]  # drain fits
+    # preStop's wait, the drain and the engine's stop (10 s at most, README) fit the grace
+    wait = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert wait + args.shutdown_timeout + 10 < pod["terminationGracePeriodSeconds"]
+    assert args.slots >= args.max_num_seqs  # a running request holds a slot
+    # a replica per GPU: a rollout must not need a GPU more than the replicas hold
+    assert docs[0]["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
     assert container["readinessProbe"]["grpc"] == {"port": args.port,
                                                    "service": "blink.v1.Blink"}
     assert str(args.metrics_port) == docs[0]["spec"]["template"]["metadata"]["annotations"][
@@ -59,6 +65,12 @@ def test_envoy_config():
     address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
         "address"]["socket_address"]
     assert (address["address"], address["port_value"]) == (k8s_service, 50051)
+    retry = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]["route_config"]["virtual_hosts"][0]["routes"][0]["route"][
+        "retry_policy"]
+    # a refused stream (a draining replica) is retried on another replica
+    assert [p["name"] for p in retry["retry_host_predicate"]] == [
+        "envoy.retry_host_predicates.previous_hosts"]
     with pytest.raises((KeyError, ValueError, TypeError)):  # the check has teeth
         Bootstrap().from_dict({**config, "admin": {"adress": {}}})
 
@@ -80,6 +92,7 @@ def test_systemd_units():
     assert (engine.command, frontend.command) == ("engine", "frontend")
     assert engine.transport == frontend.transport == "shm"
     assert engine.ring_name == frontend.ring_name and engine.model == frontend.model
+    assert engine.slots >= engine.max_num_seqs  # a running request holds a slot
     # stopped in reverse start order: the front end (After= the engine) drains first
     assert "blink-engine.service" in frontend_unit["Unit"]["After"]
     assert float(frontend_unit["Service"]["TimeoutStopSec"]) > frontend.shutdown_timeout

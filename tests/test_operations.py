@@ -867,6 +867,24 @@ def test_mutual_tls_and_bearer_token(checkpoints, make_stack, tmp_path):
                 client.model_info(timeout=5)
 
 
+def test_an_aged_connection_s_streams_run_to_their_end(long_checkpoint, make_stack):
+    """--max-connection-age 1: a stream of about 3 s on a connection that ages under it runs
+    to its end (it was cut after a fixed 300 s, so a long generation died mid-stream), and new
+    requests still work; with --max-connection-age-grace 1 the stream is cut, as asked."""
+    for grace, cut in ((), False), (("--max-connection-age-grace", "1"), True):
+        stack = make_stack(long_checkpoint, engine_args=["--engine", "synthetic",
+                                                         "--synthetic-step-ms", "10"],
+                           frontend_args=["--max-connection-age", "1", *grace])
+        with BlinkClient(stack.target) as client:
+            if cut:
+                with pytest.raises(BlinkError, match="UNAVAILABLE"):
+                    client.generate("a long one", exact(300))
+            else:
+                assert client.generate("a long one", exact(300)).completion_tokens == 300
+            assert client.generate("and after", exact(3)).completion_tokens == 3
+        stack.stop()
+
+
 def test_idle_cpu_engine_sleeps(checkpoints, make_stack):
     """An idle CPU engine backs off its polling (it used 28% of a core at a fixed 0.2 ms)."""
     stack = make_stack(checkpoints["llama"])
