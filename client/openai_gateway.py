@@ -9,9 +9,10 @@ path: run it where HTTP clients need it. Endpoints: GET /v1/models; POST /v1/com
 (prompt: a string or token ids) and POST /v1/chat/completions (messages through the model's
 chat template), both with `stream` (server-sent events ending in `data: [DONE]`, a usage chunk
 before it with `stream_options.include_usage`). Parameters: max_tokens (max_completion_tokens),
-temperature, top_p, top_k, seed, stop (string or list), n = 1; null is the default; one that
-Blink does not serve (logprobs, echo, penalties, tools, ...) set to anything but its neutral
-value is a 400; with --served-model-name, a model not among its names is a 404
+temperature, top_p, top_k, seed, stop (string or list), n = 1, and vLLM's extensions
+ignore_eos and stop_token_ids (which benchmark tools send); null is the default; one that
+Blink does not serve (logprobs, echo, penalties, tools, vLLM's chat_template_kwargs and
+continue_final_message, ...) set to anything but its neutral value is a 400; with --served-model-name, a model not among its names is a 404
 (model_not_found), else `model` is not checked (clients send Hub ids or paths). An
 `Authorization: Bearer KEY` header is passed on as the gRPC bearer token. Blink's errors map to
 HTTP statuses (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, UNAVAILABLE
@@ -58,7 +59,12 @@ UNSUPPORTED = {"echo": (None, False), "logprobs": (None, False), "top_logprobs":
                "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0),
                "frequency_penalty": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
                "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none")}
+               "function_call": (None, "none"),
+               # vLLM's extensions that change the prompt or the sampling
+               "chat_template": (None,), "chat_template_kwargs": (None, {}),
+               "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+               "documents": (None, []), "repetition_penalty": (None, 1), "min_p": (None, 0),
+               "min_tokens": (None, 0)}
 
 
 def _int(body: dict, key: str, lo: int, hi: int) -> int | None:
@@ -108,13 +114,22 @@ def sampling_from(body: dict, chat: bool) -> Sampling:
         else "max_tokens"
     seed = _int(body, "seed", -(1 << 63), (1 << 64) - 1)
     top_k = _int(body, "top_k", -1, (1 << 31) - 1)
+    ignore_eos = body.get("ignore_eos") or False
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("'ignore_eos' must be a boolean")
+    if not isinstance(stop_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32
+            for t in stop_ids):
+        raise BadRequest("'stop_token_ids' must be a list of token ids")
     max_tokens = _int(body, key, 0, (1 << 32) - 1)
     if max_tokens is None and not chat:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     return Sampling(max_tokens=max_tokens,
                     temperature=_number(body, "temperature"), top_p=_number(body, "top_p"),
                     top_k=None if top_k is None else max(top_k, 0),  # -1 (vLLM's off): 0
-                    seed=None if seed is None else seed % (1 << 64), stop=tuple(stop))
+                    seed=None if seed is None else seed % (1 << 64), stop=tuple(stop),
+                    stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
 
 
 def _prompt(body: dict, chat: bool):
@@ -129,7 +144,7 @@ def _prompt(body: dict, chat: bool):
                 if not all(isinstance(p, dict) and p.get("type") == "text"
                            and isinstance(p.get("text"), str) for p in content):
                     raise BadRequest("only text content parts are supported")
-                content = "".join(p["text"] for p in content)
+                content = "\n".join(p["text"] for p in content)  # as vLLM joins them
             if not isinstance(content, str) or not isinstance(m.get("role"), str):
                 raise BadRequest("each message needs a string 'role' and text 'content'")
             out.append({"role": m["role"], "content": content})

@@ -131,7 +131,10 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
                 {"prompt": [True]}, {"logprobs": 2}, {"echo": True}, {"best_of": 3},
                 {"presence_penalty": 1.0}, {"logit_bias": {"5": 10}}, {"suffix": "x"},
                 {"response_format": {"type": "json_object"}}, {"stream_options": True},
-                {"stream_options": {"include_usage": "yes"}}):
+                {"stream_options": {"include_usage": "yes"}},
+                {"chat_template_kwargs": {"enable_thinking": False}},
+                {"continue_final_message": True}, {"add_generation_prompt": False},
+                {"repetition_penalty": 1.1}, {"ignore_eos": "yes"}, {"stop_token_ids": [-1]}):
         status, body = post(client, "/completions", {**base, **bad})
         assert (status, body["error"]["type"]) == (400, "invalid_request_error"), (bad, body)
     status, body = post(client, "/chat/completions", {
@@ -168,6 +171,32 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
                   if line.startswith("data: {")]
     assert len(events) >= 3 and all("usage" in e and e["usage"] is None for e in events[:-1])
     assert events[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_vllm_s_ignore_eos_and_stop_token_ids_and_text_parts(gateway):
+    """vLLM's extensions that benchmark tools send are served, not ignored: ignore_eos (every
+    token asked for) and stop_token_ids (the stream ends on the id); a message's text parts are
+    joined with newlines, as vLLM joins them."""
+    client, stack = gateway
+    prompt = "Once upon a time"
+    with BlinkClient(stack.target) as blink:
+        ids = blink.generate(prompt, Sampling(max_tokens=8, temperature=0.0, ignore_eos=True),
+                             return_token_ids=True).token_ids
+    k = next(i for i in range(2, 8) if ids[i] not in ids[:i])
+    _, body = post(client, "/completions", {"model": "llama", "prompt": prompt, "max_tokens": 8,
+                                            "temperature": 0, "stop_token_ids": [ids[k]],
+                                            "ignore_eos": True})
+    assert body["usage"]["completion_tokens"] == k + 1, body
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+    def prompt_tokens(content):
+        _, body = post(client, "/chat/completions", {
+            "model": "llama", "max_tokens": 1, "messages": [{"role": "user",
+                                                             "content": content}]})
+        return body["usage"]["prompt_tokens"]
+    parts = [{"type": "text", "text": "Summarize:"}, {"type": "text", "text": "Cats nap."}]
+    assert prompt_tokens(parts) == prompt_tokens("Summarize:\nCats nap.")
+    assert prompt_tokens("Summarize:\nCats nap.") != prompt_tokens("Summarize:Cats nap.")
 
 
 def test_completions_default_to_16_tokens_chat_to_the_context(gateway):
