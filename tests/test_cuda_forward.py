@@ -1501,7 +1501,7 @@ class Pair:
 
     def step(self, chunks, want=None, eager=False, tol=LOGITS_TOL):
         """chunks: [(token_ids, start_position, block_table)]; returns GPU logits."""
-        batch = ForwardBatch.of_chunks(chunks, want)
+        batch = make_batch(chunks, want)
         logits, sampled = self.engine.run(batch, eager=eager)
         ref = self.ref.forward(batch)
         assert np.isfinite(logits).all()
@@ -1520,6 +1520,9 @@ class Pair:
         REPORT["errors"][f"forward {self.arch} {what} (max rel L2)"] = max(self.errors)
 
 
+make_batch = ForwardBatch.of_chunks  # chunks: [(token_ids, start, block_table)]
+
+
 def prompt(cfg, n, seed):
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, n).astype(np.int32)
 
@@ -1533,7 +1536,7 @@ def test_forward_one_shot_prefill(models, arch):
     table = np.random.default_rng(1).permutation(NUM_BLOCKS)[:7]
     ids = prompt(pair.cfg, 99, seed=2)
     graph = pair.step([(ids, 0, table)])
-    eager, _ = pair.engine.run(ForwardBatch.of_chunks([(ids, 0, table)]), eager=True)
+    eager, _ = pair.engine.run(make_batch([(ids, 0, table)]), eager=True)
     np.testing.assert_allclose(graph, eager, rtol=0, atol=1e-4 * np.abs(eager).max())
     pair.record("one-shot prefill")
 
@@ -1713,7 +1716,7 @@ def assert_same_steps(cfg, a_fwd, b_fwd, seed: int) -> None:
         fwd.fill_kv_cache(0)
     pos = 0
     for n in (33, 7, 1, 1, 1):
-        batch = ForwardBatch.of_chunks([(np.array(ids[pos:pos + n]), pos, table)])
+        batch = make_batch([(np.array(ids[pos:pos + n]), pos, table)])
         a, a_sampled = a_fwd.run(batch)
         b, b_sampled = b_fwd.run(batch)
         np.testing.assert_array_equal(a, b)
@@ -1775,7 +1778,7 @@ def test_forward_sized_for_the_sms_the_scheduler_leaves(cf, models):
     k = engine.kernels
     assert (k.held_sms, k.sm_count) == (1, k.device_sm_count - 1)
     assert engine.blas.sm_count_target == k.sm_count
-    batch = ForwardBatch.of_chunks([(prompt(cfg, 40, seed=9), 0, np.arange(6))])
+    batch = make_batch([(prompt(cfg, 40, seed=9), 0, np.arange(6))])
     engine.fill_kv_cache(0)
     alone, _ = engine.run(batch)
     with engine.holding_sms():
@@ -1835,7 +1838,7 @@ def test_forward_fused_norm_rope_matches_separate_kernels(cf, models, arch):
             fwd.fill_kv_cache(0)
         pos, errors = 0, []
         for n in (5, 8, 13, 1, 1, 1):  # prefill chunks in decode buckets, then decode steps
-            batch = ForwardBatch.of_chunks([(np.array(ids[pos:pos + n]), pos, table)])
+            batch = make_batch([(np.array(ids[pos:pos + n]), pos, table)])
             a, a_sampled = engine.run(batch)
             b, _ = separate.run(batch)
             errors.append(rel_err(a, b))
@@ -1870,7 +1873,7 @@ def test_forward_projection_chain_matches_skinny_kernels(cf, models, arch, quant
         for fwd in (chained, skinny):
             fwd.fill_kv_cache(0)
         for pos in range(20):  # 12 prompt tokens, then the greedy token fed back
-            batch = ForwardBatch.of_chunks([(np.array(ids[pos:pos + 1]), pos, table)])
+            batch = make_batch([(np.array(ids[pos:pos + 1]), pos, table)])
             a, a_sampled = chained.run(batch)
             b, b_sampled = skinny.run(batch)
             np.testing.assert_array_equal(a, b)
@@ -1891,7 +1894,7 @@ def test_forward_sampling_in_graph(models):
     table = np.arange(8)
     ids = prompt(cfg, 40, seed=9)
     chunks = [(ids[:10], 0, table[:1]), (ids[10:25], 0, table[1:2]), (ids[25:], 0, table[2:3])]
-    batch = ForwardBatch.of_chunks(chunks)
+    batch = make_batch(chunks)
     a_logits, a = engine.run(batch, temperature=[1.0, 0.8, 0.5], top_k=[5, 0, 3],
                              top_p=[1.0, 0.9, 1.0], seed=[1, 2, 3], step=[4, 5, 6])
     b_logits, b = engine.run(batch, temperature=[1.0, 0.8, 0.5], top_k=[5, 0, 3],
@@ -2034,7 +2037,7 @@ def test_kernel_timings(cf, stream, models):
         for bucket in (1, 128):
             # a bucket's graph computes the batch in device memory, which must fit the bucket
             # (another test's batch may not): one of that many tokens, written by run()
-            engine.run(ForwardBatch.of_chunks([(prompt(cfg, bucket, seed=bucket), 0, np.arange(8))]))
+            engine.run(make_batch([(prompt(cfg, bucket, seed=bucket), 0, np.arange(8))]))
             exe = engine.graph_execs[bucket]
             warm()
             t[f"graph {arch} tiny bucket {bucket}"] = 1000 * _time_ms(
