@@ -87,6 +87,14 @@ def _rdma_addr(text: str) -> tuple[str, int]:
     host = host.strip("[]")
     if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
         raise argparse.ArgumentTypeError(f"{text!r} is not IP:PORT")
+    import ipaddress
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:  # a host name: resolved where it is used
+        wildcard = False
+    if wildcard:  # librdmacm binds no device to it, and pyverbs then crashes the process
+        raise argparse.ArgumentTypeError(f"{text!r}: the IP must be an RDMA device's interface "
+                                         f"address, not a wildcard")
     return host, int(port)
 
 

@@ -19,6 +19,7 @@ import itertools
 import mmap
 import os
 import sys
+import time
 import types
 from collections import deque
 
@@ -26,6 +27,8 @@ IBV = dict(IBV_QPT_RC=2, IBV_QPS_RESET=0, IBV_QPS_INIT=1, IBV_QPS_RTR=2, IBV_QPS
            IBV_WR_RDMA_WRITE=0, IBV_WR_RDMA_READ=4, IBV_SEND_SIGNALED=2, IBV_WC_SUCCESS=0,
            IBV_WC_REM_ACCESS_ERR=10, IBV_WC_RETRY_EXC_ERR=12, IBV_ACCESS_LOCAL_WRITE=1,
            IBV_ACCESS_REMOTE_WRITE=2, IBV_ACCESS_REMOTE_READ=4)
+# when a work request to a vanished peer fails: (RETRY_COUNT + 1) x 4.096 us x 2^ACK_TIMEOUT
+RETRY_EXHAUSTED_S = 4 * 4.096e-6 * 2 ** 14
 
 
 class rdma_cm_event_type(enum.IntEnum):
@@ -260,8 +263,13 @@ class QP:
         assert len(chain) <= self.cap.max_send_wr, "more work requests than the queue holds"
         for wr in chain:
             status = self._execute(wr)
+            # a packet to a queue pair that is gone is dropped, not refused: the requester
+            # sees the failure once its retries run out, (retry_cnt + 1) x 4.096 us x
+            # 2^timeout later (Blink's 3 and 14: about 0.27 s)
+            due = time.monotonic() + (RETRY_EXHAUSTED_S
+                                      if status == IBV["IBV_WC_RETRY_EXC_ERR"] else 0.0)
             if wr.send_flags & IBV["IBV_SEND_SIGNALED"]:
-                self.cq.push(types.SimpleNamespace(status=status, vendor_err=0))
+                self.cq.push(types.SimpleNamespace(status=status, vendor_err=0, due=due))
 
     def _execute(self, wr) -> int:
         if self.peer is None or self.peer.closed:
@@ -295,7 +303,9 @@ class CQ:
         self.wcs.append(wc)
 
     def poll(self, num_entries=1):
-        out = [self.wcs.popleft() for _ in range(min(num_entries, len(self.wcs)))]
+        out = []
+        while self.wcs and len(out) < num_entries and self.wcs[0].due <= time.monotonic():
+            out.append(self.wcs.popleft())
         return len(out), out
 
     def close(self):
