@@ -11,10 +11,11 @@ machine (a DPU's Arm cores) reaches it with one-sided RDMA WRITE and READ.
 What is written where, and in what order, is not decided here: EngineLink's submit, cancel and
 poll (the same code for both transports) do that through RingTransport (shm.py). This transport
 gives each operation what the ring protocol (layout.py) needs from it: `write` returns once the
-RDMA WRITE's completion arrived, so a slot's payload is in the engine's memory before the
-doorbell write after it is posted (RDMA WRITEs on one queue pair execute in order, but nothing
-says when their bytes become visible to a GPU polling that memory; the completion does not
-depend on it). `read` returns once the RDMA READ's data is in a local registered mirror of the
+RDMA WRITE's completion arrived, which says the engine's NIC took the bytes, not that they are
+visible in its memory yet. RDMA WRITEs on one queue pair execute in order and a NIC's writes
+to host memory are not relaxed-ordered, so a host ring sees the payload before the doorbell;
+nothing says in what order a GPU polling GPU memory sees them, which the protocol does not need:
+a slot is consumed only when its two sequence words and its CRC match (layout.py). `read` returns once the RDMA READ's data is in a local registered mirror of the
 ring (same offsets), `read_strided` posts its READs in batches of at most MAX_OUTSTANDING.
 
 Engine side, RingExport (a thread of the engine process): binds IP:PORT with RDMA CM at once (a

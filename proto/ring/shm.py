@@ -8,8 +8,9 @@ What is written where, and in what order, is the front end's EngineLink, the sam
 
 Ordering: on x86 (TSO) stores from one thread become visible in program order, so writing the
 payload and then the doorbell word is enough for the shared-memory case. A transport without
-that guarantee (RDMA) must complete the payload write before it issues the doorbell write: a
-`write` returns only once its bytes are in the engine's memory.
+that guarantee (RDMA) must not let the doorbell overtake the payload (rdma.py says how it
+orders them); and the engine consumes a slot only once its sequence words and CRC match, so
+bytes that land in another order are never taken for a request.
 """
 from __future__ import annotations
 
