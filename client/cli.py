@@ -233,14 +233,43 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "python -m blink.gpu_engine.step_log PATH summarizes them")
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535: argparse refuses anything else in one line."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
+    return port
+
+
+def _seconds(text: str) -> float:
+    """A duration, a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def _ready_file(text: str) -> Path:
+    path = Path(text)
+    if not path.resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: its folder does not exist")
+    return path
+
+
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free)")
-    p.add_argument("--queue-timeout", type=float, default=30.0,
+    p.add_argument("--port", type=_port, default=50051, help="port to listen on (0: any free)")
+    p.add_argument("--queue-timeout", type=_seconds, default=30.0,
                    help="seconds a request may wait for a free ring slot")
     p.add_argument("--max-queued", type=int, default=1024,
                    help="requests allowed to wait for a slot")
-    p.add_argument("--engine-timeout", type=float, default=3.0,
+    p.add_argument("--engine-timeout", type=_seconds, default=3.0,
                    help="seconds without an engine heartbeat before streams fail UNAVAILABLE")
     p.add_argument("--max-request-mb", type=float, default=4.0, help="largest request accepted")
     p.add_argument("--stream-interval-ms", type=float, default=0.0,
@@ -251,7 +280,7 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="how often live requests' output records are checked for new tokens "
                         "(shared memory: by a thread, 3-6%% more of a core at one stream; RDMA: "
                         "the event loop's timer, whole milliseconds)")
-    p.add_argument("--ready-file", type=Path, default=None,
+    p.add_argument("--ready-file", type=_ready_file, default=None,
                    help="write the bound port here once listening")
     p.add_argument("--tls-cert", type=Path, default=None,
                    help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
@@ -261,17 +290,17 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-token-file", type=Path, default=None,
                    help="file holding a bearer token that Blink RPCs must carry "
                         "(metadata 'authorization: Bearer TOKEN'; health stays open)")
-    p.add_argument("--keepalive-time", type=float, default=60.0,
+    p.add_argument("--keepalive-time", type=_seconds, default=60.0,
                    help="seconds between the server's pings on idle connections")
-    p.add_argument("--max-connection-age", type=float, default=None,
+    p.add_argument("--max-connection-age", type=_seconds, default=None,
                    help="seconds after which a connection is asked to reconnect (GOAWAY), so "
                         "load balancers can rebalance long-lived channels; its streams in "
                         "flight go on (see --max-connection-age-grace)")
-    p.add_argument("--max-connection-age-grace", type=float, default=None,
+    p.add_argument("--max-connection-age-grace", type=_seconds, default=None,
                    help="with --max-connection-age: seconds the streams in flight on an aged "
                         "connection may still run before it closes and cuts them (default: no "
                         "limit: a stream as long as the context is never cut)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
                         "default: off)")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
@@ -279,9 +308,9 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="front-end processes sharing the port (SO_REUSEPORT) and the ring, "
                         "each with its share of the slots")
     p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT: seconds in-flight streams may take to finish "
-                        "(new requests get UNAVAILABLE meanwhile)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                   help="on SIGTERM, SIGINT, SIGHUP or SIGQUIT: seconds in-flight streams may "
+                        "take to finish (new requests get UNAVAILABLE meanwhile)")
 
 
 def _engine_config(args, model_dir: Path):
@@ -445,18 +474,31 @@ def cmd_frontend(args) -> None:
 
 # --- front-end workers: processes sharing one port (SO_REUSEPORT) and one ring -------------------
 
+_HELD_CLAIMS = []  # this process's claims on its ring (blink.ring.lifecycle): held until exit
+
+
 def _claim_port(args) -> None:
-    """Before several workers bind one port with SO_REUSEPORT: fail if another program holds it
-    (reuse would silently share it), and pick a concrete port for --port 0; and clear the
-    counts the workers share (a previous front end's on the same ring)."""
+    """The ring's front end claimed for this process (a second front end on a ring would take
+    the first one's slots and cancel its requests as orphans). Before several workers bind one
+    port with SO_REUSEPORT: fail if another program listens there (reuse would silently share
+    it), and pick a concrete port for --port 0; and clear the counts the workers share (a
+    previous front end's on the same ring)."""
+    from blink.ring.lifecycle import RingClaimed, claim_ring
+    try:
+        _HELD_CLAIMS.append(claim_ring(args.ring_name, "frontend"))
+    except RingClaimed as e:
+        sys.exit(f"blink: {e}")
     if args.workers < 1:
         sys.exit("blink: --workers must be >= 1")
     if args.workers == 1:
         return  # one process: gRPC's own bind (without port reuse) says if the port is taken
     import socket
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:
+        # SO_REUSEADDR: a connection of the previous server's in TIME_WAIT is no listener
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((args.host, args.port))
+            probe.listen()
         except OSError as e:
             sys.exit(f"blink: cannot listen on {args.host}:{args.port}: {e.strerror}")
         args.port = probe.getsockname()[1]
@@ -706,18 +748,19 @@ def cmd_serve(args) -> None:
         from blink.nic_service.server import Frontend
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        from blink.ring.lifecycle import STOP_SIGNALS
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
         # the front end first: a taken port or an unreadable tokenizer fails before any engine
         frontend = Frontend(_frontend_config(args, model_dir))
         port = await frontend.start()
+        if args.ready_file:  # before the engine: a failed write leaves no engine to cancel
+            args.ready_file.write_text(str(port))
         workers.start()
         engine_stop = asyncio.Event()  # set after the drain: streams in flight need the engine
         engine = asyncio.ensure_future(_supervise_engine(
             _engine_argv(args, model_dir), engine_stop, frontend.link,
             args.engine_restart_timeout))
-        if args.ready_file:
-            args.ready_file.write_text(str(port))
         print(f"blink: serving {model_dir.name} on {args.host}:{port} (ring "
               f"{frontend.link.ring_where}); try: blink generate --target {args.host}:{port} "
               f"\"Hello\"", flush=True)
@@ -850,7 +893,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "device's network interface)")
     _add_engine_args(p)
     _add_frontend_args(p)
-    p.add_argument("--engine-restart-timeout", type=float, default=60.0,
+    p.add_argument("--engine-restart-timeout", type=_seconds, default=60.0,
                    help="restart an engine whose heartbeat has not moved for this many seconds "
                         "(0: never)")
     p.set_defaults(func=cmd_serve)
@@ -908,7 +951,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("openai", help="OpenAI-compatible HTTP gateway to a Blink server (aiohttp)")
     p.add_argument("--target", default="127.0.0.1:50051", help="the Blink server (gRPC)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds in-flight streams may take to finish before "
+                        "they are cancelled (in the Blink server too)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names requests may ask for (OpenAI's `model`; the first is "
                         "what /v1/models lists): any other is a 404, model_not_found. By "

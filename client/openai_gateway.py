@@ -316,6 +316,6 @@ def cmd_openai(args) -> None:
     try:  # handler_cancellation: a client's disconnect cancels its handler (and its request)
         web.run_app(make_app(args.target, args.served_model_name), host=args.host,
                     port=args.port, print=lambda _: print(banner, flush=True),
-                    handler_cancellation=True)
+                    handler_cancellation=True, shutdown_timeout=args.shutdown_timeout)
     except OSError as e:  # the port taken, say
         raise SystemExit(f"blink openai: {e}") from None

@@ -29,6 +29,7 @@ from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from blink.gpu_engine.sequence import Sequence
 from blink.gpu_engine.step_core import StepCore, samples_now
 from blink.ring.layout import EngineKind, EngineState, FinishReason, RingGeometry
+from blink.ring.lifecycle import STOP_SIGNALS
 
 log = logging.getLogger("blink.engine")
 
@@ -319,7 +320,7 @@ class ReferenceEngine:
 
 
 def stop_on_signals(stop_event: threading.Event) -> None:
-    """SIGTERM and SIGINT set stop_event, from a thread of its own (call from the main thread).
+    """STOP_SIGNALS set stop_event, from a thread of its own (call from the main thread).
     A Python signal handler runs in the main thread between any two bytecodes, so one that sets
     the event can run while the main thread holds the event's lock (inside its wait or set, or
     inside the handler itself when signals come close together) and wait for that lock forever.
@@ -330,7 +331,7 @@ def stop_on_signals(stop_event: threading.Event) -> None:
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)  # a full pipe drops a signal's byte, not the handler
     signal.set_wakeup_fd(write_fd)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda *_: None)  # replaces the default action; the pipe does the rest
 
     def watch() -> None:

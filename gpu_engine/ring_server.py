@@ -18,6 +18,7 @@ from blink.ring.layout import (
     RECORD_DTYPE, RING_MAGIC, SLOT_DTYPE, EngineKind, EngineState, FinishReason, RejectReason, RingGeometry,
     payload_crc,
 )
+from blink.ring.lifecycle import RingClaimed, claim_ring
 from blink.ring.shm import ShmSegment
 from blink.gpu_engine.sequence import SamplingParams
 
@@ -113,7 +114,11 @@ class RingServer:
                  context_length: int, eos_ids: tuple[int, ...],
                  engine_kind: EngineKind = EngineKind.CPU_REFERENCE):
         self.geom = geom
-        _refuse_live_engine(name)
+        try:  # held until close (or this process's end): a second engine is refused at once
+            self.claim = claim_ring(name, "engine")
+        except RingClaimed as e:
+            raise RingInUse(str(e)) from None
+        _refuse_live_engine(name)  # an engine of another network namespace, or an older Blink
         self.segment = ShmSegment.create(name, geom.total_bytes)
         mem = self.segment.array()
         self.header = mem[:HEADER_DTYPE.itemsize].view(HEADER_DTYPE)[0]
@@ -244,3 +249,4 @@ class RingServer:
         self.begin_column = self.end_column = self.cancel_column = None
         self.header = self.slots = self.records = None
         self.segment.close()
+        self.claim.close()

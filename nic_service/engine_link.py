@@ -598,6 +598,14 @@ class EngineLink:
             self._transport.close()
         self._transport, self.info = None, None
 
+    def give_up_live(self, why: Exception) -> None:
+        """Ends every live request's stream with `why` and cancels it in the engine (a drain
+        whose time ran out); each slot comes back once the engine confirms its cancel."""
+        for handle in list(self._live.values()):
+            if not handle.done:
+                handle.events.put_nowait(why)
+                self.cancel(handle)
+
     def _cancel_live(self) -> None:
         """Asks the engine to stop every live request of this link, which is giving them up: a
         stalled engine that recovers then does not generate for no one (a re-attach cancels
@@ -620,18 +628,22 @@ class EngineLink:
         the header; whether the link is still attached."""
         t = self._transport
         # is_current first: over RDMA a READ to an engine that is gone fails only once the
-        # NIC's retries run out (about 0.3 s of the loop), while its disconnect event is there
+        # NIC's retries run out (about 0.3 s of the loop), while its disconnect event is there;
+        # a shared-memory mapping stays readable, and its last words say how the engine ended
+        current = t.is_current()
         h = np.frombuffer(t.read(0, HEADER_DTYPE.itemsize), HEADER_DTYPE)[0] \
-            if t.is_current() else None
+            if current or t.mapped else None
         now = time.monotonic()
-        if h is None or int(h["engine_instance"]) != self.info.instance or not t.is_current():
-            # (no cancels: what the mapping shows may be another engine's ring)
-            self._detach(EngineUnavailable("the engine was restarted"), cancel=False)
-            return False
-        self._header_stats = h
-        if int(h["engine_state"]) == EngineState.STOPPED:
+        ours = h is not None and int(h["engine_instance"]) == self.info.instance
+        if ours and int(h["engine_state"]) == EngineState.STOPPED:
             self._detach(EngineUnavailable("the engine stopped"))
             return False
+        if not (ours and current):
+            # (no cancels: what the mapping shows may be another engine's ring)
+            self._detach(EngineUnavailable("the engine was restarted" if h is not None and
+                                           not ours else "the engine went away"), cancel=False)
+            return False
+        self._header_stats = h
         beat = int(h["heartbeat"])
         if beat != self._last_beat:
             self._last_beat, self._last_beat_change = beat, now

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import secrets
-import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from blink.nic_service.engine_link import (
     EngineLink, EngineUnavailable, Finished, RequestHandle, SlotsExhausted, Tokens,
 )
 from blink.ring.layout import MAX_STOP_IDS, EngineKind, FinishReason, RejectReason
+from blink.ring.lifecycle import STOP_SIGNALS
 from blink.v1 import blink_pb2 as pb
 from blink.v1 import blink_pb2_grpc as pb_grpc
 
@@ -648,6 +648,9 @@ class Frontend:
         left = self.link.slots_in_use + self.link.waiting_for_slot
         log.info("drained: %s", f"{left} streams still open at the timeout" if left
                  else "no stream in flight")
+        # what is still open ends as shutting down (not as an engine that went away, which is
+        # what it would say once the engine stops)
+        self.link.give_up_live(EngineUnavailable("server shutting down"))
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.health.enter_graceful_shutdown()
@@ -658,18 +661,31 @@ class Frontend:
 
 async def serve(config: FrontendConfig, ready_file: Path | None = None, *,
                 shutdown_timeout_s: float = 30.0, on_stop=None) -> None:
-    """Runs one front end until SIGTERM/SIGINT, then drains. on_stop(): called first when the
-    signal arrives (the parent of several workers passes the signal on)."""
+    """Runs one front end until a STOP_SIGNALS signal, then drains. on_stop(): called first
+    when the signal arrives (the parent of several workers passes the signal on). The signals
+    are taken from the start: an extra worker waits in start() for the engine, and one stopped
+    there still ends through this function (its caller's clean-up runs)."""
     frontend = Frontend(config)
-    port = await frontend.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    starting, stopping = (asyncio.ensure_future(frontend.start()),
+                          asyncio.ensure_future(stop.wait()))
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # stopped before it ever served
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        if on_stop is not None:
+            on_stop()
+        await frontend.stop(grace=0)
+        return
+    stopping.cancel()
+    port = starting.result()
     if ready_file is not None:
         ready_file.write_text(str(port))
     if config.worker[0] == 0:
         print(f"blink front end listening on {config.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     if on_stop is not None:
         on_stop()

@@ -447,6 +447,8 @@ class DeviceRingTransport:
     here it plays the NIC, whose one-sided WRITEs and READs land in the GPU's memory while the
     scheduler kernel runs (what --ring-memory gpu serves to RDMA front ends)."""
 
+    mapped = True  # (is_current is always True here)
+
     def __init__(self, ring):
         from blink.gpu_engine import cuda_runtime as cr
         self.cr, self.ring, self.size = cr, ring, ring.nbytes

@@ -254,3 +254,30 @@ def wait_idle(blink, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_sigterm_ends_the_gateway_within_its_shutdown_timeout(long_checkpoint, make_stack,
+                                                             tmp_path):
+    """SIGTERM with a stream in flight: the gateway exits 0 within --shutdown-timeout (it took
+    aiohttp's default 60 s) and the stream's request is cancelled in the server."""
+    import http.client
+    import json
+    import signal
+    client, stack, proc = start_gateway(long_checkpoint, make_stack, tmp_path, [
+        "--engine", "synthetic", "--synthetic-step-ms", "5"], ["--shutdown-timeout", "1"])
+    try:
+        conn = http.client.HTTPConnection(client.base_url.host, client.base_url.port,
+                                          timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": "m", "prompt": "go on", "max_tokens": 10_000, "stream": True}),
+            {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.read(200)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0 and time.monotonic() - t0 < 10
+        with BlinkClient(stack.target) as blink:
+            assert wait_idle(blink) and blink.stats()["requests_cancelled"] == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()

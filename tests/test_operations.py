@@ -392,6 +392,116 @@ def test_drain_on_sigterm(long_checkpoint, tmp_path):
     assert not os.path.exists(f"/proc/{engine}")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_a_closed_terminal_or_ctrl_backslash_drains_like_sigterm(long_checkpoint, tmp_path,
+                                                                 sig):
+    """SIGHUP (the terminal closed) and SIGQUIT: serve drains and stops the engine, which
+    removes its ring, and everything exits 0 (serve died at once, its engine left its ring
+    behind marked SERVING, and the front end's requests went on generating for no one). A
+    stream still open when --shutdown-timeout runs out ends "server shutting down", not as an
+    engine that went away."""
+    serve = Serve(long_checkpoint, tmp_path, "--shutdown-timeout", "1", "--engine", "synthetic",
+                  "--synthetic-step-ms", "5")
+    ring = re.search(r"\(ring ([^)]+)\)", serve.log_path.read_text()).group(1)
+    results = {}
+
+    def long_stream():
+        with BlinkClient(serve.target) as client:
+            try:
+                client.generate("a long answer", exact(5000), timeout=60)
+            except BlinkError as e:
+                results["error"] = e
+
+    streamer = threading.Thread(target=long_stream)
+    streamer.start()
+    with BlinkClient(serve.target) as client:
+        wait_for(lambda: client.stats()["sequences_running"] == 1, 30, "the stream to run")
+    engine = serve.engine_pid()
+    serve.proc.send_signal(sig)
+    assert serve.proc.wait(30) == 0
+    streamer.join(30)
+    assert "UNAVAILABLE" in str(results["error"]) and "shutting down" in str(results["error"])
+    assert _gone(engine) and not os.path.exists(ring)
+
+
+def test_one_front_end_and_one_engine_a_ring(checkpoints, tmp_path):
+    """A second front end on a ring is refused before it touches anything (it took the first
+    one's slots and cancelled its requests as orphans); a second engine is refused even while
+    the first one's heartbeat is slow (its 0.5 s wait for a beat let it replace a busy engine's
+    ring)."""
+    ring = f"blink-test-claim-{os.getpid()}"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "blink.client.cli", "frontend", "--model",
+         str(checkpoints["llama"]), "--ring-name", ring, "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: "listening" in first.stdout.readline(), 30, "the first front end")
+        second = blink("frontend", "--model", str(checkpoints["llama"]), "--ring-name", ring,
+                       "--port", "0")
+        assert second.returncode == 1 and second.stderr == (
+            f"blink: another frontend is running on the ring /dev/shm/{ring}; stop it or pick "
+            f"another --ring-name\n")
+    finally:
+        first.terminate()
+        first.wait(30)
+
+    from blink.gpu_engine.ring_server import RingInUse, RingServer
+    from blink.ring.layout import RingGeometry
+    geom = RingGeometry(4, max_prompt_tokens=16, max_output_tokens=16)
+    engine = RingServer(ring, geom, model_name="a", vocab_size=64, context_length=32,
+                        eos_ids=())  # never beats: a busy first step
+    try:
+        with pytest.raises(RingInUse, match="another engine is running"):
+            RingServer(ring, geom, model_name="b", vocab_size=64, context_length=32, eos_ids=())
+    finally:
+        engine.close()
+    RingServer(ring, geom, model_name="c", vocab_size=64, context_length=32, eos_ids=()).close()
+
+
+def test_lifecycle_flags_are_checked_before_anything_starts(checkpoints, tmp_path):
+    """Out-of-range ports and durations and a ready file in a folder that does not exist are
+    one line before anything starts (--port 70000 served on 4464, --engine-restart-timeout -1
+    restarted the engine every few seconds, --metrics-port 70000 ended in a traceback, a
+    missing ready-file folder hung serve with its port held)."""
+    model = str(checkpoints["llama"])
+    for flags, message in ((["--port", "70000"], "'70000' is not a port"),
+                           (["--metrics-port", "70000"], "'70000' is not a port"),
+                           (["--engine-restart-timeout", "-1"], "'-1' is not a number of"),
+                           (["--shutdown-timeout", "nan"], "'nan' is not a number of"),
+                           (["--ready-file", str(tmp_path / "none" / "port")],
+                            "its folder does not exist")):
+        out = blink("serve", "--model", model, *flags)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_workers_listen_again_on_the_port_they_just_left(long_checkpoint, tmp_path):
+    """--workers 2, stopped after serving a request and started again on the same port at once:
+    the port check no longer takes the old connections' TIME_WAIT for a listener (it refused
+    for a minute)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = Serve(long_checkpoint, tmp_path / "a", "--workers", "2", "--engine",
+                  "synthetic", "--synthetic-step-ms", "20", "--shutdown-timeout", "1")
+    port = first.target.rsplit(":", 1)[1]
+    # streams longer than the drain, cut by the server as it stops: it closes their connections
+    # first, so the TIME_WAITs that follow are on the server's port
+    clients = [BlinkClient(first.target) for _ in range(4)]
+    streams = [c.stream("a long one", exact(4000)) for c in clients]
+    for stream in streams:
+        next(stream)
+    assert first.stop() == 0
+    time.sleep(0.5)
+    for c in clients:
+        c.close()
+    again = Serve(long_checkpoint, tmp_path / "b", "--workers", "2", "--port", port)
+    try:
+        with BlinkClient(again.target) as client:
+            assert client.generate("hello again", exact(2)).completion_tokens == 2
+    finally:
+        assert again.stop() == 0
+
+
 @pytest.fixture
 def broken_models(checkpoints, tmp_path):
     good = checkpoints["llama"]

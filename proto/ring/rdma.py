@@ -15,8 +15,9 @@ RDMA WRITE's completion arrived, which says the engine's NIC took the bytes, not
 visible in its memory yet. RDMA WRITEs on one queue pair execute in order and a NIC's writes
 to host memory are not relaxed-ordered, so a host ring sees the payload before the doorbell;
 nothing says in what order a GPU polling GPU memory sees them, which the protocol does not need:
-a slot is consumed only when its two sequence words and its CRC match (layout.py). `read` returns once the RDMA READ's data is in a local registered mirror of the
-ring (same offsets), `read_strided` posts its READs in batches of at most MAX_OUTSTANDING.
+a slot is consumed only when its two sequence words and its CRC match (layout.py). `read`
+returns once the RDMA READ's data is in a local registered mirror of the ring (same offsets),
+`read_strided` posts its READs in batches of at most MAX_OUTSTANDING.
 
 Engine side, RingExport (a thread of the engine process): binds IP:PORT with RDMA CM at once (a
 wrong address fails before the engine loads anything), waits until this process serves its ring
@@ -492,6 +493,8 @@ class RdmaDialer:
 class RdmaTransport:
     """RingTransport over one RC queue pair to an engine's RingExport. Made by RdmaDialer,
     which drives `advance` until it is connected."""
+
+    mapped = False  # nothing is read from an engine that is gone
 
     def __init__(self, dialer: RdmaDialer):
         self.v, self.where, self.token = dialer.v, dialer.where, dialer.token

@@ -33,6 +33,8 @@ class RingTransport(Protocol):
     def read_strided(self, offset: int, stride: int, count: int, length: int) -> bytes: ...
     # False once the memory behind the transport is known to be gone (e.g. replaced segment)
     def is_current(self) -> bool: ...
+    # whether `read` still works once is_current() is False (a mapping of the old memory)
+    mapped: bool
     def close(self) -> None: ...
 
 
@@ -124,6 +126,8 @@ class ShmSegment:
 
 class ShmTransport:
     """RingTransport over an attached shared-memory segment (single-host mode)."""
+
+    mapped = True  # a removed or replaced segment stays mapped here until close
 
     def __init__(self, segment: ShmSegment):
         self.segment = segment

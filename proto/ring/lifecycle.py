@@ -1,0 +1,41 @@
+"""The ring's two sides as processes: the signals that stop them, and one of each per ring.
+
+STOP_SIGNALS: every Blink process (engine, front end, serve) stops cleanly on each of them, the
+engine removing its ring and the front end draining: SIGTERM (systemd, Kubernetes), SIGINT
+(Ctrl-C), SIGHUP (its terminal closed) and SIGQUIT (Ctrl-\\).
+
+One engine and one front end per ring, held by the process that runs it.
+
+A ring's engine and its front end (with its workers) each claim the ring by binding an abstract
+Unix socket named after the ring and the role. A second process's claim fails at once, whatever
+the first one is doing (a busy engine whose heartbeat is slow, a front end still waiting for its
+engine), and the kernel releases a claim when its process exits however it ends: no file is left
+behind in /dev/shm and none needs cleaning up after a SIGKILL. Abstract sockets are per network
+namespace, as containers sharing one /dev/shm share one.
+"""
+from __future__ import annotations
+
+import errno
+import signal
+import socket
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+class RingClaimed(RuntimeError):
+    """Another live process holds the ring in this role."""
+
+
+def claim_ring(ring_name: str, role: str) -> socket.socket:
+    """Claims ring_name for role ("engine", "frontend"); keep the socket open for as long as the
+    claim must hold (closing it releases it). RingClaimed when another process holds it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(f"\0blink-{role}:{ring_name}")
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise RingClaimed(f"another {role} is running on the ring /dev/shm/{ring_name}; "
+                              f"stop it or pick another --ring-name") from None
+        raise
+    return sock
