@@ -220,6 +220,7 @@ def test_live_engine_ring_is_not_replaced(ring):
 def test_engine_replacing_segment_is_detected(ring):
     server, t = ring
     assert t.is_current()
+    server.claim.close()  # as the kernel releases it when the engine's process dies
     other = RingServer(server.segment.path.name, server.geom, model_name="b", vocab_size=VOCAB,
                        context_length=64, eos_ids=())
     try:
