@@ -53,6 +53,10 @@ def _check_engine_args(args) -> None:
             sys.exit(f"blink: --{name.replace('_', '-')} must be >= 1")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         sys.exit("blink: --num-kv-blocks must be >= 1")
+    if args.kv_cache_mb < 1:
+        sys.exit("blink: --kv-cache-mb must be >= 1")
+    if args.sm_count_target is not None and args.sm_count_target < 0:
+        sys.exit("blink: --sm-count-target must be >= 0 (0: every SM)")
     if args.slots < args.max_num_seqs:
         print(f"blink: warning: --slots {args.slots} is below --max-num-seqs "
               f"{args.max_num_seqs}: a request holds its slot while it runs, so at most "
@@ -368,14 +372,47 @@ def choose_engine(requested: str) -> str:
     if requested != "auto":
         return requested
     try:
-        from blink.gpu_engine.cuda_runtime import gpu_unusable_reason, nvcc_path
+        from blink.gpu_engine.cuda_runtime import device_attribute, gpu_unusable_reason, nvcc_path
+        from blink.gpu_engine.engine_layout import COMPUTE_CAPABILITY
         reason = gpu_unusable_reason() or (None if nvcc_path() else "nvcc not found")
+        if reason is None:
+            capability = (device_attribute("COMPUTE_CAPABILITY_MAJOR"),
+                          device_attribute("COMPUTE_CAPABILITY_MINOR"))
+            if capability != COMPUTE_CAPABILITY:
+                reason = (f"the GPU's compute capability is {capability[0]}.{capability[1]}, "
+                          f"the CUDA engine's {COMPUTE_CAPABILITY[0]}.{COMPUTE_CAPABILITY[1]}")
     except Exception as e:  # cuda-python not installed
         reason = str(e)
     if reason is None:
         return "cuda"
     logging.getLogger("blink.engine").info("using the CPU reference engine: %s", reason)
     return "cpu"
+
+
+def _for_this_gpu(config, kind: str):
+    """The CUDA engines' config on this GPU (_fp8_for_this_gpu), and what their kernels cannot
+    serve (the model's shape, the flags, the GPU) refused in one line before a weight is read."""
+    from blink.gpu_engine.checkpoint import load_config
+    from blink.gpu_engine.engine_layout import cuda_engine_refusal
+    try:
+        from blink.gpu_engine.cuda_runtime import device_attribute, gpu_unusable_reason
+    except ImportError as e:
+        sys.exit(f"blink engine: --engine {kind} needs NVIDIA's cuda-python (pip install "
+                 f"'blink-serve[gpu]'): {e}")
+    if (reason := gpu_unusable_reason()) is not None:
+        sys.exit(f"blink engine: --engine {kind}: {reason}")
+    capability = (device_attribute("COMPUTE_CAPABILITY_MAJOR"),
+                  device_attribute("COMPUTE_CAPABILITY_MINOR"))
+    config = _fp8_for_this_gpu(config, capability)
+    cfg = load_config(config.model_dir)
+    refusal = cuda_engine_refusal(
+        cfg, kind=kind, quantization=config.quantization_for(cfg),
+        kv_cache_dtype=config.kv_cache_dtype, max_num_seqs=config.max_num_seqs,
+        slots=config.num_slots, sm_count_target=config.sm_count_target,
+        compute_capability=capability, sm_count=device_attribute("MULTIPROCESSOR_COUNT"))
+    if refusal is not None:
+        sys.exit(f"blink engine: {refusal}")
+    return config
 
 
 def _fp8_for_this_gpu(config, compute_capability: tuple[int, int]):
@@ -418,9 +455,7 @@ def cmd_engine(args) -> None:
         if reason is not None:
             sys.exit(f"blink engine: --ring-memory gpu: {reason}")
     if kind in ("cuda", "host-cuda"):
-        from blink.gpu_engine.cuda_runtime import device_attribute
-        config = _fp8_for_this_gpu(config, (device_attribute("COMPUTE_CAPABILITY_MAJOR"),
-                                            device_attribute("COMPUTE_CAPABILITY_MINOR")))
+        config = _for_this_gpu(config, kind)
     export = _ring_export(args)
     try:
         if kind == "cuda":

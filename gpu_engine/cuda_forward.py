@@ -208,7 +208,7 @@ class ForwardKernels:
     # FP8 skinny kernels: decode-sized steps only (the FP8 GEMMs take larger ones), and whole
     # 64-k steps (gemv.cuh Fp8Weights)
     SKINNY_FP8_MAX_ROWS = 16
-    SKINNY_FP8_K_ALIGN = 64
+    SKINNY_FP8_K_ALIGN = engine_layout.FP8_K_ALIGN
 
     def __init__(self, head_dim: int, device: int = 0, programmatic_launch: bool = True,
                  held_sms: int = 0, sm_count_target: int | None = None, kv_fp8: bool = False):
@@ -219,10 +219,10 @@ class ForwardKernels:
         CTA); sm_count_target: the SMs grids are sized for (sm_count), by default the device's
         less held_sms, 0 all the device's. kv_fp8: the module for an E4M3 KV cache
         (csrc/kv_cache.cuh; head dims 64 and 128)."""
-        if head_dim % 16 or not 16 <= head_dim <= 256:
+        if head_dim not in engine_layout.HEAD_DIMS:
             raise ValueError(f"head_dim {head_dim} is not supported "
                              f"(needs a multiple of 16 in [16, 256])")
-        if kv_fp8 and head_dim not in (64, 128):
+        if kv_fp8 and head_dim not in engine_layout.FP8_KV_HEAD_DIMS:
             raise ValueError(f"--kv-cache-dtype fp8 needs head_dim 64 or 128 (the attention "
                              f"kernel's mma.sync paths), not {head_dim}")
         self.context = primary_context()  # initializes the driver
@@ -1090,8 +1090,9 @@ class CudaForward:
         per (layer, KV head): kv_scales [num_layers, 2, num_kv_heads] (keys', values'), or
         calibrated at start-up on fp8.calibration_tokens (calibrate_kv_scales)."""
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        if H % 8 or I % 16:
-            raise ValueError(f"hidden ({H}) must be a multiple of 8 and intermediate ({I}) of 16")
+        if H % engine_layout.HIDDEN_ALIGN or I % engine_layout.INTERMEDIATE_ALIGN:
+            raise ValueError(f"hidden ({H}) must be a multiple of {engine_layout.HIDDEN_ALIGN} "
+                             f"and intermediate ({I}) of {engine_layout.INTERMEDIATE_ALIGN}")
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization {quantization!r}: None or 'fp8'")
         if kv_cache_dtype not in ("auto", "bf16", "fp8"):

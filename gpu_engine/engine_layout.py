@@ -33,6 +33,52 @@ MAX_SLOTS = 1024         # ring slots at most: the kernel's per-slot shared-memo
 MAX_BUCKETS = 32         # forward graphs (token buckets) at most
 SCHEDULER_THREADS = 256  # the scheduler CTA: its launch bounds and the host's launch
 
+# What the CUDA kernels take (csrc/; tests/test_engine_layout.py reads each from its source),
+# checked before anything loads (cuda_engine_refusal) and again where each is used.
+COMPUTE_CAPABILITY = (9, 0)  # thread-block clusters, and the scheduler kernel built for sm_90a
+HEAD_DIMS = range(16, 257, 16)  # forward_kernels.cu's static_assert on BLINK_HEAD_DIM
+FP8_KV_HEAD_DIMS = (64, 128)    # the E4M3 cache's attention paths (kv_cache.cuh)
+MAX_GQA_GROUP = 64       # attention_common.cuh kAttnRows: a query tile holds a whole group
+MAX_STEP_SEQS = 256      # scheduler.cuh BLINK_SCHED_MAX_STEP_SEQS: the step plan's arrays
+HIDDEN_ALIGN, INTERMEDIATE_ALIGN = 8, 16  # the bf16 kernels' vector and tile widths
+FP8_K_ALIGN = 64         # the FP8 skinny kernels' K steps (hidden, intermediate and q sizes)
+
+
+def cuda_engine_refusal(cfg, *, kind: str, quantization: str | None, kv_cache_dtype: str,
+                        max_num_seqs: int, slots: int, sm_count_target: int | None,
+                        compute_capability: tuple[int, int], sm_count: int) -> str | None:
+    """Why the CUDA engines (kind "cuda" or "host-cuda") cannot serve the model `cfg`
+    (checkpoint.ModelConfig) with these flags on this GPU, in one line; None when they can.
+    Everything here is known before a weight is read, and each would otherwise fail late (a
+    compile error, a CUDA error after the weights are up) or not at all (a wrong answer)."""
+    if tuple(compute_capability) != COMPUTE_CAPABILITY:
+        return (f"the CUDA engines need compute capability {'.'.join(map(str, COMPUTE_CAPABILITY))}"
+                f" (Hopper: thread-block clusters, the scheduler built for sm_90a); this GPU is "
+                f"{'.'.join(map(str, compute_capability))} (--engine cpu serves on the CPU)")
+    d, group = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    if d not in HEAD_DIMS:
+        return f"head_dim {d}: the CUDA kernels take a multiple of 16 in [16, 256]"
+    if kv_cache_dtype == "fp8" and d not in FP8_KV_HEAD_DIMS:
+        return f"--kv-cache-dtype fp8 needs head_dim 64 or 128, not {d}"
+    if group > MAX_GQA_GROUP:
+        return (f"{cfg.num_heads} query heads on {cfg.num_kv_heads} KV heads: the attention "
+                f"kernels take at most {MAX_GQA_GROUP} query heads a KV head")
+    if cfg.hidden_size % HIDDEN_ALIGN or cfg.intermediate_size % INTERMEDIATE_ALIGN:
+        return (f"hidden size {cfg.hidden_size} and intermediate size "
+                f"{cfg.intermediate_size}: the CUDA kernels need multiples of {HIDDEN_ALIGN} "
+                f"and {INTERMEDIATE_ALIGN}")
+    sizes = (cfg.hidden_size, cfg.intermediate_size, cfg.q_size)
+    if quantization == "fp8" and any(n % FP8_K_ALIGN for n in sizes):
+        return (f"FP8 weights need hidden ({sizes[0]}), intermediate ({sizes[1]}) and q "
+                f"({sizes[2]}) sizes that are multiples of {FP8_K_ALIGN}")
+    if kind == "cuda" and max_num_seqs > MAX_STEP_SEQS:
+        return f"--max-num-seqs {max_num_seqs}: the cuda engine runs at most {MAX_STEP_SEQS}"
+    if kind == "cuda" and slots > MAX_SLOTS:
+        return f"--slots {slots}: the cuda engine has at most {MAX_SLOTS}"
+    if sm_count_target is not None and not 0 <= sm_count_target <= sm_count:
+        return f"--sm-count-target {sm_count_target}: this GPU has {sm_count} SMs"
+    return None
+
 
 def default_buckets(max_num_batched_tokens: int, fine_from: int = 128) -> list[int]:
     """1, 2, 4, ... up to fine_from, then four buckets an octave (with 128: 160, 192, 224, 256,

@@ -32,14 +32,20 @@ def test_auto_engine_choice(monkeypatch):
 
     from blink.client.cli import choose_engine
 
-    def runtime(reason, nvcc):
+    def runtime(reason, nvcc, capability=(9, 0)):
         fake = types.ModuleType("blink.gpu_engine.cuda_runtime")
         fake.gpu_unusable_reason = lambda: reason
         fake.nvcc_path = lambda: nvcc
+        fake.device_attribute = lambda name, device=0: capability[
+            ("COMPUTE_CAPABILITY_MAJOR", "COMPUTE_CAPABILITY_MINOR").index(name)]
         monkeypatch.setitem(sys.modules, "blink.gpu_engine.cuda_runtime", fake)
 
     runtime(None, "/usr/local/cuda/bin/nvcc")
     assert choose_engine("auto") == "cuda"
+    for other in ((8, 0), (8, 9), (10, 0)):  # the kernels are Hopper's (sm_90a)
+        runtime(None, "/usr/local/cuda/bin/nvcc", other)
+        assert choose_engine("auto") == "cpu"
+    runtime(None, "/usr/local/cuda/bin/nvcc")
     assert choose_engine("cpu") == "cpu" and choose_engine("hf") == "hf"
     runtime("no CUDA device", "/usr/local/cuda/bin/nvcc")
     assert choose_engine("auto") == "cpu"
@@ -48,6 +54,21 @@ def test_auto_engine_choice(monkeypatch):
     monkeypatch.setitem(sys.modules, "blink.gpu_engine.cuda_runtime", None)  # import fails
     assert choose_engine("auto") == "cpu"
     assert choose_engine("cuda") == "cuda"
+
+
+def test_the_cuda_engines_where_they_cannot_run_are_one_line(checkpoints):
+    """--engine cuda or host-cuda without cuda-python or a usable GPU: one line, not a
+    traceback (where both are there, the GPU's own checks are engine_layout's, tested in
+    test_engine_layout)."""
+    from gpu import gpu_skip_reason
+    if gpu_skip_reason() is None:
+        pytest.skip("this machine can run the CUDA engines")
+    for kind in ("cuda", "host-cuda"):
+        out = blink("engine", "--engine", kind, "--model", str(checkpoints["llama"]),
+                    "--ring-name", f"blink-test-nogpu-{os.getpid()}")
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"blink engine: --engine {kind}") and \
+            out.stderr.count("\n") == 1, out.stderr
 
 
 def test_fewer_slots_than_sequences_is_warned(tmp_path):

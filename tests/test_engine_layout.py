@@ -203,3 +203,49 @@ def test_default_buckets():
     assert el.default_buckets(1 << 16)[-3:] == [32768, 49152, 65536]  # two an octave
     with pytest.raises(ValueError):
         el.default_buckets(256, fine_from=2)
+
+
+def test_kernel_limits_are_the_sources_own():
+    """The limits cuda_engine_refusal checks before anything loads, as the kernels state them
+    (a kernel that changes its limit without engine_layout fails here)."""
+    text = {name: (CSRC / name).read_text() for name in
+            ("forward_kernels.cu", "attention_common.cuh", "scheduler.cuh")}
+    assert re.search(r"static_assert\(BLINK_HEAD_DIM % 16 == 0 && BLINK_HEAD_DIM >= 16 && "
+                     r"BLINK_HEAD_DIM <= 256", text["forward_kernels.cu"])
+    assert list(el.HEAD_DIMS) == list(range(16, 257, 16))
+    assert re.search(rf"static constexpr int kAttnRows = {el.MAX_GQA_GROUP};",
+                     text["attention_common.cuh"])
+    assert re.search(rf"#define BLINK_SCHED_MAX_STEP_SEQS {el.MAX_STEP_SEQS}\b",
+                     text["scheduler.cuh"])
+
+
+def test_cuda_engine_refusal_says_what_the_kernels_cannot_serve():
+    """Each shape and flag the CUDA engines cannot serve is one line before a weight is read
+    (each used to fail after the weights were up, or at a compile: a GPU other than Hopper,
+    head_dim 72, 128 query heads on one KV head, ...); Llama-3.1-8B on an H200 is served."""
+    import dataclasses
+
+    from blink.gpu_engine.bench_decode import SHAPES
+    llama = SHAPES["llama-3.1-8b"]
+    ok = dict(kind="cuda", quantization=None, kv_cache_dtype="auto", max_num_seqs=256,
+              slots=512, sm_count_target=None, compute_capability=(9, 0), sm_count=132)
+    assert el.cuda_engine_refusal(llama, **ok) is None
+    assert el.cuda_engine_refusal(llama, **dict(ok, quantization="fp8",
+                                                kv_cache_dtype="fp8")) is None
+    shape = dataclasses.replace
+    for cfg, flags, said in (
+            (llama, dict(compute_capability=(8, 0)), "need compute capability 9.0"),
+            (llama, dict(compute_capability=(10, 0)), "this GPU is 10.0"),
+            (shape(llama, head_dim=72), {}, "head_dim 72"),
+            (shape(llama, head_dim=96), dict(kv_cache_dtype="fp8"), "head_dim 64 or 128"),
+            (shape(llama, num_heads=128, num_kv_heads=1), {}, "at most 64 query heads"),
+            (shape(llama, hidden_size=4100), {}, "multiples of 8 and 16"),
+            (shape(llama, intermediate_size=14352), dict(quantization="fp8"),
+             "multiples of 64"),
+            (llama, dict(max_num_seqs=512), "at most 256"),
+            (llama, dict(slots=2048), "at most 1024"),
+            (llama, dict(sm_count_target=133), "this GPU has 132 SMs")):
+        assert said in el.cuda_engine_refusal(cfg, **dict(ok, **flags)), (cfg, flags)
+    # the host-driven engine has no scheduler kernel: its step and slot limits are not these
+    assert el.cuda_engine_refusal(llama, **dict(ok, kind="host-cuda", max_num_seqs=512,
+                                                slots=2048)) is None
