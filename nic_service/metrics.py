@@ -75,7 +75,9 @@ class EngineCollector:
         totals = link.counter_totals()
         for name, field, text in (
                 ("blink:num_preemptions", "preemptions", "sequences preempted (recomputed)"),
-                ("blink:generation_tokens", "tokens_generated", "tokens the engine generated"),
+                ("blink:generation_tokens", "tokens_generated",
+                 "tokens the engine generated (with the few a stop string's stream had "
+                 "generated past its stop before the engine saw the cancel)"),
                 ("blink:engine_steps", "engine_steps", "engine steps that ran a forward pass"),
                 ("blink:engine_step_tokens", "step_tokens",
                  "tokens those steps computed (prefill chunks + decodes)"),
