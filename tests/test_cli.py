@@ -3,6 +3,7 @@ restarts a crashed engine while its front end keeps serving."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -54,6 +55,37 @@ def test_auto_engine_choice(monkeypatch):
     monkeypatch.setitem(sys.modules, "blink.gpu_engine.cuda_runtime", None)  # import fails
     assert choose_engine("auto") == "cpu"
     assert choose_engine("cuda") == "cuda"
+
+
+def test_the_cuda_engines_start_up_check_on_a_faked_gpu(checkpoints, monkeypatch):
+    """cmd_engine's check for the CUDA engines (_for_this_gpu), which only a GPU machine
+    reaches, with the CUDA runtime faked as an H200: the test checkpoint passes, flags its
+    scheduler kernel cannot hold stop in one line, a GPU of another compute capability too."""
+    import types
+
+    from blink.client.cli import _for_this_gpu
+    from blink.gpu_engine.reference_engine import EngineConfig
+
+    def gpu(capability):
+        fake = types.ModuleType("blink.gpu_engine.cuda_runtime")
+        fake.gpu_unusable_reason = lambda: None
+        fake.device_attribute = lambda name, device=0: {
+            "COMPUTE_CAPABILITY_MAJOR": capability[0],
+            "COMPUTE_CAPABILITY_MINOR": capability[1], "MULTIPROCESSOR_COUNT": 132}[name]
+        monkeypatch.setitem(sys.modules, "blink.gpu_engine.cuda_runtime", fake)
+
+    config = EngineConfig(model_dir=checkpoints["llama"], ring_name="x", max_num_seqs=256)
+    gpu((9, 0))
+    assert _for_this_gpu(config, "cuda") == config
+    for kind, changed, said in (("cuda", dict(max_num_seqs=512), "--max-num-seqs 512"),
+                                ("cuda", dict(num_slots=4096), "--slots 4096"),
+                                ("host-cuda", dict(sm_count_target=200),
+                                 "--sm-count-target 200: this GPU has 132 SMs")):
+        with pytest.raises(SystemExit, match=f"blink engine: {said}"):
+            _for_this_gpu(dataclasses.replace(config, **changed), kind)
+    gpu((8, 9))
+    with pytest.raises(SystemExit, match="need compute capability 9.0"):
+        _for_this_gpu(config, "cuda")
 
 
 def test_the_cuda_engines_where_they_cannot_run_are_one_line(checkpoints):
