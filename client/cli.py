@@ -832,9 +832,36 @@ def _sampling(args):
                     ignore_eos=args.ignore_eos)
 
 
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="127.0.0.1:50051", help="the Blink server (HOST:PORT)")
+    p.add_argument("--tls-ca", type=Path, default=None,
+                   help="TLS: the PEM CA that signed the server's certificate (with --tls only: "
+                        "the system's roots)")
+    p.add_argument("--tls", action="store_true", help="TLS with the system's root CAs")
+    p.add_argument("--tls-cert", type=Path, default=None,
+                   help="mutual TLS: this client's PEM certificate chain (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None, help="mutual TLS: its PEM key")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help="file holding the bearer token the server asks for")
+
+
+def _client(args):
+    """The client commands' BlinkClient: TLS and a token as their flags say, or one line."""
+    from blink.client.sdk import BlinkClient, Tls
+    try:
+        def read(path: Path | None) -> bytes | None:
+            return path.read_bytes() if path is not None else None
+        tls = Tls(ca=read(args.tls_ca), cert=read(args.tls_cert), key=read(args.tls_key)) \
+            if args.tls or args.tls_ca or args.tls_cert or args.tls_key else None
+        token = args.token_file.read_text().strip() if args.token_file else None
+    except (OSError, ValueError) as e:
+        sys.exit(f"blink: {e}")
+    return BlinkClient(args.target, tls=tls, token=token)
+
+
 def cmd_generate(args) -> None:
-    from blink.client.sdk import BlinkClient, BlinkError
-    with BlinkClient(args.target) as client:
+    from blink.client.sdk import BlinkError
+    with _client(args) as client:
         try:
             try:
                 serving = client.health(timeout=2) == "SERVING"
@@ -868,8 +895,8 @@ def cmd_openai(args) -> None:
 def cmd_info(args) -> None:
     import dataclasses
 
-    from blink.client.sdk import BlinkClient, BlinkError
-    with BlinkClient(args.target) as client:
+    from blink.client.sdk import BlinkError
+    with _client(args) as client:
         try:
             info = client.model_info(timeout=10)
         except BlinkError as e:
@@ -878,8 +905,8 @@ def cmd_info(args) -> None:
 
 
 def cmd_stats(args) -> None:
-    from blink.client.sdk import BlinkClient, BlinkError
-    with BlinkClient(args.target) as client:
+    from blink.client.sdk import BlinkError
+    with _client(args) as client:
         try:
             stats = client.stats(timeout=10)
         except BlinkError as e:
@@ -953,7 +980,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("generate", help="stream a completion to the terminal")
     p.add_argument("prompt")
-    p.add_argument("--target", default="127.0.0.1:50051")
+    _add_client_args(p)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -1000,7 +1027,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (("info", cmd_info, "describe the served model"),
                              ("stats", cmd_stats, "engine and ring counters")):
         p = command(name, help=text)
-        p.add_argument("--target", default="127.0.0.1:50051")
+        _add_client_args(p)
         p.set_defaults(func=func)
     return parser
 

@@ -71,9 +71,15 @@ class Sampling:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()  # a single string is one stop sequence
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+    def __post_init__(self):
+        # a str is iterable: stop="\n\n" must not become a stop at every "\n"
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     def to_proto(self) -> blink_pb2.SamplingParams:
         msg = blink_pb2.SamplingParams(
@@ -84,7 +90,10 @@ class Sampling:
         for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
             value = getattr(self, name)
             if value is not None:
-                setattr(msg, name, value)
+                try:
+                    setattr(msg, name, value)
+                except (TypeError, ValueError) as e:  # protobuf's says not which field
+                    raise type(e)(f"{name}: {e}") from None
         return msg
 
 
@@ -371,6 +380,10 @@ class Tls:
     ca: bytes | None = None
     cert: bytes | None = None
     key: bytes | None = None
+
+    def __post_init__(self):
+        if (self.cert is None) != (self.key is None):  # gRPC's core aborts the process on it
+            raise ValueError("Tls: cert and key go together (mutual TLS), or neither")
 
 
 def _open_channel(grpc_module: Any, target: str, options: Sequence[tuple[str, Any]],

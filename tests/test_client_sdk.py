@@ -151,6 +151,21 @@ def test_sampling_to_proto_sets_only_given_fields():
     assert list(greedy.stop) == ["\n"] and list(greedy.stop_token_ids) == [7] and greedy.ignore_eos
 
 
+def test_sampling_and_tls_refuse_what_would_go_wrong_later():
+    """A stop given as one string is one stop sequence (it became a stop at each of its
+    characters); a field protobuf refuses is named; a Tls with a cert and no key, or a key and
+    no cert, is a ValueError (gRPC's core aborted the whole process on it)."""
+    from blink.client.sdk import Tls
+    assert list(Sampling(stop="\n\n").to_proto().stop) == ["\n\n"]
+    assert Sampling(stop=["a", "b"]).stop == ("a", "b")
+    with pytest.raises(ValueError, match="max_tokens"):
+        Sampling(max_tokens=-1).to_proto()
+    for half in (dict(cert=b"pem"), dict(key=b"pem"), dict(ca=b"pem", cert=b"pem")):
+        with pytest.raises(ValueError, match="cert and key go together"):
+            Tls(**half)
+    Tls(ca=b"pem")  # server authentication alone
+
+
 def test_build_request_rejects_mixed_or_odd_prompts():
     with pytest.raises(TypeError):
         build_request([1, {"role": "user", "content": "x"}])

@@ -974,6 +974,15 @@ def test_mutual_tls_and_bearer_token(checkpoints, make_stack, tmp_path):
         with BlinkClient(stack.target, tls=tls, token="s3cret-token") as client:
             with pytest.raises(BlinkError, match="UNAVAILABLE"):
                 client.model_info(timeout=5)
+    # the client commands take the same (they could reach no TLS or token server)
+    flags = ["--target", stack.target, "--tls-ca", str(pem["ca.pem"]), "--tls-cert",
+             str(pem["client.pem"]), "--tls-key", str(pem["client.key"]), "--token-file",
+             str(tmp_path / "token")]
+    assert json.loads(blink("stats", *flags).stdout)["engine_alive"]
+    out = blink("generate", "over TLS", "--max-tokens", "3", "--ignore-eos", *flags)
+    assert out.returncode == 0 and "3 generated tokens" in out.stderr, out.stderr
+    out = blink("info", *flags[:-2])  # no token
+    assert out.returncode == 1 and "UNAUTHENTICATED" in out.stderr
 
 
 def test_an_aged_connection_s_streams_run_to_their_end(long_checkpoint, make_stack):
