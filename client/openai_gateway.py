@@ -12,8 +12,9 @@ before it with `stream_options.include_usage`). Parameters: max_tokens (max_comp
 temperature, top_p, top_k, seed, stop (string or list), n = 1, and vLLM's extensions
 ignore_eos and stop_token_ids (which benchmark tools send); null is the default; one that
 Blink does not serve (logprobs, echo, penalties, tools, vLLM's chat_template_kwargs and
-continue_final_message, ...) set to anything but its neutral value is a 400; with --served-model-name, a model not among its names is a 404
-(model_not_found), else `model` is not checked (clients send Hub ids or paths). An
+continue_final_message, ...) set to anything but its neutral value is a 400; with
+--served-model-name, a model not among its names is a 404 (model_not_found), else `model` is
+not checked (clients send Hub ids or paths). An
 `Authorization: Bearer KEY` header is passed on as the gRPC bearer token. Blink's errors map to
 HTTP statuses (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, UNAVAILABLE
 503, DEADLINE_EXCEEDED 504) with OpenAI's error body. A client that disconnects cancels its
@@ -311,7 +312,7 @@ def cmd_openai(args) -> None:
     try:
         from aiohttp import web
     except ImportError:
-        raise SystemExit("blink openai needs aiohttp: pip install 'blink-serve[openai]'")
+        raise SystemExit("blink openai needs aiohttp: .venv/bin/pip install -e '.[openai]'")
     banner = f"blink openai: http://{args.host}:{args.port}/v1 -> Blink at {args.target}"
     try:  # handler_cancellation: a client's disconnect cancels its handler (and its request)
         web.run_app(make_app(args.target, args.served_model_name), host=args.host,

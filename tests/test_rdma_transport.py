@@ -81,7 +81,7 @@ def test_rdma_without_pyverbs_refuses_to_start(command, tmp_path):
         pytest.skip("pyverbs is installed here: the no-device check below covers this machine")
     err = refused_start(command, tmp_path)
     assert err.startswith("blink: --transport rdma needs pyverbs, which does not import here")
-    assert "pip install 'blink-serve[rdma]'" in err and "rdma-core >= 57" in err
+    assert "pip install -e '.[rdma]'" in err and "rdma-core >= 57" in err
 
 
 @pytest.mark.parametrize("command", ROLES)

@@ -381,7 +381,7 @@ def c_header() -> str:
     out += c_struct("RingHeader", HEADER_DTYPE) + [""]
     out += c_struct("RequestSlotFixed", SLOT_DTYPE) + [""]
     out += c_struct("OutputRecordFixed", RECORD_DTYPE) + [""]
-    return c_header_text("blink.ring.layout", "proto/ring/layout.py", "tests/test_ring_layout.py",
+    return c_header_text("blink.ring.layout", "proto/ring/layout.py", "tests/test_ring_protocol.py",
                          "blink::ring", out)
 
 

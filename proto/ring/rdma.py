@@ -70,7 +70,7 @@ from blink.ring.shm import ShmSegment, gather_strided
 
 log = logging.getLogger("blink.rdma")
 
-PYVERBS_HINT = ("pip install 'blink-serve[rdma]' (pyverbs builds only against rdma-core >= 57, "
+PYVERBS_HINT = (".venv/bin/pip install -e '.[rdma]' (pyverbs builds only against rdma-core >= 57, "
                 "with its headers and cython<3.1), or the distribution's python3-pyverbs in a "
                 "virtual environment made with --system-site-packages")
 DEVICE_HINT = ("ibv_devices lists none; on an Ethernet interface, soft-RoCE gives one: "
