@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -401,6 +402,9 @@ def run(args) -> dict:
                                 desc = f"{system} {interference} rate {rate_label(rate)}"
                                 result = measure(target, requests, args, rate, desc,
                                                  client_cores, server)
+                                if server is not None and (why := server.died()):
+                                    raise BenchError(f"{system}'s server failed during "
+                                                     f"{desc}: {why} (its logs: {args.out})")
                                 runs.append({"system": system, "engine": info.engine,
                                              "interference": interference,
                                              "repeat": repeat, **result})
@@ -464,12 +468,23 @@ def print_run(desc: str, repeat: int, result: dict) -> None:
     frontend = result["server"].get("frontend_cpu_us_per_token")
     cpu = (f", front end {frontend:.1f} us CPU/token, client loop "
            f"{result['client']['loop_busy']:.0%} busy" if frontend is not None else "")
+    def ms(value, digits: int) -> str:  # none completed: no figure, as the table leaves it
+        return "-" if value is None else f"{value:.{digits}f} ms"
     print(f"blink bench: {desc} run {repeat + 1}: {m['output_throughput']:,.0f} tok/s, "
-          f"TTFT p99 {m['ttft_ms']['p99'] or 0:.1f} ms, TPOT p99 "
-          f"{m['tpot_ms']['p99'] or 0:.2f} ms, {failed}{cpu}", file=sys.stderr)
+          f"TTFT p99 {ms(m['ttft_ms']['p99'], 1)}, TPOT p99 {ms(m['tpot_ms']['p99'], 2)}, "
+          f"{failed}{cpu}", file=sys.stderr)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (kill, timeout, systemd) ends the command as Ctrl-C does, through its clean-up:
+    the servers it started stopped, its hogs killed (the default action skipped all that)."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
 
 
 def cmd_bench(args) -> None:
+    stop_on_sigterm()
     try:
         if args.report:
             if args.target or args.model or args.shape:

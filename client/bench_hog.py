@@ -18,6 +18,18 @@ _COPY = ("import numpy as np\n"
          "while True:\n    np.copyto(b, a); np.copyto(a, b)\n")
 
 
+def with_parent(sig: int, then=None):
+    """A preexec_fn: the child gets `sig` when the process that started it dies, however it
+    ends (Linux prctl PR_SET_PDEATHSIG: a benchmark killed with SIGKILL leaves no hog or
+    server behind); then(): more of the child's set-up."""
+    def preexec() -> None:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)
+        if then is not None:
+            then()
+    return preexec
+
+
 class CpuHog:
     def __init__(self, count: int, cores: list[int], *, memory: bool = False):
         if count < 0:
@@ -33,7 +45,8 @@ class CpuHog:
             core = self.cores[i % len(self.cores)]
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-c", code], stdin=subprocess.DEVNULL,
-                preexec_fn=lambda c=core: os.sched_setaffinity(0, {c})))
+                preexec_fn=with_parent(signal.SIGKILL,
+                                       lambda c=core: os.sched_setaffinity(0, {c}))))
 
     def stop(self) -> None:
         for proc in self.procs:

@@ -101,7 +101,16 @@ def document(config: dict, runs: list[dict], complete: bool = True) -> dict:
 
 
 def write_json(doc: dict, path: Path) -> None:
-    path.write_text(json.dumps(doc, indent=1))
+    """Whole or not at all: a run killed while it writes keeps the previous file."""
+    part = path.with_name(path.name + ".part")
+    try:
+        with open(part, "w") as f:
+            f.write(json.dumps(doc, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def _ms(v) -> str:

@@ -10,7 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from blink.client.bench_hog import with_parent
 from blink.client.sdk import BlinkClient
+from blink.ring.shm import shm_path
 
 
 def shape_folder(name: str, root: Path, max_len: int) -> Path:
@@ -61,22 +63,36 @@ class Server:
                 os.sched_setaffinity(0, cores)
             if nice:
                 os.nice(nice)
+        # SIGTERM when the benchmark dies: each drains, the engine removes its ring
         self.engine = subprocess.Popen([*cli, "engine", *common, *engine_flags],
                                        stdout=self.logs[0], stderr=subprocess.STDOUT, env=env,
-                                       preexec_fn=pin)
+                                       preexec_fn=with_parent(signal.SIGTERM, pin))
         self.frontend = subprocess.Popen(
             [*cli, "frontend", *common, "--port", "0", "--ready-file", str(ready),
              "--queue-timeout", "600", "--engine-timeout", "30", *frontend_flags],
-            stdout=self.logs[1], stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
-        deadline = time.monotonic() + 600
-        while not (ready.exists() and ready.read_text()):
-            self._check_alive(deadline)
-            time.sleep(0.1)
-        self.target = f"127.0.0.1:{int(ready.read_text())}"
-        with BlinkClient(self.target) as client:
-            while client.health() != "SERVING":
+            stdout=self.logs[1], stderr=subprocess.STDOUT, env=env,
+            preexec_fn=with_parent(signal.SIGTERM, pin))
+        self.ready = ready
+        try:  # (either failing, or a Ctrl-C meanwhile, stops the other too)
+            deadline = time.monotonic() + 600
+            while not (ready.exists() and ready.read_text()):
                 self._check_alive(deadline)
-                time.sleep(0.2)
+                time.sleep(0.1)
+            self.target = f"127.0.0.1:{int(ready.read_text())}"
+            with BlinkClient(self.target) as client:
+                while client.health() != "SERVING":
+                    self._check_alive(deadline)
+                    time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def died(self) -> str | None:
+        """Which of its processes has exited (and how), if one has: a run it served is void."""
+        for what, proc in (("engine", self.engine), ("front end", self.frontend)):
+            if proc.poll() is not None:
+                return f"its {what} exited (status {proc.returncode})"
+        return None
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time so far of the engine and of the front end (with its worker processes)."""
@@ -101,3 +117,6 @@ class Server:
                 proc.kill()
         for log in self.logs:
             log.close()
+        # what a killed engine leaves (a stopped one removed its ring itself)
+        shm_path(self.ring).unlink(missing_ok=True)
+        self.ready.unlink(missing_ok=True)

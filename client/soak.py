@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import grpc
 
+from blink.client.bench_report import write_json
 from blink.client.sdk import AsyncBlinkClient, BlinkError, Sampling
 
 # server counters whose change over the run the summary reports
@@ -61,9 +61,11 @@ class Mix:
 
 
 def at_rest(stats: dict) -> dict[str, int]:
-    """The stats that must be zero when the server is idle (KV blocks in use derived)."""
+    """The stats that must be zero when the server is idle (KV blocks in use derived), and
+    engine_silent: an engine that does not answer shows nothing in use, which proves nothing."""
     rest = dict(stats, kv_blocks_in_use=stats["kv_blocks_total"] - stats["kv_blocks_free"])
-    return {k: int(rest[k]) for k in IDLE}
+    return {**{k: int(rest[k]) for k in IDLE},
+            "engine_silent": int(not stats["engine_alive"] or not stats["kv_blocks_total"])}
 
 
 async def one_request(client: AsyncBlinkClient, rnd: random.Random, mix: Mix,
@@ -214,6 +216,8 @@ def check_arguments(args) -> None:
 
 
 def cmd_soak(args) -> None:
+    from blink.client.bench import stop_on_sigterm
+    stop_on_sigterm()
     check_arguments(args)
     options = dict(duration_s=args.duration, concurrency=args.concurrency,
                    cancel_fraction=args.cancel_fraction,
@@ -244,6 +248,6 @@ def cmd_soak(args) -> None:
                 server.stop()
     print(summary(doc))
     if args.out:
-        args.out.write_text(json.dumps(doc, indent=1))
+        write_json(doc, args.out)
     if doc["error_count"] or doc["leaked"]:
         sys.exit(1)

@@ -548,3 +548,60 @@ def test_prefix_suite_on_the_cpu_engine(bench_checkpoint, tmp_path, capsys):
     assert rows[0].split(" | ")[6] == "64 (0)" and rows[2].split(" | ")[5] == "56.2%"
     client_path, floor = rows[0].split(" | ")[5].split()
     assert float(client_path) > 0 and float(floor.strip("()")) > 0
+
+
+def _bench_children(ring_prefix: str = "blink-bench-") -> list[int]:
+    """Live processes serving a benchmark's ring (its engines and front ends) or hogging."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and (ring_prefix in cmdline or "while True" in cmdline):
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.parametrize("ending", ["sigterm", "engine killed"])
+def test_a_benchmark_ended_early_leaves_nothing_running(tmp_path, ending):
+    """SIGTERM to `blink bench` (kill, timeout, systemd) stops the servers it started and its
+    hogs, and removes their ring (all were left running); an engine that dies mid-run fails
+    the benchmark (it was reported complete, exit 0, its run's requests merely failed)."""
+    import signal
+    model = tiny_llama(tmp_path, max_position_embeddings=4096)
+    before = set(_bench_children())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blink.client.cli", "bench", "--model", str(model), "--systems",
+         "synthetic", "--engine-arg=--synthetic-step-ms=5", "--num-prompts", "64",
+         "--random-input-len", "16", "--random-output-len", "2000", "--concurrency", "8",
+         "--cpu-hog", "1", "--hog-rates", "inf", "--out", str(tmp_path / "out")],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert "up in" in proc.stderr.readline() or "up in" in proc.stderr.readline()
+        time.sleep(1.5)
+        started = [pid for pid in _bench_children() if pid not in before]
+        assert started, "the benchmark's server"
+        if ending == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            (engine,) = [pid for pid in started if b" engine " in
+                         Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")]
+            os.kill(engine, signal.SIGKILL)
+        err = proc.communicate(timeout=60)[1]
+        if ending == "sigterm":
+            assert proc.returncode == 128 + signal.SIGTERM
+        else:
+            assert proc.returncode == 1 and "server failed during" in err, err
+            doc = json.loads((tmp_path / "out" / "bench.json").read_text()) \
+                if (tmp_path / "out" / "bench.json").exists() else {"complete": False}
+            assert not doc["complete"]
+        deadline = time.monotonic() + 20
+        while [pid for pid in _bench_children() if pid not in before]:
+            assert time.monotonic() < deadline, "processes left running"
+            time.sleep(0.2)
+        assert not list(Path("/dev/shm").glob("blink-bench-*"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
