@@ -178,8 +178,10 @@ class RingServer:
         now = None
         begins = self.begin_column.copy()  # seq_begin before seq_end, as the protocol says
         ends = self.end_column.copy()
-        # slots whose generation is new and whose write has landed (seq_end caught up)
-        for i in np.flatnonzero((begins != self.consumed_gen) & (begins == ends)).tolist():
+        # slots whose generation is new and whose write has landed (seq_end caught up); no
+        # front end writes generation 0 (it wraps to 1), so a 0 is never a request
+        for i in np.flatnonzero((begins != self.consumed_gen) & (begins == ends)
+                                & (begins != 0)).tolist():
             fixed, gen = self.slot_fixed[i], int(begins[i])
             plen = min(int(fixed["prompt_len"]), self.geom.max_prompt_tokens)
             if payload_crc(self.slots[i].data, plen, gen) != int(fixed["payload_crc"]):

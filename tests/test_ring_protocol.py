@@ -66,6 +66,18 @@ def test_whole_slot_is_consumed_once(ring):
     assert server.poll(LIMITS) == ([], [])  # the same generation is never consumed twice
 
 
+def test_generation_zero_is_never_a_request(ring):
+    """No front end writes generation 0 (EngineLink wraps 0xFFFFFFFF to 1): a slot showing it
+    after another generation (a zeroed slot, a stray write) is not consumed (it was admitted
+    and at once "cancelled" by its own zero cancel word, counted as both)."""
+    server, t = ring
+    for gen in (7, 0):
+        for off, data in slot_writes(server.geom, 1, gen, request()):
+            t.write(off, data)
+        new, rejected = server.poll(LIMITS)
+        assert [r.gen for r in new] == ([7] if gen else []) and rejected == []
+
+
 def test_missing_doorbell_or_seq_end_is_not_consumed(ring):
     server, t = ring
     payload, seq_end, doorbell = slot_writes(server.geom, 0, 1, request())

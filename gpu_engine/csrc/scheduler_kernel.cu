@@ -226,7 +226,7 @@ __device__ void ScanRing(const EngineDevice& e, RingScan& scan) {
       const uint32_t i = first + j * kThreads;
       if (i >= e.ring.num_slots) continue;
       scan.cancel_gen[i] = cancel_gen[j];
-      if (gen[j] == e.consumed_gen[i] ||
+      if (gen[j] == 0 || gen[j] == e.consumed_gen[i] ||  // (no front end writes 0: it wraps)
           gen[j] != vload32(slot_ptr(e, i) + e.ring.slot_bytes - 4))
         continue;
       const int k = atomicAdd(&scan.num_candidates, 1);

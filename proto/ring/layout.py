@@ -12,10 +12,11 @@ One segment, little-endian, every field naturally aligned:
 
 Request slot protocol (designed for one-sided writes, RDMA or plain stores):
   * Slot i is owned by the front end between uses. To submit, it bumps the slot's generation g
-    (1, 2, ...), writes the payload with `seq_end = g` at its end and the CRC32 of the payload,
-    and only then writes the doorbell word `seq_begin = g` (a second write, ordered after the
-    first). The engine consumes a slot only when seq_begin == seq_end == g > the last generation
-    it consumed and the CRC matches; a torn or reordered write is never consumed.
+    (1, 2, ..., 0xFFFFFFFF, then 1 again: never 0), writes the payload with `seq_end = g` at its
+    end and the CRC32 of the payload, and only then writes the doorbell word `seq_begin = g` (a
+    second write, ordered after the first). The engine consumes a slot only when seq_begin ==
+    seq_end == g, g is not 0 and not the last generation it consumed there, and the CRC
+    matches; a torn or reordered write is never consumed.
   * `cancel_gen` is written by the front end at any time; the engine cancels generation g when
     it reads cancel_gen == g.
 Output record protocol (engine writes, front end polls):
