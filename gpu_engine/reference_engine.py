@@ -229,9 +229,10 @@ class ReferenceEngine:
         """The ring's new requests into the scheduler (rejects answered), then its cancels."""
         self.ring.beat()
         new, rejected = self.ring.poll(self.limits)
-        for r in rejected:
+        for r in rejected:  # in slot order, before the admissions (the kernel's Admit too)
             log.warning("slot %d gen %d rejected: %s", r.slot, r.gen, r.reason.describe())
             self.counters["requests_rejected"] += 1
+            self.core.reject(r.slot)
             self.ring.finish(r.slot, r.gen, FinishReason.REJECTED, r.reason)
         for r in new:  # a reused slot drops its old sequence: the front end gave up on it
             self.ring.open_record(r.slot, r.gen, len(r.prompt))

@@ -64,11 +64,18 @@ class StepCore:
     def admit(self, seq: Sequence) -> Sequence | None:
         """A new request; returns the sequence its slot held, dropped (the front end gave up
         on it and reused the slot)."""
-        stale = self.active.pop(seq.slot, None)
-        if stale is not None:
-            self.drop(stale)
+        stale = self.reject(seq.slot)
         self.queue(seq)
         self.active[seq.slot] = seq
+        return stale
+
+    def reject(self, slot: int) -> Sequence | None:
+        """A new generation of `slot` that the engine rejected: the sequence the slot held is
+        dropped all the same (the front end gave up on it, as in admit; left running, it wrote
+        into the rejected generation's record)."""
+        stale = self.active.pop(slot, None)
+        if stale is not None:
+            self.drop(stale)
         return stale
 
     def retire(self, seq: Sequence) -> None:

@@ -552,3 +552,35 @@ def test_the_record_watch_wakes_once_held_tokens_are_due():
         asyncio.run(scenario())
     finally:
         server.close()
+
+
+def test_a_rejected_generation_drops_the_sequence_its_slot_held(checkpoints):
+    """A front end that gave up on slot 0's generation 1 reuses the slot with a request the
+    engine rejects: generation 1 is dropped (as an admitted reuse drops it), and the rejected
+    generation's record stays REJECTED with no tokens (generation 1 went on writing tokens into
+    it, then flipped it back to its own finish), every block back."""
+    from blink.gpu_engine.reference_engine import EngineConfig, ReferenceEngine
+    name = f"blink-test-{secrets.token_hex(6)}"
+    engine = ReferenceEngine(EngineConfig(model_dir=checkpoints["llama"], ring_name=name,
+                                          num_slots=4, num_kv_blocks=32))
+    t = ShmTransport(ShmSegment.attach(name))
+    try:
+        def submit(gen, **fields):
+            for off, data in slot_writes(engine.ring.geom, 0, gen,
+                                         request(max_tokens=40, temperature=0.0, **fields)):
+                t.write(off, data)
+        submit(1)
+        for _ in range(3):
+            engine.step()
+        assert int(engine.ring.rec_fixed[0]["num_tokens"]) > 0
+        submit(2, top_p=0.0)  # out of range: rejected
+        for _ in range(60):
+            engine.step()
+        rec = engine.ring.rec_fixed[0]
+        assert (int(rec["gen"]), int(rec["num_tokens"]), int(rec["finish_reason"])) == (
+            2, 0, FinishReason.REJECTED)
+        assert not engine.core.active
+        assert engine.pool.num_free == 32
+    finally:
+        t.close()
+        engine.close()

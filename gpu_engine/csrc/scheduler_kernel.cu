@@ -246,6 +246,7 @@ __device__ void ScanRing(const EngineDevice& e, RingScan& scan) {
 // blocks' prefix-cache keys and lookup hints (sched::prefix_keys_and_hints_cta).
 __device__ void Admit(EngineDevice& e, const RingScan& scan) {
   if (threadIdx.x == 0) e.num_new = 0;
+  bool rejected = false;  // (thread 0's)
   __syncthreads();
   for (int k = 0; k < scan.num_candidates; ++k) {
     const int32_t i = scan.candidates[k];
@@ -257,6 +258,7 @@ __device__ void Admit(EngineDevice& e, const RingScan& scan) {
       if (result != static_cast<int>(ring::RejectReason::kNone)) {
         FinishRecord(e, i, gen, ring::FinishReason::kRejected, result);
         ++e.counters.requests_rejected;
+        rejected = true;
       } else {
         sched::Admission& r = e.staged[e.num_new];
         r.slot = i;
@@ -277,6 +279,20 @@ __device__ void Admit(EngineDevice& e, const RingScan& scan) {
       for (uint32_t t = threadIdx.x; t < f->prompt_len; t += kThreads) row[t] = prompt[t];
     }
     __syncthreads();
+  }
+  if (threadIdx.x == 0 && rejected) {
+    // A rejected new generation retires the sequence its slot held (StepCore.reject), in slot
+    // order and before the admissions, as ReferenceEngine._admit: the slots whose live
+    // sequence is of an older generation than the one just consumed, but for those staged
+    // (their add_seq retires it in request-id order). Only after a rejection: it walks every
+    // slot.
+    for (int32_t i = 0; i < static_cast<int32_t>(e.ring.num_slots); ++i) {
+      const sched::SeqState& q = e.sched.seqs[i];
+      if (q.status == sched::SeqStatus::kFree || q.gen == e.consumed_gen[i]) continue;
+      bool staged = false;
+      for (int32_t k = 0; k < e.num_new && !staged; ++k) staged = e.staged[k].slot == i;
+      if (!staged) sched::finish_seq(e.sched, i);
+    }
   }
   if (threadIdx.x == 0) {
     sched::admit_in_order(e.sched, e.staged, e.num_new,
