@@ -220,4 +220,6 @@ def plot(doc: dict, out_dir: Path) -> list[Path]:
         written.append(out_dir / "interference.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
+    else:  # an earlier run's, in a reused --out, would pass for this one's
+        (out_dir / "interference.png").unlink(missing_ok=True)
     return written

@@ -351,6 +351,11 @@ def test_bench_end_to_end_with_interference(bench_checkpoint, tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="the bench extra is not installed")
     assert (out / "interference.png").exists()
     assert (cut / "latency_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a folder reused for a run without interference keeps no earlier run's interference plot
+    from blink.client.bench_report import plot
+    (cut / "interference.png").write_bytes(b"an earlier run's")
+    plot(dict(json.loads((cut / "bench.json").read_text()), interference=[]), cut)
+    assert not (cut / "interference.png").exists()
 
 
 @pytest.fixture(scope="module")
