@@ -184,6 +184,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cuda and host-cuda engines: the GEMM tuner also times split-K "
                         "variants of cuBLASLt's first candidates for GEMMs of up to 256 rows "
                         "(prefill chunks of few tokens); off by default until measured")
+    p.add_argument("--fine-buckets-from", type=_fine_buckets_from, default=128, metavar="N",
+                   help="cuda and host-cuda engines: the forward graphs' token buckets are "
+                        "powers of two up to N, then four an octave (default 128: 128, 160, "
+                        "192, ...); 64 adds graphs of 80, 96 and 112 tokens, so a 100-token "
+                        "prefill chunk (a warm prefix-cache request) runs as 112 rows, not 128")
     p.add_argument("--sm-count-target", type=int, default=None,
                    help="cuda and host-cuda engines: the SMs the forward pass's kernels are "
                         "sized for (cuBLAS's SM count target, the attention grids); default: "
@@ -246,6 +251,18 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
     return port
+
+
+def _fine_buckets_from(text: str) -> int:
+    """The token count from which the forward graphs' buckets go four an octave: at least 4
+    (engine_layout.default_buckets)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 4:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count of at least 4")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -325,6 +342,7 @@ def _engine_config(args, model_dir: Path):
                         max_num_batched_tokens=args.max_batched_tokens,
                         max_model_len=args.max_model_len, load_format=args.load_format,
                         gemm_tuning=args.gemm_tuning, gemm_split_k=args.gemm_split_k,
+                        fine_buckets_from=args.fine_buckets_from,
                         sm_count_target=args.sm_count_target,
                         decode_weight_copy=args.decode_weight_copy,
                         quantization=args.quantization, fp8_lm_head=args.fp8_lm_head,
@@ -660,6 +678,7 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv.append("--no-gemm-tuning")
     if args.gemm_split_k:
         argv.append("--gemm-split-k")
+    argv += ["--fine-buckets-from", str(args.fine_buckets_from)]
     if not args.prefix_caching:
         argv.append("--no-prefix-caching")
     if args.sm_count_target is not None:

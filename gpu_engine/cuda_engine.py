@@ -113,6 +113,7 @@ class CudaEngine:
             gpu_memory_utilization=gpu_memory_utilization, gemm_tuning=config.gemm_tuning,
             held_sms=1, sm_count_target=config.sm_count_target,  # the scheduler's CTA
             decode_weight_copy=config.decode_weight_copy, gemm_split_k=config.gemm_split_k,
+            fine_buckets_from=config.fine_buckets_from,
             quantization=config.quantization_for(cfg), fp8_lm_head=config.fp8_lm_head,
             fp8_fast_accum=config.fp8_fast_accum, kv_cache_dtype=config.kv_cache_dtype,
             kv_scales=weights.kv_scales if weights is not None else None)

@@ -40,6 +40,7 @@ class HostDrivenCudaEngine(ReferenceEngine):
             gpu_memory_utilization=self.gpu_memory_utilization, gemm_tuning=config.gemm_tuning,
             held_sms=0, sm_count_target=config.sm_count_target,  # the host launches the graphs
             decode_weight_copy=config.decode_weight_copy, gemm_split_k=config.gemm_split_k,
+            fine_buckets_from=config.fine_buckets_from,
             quantization=config.quantization_for(cfg), fp8_lm_head=config.fp8_lm_head,
             fp8_fast_accum=config.fp8_fast_accum, kv_cache_dtype=config.kv_cache_dtype,
             kv_scales=weights.kv_scales if weights is not None else None)

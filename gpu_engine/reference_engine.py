@@ -56,6 +56,9 @@ class EngineConfig:
     # CUDA engines: the tuner also times split-K variants of cuBLASLt's first candidates for
     # GEMMs of up to 256 rows (Cublas.split_k; off until measured on the H200)
     gemm_split_k: bool = False
+    # CUDA engines: the forward graphs' token buckets go four an octave from this many tokens
+    # (engine_layout.default_buckets; 64 adds graphs of 80, 96 and 112 tokens)
+    fine_buckets_from: int = 128
     # CUDA engines: the SMs the forward pass's kernels are sized for (cuBLAS's SM count target,
     # the attention grids); None: the device's less those the scheduler kernel holds; 0: all
     sm_count_target: int | None = None

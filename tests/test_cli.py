@@ -268,6 +268,23 @@ def test_gemm_split_k_flag_reaches_the_engine(tmp_path):
     assert _engine_config(engine, tmp_path).gemm_split_k is True
 
 
+def test_fine_buckets_flag_reaches_the_engine(tmp_path, capsys):
+    """--fine-buckets-from travels from `blink serve` to the engine's config (128 by default);
+    a count below 4 is refused by the parser."""
+    from blink.client.cli import _engine_argv, _engine_config, build_parser
+    parser = build_parser()
+    default = parser.parse_args(["serve", "--model", str(tmp_path)])
+    assert _engine_config(default, tmp_path).fine_buckets_from == 128
+    argv = _engine_argv(parser.parse_args(["serve", "--model", str(tmp_path),
+                                           "--fine-buckets-from", "64"]), tmp_path)
+    engine = parser.parse_args(argv[argv.index("engine"):])
+    assert _engine_config(engine, tmp_path).fine_buckets_from == 64
+    for bad in ("3", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--model", str(tmp_path), "--fine-buckets-from", bad])
+        assert "is not a token count of at least 4" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag,field", [("--no-gemm-tuning", "gemm_tuning"),
                                         ("--no-decode-weight-copy", "decode_weight_copy"),
                                         ("--no-fp8-lm-head", "fp8_lm_head"),
