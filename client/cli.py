@@ -454,6 +454,7 @@ def _fp8_for_this_gpu(config, compute_capability: tuple[int, int]):
 
 def cmd_engine(args) -> None:
     from blink.gpu_engine.checkpoint import CheckpointError
+    from blink.gpu_engine.engine_layout import KvCacheTooLarge
     from blink.gpu_engine.ring_server import RingInUse
     if args.exit_with_parent is not None:
         _exit_with_parent(args.exit_with_parent, "blink engine")
@@ -502,6 +503,8 @@ def cmd_engine(args) -> None:
             run_engine(config)
     except (RingInUse, CheckpointError) as e:  # weights the headers' check could not see
         sys.exit(f"blink engine: {e}")
+    except KvCacheTooLarge as e:
+        sys.exit(f"blink engine: {e} (--num-kv-blocks, --gpu-memory-utilization)")
     finally:
         if export is not None:
             export.close()

@@ -1247,14 +1247,23 @@ class CudaForward:
         kv_dtype = np.uint8 if self.kv_fp8 else BF16  # an E4M3 code, or bf16 bits
         block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * D  # k and v
                        * np.dtype(kv_dtype).itemsize)
+        free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
+        headroom = 256 << 20  # room for the graphs and cuBLAS's own state
+        too_large = None
         if num_blocks is None:
-            free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
-            # leave room for the graphs and cuBLAS's own state
-            budget = int(total * gpu_memory_utilization) - (total - free) - (256 << 20)
+            budget = int(total * gpu_memory_utilization) - (total - free) - headroom
             num_blocks = budget // block_bytes
             if num_blocks < 1:
-                raise CudaError(f"no memory left for the KV cache at gpu_memory_utilization "
-                                f"{gpu_memory_utilization} ({free >> 20} MiB free)")
+                too_large = (f"no memory left for the KV cache at gpu_memory_utilization "
+                             f"{gpu_memory_utilization} ({free >> 20} MiB free)")
+        elif num_blocks * block_bytes > free - headroom:
+            too_large = (f"{num_blocks} KV blocks need {num_blocks * block_bytes >> 20} MiB; "
+                         f"{free >> 20} MiB of GPU memory is free after the weights, room for "
+                         f"{max(0, free - headroom) // block_bytes} blocks")
+        if too_large is not None:  # one line, rather than an allocation's out-of-memory error
+            self.graph_execs = {}
+            self.close()
+            raise engine_layout.KvCacheTooLarge(too_large)
         self.num_blocks = int(num_blocks)
         kv_shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, D)
         self.k_cache = self._alloc(kv_shape, kv_dtype)  # [layers, blocks, block_size, kv_heads, D]

@@ -80,6 +80,12 @@ def cuda_engine_refusal(cfg, *, kind: str, quantization: str | None, kv_cache_dt
     return None
 
 
+class KvCacheTooLarge(ValueError):
+    """The KV cache asked for (its blocks, or gpu_memory_utilization's share) does not fit in
+    the GPU's memory left after the weights (CudaForward): an operator's setting, which the
+    engine's start-up says in one line."""
+
+
 def default_buckets(max_num_batched_tokens: int, fine_from: int = 128) -> list[int]:
     """1, 2, 4, ... up to fine_from, then four buckets an octave (with 128: 160, 192, 224, 256,
     320, ...; two an octave where four would pass MAX_BUCKETS), below the cap, then the cap

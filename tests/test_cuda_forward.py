@@ -1816,6 +1816,24 @@ def test_forward_sized_for_the_sms_the_scheduler_leaves(cf, models):
                        held_sms=k.device_sm_count)
 
 
+def test_kv_cache_too_large_is_one_line_and_frees_the_weights(cf, models):
+    """A KV cache the GPU has no room for after the weights (--num-kv-blocks too large) is a
+    KvCacheTooLarge that says how many blocks fit, raised before any allocation fails, and
+    the engine it stopped frees what it had taken (its weights among them)."""
+    from blink.gpu_engine.cuda_runtime import check
+    from blink.gpu_engine.engine_layout import KvCacheTooLarge
+    cfg, w, _ = models["llama"]
+    free_before = check(cf.driver.cuMemGetInfo(), "cuMemGetInfo")[0]
+    block_bytes = 2 * cfg.num_layers * BLOCK * cfg.num_kv_heads * cfg.head_dim * 2
+    too_many = free_before // block_bytes + 1
+    with pytest.raises(KvCacheTooLarge, match=rf"^{too_many} KV blocks need \d+ MiB; \d+ MiB "
+                       r"of GPU memory is free after the weights, room for \d+ blocks$"):
+        cf.CudaForward(cfg, w, num_blocks=too_many, block_size=BLOCK,
+                       max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS)
+    free_after = check(cf.driver.cuMemGetInfo(), "cuMemGetInfo")[0]
+    assert free_after >= free_before - (64 << 20), (free_before, free_after)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_forward_fused_norm_rope_matches_separate_kernels(cf, models, arch):
     """Decode buckets run RMSNorm inside the projections and RoPE + KV write inside the qkv
