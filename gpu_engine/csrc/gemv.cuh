@@ -166,8 +166,8 @@ struct GemvSums : GemvWeightScales<16 * kRowTiles, W::kFp8> {
   // the cluster's first CTA adds the others' to
   float part[kSplits > 1 ? S::kRows * S::kCols + S::kCols : 1];
 
-  // Row r of the CTA's rows (output n0 + r), token row m: the dot product, scaled.
-  __device__ __forceinline__ float total(int r, int m) const {
+  // Row r of the CTA's rows (output n0 + r), token row m: the dot product, unscaled.
+  __device__ __forceinline__ float raw(int r, int m) const {
     float v = 0.f;
     if constexpr (kSplits > 1) {
       v = part[r * S::kCols + m];
@@ -175,8 +175,19 @@ struct GemvSums : GemvWeightScales<16 * kRowTiles, W::kFp8> {
 #pragma unroll
       for (int q = 0; q < kGemvWarps; ++q) v += red[(q * S::kRows + r) * S::kRedLd + m];
     }
-    if constexpr (W::kFp8) return v * row_scale[m] * this->w_scale[r];
-    return v * row_scale[m];
+    return v;
+  }
+  // The same, scaled.
+  __device__ __forceinline__ float total(int r, int m) const {
+    if constexpr (W::kFp8) return raw(r, m) * row_scale[m] * this->w_scale[r];
+    return raw(r, m) * row_scale[m];
+  }
+  // total(r, m) + addend, the last product and the add rounded once (an FMA), as the residual's
+  // `+=` has always compiled: written out, so that the sum does not depend on where the
+  // compiler can fuse them.
+  __device__ __forceinline__ float total_plus(int r, int m, float addend) const {
+    if constexpr (W::kFp8) return fmaf(raw(r, m) * row_scale[m], this->w_scale[r], addend);
+    return fmaf(raw(r, m), row_scale[m], addend);
   }
 };
 
@@ -372,19 +383,34 @@ __device__ __forceinline__ void GemvTokenScales(GemvSums<kRowTiles, kColTiles, k
   }
 }
 
-// GemvTokenScales, and FP8 weights: each of the CTA's rows' weight scale into sums.w_scale
-// (rows past N: the last row's).
+// GemvTokenScales, and FP8 weights: each of the CTA's rows' weight scale into sums.w_scale,
+// thread r's row_w_scale (GemvRowWeightScale) for row r.
 template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits, class W>
 __device__ __forceinline__ void GemvRowScales(GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
-                                              int M, int K, float eps,
-                                              const float* w_scale = nullptr, int n0 = 0,
-                                              int N = 0) {
+                                              int M, int K, float eps, float row_w_scale) {
   using S = GemvShape<kRowTiles, kColTiles, W>;
   GemvTokenScales<kNormIn>(sums, M, K, eps);
   if constexpr (W::kFp8) {
-    if (threadIdx.x < S::kRows) sums.w_scale[threadIdx.x] = w_scale[min(n0 + threadIdx.x, N - 1)];
+    if (threadIdx.x < S::kRows) sums.w_scale[threadIdx.x] = row_w_scale;
   }
 }
+
+// FP8 weights: the weight scale of the CTA's row threadIdx.x (rows past N: the last row's), for
+// GemvRowScales; bf16 weights, or threads past the CTA's rows: 0, unused.
+template <int kRows, class W>
+__device__ __forceinline__ float GemvRowWeightScale(const float* w_scale, int n0, int N) {
+  if constexpr (W::kFp8) {
+    const int r = threadIdx.x;
+    if (r < kRows) return __ldg(w_scale + min(n0 + r, N - 1));
+  }
+  return 0.f;
+}
+
+// What a skinny CTA reads for its epilogue right after waiting for the previous kernel
+// (SkinnyAccumulate's after_wait): nothing by default.
+struct NoLoadsAfterWait {
+  __device__ __forceinline__ void operator()() const {}
+};
 
 // x: [M, ldx] bf16 (row m at x + m * ldx, K used); w: [N, K] bf16 row-major (w_tile_stride
 // 0), or tiled (tiles of 16 rows w_tile_stride elements apart, the last one padded); K %
@@ -395,7 +421,8 @@ __device__ __forceinline__ void GemvRowScales(GemvSums<kRowTiles, kColTiles, kSp
 // weight, which x is multiplied by (bf16 weights have it folded in).
 // Every thread of the CTA calls it; sums is in shared memory and complete when it returns true.
 // blockDim.x = kGemvThreads. It waits for the previous kernel itself (AwaitPriorKernel), after
-// its first weight loads.
+// its first weight loads (and FP8 row scales), then calls after_wait(): loads for the epilogue
+// of what earlier kernels wrote (SkinnyLinearCta: the residual), not to be waited on there.
 //
 // kSplits > 1 (a grid of kSplits CTAs a row block, launched in clusters of kSplits along x):
 // the cluster's CTAs take the row block's steps round-robin as if their warps were one
@@ -404,14 +431,16 @@ __device__ __forceinline__ void GemvRowScales(GemvSums<kRowTiles, kColTiles, kSp
 // store). Where a projection has fewer row blocks than the GPU has SMs (Llama-3.2-1B's o and
 // down projections at batch 1: 128 row blocks of 16 rows), one CTA an SM has too few loads in
 // flight to stream at the memory's rate, and two CTAs a row block double them.
-template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1, class W = Bf16Weights>
+template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1, class W = Bf16Weights,
+          class AfterWait = NoLoadsAfterWait>
 __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
                                                  const typename W::Element* w,
                                                  uint32_t w_tile_stride, int N, int K,
                                                  float eps,
                                                  GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
                                                  const float* w_scale = nullptr,
-                                                 const bf16* norm_w = nullptr) {
+                                                 const bf16* norm_w = nullptr,
+                                                 AfterWait&& after_wait = AfterWait{}) {
   using S = GemvShape<kRowTiles, kColTiles, W, kNormIn>;
   static_assert(sizeof(sums) <= 48 * 1024, "static shared memory");
   constexpr int kUnroll = S::kUnroll;
@@ -523,7 +552,11 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
   // while the previous kernel finishes.
   Batch first;
   if (batches > 0) load_batch_w(0, first);
+  // FP8: the row scales now, not in the epilogue, where a load is a memory latency with the
+  // SM's slot idle (in a grid of one wave, added to the whole kernel)
+  const float row_w_scale = GemvRowWeightScale<S::kRows, W>(w_scale, n0, N);
   AwaitPriorKernel();
+  after_wait();
   if (batches > 0) load_batch_x(0, first);
   if constexpr (S::kDoubleBuffer) {
     Batch& even = first;
@@ -558,7 +591,7 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
   if constexpr (kSplits > 1) {
     if (!MeetClusterSums(sums, rank)) return false;
   }
-  GemvRowScales<kNormIn>(sums, M, K, eps, w_scale, n0, N);
+  GemvRowScales<kNormIn>(sums, M, K, eps, row_w_scale);
   __syncthreads();
   return true;
 }
@@ -568,13 +601,17 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
 // copy a following kNormIn projection reads). kGemvF32 with `argmax` (the LM head): each row m
 // of out also folds its argmax over the CTA's columns into argmax[m] (argmax.cuh PackArgMax;
 // zero before the first CTA), a warp a row and one atomicMax a CTA. tid, threads: the calling
-// thread's index among the `threads` (whole warps) that call it.
+// thread's index among the `threads` (whole warps) that call it. has_prior (kGemvF32Add,
+// where each thread stores one element at most): prior is that element of out as the thread
+// read it before (SkinnyLinearCta, right after waiting for the previous kernel), so the
+// epilogue does not wait for the load.
 template <int kRowTiles, int kColTiles, int kSplits, class W>
 __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
                                             int row_block, int M, int N, void* out, int ldo,
                                             int mode, bf16* shadow,
                                             unsigned long long* argmax = nullptr,
-                                            int tid = threadIdx.x, int threads = blockDim.x) {
+                                            int tid = threadIdx.x, int threads = blockDim.x,
+                                            bool has_prior = false, float prior = 0.f) {
   using S = GemvShape<kRowTiles, kColTiles, W>;
   const int n0 = row_block * S::kRows, cols = min(M, S::kCols);
   if (argmax != nullptr && mode == kGemvF32) {
@@ -593,16 +630,16 @@ __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles,
   for (int i = tid; i < S::kRows * cols; i += threads) {
     const int r = i % S::kRows, m = i / S::kRows, n = n0 + r;
     if (n >= N) continue;
-    const float v = sums.total(r, m);
     const size_t o = static_cast<size_t>(m) * ldo + n;
     if (mode == kGemvBf16) {
-      static_cast<bf16*>(out)[o] = __float2bfloat16(v);
+      static_cast<bf16*>(out)[o] = __float2bfloat16(sums.total(r, m));
     } else if (mode == kGemvF32) {
-      static_cast<float*>(out)[o] = v;
+      static_cast<float*>(out)[o] = sums.total(r, m);
     } else {
       float* dst = static_cast<float*>(out) + o;
-      *dst += v;
-      if (shadow != nullptr) shadow[o] = __float2bfloat16(*dst);
+      const float sum = sums.total_plus(r, m, has_prior ? prior : *dst);
+      *dst = sum;
+      if (shadow != nullptr) shadow[o] = __float2bfloat16(sum);
     }
   }
 }
@@ -638,16 +675,28 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M,
                                                 unsigned long long* argmax = nullptr,
                                                 const float* w_scale = nullptr,
                                                 const bf16* norm_w = nullptr) {
+  using S = GemvShape<kRowTiles, kColTiles, W>;
   __shared__ GemvSums<kRowTiles, kColTiles, kSplits, W> sums;
+  const int row_block = SkinnyRowBlock<kSplits>();
+  // kGemvF32Add: the residual stream's element this thread will add to (SkinnyStore's i = tid),
+  // read as soon as the previous kernel is done, where every thread has one element at most
+  constexpr bool kPrefetch = S::kRows * S::kCols <= kGemvThreads;
+  const int r = threadIdx.x % S::kRows, m = threadIdx.x / S::kRows, n = row_block * S::kRows + r;
+  const bool mine = kPrefetch && mode == kGemvF32Add && m < min(M, S::kCols) && n < N;
+  const float* at = static_cast<const float*>(out) + static_cast<size_t>(m) * ldo + n;
+  float prior = 0.f;
+  auto read_residual = [&] {
+    if (mine) prior = *at;
+  };
   if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits, W>(
-          x, ldx, M, w, w_tile_stride, N, K, eps, sums, w_scale, norm_w))
+          x, ldx, M, w, w_tile_stride, N, K, eps, sums, w_scale, norm_w, read_residual))
     return;
   if constexpr (kRowTiles == 2) {
     if (mode == kGemvSiluMul)
-      return SkinnyStoreSiluMul(sums, SkinnyRowBlock<kSplits>(), M, N, static_cast<bf16*>(out),
-                                ldo);
+      return SkinnyStoreSiluMul(sums, row_block, M, N, static_cast<bf16*>(out), ldo);
   }
-  SkinnyStore(sums, SkinnyRowBlock<kSplits>(), M, N, out, ldo, mode, shadow, argmax);
+  SkinnyStore(sums, row_block, M, N, out, ldo, mode, shadow, argmax, threadIdx.x, blockDim.x,
+              mine, prior);
 }
 
 // --- split K with shared activations: 17 to 32 token rows, added into the residual stream -------
