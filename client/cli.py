@@ -421,8 +421,8 @@ def _for_this_gpu(config, kind: str):
         sys.exit(f"blink engine: --engine {kind}: {reason}")
     capability = (device_attribute("COMPUTE_CAPABILITY_MAJOR"),
                   device_attribute("COMPUTE_CAPABILITY_MINOR"))
-    config = _fp8_for_this_gpu(config, capability)
     cfg = load_config(config.model_dir)
+    config = _fp8_for_this_gpu(config, capability, cfg)
     refusal = cuda_engine_refusal(
         cfg, kind=kind, quantization=config.quantization_for(cfg),
         kv_cache_dtype=config.kv_cache_dtype, max_num_seqs=config.max_num_seqs,
@@ -433,16 +433,17 @@ def _for_this_gpu(config, kind: str):
     return config
 
 
-def _fp8_for_this_gpu(config, compute_capability: tuple[int, int]):
+def _fp8_for_this_gpu(config, compute_capability: tuple[int, int], cfg=None):
     """The engine's config on a GPU of this compute capability: FP8 flags it cannot run stop
     here, in one line, before any weight is read; an FP8 checkpoint there (no flag asked for
-    FP8) is served in bf16, its values, with a warning."""
+    FP8) is served in bf16, its values, with a warning. cfg: the model's config, when the
+    caller has read it already."""
     from blink.gpu_engine.checkpoint import load_config
     from blink.gpu_engine.fp8 import fp8_refusal
     refusal = fp8_refusal(config.quantization, config.kv_cache_dtype, compute_capability)
     if refusal is not None:
         sys.exit(f"blink engine: {refusal}")
-    cfg = load_config(config.model_dir)
+    cfg = cfg if cfg is not None else load_config(config.model_dir)
     refusal = fp8_refusal(config.quantization_for(cfg), "auto", compute_capability)
     if refusal is None:
         return config
