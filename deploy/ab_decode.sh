@@ -14,7 +14,10 @@ case ${1:-} in
     echo "base: $(git rev-parse --short "${2:-HEAD}") in .device/base" ;;
   run)
     shift
-    [ -d .device/base ] || { echo "no .device/base: run 'deploy/ab_decode.sh prepare' here first" >&2; exit 2; }
+    if [ ! -d .device/base ]; then
+      echo "no .device/base: run 'deploy/ab_decode.sh prepare' here first" >&2
+      exit 2
+    fi
     source deploy/gpu_env.sh >/dev/null  # the working tree, into $install/blink
     base=${BLINK_INSTALL_DIR:-/tmp}/base
     python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade \

@@ -1161,6 +1161,7 @@ class CudaForward:
                                  if projection_chain is None else projection_chain)
         self.stream = new_stream()
         self.blas = Cublas()
+        self.graph_execs: dict[int, object] = {}  # (close() frees what exists at any point)
         self.blas.set_stream(int(self.stream))  # before set_workspace: it resets the workspace
         self.workspace = self._alloc(workspace_bytes, np.uint8)
         self.blas.set_workspace(self.workspace.ptr, workspace_bytes)
@@ -1261,7 +1262,6 @@ class CudaForward:
                          f"{free >> 20} MiB of GPU memory is free after the weights, room for "
                          f"{max(0, free - headroom) // block_bytes} blocks")
         if too_large is not None:  # one line, rather than an allocation's out-of-memory error
-            self.graph_execs = {}
             self.close()
             raise engine_layout.KvCacheTooLarge(too_large)
         self.num_blocks = int(num_blocks)
@@ -1281,7 +1281,6 @@ class CudaForward:
             else:
                 self.calibrate_kv_scales()
 
-        self.graph_execs: dict[int, object] = {}
         self.graph_node_types: dict[int, dict[str, int]] = {}
         self.graph_edge_types: dict[int, dict[str, int]] = {}  # DEFAULT / PROGRAMMATIC
         if capture:
