@@ -183,7 +183,7 @@ class ForwardKernels:
     SKINNY_SPLIT_KINDS = ("linear", "qkv_rope_norm")
     ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
                     *(f"blink_paged_attention{variant}{layout}"
-                      for variant in ("", "_small", "_small_wide", "_wgmma")
+                      for variant in ("", "_small", "_small_wide", "_wgmma", "_roomy")
                       for layout in ("", "_any_block")),
                     "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform",
@@ -290,13 +290,15 @@ class ForwardKernels:
         # holds (registers and shared memory decide)
         self.attention_launch: dict[str, tuple[int, int]] = {}
         self.attention_ctas_per_sm: dict[str, int] = {}
-        for small, wide, wgmma, threads, smem in (
-                (False, False, False, self.attention_threads, self.attention_smem),
-                (True, False, False, self.attention_threads, self.attention_small_smem),
-                (True, True, False, self.attention_wide_threads, self.attention_wide_smem),
-                (False, False, True, self.attention_wgmma_threads, self.attention_wgmma_smem)):
+        for small, wide, wgmma, roomy, threads, smem in (
+                (False, False, False, False, self.attention_threads, self.attention_smem),
+                (True, False, False, False, self.attention_threads, self.attention_small_smem),
+                (True, True, False, False, self.attention_wide_threads, self.attention_wide_smem),
+                (False, False, True, False, self.attention_wgmma_threads,
+                 self.attention_wgmma_smem),
+                (False, False, False, True, self.attention_threads, self.attention_smem)):
             for block_size in (self.attention_step_keys, 1):  # one of each block layout
-                name = self.attention_kernel(small, block_size, wide, wgmma)
+                name = self.attention_kernel(small, block_size, wide, wgmma, roomy)
                 check(driver.cuFuncSetAttribute(
                     self.fn[name],
                     driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -415,8 +417,8 @@ class ForwardKernels:
     def attention(self, stream, rows, desc, positions, token_seq, block_tables,
                   max_blocks_per_seq, q, k_cache, v_cache, block_size, num_heads, num_kv_heads,
                   scale, out, num_splits=1, partial_out=0, partial_stats=0, tile_sems=0,
-                  small=False, wide=False, wgmma=False, decode_min_keys=0, release_next=False,
-                  kv_scales=0, split_stride=None):
+                  small=False, wide=False, wgmma=False, roomy=False, decode_min_keys=0,
+                  release_next=False, kv_scales=0, split_stride=None):
         """One kernel: decode tokens with at least decode_min_keys keys on the flash-decoding
         path, every other token in tensor-core query tiles.
         num_splits > 1 lets up to that many CTAs share a tile's (or a decode token's, as many as
@@ -429,8 +431,10 @@ class ForwardKernels:
         with attention_small_rows query rows per CTA (decode-sized buckets); wide (with small):
         its kernel with attention_wide_threads threads a CTA (csrc/attention_common.cuh
         kAttnWideWarps). wgmma: the kernel whose query tiles of attention_wgmma_rows rows run
-        on wgmma (prefill-sized buckets; kAttnWgmmaRows). kv_scales: an E4M3 cache's (the
-        layer's, as rope_kv_write takes them)."""
+        on wgmma (prefill-sized buckets; kAttnWgmmaRows). roomy: the large tiles' kernel
+        compiled for fewer CTAs an SM, more registers a thread (csrc/attention_common.cuh
+        kAttnRoomyMinCtas). kv_scales: an E4M3 cache's (the layer's, as rope_kv_write takes
+        them)."""
         self._kv_checks(kv_scales, 0)
         group = num_heads // num_kv_heads
         max_rows = self.attention_tile_rows(small, wgmma)
@@ -446,10 +450,12 @@ class ForwardKernels:
                    "splits need the partial-output workspace and tile counters")
         self._need(small or not wide, "the wide attention kernel has the small query tiles")
         self._need(not (small and wgmma), "the wgmma attention kernel has the large query tiles")
+        self._need(not (roomy and (small or wgmma)),
+                   "the roomy attention kernel has the large mma.sync query tiles")
         self._need(self.attention_wgmma_available or not wgmma,
                    f"the wgmma attention kernel needs sm_90a and head dim 64 or 128 (this "
                    f"module: sm_{self.arch}, head dim {self.head_dim})")
-        name = self.attention_kernel(small, block_size, wide, wgmma)
+        name = self.attention_kernel(small, block_size, wide, wgmma, roomy)
         threads, smem = self.attention_launch[name]
         self.launch(name, (rows, num_kv_heads, num_splits), (threads,),
                     [_ptr(desc), _ptr(positions), _ptr(token_seq), _ptr(block_tables),
@@ -457,7 +463,7 @@ class ForwardKernels:
                      _i32(block_size), _i32(num_heads), _i32(num_kv_heads), _f32(scale),
                      _ptr(out), _i32(num_splits), _i32(split_stride), _ptr(partial_out),
                      _ptr(partial_stats), _ptr(tile_sems), _i32(min(decode_min_keys, 2 ** 31 - 1)),
-                     _i32(self.attention_slots(small, block_size, wide, wgmma)),
+                     _i32(self.attention_slots(small, block_size, wide, wgmma, roomy)),
                      _i32(int(release_next)), _ptr(kv_scales)],
                     stream, smem=smem)
 
@@ -475,22 +481,23 @@ class ForwardKernels:
         return min(self.attention_max_splits, num_splits * tile_tokens)
 
     def attention_kernel(self, small: bool, block_size: int, wide: bool = False,
-                         wgmma: bool = False) -> str:
+                         wgmma: bool = False, roomy: bool = False) -> str:
         """The attention kernel for query tiles of attention_small_rows (small),
         attention_wgmma_rows on wgmma (wgmma) or attention_rows, with attention_wide_threads
-        threads a CTA (wide), attention_wgmma_threads (wgmma) or attention_threads, and a KV
-        cache of block_size rows a block: the decode path of block sizes that are multiples of
+        threads a CTA (wide), attention_wgmma_threads (wgmma) or attention_threads (roomy:
+        the large tiles' kernel compiled for fewer CTAs an SM), and a KV cache of block_size
+        rows a block: the decode path of block sizes that are multiples of
         attention_step_keys (16) reads a warp step's keys from one block; the others'
         (_any_block) look up each key's block (csrc/attention.cuh AttentionCta)."""
         return ("blink_paged_attention" + ("_small" if small else "") + ("_wide" if wide else "")
-                + ("_wgmma" if wgmma else "")
+                + ("_wgmma" if wgmma else "") + ("_roomy" if roomy else "")
                 + ("" if block_size % self.attention_step_keys == 0 else "_any_block"))
 
     def attention_slots(self, small: bool, block_size: int, wide: bool = False,
-                        wgmma: bool = False) -> int:
+                        wgmma: bool = False, roomy: bool = False) -> int:
         """CTAs of that attention kernel the GPU holds at once."""
-        return (self.attention_ctas_per_sm[self.attention_kernel(small, block_size, wide, wgmma)]
-                * self.sm_count)
+        name = self.attention_kernel(small, block_size, wide, wgmma, roomy)
+        return self.attention_ctas_per_sm[name] * self.sm_count
 
     @classmethod
     def skinny_fits(cls, rows: int, in_features: int, out_features: int,
@@ -734,7 +741,7 @@ class ForwardKernels:
                         block_tables, max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
                         num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks, *,
                         w_tiled=False, k_splits=1, w_scale=0, norm_w=0, kv_scales=0,
-                        kv_amax=0):
+                        kv_amax=0, release_next=False):
         """The qkv projection with RoPE + KV write as its epilogue (rope_kv_write's outputs,
         without per-head q/k norms): with its input RMSNorm folded in (as skinny_linear with
         norm_eps; rows <= SKINNY_NORM_MAX_ROWS), or, eps None, of an input already normalized
@@ -743,7 +750,8 @@ class ForwardKernels:
         qkv_bias likewise or 0. k_splits 2: K split across clusters of two CTAs
         (skinny_splits; with the RMSNorm folded in). w_scale, norm_w: FP8 weights, as
         skinny_linear takes them (with the RMSNorm folded in). kv_scales, kv_amax: an E4M3
-        cache's, as rope_kv_write takes them."""
+        cache's, as rope_kv_write takes them. release_next: the next kernel (attention) launches
+        once this one's CTAs have started, not once their weights are read."""
         out_features = (num_heads + 2 * num_kv_heads) * self.head_dim
         norm = eps is not None
         fp8 = bool(w_scale)
@@ -766,7 +774,7 @@ class ForwardKernels:
                      _i32(max_blocks_per_seq), _ptr(qkv_bias), _ptr(inv_freq), _i32(num_heads),
                      _i32(num_kv_heads), _ptr(q_out), _ptr(k_cache), _ptr(v_cache),
                      _i32(block_size), _i32(num_blocks), _ptr(kv_scales), _ptr(kv_amax),
-                     _ptr(w_scale), _ptr(norm_w)], stream)
+                     _ptr(w_scale), _ptr(norm_w), _i32(int(release_next))], stream)
 
     def _kv_checks(self, kv_scales, kv_amax) -> None:
         """The KV-cache arguments a KV writer or reader takes: scales with an E4M3 cache (the
@@ -1007,7 +1015,8 @@ class CudaForward:
                  fp8_lm_head: bool = True, fp8_fast_accum: bool = True,
                  attention_wgmma_min_bucket: int | None = None,
                  attention_spread_max_bucket: int | None = None,
-                 fine_buckets_from: int = 128):
+                 attention_roomy_max_bucket: int | None = None,
+                 fine_buckets_from: int = 128, qkv_release_early: bool = False):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -1022,10 +1031,15 @@ class CudaForward:
         bench_decode --options makes). attention_wgmma_min_bucket: overrides
         ATTENTION_WGMMA_MIN_BUCKET (a huge value: no bucket takes the wgmma kernel);
         attention_spread_max_bucket ATTENTION_SPREAD_MAX_BUCKET (0: no query tile's keys split
-        over its other tokens' CTAs). fine_buckets_from: the buckets go four an octave from this
-        size up (engine_layout.default_buckets; 64 adds 80, 96 and 112, so a warm prefix
-        request's 100-token step runs as 112 rows rather than 128: the comparison bench_decode
-        --options makes).
+        over its other tokens' CTAs). attention_roomy_max_bucket: buckets up to this size that
+        run the large mma.sync query tiles take the roomy kernel (fewer CTAs an SM, more
+        registers: attention_roomy; default ATTENTION_ROOMY_MAX_BUCKET). fine_buckets_from: the
+        buckets go four an octave from this size up (engine_layout.default_buckets; 64 adds
+        80, 96 and 112, so a warm prefix request's 100-token step runs as 112 rows rather than
+        128: the comparison bench_decode --options makes). qkv_release_early: the skinny qkv
+        projection (with RoPE + KV write) lets attention launch once its CTAs have started
+        rather than once they have read their weights, so attention's CTAs load their first
+        keys while it runs (off until timed: bench_decode --options makes the comparison).
         gemm_tuning: each cuBLAS GEMM shape runs the fastest of cuBLAS's own choice and
         cuBLASLt's candidates, timed at start-up or read from the cache (gemm_tuning.py; False:
         cuBLAS's own choice everywhere). gemm_split_k: the tuner also times split-K variants
@@ -1126,6 +1140,7 @@ class CudaForward:
         self.fuse_norm_rope = fuse_norm_rope
         self.splitk_residual = splitk_residual
         self.skinny_qkv_rope = skinny_qkv_rope
+        self.qkv_release_early = qkv_release_early
         self.rowblock_gate_up = rowblock_gate_up
         self.norm_release = norm_release
         wide = H >= self.X_SLAB_CLUSTER_MIN_HIDDEN
@@ -1140,6 +1155,9 @@ class CudaForward:
         self.attention_spread_max_bucket = (self.ATTENTION_SPREAD_MAX_BUCKET
                                             if attention_spread_max_bucket is None
                                             else attention_spread_max_bucket)
+        self.attention_roomy_max_bucket = (self.ATTENTION_ROOMY_MAX_BUCKET
+                                           if attention_roomy_max_bucket is None
+                                           else attention_roomy_max_bucket)
         self.lm_head_tiled: DeviceArray | None = None  # the skinny LM head's (decode_weight_copy)
         # lm_head_fp8: the LM head's E4M3 codes [V, H] and their rows' scales [V] (the bf16
         # lm_head stays only where it is the embedding)
@@ -1536,6 +1554,7 @@ class CudaForward:
         # so that its CTAs take the SMs the norm leaves idle and start on their weights (at
         # 17..32 rows; a cuBLAS GEMM after a norm, in larger steps, launches at its end anyway)
         norm_release = in_order and self.norm_release
+        qkv_release = in_order and self.qkv_release_early  # (attention comes next)
 
         def chained(lw) -> bool:
             """Whether layer lw's o, gate|up and down projections run as one persistent kernel
@@ -1587,7 +1606,8 @@ class CudaForward:
                    self.inv_freq.ptr, cfg.num_heads, cfg.num_kv_heads, *cache_args,
                    w_tiled=tiled, k_splits=k.skinny_splits("qkv_rope_norm", rows, H, Q + 2 * KV,
                                                            self.skinny_split_blocks, fp8=True),
-                   w_scale=lw.scales["wqkv"].ptr, norm_w=lw.input_norm.ptr, **kv_write)
+                   w_scale=lw.scales["wqkv"].ptr, norm_w=lw.input_norm.ptr,
+                   release_next=qkv_release, **kv_write)
             else:
                 if fuse:  # Qwen3: its per-head q/k norms keep RoPE a kernel
                     fp8_skinny("rmsnorm + qkv proj", self.x_shadow.ptr, lw, "wqkv",
@@ -1645,6 +1665,7 @@ class CudaForward:
                    self.attn_partial_out.ptr, self.attn_partial_stats.ptr,
                    self.attn_tile_sems.ptr, small=self.attention_small(rows),
                    wide=self.attention_wide(rows), wgmma=self.attention_wgmma(rows),
+                   roomy=self.attention_roomy(rows),
                    decode_min_keys=self.decode_min_keys,
                    release_next=release_next, kv_scales=kv_write["kv_scales"],
                    split_stride=self.attention_split_stride(rows))
@@ -1667,7 +1688,7 @@ class CudaForward:
                    *rope_args, lw.bqkv.ptr if lw.bqkv else 0, self.inv_freq.ptr,
                    cfg.num_heads, cfg.num_kv_heads, *cache_args, w_tiled=tiled,
                    k_splits=k_splits(H, Q + 2 * KV, "qkv_rope_norm") if fuse else 1,
-                   **kv_write)
+                   release_next=qkv_release, **kv_write)
             else:
                 if fuse:
                     wqkv, tiled = skinny_weight(lw, "wqkv")
@@ -1876,7 +1897,8 @@ class CudaForward:
         contexts stay one or a few CTAs and long ones spread over the GPU."""
         k = self.kernels
         slots = k.attention_slots(self.attention_small(bucket), self.block_size,
-                                  self.attention_wide(bucket), self.attention_wgmma(bucket))
+                                  self.attention_wide(bucket), self.attention_wgmma(bucket),
+                                  self.attention_roomy(bucket))
         ctas = bucket * self.cfg.num_kv_heads
 
         def fill(splits):
@@ -1953,6 +1975,21 @@ class CudaForward:
         sm_90a, head dims 64 and 128 (ForwardKernels.attention_wgmma_available)."""
         return (bucket >= self.attention_wgmma_min_bucket and not self.attention_small(bucket)
                 and self.kernels.attention_wgmma_available)
+
+    # Buckets of at most this many tokens that run the large mma.sync tiles take the roomy
+    # attention kernel (attention_roomy): 0, none, until deploy/prefix_step_check.sh has timed it.
+    ATTENTION_ROOMY_MAX_BUCKET = 0
+
+    def attention_roomy(self, bucket: int) -> bool:
+        """Buckets of up to attention_roomy_max_bucket tokens that run the large mma.sync query
+        tiles (neither decode-sized nor on wgmma) take the roomy kernel: two CTAs an SM rather
+        than three at head dim 128, so the tile loop's ldmatrix issue well ahead of their MMAs
+        (csrc/attention_common.cuh kAttnRoomyMinCtas). For a short chunk deep into its context
+        (a prefix-cache hit's 100 tokens at 2,100 keys: round 27's 3.4 us a 64-key tile, its
+        warps waiting on shared-memory results); the decode tokens of such a bucket take the
+        same kernel's decode path."""
+        return (bucket <= self.attention_roomy_max_bucket and not self.attention_small(bucket)
+                and not self.attention_wgmma(bucket))
 
     def bucket_for(self, num_tokens: int) -> int | None:
         """The smallest bucket holding num_tokens, None when it exceeds the largest."""

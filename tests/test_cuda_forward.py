@@ -1108,8 +1108,8 @@ ATTENTION_BATCHES = {**MIXED, "decode": DECODES, "one long decode": [(3999, 1)],
 @pytest.mark.parametrize("batch", [1, 19, 99, "decode"])
 @pytest.mark.parametrize("splits", [1, 3, 64])
 # the kernel: 64-row query tiles, 16-row ones, 16-row ones with more warps a CTA, 128-row ones
-# on wgmma (two warpgroups)
-@pytest.mark.parametrize("variant", ["", "small", "small_wide", "wgmma"])
+# on wgmma (two warpgroups), 64-row ones compiled for fewer CTAs an SM (roomy)
+@pytest.mark.parametrize("variant", ["", "small", "small_wide", "wgmma", "roomy"])
 # decode tokens: all on the flash-decoding path, none, or split by context length in one launch
 @pytest.mark.parametrize("decode_min_keys", [0, 500, 2 ** 31 - 1])
 def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant,
@@ -1126,7 +1126,7 @@ def test_paged_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, s
 @pytest.mark.parametrize("block_size", [32, 48, 8, 24, 5])
 @pytest.mark.parametrize("batch", [19, "decode"])
 @pytest.mark.parametrize("splits", [1, 64])
-@pytest.mark.parametrize("variant", ["", "small_wide", "wgmma"])
+@pytest.mark.parametrize("variant", ["", "small_wide", "wgmma", "roomy"])
 def test_paged_attention_block_sizes(cf, stream, block_size, batch, splits, variant):
     """As test_paged_attention, with other block sizes (Llama-3.1-8B's heads, the decode path
     for every decode token)."""
@@ -1153,7 +1153,7 @@ def test_paged_attention_many_splits(cf, stream, head_dim, num_heads, num_kv_hea
                          [(64, 8, 8), (64, 8, 2), (128, 32, 8), (128, 16, 2), (128, 64, 1)])
 @pytest.mark.parametrize("batch", [19, 99, "decode", "one long decode"])
 @pytest.mark.parametrize("splits", [1, 64])
-@pytest.mark.parametrize("variant", ["", "small_wide", "wgmma"])
+@pytest.mark.parametrize("variant", ["", "small_wide", "wgmma", "roomy"])
 @pytest.mark.parametrize("block_size", [16, 24])
 def test_paged_attention_fp8_kv(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits,
                                 variant, block_size):
@@ -1169,7 +1169,7 @@ def test_paged_attention_fp8_kv(cf, stream, head_dim, num_heads, num_kv_heads, b
                          [(64, 8, 2), (64, 12, 4), (128, 32, 8), (128, 28, 4), (128, 64, 1)])
 @pytest.mark.parametrize("batch", ["deep chunks", 99])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("variant", ["", "small", "small_wide", "wgmma"])
+@pytest.mark.parametrize("variant", ["", "small", "small_wide", "wgmma", "roomy"])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_paged_attention_spread_tiles(cf, stream, head_dim, num_heads, num_kv_heads, batch,
                                       splits, variant, kv):
@@ -1183,15 +1183,15 @@ def test_paged_attention_spread_tiles(cf, stream, head_dim, num_heads, num_kv_he
 
 def _attention_flags(variant: str) -> dict[str, bool]:
     """ForwardKernels.attention's kernel arguments for a variant ("", "small", "small_wide",
-    "wgmma")."""
+    "wgmma", "roomy")."""
     return dict(small=variant.startswith("small"), wide=variant.endswith("wide"),
-                wgmma=variant == "wgmma")
+                wgmma=variant == "wgmma", roomy=variant == "roomy")
 
 
 def _check_attention(cf, stream, head_dim, num_heads, num_kv_heads, batch, splits, variant,
                      decode_min_keys, block_size, kv_fp8=False, spread=False):
     """variant: the kernel's name past blink_paged_attention ("", "small", "small_wide",
-    "wgmma").
+    "wgmma", "roomy").
     kv_fp8: an E4M3 cache (the module built for it) with a scale per (k|v, KV head).
     spread: a query tile's keys split over its tokens' CTAs too (split_stride = splits x the
     tile's tokens, at most attention_max_splits)."""
@@ -1579,6 +1579,33 @@ def test_forward_prefill_on_the_wgmma_attention_kernel(models, arch, monkeypatch
     pair.record("prefill on the wgmma attention kernel")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_prefill_on_the_roomy_attention_kernel(cf, models, arch):
+    """attention_roomy_max_bucket: the buckets up to it that run the large mma.sync tiles take
+    the roomy kernel (two CTAs an SM at head dim 128: qwen2's and qwen3's), whose slots size the
+    splits: a 99-token prompt, then its next 70 tokens over those keys beside another
+    sequence's one-token prompt (the decode path), against the reference."""
+    pair = Pair(models, arch)
+    pair.engine = cf.CudaForward(pair.cfg, models[arch][1], num_blocks=NUM_BLOCKS,
+                                 block_size=BLOCK, max_num_batched_tokens=MAX_TOKENS,
+                                 max_num_seqs=MAX_SEQS, attention_roomy_max_bucket=MAX_TOKENS)
+    try:
+        engine, k = pair.engine, pair.engine.kernels
+        assert engine.attention_roomy(MAX_TOKENS) and not engine.attention_roomy(64)
+        roomy = k.attention_slots(False, BLOCK, roomy=True)
+        assert roomy <= k.attention_slots(False, BLOCK)
+        if pair.cfg.head_dim == 128:
+            assert roomy == 2 * k.sm_count
+        engine.fill_kv_cache(0xFF)
+        blocks = np.random.default_rng(5).permutation(NUM_BLOCKS)
+        ids, other = prompt(pair.cfg, 169, seed=6), prompt(pair.cfg, 1, seed=7)
+        pair.step([(ids[:99], 0, blocks[:11])])
+        pair.step([(ids[99:], 99, blocks[:11]), (other, 0, blocks[11:12])])
+        pair.record("prefill on the roomy attention kernel")
+    finally:
+        pair.engine.close()
+
+
 @pytest.mark.parametrize("splitk_cluster,rowblock_cluster", [(1, 1), (2, 2), (4, 4), (2, 4)])
 def test_forward_splitk_runs_the_residual_projections_of_17_to_32_rows(models, monkeypatch,
                                                                        splitk_cluster,
@@ -1707,15 +1734,16 @@ def test_forward_graphs_cover_every_bucket(models):
         assert set(types_) == {"KERNEL"}
 
 
-def assert_same_steps(cfg, a_fwd, b_fwd, seed: int) -> None:
-    """A 40-token prompt prefilled in chunks of 33 and 7, then three decode steps fed the greedy
-    token, through both forwards (caches zeroed first): bit-identical logits and samples."""
-    table = np.arange(6)
-    ids = list(prompt(cfg, 40, seed=seed))
+def assert_same_steps(cfg, a_fwd, b_fwd, seed: int, chunks=(33, 7)) -> None:
+    """A prompt prefilled in the chunks given (default 33 and 7 tokens), then three decode steps
+    fed the greedy token, through both forwards (caches zeroed first): bit-identical logits and
+    samples."""
+    table = np.arange(-(-(sum(chunks) + 3) // BLOCK))
+    ids = list(prompt(cfg, sum(chunks), seed=seed))
     for fwd in (a_fwd, b_fwd):
         fwd.fill_kv_cache(0)
     pos = 0
-    for n in (33, 7, 1, 1, 1):
+    for n in (*chunks, 1, 1, 1):
         batch = make_batch([(np.array(ids[pos:pos + n]), pos, table)])
         a, a_sampled = a_fwd.run(batch)
         b, b_sampled = b_fwd.run(batch)
@@ -1747,6 +1775,40 @@ def test_forward_programmatic_launch_matches_plain_launches(cf, models):
         assert_same_steps(cfg, engine, plain, seed=8)
     finally:
         plain.close()
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_forward_qkv_release_early_is_bit_identical(cf, models, monkeypatch, quantization):
+    """qkv_release_early (the skinny qkv projection lets attention launch at its start) changes
+    when attention's CTAs launch, not what any kernel computes: chunks of 20 tokens (bf16: the
+    skinny qkv kernel after the RMSNorm kernel; FP8 weights: the FP8 GEMMs), 13 and 7 (the
+    RMSNorm folded in), then decode steps, give bit-identical logits and samples with it on and
+    off, on bf16 and on FP8 weights (with the FP8 cache); every layer's skinny qkv kernel
+    releases early with it on, none without."""
+    cfg, w, _ = models["llama"]
+    options = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK, max_num_batched_tokens=MAX_TOKENS,
+                   max_num_seqs=MAX_SEQS)
+    if quantization:
+        options.update(quantization=quantization, kv_cache_dtype=quantization)
+    engines = [cf.CudaForward(cfg, w, **options, qkv_release_early=early)
+               for early in (False, True)]
+    try:
+        assert_same_steps(cfg, *engines, seed=12, chunks=(20, 13, 7))
+        for engine in engines:
+            releases, launch = [], engine.kernels.skinny_qkv_rope
+
+            def counted(*args, release_next=False, launch=launch, releases=releases, **kwargs):
+                releases.append(release_next)
+                return launch(*args, release_next=release_next, **kwargs)
+
+            monkeypatch.setattr(engine.kernels, "skinny_qkv_rope", counted)
+            sizes = (20, 13, 1) if quantization is None else (13, 1)  # steps on the skinny qkv
+            for n in sizes:  # ops() runs again when eager: counted
+                engine.run(make_batch([(prompt(cfg, n, seed=13), 0, np.arange(2))]), eager=True)
+            assert releases == [engine.qkv_release_early] * len(sizes) * cfg.num_layers
+    finally:
+        for engine in engines:
+            engine.close()
 
 
 def test_forward_decode_weight_copy_matches_row_major(cf, models):

@@ -136,6 +136,17 @@ static constexpr int kAttnWgmmaRows = 16 * kAttnWgmmaWarps<kHeadDim>;
 // unchanged; at 5, with spills, every point slower).
 template <int kHeadDim, int kWarps>
 static constexpr int kAttnMinCtas = (kHeadDim > 128 ? 8 : kHeadDim > 64 ? 12 : 16) / kWarps;
+// The roomy kernel's (the large tiles for short chunks, CudaForward.attention_roomy_max_bucket):
+// at head dim 128, 8 warps an SM (2 CTAs of 4) rather than 12, so a cap of 255 registers rather
+// than 168. At 168, ptxas issues 13 of the tile loop's 32 ldmatrix right before the MMA that
+// reads them (nvdisasm: one instruction apart; round 27's ncu saw the warps wait on shared-memory
+// results 27% of the time) and spills 60 bytes; at the roomy cap the kernel takes 231 (235 with
+// an E4M3 cache), no spill, and every ldmatrix is 17 or more instructions ahead of its MMA
+// (docs/performance.md, round 36). Head dim 64 already holds its
+// loads 10 or more ahead at its cap of 128 (and above 128 the cap is 255): unchanged there.
+template <int kHeadDim, int kWarps>
+static constexpr int kAttnRoomyMinCtas =
+    kHeadDim == 128 ? 8 / kWarps : kAttnMinCtas<kHeadDim, kWarps>;
 
 // The merge weights of one query row's splits, a warp at once: lane z gets weight[i] =
 // 2^(m_z - M) of splits z and z + 32 (0 past active_splits <= 64, or where m_z = -inf) with

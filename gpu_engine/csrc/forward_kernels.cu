@@ -144,11 +144,13 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
 // The attention entries, with query tiles of kAttnRows or kAttnRowsSmall rows (and kAttnWideWarps
 // warps: _wide), for block sizes that are multiples of 16 and (_any_block) for the others
 // (attention.cuh AttentionCta).
+// _roomy: the large tiles' kernel compiled for fewer CTAs an SM (kAttnRoomyMinCtas: more
+// registers a thread), for the short chunks' buckets where CudaForward's
+// attention_roomy_max_bucket asks for it.
 // release_next: the next kernel may launch at once (the host sets it where that is a skinny or
 // split-K projection, which loads its first weights and then waits; utils.cuh).
-#define BLINK_PAGED_ATTENTION(NAME, ROWS, STEP_IN_ONE_BLOCK, WARPS)                          \
-  __global__ void __launch_bounds__(WARPS * blink::kWarpSize,                                \
-                                    blink::kAttnMinCtas<kHeadDim, WARPS>)                    \
+#define BLINK_PAGED_ATTENTION(NAME, ROWS, STEP_IN_ONE_BLOCK, WARPS, MIN_CTAS)                \
+  __global__ void __launch_bounds__(WARPS * blink::kWarpSize, MIN_CTAS)                      \
       NAME(const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,        \
            const int32_t* block_tables, int max_blocks_per_seq, const bf16* q,               \
            const KvElement* k_cache, const KvElement* v_cache, int block_size,               \
@@ -162,18 +164,25 @@ __global__ void __launch_bounds__(blink::kRopeThreads)
         split_stride, partial_out, partial_stats, tile_sems, decode_min_keys, slots,         \
         kv_scales);                                                                          \
   }
-BLINK_PAGED_ATTENTION(blink_paged_attention, blink::kAttnRows, true, blink::kAttnWarps)
-BLINK_PAGED_ATTENTION(blink_paged_attention_small, blink::kAttnRowsSmall, true, blink::kAttnWarps)
-BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide, blink::kAttnRowsSmall, true,
-                      kAttnWideWarps)
-BLINK_PAGED_ATTENTION(blink_paged_attention_any_block, blink::kAttnRows, false, blink::kAttnWarps)
-BLINK_PAGED_ATTENTION(blink_paged_attention_small_any_block, blink::kAttnRowsSmall, false,
-                      blink::kAttnWarps)
-BLINK_PAGED_ATTENTION(blink_paged_attention_small_wide_any_block, blink::kAttnRowsSmall, false,
-                      kAttnWideWarps)
-BLINK_PAGED_ATTENTION(blink_paged_attention_wgmma, kAttnWgmmaRows, true, kAttnWgmmaWarps)
-BLINK_PAGED_ATTENTION(blink_paged_attention_wgmma_any_block, kAttnWgmmaRows, false,
-                      kAttnWgmmaWarps)
+static constexpr int kAttnCtas = blink::kAttnMinCtas<kHeadDim, blink::kAttnWarps>;
+static constexpr int kAttnWideCtas = blink::kAttnMinCtas<kHeadDim, kAttnWideWarps>;
+static constexpr int kAttnWgmmaCtas = blink::kAttnMinCtas<kHeadDim, kAttnWgmmaWarps>;
+static constexpr int kAttnRoomyCtas = blink::kAttnRoomyMinCtas<kHeadDim, blink::kAttnWarps>;
+// (the block layouts: a warp step's keys in one block, or any block size)
+#define BLINK_PAGED_ATTENTION_LAYOUTS(NAME, ROWS, WARPS, MIN_CTAS)                           \
+  BLINK_PAGED_ATTENTION(NAME, ROWS, true, WARPS, MIN_CTAS)                                   \
+  BLINK_PAGED_ATTENTION(NAME##_any_block, ROWS, false, WARPS, MIN_CTAS)
+BLINK_PAGED_ATTENTION_LAYOUTS(blink_paged_attention, blink::kAttnRows, blink::kAttnWarps,
+                              kAttnCtas)
+BLINK_PAGED_ATTENTION_LAYOUTS(blink_paged_attention_small, blink::kAttnRowsSmall,
+                              blink::kAttnWarps, kAttnCtas)
+BLINK_PAGED_ATTENTION_LAYOUTS(blink_paged_attention_small_wide, blink::kAttnRowsSmall,
+                              kAttnWideWarps, kAttnWideCtas)
+BLINK_PAGED_ATTENTION_LAYOUTS(blink_paged_attention_wgmma, kAttnWgmmaRows, kAttnWgmmaWarps,
+                              kAttnWgmmaCtas)
+BLINK_PAGED_ATTENTION_LAYOUTS(blink_paged_attention_roomy, blink::kAttnRows, blink::kAttnWarps,
+                              kAttnRoomyCtas)
+#undef BLINK_PAGED_ATTENTION_LAYOUTS
 #undef BLINK_PAGED_ATTENTION
 
 // Skinny linear layers (gemv.cuh), one entry per (row tiles, column tiles) shape; the _norm
@@ -248,7 +257,11 @@ BLINK_SKINNY_NORM_LINEAR(1, 2)
 BLINK_SKINNY_NORM_LINEAR(2, 2)
 #undef BLINK_SKINNY_NORM_LINEAR
 
-// W: blink::Bf16Weights (w_scale and norm_w unused: null) or blink::Fp8Weights (_fp8 entries)
+// W: blink::Bf16Weights (w_scale and norm_w unused: null) or blink::Fp8Weights (_fp8 entries).
+// release_next: attention, the kernel after this one, may launch once every CTA of this grid
+// has started, not once their weights are read (its CTAs then take the slots this grid leaves
+// free and load their first keys, earlier steps', while it runs; CudaForward's
+// qkv_release_early, off until timed).
 #define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM, SPLITS, W)                                   \
   __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
   __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas) NAME(                          \
@@ -257,7 +270,9 @@ BLINK_SKINNY_NORM_LINEAR(2, 2)
       const int32_t* token_seq, const int32_t* block_tables, int max_blocks_per_seq,         \
       const bf16* qkv_bias, const float* inv_freq, int num_heads, int num_kv_heads,          \
       bf16* q_out, KvElement* k_cache, KvElement* v_cache, int block_size, int num_blocks,   \
-      const float* kv_scales, float* kv_amax, const float* w_scale, const bf16* norm_w) {    \
+      const float* kv_scales, float* kv_amax, const float* w_scale, const bf16* norm_w,      \
+      int release_next) {                                                                    \
+    if (release_next) blink::ReleaseNextKernel();                                            \
     blink::SkinnyQkvRopeCta<kHeadDim, A, C, NORM, SPLITS, Kv, W>(                            \
         x, ldx, M, w, w_tile_stride, N, K, eps, desc, positions, token_seq, block_tables,    \
         max_blocks_per_seq, qkv_bias, inv_freq, num_heads, num_kv_heads, q_out, k_cache,     \

@@ -53,11 +53,13 @@ __device__ __forceinline__ void StoreF32x8(float* p, const float (&v)[8]) {
 // shape, batch 1): 4.81 -> 4.68 ms a step. Releasing the next kernel at every kernel's start
 // (5.30 ms), or prefetching a projection's first weights into L2 before its wait (4.93 ms),
 // was slower: the waiting CTAs and the prefetches compete with the running kernel, so the
-// skinny projections release early only once their weights are read. They also issue their
-// first batch of weight loads (into registers, a few KB a CTA) before their wait (gemv.cuh):
-// data nothing before them writes. Attention, a chain of latencies on a few SMs in
-// decode-sized steps, releases the skinny o projection at its start, so that projection's
-// first weights stream while attention runs (8B batch 1: 3.92 -> 3.90 ms, 1B 0.833 -> 0.827).
+// skinny projections release early only once their weights are read (the qkv projection may
+// release attention at its start instead: CudaForward's qkv_release_early, off until timed).
+// They also issue their first batch of weight loads (into registers, a few KB a CTA) before
+// their wait (gemv.cuh): data nothing before them writes. Attention, a chain of latencies on a
+// few SMs in decode-sized steps, releases the skinny o projection at its start, so that
+// projection's first weights stream while attention runs (8B batch 1: 3.92 -> 3.90 ms, 1B
+// 0.833 -> 0.827).
 // The RMSNorm kernels of 17..32-row steps, 32 CTAs, release the projection after them once
 // they have waited (blink_rms_norm in forward_kernels.cu: 1B 32 x 512 1.187 -> 1.174 ms).
 // Activations must be read after the wait with coherent loads: ptxas moves ld.global.nc
