@@ -71,26 +71,30 @@ def write_periodic_checkpoint(out_dir: Path, steps: int = 400, seed: int = 0) ->
 
 
 def greedy_streams(forward, prompts: list[list[int]], steps: int,
-                   block_size: int) -> tuple[list[list[int]], float]:
+                   block_size: int) -> tuple[list[list[int]], np.ndarray]:
     """Every prompt's greedy continuation of `steps` tokens, as an engine serves them: one
     prefill step of all the prompts, then a decode step a token for all of them together, each
     sequence in blocks of its own (sequence s takes blocks s * per_seq onwards). forward(batch)
-    -> logits [sequences, vocab] for a ForwardBatch. Returns the streams and the smallest top-2
-    gap of the logits they were chosen from."""
+    -> logits [sequences, vocab] for a ForwardBatch (the CPU engine's or a CUDA engine's; the
+    FP8 tests' greedy checks share this). Returns the streams and the logits each token was
+    chosen from, [sequence, step, vocab]."""
     from blink.gpu_engine.forward_batch import ForwardBatch
 
     assert len({len(p) for p in prompts}) == 1, "prompts of one length"
     per_seq = -(-(len(prompts[0]) + steps) // block_size)
     tables = [np.arange(s * per_seq, (s + 1) * per_seq) for s in range(len(prompts))]
     ids = [list(p) for p in prompts]
-    logits = forward(ForwardBatch.of_chunks([(np.array(i), 0, t) for i, t in zip(ids, tables)]))
-    gap = np.inf
+    rows = [forward(ForwardBatch.of_chunks([(np.array(i), 0, t) for i, t in zip(ids, tables)]))]
     for step in range(steps):
-        top2 = np.sort(logits, axis=-1)[:, -2:]
-        gap = min(gap, float((top2[:, 1] - top2[:, 0]).min()))
-        for i, row in zip(ids, logits):
+        for i, row in zip(ids, rows[-1]):
             i.append(int(np.argmax(row)))
         if step + 1 < steps:  # (the last token's own logits are not needed)
-            logits = forward(ForwardBatch.of_chunks([(np.array(i[-1:]), len(i) - 1, t)
-                                                     for i, t in zip(ids, tables)]))
-    return [i[len(p):] for i, p in zip(ids, prompts)], gap
+            rows.append(forward(ForwardBatch.of_chunks([(np.array(i[-1:]), len(i) - 1, t)
+                                                        for i, t in zip(ids, tables)])))
+    return [i[len(p):] for i, p in zip(ids, prompts)], np.stack(rows, 1)
+
+
+def smallest_top2_gap(logits: np.ndarray) -> float:
+    """The smallest gap between the largest and the second-largest logit of any row."""
+    top2 = np.sort(logits.reshape(-1, logits.shape[-1]), axis=-1)[:, -2:]
+    return float((top2[:, 1] - top2[:, 0]).min())

@@ -1572,19 +1572,24 @@ def test_forward_prefill_on_the_wgmma_attention_kernel(models, arch, monkeypatch
     # one split, so that each CTA walks the keys' tiles through both stages
     monkeypatch.setattr(pair.engine, "max_attention_splits", 1)
     assert pair.engine.attention_wgmma(MAX_TOKENS) and not pair.engine.attention_wgmma(64)
+    prefill_beside_a_new_prompt(pair, eager=True)
+    pair.record("prefill on the wgmma attention kernel")
+
+
+def prefill_beside_a_new_prompt(pair, eager=False) -> None:
+    """A 99-token prompt, then its next 70 tokens over those keys beside another sequence's
+    one-token prompt (the decode path), through pair's engine and reference (bucket 128)."""
     blocks = np.random.default_rng(5).permutation(NUM_BLOCKS)
     ids, other = prompt(pair.cfg, 169, seed=6), prompt(pair.cfg, 1, seed=7)
-    pair.step([(ids[:99], 0, blocks[:11])], eager=True)
-    pair.step([(ids[99:], 99, blocks[:11]), (other, 0, blocks[11:12])], eager=True)
-    pair.record("prefill on the wgmma attention kernel")
+    pair.step([(ids[:99], 0, blocks[:11])], eager=eager)
+    pair.step([(ids[99:], 99, blocks[:11]), (other, 0, blocks[11:12])], eager=eager)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_forward_prefill_on_the_roomy_attention_kernel(cf, models, arch):
     """attention_roomy_max_bucket: the buckets up to it that run the large mma.sync tiles take
     the roomy kernel (two CTAs an SM at head dim 128: qwen2's and qwen3's), whose slots size the
-    splits: a 99-token prompt, then its next 70 tokens over those keys beside another
-    sequence's one-token prompt (the decode path), against the reference."""
+    splits: prefill_beside_a_new_prompt against the reference."""
     pair = Pair(models, arch)
     pair.engine = cf.CudaForward(pair.cfg, models[arch][1], num_blocks=NUM_BLOCKS,
                                  block_size=BLOCK, max_num_batched_tokens=MAX_TOKENS,
@@ -1597,10 +1602,7 @@ def test_forward_prefill_on_the_roomy_attention_kernel(cf, models, arch):
         if pair.cfg.head_dim == 128:
             assert roomy == 2 * k.sm_count
         engine.fill_kv_cache(0xFF)
-        blocks = np.random.default_rng(5).permutation(NUM_BLOCKS)
-        ids, other = prompt(pair.cfg, 169, seed=6), prompt(pair.cfg, 1, seed=7)
-        pair.step([(ids[:99], 0, blocks[:11])])
-        pair.step([(ids[99:], 99, blocks[:11]), (other, 0, blocks[11:12])])
+        prefill_beside_a_new_prompt(pair)
         pair.record("prefill on the roomy attention kernel")
     finally:
         pair.engine.close()

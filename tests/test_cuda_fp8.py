@@ -435,26 +435,19 @@ def test_fp8_greedy_streams_differ_only_at_near_ties(gate_engines):
     bf16 engine's top-2 gap is within 5x the two engines' logit difference (a near-tie), and
     that difference is FP8's rounding, not a fault: the step's relative L2 within twice the
     gate's bound (a garbage row would otherwise make every gap a near-tie)."""
+    from periodic_model import greedy_streams
     _, engines, seqs = gate_engines
+    prompts = [list(s[:GATE_PREFIX]) for s in seqs]
     streams = {}
     for name, engine in engines.items():
         engine.fill_kv_cache(0)
-        per_seq = -(-(GATE_PREFIX + 64) // BLOCK)
-        tables = [np.arange(s * per_seq, (s + 1) * per_seq) for s in range(len(seqs))]
-        ids = [list(s[:GATE_PREFIX]) for s in seqs]
-        rows = [engine.run(make_batch([(np.array(i), 0, t) for i, t in zip(ids, tables)]))[0]]
-        for p in range(GATE_PREFIX, GATE_PREFIX + 64):
-            for i, row in zip(ids, rows[-1]):
-                i.append(int(np.argmax(row)))
-            rows.append(engine.run(make_batch([(np.array(i[p:p + 1]), p, t)
-                                               for i, t in zip(ids, tables)]))[0])
-        streams[name] = (ids, np.stack(rows, 1))  # logits [seq, step, vocab]
+        streams[name] = greedy_streams(lambda batch: engine.run(batch)[0], prompts, 64, BLOCK)
     base_ids, base_logits = streams["bf16"]
     for name in (n for n in engines if n != "bf16"):
         ids, logits = streams[name]
         same = 0
         for s in range(len(seqs)):
-            ours, ref = ids[s][GATE_PREFIX:], base_ids[s][GATE_PREFIX:]
+            ours, ref = ids[s], base_ids[s]
             k = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
             if k is None:
                 same += 1
@@ -477,7 +470,7 @@ def test_fp8_greedy_streams_are_exact_on_a_decisive_model(cf, tmp_path_factory):
     tokens (one prefill step: the FP8 GEMMs) with the period for 64 decode steps (the FP8
     skinny kernels), every token."""
     from periodic_model import (continue_period, greedy_streams, periodic_prompt,
-                                write_periodic_checkpoint)
+                                smallest_top2_gap, write_periodic_checkpoint)
     path = write_periodic_checkpoint(tmp_path_factory.mktemp("periodic") / "m")
     cfg = load_config(path)
     w = load_weights(path, cfg)
@@ -491,12 +484,12 @@ def test_fp8_greedy_streams_are_exact_on_a_decisive_model(cf, tmp_path_factory):
                         ("fp8+kv", dict(quantization="fp8", kv_cache_dtype="fp8"))):
         engine = cf.CudaForward(cfg, w, **options, **extra)
         try:
-            streams, gap = greedy_streams(lambda batch: engine.run(batch)[0], prompts, 64,
-                                          BLOCK)
+            streams, logits = greedy_streams(lambda batch: engine.run(batch)[0], prompts, 64,
+                                             BLOCK)
         finally:
             engine.close()
         same = sum(s == t for s, t in zip(streams, want))
         print(f"fp8 periodic model: {name}: {same} of 16 streams of 64 tokens exact, smallest "
-              f"top-2 gap {gap:.2f}")
+              f"top-2 gap {smallest_top2_gap(logits):.2f}")
         REPORT["errors"][f"periodic model streams exact ({name}, of 16)"] = same
         assert streams == want, name
