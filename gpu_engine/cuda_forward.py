@@ -203,11 +203,19 @@ class ForwardKernels:
                       ("linear", "linear_norm", "qkv_rope_norm") for a in (1, 2) for c in (1, 2)),
                     *(f"blink_skinny_{kind}_fp8_{a}x{c}_k2" for kind, (a, c)
                       in itertools.product(SKINNY_SPLIT_KINDS, SKINNY_SPLIT_SHAPES)),
+                    # x's f16 form handed over (CudaForward's fp8_x_f16; one column tile)
+                    *(f"blink_skinny_{kind}_fp8_{io}_{a}x1{split}"
+                      for kind, io in (("linear", "xf16"), ("linear", "xf16out"),
+                                       ("linear_norm", "xf16"), ("qkv_rope_norm", "xf16"))
+                      for a in (1, 2) for split in ("", "_k2")
+                      if not (split and (a == 2 or kind == "linear_norm"))),
                     "blink_quantize_rows", "blink_rms_norm_fp8", "blink_silu_mul_fp8",
                     "blink_tile_weights_fp8")
     # FP8 skinny kernels: decode-sized steps only (the FP8 GEMMs take larger ones), and whole
     # 64-k steps (gemv.cuh Fp8Weights)
     SKINNY_FP8_MAX_ROWS = 16
+    # The FP8 skinny kernels that take x's f16 form (gemv.cuh kXF16): one column tile
+    SKINNY_X_F16_MAX_ROWS = 8
     SKINNY_FP8_K_ALIGN = engine_layout.FP8_K_ALIGN
 
     def __init__(self, head_dim: int, device: int = 0, programmatic_launch: bool = True,
@@ -379,12 +387,16 @@ class ForwardKernels:
     # rows: the grid's row count (the bucket, or the logit-row capacity); each kernel skips the
     # rows at or past the live count in BatchDesc.
 
-    def embedding(self, stream, rows, desc, token_ids, embed, x, hidden, vocab, x_shadow=0):
-        # embed: [vocab, hidden] bf16 -> x: [rows, hidden] f32 (and x_shadow, bf16, if given)
+    def embedding(self, stream, rows, desc, token_ids, embed, x, hidden, vocab, x_shadow=0,
+                  x_f16=0, norm_w=0):
+        # embed: [vocab, hidden] bf16 -> x: [rows, hidden] f32 (and x_shadow, bf16, if given;
+        # and x_f16, f16, if given: its f16 form times norm_w [hidden] bf16, the first layer's
+        # input RMSNorm weight, as the FP8 skinny qkv kernel takes it)
         self._need(hidden % 8 == 0, f"hidden {hidden} must be a multiple of 8")
+        self._need(bool(x_f16) == bool(norm_w), "x's f16 form comes with the norm's weight")
         self.launch("blink_embedding", (rows,), (256,),
                     [_ptr(desc), _ptr(token_ids), _ptr(embed), _ptr(x), _ptr(x_shadow),
-                     _i32(hidden), _i32(vocab)], stream)
+                     _i32(hidden), _i32(vocab), _ptr(x_f16), _ptr(norm_w)], stream)
 
     def rms_norm(self, stream, rows, desc, x, weight, out, hidden, eps, *, bias=0, gather=0,
                  max_rows=None, release_next=False):
@@ -620,7 +632,7 @@ class ForwardKernels:
 
     def skinny_linear(self, stream, x, w, out, rows, in_features, out_features, mode, *,
                       shadow=0, norm_eps=None, w_tiled=False, k_splits=1, argmax=0,
-                      w_scale=0, norm_w=0):
+                      w_scale=0, norm_w=0, x_f16=0, x_f16_out=0, x_f16_norm_w=0):
         """out[rows, out_features] (mode: SKINNY_BF16 / _F32 / _F32_ADD) = x[rows, in] @ w^T
         for rows <= SKINNY_MAX_ROWS, w: [out_features, in_features] bf16, all dense. SILU_MUL:
         w is gate|up interleaved in 16-row groups (interleave_gate_up) and
@@ -635,9 +647,23 @@ class ForwardKernels:
         w_scale: FP8 weights (the _fp8 entries: w holds E4M3 codes, w_scale [out_features]
         float32 their rows' scales; rows <= SKINNY_FP8_MAX_ROWS, in_features % 64 == 0); with
         norm_eps, norm_w [in_features] bf16 is the RMSNorm's weight (not folded into FP8
-        weights)."""
+        weights). FP8 weights, up to SKINNY_X_F16_MAX_ROWS rows: x_f16 [rows, in_features] f16
+        is x's f16 form as the kernel's MMAs take it (x times norm_w with norm_eps, times
+        1/16: csrc/fp8.cuh Fp8MmaInput), written by the kernel before, so it converts none
+        (x is still read for the norm's sum of squares); x_f16_out [rows, out_features] gets
+        the next projection's: the shadow's times x_f16_norm_w [out_features] (F32_ADD), or
+        the output's (SILU_MUL). (The _xf16 entries: CudaForward's fp8_x_f16.)"""
         silu = mode == SKINNY_SILU_MUL
         fp8 = bool(w_scale)
+        given = bool(x_f16 or x_f16_out)
+        self._need(not given or (fp8 and rows <= self.SKINNY_X_F16_MAX_ROWS),
+                   f"x's f16 form: FP8 weights, rows <= {self.SKINNY_X_F16_MAX_ROWS}")
+        self._need(norm_eps is None or bool(x_f16) == given,
+                   "a normalizing projection hands x's f16 form over only where it takes it")
+        self._need(not x_f16_out or (mode == SKINNY_F32_ADD and shadow and x_f16_norm_w)
+                   or (silu and not x_f16_norm_w),
+                   "the next projection's f16 form comes from the shadow (F32_ADD, times the "
+                   "next RMSNorm's weight) or SiLU * up's output")
         self._need(fp8 == bool(norm_w) or norm_eps is None,
                    "FP8 weights take the RMSNorm's weight (norm_w) where they normalize, bf16 "
                    "ones have it folded in")
@@ -649,15 +675,20 @@ class ForwardKernels:
                 _i32(out_features), _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
         self._need(not argmax or (mode == SKINNY_F32 and norm_eps is None),
                    "the argmax comes with fp32 outputs, without the RMSNorm folded in")
+        infix = _FP8[fp8] + ("_xf16" if x_f16 else "_xf16out" if x_f16_out else "")
         if norm_eps is None:
-            name = f"blink_skinny_linear{_FP8[fp8]}_{row_tiles}x{col_tiles}"
+            name = f"blink_skinny_linear{infix}_{row_tiles}x{col_tiles}"
             args = args + [_ptr(shadow), _ptr(argmax)] + ([_ptr(w_scale)] if fp8 else [])
+            if given:
+                args += [_ptr(x_f16), _ptr(x_f16_out), _ptr(x_f16_norm_w)]
             name = self._skinny_split_name(name, (row_tiles, col_tiles), k_splits)
         else:
             self._need(not shadow, "a normalizing projection writes no shadow")
             self._need(k_splits == 1, "a normalizing projection takes no K split")
-            name = f"blink_skinny_linear_norm{_FP8[fp8]}_{row_tiles}x{col_tiles}"
+            name = f"blink_skinny_linear_norm{infix}_{row_tiles}x{col_tiles}"
             args = args + [_f32(norm_eps)] + ([_ptr(w_scale), _ptr(norm_w)] if fp8 else [])
+            if given:
+                args += [_ptr(x_f16), _ptr(x_f16_out)]
         self.launch(name, (k_splits * -(-out_features // (16 * row_tiles)),),
                     (self.gemv_threads,), args, stream)
 
@@ -741,7 +772,7 @@ class ForwardKernels:
                         block_tables, max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
                         num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks, *,
                         w_tiled=False, k_splits=1, w_scale=0, norm_w=0, kv_scales=0,
-                        kv_amax=0, release_next=False):
+                        kv_amax=0, release_next=False, x_f16=0):
         """The qkv projection with RoPE + KV write as its epilogue (rope_kv_write's outputs,
         without per-head q/k norms): with its input RMSNorm folded in (as skinny_linear with
         norm_eps; rows <= SKINNY_NORM_MAX_ROWS), or, eps None, of an input already normalized
@@ -751,10 +782,13 @@ class ForwardKernels:
         (skinny_splits; with the RMSNorm folded in). w_scale, norm_w: FP8 weights, as
         skinny_linear takes them (with the RMSNorm folded in). kv_scales, kv_amax: an E4M3
         cache's, as rope_kv_write takes them. release_next: the next kernel (attention) launches
-        once this one's CTAs have started, not once their weights are read."""
+        once this one's CTAs have started, not once their weights are read. x_f16: x's f16
+        form, as skinny_linear takes it (FP8 weights, up to SKINNY_X_F16_MAX_ROWS rows)."""
         out_features = (num_heads + 2 * num_kv_heads) * self.head_dim
         norm = eps is not None
         fp8 = bool(w_scale)
+        self._need(not x_f16 or (fp8 and rows <= self.SKINNY_X_F16_MAX_ROWS),
+                   f"x's f16 form: FP8 weights, rows <= {self.SKINNY_X_F16_MAX_ROWS}")
         self._need(not fp8 or (norm and norm_w), "FP8 weights: the qkv projection with its "
                    "RMSNorm folded in, given the norm's weight")
         row_tiles, col_tiles = self._skinny_tiles(rows, hidden, out_features, False, norm, fp8)
@@ -763,8 +797,8 @@ class ForwardKernels:
         self._need(k_splits == 1 or norm, "the qkv projection after the RMSNorm kernel takes "
                    "no K split")
         self._kv_checks(kv_scales, kv_amax)
-        name = (f"blink_skinny_qkv_rope{'_norm' if norm else ''}{_FP8[fp8]}_"
-                f"{row_tiles}x{col_tiles}")
+        name = (f"blink_skinny_qkv_rope{'_norm' if norm else ''}{_FP8[fp8]}"
+                f"{'_xf16' if x_f16 else ''}_{row_tiles}x{col_tiles}")
         self.launch(self._skinny_split_name(name, (row_tiles, col_tiles), k_splits),
                     (k_splits * -(-out_features // (16 * row_tiles)),), (self.gemv_threads,),
                     [_ptr(x), _i32(hidden), _i32(rows), _ptr(w),
@@ -774,7 +808,8 @@ class ForwardKernels:
                      _i32(max_blocks_per_seq), _ptr(qkv_bias), _ptr(inv_freq), _i32(num_heads),
                      _i32(num_kv_heads), _ptr(q_out), _ptr(k_cache), _ptr(v_cache),
                      _i32(block_size), _i32(num_blocks), _ptr(kv_scales), _ptr(kv_amax),
-                     _ptr(w_scale), _ptr(norm_w), _i32(int(release_next))], stream)
+                     _ptr(w_scale), _ptr(norm_w), _i32(int(release_next)), _ptr(x_f16)],
+                    stream)
 
     def _kv_checks(self, kv_scales, kv_amax) -> None:
         """The KV-cache arguments a KV writer or reader takes: scales with an E4M3 cache (the
@@ -1016,7 +1051,8 @@ class CudaForward:
                  attention_wgmma_min_bucket: int | None = None,
                  attention_spread_max_bucket: int | None = None,
                  attention_roomy_max_bucket: int | None = None,
-                 fine_buckets_from: int = 128, qkv_release_early: bool = False):
+                 fine_buckets_from: int = 128, qkv_release_early: bool = False,
+                 fp8_x_f16: bool = False):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -1040,6 +1076,12 @@ class CudaForward:
         projection (with RoPE + KV write) lets attention launch once its CTAs have started
         rather than once they have read their weights, so attention's CTAs load their first
         keys while it runs (off until timed: bench_decode --options makes the comparison).
+        fp8_x_f16 (with quantization "fp8"): in buckets of up to
+        ForwardKernels.SKINNY_X_F16_MAX_ROWS rows, the kernels that write the residual stream's
+        shadow (the embedding, the o and down projections) and SiLU * up also write x's f16
+        form as the next FP8 skinny kernel's MMAs take it (times the next RMSNorm's weight and
+        1/16), so the qkv, gate|up and down projections convert none of it: bit-identical
+        logits (off until timed, as qkv_release_early).
         gemm_tuning: each cuBLAS GEMM shape runs the fastest of cuBLAS's own choice and
         cuBLASLt's candidates, timed at start-up or read from the cache (gemm_tuning.py; False:
         cuBLAS's own choice everywhere). gemm_split_k: the tuner also times split-K variants
@@ -1112,6 +1154,9 @@ class CudaForward:
         if kv_cache_dtype not in ("auto", "bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: 'auto', 'bf16' or 'fp8'")
         self.fp8 = quantization == "fp8"
+        if fp8_x_f16 and not self.fp8:
+            raise ValueError("fp8_x_f16 hands x over to the FP8 skinny kernels: it needs "
+                             "quantization 'fp8'")
         self.lm_head_fp8 = self.fp8 and fp8_lm_head
         self.kv_fp8 = kv_cache_dtype == "fp8"
         if self.fp8:
@@ -1141,6 +1186,7 @@ class CudaForward:
         self.splitk_residual = splitk_residual
         self.skinny_qkv_rope = skinny_qkv_rope
         self.qkv_release_early = qkv_release_early
+        self.fp8_x_f16 = fp8_x_f16
         self.rowblock_gate_up = rowblock_gate_up
         self.norm_release = norm_release
         wide = H >= self.X_SLAB_CLUSTER_MIN_HIDDEN
@@ -1243,6 +1289,11 @@ class CudaForward:
         self.attn = self._alloc((T, Q), BF16)
         self.gate_up = self._alloc((G, 2 * I), BF16)
         self.act = self._alloc((T, I), BF16)
+        # fp8_x_f16: the shadow's and act's f16 forms as the FP8 skinny kernels take them
+        # (f16 bits; one column tile of token rows)
+        x_f16_rows = min(T, ForwardKernels.SKINNY_X_F16_MAX_ROWS)
+        self.x_f16 = self._alloc((x_f16_rows, H), np.uint16) if fp8_x_f16 else None
+        self.act_f16 = self._alloc((x_f16_rows, I), np.uint16) if fp8_x_f16 else None
         self.h_logits = self._alloc((min(T, S), H), BF16)
         # FP8 GEMMs' input (prefill-sized steps): the normed rows, attention's output or
         # SiLU * up, one at a time, as E4M3 codes with a scale a token row
@@ -1574,6 +1625,13 @@ class CudaForward:
                self.x_shadow.ptr, lw.tiled["wgu"].ptr, self.act.ptr, lw.tiled["wdown"].ptr, H,
                I, Q, eps, self.chain_counters.ptr + 4 * k.chain_counters_words * li, **fp8)
 
+        # fp8_x_f16 in this bucket: the FP8 skinny kernels of one column tile take x's f16 form
+        # from the kernel before (a chained layer's projections would write none)
+        hand_x_f16 = (self.fp8_x_f16 and fuse and rows <= k.SKINNY_X_F16_MAX_ROWS
+                      and not any(chained(lw) for lw in self.layers))
+        x_f16 = self.x_f16.ptr if hand_x_f16 else 0
+        act_f16 = self.act_f16.ptr if hand_x_f16 else 0
+
         def fp8_linear(label, lw, name, dst, in_f, out_f, accumulate=False):
             """dst (+)= act_q @ lw.<name>^T on cuBLASLt's FP8 GEMM (E4M3 act_q with its rows'
             scales, the weight's codes with theirs): bf16 out, or fp32 added into dst. The
@@ -1607,12 +1665,12 @@ class CudaForward:
                    w_tiled=tiled, k_splits=k.skinny_splits("qkv_rope_norm", rows, H, Q + 2 * KV,
                                                            self.skinny_split_blocks, fp8=True),
                    w_scale=lw.scales["wqkv"].ptr, norm_w=lw.input_norm.ptr,
-                   release_next=qkv_release, **kv_write)
+                   release_next=qkv_release, x_f16=x_f16, **kv_write)
             else:
                 if fuse:  # Qwen3: its per-head q/k norms keep RoPE a kernel
                     fp8_skinny("rmsnorm + qkv proj", self.x_shadow.ptr, lw, "wqkv",
                                self.qkv.ptr, H, Q + 2 * KV, SKINNY_BF16, norm_eps=eps,
-                               norm_w=lw.input_norm.ptr)
+                               norm_w=lw.input_norm.ptr, x_f16=x_f16)
                 else:
                     op("input rmsnorm", k.rms_norm_fp8, s, rows, d, self.x.ptr,
                        lw.input_norm.ptr, self.act_q.ptr, self.act_q_scale.ptr, H, eps)
@@ -1622,13 +1680,20 @@ class CudaForward:
             if chained(lw):
                 return chain(li, lw)
             if fuse:
+                # (hand_x_f16: each writes the f16 form of x that the next one takes, o and down
+                # times the next RMSNorm's weight; the last layer's down writes none)
+                following = self.layers[li + 1] if li + 1 < len(self.layers) else None
+                next_f16 = x_f16 if following else 0
                 fp8_skinny("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
-                           SKINNY_F32_ADD, shadow=self.x_shadow.ptr)
+                           SKINNY_F32_ADD, shadow=self.x_shadow.ptr, x_f16_out=x_f16,
+                           x_f16_norm_w=lw.post_norm.ptr if x_f16 else 0)
                 fp8_skinny("rmsnorm + gate|up proj + silu*mul", self.x_shadow.ptr, lw, "wgu",
                            self.act.ptr, H, 2 * I, SKINNY_SILU_MUL, norm_eps=eps,
-                           norm_w=lw.post_norm.ptr)
+                           norm_w=lw.post_norm.ptr, x_f16=x_f16, x_f16_out=act_f16)
                 fp8_skinny("down proj + residual", self.act.ptr, lw, "wdown", self.x.ptr, I, H,
-                           SKINNY_F32_ADD, shadow=self.x_shadow.ptr)
+                           SKINNY_F32_ADD, shadow=self.x_shadow.ptr, x_f16=act_f16,
+                           x_f16_out=next_f16,
+                           x_f16_norm_w=following.input_norm.ptr if next_f16 else 0)
                 return
             op("attention quantize", k.quantize_rows, s, rows, d, self.attn.ptr, Q,
                self.act_q.ptr, Q, self.act_q_scale.ptr, Q)
@@ -1642,7 +1707,8 @@ class CudaForward:
             fp8_linear("down proj + residual", lw, "wdown", self.x.ptr, I, H, accumulate=True)
 
         op("embedding", k.embedding, s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr,
-           H, V, x_shadow=shadow)
+           H, V, x_shadow=shadow, x_f16=x_f16,
+           norm_w=self.layers[0].input_norm.ptr if x_f16 else 0)
         for li, lw in enumerate(self.layers):
             k_layer = self.k_cache.ptr + li * self._layer_kv_bytes
             v_layer = self.v_cache.ptr + li * self._layer_kv_bytes

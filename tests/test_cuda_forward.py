@@ -101,6 +101,15 @@ def f16_input(x) -> np.ndarray:
         np.float64) * 16
 
 
+def f16_form(x, norm_w=None) -> np.ndarray:
+    """x's f16 form as the FP8 skinny kernels' MMAs take it, as bits (csrc/fp8.cuh
+    Fp8MmaInput): x (bf16 values) times norm_w in float32, times 1/16, rounded to f16."""
+    v = np.asarray(x, np.float32)
+    if norm_w is not None:
+        v = v * np.asarray(norm_w, np.float32)
+    return (v * np.float32(1 / 16)).astype(np.float16).view(np.uint16)
+
+
 def fp8_weight(w) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(codes, scales, their float64 values) of w quantized per row (gpu_engine/fp8.py)."""
     codes, scale = quantize_rows(w)
@@ -425,6 +434,69 @@ def test_skinny_linear_fp8(cf, stream, rows, k_in, n_out, mode, layout, k_splits
             "linear", rows, k_in, n_out, 10 ** 6, fp8=True) != 2):
         pytest.skip("no K split for this shape or mode")
     check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits, fp8=True)
+
+
+@pytest.mark.parametrize("rows,k_in,n_out", [(1, 256, 200), (3, 128, 48), (8, 576, 1000),
+                                             (4, 256, 132 * 64 + 48), (1, 8192, 2048),
+                                             (5, 2048 + 128, 72), (1, 4096, 6144)])
+@pytest.mark.parametrize("kind", ["o", "down", "gate_up"])
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_skinny_fp8_x_f16(cf, stream, rows, k_in, n_out, kind, k_splits):
+    """x's f16 form handed over (CudaForward's fp8_x_f16): the _xf16 entries, given x's f16 form
+    (down: SiLU * up's; gate|up: the shadow's times the RMSNorm's weight), give the outputs of
+    the entries that convert x themselves bit for bit, and each writes the next projection's
+    form exactly (o and down: the shadow's times the next norm's weight; gate|up: its output's),
+    nothing past `rows`. o takes its x as stored (_xf16out)."""
+    k = kernels(cf)
+    norm = kind == "gate_up"
+    if k_splits == 2 and (norm or k.skinny_splits("linear", rows, k_in, n_out, 10 ** 6,
+                                                  fp8=True) != 2):
+        pytest.skip("no K split for this shape or kind")
+    rng = np.random.default_rng(rows * 11 + k_in + n_out)
+    cap, eps = 12, 1e-5
+    n_w = 2 * (-(-n_out // 32) * 16) if norm else n_out
+    x = rb(rng.standard_normal((cap, k_in)) * (7 if norm else 1))
+    norm_w = rb(1 + 0.3 * rng.standard_normal(k_in))  # the RMSNorm before gate|up
+    next_norm_w = rb(1 + 0.3 * rng.standard_normal(n_out))  # o's and down's next one
+    codes, scale, _ = fp8_weight(rb(rng.standard_normal((n_w, k_in)) * k_in ** -0.5))
+    dx, dw = dev(cf, float32_to_bf16_bits(x)), dev(cf, tiled(cf, codes))
+    d_norm_w = dev(cf, float32_to_bf16_bits(norm_w))
+    d_next = dev(cf, float32_to_bf16_bits(next_norm_w))
+    x_f16 = dev(cf, f16_form(x, norm_w if norm else None))
+    common = dict(w_tiled=True, w_scale=dev(cf, scale).ptr)
+    resid = rng.standard_normal((cap, n_out)).astype(np.float32)
+    outputs = []
+    for handed in (False, True):
+        if norm:
+            out = dev(cf, np.zeros((cap, n_w // 2), np.uint16), poison=True)
+            form = dev(cf, np.zeros((cap, n_w // 2), np.uint16), poison=True)
+            k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_w, cf.SKINNY_SILU_MUL,
+                            norm_eps=eps, norm_w=d_norm_w.ptr, **common,
+                            **(dict(x_f16=x_f16.ptr, x_f16_out=form.ptr) if handed else {}))
+            shadow = None
+        else:
+            out, form = dev(cf, resid), dev(cf, np.zeros((cap, n_out), np.uint16), poison=True)
+            shadow = dev(cf, np.zeros((cap, n_out), np.uint16), poison=True)
+            given = (dict(x_f16=x_f16.ptr if kind == "down" else 0, x_f16_out=form.ptr,
+                          x_f16_norm_w=d_next.ptr) if handed else {})
+            k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out,
+                            cf.SKINNY_F32_ADD, shadow=shadow.ptr, k_splits=k_splits, **common,
+                            **given)
+        cf.synchronize(stream)
+        outputs.append((out.download(), shadow.download() if shadow else None, form.download()))
+    (plain, plain_shadow, _), (got, got_shadow, form) = outputs
+    np.testing.assert_array_equal(got, plain)
+    if norm:
+        assert (got[:rows] != POISON_BF16).all()
+        np.testing.assert_array_equal(form[:rows], f16_form(bf16_to_f32(got[:rows])))
+    else:
+        np.testing.assert_array_equal(got_shadow, plain_shadow)
+        np.testing.assert_array_equal(form[:rows],
+                                      f16_form(bf16_to_f32(got_shadow[:rows]), next_norm_w))
+    assert (form[rows:] == POISON_BF16).all()
+    with pytest.raises(ValueError, match="f16 form"):
+        k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, 9, k_in, n_out, cf.SKINNY_F32_ADD,
+                        shadow=dx.ptr, x_f16=x_f16.ptr, **common)
 
 
 def check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits, fp8=False):
@@ -782,8 +854,11 @@ def test_embedding(cf, stream, tokens):
     d_table, d_ids = dev(cf, float32_to_bf16_bits(table)), dev(cf, ids)
     x = dev(cf, np.zeros((BUCKET, hidden), np.float32), poison=True)
     shadow = dev(cf, np.zeros((BUCKET, hidden), np.uint16), poison=True)
+    form = dev(cf, np.zeros((BUCKET, hidden), np.uint16), poison=True)
+    norm_w = rb(1 + 0.3 * rng.standard_normal(hidden))
     k.embedding(stream, BUCKET, desc(cf, tokens).ptr, d_ids.ptr, d_table.ptr, x.ptr, hidden, vocab,
-                x_shadow=shadow.ptr)
+                x_shadow=shadow.ptr, x_f16=form.ptr,
+                norm_w=dev(cf, float32_to_bf16_bits(norm_w)).ptr)
     cf.synchronize(stream)
     out = x.download()
     np.testing.assert_array_equal(out[:tokens], table[ids[:tokens]])
@@ -791,6 +866,9 @@ def test_embedding(cf, stream, tokens):
     np.testing.assert_array_equal(shadow.download()[:tokens],
                                   float32_to_bf16_bits(table[ids[:tokens]]))
     assert (shadow.download()[tokens:] == POISON_BF16).all()
+    # x's f16 form for the first layer's FP8 qkv kernel (CudaForward's fp8_x_f16)
+    np.testing.assert_array_equal(form.download()[:tokens], f16_form(table[ids[:tokens]], norm_w))
+    assert (form.download()[tokens:] == POISON_BF16).all()
 
 
 @pytest.mark.parametrize("tokens", [1, 19, 99])
@@ -1019,20 +1097,25 @@ def test_skinny_qkv_rope_k_split(cf, stream, head_dim, tokens, variant, hidden, 
 @pytest.mark.parametrize("variant", ["plain", "bias"])
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("rows,k_splits", [(8, 1), (16, 1), (8, 2)])
-@pytest.mark.parametrize("weights,kv", [("fp8", "bf16"), ("bf16", "fp8"), ("fp8", "fp8")])
+@pytest.mark.parametrize("weights,kv", [("fp8", "bf16"), ("bf16", "fp8"), ("fp8", "fp8"),
+                                        ("fp8 x_f16", "bf16"), ("fp8 x_f16", "fp8")])
 def test_skinny_qkv_rope_fp8(cf, stream, head_dim, tokens, variant, wide, rows, k_splits,
                              weights, kv):
     """The fused qkv projection (RMSNorm folded in, tiled weights; the row-major layout is
     test_skinny_linear_fp8's) with FP8 weights (the _fp8 entries: the norm's weight given
-    apart), an E4M3 KV cache (its head's scale, the calibration maxima noted), or both."""
+    apart), an E4M3 KV cache (its head's scale, the calibration maxima noted), or both; and
+    with x's f16 form given (the _xf16 entries, up to 8 rows: CudaForward's fp8_x_f16)."""
     if k_splits == 2 and wide:
         pytest.skip("K splits take one row tile a CTA")
+    if "x_f16" in weights and rows > 8:
+        pytest.skip("x's f16 form: one column tile")
     check_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, 2048, "tiled", rows,
-                          k_splits, fp8=weights == "fp8", kv_fp8=kv == "fp8")
+                          k_splits, fp8="fp8" in weights, kv_fp8=kv == "fp8",
+                          x_f16="x_f16" in weights)
 
 
 def check_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, layout, rows,
-                          k_splits, fp8=False, kv_fp8=False):
+                          k_splits, fp8=False, kv_fp8=False, x_f16=False):
     k = kernels(cf, head_dim, kv_fp8)
     rng = np.random.default_rng(head_dim + tokens + wide)
     heads = ((64, 8) if head_dim == 128 else (128, 8)) if wide else (4, 2)
@@ -1052,19 +1135,31 @@ def check_skinny_qkv_rope(cf, stream, head_dim, tokens, variant, wide, hidden, l
         h = f16_input(x[:live].astype(np.float32) * norm_w) * _rms_scale(x[:live], case.eps)
         fp8_args = {"w_scale": dev(cf, scale).ptr,
                     "norm_w": dev(cf, float32_to_bf16_bits(norm_w)).ptr}
+        if x_f16:  # the kernel's MMAs take this form as it is (the reference is the same)
+            d_form = dev(cf, f16_form(x, norm_w))
     else:
         w_bits = float32_to_bf16_bits(w[case.order])
         w_values = w.astype(np.float64)
         h = x[:live] * _rms_scale(x[:live], case.eps) if norm else x[:live]
     d_x, d_w = dev(cf, float32_to_bf16_bits(x)), dev(cf, tiled(cf, w_bits) if layout == "tiled"
                                                       else w_bits)
-    k.skinny_qkv_rope(stream, rows, desc(cf, live, len(case.pb.seqs)).ptr, d_x.ptr, d_w.ptr,
-                      hidden, case.eps if norm else None, case.d["positions"].ptr,
-                      case.d["token_seq"].ptr, case.d["tables"].ptr, case.pb.max_blocks,
-                      case.ptr["bias"], case.d["inv_freq"].ptr, case.nh, case.nkv,
-                      case.q_out.ptr, case.kc.ptr, case.vc.ptr, case.bs, case.pb.num_blocks,
-                      w_tiled=layout == "tiled", k_splits=k_splits, **fp8_args, **case.kv)
-    cf.synchronize(stream)
+    d_desc = desc(cf, live, len(case.pb.seqs))
+
+    def launch(**given):
+        k.skinny_qkv_rope(stream, rows, d_desc.ptr, d_x.ptr, d_w.ptr, hidden,
+                          case.eps if norm else None, case.d["positions"].ptr,
+                          case.d["token_seq"].ptr, case.d["tables"].ptr, case.pb.max_blocks,
+                          case.ptr["bias"], case.d["inv_freq"].ptr, case.nh, case.nkv,
+                          case.q_out.ptr, case.kc.ptr, case.vc.ptr, case.bs, case.pb.num_blocks,
+                          w_tiled=layout == "tiled", k_splits=k_splits, **fp8_args, **given,
+                          **case.kv)
+        cf.synchronize(stream)
+        return [a.download() for a in (case.q_out, case.kc, case.vc)]
+
+    converted = launch()
+    if x_f16:  # the _xf16 entry, given x's f16 form, writes the same bits
+        for got, want in zip(launch(x_f16=d_form.ptr), converted):
+            np.testing.assert_array_equal(got, want)
     case.check(rb(h @ w_values.T).astype(np.float64))
 
 
@@ -1811,6 +1906,44 @@ def test_forward_qkv_release_early_is_bit_identical(cf, models, monkeypatch, qua
     finally:
         for engine in engines:
             engine.close()
+
+
+# Llama (qkv + RoPE fused), Qwen2 (with the qkv bias), Qwen3 (per-head q/k norms: the qkv
+# projection on the norm-folding linear entry, RoPE a kernel)
+@pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "bf16"), ("llama", "fp8"),
+                                                 ("qwen2", "fp8"), ("qwen3", "bf16")])
+def test_forward_fp8_x_f16_is_bit_identical(cf, models, monkeypatch, arch, kv_cache_dtype):
+    """fp8_x_f16 (the kernels that write the residual stream's shadow, and SiLU * up, also write
+    x's f16 form, which the next FP8 skinny kernel's MMAs take as it is) changes no sum: chunks
+    of 7 tokens (the 8-token bucket: handed over), 13 (16: not) and 5, then decode steps, give
+    bit-identical logits and samples with it on and off (FP8 weights, either cache). With it on,
+    each layer's qkv, o, gate|up and down projections run _xf16 entries in the buckets of up to
+    8 rows, and none in larger ones; without it, none anywhere."""
+    cfg, w, _ = models[arch]
+    options = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK, max_num_batched_tokens=MAX_TOKENS,
+                   max_num_seqs=MAX_SEQS, quantization="fp8", kv_cache_dtype=kv_cache_dtype)
+    engines = [cf.CudaForward(cfg, w, **options, fp8_x_f16=on) for on in (False, True)]
+    try:
+        assert_same_steps(cfg, *engines, seed=14, chunks=(7, 13, 5))
+        for engine in engines:
+            names, launch = [], engine.kernels.launch
+
+            def recorded(name, *args, launch=launch, names=names, **kwargs):
+                names.append(name)
+                return launch(name, *args, **kwargs)
+
+            monkeypatch.setattr(engine.kernels, "launch", recorded)
+            for n in (1, 7, 13):  # ops() runs again when eager: recorded
+                names.clear()
+                engine.run(make_batch([(prompt(cfg, n, seed=15), 0, np.arange(2))]), eager=True)
+                handed = [name for name in names if "_xf16" in name]
+                on = engine.fp8_x_f16 and n <= engine.kernels.SKINNY_X_F16_MAX_ROWS
+                assert len(handed) == (4 * cfg.num_layers if on else 0), (n, handed)
+    finally:
+        for engine in engines:
+            engine.close()
+    with pytest.raises(ValueError, match="fp8_x_f16"):
+        cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK, fp8_x_f16=True)
 
 
 def test_forward_decode_weight_copy_matches_row_major(cf, models):

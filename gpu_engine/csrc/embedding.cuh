@@ -1,17 +1,21 @@
 // Token embedding lookup into the fp32 residual stream.
 #pragma once
 #include "batch.cuh"
+#include "fp8.cuh"
 #include "utils.cuh"
 
 namespace blink {
 
 // One CTA per token row t < num_tokens: x[t] = embed[token_ids[t]] (ids clamped into the vocab),
-// and the same row into x_shadow when not null (the residual stream's bf16 copy, gemv.cuh).
-// embed: [vocab, hidden] bf16; x: [bucket, hidden] f32; x_shadow: [bucket, hidden] bf16;
-// hidden % 8 == 0.
+// and the same row into x_shadow when not null (the residual stream's bf16 copy, gemv.cuh), and
+// into x_f16 when not null: its f16 form times norm_w (the first layer's input RMSNorm weight),
+// as the qkv projection's FP8 skinny kernel takes it (gemv.cuh kXF16).
+// embed: [vocab, hidden] bf16; x: [bucket, hidden] f32; x_shadow: [bucket, hidden] bf16; x_f16:
+// [bucket, hidden] f16; hidden % 8 == 0.
 __device__ __forceinline__ void EmbeddingCta(const BatchDesc* desc, const int32_t* token_ids,
                                              const bf16* embed, float* x, bf16* x_shadow,
-                                             int hidden, int vocab) {
+                                             int hidden, int vocab, __half* x_f16 = nullptr,
+                                             const bf16* norm_w = nullptr) {
   const int t = blockIdx.x;
   if (t >= desc->num_tokens) return;
   const int id = min(max(token_ids[t], 0), vocab - 1);
@@ -21,9 +25,16 @@ __device__ __forceinline__ void EmbeddingCta(const BatchDesc* desc, const int32_
     float v[8];
     LoadBf16x8(src + i, v);
     StoreF32x8(dst + i, v);
-    if (x_shadow != nullptr) {
-      *reinterpret_cast<uint4*>(x_shadow + static_cast<size_t>(t) * hidden + i) =
-          *reinterpret_cast<const uint4*>(src + i);
+    const size_t row = static_cast<size_t>(t) * hidden + i;
+    if (x_shadow != nullptr)
+      *reinterpret_cast<uint4*>(x_shadow + row) = *reinterpret_cast<const uint4*>(src + i);
+    if (x_f16 != nullptr) {
+      float w[8];
+      LoadBf16x8(norm_w + i, w);
+      __align__(16) __half h[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) h[e] = Fp8MmaInput(v[e], w[e]);
+      *reinterpret_cast<uint4*>(x_f16 + row) = *reinterpret_cast<const uint4*>(h);
     }
   }
 }

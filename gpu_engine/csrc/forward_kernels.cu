@@ -103,11 +103,12 @@ extern "C" __device__ const auto blink_splitk_smem_bytes = MakeSplitKSmemTable(
 
 extern "C" {
 
+// x_f16 (null: none), norm_w: the first layer's FP8 qkv kernel's input (EmbeddingCta).
 __global__ void __launch_bounds__(256)
     blink_embedding(const BatchDesc* desc, const int32_t* token_ids, const bf16* embed, float* x,
-                    bf16* x_shadow, int hidden, int vocab) {
+                    bf16* x_shadow, int hidden, int vocab, __half* x_f16, const bf16* norm_w) {
   blink::AwaitPriorKernel();
-  blink::EmbeddingCta(desc, token_ids, embed, x, x_shadow, hidden, vocab);
+  blink::EmbeddingCta(desc, token_ids, embed, x, x_shadow, hidden, vocab, x_f16, norm_w);
 }
 
 // release_next: the next kernel may launch as soon as this one has waited for its predecessor.
@@ -195,7 +196,10 @@ BLINK_PAGED_ATTENTION_LAYOUTS(blink_paged_attention_roomy, blink::kAttnRows, bli
 // head's per-row greedy argmax words (SkinnyStore), or null.
 // _fp8: FP8 weights (--quantization fp8; gemv.cuh Fp8Weights): E4M3 codes, w_scale their
 // rows' scales; norm_w the RMSNorm's weight (_norm, qkv_rope_norm: FP8 weights do not fold it
-// in). Decode-sized buckets only (up to 16 rows): larger steps run the FP8 GEMMs.
+// in). Decode-sized buckets only (up to 16 rows): larger steps run the FP8 GEMMs. _fp8_xf16: x's
+// f16 form given (x_f16: one column tile, gemv.cuh kXF16), written by the kernel before; the
+// FP8 linear entries write the next projection's (x_f16_out: the shadow's times x_f16_norm_w
+// with the residual add, SiLU * up's as it is), where not null. CudaForward's fp8_x_f16.
 #define BLINK_CLUSTER_OF_1
 #define BLINK_CLUSTER_OF_2 __cluster_dims__(2, 1, 1)
 #define BLINK_CLUSTER_OF_4 __cluster_dims__(4, 1, 1)
@@ -234,6 +238,27 @@ BLINK_SKINNY_LINEAR_FP8(blink_skinny_linear_fp8_1x1_k2, 1, 1, 2)
 BLINK_SKINNY_LINEAR_FP8(blink_skinny_linear_fp8_1x2_k2, 1, 2, 2)
 #undef BLINK_SKINNY_LINEAR_FP8
 
+// _xf16: x's f16 form in (x_f16) and the next projection's out (down); _xf16out: only out (o,
+// whose x, attention's output, comes as stored).
+#define BLINK_SKINNY_LINEAR_FP8_XF16(NAME, A, C, SPLITS, IN)                                 \
+  __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
+  __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                                \
+      NAME(const bf16* x, int ldx, int M, const fp8* w, uint32_t w_tile_stride, int N, int K, \
+           void* out, int ldo, int mode, bf16* shadow, unsigned long long* argmax,           \
+           const float* w_scale, const __half* x_f16, __half* x_f16_out,                     \
+           const bf16* x_f16_norm_w) {                                                       \
+    blink::SkinnyLinearCta<A, C, false, SPLITS, blink::Fp8Weights, IN, true>(                \
+        x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode, shadow, 0.f, argmax, w_scale,     \
+        nullptr, x_f16, x_f16_out, x_f16_norm_w);                                            \
+  }
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16_1x1, 1, 1, 1, true)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16_2x1, 2, 1, 1, true)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16_1x1_k2, 1, 1, 2, true)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16out_1x1, 1, 1, 1, false)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16out_2x1, 2, 1, 1, false)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16out_1x1_k2, 1, 1, 2, false)
+#undef BLINK_SKINNY_LINEAR_FP8_XF16
+
 #define BLINK_SKINNY_NORM_LINEAR(A, C)                                                       \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
       blink_skinny_linear_norm_##A##x##C(const bf16* x, int ldx, int M, const bf16* w,       \
@@ -257,12 +282,27 @@ BLINK_SKINNY_NORM_LINEAR(1, 2)
 BLINK_SKINNY_NORM_LINEAR(2, 2)
 #undef BLINK_SKINNY_NORM_LINEAR
 
+// x's f16 form in (x_f16) and SiLU * up's out (gate|up).
+#define BLINK_SKINNY_NORM_LINEAR_FP8_XF16(A, C)                                              \
+  __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
+      blink_skinny_linear_norm_fp8_xf16_##A##x##C(                                           \
+          const bf16* x, int ldx, int M, const fp8* w, uint32_t w_tile_stride, int N, int K, \
+          void* out, int ldo, int mode, float eps, const float* w_scale,                     \
+          const bf16* norm_w, const __half* x_f16, __half* x_f16_out) {                      \
+    blink::SkinnyLinearCta<A, C, true, 1, blink::Fp8Weights, true, true>(                    \
+        x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode, nullptr, eps, nullptr, w_scale,   \
+        norm_w, x_f16, x_f16_out);                                                           \
+  }
+BLINK_SKINNY_NORM_LINEAR_FP8_XF16(1, 1)
+BLINK_SKINNY_NORM_LINEAR_FP8_XF16(2, 1)
+#undef BLINK_SKINNY_NORM_LINEAR_FP8_XF16
+
 // W: blink::Bf16Weights (w_scale and norm_w unused: null) or blink::Fp8Weights (_fp8 entries).
 // release_next: attention, the kernel after this one, may launch once every CTA of this grid
 // has started, not once their weights are read (its CTAs then take the slots this grid leaves
 // free and load their first keys, earlier steps', while it runs; CudaForward's
-// qkv_release_early, off until timed).
-#define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM, SPLITS, W)                                   \
+// qkv_release_early, off until timed). x_f16: x's f16 form (the _xf16 entries; null in others).
+#define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM, SPLITS, W, XF16)                             \
   __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
   __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas) NAME(                          \
       const bf16* x, int ldx, int M, const W::Element* w, uint32_t w_tile_stride, int N,     \
@@ -271,27 +311,35 @@ BLINK_SKINNY_NORM_LINEAR(2, 2)
       const bf16* qkv_bias, const float* inv_freq, int num_heads, int num_kv_heads,          \
       bf16* q_out, KvElement* k_cache, KvElement* v_cache, int block_size, int num_blocks,   \
       const float* kv_scales, float* kv_amax, const float* w_scale, const bf16* norm_w,      \
-      int release_next) {                                                                    \
+      int release_next, const __half* x_f16) {                                               \
     if (release_next) blink::ReleaseNextKernel();                                            \
-    blink::SkinnyQkvRopeCta<kHeadDim, A, C, NORM, SPLITS, Kv, W>(                            \
+    blink::SkinnyQkvRopeCta<kHeadDim, A, C, NORM, SPLITS, Kv, W, XF16>(                      \
         x, ldx, M, w, w_tile_stride, N, K, eps, desc, positions, token_seq, block_tables,    \
         max_blocks_per_seq, qkv_bias, inv_freq, num_heads, num_kv_heads, q_out, k_cache,     \
-        v_cache, block_size, num_blocks, kv_scales, kv_amax, w_scale, norm_w);               \
+        v_cache, block_size, num_blocks, kv_scales, kv_amax, w_scale, norm_w, x_f16);        \
   }
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1, 1, 1, true, 1, blink::Bf16Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x1, 2, 1, true, 1, blink::Bf16Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2, 1, 2, true, 1, blink::Bf16Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x2, 2, 2, true, 1, blink::Bf16Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_1x4, 1, 4, false, 1, blink::Bf16Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false, 1, blink::Bf16Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1_k2, 1, 1, true, 2, blink::Bf16Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2_k2, 1, 2, true, 2, blink::Bf16Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x1, 1, 1, true, 1, blink::Fp8Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_2x1, 2, 1, true, 1, blink::Fp8Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x2, 1, 2, true, 1, blink::Fp8Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_2x2, 2, 2, true, 1, blink::Fp8Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x1_k2, 1, 1, true, 2, blink::Fp8Weights)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x2_k2, 1, 2, true, 2, blink::Fp8Weights)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1, 1, 1, true, 1, blink::Bf16Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x1, 2, 1, true, 1, blink::Bf16Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2, 1, 2, true, 1, blink::Bf16Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x2, 2, 2, true, 1, blink::Bf16Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_1x4, 1, 4, false, 1, blink::Bf16Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false, 1, blink::Bf16Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1_k2, 1, 1, true, 2, blink::Bf16Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2_k2, 1, 2, true, 2, blink::Bf16Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x1, 1, 1, true, 1, blink::Fp8Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_2x1, 2, 1, true, 1, blink::Fp8Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x2, 1, 2, true, 1, blink::Fp8Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_2x2, 2, 2, true, 1, blink::Fp8Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x1_k2, 1, 1, true, 2, blink::Fp8Weights,
+                      false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x2_k2, 1, 2, true, 2, blink::Fp8Weights,
+                      false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_xf16_1x1, 1, 1, true, 1, blink::Fp8Weights,
+                      true)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_xf16_2x1, 2, 1, true, 1, blink::Fp8Weights,
+                      true)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_xf16_1x1_k2, 1, 1, true, 2,
+                      blink::Fp8Weights, true)
 #undef BLINK_SKINNY_QKV_ROPE
 
 // A batch-1 layer's projections after attention in one persistent kernel (gemv_chain.cuh): o +

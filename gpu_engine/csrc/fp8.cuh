@@ -52,6 +52,14 @@ __device__ __forceinline__ uint32_t Bf16x2ToF16x2(uint32_t v, float scale) {
   return F32x2ToF16x2(f.x * scale, f.y * scale);
 }
 
+// One element of x as the FP8 skinny kernels' MMAs take it (gemv.cuh GemvStepInputFp8): its
+// bf16 value v (as a float) times its RMSNorm weight (1 where none) and kFp8InputScale, rounded
+// to f16. The same float operations in the same order, so a kernel that writes x's f16 form for
+// the next one (gemv.cuh kXF16) hands over exactly the words that kernel would have made.
+__device__ __forceinline__ __half Fp8MmaInput(float v, float norm_w) {
+  return __float2half_rn(v * norm_w * kFp8InputScale);
+}
+
 // An f16 pair -> two floats.
 __device__ __forceinline__ float2 F16x2ToF32x2(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));

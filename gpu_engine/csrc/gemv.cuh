@@ -142,7 +142,9 @@ template <int kUnroll, int kRowTiles, int kColTiles, class W = Bf16Weights>
 struct GemvBatch {
   uint4 w[kUnroll][kRowTiles][2];
   typename W::XFrag x[kUnroll][kColTiles];
-  typename W::XFrag norm_w[kUnroll];  // FP8 kNormIn only (unused registers otherwise)
+  // FP8 kNormIn only: the RMSNorm's weight over each step's k, or, where x's f16 form is given
+  // (SkinnyAccumulate's kXF16), that form (unused registers otherwise)
+  typename W::XFrag norm_w[kUnroll];
 };
 
 // FP8 weights: each of a CTA's rows' weight scale, beside its sums (bf16: nothing).
@@ -294,6 +296,30 @@ __device__ __forceinline__ void GemvStepInputFp8(uint32_t (&xb)[kColTiles][8],
   }
 }
 
+// x's part of a step where x's f16 form is given (SkinnyAccumulate's kXF16: the words
+// GemvStepInputFp8 would make, written by the kernel before; one column tile): xf holds them
+// with kNormIn, and xv x as stored, for the lane's share of its sum of squares (summed in
+// GemvStepInputFp8's order); without, xv holds them.
+template <bool kNormIn>
+__device__ __forceinline__ void GemvStepInputGiven(uint32_t (&xb)[1][8], float (&sum_sq)[1],
+                                                   const uint4 (&xv)[1][2],
+                                                   const uint4 (&xf)[2]) {
+  const uint4(&f16)[2] = kNormIn ? xf : xv[0];
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    xb[0][4 * p] = f16[p].x, xb[0][4 * p + 1] = f16[p].y;
+    xb[0][4 * p + 2] = f16[p].z, xb[0][4 * p + 3] = f16[p].w;
+    if constexpr (kNormIn) {
+      const uint32_t words[4] = {xv[0][p].x, xv[0][p].y, xv[0][p].z, xv[0][p].w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[q]));
+        sum_sq[0] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[0]));
+      }
+    }
+  }
+}
+
 // The weights' part: W rows g, g + 8 of each row tile (wv: 16 codes each, k 16 t .. + 15 of
 // the step) against xb (GemvStepInputFp8); MMA i takes k 16 t + 4 i .. + 3, the same
 // permutation of k in A and B (as MmaBf16Step32 permutes them).
@@ -431,8 +457,16 @@ struct NoLoadsAfterWait {
 // store). Where a projection has fewer row blocks than the GPU has SMs (Llama-3.2-1B's o and
 // down projections at batch 1: 128 row blocks of 16 rows), one CTA an SM has too few loads in
 // flight to stream at the memory's rate, and two CTAs a row block double them.
+//
+// kXF16 (FP8 weights, up to 8 token rows): x_f16 [M, ldx] holds x's f16 form, the words
+// GemvStepInputFp8 makes (times the RMSNorm's weight norm_w with kNormIn, and kFp8InputScale;
+// fp8.cuh Fp8MmaInput), written by the kernel before beside x (SkinnyStore's x_f16). The MMAs
+// take them as loaded, with no conversion on their path: the same sums, bit for bit. kNormIn
+// still loads x as stored, for its sum of squares; norm_w is not read. Why: x's conversion, each
+// CTA converting its own steps' x on its MMAs' path, is 2.5% of the 8B FP8 batch-1 step (docs/
+// performance.md round 29, timed with x fed unconverted).
 template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1, class W = Bf16Weights,
-          class AfterWait = NoLoadsAfterWait>
+          bool kXF16 = false, class AfterWait = NoLoadsAfterWait>
 __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
                                                  const typename W::Element* w,
                                                  uint32_t w_tile_stride, int N, int K,
@@ -440,12 +474,14 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
                                                  GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
                                                  const float* w_scale = nullptr,
                                                  const bf16* norm_w = nullptr,
-                                                 AfterWait&& after_wait = AfterWait{}) {
+                                                 AfterWait&& after_wait = AfterWait{},
+                                                 const __half* x_f16 = nullptr) {
   using S = GemvShape<kRowTiles, kColTiles, W, kNormIn>;
   static_assert(sizeof(sums) <= 48 * 1024, "static shared memory");
+  static_assert(!kXF16 || (W::kFp8 && kColTiles == 1), "x's f16 form: FP8, one column tile");
   constexpr int kUnroll = S::kUnroll;
   constexpr int kStepK = W::kStepK, kPieceK = kStepK / 4;  // k a step, k a lane loads a row
-  constexpr bool kNormW = W::kFp8 && kNormIn;
+  constexpr bool kNormW = W::kFp8 && kNormIn && !kXF16;
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   // the steps' round-robin runs over the cluster's warps: this warp's place in it
@@ -487,7 +523,7 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
 
   using XFrag = typename W::XFrag;
   // One step's loads: W rows g, g + 8 of each row tile; x row g of each column tile (and the
-  // RMSNorm's weight over the same k: kNormW).
+  // RMSNorm's weight over the same k: kNormW; kXF16: x's f16 form, into nw with kNormIn).
   auto load_w = [&](int step, uint4 (&wv)[kRowTiles][2]) {
     const uint32_t k = static_cast<uint32_t>(step) * w_step;
 #pragma unroll
@@ -501,7 +537,18 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
     for (int j = 0; j < kColTiles; ++j) {
       if constexpr (W::kFp8) {
 #pragma unroll
-        for (int p = 0; p < 2; ++p) xv[j][p] = LoadActivation16(x + (x_off[j] + k + 8 * p));
+        for (int p = 0; p < 2; ++p) {
+          if constexpr (!kXF16 || kNormIn)
+            xv[j][p] = LoadActivation16(x + (x_off[j] + k + 8 * p));
+          if constexpr (kXF16) {
+            const uint4 v = LoadActivation16(x_f16 + (x_off[j] + k + 8 * p));
+            if constexpr (kNormIn) {
+              nw[p] = v;
+            } else {
+              xv[j][p] = v;
+            }
+          }
+        }
       } else {
         xv[j] = LoadActivation16(x + (x_off[j] + k));
       }
@@ -514,7 +561,11 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
   };
   auto mma = [&](const uint4 (&wv)[kRowTiles][2], const XFrag (&xv)[kColTiles],
                  const XFrag& nw) {
-    if constexpr (W::kFp8) {
+    if constexpr (kXF16) {
+      uint32_t xb[1][8];
+      GemvStepInputGiven<kNormIn>(xb, sum_sq, xv, nw);
+      GemvStepMmasFp8(acc, wv, xb);
+    } else if constexpr (W::kFp8) {
       GemvStepMmaFp8<kRowTiles, kColTiles, kNormIn>(acc, sum_sq, wv, xv, nw);
     } else {
       GemvStepMma<kRowTiles, kColTiles, kNormIn>(acc, sum_sq, wv, xv);
@@ -604,14 +655,18 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
 // thread's index among the `threads` (whole warps) that call it. has_prior (kGemvF32Add,
 // where each thread stores one element at most): prior is that element of out as the thread
 // read it before (SkinnyLinearCta, right after waiting for the previous kernel), so the
-// epilogue does not wait for the load.
+// epilogue does not wait for the load. x_f16 (with shadow): the shadow's f16 form as the next
+// projection's FP8 skinny kernel takes it (SkinnyAccumulate's kXF16), times x_f16_norm_w [N],
+// that projection's RMSNorm weight.
 template <int kRowTiles, int kColTiles, int kSplits, class W>
 __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
                                             int row_block, int M, int N, void* out, int ldo,
                                             int mode, bf16* shadow,
                                             unsigned long long* argmax = nullptr,
                                             int tid = threadIdx.x, int threads = blockDim.x,
-                                            bool has_prior = false, float prior = 0.f) {
+                                            bool has_prior = false, float prior = 0.f,
+                                            __half* x_f16 = nullptr,
+                                            const bf16* x_f16_norm_w = nullptr) {
   using S = GemvShape<kRowTiles, kColTiles, W>;
   const int n0 = row_block * S::kRows, cols = min(M, S::kCols);
   if (argmax != nullptr && mode == kGemvF32) {
@@ -640,18 +695,24 @@ __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles,
       const float sum = sums.total_plus(r, m, has_prior ? prior : *dst);
       *dst = sum;
       if (shadow != nullptr) shadow[o] = __float2bfloat16(sum);
+      if (x_f16 != nullptr) {  // (with the shadow): from its bf16 value
+        x_f16[o] = Fp8MmaInput(__bfloat162float(__float2bfloat16(sum)),
+                               __bfloat162float(x_f16_norm_w[n]));
+      }
     }
   }
 }
 
 // kGemvSiluMul: the CTA's rows 0..15 are the gate of features f0 .. f0 + 15 (f0 = 16 x its row
 // block) and rows 16..31 their up (kRowTiles == 2); out[m, f] = silu(gate) * up in bf16, f < N / 2.
-// tid, threads: as SkinnyStore's.
+// tid, threads: as SkinnyStore's. x_f16: out's f16 form as the down projection's FP8 skinny
+// kernel takes it (SkinnyAccumulate's kXF16), beside out (ldo apart).
 template <int kColTiles, int kSplits, class W>
 __device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles, kSplits, W>& sums,
                                                    int row_block, int M, int N, bf16* out,
                                                    int ldo, int tid = threadIdx.x,
-                                                   int threads = blockDim.x) {
+                                                   int threads = blockDim.x,
+                                                   __half* x_f16 = nullptr) {
   const int f0 = row_block * 16, cols = min(M, GemvShape<2, kColTiles, W>::kCols);
   for (int i = tid; i < 16 * cols; i += threads) {
     const int r = i % 16, m = i / 16;
@@ -659,22 +720,35 @@ __device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles, 
     // rounded to bf16 as the unfused path stores gate and up before SiLU
     const float gate = __bfloat162float(__float2bfloat16(sums.total(r, m)));
     const float up = __bfloat162float(__float2bfloat16(sums.total(r + 16, m)));
-    out[static_cast<size_t>(m) * ldo + f0 + r] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
+    const float act = gate / (1.f + expf(-gate)) * up;
+    out[static_cast<size_t>(m) * ldo + f0 + r] = __float2bfloat16(act);
+    if (x_f16 != nullptr) {  // from its bf16 value
+      x_f16[static_cast<size_t>(m) * ldo + f0 + r] =
+          Fp8MmaInput(__bfloat162float(__float2bfloat16(act)), 1.f);
+    }
   }
 }
 
 // The whole skinny linear layer for the plain and SiLU-gated modes. grid.x = ceil(N / kRows)
 // x kSplits (kGemvSiluMul: N = 2 * features, kRowTiles == 2); blockDim.x = kGemvThreads;
 // kSplits > 1: clusters of kSplits CTAs along x. FP8 weights (W = Fp8Weights): w_scale, and
-// norm_w with kNormIn, as SkinnyAccumulate takes them.
-template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1, class W = Bf16Weights>
+// norm_w with kNormIn, as SkinnyAccumulate takes them, and x's f16 form given with kXF16In
+// (x_f16, SkinnyAccumulate's kXF16); kXF16Out: x_f16_out, where not null, gets out's
+// (kGemvSiluMul) or the shadow's (kGemvF32Add, times x_f16_norm_w) f16 form for the next
+// projection's kXF16 kernel. (Both compile-time, so the entries without them are the same
+// machine code as before them.)
+template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1, class W = Bf16Weights,
+          bool kXF16In = false, bool kXF16Out = false>
 __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M,
                                                 const typename W::Element* w,
                                                 uint32_t w_tile_stride, int N, int K, void* out,
                                                 int ldo, int mode, bf16* shadow, float eps,
                                                 unsigned long long* argmax = nullptr,
                                                 const float* w_scale = nullptr,
-                                                const bf16* norm_w = nullptr) {
+                                                const bf16* norm_w = nullptr,
+                                                const __half* x_f16 = nullptr,
+                                                __half* x_f16_out = nullptr,
+                                                const bf16* x_f16_norm_w = nullptr) {
   using S = GemvShape<kRowTiles, kColTiles, W>;
   __shared__ GemvSums<kRowTiles, kColTiles, kSplits, W> sums;
   const int row_block = SkinnyRowBlock<kSplits>();
@@ -688,15 +762,17 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M,
   auto read_residual = [&] {
     if (mine) prior = *at;
   };
-  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits, W>(
-          x, ldx, M, w, w_tile_stride, N, K, eps, sums, w_scale, norm_w, read_residual))
+  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits, W, kXF16In>(
+          x, ldx, M, w, w_tile_stride, N, K, eps, sums, w_scale, norm_w, read_residual, x_f16))
     return;
+  if constexpr (!kXF16Out) x_f16_out = nullptr;
   if constexpr (kRowTiles == 2) {
     if (mode == kGemvSiluMul)
-      return SkinnyStoreSiluMul(sums, row_block, M, N, static_cast<bf16*>(out), ldo);
+      return SkinnyStoreSiluMul(sums, row_block, M, N, static_cast<bf16*>(out), ldo, threadIdx.x,
+                                blockDim.x, x_f16_out);
   }
   SkinnyStore(sums, row_block, M, N, out, ldo, mode, shadow, argmax, threadIdx.x, blockDim.x,
-              mine, prior);
+              mine, prior, x_f16_out, x_f16_norm_w);
 }
 
 // --- split K with shared activations: 17 to 32 token rows, added into the residual stream -------

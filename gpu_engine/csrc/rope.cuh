@@ -239,9 +239,10 @@ __device__ __forceinline__ void SkinnyStoreQkvRope(
 // folded in (decode buckets of up to 16 rows); else x is the RMSNorm's output (17 to 32 rows,
 // where the residual-adding projections are split-K ones and write no shadow). kSplits > 1: K
 // split across clusters of kSplits CTAs along x (SkinnyAccumulate). FP8 weights (W =
-// Fp8Weights): w_scale and norm_w as SkinnyAccumulate takes them.
+// Fp8Weights): w_scale and norm_w as SkinnyAccumulate takes them, and with kXF16 x's f16 form
+// (x_f16).
 template <int kHeadDim, int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1,
-          class Kv = KvBf16, class W = Bf16Weights>
+          class Kv = KvBf16, class W = Bf16Weights, bool kXF16 = false>
 __device__ __forceinline__ void SkinnyQkvRopeCta(
     const bf16* x, int ldx, int M, const typename W::Element* w, uint32_t w_tile_stride, int N,
     int K, float eps, const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
@@ -249,10 +250,12 @@ __device__ __forceinline__ void SkinnyQkvRopeCta(
     const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out,
     typename Kv::Element* k_cache, typename Kv::Element* v_cache, int block_size,
     int num_blocks, const float* kv_scales = nullptr, float* kv_amax = nullptr,
-    const float* w_scale = nullptr, const bf16* norm_w = nullptr) {
+    const float* w_scale = nullptr, const bf16* norm_w = nullptr,
+    const __half* x_f16 = nullptr) {
   __shared__ GemvSums<kRowTiles, kColTiles, kSplits, W> sums;
-  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits, W>(
-          x, ldx, M, w, w_tile_stride, N, K, eps, sums, w_scale, norm_w))
+  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits, W, kXF16>(
+          x, ldx, M, w, w_tile_stride, N, K, eps, sums, w_scale, norm_w, NoLoadsAfterWait{},
+          x_f16))
     return;
   SkinnyStoreQkvRope<kHeadDim, Kv>(sums, M, desc, positions, token_seq, block_tables,
                                    max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
