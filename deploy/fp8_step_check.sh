@@ -6,9 +6,10 @@
 # launch at the qkv projection's start and load their first keys while it runs):
 #   part 1 (about two minutes): their GPU tests (the _xf16 kernels against the converting ones
 #     and float64, the embedding's form, the forward passes bit for bit with each on and off);
-#   part 2 (about four minutes): bench_decode at batch 1 and 8 on Llama-3.1-8B and 3.2-1B, FP8
+#   part 2 (about five minutes): bench_decode at batch 1 and 8 on Llama-3.1-8B and 3.2-1B, FP8
 #     weights with the FP8 cache (issue 43's one-stream configuration) plain, with each option
-#     and with both, in two orders; then bf16 with and without qkv_release_early.
+#     and with both, in two orders; then bf16 with and without qkv_release_early; then the
+#     batch-1 breakdown (each op alone) of FP8 with and without fp8_x_f16.
 # What wins becomes the default; then bench_serving --suite targets --quantization fp8
 # --kv-cache-dtype fp8 shows it on the live path (8B one stream: 2.3 ms a token is the target).
 #   deploy/fp8_step_check.sh 1 [pytest args] | 2 [bench_decode args]
@@ -28,9 +29,11 @@ fi
 bench() {
   timeout "${BLINK_DECODE_TIMEOUT:-200}" python3 -m blink.gpu_engine.bench_decode \
     --shapes llama-3.1-8b llama-3.2-1b "$@" 2>&1 | tee -a "$OUT/fp8_step_bench.log" \
-    | grep -E "^\| |^=== |^#"
+    | grep -E "^\| |^=== |^#|^breakdown"
 }
 fp8=quantization=fp8,kv_cache_dtype=fp8 xf=fp8_x_f16=1 early=qkv_release_early=1
 bench --no-bf16 --options fp8:$fp8 xf16:$fp8,$xf early:$fp8,$early both:$fp8,$xf,$early "$@"
 bench --no-bf16 --options both:$fp8,$xf,$early early:$fp8,$early xf16:$fp8,$xf fp8:$fp8 "$@"
 bench --options early:$early "$@"
+# where the x_f16 step's time moved, op by op (each op alone, batch 1)
+bench --no-bf16 --points 1x512 --breakdown 1x512 --options fp8:$fp8 xf16:$fp8,$xf
