@@ -5,7 +5,8 @@
 # the conversions' ceiling at 61 µs of the 8B FP8 step) and qkv_release_early (attention's CTAs
 # launch at the qkv projection's start and load their first keys while it runs):
 #   part 1 (about two minutes): their GPU tests (the _xf16 kernels against the converting ones
-#     and float64, the embedding's form, the forward passes bit for bit with each on and off);
+#     and float64, the embedding's and the final norm's forms, the forward passes bit for bit
+#     with each on and off);
 #   part 2 (about five minutes): bench_decode at batch 1 and 8 on Llama-3.1-8B and 3.2-1B, FP8
 #     weights with the FP8 cache (issue 43's one-stream configuration) plain, with each option
 #     and with both, in two orders; then bf16 with and without qkv_release_early; then the
@@ -21,8 +22,8 @@ shift
 source "$(dirname "$0")/gpu_env.sh"
 if [ "$part" = 1 ]; then
   timeout "${BLINK_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/test_cuda_forward.py -k "x_f16 or test_embedding or qkv_release_early" "$@" 2>&1 \
-    | tee -a "$OUT/fp8_step_tests.log" | tail -15
+    tests/test_cuda_forward.py -k "x_f16 or test_embedding or test_rms_norm or qkv_release" \
+    "$@" 2>&1 | tee -a "$OUT/fp8_step_tests.log" | tail -15
   exit "${PIPESTATUS[0]}"
 fi
 [ $# -gt 0 ] || set -- --points 1x512 8x512

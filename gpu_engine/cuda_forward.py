@@ -181,7 +181,9 @@ class ForwardKernels:
     # plain and the qkv + RoPE ones; gemv.cuh SkinnyAccumulate's kSplits)
     SKINNY_SPLIT_SHAPES = ((1, 1), (1, 2))
     SKINNY_SPLIT_KINDS = ("linear", "qkv_rope_norm")
-    ENTRY_POINTS = ("blink_embedding", "blink_rms_norm", "blink_rope_kv_write",
+    ENTRY_POINTS = ("blink_embedding", "blink_embedding_xf16", "blink_rms_norm",
+                    "blink_rms_norm_xf16",
+                    "blink_rope_kv_write",
                     *(f"blink_paged_attention{variant}{layout}"
                       for variant in ("", "_small", "_small_wide", "_wgmma", "_roomy")
                       for layout in ("", "_any_block")),
@@ -394,19 +396,21 @@ class ForwardKernels:
         # input RMSNorm weight, as the FP8 skinny qkv kernel takes it)
         self._need(hidden % 8 == 0, f"hidden {hidden} must be a multiple of 8")
         self._need(bool(x_f16) == bool(norm_w), "x's f16 form comes with the norm's weight")
-        self.launch("blink_embedding", (rows,), (256,),
+        self.launch("blink_embedding_xf16" if x_f16 else "blink_embedding", (rows,), (256,),
                     [_ptr(desc), _ptr(token_ids), _ptr(embed), _ptr(x), _ptr(x_shadow),
-                     _i32(hidden), _i32(vocab), _ptr(x_f16), _ptr(norm_w)], stream)
+                     _i32(hidden), _i32(vocab)] + ([_ptr(x_f16), _ptr(norm_w)] if x_f16 else []),
+                    stream)
 
     def rms_norm(self, stream, rows, desc, x, weight, out, hidden, eps, *, bias=0, gather=0,
-                 max_rows=None, release_next=False):
+                 max_rows=None, release_next=False, x_f16=0):
         # x: [max_rows, hidden] f32 (bias added in place); out: [rows, hidden] bf16.
-        # release_next: the next kernel launches once this one's CTAs have waited for theirs
+        # release_next: the next kernel launches once this one's CTAs have waited for theirs.
+        # x_f16: out's f16 form too, [rows, hidden] f16, as the FP8 skinny kernels take it
         self._need(hidden % 8 == 0, f"hidden {hidden} must be a multiple of 8")
-        self.launch("blink_rms_norm", (rows,), (256,),
+        self.launch("blink_rms_norm_xf16" if x_f16 else "blink_rms_norm", (rows,), (256,),
                     [_ptr(desc), _ptr(gather), _i32(max_rows or rows), _ptr(x), _ptr(bias),
                      _ptr(weight), _ptr(out), _i32(hidden), _f32(eps),
-                     _i32(int(release_next))], stream)
+                     _i32(int(release_next))] + ([_ptr(x_f16)] if x_f16 else []), stream)
 
     def rope_kv_write(self, stream, rows, desc, positions, token_seq, block_tables,
                       max_blocks_per_seq, qkv, qkv_bias, q_norm, k_norm, eps, inv_freq,
@@ -1078,10 +1082,10 @@ class CudaForward:
         keys while it runs (off until timed: bench_decode --options makes the comparison).
         fp8_x_f16 (with quantization "fp8"): in buckets of up to
         ForwardKernels.SKINNY_X_F16_MAX_ROWS rows, the kernels that write the residual stream's
-        shadow (the embedding, the o and down projections) and SiLU * up also write x's f16
-        form as the next FP8 skinny kernel's MMAs take it (times the next RMSNorm's weight and
-        1/16), so the qkv, gate|up and down projections convert none of it: bit-identical
-        logits (off until timed, as qkv_release_early).
+        shadow (the embedding, the o and down projections), SiLU * up and the final RMSNorm
+        also write x's f16 form as the next FP8 skinny kernel's MMAs take it (times the next
+        RMSNorm's weight and 1/16), so the qkv, gate|up and down projections and the LM head
+        convert none of it: bit-identical logits (off until timed, as qkv_release_early).
         gemm_tuning: each cuBLAS GEMM shape runs the fastest of cuBLAS's own choice and
         cuBLASLt's candidates, timed at start-up or read from the cache (gemm_tuning.py; False:
         cuBLAS's own choice everywhere). gemm_split_k: the tuner also times split-K variants
@@ -1800,8 +1804,6 @@ class CudaForward:
             linear("down proj + residual", self.act.ptr, lw, "wdown", self.x.ptr, I, H,
                    accumulate=True, shadow=shadow)
         logit_rows = min(rows, self.max_num_seqs)
-        op("final rmsnorm", k.rms_norm, s, logit_rows, d, self.x.ptr, self.final_norm.ptr,
-           self.h_logits.ptr, H, eps, gather=self.logit_token.ptr, max_rows=rows)
         lm_head_tiled = self.lm_head_tiled is not None
         # the skinny LM head also reduces each row's greedy argmax, which the sampling kernel
         # takes for greedy rows instead of scanning the logits (csrc/argmax.cuh)
@@ -1812,6 +1814,11 @@ class CudaForward:
         else:
             skinny_head = self.skinny and k.skinny_preferred(logit_rows, H, V, lm_head_tiled)
             head = self.lm_head
+        # hand_x_f16: the final norm writes the FP8 skinny LM head's input in its f16 form too
+        head_f16 = x_f16 if self.lm_head_fp8 and skinny_head else 0
+        op("final rmsnorm", k.rms_norm, s, logit_rows, d, self.x.ptr, self.final_norm.ptr,
+           self.h_logits.ptr, H, eps, gather=self.logit_token.ptr, max_rows=rows,
+           x_f16=head_f16)
         if skinny_head:
             lm_argmax = self.lm_argmax.ptr if self.lm_head_argmax else 0
             head = self.lm_head_tiled if lm_head_tiled else head
@@ -1819,7 +1826,8 @@ class CudaForward:
                logit_rows, H, V, SKINNY_F32, w_tiled=lm_head_tiled,
                k_splits=k.skinny_splits("linear", logit_rows, H, V, self.skinny_split_blocks,
                                         fp8=self.lm_head_fp8),
-               argmax=lm_argmax, w_scale=self.lm_head_scale.ptr if self.lm_head_fp8 else 0)
+               argmax=lm_argmax, w_scale=self.lm_head_scale.ptr if self.lm_head_fp8 else 0,
+               x_f16=head_f16)
         elif self.lm_head_fp8:  # the final RMSNorm's rows quantized, then the FP8 GEMM
             op("lm head quantize", k.quantize_rows, s, logit_rows, 0, self.h_logits.ptr, H,
                self.act_q.ptr, H, self.act_q_scale.ptr, H)

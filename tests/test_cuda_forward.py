@@ -883,12 +883,13 @@ def test_rms_norm(cf, stream, tokens, mode):
     d_x, d_w = dev(cf, x), dev(cf, float32_to_bf16_bits(weight))
     d_b = dev(cf, float32_to_bf16_bits(bias))
     out = dev(cf, np.zeros((BUCKET, hidden), np.uint16), poison=True)
-    if mode == "gather":
+    form = dev(cf, np.zeros((BUCKET, hidden), np.uint16), poison=True)
+    if mode == "gather":  # (the final norm: with the FP8 LM head's f16 form, fp8_x_f16)
         count = min(tokens, 8)
         gather = rng.integers(0, tokens, count).astype(np.int32)
         d_g = dev(cf, gather)
         k.rms_norm(stream, 8, desc(cf, tokens, count, count).ptr, d_x.ptr, d_w.ptr, out.ptr,
-                   hidden, eps, gather=d_g.ptr, max_rows=BUCKET)
+                   hidden, eps, gather=d_g.ptr, max_rows=BUCKET, x_f16=form.ptr)
         src = x[gather]
     else:
         count = tokens
@@ -901,6 +902,9 @@ def test_rms_norm(cf, stream, tokens, mode):
     got = out.download()
     assert rel_err(bf16_to_f32(got[:count]), ref) < 1e-2
     assert (got[count:] == POISON_BF16).all()
+    if mode == "gather":
+        np.testing.assert_array_equal(form.download()[:count], f16_form(bf16_to_f32(got[:count])))
+    assert (form.download()[count if mode == "gather" else 0:] == POISON_BF16).all()
     if mode == "bias":  # the bias was added into the residual stream in place
         np.testing.assert_allclose(d_x.download()[:tokens], src, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(d_x.download()[tokens:], x[tokens:])
@@ -1917,8 +1921,8 @@ def test_forward_fp8_x_f16_is_bit_identical(cf, models, monkeypatch, arch, kv_ca
     x's f16 form, which the next FP8 skinny kernel's MMAs take as it is) changes no sum: chunks
     of 7 tokens (the 8-token bucket: handed over), 13 (16: not) and 5, then decode steps, give
     bit-identical logits and samples with it on and off (FP8 weights, either cache). With it on,
-    each layer's qkv, o, gate|up and down projections run _xf16 entries in the buckets of up to
-    8 rows, and none in larger ones; without it, none anywhere."""
+    the embedding, each layer's qkv, o, gate|up and down projections, the final norm and the LM
+    head run _xf16 entries in the buckets of up to 8 rows, none in larger ones; without, none."""
     cfg, w, _ = models[arch]
     options = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK, max_num_batched_tokens=MAX_TOKENS,
                    max_num_seqs=MAX_SEQS, quantization="fp8", kv_cache_dtype=kv_cache_dtype)
@@ -1938,7 +1942,7 @@ def test_forward_fp8_x_f16_is_bit_identical(cf, models, monkeypatch, arch, kv_ca
                 engine.run(make_batch([(prompt(cfg, n, seed=15), 0, np.arange(2))]), eager=True)
                 handed = [name for name in names if "_xf16" in name]
                 on = engine.fp8_x_f16 and n <= engine.kernels.SKINNY_X_F16_MAX_ROWS
-                assert len(handed) == (4 * cfg.num_layers if on else 0), (n, handed)
+                assert len(handed) == (4 * cfg.num_layers + 3 if on else 0), (n, handed)
     finally:
         for engine in engines:
             engine.close()

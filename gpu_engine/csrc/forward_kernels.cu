@@ -103,10 +103,19 @@ extern "C" __device__ const auto blink_splitk_smem_bytes = MakeSplitKSmemTable(
 
 extern "C" {
 
-// x_f16 (null: none), norm_w: the first layer's FP8 qkv kernel's input (EmbeddingCta).
 __global__ void __launch_bounds__(256)
     blink_embedding(const BatchDesc* desc, const int32_t* token_ids, const bf16* embed, float* x,
-                    bf16* x_shadow, int hidden, int vocab, __half* x_f16, const bf16* norm_w) {
+                    bf16* x_shadow, int hidden, int vocab) {
+  blink::AwaitPriorKernel();
+  blink::EmbeddingCta(desc, token_ids, embed, x, x_shadow, hidden, vocab);
+}
+
+// The same, writing x_f16 too: the first layer's FP8 qkv kernel's input, times norm_w
+// (EmbeddingCta; CudaForward's fp8_x_f16).
+__global__ void __launch_bounds__(256)
+    blink_embedding_xf16(const BatchDesc* desc, const int32_t* token_ids, const bf16* embed,
+                         float* x, bf16* x_shadow, int hidden, int vocab, __half* x_f16,
+                         const bf16* norm_w) {
   blink::AwaitPriorKernel();
   blink::EmbeddingCta(desc, token_ids, embed, x, x_shadow, hidden, vocab, x_f16, norm_w);
 }
@@ -125,6 +134,16 @@ __global__ void __launch_bounds__(256)
   blink::AwaitPriorKernel();
   if (release_next) blink::ReleaseNextKernel();
   blink::RmsNormCta(desc, gather, max_rows, x, bias, weight, out, hidden, eps);
+}
+
+// The same, writing out's f16 form to x_f16 too, for the FP8 LM head (CudaForward's fp8_x_f16).
+__global__ void __launch_bounds__(256)
+    blink_rms_norm_xf16(const BatchDesc* desc, const int32_t* gather, int max_rows, float* x,
+                        const bf16* bias, const bf16* weight, bf16* out, int hidden, float eps,
+                        int release_next, __half* x_f16) {
+  blink::AwaitPriorKernel();
+  if (release_next) blink::ReleaseNextKernel();
+  blink::RmsNormCta(desc, gather, max_rows, x, bias, weight, out, hidden, eps, x_f16);
 }
 
 // kv_scales: the layer's (an E4M3 cache), kv_amax: its calibration's maxima, or null.

@@ -44,9 +44,12 @@ __device__ __forceinline__ void NormedRow8(const float* xr, const bf16* weight, 
 // bias (nullable, [hidden]) is first added into x[src] in place (o_proj's bias, folded here).
 // out[r] = weight * x[src] / sqrt(mean(x[src]^2) + eps), in fp32, stored as bf16.
 // x: [max_rows, hidden] f32; weight: [hidden] bf16; out: [rows, hidden] bf16; hidden % 8 == 0.
+// x_f16 (not null): out's f16 form too, [rows, hidden], as the FP8 LM head takes it (gemv.cuh
+// kXF16).
 __device__ __forceinline__ void RmsNormCta(const BatchDesc* desc, const int32_t* gather,
                                            int max_rows, float* x, const bf16* bias,
-                                           const bf16* weight, bf16* out, int hidden, float eps) {
+                                           const bf16* weight, bf16* out, int hidden, float eps,
+                                           __half* x_f16 = nullptr) {
   __shared__ float scratch[kWarpSize];
   const int r = blockIdx.x;
   const int count = gather != nullptr ? desc->num_logits : desc->num_tokens;
@@ -61,6 +64,14 @@ __device__ __forceinline__ void RmsNormCta(const BatchDesc* desc, const int32_t*
     float v[8];
     NormedRow8(xr, weight, i, inv_rms, v);
     StoreBf16x8(yr + i, v);
+    if (x_f16 != nullptr) {  // out's f16 form, from its bf16 values (fp8.cuh Fp8MmaInput)
+      __align__(16) __half h[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        h[e] = Fp8MmaInput(__bfloat162float(__float2bfloat16(v[e])), 1.f);
+      *reinterpret_cast<uint4*>(x_f16 + static_cast<size_t>(r) * hidden + i) =
+          *reinterpret_cast<const uint4*>(h);
+    }
   }
 }
 
