@@ -54,6 +54,13 @@
 
 namespace blink {
 
+// Where x's f16 form is given (SkinnyAccumulate's kXF16), the norm-folding kernels sum the
+// squares of x as stored step by step in their loop (0), or all before it (1; a timing variant:
+// deploy/fp8_step_check.sh).
+#ifndef BLINK_XF16_SQUARES_FIRST
+#define BLINK_XF16_SQUARES_FIRST 0
+#endif
+
 // 8 warps per CTA, and a register cap (2 CTAs per SM) that makes ptxas keep a whole unrolled
 // batch of loads in flight: without the cap it interleaves loads with MMAs to save registers.
 static constexpr int kGemvWarps = 8;
@@ -297,25 +304,27 @@ __device__ __forceinline__ void GemvStepInputFp8(uint32_t (&xb)[kColTiles][8],
 }
 
 // x's part of a step where x's f16 form is given (SkinnyAccumulate's kXF16: the words
-// GemvStepInputFp8 would make, written by the kernel before; one column tile): xf holds them
-// with kNormIn, and xv x as stored, for the lane's share of its sum of squares (summed in
-// GemvStepInputFp8's order); without, xv holds them.
-template <bool kNormIn>
-__device__ __forceinline__ void GemvStepInputGiven(uint32_t (&xb)[1][8], float (&sum_sq)[1],
-                                                   const uint4 (&xv)[1][2],
-                                                   const uint4 (&xf)[2]) {
-  const uint4(&f16)[2] = kNormIn ? xf : xv[0];
+// GemvStepInputFp8 would make, written by the kernel before; one column tile): the MMAs take
+// them as loaded.
+__device__ __forceinline__ void GemvStepInputGiven(uint32_t (&xb)[1][8], const uint4 (&xf)[2]) {
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
-    xb[0][4 * p] = f16[p].x, xb[0][4 * p + 1] = f16[p].y;
-    xb[0][4 * p + 2] = f16[p].z, xb[0][4 * p + 3] = f16[p].w;
-    if constexpr (kNormIn) {
-      const uint32_t words[4] = {xv[0][p].x, xv[0][p].y, xv[0][p].z, xv[0][p].w};
+    xb[0][4 * p] = xf[p].x, xb[0][4 * p + 1] = xf[p].y;
+    xb[0][4 * p + 2] = xf[p].z, xb[0][4 * p + 3] = xf[p].w;
+  }
+}
+
+// One FP8 step's share of a lane's sum of squares of x (its two bf16 pieces), in
+// GemvStepInputFp8's order: where x's f16 form is given, SkinnyAccumulate sums these step by
+// step in its loop, or before it over the lane's steps in the loop's order: the same sums.
+__device__ __forceinline__ void GemvStepSumSquares(float& sum_sq, const uint4 (&xv)[2]) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[q]));
-        sum_sq[0] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[0]));
-      }
+  for (int p = 0; p < 2; ++p) {
+    const uint32_t words[4] = {xv[p].x, xv[p].y, xv[p].z, xv[p].w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[q]));
+      sum_sq = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq));
     }
   }
 }
@@ -461,10 +470,14 @@ struct NoLoadsAfterWait {
 // kXF16 (FP8 weights, up to 8 token rows): x_f16 [M, ldx] holds x's f16 form, the words
 // GemvStepInputFp8 makes (times the RMSNorm's weight norm_w with kNormIn, and kFp8InputScale;
 // fp8.cuh Fp8MmaInput), written by the kernel before beside x (SkinnyStore's x_f16). The MMAs
-// take them as loaded, with no conversion on their path: the same sums, bit for bit. kNormIn
-// still loads x as stored, for its sum of squares; norm_w is not read. Why: x's conversion, each
-// CTA converting its own steps' x on its MMAs' path, is 2.5% of the 8B FP8 batch-1 step (docs/
-// performance.md round 29, timed with x fed unconverted).
+// take them as loaded, with no conversion on their path: the same sums, bit for bit; norm_w is
+// not read. kNormIn still sums the squares of x as stored (its RMSNorm's scale), in the same
+// order: step by step in the loop (x's words loaded with its f16 form's), or, with
+// BLINK_XF16_SQUARES_FIRST, each lane over its own steps before the loop, once the second
+// batch's loads are issued, so that the loop holds and waits for the f16 form alone (which of
+// the two is faster is for the H200 to say). Why: x's conversion and squares, each CTA doing its
+// own steps' on its MMAs' path, are 2.5% of the 8B FP8 batch-1 step (docs/performance.md round
+// 29, timed with x fed unconverted).
 template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1, class W = Bf16Weights,
           bool kXF16 = false, class AfterWait = NoLoadsAfterWait>
 __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
@@ -482,6 +495,10 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
   constexpr int kUnroll = S::kUnroll;
   constexpr int kStepK = W::kStepK, kPieceK = kStepK / 4;  // k a step, k a lane loads a row
   constexpr bool kNormW = W::kFp8 && kNormIn && !kXF16;
+  // kXF16 with kNormIn: x as stored too, its squares summed step by step in the loop (its f16
+  // form then goes into the batch's norm_w registers), unless they are summed before it
+  constexpr bool kSquaresFirst = kXF16 && kNormIn && BLINK_XF16_SQUARES_FIRST;
+  constexpr bool kSquaresInLoop = kXF16 && kNormIn && !BLINK_XF16_SQUARES_FIRST;
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   // the steps' round-robin runs over the cluster's warps: this warp's place in it
@@ -522,8 +539,9 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
   }
 
   using XFrag = typename W::XFrag;
-  // One step's loads: W rows g, g + 8 of each row tile; x row g of each column tile (and the
-  // RMSNorm's weight over the same k: kNormW; kXF16: x's f16 form, into nw with kNormIn).
+  // One step's loads: W rows g, g + 8 of each row tile; x row g of each column tile (kXF16: its
+  // f16 form, and with kSquaresInLoop x as stored too, the form into nw), and the RMSNorm's
+  // weight over the same k (kNormW).
   auto load_w = [&](int step, uint4 (&wv)[kRowTiles][2]) {
     const uint32_t k = static_cast<uint32_t>(step) * w_step;
 #pragma unroll
@@ -538,15 +556,12 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
       if constexpr (W::kFp8) {
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
-          if constexpr (!kXF16 || kNormIn)
-            xv[j][p] = LoadActivation16(x + (x_off[j] + k + 8 * p));
-          if constexpr (kXF16) {
-            const uint4 v = LoadActivation16(x_f16 + (x_off[j] + k + 8 * p));
-            if constexpr (kNormIn) {
-              nw[p] = v;
-            } else {
-              xv[j][p] = v;
-            }
+          const uint32_t i = x_off[j] + k + 8 * p;
+          if constexpr (!kXF16 || kSquaresInLoop) xv[j][p] = LoadActivation16(x + i);
+          if constexpr (kSquaresInLoop) {
+            nw[p] = LoadActivation16(x_f16 + i);
+          } else if constexpr (kXF16) {
+            xv[j][p] = LoadActivation16(x_f16 + i);
           }
         }
       } else {
@@ -563,7 +578,12 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
                  const XFrag& nw) {
     if constexpr (kXF16) {
       uint32_t xb[1][8];
-      GemvStepInputGiven<kNormIn>(xb, sum_sq, xv, nw);
+      if constexpr (kSquaresInLoop) {
+        GemvStepSumSquares(sum_sq[0], xv[0]);
+        GemvStepInputGiven(xb, nw);
+      } else {
+        GemvStepInputGiven(xb, xv[0]);
+      }
       GemvStepMmasFp8(acc, wv, xb);
     } else if constexpr (W::kFp8) {
       GemvStepMmaFp8<kRowTiles, kColTiles, kNormIn>(acc, sum_sq, wv, xv, nw);
@@ -609,10 +629,42 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
   AwaitPriorKernel();
   after_wait();
   if (batches > 0) load_batch_x(0, first);
+  // kSquaresFirst: this lane's share of x's sum of squares, over its steps in the loop's order,
+  // once the next batch's loads are issued (not to delay them by the squares' wait)
+  auto sum_squares = [&] {
+    if constexpr (kSquaresFirst) {
+      constexpr int kAhead = 4;  // steps' loads in flight at once
+      for (int s0 = slot; s0 < steps; s0 += kAhead * warps) {
+        uint4 xs[kAhead][2];
+#pragma unroll
+        for (int u = 0; u < kAhead; ++u) {
+          const uint32_t k = static_cast<uint32_t>(s0 + u * warps) * kStepK;
+          if (s0 + u * warps < steps) {
+#pragma unroll
+            for (int p = 0; p < 2; ++p) xs[u][p] = LoadActivation16(x + (x_off[0] + k + 8 * p));
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kAhead; ++u)
+          if (s0 + u * warps < steps) GemvStepSumSquares(sum_sq[0], xs[u]);
+      }
+    }
+  };
   if constexpr (S::kDoubleBuffer) {
     Batch& even = first;
     Batch odd;
-    for (int b = 0; b < batches; b += 2) {
+    int b = 0;
+    if constexpr (kSquaresFirst) {  // the loop's first pass, the squares after its loads
+      if (1 < batches) load_batch(1, odd);
+      sum_squares();
+      if (0 < batches) mma_batch(even);
+      if (1 < batches) {
+        if (2 < batches) load_batch(2, even);
+        mma_batch(odd);
+      }
+      b = 2;
+    }
+    for (; b < batches; b += 2) {
       if (b + 1 < batches) load_batch(b + 1, odd);
       mma_batch(even);
       if (b + 1 < batches) {
@@ -621,6 +673,7 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
       }
     }
   } else {
+    sum_squares();
     if (batches > 0) mma_batch(first);
     for (int b = 1; b < batches; ++b) {
       Batch batch;  // fresh registers: all of its loads are issued before its first MMA
