@@ -11,7 +11,8 @@
 #     with each on and off), the x_f16 ones in both builds;
 #   part 2 (about five minutes): bench_decode at batch 1 and 8 on Llama-3.1-8B and 3.2-1B, FP8
 #     weights with the FP8 cache (issue 43's one-stream configuration) plain, with each option
-#     and with both, and fp8_x_f16 in the squares-first build, in two orders;
+#     and with both, in two orders, and between them fp8_x_f16 in the squares-first build
+#     (its own processes: the macro builds another module);
 #   part 3 (about four minutes): bf16 with and without qkv_release_early, then the batch-1
 #     breakdown (each op alone) of FP8 plain and with fp8_x_f16 in both builds.
 # What wins becomes the default; then bench_serving --suite targets --quantization fp8
@@ -23,10 +24,10 @@ part=${1:-}
   echo "usage: deploy/fp8_step_check.sh 1 [pytest args] | 2 [bench_decode args] | 3" >&2; exit 2; }
 shift
 source "$(dirname "$0")/gpu_env.sh"
-first=BLINK_XF16_SQUARES_FIRST=1
+first=${BLINK_NVCC_DEFINES:+$BLINK_NVCC_DEFINES,}BLINK_XF16_SQUARES_FIRST=1  # (added to any)
 if [ "$part" = 1 ]; then
   tests() {
-    timeout "${BLINK_TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+    timeout "${BLINK_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/test_cuda_forward.py "$@" 2>&1 | tee -a "$OUT/fp8_step_tests.log" | tail -8
     return "${PIPESTATUS[0]}"
   }

@@ -673,7 +673,7 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
       }
     }
   } else {
-    sum_squares();
+    static_assert(!kSquaresFirst, "x's f16 form (one column tile, FP8) is double-buffered");
     if (batches > 0) mma_batch(first);
     for (int b = 1; b < batches; ++b) {
       Batch batch;  // fresh registers: all of its loads are issued before its first MMA
