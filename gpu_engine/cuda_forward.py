@@ -182,8 +182,7 @@ class ForwardKernels:
     SKINNY_SPLIT_SHAPES = ((1, 1), (1, 2))
     SKINNY_SPLIT_KINDS = ("linear", "qkv_rope_norm")
     ENTRY_POINTS = ("blink_embedding", "blink_embedding_xf16", "blink_rms_norm",
-                    "blink_rms_norm_xf16",
-                    "blink_rope_kv_write",
+                    "blink_rms_norm_xf16", "blink_rope_kv_write",
                     *(f"blink_paged_attention{variant}{layout}"
                       for variant in ("", "_small", "_small_wide", "_wgmma", "_roomy")
                       for layout in ("", "_any_block")),
