@@ -895,7 +895,8 @@ def cmd_generate(args) -> None:
                       file=sys.stderr)
                 client.wait_ready(args.wait)
             prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-            stream = client.stream(prompt, _sampling(args), timeout=args.timeout)
+            stream = client.stream(prompt, _sampling(args), timeout=args.timeout,
+                                   cache_salt=args.cache_salt)
             for delta in stream:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
@@ -905,9 +906,12 @@ def cmd_generate(args) -> None:
         except (TypeError, ValueError) as e:  # what the request builder refuses (-1 tokens)
             sys.exit(f"blink: {e}")
     sys.stdout.write("\n")
-    print(f"[{done.finish_reason}; {done.prompt_tokens} prompt + {done.completion_tokens} "
-          f"generated tokens; first token {done.time_to_first_token_s * 1e3:.1f} ms, "
-          f"total {done.total_s * 1e3:.1f} ms]", file=sys.stderr)
+    cached = (f" ({done.cached_prompt_tokens} from the prefix cache)"
+              if done.cached_prompt_tokens else "")
+    print(f"[{done.finish_reason}; {done.prompt_tokens} prompt{cached} + "
+          f"{done.completion_tokens} generated tokens; first token "
+          f"{done.time_to_first_token_s * 1e3:.1f} ms, total {done.total_s * 1e3:.1f} ms]",
+          file=sys.stderr)
 
 
 def cmd_openai(args) -> None:
@@ -1016,6 +1020,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the server to become ready")
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the model's chat template")
+    p.add_argument("--cache-salt", default="",
+                   help="the prefix cache's namespace: cached prompt prefixes are reused only "
+                        "between requests with the same salt")
     p.set_defaults(func=cmd_generate)
 
     from blink.client import bench

@@ -10,8 +10,9 @@ path: run it where HTTP clients need it. Endpoints: GET /v1/models; POST /v1/com
 chat template), both with `stream` (server-sent events ending in `data: [DONE]`, a usage chunk
 before it with `stream_options.include_usage`). Parameters: max_tokens (max_completion_tokens),
 temperature, top_p, top_k, seed, stop (string or list), n = 1, and vLLM's extensions
-ignore_eos and stop_token_ids (which benchmark tools send); null is the default; one that
-Blink does not serve (logprobs, echo, penalties, tools, vLLM's chat_template_kwargs and
+ignore_eos and stop_token_ids (which benchmark tools send) and cache_salt (a non-empty string:
+the prefix cache's namespace, blink.proto's GenerateRequest.cache_salt); null is the default;
+one that Blink does not serve (logprobs, echo, penalties, tools, vLLM's chat_template_kwargs and
 continue_final_message, ...) set to anything but its neutral value is a 400; with
 --served-model-name, a model not among its names is a 404 (model_not_found), else `model` is
 not checked (clients send Hub ids or paths). An
@@ -133,6 +134,16 @@ def sampling_from(body: dict, chat: bool) -> Sampling:
                     stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
 
 
+def cache_salt_from(body: dict) -> str:
+    """vLLM's cache_salt: absent or null for none, else a non-empty string (as vLLM asks)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt:
+        raise BadRequest("'cache_salt' must be a non-empty string")
+    return salt
+
+
 def _prompt(body: dict, chat: bool):
     if chat:
         messages = body.get("messages")
@@ -192,6 +203,7 @@ def make_app(target: str, served_model_names: list[str] | None = None):
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
             prompt, sampling = _prompt(body, chat), sampling_from(body, chat)
+            cache_salt = cache_salt_from(body)
         except (BadRequest, json.JSONDecodeError) as e:
             return _error(web, 400, str(e))
         model = body.get("model") or ""
@@ -199,7 +211,7 @@ def make_app(target: str, served_model_names: list[str] | None = None):
             return _error(web, 404, f"The model `{model}` does not exist.", "model_not_found")
         client = client_for(request)
         try:
-            stream = client.stream(prompt, sampling)
+            stream = client.stream(prompt, sampling, cache_salt=cache_salt)
         except (TypeError, ValueError) as e:  # what the SDK's request builder refuses
             return _error(web, 400, str(e))
         try:  # a client that goes away (an error writing to it, or aiohttp's cancel of this

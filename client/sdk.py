@@ -163,13 +163,16 @@ def build_request(
     return_token_ids: bool = False,
     model: str = "",
     client_request_id: str = "",
+    cache_salt: str = "",
 ) -> blink_pb2.GenerateRequest:
     """The GenerateRequest for a prompt: str -> text, ints -> token_ids, dicts -> messages.
-    client_request_id: your id for the request, in the server's log line for it. TypeError for
-    a sequence of anything else (a bool is no token id), ValueError for an id outside uint32
-    (the server checks the model's vocabulary)."""
+    client_request_id: your id for the request, in the server's log line for it. cache_salt:
+    the prefix cache's namespace (requests reuse cached prompt prefixes only under the same
+    salt; see blink.proto). TypeError for a sequence of anything else (a bool is no token id),
+    ValueError for an id outside uint32 (the server checks the model's vocabulary)."""
     request = blink_pb2.GenerateRequest(model=model, return_token_ids=return_token_ids,
-                                        client_request_id=client_request_id)
+                                        client_request_id=client_request_id,
+                                        cache_salt=cache_salt)
     if sampling is not None:
         request.sampling.CopyFrom(sampling.to_proto())
     if isinstance(prompt, str):
@@ -421,9 +424,10 @@ class _Client:
         return other
 
     def _generate_call(self, prompt: Prompt, sampling: Sampling | None, timeout: float | None,
-                       return_token_ids: bool, model: str, client_request_id: str) -> Any:
+                       return_token_ids: bool, model: str, client_request_id: str,
+                       cache_salt: str) -> Any:
         request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model,
-                                client_request_id=client_request_id)
+                                client_request_id=client_request_id, cache_salt=cache_salt)
         return self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
 
 
@@ -451,9 +455,10 @@ class BlinkClient(_Client):
         return_token_ids: bool = False,
         model: str = "",
         client_request_id: str = "",
+        cache_salt: str = "",
     ) -> GenerationStream:
         return GenerationStream(self._generate_call(prompt, sampling, timeout, return_token_ids,
-                                                    model, client_request_id))
+                                                    model, client_request_id, cache_salt))
 
     def generate(
         self,
@@ -464,10 +469,11 @@ class BlinkClient(_Client):
         return_token_ids: bool = False,
         model: str = "",
         client_request_id: str = "",
+        cache_salt: str = "",
     ) -> Completion:
         with self.stream(
             prompt, sampling, timeout=timeout, return_token_ids=return_token_ids, model=model,
-            client_request_id=client_request_id,
+            client_request_id=client_request_id, cache_salt=cache_salt,
         ) as stream:
             for _ in stream:
                 pass
@@ -528,10 +534,11 @@ class AsyncBlinkClient(_Client):
         return_token_ids: bool = False,
         model: str = "",
         client_request_id: str = "",
+        cache_salt: str = "",
     ) -> AsyncGenerationStream:
         return AsyncGenerationStream(self._generate_call(prompt, sampling, timeout,
                                                          return_token_ids, model,
-                                                         client_request_id))
+                                                         client_request_id, cache_salt))
 
     async def generate(
         self,
@@ -542,10 +549,11 @@ class AsyncBlinkClient(_Client):
         return_token_ids: bool = False,
         model: str = "",
         client_request_id: str = "",
+        cache_salt: str = "",
     ) -> Completion:
         async with self.stream(
             prompt, sampling, timeout=timeout, return_token_ids=return_token_ids, model=model,
-            client_request_id=client_request_id,
+            client_request_id=client_request_id, cache_salt=cache_salt,
         ) as stream:
             async for _ in stream:
                 pass

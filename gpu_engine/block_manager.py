@@ -8,10 +8,11 @@ A block is in one of three states:
              needs a block and the free list is empty
 
 A cached block is a full block of computed tokens, known by its identity: the uid of the cached
-block before it in its sequence (0 for a sequence's first block) and its own tokens. A uid is
-given once, when a block enters the cache, and never reused, so a block whose predecessor was
-evicted and reused can never be matched through it: two sequences share block j only if they
-share every token up to its end. The GPU scheduler (csrc/scheduler.cuh) keys the same
+block before it in its sequence (for a sequence's first block, the sequence's root: 0, or its
+request's cache salt with the top bit set) and its own tokens. A uid is given once, when a block
+enters the cache, and never reused, so a block whose predecessor was evicted and reused can
+never be matched through it: two sequences share block j only if they share every token up to
+its end and their salt. The GPU scheduler (csrc/scheduler.cuh) keys the same
 identities by a 64-bit hash and compares the parent uid and the tokens of every candidate, so a
 hash collision costs a probe, never a wrong block; this pool keys a dict by the identity itself.
 """
@@ -26,7 +27,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-BlockIdentity = tuple[int, tuple[int, ...]]  # (uid of the block before it or 0, its tokens)
+BlockIdentity = tuple[int, tuple[int, ...]]  # (the uid before it or the root, its tokens)
+
+
+def prefix_root(seq: Sequence) -> int:
+    """The uid seq's first block hangs from: 0, or its cache salt with the top bit set, which
+    no uid reaches (they count up from 1). Requests of different salts share no cached block;
+    requests of one salt share theirs as unsalted ones do (csrc/scheduler.cuh's prefix_root)."""
+    return (seq.cache_salt | 1 << 63) if seq.cache_salt else 0
 
 
 class KvBlockPool:
@@ -115,7 +123,7 @@ class KvBlockPool:
         if not self.prefix_caching:
             return []
         hit: list[int] = []
-        parent = 0
+        parent = prefix_root(seq)
         while (len(hit) + 1) * self.block_size < seq.num_tokens:
             block = self.cached.get(self._block_identity(seq, len(hit), parent))
             if block is None:
@@ -155,7 +163,8 @@ class KvBlockPool:
         if not self.prefix_caching:
             return
         for j in range(len(seq.block_uids), seq.num_computed // self.block_size):
-            identity = self._block_identity(seq, j, seq.block_uids[j - 1] if j else 0)
+            identity = self._block_identity(seq, j,
+                                            seq.block_uids[j - 1] if j else prefix_root(seq))
             block = self.cached.get(identity)
             if block is None:
                 block = seq.block_table[j]

@@ -239,7 +239,8 @@ class ReferenceEngine:
             self.ring.finish(r.slot, r.gen, FinishReason.REJECTED, r.reason)
         for r in new:  # a reused slot drops its old sequence: the front end gave up on it
             self.ring.open_record(r.slot, r.gen, len(r.prompt))
-            self.core.admit(Sequence(r.slot, r.gen, r.request_id, r.prompt, r.params))
+            self.core.admit(Sequence(r.slot, r.gen, r.request_id, r.prompt, r.params,
+                                     r.cache_salt))
             self.counters["requests_admitted"] += 1
         self._honour_cancels()
 

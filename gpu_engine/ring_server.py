@@ -41,6 +41,7 @@ class NewRequest:
     request_id: int
     prompt: list[int]
     params: SamplingParams
+    cache_salt: int = 0  # the slot's cache_salt word
 
 
 @dataclass
@@ -205,7 +206,8 @@ class RingServer:
                 top_p=float(fixed["top_p"]), top_k=int(fixed["top_k"]), seed=int(fixed["seed"]),
                 ignore_eos=bool(int(fixed["flags"]) & FLAG_IGNORE_EOS),
                 stop_ids=frozenset(int(s) for s in fixed["stop_ids"][:nstop]))
-            new.append(NewRequest(i, gen, int(fixed["request_id"]), prompt.tolist(), params))
+            new.append(NewRequest(i, gen, int(fixed["request_id"]), prompt.tolist(), params,
+                                  int(fixed["cache_salt"])))
         new.sort(key=lambda r: r.request_id)
         return new, rejected
 

@@ -30,6 +30,8 @@ class Sequence:
     arrival: int             # front end's request id: FCFS order
     prompt: list[int]
     params: SamplingParams
+    # the slot's cache_salt word (ring.layout.cache_salt_word): the prefix cache's namespace
+    cache_salt: int = 0
     output: list[int] = field(default_factory=list)
     # Tokens whose K/V are in this sequence's blocks. Invariant kept by the scheduler:
     # num_computed <= num_tokens, and the sequence samples exactly when a step brings

@@ -30,7 +30,9 @@ from blink.nic_service.metrics import FrontendMetrics, RequestClock
 from blink.nic_service.engine_link import (
     EngineLink, EngineUnavailable, Finished, RequestHandle, SlotsExhausted, Tokens,
 )
-from blink.ring.layout import MAX_STOP_IDS, EngineKind, FinishReason, RejectReason
+from blink.ring.layout import (
+    MAX_STOP_IDS, EngineKind, FinishReason, RejectReason, cache_salt_word,
+)
 from blink.ring.lifecycle import STOP_SIGNALS
 from blink.v1 import blink_pb2 as pb
 from blink.v1 import blink_pb2_grpc as pb_grpc
@@ -305,7 +307,8 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             prompt_ids=prompt,
             slot_fields=dict(prompt=prompt, max_tokens=max_tokens,
                              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                             ignore_eos=s.ignore_eos, stop_ids=tuple(s.stop_token_ids)),
+                             ignore_eos=s.ignore_eos, stop_ids=tuple(s.stop_token_ids),
+                             cache_salt=cache_salt_word(req.cache_salt)),
             stops=stops, terminal_ids=frozenset(terminal),
             return_token_ids=req.return_token_ids, client_request_id=req.client_request_id)
 

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,6 +160,12 @@ def test_serve_generate_and_engine_restart(checkpoints, tmp_path):
         # (the 8th token is sampled, never fed back)
         assert (stats["engine_steps"], stats["engine_step_tokens"]) == (8, 2 + 7)
         assert stats["engine_busy_ns"] > 0
+        # a long prompt's full blocks come from the cache when its salt's requests left them
+        cached = [re.search(r"prompt( \((\d+) from the prefix cache\))? \+",
+                            blink("generate", "--target", target, "--max-tokens", "1",
+                                  "--cache-salt", salt, "Hello world " * 12).stderr).group(2)
+                  for salt in ("s1", "s1", "s2")]
+        assert cached[0] is None and int(cached[1]) >= 16 and cached[2] is None, cached
 
         (engine,) = children(serve.pid)
         os.kill(engine, signal.SIGKILL)

@@ -134,7 +134,8 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
                 {"stream_options": {"include_usage": "yes"}},
                 {"chat_template_kwargs": {"enable_thinking": False}},
                 {"continue_final_message": True}, {"add_generation_prompt": False},
-                {"repetition_penalty": 1.1}, {"ignore_eos": "yes"}, {"stop_token_ids": [-1]}):
+                {"repetition_penalty": 1.1}, {"ignore_eos": "yes"}, {"stop_token_ids": [-1]},
+                {"cache_salt": ""}, {"cache_salt": 5}):
         status, body = post(client, "/completions", {**base, **bad})
         assert (status, body["error"]["type"]) == (400, "invalid_request_error"), (bad, body)
     status, body = post(client, "/chat/completions", {
@@ -176,7 +177,8 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
 def test_vllm_s_ignore_eos_and_stop_token_ids_and_text_parts(gateway):
     """vLLM's extensions that benchmark tools send are served, not ignored: ignore_eos (every
     token asked for) and stop_token_ids (the stream ends on the id); a message's text parts are
-    joined with newlines, as vLLM joins them."""
+    joined with newlines, as vLLM joins them; cache_salt keeps a salt's cached prefixes to
+    itself."""
     client, stack = gateway
     prompt = "Once upon a time"
     with BlinkClient(stack.target) as blink:
@@ -197,6 +199,15 @@ def test_vllm_s_ignore_eos_and_stop_token_ids_and_text_parts(gateway):
     parts = [{"type": "text", "text": "Summarize:"}, {"type": "text", "text": "Cats nap."}]
     assert prompt_tokens(parts) == prompt_tokens("Summarize:\nCats nap.")
     assert prompt_tokens("Summarize:\nCats nap.") != prompt_tokens("Summarize:Cats nap.")
+
+    def cached(salt):
+        body = {"model": "llama", "prompt": "A long story about salts and caches " * 8,
+                "max_tokens": 1, **({} if salt is None else {"cache_salt": salt})}
+        status, answer = post(client, "/completions", body)
+        assert status == 200, answer
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    a, a_again, b, unsalted, unsalted_again = map(cached, ("a", "a", "b", None, None))
+    assert a == b == unsalted == 0 and a_again == unsalted_again >= 16
 
 
 def test_completions_default_to_16_tokens_chat_to_the_context(gateway):

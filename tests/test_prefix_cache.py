@@ -149,6 +149,31 @@ def test_a_block_computed_twice_is_cached_once_and_its_chain_goes_on():
     assert pool.match(seq(2, range(18))) == a_blocks + [b_fourth]
 
 
+def test_a_salted_sequence_meets_only_its_own_salt_s_blocks():
+    pool = KvBlockPool(32, BS, prefix_caching=True)
+
+    def salted(slot, salt, prompt=range(10)):
+        s = seq(slot, prompt)
+        s.cache_salt = salt
+        return s
+    unsalted = computed(pool, seq(0, range(10)))
+    a = salted(1, 7)
+    assert pool.match(a) == []  # the unsalted blocks hang from another root
+    computed(pool, a)
+    assert pool.num_cached == 4 and pool.match(salted(2, 7)) == list(a.block_table[:2])
+    # the word with or without its top bit is the same namespace (the root sets it)
+    assert pool.match(salted(3, 7 | 1 << 63)) == list(a.block_table[:2])
+    assert pool.match(salted(4, 8)) == []
+    assert pool.match(seq(5, range(10))) == list(unsalted.block_table[:2])
+    # a salted chain grows past its first blocks as an unsalted one does: a longer prompt
+    # takes a's two blocks and caches its third after them, under the salt alone
+    longer = salted(6, 7, range(14))
+    longer = computed(pool, longer, pool.match(longer))
+    assert list(longer.block_table[:2]) == list(a.block_table[:2])
+    assert pool.match(salted(7, 7, range(14))) == list(longer.block_table[:3])
+    assert pool.match(seq(8, range(14))) == list(unsalted.block_table[:2])
+
+
 def test_off_means_nothing_is_cached():
     pool = KvBlockPool(8, BS)
     s = computed(pool, seq(0, range(9)))
@@ -290,6 +315,31 @@ def test_same_prompt_twice_with_and_without_the_cache(engine, checkpoints, make_
           f"{sum(o.token_ids == cold.token_ids for o in (warm, off1, off2))} of 3 other runs "
           f"(cached, and twice without the cache) give the first run's 24 tokens, the rest "
           f"follow the reference ({ties} near-tie steps)")
+
+
+def test_cache_salts_keep_prefixes_apart(engine, checkpoints, make_stack):
+    """A request reuses the prefixes that requests of its own cache salt left (unsalted ones:
+    unsalted ones'), never another salt's; the tokens do not depend on the salt."""
+    model_dir = checkpoints["llama"]
+    rnd = random.Random(5)
+    prompt = [rnd.randrange(8, 2000) for _ in range(83)]
+    greedy = Sampling(max_tokens=8, temperature=0.0, ignore_eos=True)
+    stack = stack_for(engine, make_stack, model_dir)
+    salts = ["", "tenant-a", "tenant-a", "tenant-b", "", "tenant-b"]
+    with BlinkClient(stack.target) as client:
+        runs = [client.generate(prompt, greedy, return_token_ids=True, cache_salt=salt)
+                for salt in salts]
+        s = assert_all_blocks_back(client)
+    assert [r.cached_prompt_tokens for r in runs] == [0, 0, 80, 0, 80, 80]
+    assert s["kv_blocks_cached"] >= 3 * 5  # each salt's own copy of the prompt's 5 blocks
+    ties = 0
+    for r in runs[1:]:
+        if engine == "cpu":
+            assert r.token_ids == runs[0].token_ids
+        elif r.token_ids != runs[0].token_ids:
+            ties += check_tokens(engine, model_dir, prompt, list(r.token_ids))
+    print(f"engine prefix cache salts ({engine}): an 83-token prompt under no salt and two "
+          f"salts, cached tokens {[r.cached_prompt_tokens for r in runs]}, {ties} near-tie steps")
 
 
 def test_kv_pressure_with_shared_blocks(engine, checkpoints, make_stack):

@@ -2,6 +2,7 @@
 validation, torn and reordered writes, corrupt slots, field validation, record publication."""
 from __future__ import annotations
 
+import hashlib
 import random
 import secrets
 import shutil
@@ -64,6 +65,25 @@ def test_whole_slot_is_consumed_once(ring):
     assert (r.slot, r.gen, r.prompt) == (2, 1, [5, 6, 7])
     assert r.params.max_tokens == 8 and r.params.seed == 7 and r.params.stop_ids == {9, 11}
     assert server.poll(LIMITS) == ([], [])  # the same generation is never consumed twice
+
+
+def test_a_cache_salt_crosses_the_ring_as_its_word(ring):
+    """The front end writes a salt's 64-bit word into the slot and the engine reads it back:
+    none is 0, any other has its top bit set (no block uid reaches it), and distinct salts
+    have distinct words (the format pinned: 63 bits of a BLAKE2b digest)."""
+    salts = ["tenant-a", "tenant-b", "Tenant-a", "tenant-a ", "é", "x" * 10_000]
+    words = [layout.cache_salt_word(salt) for salt in salts]
+    assert layout.cache_salt_word("") == 0 and len(set(words)) == len(salts)
+    assert all(w >> 63 == 1 and w == layout.cache_salt_word(salt)
+               for salt, w in zip(salts, words))
+    digest = hashlib.blake2b(b"tenant-a", digest_size=8, person=b"blink cache salt").digest()
+    assert words[0] == int.from_bytes(digest, "little") | 1 << 63
+    server, t = ring
+    for slot, word in ((0, words[0]), (1, 0)):
+        for off, data in slot_writes(server.geom, slot, 1, request(cache_salt=word)):
+            t.write(off, data)
+    new, _ = server.poll(LIMITS)
+    assert [(r.slot, r.cache_salt) for r in new] == [(0, words[0]), (1, 0)]
 
 
 def test_generation_zero_is_never_a_request(ring):

@@ -79,13 +79,13 @@ class PyReplay:
 
     def _add(self, *f):
         v = [int(x, 0) for x in f]
-        slot, gen, arrival, max_tokens, temp, top_p, top_k, seed, ignore_eos, nstop = v[:10]
-        stop_ids, rest = v[10:10 + nstop], v[10 + nstop:]
+        slot, gen, arrival, max_tokens, temp, top_p, top_k, seed, salt, ignore_eos, nstop = v[:11]
+        stop_ids, rest = v[11:11 + nstop], v[11 + nstop:]
         prompt = rest[1:1 + rest[0]]
         params = SamplingParams(max_tokens=max_tokens, temperature=f32_from_bits(temp),
                                 top_p=f32_from_bits(top_p), top_k=top_k, seed=seed,
                                 ignore_eos=bool(ignore_eos), stop_ids=frozenset(stop_ids))
-        self.core.admit(Sequence(slot, gen, arrival, prompt, params))
+        self.core.admit(Sequence(slot, gen, arrival, prompt, params, salt))
         return []
 
     def _finish(self, slot):
@@ -145,17 +145,19 @@ def expected(events: list[str]) -> list[tuple[str, list[str]]]:
 # -- scenario generators ----------------------------------------------------------------------
 
 def add_line(slot, gen, arrival, prompt, max_tokens, *, temperature=ONE, top_p=ONE, top_k=0,
-             seed=0, ignore_eos=0, stop_ids=()) -> str:
+             seed=0, cache_salt=0, ignore_eos=0, stop_ids=()) -> str:
     return " ".join(map(str, [
         "add", slot, gen, arrival, max_tokens, hex(temperature), hex(top_p), top_k, seed,
-        ignore_eos, len(stop_ids), *stop_ids, len(prompt), *prompt]))
+        hex(cache_salt), ignore_eos, len(stop_ids), *stop_ids, len(prompt), *prompt]))
 
 
 def random_workload(seed: int, steps: int, **overrides) -> list[str]:
     """Random arrivals (sometimes into a live slot), prompt lengths, max_tokens (sometimes past
     the context), cancels, tokens that hit EOS or stop ids, tiny pools that force preemption,
     small max_num_seqs and budgets, prefix caching on or off, prompts that share prefixes (a
-    few fixed ones, or an earlier request's prompt and output: a chat's next turn). Returns the
+    few fixed ones, or an earlier request's prompt and output: a chat's next turn), under a few
+    cache salts (none among them; words with and without their top bit, which name the same
+    namespace) or none at all. Returns the
     event lines. `overrides` fix config values: prompts are at most prompt_frac of the context,
     output_frac > 0 favours long outputs, p_shared is how often a prompt reuses a prefix."""
     rng = random.Random(seed)
@@ -165,6 +167,10 @@ def random_workload(seed: int, steps: int, **overrides) -> list[str]:
              vocab=rng.choice([8, 40]), p_arrive=rng.uniform(0.2, 1.0),
              p_cancel=rng.choice([0.0, 0.05, 0.2]), prompt_frac=1.0, output_frac=0.0,
              prefix_caching=int(rng.random() < 0.75), p_shared=rng.choice([0.0, 0.5, 0.9]))
+    # the salts from a generator of their own: each seed's scenario stays what it was before
+    # salts existed, but for them
+    salt_rng = random.Random(seed ^ 0x5A17)
+    c["salts"] = salt_rng.choice([(0,), (0,), (0, 1 << 63 | 5, 5, 2 ** 64 - 1)])
     c["max_model_len"] = c["ctx"] + rng.choice([0, 0, 1, 7])
     min_blocks = blocks_for(c["ctx"], c["block_size"])  # one sequence alone always fits
     c["num_blocks"] = rng.randint(min_blocks, 2 * min_blocks + 1)
@@ -212,8 +218,8 @@ def random_workload(seed: int, steps: int, **overrides) -> list[str]:
             if slot in rep.active:
                 history.append(rep.active[slot].token_range(0, rep.active[slot].num_tokens))
             emit(add_line(slot, gens[slot], request_id, prompt, max_tokens,
-                          seed=rng.getrandbits(64), ignore_eos=int(rng.random() < 0.3),
-                          stop_ids=stop_ids))
+                          seed=rng.getrandbits(64), cache_salt=salt_rng.choice(c["salts"]),
+                          ignore_eos=int(rng.random() < 0.3), stop_ids=stop_ids))
         if rep.active and rng.random() < c["p_cancel"]:
             emit(f"finish {rng.choice(sorted(rep.active))}")
         emit("step")
@@ -483,6 +489,31 @@ def test_random_workloads_match_python(replay):
     assert shared > 300, "too few steps where running sequences share a block"
 
 
+SALT = 0x1234_5678_9ABC_DEF0 | 1 << 63
+
+
+def salted_prefix_events() -> list[str]:
+    """One 13-token prompt (three blocks of 4 it may take from the cache) sent six times, one
+    request after another, under cache salts: none, SALT, SALT again, SALT without its top bit
+    (the same namespace), another salt, none again."""
+    prompt = [7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0]
+    events = ["config 4 32 4 32 4 64 1 32 0"]
+    for n, salt in enumerate([0, SALT, SALT, SALT & ~(1 << 63), 0x42, 0]):
+        events += [add_line(n % 4, n // 4 + 1, n, prompt, 1, cache_salt=salt), "step",
+                   f"sample {n % 4} 3"]
+    return events
+
+
+def test_cache_salts_namespace_the_prefix_cache(replay):
+    """A request finds the blocks that requests of its own salt (or of none, unsalted) left,
+    and nothing of another salt's, in both schedulers."""
+    pairs = expected(salted_prefix_events())
+    assert_same(pairs, replay([e for e, _ in pairs]))
+    admitted = [re.search(r" adm=\d+:(\d+) ", lines[0]).group(1)
+                for e, lines in pairs if e == "step"]
+    assert admitted == ["0", "0", "12", "12", "0", "12"]
+
+
 def test_colliding_prefix_keys_change_no_decision(replay_colliding_keys):
     """Keys of 2 bits: every lookup probes past blocks of other identities, which the parent
     uid and token comparison must reject, so the decisions stay exactly Python's (which keys
@@ -540,6 +571,7 @@ def vector_events() -> list[str]:
     events += random_workload(1010, 60, num_slots=6, block_size=2, ctx=32, max_model_len=32,
                               num_blocks=24, max_num_seqs=4, budget=24, p_arrive=0.8,
                               vocab=8, p_cancel=0.05, prefix_caching=1, p_shared=0.9)
+    events += salted_prefix_events()
     events += [line for line, _ in handcrafted_validate_cases()]
     events += crc_lines(1006, 12) + [line for line, _ in slot_crc_lines(1007)]
     events += ["crc 7 5000 " + random.Random(1008).randbytes(8192).hex()]  # a long prompt

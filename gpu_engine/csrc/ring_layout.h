@@ -7,7 +7,7 @@
 namespace blink::ring {
 
 static constexpr uint64_t kRingMagic = 0x31474e524b4e494cull;
-static constexpr uint32_t kLayoutVersion = 3;
+static constexpr uint32_t kLayoutVersion = 4;
 static constexpr uint32_t kHeaderBytes = 4096;
 static constexpr uint32_t kMaxStopIds = 16;
 static constexpr uint32_t kMaxEosIds = 8;
@@ -149,11 +149,12 @@ struct RequestSlotFixed {
   int32_t top_k;  // @40
   uint32_t flags;  // @44
   uint64_t seed;  // @48
-  uint32_t num_stop_ids;  // @56
-  int32_t stop_ids[16];  // @60
-  uint32_t pad1;  // @124
+  uint64_t cache_salt;  // @56
+  uint32_t num_stop_ids;  // @64
+  int32_t stop_ids[16];  // @68
+  uint32_t pad1;  // @132
 };
-static_assert(sizeof(RequestSlotFixed) == 128, "RequestSlotFixed size");
+static_assert(sizeof(RequestSlotFixed) == 136, "RequestSlotFixed size");
 static_assert(offsetof(RequestSlotFixed, seq_begin) == 0, "RequestSlotFixed.seq_begin");
 static_assert(offsetof(RequestSlotFixed, cancel_gen) == 4, "RequestSlotFixed.cancel_gen");
 static_assert(offsetof(RequestSlotFixed, payload_crc) == 8, "RequestSlotFixed.payload_crc");
@@ -166,9 +167,10 @@ static_assert(offsetof(RequestSlotFixed, top_p) == 36, "RequestSlotFixed.top_p")
 static_assert(offsetof(RequestSlotFixed, top_k) == 40, "RequestSlotFixed.top_k");
 static_assert(offsetof(RequestSlotFixed, flags) == 44, "RequestSlotFixed.flags");
 static_assert(offsetof(RequestSlotFixed, seed) == 48, "RequestSlotFixed.seed");
-static_assert(offsetof(RequestSlotFixed, num_stop_ids) == 56, "RequestSlotFixed.num_stop_ids");
-static_assert(offsetof(RequestSlotFixed, stop_ids) == 60, "RequestSlotFixed.stop_ids");
-static_assert(offsetof(RequestSlotFixed, pad1) == 124, "RequestSlotFixed.pad1");
+static_assert(offsetof(RequestSlotFixed, cache_salt) == 56, "RequestSlotFixed.cache_salt");
+static_assert(offsetof(RequestSlotFixed, num_stop_ids) == 64, "RequestSlotFixed.num_stop_ids");
+static_assert(offsetof(RequestSlotFixed, stop_ids) == 68, "RequestSlotFixed.stop_ids");
+static_assert(offsetof(RequestSlotFixed, pad1) == 132, "RequestSlotFixed.pad1");
 
 struct OutputRecordFixed {
   uint32_t gen;  // @0

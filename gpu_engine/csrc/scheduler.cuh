@@ -123,6 +123,7 @@ struct SamplingParams {
 // in state.tokens, the block table in state.block_tables (see SchedState).
 struct SeqState {
   uint64_t arrival;       // front end's request id: FCFS order
+  uint64_t cache_salt;    // the slot's cache_salt word: its prefix-cache namespace (prefix_root)
   uint32_t gen;           // the slot's generation for this request
   int32_t slot;           // == its index in seqs[]
   int32_t prompt_len;
@@ -169,14 +170,15 @@ struct SchedState {
   int32_t waiting_head;
   int32_t num_waiting;
   // The prefix cache (KvBlockPool's refs, cache and evictable queue). A cached block is known
-  // by (the uid of the cached block before it, or 0; its tokens); `cache_table` finds it by a
-  // 64-bit key of the tokens up to its end (prefix_key, chained over the blocks), and every
+  // by (the uid of the cached block before it, or for a first block its sequence's root,
+  // prefix_root: 0 unless salted; its tokens); `cache_table` finds it by a 64-bit key of the
+  // tokens up to its end (prefix_key, chained over the blocks from prefix_root_key), and every
   // candidate's parent uid and tokens are compared, so a key collision costs a probe, never a
   // wrong block. (A key of the tokens rather than of the parent uid lets a sequence's keys be
   // computed once, before any lookup, and kept.)
   int32_t* block_refs;     // [num_blocks] block tables holding each block
   uint64_t* block_uid;     // [num_blocks] its cache uid; 0: not cached
-  uint64_t* block_parent;  // [num_blocks] cached: the uid of the block before it (0: first)
+  uint64_t* block_parent;  // [num_blocks] cached: the uid before it (first: the root)
   uint64_t* block_key;     // [num_blocks] cached: its key (the sequence's seq_block_keys)
   int32_t* block_tokens;   // [num_blocks, block_size] cached: its tokens
   // Cached blocks no table holds, least recently released first (KvBlockPool._evictable): a
@@ -308,6 +310,21 @@ BLINK_HD inline uint64_t prefix_key(uint64_t previous_key, uint64_t digest) {
   return splitmix64(previous_key ^ digest);
 }
 
+// The uid q's first block hangs from (block_manager.prefix_root): 0, or q's cache salt with
+// the top bit set, which no uid reaches (they count up from 1), so sequences of different
+// salts share no cached block, while one salt's sequences share theirs as unsalted ones do.
+BLINK_HD inline uint64_t prefix_root(const SeqState& q) {
+  return q.cache_salt == 0 ? 0 : q.cache_salt | (1ull << 63);
+}
+
+// The key q's first block is chained from: the seed, mixed with the root where q has a salt,
+// so that another salt's blocks of the same tokens sit under other keys (they would fail the
+// parent comparison anyway: this only spares the probes).
+BLINK_HD inline uint64_t prefix_root_key(const SeqState& q) {
+  const uint64_t root = prefix_root(q);
+  return root == 0 ? kPrefixKeySeed : splitmix64(kPrefixKeySeed ^ root);
+}
+
 // The key of q's block j (its tokens must be known), computing the keys of its blocks up to j
 // that are not yet in its row. Serial: the chain goes block by block.
 BLINK_HD inline uint64_t seq_block_key(const SchedState& s, SeqState& q, int32_t j) {
@@ -316,7 +333,7 @@ BLINK_HD inline uint64_t seq_block_key(const SchedState& s, SeqState& q, int32_t
   const int32_t* tokens = seq_tokens(s, q.slot);
   for (; q.num_hashed <= j; ++q.num_hashed) {
     const int32_t k = q.num_hashed;
-    keys[k] = prefix_key(k > 0 ? keys[k - 1] : kPrefixKeySeed,
+    keys[k] = prefix_key(k > 0 ? keys[k - 1] : prefix_root_key(q),
                          prefix_block_digest(tokens + k * bs, bs));
   }
   return keys[j] & static_cast<uint64_t>(BLINK_PREFIX_KEY_MASK);
@@ -525,7 +542,7 @@ BLINK_SCHED_CALL BLINK_HD int32_t prefix_match(const SchedState& s, SeqState& q)
   const int32_t* tokens = seq_tokens(s, q.slot);
   int32_t* table = block_table(s, q.slot);
   uint64_t* uids = block_uids(s, q.slot);
-  uint64_t parent = 0;
+  uint64_t parent = prefix_root(q);
   int32_t hit = 0;
   const int32_t lookable = prefix_lookable_blocks(s, q);
   const int32_t hinted = min_i32(q.num_hinted, lookable);
@@ -608,7 +625,7 @@ BLINK_SCHED_CALL BLINK_HD void prefix_register(SchedState& s, SeqState& q) {
   const int32_t* table = block_table(s, q.slot);
   uint64_t* uids = block_uids(s, q.slot);
   for (int32_t j = q.num_keyed; j < full; ++j) {
-    const uint64_t parent = j > 0 ? uids[j - 1] : 0;
+    const uint64_t parent = j > 0 ? uids[j - 1] : prefix_root(q);
     const int32_t* block_tokens = tokens + j * bs;
     const uint64_t key = seq_block_key(s, q, j);
     int32_t b = cache_find(s, key, parent, block_tokens);
@@ -743,7 +760,7 @@ enum class AddResult : uint32_t {
 // the caller has already written them there (e.g. a cooperative copy by the whole CTA).
 BLINK_HD inline AddResult add_seq(SchedState& s, int32_t slot, uint32_t gen, uint64_t arrival,
                                   const int32_t* prompt, int32_t prompt_len,
-                                  const SamplingParams& params) {
+                                  const SamplingParams& params, uint64_t cache_salt) {
   if (slot < 0 || slot >= s.cfg.num_slots) return AddResult::kBadSlot;
   if (prompt_len < 1 || prompt_len >= s.cfg.max_model_len) return AddResult::kBadPromptLen;
   const bool stale = finish_seq(s, slot);
@@ -754,6 +771,7 @@ BLINK_HD inline AddResult add_seq(SchedState& s, int32_t slot, uint32_t gen, uin
   SeqState& q = s.seqs[slot];
   q = SeqState{};
   q.arrival = arrival;
+  q.cache_salt = cache_salt;
   q.gen = gen;
   q.slot = slot;
   q.prompt_len = prompt_len;
@@ -925,11 +943,14 @@ struct Admission {
 
 // ReferenceEngine._admit: sorts the accepted requests by request id (insertion sort: a handful
 // per iteration) and adds each; on_admitted(admission, add_result) follows every add_seq.
+// cache_salt_by_slot: [num_slots] the cache_salt word of the request accepted in each slot (not
+// an Admission field: 8 bytes more a copy took the scheduler kernel from 84 to 90 registers).
 // copy_prompts false: the caller copies each prompt into its slot's token row afterwards (the
 // scheduler kernel's whole CTA), before anything reads it.
 template <class OnAdmitted>
 BLINK_HD void admit_in_order(SchedState& s, Admission* accepted, int32_t n,
-                             OnAdmitted on_admitted, bool copy_prompts = true) {
+                             const uint64_t* cache_salt_by_slot, OnAdmitted on_admitted,
+                             bool copy_prompts = true) {
   for (int32_t a = 1; a < n; ++a)
     for (int32_t b = a; b > 0 && accepted[b - 1].arrival > accepted[b].arrival; --b) {
       const Admission t = accepted[b];
@@ -938,8 +959,9 @@ BLINK_HD void admit_in_order(SchedState& s, Admission* accepted, int32_t n,
     }
   for (int32_t a = 0; a < n; ++a) {
     const Admission& r = accepted[a];
+    const bool in_range = r.slot >= 0 && r.slot < s.cfg.num_slots;  // (add_seq checks too)
     on_admitted(r, add_seq(s, r.slot, r.gen, r.arrival, copy_prompts ? r.prompt : nullptr,
-                           r.prompt_len, r.params));
+                           r.prompt_len, r.params, in_range ? cache_salt_by_slot[r.slot] : 0));
   }
 }
 
@@ -1258,7 +1280,7 @@ __device__ __noinline__ void prefix_keys_and_hints_cta(const SchedState& s, SeqS
     keys[k] = prefix_block_digest(tokens + k * bs, bs);
   __syncthreads();
   if (tid == 0 && blocks > first) {
-    uint64_t key = first > 0 ? keys[first - 1] : kPrefixKeySeed;
+    uint64_t key = first > 0 ? keys[first - 1] : prefix_root_key(q);
 #pragma unroll 8
     for (int32_t k = first; k < blocks; ++k) keys[k] = key = prefix_key(key, keys[k]);
     q.num_hashed = blocks;

@@ -68,6 +68,7 @@ struct EngineDevice {
   sched::Admission staged[kMaxSlots];
   int32_t row_slot[sched::kMaxStepSeqs];  // this step's logits rows' sequences (describe_batch)
   int32_t num_rows;
+  uint64_t cache_salt_by_slot[kMaxSlots];  // admission: each accepted request's cache_salt
 };
 static_assert(sizeof(EngineInit::eos_ids) == sizeof(EngineDevice::eos_ids),
               "EngineInit carries the ring's kMaxEosIds EOS ids");
@@ -266,6 +267,7 @@ __device__ void Admit(EngineDevice& e, const RingScan& scan) {
         r.arrival = f->request_id;
         r.prompt_len = static_cast<int32_t>(f->prompt_len);
         r.params = sched::params_from_slot(*f);
+        e.cache_salt_by_slot[i] = f->cache_salt;
         r.prompt = e.staged_prompts + static_cast<size_t>(e.num_new) * e.ring.max_prompt_tokens;
         ++e.num_new;
       }
@@ -295,7 +297,7 @@ __device__ void Admit(EngineDevice& e, const RingScan& scan) {
     }
   }
   if (threadIdx.x == 0) {
-    sched::admit_in_order(e.sched, e.staged, e.num_new,
+    sched::admit_in_order(e.sched, e.staged, e.num_new, e.cache_salt_by_slot,
                           [&](const sched::Admission& r, sched::AddResult) {
                             OpenRecord(e, r.slot, r.gen, r.prompt_len);
                             ++e.counters.requests_admitted;

@@ -29,6 +29,7 @@ Output record protocol (engine writes, front end polls):
 from __future__ import annotations
 
 import enum
+import hashlib
 import sys
 import zlib
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 RING_MAGIC = 0x31474E524B4E494C  # b"LINKRNG1" read as a little-endian u64
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4  # 4: RequestSlot.cache_salt
 HEADER_BYTES = 4096
 MAX_STOP_IDS = 16
 MAX_EOS_IDS = 8
@@ -162,6 +163,7 @@ SLOT_DTYPE = np.dtype([
     ("top_k", "<i4"),
     ("flags", "<u4"),          # FLAG_IGNORE_EOS
     ("seed", "<u8"),
+    ("cache_salt", "<u8"),     # the prefix cache's namespace: 0 or cache_salt_word's
     ("num_stop_ids", "<u4"),
     ("stop_ids", "<i4", (MAX_STOP_IDS,)),
     ("pad1", "<u4"),
@@ -247,6 +249,22 @@ class SlotRequest:
     seed: int = 0
     ignore_eos: bool = False
     stop_ids: tuple[int, ...] = ()
+    cache_salt: int = 0         # cache_salt_word(the request's cache_salt)
+
+
+def cache_salt_word(salt: str) -> int:
+    """The slot's word for a request's cache salt: 0 for none (""), else 63 bits of its BLAKE2b
+    digest with the top bit set. The engine hangs a salted sequence's first KV block from this
+    word where an unsalted one's hangs from 0, and block uids count up from 1, so blocks cached
+    under different words never share an identity: a request can reuse only the prefixes that
+    requests with its own salt computed (a tenant's, where an operator gives each tenant one),
+    and its time to first token cannot reveal whether another tenant sent a prefix. The digest,
+    not the text, crosses the ring: the slot's size stays fixed whatever the salt's length."""
+    if not salt:
+        return 0
+    digest = hashlib.blake2b(salt.encode(), digest_size=8,
+                             person=b"blink cache salt").digest()
+    return int.from_bytes(digest, "little") | 1 << 63
 
 
 def encode_slot(geom: RingGeometry, gen: int, req: SlotRequest) -> tuple[bytes, int]:
@@ -270,6 +288,7 @@ def encode_slot(geom: RingGeometry, gen: int, req: SlotRequest) -> tuple[bytes, 
     fixed["top_k"] = req.top_k
     fixed["flags"] = FLAG_IGNORE_EOS if req.ignore_eos else 0
     fixed["seed"] = req.seed & 0xFFFF_FFFF_FFFF_FFFF
+    fixed["cache_salt"] = req.cache_salt & 0xFFFF_FFFF_FFFF_FFFF
     fixed["num_stop_ids"] = len(req.stop_ids)
     fixed["stop_ids"][: len(req.stop_ids)] = req.stop_ids
     payload = fixed.tobytes()[PAYLOAD_START:] + prompt.tobytes()

@@ -15,13 +15,13 @@
 // Input, one event a line, integers in decimal or 0x-hex:
 //   config SLOTS MAX_MODEL_LEN BLOCK_SIZE NUM_BLOCKS MAX_NUM_SEQS MAX_BATCHED_TOKENS PREFIX_CACHING
 //          CONTEXT_LENGTH NUM_EOS EOS_ID...   fresh scheduler state; later events use it
-//   add SLOT GEN ARRIVAL MAX_TOKENS TEMPERATURE_BITS TOP_P_BITS TOP_K SEED IGNORE_EOS
-//       NUM_STOP STOP_ID... PROMPT_LEN TOKEN...          admit (a live slot is retired first)
+//   add SLOT GEN ARRIVAL MAX_TOKENS TEMPERATURE_BITS TOP_P_BITS TOP_K SEED CACHE_SALT
+//       IGNORE_EOS NUM_STOP STOP_ID... PROMPT_LEN TOKEN...   admit (a live slot is retired first)
 //   finish SLOT                       retire (a cancel)
 //   step                              schedule_step + commit_step
 //   sample SLOT TOKEN                 append_token + stop_check (+ finish_seq if it stops)
 //   validate VOCAB CONTEXT_LENGTH KV_CAPACITY MAX_PROMPT FIXED_HEX NUM_TOKENS TOKEN...
-//                                     validate_slot; FIXED_HEX: the 128-byte RequestSlotFixed
+//                                     validate_slot; FIXED_HEX: the RequestSlotFixed bytes
 //   crc GEN SPLIT PAYLOAD_HEX|-       slot_crc, and the same via crc32_combine split at SPLIT
 //   uniform SEED STEP                 splitmix64(SEED), uniform(SEED, STEP)
 // Output, one line per decision:
@@ -171,15 +171,17 @@ BLINK_HD void run_event(SchedState* s, StepPlan* plan, ReplayBatch* batch, const
       p.top_p = f32_from_bits(a[6]);
       p.top_k = static_cast<int32_t>(a[7]);
       p.seed = u64_at(a + 8);
-      p.ignore_eos = a[10];
-      p.num_stop_ids = a[11];
-      for (uint32_t i = 0; i < a[11]; ++i) p.stop_ids[i] = static_cast<int32_t>(a[12 + i]);
-      const uint32_t* prompt = a + 12 + a[11];
+      p.ignore_eos = a[12];
+      p.num_stop_ids = a[13];
+      for (uint32_t i = 0; i < a[13]; ++i) p.stop_ids[i] = static_cast<int32_t>(a[14 + i]);
+      const uint32_t* prompt = a + 14 + a[13];
       Admission one{u64_at(a + 2), a[1], static_cast<int32_t>(a[0]),
                     static_cast<int32_t>(prompt[0]), reinterpret_cast<const int32_t*>(prompt + 1),
                     p};
+      uint64_t cache_salt_by_slot[kMaxSlots] = {};  // (the one slot's entry is read)
+      if (one.slot >= 0 && one.slot < kMaxSlots) cache_salt_by_slot[one.slot] = u64_at(a + 10);
       bool added = false;
-      admit_in_order(*s, &one, 1, [&](const Admission&, AddResult r) {
+      admit_in_order(*s, &one, 1, cache_salt_by_slot, [&](const Admission&, AddResult r) {
         added = r == AddResult::kAdded || r == AddResult::kReplacedStale;
         if (!added) emit_error(w, kErrAdd, static_cast<int64_t>(r));
       });
@@ -372,6 +374,7 @@ std::vector<Segment> parse(std::istream& in) {
       push_u64(args, u64());  // arrival
       for (int i = 0; i < 4; ++i) args.push_back(u32());  // max_tokens temperature top_p top_k
       push_u64(args, u64());  // seed
+      push_u64(args, u64());  // cache_salt
       args.push_back(u32());  // ignore_eos
       const uint32_t nstop = u32();
       if (nstop > kMaxStopIds) die("too many stop ids", line);
@@ -394,7 +397,8 @@ std::vector<Segment> parse(std::istream& in) {
       push_u64(args, u64());  // kv capacity tokens
       args.push_back(u32());  // max prompt tokens
       const std::vector<uint8_t> fixed = parse_hex(next(), line);
-      if (fixed.size() != sizeof(RequestSlotFixed)) die("fixed part must be 128 bytes", line);
+      if (fixed.size() != sizeof(RequestSlotFixed))
+        die("fixed part must be sizeof(RequestSlotFixed) bytes", line);
       push_bytes(args, fixed);
       const uint32_t ntok = u32();
       args.push_back(ntok);

@@ -19,7 +19,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "messages", "sampling", "return_token_ids", "skip_special_tokens_in_prompt", "client_request_id")
+    __slots__ = ("model", "text", "token_ids", "messages", "sampling", "return_token_ids", "skip_special_tokens_in_prompt", "client_request_id", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class GenerateRequest(_message.Message):
     RETURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_IN_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     token_ids: TokenIds
@@ -36,7 +37,8 @@ class GenerateRequest(_message.Message):
     return_token_ids: bool
     skip_special_tokens_in_prompt: bool
     client_request_id: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_token_ids: bool = ..., skip_special_tokens_in_prompt: bool = ..., client_request_id: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_token_ids: bool = ..., skip_special_tokens_in_prompt: bool = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
