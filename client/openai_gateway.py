@@ -15,10 +15,11 @@ the prefix cache's namespace, blink.proto's GenerateRequest.cache_salt); null is
 one that Blink does not serve (logprobs, echo, penalties, tools, vLLM's chat_template_kwargs and
 continue_final_message, ...) set to anything but its neutral value is a 400; with
 --served-model-name, a model not among its names is a 404 (model_not_found), else `model` is
-not checked (clients send Hub ids or paths). An
-`Authorization: Bearer KEY` header is passed on as the gRPC bearer token. Blink's errors map to
-HTTP statuses (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, UNAVAILABLE
-503, DEADLINE_EXCEEDED 504) with OpenAI's error body. A client that disconnects cancels its
+not checked (clients send Hub ids or paths). An `Authorization: Bearer KEY` header is passed
+on as the gRPC bearer token, an `x-blink-session` header as the SDK's session (Envoy routes a
+session to one replica: deploy/envoy/envoy.yaml). Blink's errors map to HTTP statuses
+(INVALID_ARGUMENT 400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
+DEADLINE_EXCEEDED 504) with OpenAI's error body. A client that disconnects cancels its
 request in the server.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 
 import grpc
 
-from blink.client.sdk import AsyncBlinkClient, BlinkError, Sampling
+from blink.client.sdk import SESSION_HEADER, AsyncBlinkClient, BlinkError, Sampling
 
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
                grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
@@ -181,11 +182,13 @@ def make_app(target: str, served_model_names: list[str] | None = None):
     state: dict = {}
 
     def client_for(request) -> AsyncBlinkClient:
-        """The gateway's one channel, with the request's bearer token (if any) on its calls."""
+        """The gateway's one channel, with the request's bearer token and session header (if
+        any) on its calls: the session routes a conversation to one replica behind Envoy."""
         if "client" not in state:
             state["client"] = AsyncBlinkClient(target)
         auth = request.headers.get("Authorization", "")
-        return state["client"].with_token(auth[7:] if auth.startswith("Bearer ") else None)
+        return state["client"].with_token(auth[7:] if auth.startswith("Bearer ") else None) \
+            .with_session(request.headers.get(SESSION_HEADER) or None)
 
     async def models(request):
         try:  # the caller's token checked by the server, whatever the listed name

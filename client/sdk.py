@@ -399,8 +399,16 @@ def _open_channel(grpc_module: Any, target: str, options: Sequence[tuple[str, An
     return grpc_module.secure_channel(target, creds, options=options)
 
 
-def _auth(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    return (("authorization", f"Bearer {token}"),) if token else None
+# The header deploy/envoy/envoy.yaml routes by: the calls of one session (a conversation's turns)
+# go to one replica, whose prefix cache holds what the turns before computed. The server itself
+# ignores it.
+SESSION_HEADER = "x-blink-session"
+
+
+def _call_metadata(token: str | None, session: str | None) -> tuple[tuple[str, str], ...] | None:
+    metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + (
+        ((SESSION_HEADER, session),) if session else ())
+    return metadata or None
 
 
 class _Client:
@@ -412,7 +420,8 @@ class _Client:
     def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = (),
                  tls: Tls | None = None, token: str | None = None):
         self._channel = _open_channel(self._grpc, target, options, tls)
-        self._metadata = _auth(token)
+        self._token, self._session = token, None
+        self._metadata = _call_metadata(token, None)
         self._stub = blink_pb2_grpc.BlinkStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -420,7 +429,18 @@ class _Client:
         """This client's channel with another bearer token on its calls (one channel for many
         callers' tokens, as a gateway needs; closing either client closes the channel)."""
         other = copy.copy(self)
-        other._metadata = _auth(token)
+        other._token = token
+        other._metadata = _call_metadata(token, other._session)
+        return other
+
+    def with_session(self, session: str | None):
+        """This client's channel with `session` in the SESSION_HEADER of its calls: behind
+        deploy/envoy/envoy.yaml, every call of one session (give each conversation its own
+        id) goes to the same replica, so a turn finds the turns before it in that replica's
+        prefix cache; without the header, a call goes to the least busy replica."""
+        other = copy.copy(self)
+        other._session = session
+        other._metadata = _call_metadata(other._token, session)
         return other
 
     def _generate_call(self, prompt: Prompt, sampling: Sampling | None, timeout: float | None,

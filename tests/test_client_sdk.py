@@ -9,6 +9,7 @@ CHUNKS and a final.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import pickle
 import socket
@@ -24,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from blink.client.sdk import (
     HEALTH_SERVICE,
+    SESSION_HEADER,
     AsyncBlinkClient,
     BlinkClient,
     BlinkError,
@@ -58,11 +60,13 @@ def _chunk(text: str, ids: list[int]) -> blink_pb2.GenerateResponse:
 class FakeBlink(blink_pb2_grpc.BlinkServicer):
     def __init__(self) -> None:
         self.requests: list[blink_pb2.GenerateRequest] = []
+        self.metadata: list[dict[str, str]] = []  # each Generate call's
         self.streaming = threading.Event()  # the slow script has sent its chunks
         self.cancelled = threading.Event()  # a slow call ended before its final
 
     def Generate(self, request, context):
         self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
         script = request.text if request.WhichOneof("prompt") == "text" else ""
         if script == "bad":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
@@ -107,20 +111,30 @@ class Server:
     health: health.HealthServicer
 
 
-@pytest.fixture
-def server():
-    fake = FakeBlink()
-    health_servicer = health.HealthServicer()
-    health_servicer.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+@contextlib.contextmanager
+def serve_fake(fake: FakeBlink, health_servicer: health.HealthServicer | None = None):
+    """A real gRPC server on a free port serving `fake` (and the health service): yields
+    (fake, target)."""
     executor = ThreadPoolExecutor(max_workers=8)
     srv = grpc.server(executor)
     blink_pb2_grpc.add_BlinkServicer_to_server(fake, srv)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, srv)
+    if health_servicer is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, srv)
     port = srv.add_insecure_port("127.0.0.1:0")
     srv.start()
-    yield Server(f"127.0.0.1:{port}", fake, health_servicer)
-    srv.stop(grace=None)
-    executor.shutdown(wait=False)
+    try:
+        yield fake, f"127.0.0.1:{port}"
+    finally:
+        srv.stop(grace=None)
+        executor.shutdown(wait=False)
+
+
+@pytest.fixture
+def server():
+    health_servicer = health.HealthServicer()
+    health_servicer.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    with serve_fake(FakeBlink(), health_servicer) as (fake, target):
+        yield Server(target, fake, health_servicer)
 
 
 @pytest.fixture
@@ -222,6 +236,27 @@ def test_prompt_kinds_reach_the_server_in_the_right_oneof(server, client, prompt
         assert [(m.role, m.content) for m in request.messages.messages] == [
             (m["role"], m["content"]) for m in prompt
         ]
+
+
+def test_cache_salt_session_and_token_reach_the_server(server, client):
+    """cache_salt rides in the request; with_session and with_token in each call's metadata,
+    on copies that leave the client they came from as it was."""
+    client.generate("hello", cache_salt="tenant-1")
+    assert server.fake.requests[-1].cache_salt == "tenant-1"
+    assert SESSION_HEADER not in server.fake.metadata[-1]
+    session = client.with_session("conv-7")
+    session.generate("hello")
+    assert server.fake.requests[-1].cache_salt == ""
+    assert server.fake.metadata[-1][SESSION_HEADER] == "conv-7"
+    both = session.with_token("secret")
+    both.generate("hello")
+    assert server.fake.metadata[-1][SESSION_HEADER] == "conv-7"
+    assert server.fake.metadata[-1]["authorization"] == "Bearer secret"
+    both.with_session(None).generate("hello")
+    assert SESSION_HEADER not in server.fake.metadata[-1]
+    assert server.fake.metadata[-1]["authorization"] == "Bearer secret"
+    client.generate("hello")
+    assert not {SESSION_HEADER, "authorization"} & set(server.fake.metadata[-1])
 
 
 def test_no_sampling_leaves_the_field_unset(server, client):

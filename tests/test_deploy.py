@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from blink.client.cli import build_parser
+from blink.client.sdk import SESSION_HEADER
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 K8S_VERSION = "1.30.0"
@@ -59,18 +60,31 @@ def test_envoy_config():
     from envoy_data_plane.envoy.config.bootstrap.v3 import Bootstrap
     config = yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
     Bootstrap().from_dict(config)  # raises on unknown fields, bad enums, unknown types
-    (cluster,) = config["static_resources"]["clusters"]
+    cluster = config["static_resources"]["clusters"][0]
     assert cluster["health_checks"][0]["grpc_health_check"]["service_name"] == "blink.v1.Blink"
     k8s_service = "blink.default.svc.cluster.local"
     address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
         "address"]["socket_address"]
     assert (address["address"], address["port_value"]) == (k8s_service, 50051)
-    retry = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
-        "typed_config"]["route_config"]["virtual_hosts"][0]["routes"][0]["route"][
-        "retry_policy"]
-    # a refused stream (a draining replica) is retried on another replica
-    assert [p["name"] for p in retry["retry_host_predicate"]] == [
-        "envoy.retry_host_predicates.previous_hosts"]
+    routes = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    # a refused stream (a draining replica) is retried on another replica, either route
+    for route in routes:
+        assert [p["name"] for p in route["route"]["retry_policy"]["retry_host_predicate"]] == [
+            "envoy.retry_host_predicates.previous_hosts"]
+    # a stream with the SDK's session header (first: routes match in order) goes to the replica
+    # its value hashes to; any other to the least busy one; the same replicas and checks
+    by_session, default = routes
+    assert by_session["match"]["headers"] == [{"name": SESSION_HEADER, "present_match": True}]
+    assert by_session["route"]["hash_policy"] == [{"header": {"header_name": SESSION_HEADER}}]
+    assert "headers" not in default["match"] and "hash_policy" not in default["route"]
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    assert (clusters[by_session["route"]["cluster"]]["lb_policy"],
+            clusters[default["route"]["cluster"]]["lb_policy"]) == ("MAGLEV", "LEAST_REQUEST")
+    for key in ("health_checks", "typed_extension_protocol_options", "type"):
+        assert clusters["blink"][key] == clusters["blink_by_session"][key]
+    assert clusters["blink"]["load_assignment"]["endpoints"] == \
+        clusters["blink_by_session"]["load_assignment"]["endpoints"]
     with pytest.raises((KeyError, ValueError, TypeError)):  # the check has teeth
         Bootstrap().from_dict({**config, "admin": {"adress": {}}})
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from blink.client.sdk import BlinkClient, Sampling
+from blink.client.sdk import SESSION_HEADER, BlinkClient, Sampling
 
 openai = pytest.importorskip("openai", reason="the test extra (openai) is not installed")
 pytest.importorskip("aiohttp", reason="the test extra (aiohttp) is not installed")
@@ -20,12 +20,18 @@ def start_gateway(model_dir, make_stack, tmp_path, engine_args=(), gateway_args=
     gateway process); the caller stops the process."""
     stack = make_stack(model_dir, engine_args=engine_args)
     stack.wait_serving()
+    client, proc = gateway_to(stack.target, tmp_path, gateway_args)
+    return client, stack, proc
+
+
+def gateway_to(target: str, tmp_path, gateway_args=()):
+    """`blink openai` in front of the gRPC server at target: (OpenAI client, its process)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "gateway.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "blink.client.cli", "openai", "--target",
-                             stack.target, "--port", str(port), *gateway_args], stdout=log,
+                             target, "--port", str(port), *gateway_args], stdout=log,
                             stderr=subprocess.STDOUT)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                            max_retries=0, timeout=30)
@@ -38,7 +44,7 @@ def start_gateway(model_dir, make_stack, tmp_path, engine_args=(), gateway_args=
             assert proc.poll() is None and time.monotonic() < deadline, \
                 (tmp_path / "gateway.log").read_text()
             time.sleep(0.1)
-    return client, stack, proc
+    return client, proc
 
 
 @pytest.fixture
@@ -292,3 +298,24 @@ def test_sigterm_ends_the_gateway_within_its_shutdown_timeout(long_checkpoint, m
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_session_header_and_the_token_reach_the_server(tmp_path):
+    """The gateway passes an HTTP request's x-blink-session header on as the gRPC call's
+    (Envoy routes by it) and its bearer token as the call's; a request without the header
+    sends none. The server here is the SDK tests' fake, which records each call's metadata.
+    (The OpenAI client sends its api_key, "unused", as the bearer token unless told another.)"""
+    from test_client_sdk import FakeBlink, serve_fake
+    with serve_fake(FakeBlink()) as (fake, target):
+        client, proc = gateway_to(target, tmp_path)
+        try:
+            for headers, token in (({SESSION_HEADER: "conv-9", "Authorization": "Bearer k1"},
+                                    "k1"), ({}, "unused")):
+                client.with_options(default_headers=headers).completions.create(
+                    model="m", prompt="hi", max_tokens=2)
+                sent = fake.metadata[-1]
+                assert sent.get(SESSION_HEADER) == headers.get(SESSION_HEADER)
+                assert sent["authorization"] == f"Bearer {token}"
+        finally:
+            proc.terminate()
+            proc.wait(10)
