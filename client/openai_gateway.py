@@ -195,6 +195,8 @@ def make_app(target: str, served_model_names: list[str] | None = None):
             name = (await client_for(request).model_info(timeout=10)).name
         except BlinkError as e:
             return _blink_error(web, e)
+        except ValueError as e:  # a session header gRPC cannot carry
+            return _error(web, 400, str(e))
         if served_model_names:
             name = served_model_names[0]
         return web.json_response({"object": "list", "data": [
@@ -212,10 +214,9 @@ def make_app(target: str, served_model_names: list[str] | None = None):
         model = body.get("model") or ""
         if served_model_names and model not in served_model_names:
             return _error(web, 404, f"The model `{model}` does not exist.", "model_not_found")
-        client = client_for(request)
-        try:
-            stream = client.stream(prompt, sampling, cache_salt=cache_salt)
-        except (TypeError, ValueError) as e:  # what the SDK's request builder refuses
+        try:  # (what the SDK's request builder refuses; a session header gRPC cannot carry)
+            stream = client_for(request).stream(prompt, sampling, cache_salt=cache_salt)
+        except (TypeError, ValueError) as e:
             return _error(web, 400, str(e))
         try:  # a client that goes away (an error writing to it, or aiohttp's cancel of this
             # handler) cancels the request in the server rather than leave it generating

@@ -436,8 +436,11 @@ class _Client:
     def with_session(self, session: str | None):
         """This client's channel with `session` in the SESSION_HEADER of its calls: behind
         deploy/envoy/envoy.yaml, every call of one session (give each conversation its own
-        id) goes to the same replica, so a turn finds the turns before it in that replica's
-        prefix cache; without the header, a call goes to the least busy replica."""
+        id) goes to the same replica while the replicas stay the same, so a turn finds the
+        turns before it in that replica's prefix cache. ValueError for an id that is not
+        printable ASCII (what gRPC metadata carries: a UUID is)."""
+        if session and not (session.isascii() and session.isprintable()):
+            raise ValueError(f"a session id must be printable ASCII, got {session!r}")
         other = copy.copy(self)
         other._session = session
         other._metadata = _call_metadata(other._token, session)

@@ -255,8 +255,13 @@ def test_cache_salt_session_and_token_reach_the_server(server, client):
     both.with_session(None).generate("hello")
     assert SESSION_HEADER not in server.fake.metadata[-1]
     assert server.fake.metadata[-1]["authorization"] == "Bearer secret"
+    session.generate("hello")  # (with_token left the copy it came from as it was)
+    assert "authorization" not in server.fake.metadata[-1]
     client.generate("hello")
     assert not {SESSION_HEADER, "authorization"} & set(server.fake.metadata[-1])
+    for bad in ("ünï", "a\nb"):  # gRPC metadata is printable ASCII
+        with pytest.raises(ValueError, match="printable ASCII"):
+            client.with_session(bad)
 
 
 def test_no_sampling_leaves_the_field_unset(server, client):

@@ -81,6 +81,9 @@ def test_envoy_config():
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     assert (clusters[by_session["route"]["cluster"]]["lb_policy"],
             clusters[default["route"]["cluster"]]["lb_policy"]) == ("MAGLEV", "LEAST_REQUEST")
+    # bounded loads: a replica holding many sessions passes new ones on (Envoy's minimum 100)
+    assert clusters["blink_by_session"]["common_lb_config"]["consistent_hashing_lb_config"][
+        "hash_balance_factor"] >= 100
     for key in ("health_checks", "typed_extension_protocol_options", "type"):
         assert clusters["blink"][key] == clusters["blink_by_session"][key]
     assert clusters["blink"]["load_assignment"]["endpoints"] == \

@@ -110,14 +110,15 @@ def test_openai_sdk_through_the_gateway(gateway):
         client.completions.create(model="llama", prompt="hi", n=2)
 
 
-def post(client, path: str, body: dict, timeout: float = 30):
+def post(client, path: str, body: dict, timeout: float = 30, headers: dict | None = None):
     """(status, parsed JSON body) of a raw POST to the gateway."""
     import json
     import urllib.error
     import urllib.request
     req = urllib.request.Request(f"{client.base_url}{path.lstrip('/')}",
                                  data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -316,6 +317,10 @@ def test_the_session_header_and_the_token_reach_the_server(tmp_path):
                 sent = fake.metadata[-1]
                 assert sent.get(SESSION_HEADER) == headers.get(SESSION_HEADER)
                 assert sent["authorization"] == f"Bearer {token}"
+            # a header value gRPC metadata cannot carry is the client's error, not the server's
+            status, body = post(client, "/completions", {"prompt": "hi", "max_tokens": 2},
+                                headers={SESSION_HEADER: "caf\u00e9"})
+            assert status == 400 and "printable ASCII" in body["error"]["message"], body
         finally:
             proc.terminate()
             proc.wait(10)
