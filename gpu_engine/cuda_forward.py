@@ -1055,7 +1055,7 @@ class CudaForward:
                  attention_spread_max_bucket: int | None = None,
                  attention_roomy_max_bucket: int | None = None,
                  fine_buckets_from: int = 128, qkv_release_early: bool = False,
-                 fp8_x_f16: bool = False):
+                 fp8_x_f16: bool | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -1078,13 +1078,15 @@ class CudaForward:
         128: the comparison bench_decode --options makes). qkv_release_early: the skinny qkv
         projection (with RoPE + KV write) lets attention launch once its CTAs have started
         rather than once they have read their weights, so attention's CTAs load their first
-        keys while it runs (off until timed: bench_decode --options makes the comparison).
-        fp8_x_f16 (with quantization "fp8"): in buckets of up to
+        keys while it runs (off: timed in docs/performance.md round 38, 1-2% off the 1B FP8
+        step and nothing off the 8B one; bench_decode --options makes the comparison).
+        fp8_x_f16 (quantization "fp8"; None: on with it, off without): in buckets of up to
         ForwardKernels.SKINNY_X_F16_MAX_ROWS rows, the kernels that write the residual stream's
         shadow (the embedding, the o and down projections), SiLU * up and the final RMSNorm
         also write x's f16 form as the next FP8 skinny kernel's MMAs take it (times the next
         RMSNorm's weight and 1/16), so the qkv, gate|up and down projections and the LM head
-        convert none of it: bit-identical logits (off until timed, as qkv_release_early).
+        convert none of it: bit-identical logits, and 0.8-1.1% off the 8B batch-1 FP8 step,
+        2.2% off the 1B one (round 38).
         gemm_tuning: each cuBLAS GEMM shape runs the fastest of cuBLAS's own choice and
         cuBLASLt's candidates, timed at start-up or read from the cache (gemm_tuning.py; False:
         cuBLAS's own choice everywhere). gemm_split_k: the tuner also times split-K variants
@@ -1157,6 +1159,8 @@ class CudaForward:
         if kv_cache_dtype not in ("auto", "bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: 'auto', 'bf16' or 'fp8'")
         self.fp8 = quantization == "fp8"
+        if fp8_x_f16 is None:
+            fp8_x_f16 = self.fp8
         if fp8_x_f16 and not self.fp8:
             raise ValueError("fp8_x_f16 hands x over to the FP8 skinny kernels: it needs "
                              "quantization 'fp8'")
@@ -2050,8 +2054,10 @@ class CudaForward:
                 and self.kernels.attention_wgmma_available)
 
     # Buckets of at most this many tokens that run the large mma.sync tiles take the roomy
-    # attention kernel (attention_roomy): 0, none, until deploy/prefix_step_check.sh has timed it.
-    ATTENTION_ROOMY_MAX_BUCKET = 0
+    # attention kernel (attention_roomy). Round 38 (docs/performance.md, one H200): a warm
+    # prefix request's 100-token chunk at 2,100 keys, 8B bf16 6.90 -> 6.73 ms and 6.55 -> 6.33
+    # in two calls, FP8 5.86 -> 5.67; the 52-token chunk and the 128-row decode step unchanged.
+    ATTENTION_ROOMY_MAX_BUCKET = 128
 
     def attention_roomy(self, bucket: int) -> bool:
         """Buckets of up to attention_roomy_max_bucket tokens that run the large mma.sync query

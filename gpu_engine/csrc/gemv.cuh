@@ -54,13 +54,6 @@
 
 namespace blink {
 
-// Where x's f16 form is given (SkinnyAccumulate's kXF16), the norm-folding kernels sum the
-// squares of x as stored step by step in their loop (0), or all before it (1; a timing variant:
-// deploy/fp8_step_check.sh).
-#ifndef BLINK_XF16_SQUARES_FIRST
-#define BLINK_XF16_SQUARES_FIRST 0
-#endif
-
 // 8 warps per CTA, and a register cap (2 CTAs per SM) that makes ptxas keep a whole unrolled
 // batch of loads in flight: without the cap it interleaves loads with MMAs to save registers.
 static constexpr int kGemvWarps = 8;
@@ -472,12 +465,11 @@ struct NoLoadsAfterWait {
 // fp8.cuh Fp8MmaInput), written by the kernel before beside x (SkinnyStore's x_f16). The MMAs
 // take them as loaded, with no conversion on their path: the same sums, bit for bit; norm_w is
 // not read. kNormIn still sums the squares of x as stored (its RMSNorm's scale), in the same
-// order: step by step in the loop (x's words loaded with its f16 form's), or, with
-// BLINK_XF16_SQUARES_FIRST, each lane over its own steps before the loop, once the second
-// batch's loads are issued, so that the loop holds and waits for the f16 form alone (which of
-// the two is faster is for the H200 to say). Why: x's conversion and squares, each CTA doing its
-// own steps' on its MMAs' path, are 2.5% of the 8B FP8 batch-1 step (docs/performance.md round
-// 29, timed with x fed unconverted).
+// order, step by step in the loop (x's words loaded with its f16 form's; summed before the
+// loop instead, once the second batch's loads were issued, the 8B FP8 step took 2.416 ms
+// against 2.323: docs/performance.md round 38). Why: x's conversion, each CTA doing its own
+// steps' on its MMAs' path, cost 2.5% of the 8B FP8 batch-1 step (round 29; handed over, the
+// 8B step took 0.8-1.1% less and the 1B one 2.2% at batch 1: round 38).
 template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1, class W = Bf16Weights,
           bool kXF16 = false, class AfterWait = NoLoadsAfterWait>
 __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
@@ -496,9 +488,8 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
   constexpr int kStepK = W::kStepK, kPieceK = kStepK / 4;  // k a step, k a lane loads a row
   constexpr bool kNormW = W::kFp8 && kNormIn && !kXF16;
   // kXF16 with kNormIn: x as stored too, its squares summed step by step in the loop (its f16
-  // form then goes into the batch's norm_w registers), unless they are summed before it
-  constexpr bool kSquaresFirst = kXF16 && kNormIn && BLINK_XF16_SQUARES_FIRST;
-  constexpr bool kSquaresInLoop = kXF16 && kNormIn && !BLINK_XF16_SQUARES_FIRST;
+  // form then goes into the batch's norm_w registers)
+  constexpr bool kSquaresInLoop = kXF16 && kNormIn;
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   // the steps' round-robin runs over the cluster's warps: this warp's place in it
@@ -629,42 +620,10 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
   AwaitPriorKernel();
   after_wait();
   if (batches > 0) load_batch_x(0, first);
-  // kSquaresFirst: this lane's share of x's sum of squares, over its steps in the loop's order,
-  // once the next batch's loads are issued (not to delay them by the squares' wait)
-  auto sum_squares = [&] {
-    if constexpr (kSquaresFirst) {
-      constexpr int kAhead = 4;  // steps' loads in flight at once
-      for (int s0 = slot; s0 < steps; s0 += kAhead * warps) {
-        uint4 xs[kAhead][2];
-#pragma unroll
-        for (int u = 0; u < kAhead; ++u) {
-          const uint32_t k = static_cast<uint32_t>(s0 + u * warps) * kStepK;
-          if (s0 + u * warps < steps) {
-#pragma unroll
-            for (int p = 0; p < 2; ++p) xs[u][p] = LoadActivation16(x + (x_off[0] + k + 8 * p));
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kAhead; ++u)
-          if (s0 + u * warps < steps) GemvStepSumSquares(sum_sq[0], xs[u]);
-      }
-    }
-  };
   if constexpr (S::kDoubleBuffer) {
     Batch& even = first;
     Batch odd;
-    int b = 0;
-    if constexpr (kSquaresFirst) {  // the loop's first pass, the squares after its loads
-      if (1 < batches) load_batch(1, odd);
-      sum_squares();
-      if (0 < batches) mma_batch(even);
-      if (1 < batches) {
-        if (2 < batches) load_batch(2, even);
-        mma_batch(odd);
-      }
-      b = 2;
-    }
-    for (; b < batches; b += 2) {
+    for (int b = 0; b < batches; b += 2) {
       if (b + 1 < batches) load_batch(b + 1, odd);
       mma_batch(even);
       if (b + 1 < batches) {
@@ -673,7 +632,6 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
       }
     }
   } else {
-    static_assert(!kSquaresFirst, "x's f16 form (one column tile, FP8) is double-buffered");
     if (batches > 0) mma_batch(first);
     for (int b = 1; b < batches; ++b) {
       Batch batch;  // fresh registers: all of its loads are issued before its first MMA
