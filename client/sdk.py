@@ -428,10 +428,7 @@ class _Client:
     def with_token(self, token: str | None):
         """This client's channel with another bearer token on its calls (one channel for many
         callers' tokens, as a gateway needs; closing either client closes the channel)."""
-        other = copy.copy(self)
-        other._token = token
-        other._metadata = _call_metadata(token, other._session)
-        return other
+        return self._carrying(token, self._session)
 
     def with_session(self, session: str | None):
         """This client's channel with `session` in the SESSION_HEADER of its calls: behind
@@ -441,9 +438,13 @@ class _Client:
         printable ASCII (what gRPC metadata carries: a UUID is)."""
         if session and not (session.isascii() and session.isprintable()):
             raise ValueError(f"a session id must be printable ASCII, got {session!r}")
+        return self._carrying(self._token, session)
+
+    def _carrying(self, token: str | None, session: str | None):
+        """A copy on this client's channel whose calls carry `token` and `session`."""
         other = copy.copy(self)
-        other._session = session
-        other._metadata = _call_metadata(other._token, session)
+        other._token, other._session = token, session
+        other._metadata = _call_metadata(token, session)
         return other
 
     def _generate_call(self, prompt: Prompt, sampling: Sampling | None, timeout: float | None,
