@@ -205,10 +205,11 @@ class ForwardKernels:
                     *(f"blink_skinny_{kind}_fp8_{a}x{c}_k2" for kind, (a, c)
                       in itertools.product(SKINNY_SPLIT_KINDS, SKINNY_SPLIT_SHAPES)),
                     # x's f16 form handed over (CudaForward's fp8_x_f16; one column tile)
-                    *(f"blink_skinny_{kind}_fp8_{io}_{a}x1{split}"
-                      for kind, io in (("linear", "xf16"), ("linear", "xf16out"),
-                                       ("linear_norm", "xf16"), ("qkv_rope_norm", "xf16"))
-                      for a in (1, 2) for split in ("", "_k2")
+                    # (and x's sums of squares: _xf16sq, _xf16sqout; its fp8_x_sumsq)
+                    *(f"blink_skinny_{kind}_fp8_xf16{sq}{out}_{a}x1{split}"
+                      for kind, out in (("linear", ""), ("linear", "out"),
+                                        ("linear_norm", ""), ("qkv_rope_norm", ""))
+                      for sq in ("", "sq") for a in (1, 2) for split in ("", "_k2")
                       if not (split and (a == 2 or kind == "linear_norm"))),
                     "blink_quantize_rows", "blink_rms_norm_fp8", "blink_silu_mul_fp8",
                     "blink_tile_weights_fp8")
@@ -217,6 +218,8 @@ class ForwardKernels:
     SKINNY_FP8_MAX_ROWS = 16
     # The FP8 skinny kernels that take x's f16 form (gemv.cuh kXF16): one column tile
     SKINNY_X_F16_MAX_ROWS = 8
+    # ... and x's sums of squares in parts of 16 features (gemv.cuh kGemvMaxSquareParts)
+    SKINNY_SQUARE_PARTS_MAX = 512
     SKINNY_FP8_K_ALIGN = engine_layout.FP8_K_ALIGN
 
     def __init__(self, head_dim: int, device: int = 0, programmatic_launch: bool = True,
@@ -389,16 +392,20 @@ class ForwardKernels:
     # rows at or past the live count in BatchDesc.
 
     def embedding(self, stream, rows, desc, token_ids, embed, x, hidden, vocab, x_shadow=0,
-                  x_f16=0, norm_w=0):
+                  x_f16=0, norm_w=0, x_sumsq=0):
         # embed: [vocab, hidden] bf16 -> x: [rows, hidden] f32 (and x_shadow, bf16, if given;
         # and x_f16, f16, if given: its f16 form times norm_w [hidden] bf16, the first layer's
-        # input RMSNorm weight, as the FP8 skinny qkv kernel takes it)
+        # input RMSNorm weight, as the FP8 skinny qkv kernel takes it; with it x_sumsq, if
+        # given: [rows, hidden / 16] f32, x's sums of squares in parts, csrc/gemv.cuh
+        # GemvSquareParts)
         self._need(hidden % 8 == 0, f"hidden {hidden} must be a multiple of 8")
         self._need(bool(x_f16) == bool(norm_w), "x's f16 form comes with the norm's weight")
+        self._need(not x_sumsq or (x_f16 and hidden % 16 == 0),
+                   "x's sums of squares come with its f16 form, hidden a multiple of 16")
         self.launch("blink_embedding_xf16" if x_f16 else "blink_embedding", (rows,), (256,),
                     [_ptr(desc), _ptr(token_ids), _ptr(embed), _ptr(x), _ptr(x_shadow),
-                     _i32(hidden), _i32(vocab)] + ([_ptr(x_f16), _ptr(norm_w)] if x_f16 else []),
-                    stream)
+                     _i32(hidden), _i32(vocab)]
+                    + ([_ptr(x_f16), _ptr(norm_w), _ptr(x_sumsq)] if x_f16 else []), stream)
 
     def rms_norm(self, stream, rows, desc, x, weight, out, hidden, eps, *, bias=0, gather=0,
                  max_rows=None, release_next=False, x_f16=0):
@@ -635,7 +642,8 @@ class ForwardKernels:
 
     def skinny_linear(self, stream, x, w, out, rows, in_features, out_features, mode, *,
                       shadow=0, norm_eps=None, w_tiled=False, k_splits=1, argmax=0,
-                      w_scale=0, norm_w=0, x_f16=0, x_f16_out=0, x_f16_norm_w=0):
+                      w_scale=0, norm_w=0, x_f16=0, x_f16_out=0, x_f16_norm_w=0, x_sumsq=0,
+                      x_sumsq_out=0):
         """out[rows, out_features] (mode: SKINNY_BF16 / _F32 / _F32_ADD) = x[rows, in] @ w^T
         for rows <= SKINNY_MAX_ROWS, w: [out_features, in_features] bf16, all dense. SILU_MUL:
         w is gate|up interleaved in 16-row groups (interleave_gate_up) and
@@ -655,10 +663,22 @@ class ForwardKernels:
         1/16: csrc/fp8.cuh Fp8MmaInput), written by the kernel before, so it converts none
         (x is still read for the norm's sum of squares); x_f16_out [rows, out_features] gets
         the next projection's: the shadow's times x_f16_norm_w [out_features] (F32_ADD), or
-        the output's (SILU_MUL). (The _xf16 entries: CudaForward's fp8_x_f16.)"""
+        the output's (SILU_MUL). (The _xf16 entries: CudaForward's fp8_x_f16.) x_sumsq [rows,
+        in_features / 16] f32 (with norm_eps and x_f16): x's sums of squares in parts
+        (csrc/gemv.cuh GemvSquareParts), written by the kernel before, so x is not read at all;
+        x_sumsq_out [rows, out_features / 16] (F32_ADD with x_f16_out): the shadow's. (The
+        _xf16sq entries: CudaForward's fp8_x_sumsq.)"""
         silu = mode == SKINNY_SILU_MUL
         fp8 = bool(w_scale)
         given = bool(x_f16 or x_f16_out)
+        squares = bool(x_sumsq or x_sumsq_out)
+        self._need(not x_sumsq or (norm_eps is not None and x_f16),
+                   "x's sums of squares go to a normalizing projection given x's f16 form")
+        self._need(not x_sumsq_out or (mode == SKINNY_F32_ADD and x_f16_out
+                                       and out_features % 16 == 0),
+                   "the shadow's sums of squares come with its f16 form (F32_ADD)")
+        self._need(not x_sumsq or in_features // 16 <= self.SKINNY_SQUARE_PARTS_MAX,
+                   f"x's sums of squares: in_features up to {16 * self.SKINNY_SQUARE_PARTS_MAX}")
         self._need(not given or (fp8 and rows <= self.SKINNY_X_F16_MAX_ROWS),
                    f"x's f16 form: FP8 weights, rows <= {self.SKINNY_X_F16_MAX_ROWS}")
         self._need(norm_eps is None or bool(x_f16) == given,
@@ -678,12 +698,13 @@ class ForwardKernels:
                 _i32(out_features), _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
         self._need(not argmax or (mode == SKINNY_F32 and norm_eps is None),
                    "the argmax comes with fp32 outputs, without the RMSNorm folded in")
-        infix = _FP8[fp8] + ("_xf16" if x_f16 else "_xf16out" if x_f16_out else "")
+        infix = _FP8[fp8] + ("_xf16" + "sq" * squares if x_f16 else
+                             "_xf16" + "sq" * squares + "out" if x_f16_out else "")
         if norm_eps is None:
             name = f"blink_skinny_linear{infix}_{row_tiles}x{col_tiles}"
             args = args + [_ptr(shadow), _ptr(argmax)] + ([_ptr(w_scale)] if fp8 else [])
             if given:
-                args += [_ptr(x_f16), _ptr(x_f16_out), _ptr(x_f16_norm_w)]
+                args += [_ptr(x_f16), _ptr(x_f16_out), _ptr(x_f16_norm_w), _ptr(x_sumsq_out)]
             name = self._skinny_split_name(name, (row_tiles, col_tiles), k_splits)
         else:
             self._need(not shadow, "a normalizing projection writes no shadow")
@@ -691,7 +712,7 @@ class ForwardKernels:
             name = f"blink_skinny_linear_norm{infix}_{row_tiles}x{col_tiles}"
             args = args + [_f32(norm_eps)] + ([_ptr(w_scale), _ptr(norm_w)] if fp8 else [])
             if given:
-                args += [_ptr(x_f16), _ptr(x_f16_out)]
+                args += [_ptr(x_f16), _ptr(x_f16_out), _ptr(x_sumsq)]
         self.launch(name, (k_splits * -(-out_features // (16 * row_tiles)),),
                     (self.gemv_threads,), args, stream)
 
@@ -775,7 +796,7 @@ class ForwardKernels:
                         block_tables, max_blocks_per_seq, qkv_bias, inv_freq, num_heads,
                         num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks, *,
                         w_tiled=False, k_splits=1, w_scale=0, norm_w=0, kv_scales=0,
-                        kv_amax=0, release_next=False, x_f16=0):
+                        kv_amax=0, release_next=False, x_f16=0, x_sumsq=0):
         """The qkv projection with RoPE + KV write as its epilogue (rope_kv_write's outputs,
         without per-head q/k norms): with its input RMSNorm folded in (as skinny_linear with
         norm_eps; rows <= SKINNY_NORM_MAX_ROWS), or, eps None, of an input already normalized
@@ -786,7 +807,8 @@ class ForwardKernels:
         skinny_linear takes them (with the RMSNorm folded in). kv_scales, kv_amax: an E4M3
         cache's, as rope_kv_write takes them. release_next: the next kernel (attention) launches
         once this one's CTAs have started, not once their weights are read. x_f16: x's f16
-        form, as skinny_linear takes it (FP8 weights, up to SKINNY_X_F16_MAX_ROWS rows)."""
+        form, as skinny_linear takes it (FP8 weights, up to SKINNY_X_F16_MAX_ROWS rows), and
+        x_sumsq with it: x's sums of squares in parts, as skinny_linear takes them."""
         out_features = (num_heads + 2 * num_kv_heads) * self.head_dim
         norm = eps is not None
         fp8 = bool(w_scale)
@@ -799,9 +821,12 @@ class ForwardKernels:
                    f"takes {self.SKINNY_NORM_MAX_ROWS + 1} to {self.SKINNY_MAX_ROWS} rows")
         self._need(k_splits == 1 or norm, "the qkv projection after the RMSNorm kernel takes "
                    "no K split")
+        self._need(not x_sumsq or (x_f16 and hidden // 16 <= self.SKINNY_SQUARE_PARTS_MAX),
+                   "x's sums of squares come with x's f16 form, hidden up to "
+                   f"{16 * self.SKINNY_SQUARE_PARTS_MAX}")
         self._kv_checks(kv_scales, kv_amax)
         name = (f"blink_skinny_qkv_rope{'_norm' if norm else ''}{_FP8[fp8]}"
-                f"{'_xf16' if x_f16 else ''}_{row_tiles}x{col_tiles}")
+                f"{'_xf16' if x_f16 else ''}{'sq' if x_sumsq else ''}_{row_tiles}x{col_tiles}")
         self.launch(self._skinny_split_name(name, (row_tiles, col_tiles), k_splits),
                     (k_splits * -(-out_features // (16 * row_tiles)),), (self.gemv_threads,),
                     [_ptr(x), _i32(hidden), _i32(rows), _ptr(w),
@@ -811,8 +836,8 @@ class ForwardKernels:
                      _i32(max_blocks_per_seq), _ptr(qkv_bias), _ptr(inv_freq), _i32(num_heads),
                      _i32(num_kv_heads), _ptr(q_out), _ptr(k_cache), _ptr(v_cache),
                      _i32(block_size), _i32(num_blocks), _ptr(kv_scales), _ptr(kv_amax),
-                     _ptr(w_scale), _ptr(norm_w), _i32(int(release_next)), _ptr(x_f16)],
-                    stream)
+                     _ptr(w_scale), _ptr(norm_w), _i32(int(release_next)), _ptr(x_f16),
+                     _ptr(x_sumsq)], stream)
 
     def _kv_checks(self, kv_scales, kv_amax) -> None:
         """The KV-cache arguments a KV writer or reader takes: scales with an E4M3 cache (the
@@ -1055,7 +1080,7 @@ class CudaForward:
                  attention_spread_max_bucket: int | None = None,
                  attention_roomy_max_bucket: int | None = None,
                  fine_buckets_from: int = 128, qkv_release_early: bool = False,
-                 fp8_x_f16: bool | None = None):
+                 fp8_x_f16: bool | None = None, fp8_x_sumsq: bool | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -1086,7 +1111,12 @@ class CudaForward:
         also write x's f16 form as the next FP8 skinny kernel's MMAs take it (times the next
         RMSNorm's weight and 1/16), so the qkv, gate|up and down projections and the LM head
         convert none of it: bit-identical logits, and 0.8-1.1% off the 8B batch-1 FP8 step,
-        2.2% off the 1B one (round 38).
+        2.2% off the 1B one (round 38). fp8_x_sumsq (with fp8_x_f16; None: in the buckets of
+        up to X_SUMSQ_DEFAULT_MAX_ROWS rows, True: of up to SKINNY_X_F16_MAX_ROWS): those
+        writers also leave x's sums of squares in parts of 16 features, so the normalizing ones
+        (qkv, gate|up) read no bf16 x at all; their RMSNorm scale is then summed in another
+        order (float rounding, not bit for bit). Timed in docs/performance.md round 39: 1.5-2.3%
+        off the 8B batch-1 FP8 step, nothing off 1B's, and slower at batch 8.
         gemm_tuning: each cuBLAS GEMM shape runs the fastest of cuBLAS's own choice and
         cuBLASLt's candidates, timed at start-up or read from the cache (gemm_tuning.py; False:
         cuBLAS's own choice everywhere). gemm_split_k: the tuner also times split-K variants
@@ -1164,6 +1194,18 @@ class CudaForward:
         if fp8_x_f16 and not self.fp8:
             raise ValueError("fp8_x_f16 hands x over to the FP8 skinny kernels: it needs "
                              "quantization 'fp8'")
+        if fp8_x_sumsq and not fp8_x_f16:
+            raise ValueError("fp8_x_sumsq hands x's sums of squares over beside its f16 form: "
+                             "it needs fp8_x_f16")
+        if fp8_x_sumsq and H // 16 > ForwardKernels.SKINNY_SQUARE_PARTS_MAX:
+            raise ValueError(f"fp8_x_sumsq: hidden ({H}) up to "
+                             f"{16 * ForwardKernels.SKINNY_SQUARE_PARTS_MAX}")
+        if fp8_x_sumsq is None:  # (a larger hidden size keeps the kernels' own squares)
+            fp8_x_sumsq = (fp8_x_f16 and H // 16 <= ForwardKernels.SKINNY_SQUARE_PARTS_MAX
+                           and self.X_SUMSQ_DEFAULT_MAX_ROWS > 0)
+            x_sumsq_rows = self.X_SUMSQ_DEFAULT_MAX_ROWS
+        else:
+            x_sumsq_rows = ForwardKernels.SKINNY_X_F16_MAX_ROWS
         self.lm_head_fp8 = self.fp8 and fp8_lm_head
         self.kv_fp8 = kv_cache_dtype == "fp8"
         if self.fp8:
@@ -1194,6 +1236,8 @@ class CudaForward:
         self.skinny_qkv_rope = skinny_qkv_rope
         self.qkv_release_early = qkv_release_early
         self.fp8_x_f16 = fp8_x_f16
+        # the buckets whose normalizing FP8 kernels take x's sums of squares (0: none)
+        self.x_sumsq_max_rows = x_sumsq_rows if fp8_x_sumsq else 0
         self.rowblock_gate_up = rowblock_gate_up
         self.norm_release = norm_release
         wide = H >= self.X_SLAB_CLUSTER_MIN_HIDDEN
@@ -1301,6 +1345,10 @@ class CudaForward:
         x_f16_rows = min(T, ForwardKernels.SKINNY_X_F16_MAX_ROWS)
         self.x_f16 = self._alloc((x_f16_rows, H), np.uint16) if fp8_x_f16 else None
         self.act_f16 = self._alloc((x_f16_rows, I), np.uint16) if fp8_x_f16 else None
+        # fp8_x_sumsq: the shadow's sums of squares in parts of 16 features (csrc/gemv.cuh
+        # GemvSquareParts)
+        self.x_sumsq = (self._alloc((x_f16_rows, H // 16), np.float32)
+                        if self.x_sumsq_max_rows else None)
         self.h_logits = self._alloc((min(T, S), H), BF16)
         # FP8 GEMMs' input (prefill-sized steps): the normed rows, attention's output or
         # SiLU * up, one at a time, as E4M3 codes with a scale a token row
@@ -1638,6 +1686,7 @@ class CudaForward:
                       and not any(chained(lw) for lw in self.layers))
         x_f16 = self.x_f16.ptr if hand_x_f16 else 0
         act_f16 = self.act_f16.ptr if hand_x_f16 else 0
+        x_sumsq = self.x_sumsq.ptr if hand_x_f16 and rows <= self.x_sumsq_max_rows else 0
 
         def fp8_linear(label, lw, name, dst, in_f, out_f, accumulate=False):
             """dst (+)= act_q @ lw.<name>^T on cuBLASLt's FP8 GEMM (E4M3 act_q with its rows'
@@ -1672,12 +1721,12 @@ class CudaForward:
                    w_tiled=tiled, k_splits=k.skinny_splits("qkv_rope_norm", rows, H, Q + 2 * KV,
                                                            self.skinny_split_blocks, fp8=True),
                    w_scale=lw.scales["wqkv"].ptr, norm_w=lw.input_norm.ptr,
-                   release_next=qkv_release, x_f16=x_f16, **kv_write)
+                   release_next=qkv_release, x_f16=x_f16, x_sumsq=x_sumsq, **kv_write)
             else:
                 if fuse:  # Qwen3: its per-head q/k norms keep RoPE a kernel
                     fp8_skinny("rmsnorm + qkv proj", self.x_shadow.ptr, lw, "wqkv",
                                self.qkv.ptr, H, Q + 2 * KV, SKINNY_BF16, norm_eps=eps,
-                               norm_w=lw.input_norm.ptr, x_f16=x_f16)
+                               norm_w=lw.input_norm.ptr, x_f16=x_f16, x_sumsq=x_sumsq)
                 else:
                     op("input rmsnorm", k.rms_norm_fp8, s, rows, d, self.x.ptr,
                        lw.input_norm.ptr, self.act_q.ptr, self.act_q_scale.ptr, H, eps)
@@ -1693,14 +1742,16 @@ class CudaForward:
                 next_f16 = x_f16 if following else 0
                 fp8_skinny("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
                            SKINNY_F32_ADD, shadow=self.x_shadow.ptr, x_f16_out=x_f16,
-                           x_f16_norm_w=lw.post_norm.ptr if x_f16 else 0)
+                           x_f16_norm_w=lw.post_norm.ptr if x_f16 else 0, x_sumsq_out=x_sumsq)
                 fp8_skinny("rmsnorm + gate|up proj + silu*mul", self.x_shadow.ptr, lw, "wgu",
                            self.act.ptr, H, 2 * I, SKINNY_SILU_MUL, norm_eps=eps,
-                           norm_w=lw.post_norm.ptr, x_f16=x_f16, x_f16_out=act_f16)
+                           norm_w=lw.post_norm.ptr, x_f16=x_f16, x_f16_out=act_f16,
+                           x_sumsq=x_sumsq)
                 fp8_skinny("down proj + residual", self.act.ptr, lw, "wdown", self.x.ptr, I, H,
                            SKINNY_F32_ADD, shadow=self.x_shadow.ptr, x_f16=act_f16,
                            x_f16_out=next_f16,
-                           x_f16_norm_w=following.input_norm.ptr if next_f16 else 0)
+                           x_f16_norm_w=following.input_norm.ptr if next_f16 else 0,
+                           x_sumsq_out=x_sumsq if next_f16 else 0)
                 return
             op("attention quantize", k.quantize_rows, s, rows, d, self.attn.ptr, Q,
                self.act_q.ptr, Q, self.act_q_scale.ptr, Q)
@@ -1715,7 +1766,7 @@ class CudaForward:
 
         op("embedding", k.embedding, s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr,
            H, V, x_shadow=shadow, x_f16=x_f16,
-           norm_w=self.layers[0].input_norm.ptr if x_f16 else 0)
+           norm_w=self.layers[0].input_norm.ptr if x_f16 else 0, x_sumsq=x_sumsq)
         for li, lw in enumerate(self.layers):
             k_layer = self.k_cache.ptr + li * self._layer_kv_bytes
             v_layer = self.v_cache.ptr + li * self._layer_kv_bytes
@@ -2058,6 +2109,13 @@ class CudaForward:
     # prefix request's 100-token chunk at 2,100 keys, 8B bf16 6.90 -> 6.73 ms and 6.55 -> 6.33
     # in two calls, FP8 5.86 -> 5.67; the 52-token chunk and the 128-row decode step unchanged.
     ATTENTION_ROOMY_MAX_BUCKET = 128
+
+    # Buckets of at most this many rows take x's sums of squares handed over by default
+    # (fp8_x_sumsq). Round 39 (docs/performance.md, one H200, FP8 weights and cache, two
+    # orders): 8B batch 1 2.300, 2.301 -> 2.266, 2.248 ms; 1B batch 1 0.531, 0.533 -> 0.534,
+    # 0.533; batch 8 slower on both (8B 2.448 -> 2.490, 2.548; 1B 0.609 -> 0.637, 0.647). So 1
+    # once its GPU tests have passed on the H200; 0 (off) until then.
+    X_SUMSQ_DEFAULT_MAX_ROWS = 0
 
     def attention_roomy(self, bucket: int) -> bool:
         """Buckets of up to attention_roomy_max_bucket tokens that run the large mma.sync query

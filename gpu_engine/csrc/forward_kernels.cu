@@ -111,13 +111,14 @@ __global__ void __launch_bounds__(256)
 }
 
 // The same, writing x_f16 too: the first layer's FP8 qkv kernel's input, times norm_w
-// (EmbeddingCta; CudaForward's fp8_x_f16).
+// (EmbeddingCta; CudaForward's fp8_x_f16), and x_sumsq where not null (its fp8_x_sumsq).
 __global__ void __launch_bounds__(256)
     blink_embedding_xf16(const BatchDesc* desc, const int32_t* token_ids, const bf16* embed,
                          float* x, bf16* x_shadow, int hidden, int vocab, __half* x_f16,
-                         const bf16* norm_w) {
+                         const bf16* norm_w, float* x_sumsq) {
   blink::AwaitPriorKernel();
-  blink::EmbeddingCta(desc, token_ids, embed, x, x_shadow, hidden, vocab, x_f16, norm_w);
+  blink::EmbeddingCta(desc, token_ids, embed, x, x_shadow, hidden, vocab, x_f16, norm_w,
+                      x_sumsq);
 }
 
 // release_next: the next kernel may launch as soon as this one has waited for its predecessor.
@@ -219,6 +220,9 @@ BLINK_PAGED_ATTENTION_LAYOUTS(blink_paged_attention_roomy, blink::kAttnRows, bli
 // f16 form given (x_f16: one column tile, gemv.cuh kXF16), written by the kernel before; the
 // FP8 linear entries write the next projection's (x_f16_out: the shadow's times x_f16_norm_w
 // with the residual add, SiLU * up's as it is), where not null. CudaForward's fp8_x_f16.
+// _xf16sq: the same, with x's sums of squares handed over in parts too (gemv.cuh
+// GemvSquareParts): the normalizing entries take them (x_sumsq) and do not read x, the
+// residual-adding ones write them (x_sumsq_out). CudaForward's fp8_x_sumsq.
 #define BLINK_CLUSTER_OF_1
 #define BLINK_CLUSTER_OF_2 __cluster_dims__(2, 1, 1)
 #define BLINK_CLUSTER_OF_4 __cluster_dims__(4, 1, 1)
@@ -258,24 +262,31 @@ BLINK_SKINNY_LINEAR_FP8(blink_skinny_linear_fp8_1x2_k2, 1, 2, 2)
 #undef BLINK_SKINNY_LINEAR_FP8
 
 // _xf16: x's f16 form in (x_f16) and the next projection's out (down); _xf16out: only out (o,
-// whose x, attention's output, comes as stored).
-#define BLINK_SKINNY_LINEAR_FP8_XF16(NAME, A, C, SPLITS, IN)                                 \
+// whose x, attention's output, comes as stored); _xf16sq, _xf16sqout: the same, writing the
+// shadow's sums of squares too (x_sumsq_out; unused by the others).
+#define BLINK_SKINNY_LINEAR_FP8_XF16(NAME, A, C, SPLITS, IN, SQ)                             \
   __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
   __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                                \
       NAME(const bf16* x, int ldx, int M, const fp8* w, uint32_t w_tile_stride, int N, int K, \
            void* out, int ldo, int mode, bf16* shadow, unsigned long long* argmax,           \
            const float* w_scale, const __half* x_f16, __half* x_f16_out,                     \
-           const bf16* x_f16_norm_w) {                                                       \
-    blink::SkinnyLinearCta<A, C, false, SPLITS, blink::Fp8Weights, IN, true>(                \
+           const bf16* x_f16_norm_w, float* x_sumsq_out) {                                   \
+    blink::SkinnyLinearCta<A, C, false, SPLITS, blink::Fp8Weights, IN, true, SQ>(            \
         x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode, shadow, 0.f, argmax, w_scale,     \
-        nullptr, x_f16, x_f16_out, x_f16_norm_w);                                            \
+        nullptr, x_f16, x_f16_out, x_f16_norm_w, nullptr, x_sumsq_out);                      \
   }
-BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16_1x1, 1, 1, 1, true)
-BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16_2x1, 2, 1, 1, true)
-BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16_1x1_k2, 1, 1, 2, true)
-BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16out_1x1, 1, 1, 1, false)
-BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16out_2x1, 2, 1, 1, false)
-BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16out_1x1_k2, 1, 1, 2, false)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16_1x1, 1, 1, 1, true, false)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16_2x1, 2, 1, 1, true, false)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16_1x1_k2, 1, 1, 2, true, false)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16out_1x1, 1, 1, 1, false, false)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16out_2x1, 2, 1, 1, false, false)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16out_1x1_k2, 1, 1, 2, false, false)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16sq_1x1, 1, 1, 1, true, true)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16sq_2x1, 2, 1, 1, true, true)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16sq_1x1_k2, 1, 1, 2, true, true)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16sqout_1x1, 1, 1, 1, false, true)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16sqout_2x1, 2, 1, 1, false, true)
+BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16sqout_1x1_k2, 1, 1, 2, false, true)
 #undef BLINK_SKINNY_LINEAR_FP8_XF16
 
 #define BLINK_SKINNY_NORM_LINEAR(A, C)                                                       \
@@ -301,27 +312,32 @@ BLINK_SKINNY_NORM_LINEAR(1, 2)
 BLINK_SKINNY_NORM_LINEAR(2, 2)
 #undef BLINK_SKINNY_NORM_LINEAR
 
-// x's f16 form in (x_f16) and SiLU * up's out (gate|up).
-#define BLINK_SKINNY_NORM_LINEAR_FP8_XF16(A, C)                                              \
+// x's f16 form in (x_f16) and SiLU * up's out (gate|up); _xf16sq: x's sums of squares in
+// (x_sumsq; unused by the others), x not read.
+#define BLINK_SKINNY_NORM_LINEAR_FP8_XF16(IO, A, C, SQ)                                      \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
-      blink_skinny_linear_norm_fp8_xf16_##A##x##C(                                           \
+      blink_skinny_linear_norm_fp8_##IO##_##A##x##C(                                         \
           const bf16* x, int ldx, int M, const fp8* w, uint32_t w_tile_stride, int N, int K, \
           void* out, int ldo, int mode, float eps, const float* w_scale,                     \
-          const bf16* norm_w, const __half* x_f16, __half* x_f16_out) {                      \
-    blink::SkinnyLinearCta<A, C, true, 1, blink::Fp8Weights, true, true>(                    \
+          const bf16* norm_w, const __half* x_f16, __half* x_f16_out, const float* x_sumsq) { \
+    blink::SkinnyLinearCta<A, C, true, 1, blink::Fp8Weights, true, true, SQ>(                \
         x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode, nullptr, eps, nullptr, w_scale,   \
-        norm_w, x_f16, x_f16_out);                                                           \
+        norm_w, x_f16, x_f16_out, nullptr, x_sumsq);                                         \
   }
-BLINK_SKINNY_NORM_LINEAR_FP8_XF16(1, 1)
-BLINK_SKINNY_NORM_LINEAR_FP8_XF16(2, 1)
+BLINK_SKINNY_NORM_LINEAR_FP8_XF16(xf16, 1, 1, false)
+BLINK_SKINNY_NORM_LINEAR_FP8_XF16(xf16, 2, 1, false)
+BLINK_SKINNY_NORM_LINEAR_FP8_XF16(xf16sq, 1, 1, true)
+BLINK_SKINNY_NORM_LINEAR_FP8_XF16(xf16sq, 2, 1, true)
 #undef BLINK_SKINNY_NORM_LINEAR_FP8_XF16
 
 // W: blink::Bf16Weights (w_scale and norm_w unused: null) or blink::Fp8Weights (_fp8 entries).
 // release_next: attention, the kernel after this one, may launch once every CTA of this grid
 // has started, not once their weights are read (its CTAs then take the slots this grid leaves
 // free and load their first keys, earlier steps', while it runs; CudaForward's
-// qkv_release_early, off until timed). x_f16: x's f16 form (the _xf16 entries; null in others).
-#define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM, SPLITS, W, XF16)                             \
+// qkv_release_early, off until timed). x_f16: x's f16 form (the _xf16 entries; null in others);
+// x_sumsq: x's sums of squares in parts (the _xf16sq entries, which do not read x; null in
+// others).
+#define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM, SPLITS, W, XF16, SQ)                         \
   __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
   __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas) NAME(                          \
       const bf16* x, int ldx, int M, const W::Element* w, uint32_t w_tile_stride, int N,     \
@@ -330,35 +346,52 @@ BLINK_SKINNY_NORM_LINEAR_FP8_XF16(2, 1)
       const bf16* qkv_bias, const float* inv_freq, int num_heads, int num_kv_heads,          \
       bf16* q_out, KvElement* k_cache, KvElement* v_cache, int block_size, int num_blocks,   \
       const float* kv_scales, float* kv_amax, const float* w_scale, const bf16* norm_w,      \
-      int release_next, const __half* x_f16) {                                               \
+      int release_next, const __half* x_f16, const float* x_sumsq) {                        \
     if (release_next) blink::ReleaseNextKernel();                                            \
-    blink::SkinnyQkvRopeCta<kHeadDim, A, C, NORM, SPLITS, Kv, W, XF16>(                      \
+    blink::SkinnyQkvRopeCta<kHeadDim, A, C, NORM, SPLITS, Kv, W, XF16, SQ>(                  \
         x, ldx, M, w, w_tile_stride, N, K, eps, desc, positions, token_seq, block_tables,    \
         max_blocks_per_seq, qkv_bias, inv_freq, num_heads, num_kv_heads, q_out, k_cache,     \
-        v_cache, block_size, num_blocks, kv_scales, kv_amax, w_scale, norm_w, x_f16);        \
+        v_cache, block_size, num_blocks, kv_scales, kv_amax, w_scale, norm_w, x_f16,         \
+        x_sumsq);                                                                            \
   }
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1, 1, 1, true, 1, blink::Bf16Weights, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x1, 2, 1, true, 1, blink::Bf16Weights, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2, 1, 2, true, 1, blink::Bf16Weights, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x2, 2, 2, true, 1, blink::Bf16Weights, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_1x4, 1, 4, false, 1, blink::Bf16Weights, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false, 1, blink::Bf16Weights, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1_k2, 1, 1, true, 2, blink::Bf16Weights, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2_k2, 1, 2, true, 2, blink::Bf16Weights, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x1, 1, 1, true, 1, blink::Fp8Weights, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_2x1, 2, 1, true, 1, blink::Fp8Weights, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x2, 1, 2, true, 1, blink::Fp8Weights, false)
-BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_2x2, 2, 2, true, 1, blink::Fp8Weights, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1, 1, 1, true, 1, blink::Bf16Weights,
+                      false, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x1, 2, 1, true, 1, blink::Bf16Weights,
+                      false, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2, 1, 2, true, 1, blink::Bf16Weights,
+                      false, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_2x2, 2, 2, true, 1, blink::Bf16Weights,
+                      false, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_1x4, 1, 4, false, 1, blink::Bf16Weights, false, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_2x4, 2, 4, false, 1, blink::Bf16Weights, false, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x1_k2, 1, 1, true, 2, blink::Bf16Weights,
+                      false, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_1x2_k2, 1, 2, true, 2, blink::Bf16Weights,
+                      false, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x1, 1, 1, true, 1, blink::Fp8Weights,
+                      false, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_2x1, 2, 1, true, 1, blink::Fp8Weights,
+                      false, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x2, 1, 2, true, 1, blink::Fp8Weights,
+                      false, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_2x2, 2, 2, true, 1, blink::Fp8Weights,
+                      false, false)
 BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x1_k2, 1, 1, true, 2, blink::Fp8Weights,
-                      false)
+                      false, false)
 BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_1x2_k2, 1, 2, true, 2, blink::Fp8Weights,
-                      false)
+                      false, false)
 BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_xf16_1x1, 1, 1, true, 1, blink::Fp8Weights,
-                      true)
+                      true, false)
 BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_xf16_2x1, 2, 1, true, 1, blink::Fp8Weights,
-                      true)
+                      true, false)
 BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_xf16_1x1_k2, 1, 1, true, 2,
-                      blink::Fp8Weights, true)
+                      blink::Fp8Weights, true, false)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_xf16sq_1x1, 1, 1, true, 1,
+                      blink::Fp8Weights, true, true)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_xf16sq_2x1, 2, 1, true, 1,
+                      blink::Fp8Weights, true, true)
+BLINK_SKINNY_QKV_ROPE(blink_skinny_qkv_rope_norm_fp8_xf16sq_1x1_k2, 1, 1, true, 2,
+                      blink::Fp8Weights, true, true)
 #undef BLINK_SKINNY_QKV_ROPE
 
 // A batch-1 layer's projections after attention in one persistent kernel (gemv_chain.cuh): o +

@@ -389,7 +389,9 @@ __device__ __forceinline__ void GemvWarpSums(const float (&acc)[kRowTiles][kColT
 // sums.row_scale of each token row, once the warps' sums are in (and, kSplits > 1, met in
 // part): 1 / rms(x_m) with kNormIn, else 1; FP8 weights: times 1 / kFp8InputScale.
 // tid: the calling thread's index among those that call it (thread m computes row m's).
-template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits, class W>
+// kSquaresGiven: each row's whole sum of squares is in sums.sum_sq[0] (GemvAddSquareParts).
+template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits, class W,
+          bool kSquaresGiven = false>
 __device__ __forceinline__ void GemvTokenScales(GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
                                                 int M, int K, float eps,
                                                 int tid = threadIdx.x) {
@@ -398,7 +400,9 @@ __device__ __forceinline__ void GemvTokenScales(GemvSums<kRowTiles, kColTiles, k
     float scale = 1.f;
     if constexpr (kNormIn) {
       float v = 0.f;
-      if constexpr (kSplits > 1) {
+      if constexpr (kSquaresGiven) {
+        v = sums.sum_sq[0][tid];
+      } else if constexpr (kSplits > 1) {
         v = sums.part[S::kRows * S::kCols + tid];
       } else {
 #pragma unroll
@@ -413,11 +417,12 @@ __device__ __forceinline__ void GemvTokenScales(GemvSums<kRowTiles, kColTiles, k
 
 // GemvTokenScales, and FP8 weights: each of the CTA's rows' weight scale into sums.w_scale,
 // thread r's row_w_scale (GemvRowWeightScale) for row r.
-template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits, class W>
+template <bool kNormIn, int kRowTiles, int kColTiles, int kSplits, class W,
+          bool kSquaresGiven = false>
 __device__ __forceinline__ void GemvRowScales(GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
                                               int M, int K, float eps, float row_w_scale) {
   using S = GemvShape<kRowTiles, kColTiles, W>;
-  GemvTokenScales<kNormIn>(sums, M, K, eps);
+  GemvTokenScales<kNormIn, kRowTiles, kColTiles, kSplits, W, kSquaresGiven>(sums, M, K, eps);
   if constexpr (W::kFp8) {
     if (threadIdx.x < S::kRows) sums.w_scale[threadIdx.x] = row_w_scale;
   }
@@ -432,6 +437,59 @@ __device__ __forceinline__ float GemvRowWeightScale(const float* w_scale, int n0
     if (r < kRows) return __ldg(w_scale + min(n0 + r, N - 1));
   }
   return 0.f;
+}
+
+// --- x's sums of squares handed over in parts (SkinnyAccumulate's kSquaresGiven) ---------------
+//
+// The kernel that writes x and its f16 form (SkinnyStore's and EmbeddingCta's x_sumsq) also
+// leaves each token row's sum of squares of x as stored, in parts of 16 features:
+// parts[m * (K / 16) + p] for features 16 p .. + 15. A normalizing FP8 projection then loads
+// neither x's bf16 words nor squares them on its MMAs' path (round 38 left those loads beside
+// the f16 form's): warp m copies token row m's parts into shared memory once the previous kernel
+// is done (cp.async, so no register is held across the loop) and adds them after the loop in a
+// fixed order (lane l its parts l, l + 32, ... in turn, then the warp's tree), so the sum is
+// reproducible, though not in the order the kernel's own squares take: the scale agrees with
+// it to float rounding, not bit for bit.
+static constexpr int kGemvMaxSquareParts = 512;  // K / 16: hidden sizes up to 8,192
+struct GemvSquareParts {
+  float part[8][kGemvMaxSquareParts];  // [token row][part]: one column tile's rows
+};
+
+// The staging buffer, a CTA's (only the kernels that take the parts have it).
+template <int kCols>
+__device__ __forceinline__ GemvSquareParts& GemvSquarePartsStage() {
+  static_assert(kCols <= 8 && kCols <= kGemvWarps, "a warp a token row, one column tile");
+  __shared__ __align__(16) GemvSquareParts staged;
+  return staged;
+}
+
+// Warp m < min(M, kCols) starts the copy of token row m's parts (K / 16 of them). Every thread
+// calls it, after waiting for the previous kernel.
+template <int kCols>
+__device__ __forceinline__ void GemvStageSquareParts(const float* parts, int M, int K) {
+  const int lane = threadIdx.x % kWarpSize, m = threadIdx.x / kWarpSize, count = K / 16;
+  if (m < min(M, kCols)) {
+    float* dst = GemvSquarePartsStage<kCols>().part[m];
+    const float* src = parts + static_cast<size_t>(m) * count;
+    for (int c = 4 * lane; c < count; c += 4 * kWarpSize) CpAsync16(dst + c, src + c, 16);
+  }
+  CpAsyncCommit();
+}
+
+// Warp m's sum of the parts it copied, into total[m] (sums.sum_sq[0], which GemvTokenScales
+// reads with kSquaresGiven). Every thread calls it; total is read after a CTA barrier.
+template <int kCols>
+__device__ __forceinline__ void GemvAddSquareParts(float* total, int M, int K) {
+  const int lane = threadIdx.x % kWarpSize, m = threadIdx.x / kWarpSize, count = K / 16;
+  CpAsyncWait<0>();
+  __syncwarp();  // the warp's lanes see each other's copies
+  if (m < min(M, kCols)) {
+    const float* part = GemvSquarePartsStage<kCols>().part[m];
+    float v = 0.f;
+    for (int c = lane; c < count; c += kWarpSize) v += part[c];
+    v = WarpSum(v);
+    if (lane == 0) total[m] = v;
+  }
 }
 
 // What a skinny CTA reads for its epilogue right after waiting for the previous kernel
@@ -470,8 +528,12 @@ struct NoLoadsAfterWait {
 // against 2.323: docs/performance.md round 38). Why: x's conversion, each CTA doing its own
 // steps' on its MMAs' path, cost 2.5% of the 8B FP8 batch-1 step (round 29; handed over, the
 // 8B step took 0.8-1.1% less and the 1B one 2.2% at batch 1: round 38).
+//
+// kSquaresGiven (kXF16 with kNormIn): x's sums of squares come in parts too (x_sumsq,
+// GemvSquareParts), so x as stored is not read at all; the scale agrees with the kernel's own
+// squares to float rounding, not bit for bit (CudaForward's fp8_x_sumsq).
 template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1, class W = Bf16Weights,
-          bool kXF16 = false, class AfterWait = NoLoadsAfterWait>
+          bool kXF16 = false, bool kSquaresGiven = false, class AfterWait = NoLoadsAfterWait>
 __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
                                                  const typename W::Element* w,
                                                  uint32_t w_tile_stride, int N, int K,
@@ -480,16 +542,18 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
                                                  const float* w_scale = nullptr,
                                                  const bf16* norm_w = nullptr,
                                                  AfterWait&& after_wait = AfterWait{},
-                                                 const __half* x_f16 = nullptr) {
+                                                 const __half* x_f16 = nullptr,
+                                                 const float* x_sumsq = nullptr) {
   using S = GemvShape<kRowTiles, kColTiles, W, kNormIn>;
   static_assert(sizeof(sums) <= 48 * 1024, "static shared memory");
   static_assert(!kXF16 || (W::kFp8 && kColTiles == 1), "x's f16 form: FP8, one column tile");
+  static_assert(!kSquaresGiven || (kXF16 && kNormIn), "squares given: with x's f16 form, norm");
   constexpr int kUnroll = S::kUnroll;
   constexpr int kStepK = W::kStepK, kPieceK = kStepK / 4;  // k a step, k a lane loads a row
   constexpr bool kNormW = W::kFp8 && kNormIn && !kXF16;
   // kXF16 with kNormIn: x as stored too, its squares summed step by step in the loop (its f16
-  // form then goes into the batch's norm_w registers)
-  constexpr bool kSquaresInLoop = kXF16 && kNormIn;
+  // form then goes into the batch's norm_w registers), unless they are given
+  constexpr bool kSquaresInLoop = kXF16 && kNormIn && !kSquaresGiven;
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   // the steps' round-robin runs over the cluster's warps: this warp's place in it
@@ -619,6 +683,10 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
   const float row_w_scale = GemvRowWeightScale<S::kRows, W>(w_scale, n0, N);
   AwaitPriorKernel();
   after_wait();
+  // (in a K-split cluster only the first CTA, which scales the sums, needs them)
+  if constexpr (kSquaresGiven) {
+    if (rank == 0) GemvStageSquareParts<S::kCols>(x_sumsq, M, K);
+  }
   if (batches > 0) load_batch_x(0, first);
   if constexpr (S::kDoubleBuffer) {
     Batch& even = first;
@@ -648,12 +716,16 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
   }
   ReleaseNextKernel();  // every weight is read: the next kernel may take freed SM slots
 
-  GemvWarpSums<kNormIn>(acc, sum_sq, sums);
+  GemvWarpSums<kNormIn && !kSquaresGiven>(acc, sum_sq, sums);
+  if constexpr (kSquaresGiven) {
+    if (rank == 0) GemvAddSquareParts<S::kCols>(sums.sum_sq[0], M, K);
+  }
   __syncthreads();
   if constexpr (kSplits > 1) {
     if (!MeetClusterSums(sums, rank)) return false;
   }
-  GemvRowScales<kNormIn>(sums, M, K, eps, row_w_scale);
+  GemvRowScales<kNormIn, kRowTiles, kColTiles, kSplits, W, kSquaresGiven>(sums, M, K, eps,
+                                                                          row_w_scale);
   __syncthreads();
   return true;
 }
@@ -668,7 +740,9 @@ __device__ __forceinline__ bool SkinnyAccumulate(const bf16* x, int ldx, int M,
 // read it before (SkinnyLinearCta, right after waiting for the previous kernel), so the
 // epilogue does not wait for the load. x_f16 (with shadow): the shadow's f16 form as the next
 // projection's FP8 skinny kernel takes it (SkinnyAccumulate's kXF16), times x_f16_norm_w [N],
-// that projection's RMSNorm weight.
+// that projection's RMSNorm weight; and x_sumsq (with x_f16), where not null, the shadow's sums
+// of squares in parts of 16 features (GemvSquareParts: [M, N / 16]; N % 16 == 0, threads and
+// tid's lane whole warps apart, so that a part's 16 rows are one half-warp's).
 template <int kRowTiles, int kColTiles, int kSplits, class W>
 __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles, kSplits, W>& sums,
                                             int row_block, int M, int N, void* out, int ldo,
@@ -677,7 +751,8 @@ __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles,
                                             int tid = threadIdx.x, int threads = blockDim.x,
                                             bool has_prior = false, float prior = 0.f,
                                             __half* x_f16 = nullptr,
-                                            const bf16* x_f16_norm_w = nullptr) {
+                                            const bf16* x_f16_norm_w = nullptr,
+                                            float* x_sumsq = nullptr) {
   using S = GemvShape<kRowTiles, kColTiles, W>;
   const int n0 = row_block * S::kRows, cols = min(M, S::kCols);
   if (argmax != nullptr && mode == kGemvF32) {
@@ -707,8 +782,12 @@ __device__ __forceinline__ void SkinnyStore(const GemvSums<kRowTiles, kColTiles,
       *dst = sum;
       if (shadow != nullptr) shadow[o] = __float2bfloat16(sum);
       if (x_f16 != nullptr) {  // (with the shadow): from its bf16 value
-        x_f16[o] = Fp8MmaInput(__bfloat162float(__float2bfloat16(sum)),
-                               __bfloat162float(x_f16_norm_w[n]));
+        const float stored = __bfloat162float(__float2bfloat16(sum));
+        x_f16[o] = Fp8MmaInput(stored, __bfloat162float(x_f16_norm_w[n]));
+        if (x_sumsq != nullptr) {  // rows 16 p .. + 15 of token row m: one half-warp's
+          const float part = HalfWarpSum(stored * stored);
+          if (r % 16 == 0) x_sumsq[static_cast<size_t>(m) * (N / 16) + n / 16] = part;
+        }
       }
     }
   }
@@ -746,10 +825,12 @@ __device__ __forceinline__ void SkinnyStoreSiluMul(const GemvSums<2, kColTiles, 
 // norm_w with kNormIn, as SkinnyAccumulate takes them, and x's f16 form given with kXF16In
 // (x_f16, SkinnyAccumulate's kXF16); kXF16Out: x_f16_out, where not null, gets out's
 // (kGemvSiluMul) or the shadow's (kGemvF32Add, times x_f16_norm_w) f16 form for the next
-// projection's kXF16 kernel. (Both compile-time, so the entries without them are the same
-// machine code as before them.)
+// projection's kXF16 kernel. kSquares (CudaForward's fp8_x_sumsq): x's sums of squares handed
+// over in parts too (GemvSquareParts): taken from x_sumsq with kNormIn (SkinnyAccumulate's
+// kSquaresGiven), written to x_sumsq_out with the shadow's f16 form. (All compile-time, so the
+// entries without them are the same machine code as before them.)
 template <int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1, class W = Bf16Weights,
-          bool kXF16In = false, bool kXF16Out = false>
+          bool kXF16In = false, bool kXF16Out = false, bool kSquares = false>
 __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M,
                                                 const typename W::Element* w,
                                                 uint32_t w_tile_stride, int N, int K, void* out,
@@ -759,7 +840,9 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M,
                                                 const bf16* norm_w = nullptr,
                                                 const __half* x_f16 = nullptr,
                                                 __half* x_f16_out = nullptr,
-                                                const bf16* x_f16_norm_w = nullptr) {
+                                                const bf16* x_f16_norm_w = nullptr,
+                                                const float* x_sumsq = nullptr,
+                                                float* x_sumsq_out = nullptr) {
   using S = GemvShape<kRowTiles, kColTiles, W>;
   __shared__ GemvSums<kRowTiles, kColTiles, kSplits, W> sums;
   const int row_block = SkinnyRowBlock<kSplits>();
@@ -773,17 +856,19 @@ __device__ __forceinline__ void SkinnyLinearCta(const bf16* x, int ldx, int M,
   auto read_residual = [&] {
     if (mine) prior = *at;
   };
-  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits, W, kXF16In>(
-          x, ldx, M, w, w_tile_stride, N, K, eps, sums, w_scale, norm_w, read_residual, x_f16))
+  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits, W, kXF16In,
+                        kSquares && kNormIn>(x, ldx, M, w, w_tile_stride, N, K, eps, sums,
+                                             w_scale, norm_w, read_residual, x_f16, x_sumsq))
     return;
   if constexpr (!kXF16Out) x_f16_out = nullptr;
+  if constexpr (!kSquares || kNormIn) x_sumsq_out = nullptr;
   if constexpr (kRowTiles == 2) {
     if (mode == kGemvSiluMul)
       return SkinnyStoreSiluMul(sums, row_block, M, N, static_cast<bf16*>(out), ldo, threadIdx.x,
                                 blockDim.x, x_f16_out);
   }
   SkinnyStore(sums, row_block, M, N, out, ldo, mode, shadow, argmax, threadIdx.x, blockDim.x,
-              mine, prior, x_f16_out, x_f16_norm_w);
+              mine, prior, x_f16_out, x_f16_norm_w, x_sumsq_out);
 }
 
 // --- split K with shared activations: 17 to 32 token rows, added into the residual stream -------

@@ -240,9 +240,10 @@ __device__ __forceinline__ void SkinnyStoreQkvRope(
 // where the residual-adding projections are split-K ones and write no shadow). kSplits > 1: K
 // split across clusters of kSplits CTAs along x (SkinnyAccumulate). FP8 weights (W =
 // Fp8Weights): w_scale and norm_w as SkinnyAccumulate takes them, and with kXF16 x's f16 form
-// (x_f16).
+// (x_f16); kSquares: x's sums of squares in parts too (x_sumsq, SkinnyAccumulate's
+// kSquaresGiven).
 template <int kHeadDim, int kRowTiles, int kColTiles, bool kNormIn, int kSplits = 1,
-          class Kv = KvBf16, class W = Bf16Weights, bool kXF16 = false>
+          class Kv = KvBf16, class W = Bf16Weights, bool kXF16 = false, bool kSquares = false>
 __device__ __forceinline__ void SkinnyQkvRopeCta(
     const bf16* x, int ldx, int M, const typename W::Element* w, uint32_t w_tile_stride, int N,
     int K, float eps, const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
@@ -251,11 +252,11 @@ __device__ __forceinline__ void SkinnyQkvRopeCta(
     typename Kv::Element* k_cache, typename Kv::Element* v_cache, int block_size,
     int num_blocks, const float* kv_scales = nullptr, float* kv_amax = nullptr,
     const float* w_scale = nullptr, const bf16* norm_w = nullptr,
-    const __half* x_f16 = nullptr) {
+    const __half* x_f16 = nullptr, const float* x_sumsq = nullptr) {
   __shared__ GemvSums<kRowTiles, kColTiles, kSplits, W> sums;
-  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits, W, kXF16>(
+  if (!SkinnyAccumulate<kRowTiles, kColTiles, kNormIn, kSplits, W, kXF16, kSquares>(
           x, ldx, M, w, w_tile_stride, N, K, eps, sums, w_scale, norm_w, NoLoadsAfterWait{},
-          x_f16))
+          x_f16, x_sumsq))
     return;
   SkinnyStoreQkvRope<kHeadDim, Kv>(sums, M, desc, positions, token_seq, block_tables,
                                    max_blocks_per_seq, qkv_bias, inv_freq, num_heads,

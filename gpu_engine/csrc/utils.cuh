@@ -301,6 +301,15 @@ __device__ __forceinline__ T WarpMax(T v) {
   return v;
 }
 
+// The sum over the 16 lanes of the calling lane's half of the warp, in every one of them (all 16
+// call it together; the other half need not).
+__device__ __forceinline__ float HalfWarpSum(float v) {
+  const unsigned half = 0xffffu << (threadIdx.x % kWarpSize & 16);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(half, v, o);
+  return v;
+}
+
 // `warp_all` (WarpSum, WarpMax: a reduction whose result every lane gets) over the block,
 // returned to every thread; `identity` fills the slots of absent warps. blockDim.x must be a
 // multiple of 32; scratch: 32 elements of shared memory. Contains two __syncthreads (all
