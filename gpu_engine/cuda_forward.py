@@ -698,8 +698,8 @@ class ForwardKernels:
                 _i32(out_features), _i32(in_features), _ptr(out), _i32(ldo), _i32(mode)]
         self._need(not argmax or (mode == SKINNY_F32 and norm_eps is None),
                    "the argmax comes with fp32 outputs, without the RMSNorm folded in")
-        infix = _FP8[fp8] + ("_xf16" + "sq" * squares if x_f16 else
-                             "_xf16" + "sq" * squares + "out" if x_f16_out else "")
+        # _xf16: x's f16 form in (and maybe out); _xf16out: only out; "sq": with the squares
+        infix = _FP8[fp8] + ("_xf16" + "sq" * squares + "out" * (not x_f16) if given else "")
         if norm_eps is None:
             name = f"blink_skinny_linear{infix}_{row_tiles}x{col_tiles}"
             args = args + [_ptr(shadow), _ptr(argmax)] + ([_ptr(w_scale)] if fp8 else [])
