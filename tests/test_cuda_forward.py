@@ -2077,12 +2077,16 @@ def test_forward_fp8_x_sumsq(cf, models, monkeypatch, arch, kv_cache_dtype):
     scale summed in another order) against fp8_x_f16 alone: chunks of 7 tokens (handed over),
     13 (not) and 5, then decode steps, relative L2 under 1e-3 a step. The qkv, o, gate|up and
     down projections of every layer but the last down run _xf16sq entries in the buckets of up
-    to 8 rows; it needs fp8_x_f16."""
+    to 8 rows with it on, and in those of up to X_SUMSQ_DEFAULT_MAX_ROWS by default; it needs
+    fp8_x_f16."""
     cfg, w, _ = models[arch]
     options = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK, max_num_batched_tokens=MAX_TOKENS,
                    max_num_seqs=MAX_SEQS, quantization="fp8", kv_cache_dtype=kv_cache_dtype)
-    plain, squares = (cf.CudaForward(cfg, w, **options, fp8_x_sumsq=on) for on in (False, True))
+    engines = []
     try:
+        for on in (False, True, None):  # (one at a time: a failed start closes those before it)
+            engines.append(cf.CudaForward(cfg, w, **options, fp8_x_sumsq=on))
+        plain, squares, default = engines
         table = np.arange(-(-(25 + 3) // BLOCK))
         ids = list(prompt(cfg, 25, seed=16))
         for fwd in (plain, squares):
@@ -2097,21 +2101,23 @@ def test_forward_fp8_x_sumsq(cf, models, monkeypatch, arch, kv_cache_dtype):
                 ids.append(int(a_sampled[0]))
         assert worst < 1e-3, worst
         REPORT["errors"][f"fp8_x_sumsq logits {arch}"] = worst
-        names, launch = [], squares.kernels.launch
+        for engine, max_rows in ((squares, 8), (default, default.X_SUMSQ_DEFAULT_MAX_ROWS)):
+            names, launch = [], engine.kernels.launch
 
-        def recorded(name, *args, **kwargs):
-            names.append(name)
-            return launch(name, *args, **kwargs)
+            def recorded(name, *args, names=names, launch=launch, **kwargs):
+                names.append(name)
+                return launch(name, *args, **kwargs)
 
-        monkeypatch.setattr(squares.kernels, "launch", recorded)
-        for n in (1, 13):  # ops() runs again when eager: recorded
-            names.clear()
-            squares.run(make_batch([(prompt(cfg, n, seed=17), 0, np.arange(2))]), eager=True)
-            handed = [name for name in names if "_xf16sq" in name]
-            assert len(handed) == (4 * cfg.num_layers - 1 if n <= 8 else 0), (n, handed)
+            monkeypatch.setattr(engine.kernels, "launch", recorded)
+            for n in (1, 2, 13):  # ops() runs again when eager: recorded
+                names.clear()
+                engine.run(make_batch([(prompt(cfg, n, seed=17), 0, np.arange(2))]), eager=True)
+                handed = [name for name in names if "_xf16sq" in name]
+                expected = 4 * cfg.num_layers - 1 if n <= max_rows else 0
+                assert len(handed) == expected, (n, max_rows, handed)
     finally:
-        plain.close()
-        squares.close()
+        for engine in engines:
+            engine.close()
     with pytest.raises(ValueError, match="fp8_x_sumsq"):
         cf.CudaForward(cfg, w, **options, fp8_x_f16=False, fp8_x_sumsq=True)
 
