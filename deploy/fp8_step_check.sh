@@ -12,7 +12,7 @@
 #     passes with each on and off);
 #   part 2 (about three minutes): bench_decode at batch 1 and 8 on Llama-3.1-8B and 3.2-1B, FP8
 #     weights with the FP8 cache (issue 43's one-stream configuration) without fp8_x_sumsq, as
-#     shipped, and with it at every row count up to 8, in two orders;
+#     shipped (in the one-row bucket), and with it at every row count up to 8, in two orders;
 #   part 3 (about three minutes): bf16 with and without qkv_release_early, then the batch-1
 #     breakdown (each op alone) of FP8 without and with fp8_x_f16.
 # Then bench_serving --suite targets --quantization fp8 --kv-cache-dtype fp8 shows the live

@@ -2114,8 +2114,8 @@ class CudaForward:
     # (fp8_x_sumsq). Round 39 (docs/performance.md, one H200, FP8 weights and cache, two
     # orders): 8B batch 1 2.300, 2.301 -> 2.266, 2.248 ms; 1B batch 1 0.531, 0.533 -> 0.534,
     # 0.533; batch 8 slower on both (8B 2.448 -> 2.490, 2.548; 1B 0.609 -> 0.637, 0.647). So 1
-    # once its GPU tests have passed on the H200; 0 (off) until then.
-    X_SUMSQ_DEFAULT_MAX_ROWS = 0
+    # (round 40: its GPU tests passed on the H200).
+    X_SUMSQ_DEFAULT_MAX_ROWS = 1
 
     def attention_roomy(self, bucket: int) -> bool:
         """Buckets of up to attention_roomy_max_bucket tokens that run the large mma.sync query
