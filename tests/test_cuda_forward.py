@@ -2031,6 +2031,24 @@ def test_forward_qkv_release_early_is_bit_identical(cf, models, monkeypatch, qua
             engine.close()
 
 
+def launched_entries(engine, monkeypatch, cfg, token_counts, infix, seed):
+    """{n: the names containing infix of the entries that a step of n prompt tokens launches},
+    for each n of token_counts (eager, so that ops() runs again and its launches are recorded)."""
+    names, launch = [], engine.kernels.launch
+
+    def recorded(name, *args, **kwargs):
+        names.append(name)
+        return launch(name, *args, **kwargs)
+
+    monkeypatch.setattr(engine.kernels, "launch", recorded)
+    launched = {}
+    for n in token_counts:
+        names.clear()
+        engine.run(make_batch([(prompt(cfg, n, seed=seed), 0, np.arange(2))]), eager=True)
+        launched[n] = [name for name in names if infix in name]
+    return launched
+
+
 # Llama (qkv + RoPE fused), Qwen2 (with the qkv bias), Qwen3 (per-head q/k norms: the qkv
 # projection on the norm-folding linear entry, RoPE a kernel)
 @pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "bf16"), ("llama", "fp8"),
@@ -2050,17 +2068,8 @@ def test_forward_fp8_x_f16_is_bit_identical(cf, models, monkeypatch, arch, kv_ca
     try:
         assert_same_steps(cfg, *engines, seed=14, chunks=(7, 13, 5))
         for engine in engines:
-            names, launch = [], engine.kernels.launch
-
-            def recorded(name, *args, launch=launch, names=names, **kwargs):
-                names.append(name)
-                return launch(name, *args, **kwargs)
-
-            monkeypatch.setattr(engine.kernels, "launch", recorded)
-            for n in (1, 7, 13):  # ops() runs again when eager: recorded
-                names.clear()
-                engine.run(make_batch([(prompt(cfg, n, seed=15), 0, np.arange(2))]), eager=True)
-                handed = [name for name in names if "_xf16" in name]
+            launched = launched_entries(engine, monkeypatch, cfg, (1, 7, 13), "_xf16", seed=15)
+            for n, handed in launched.items():
                 on = engine.fp8_x_f16 and n <= engine.kernels.SKINNY_X_F16_MAX_ROWS
                 assert len(handed) == (4 * cfg.num_layers + 3 if on else 0), (n, handed)
     finally:
@@ -2102,17 +2111,8 @@ def test_forward_fp8_x_sumsq(cf, models, monkeypatch, arch, kv_cache_dtype):
         assert worst < 1e-3, worst
         REPORT["errors"][f"fp8_x_sumsq logits {arch}"] = worst
         for engine, max_rows in ((squares, 8), (default, default.X_SUMSQ_DEFAULT_MAX_ROWS)):
-            names, launch = [], engine.kernels.launch
-
-            def recorded(name, *args, names=names, launch=launch, **kwargs):
-                names.append(name)
-                return launch(name, *args, **kwargs)
-
-            monkeypatch.setattr(engine.kernels, "launch", recorded)
-            for n in (1, 2, 13):  # ops() runs again when eager: recorded
-                names.clear()
-                engine.run(make_batch([(prompt(cfg, n, seed=17), 0, np.arange(2))]), eager=True)
-                handed = [name for name in names if "_xf16sq" in name]
+            launched = launched_entries(engine, monkeypatch, cfg, (1, 2, 13), "_xf16sq", seed=17)
+            for n, handed in launched.items():
                 expected = 4 * cfg.num_layers - 1 if n <= max_rows else 0
                 assert len(handed) == expected, (n, max_rows, handed)
     finally:
