@@ -183,7 +183,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gemm-split-k", action="store_true",
                    help="cuda and host-cuda engines: the GEMM tuner also times split-K "
                         "variants of cuBLASLt's first candidates for GEMMs of up to 256 rows "
-                        "(prefill chunks of few tokens); off by default until measured")
+                        "(prefill chunks of few tokens); off by default: on the H200 no "
+                        "step gained (docs/performance.md, round 34)")
     p.add_argument("--fine-buckets-from", type=_fine_buckets_from, default=128, metavar="N",
                    help="cuda and host-cuda engines: the forward graphs' token buckets are "
                         "powers of two up to N, then four an octave (default 128: 128, 160, "

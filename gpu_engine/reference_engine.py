@@ -54,7 +54,7 @@ class EngineConfig:
     # keep the fastest per shape (gpu_engine/gemm_tuning.py); False: cuBLAS's own everywhere
     gemm_tuning: bool = True
     # CUDA engines: the tuner also times split-K variants of cuBLASLt's first candidates for
-    # GEMMs of up to 256 rows (Cublas.split_k; off until measured on the H200)
+    # GEMMs of up to 256 rows (Cublas.split_k; off: no step gained on the H200, round 34)
     gemm_split_k: bool = False
     # CUDA engines: the forward graphs' token buckets go four an octave from this many tokens
     # (engine_layout.default_buckets; 64 adds graphs of 80, 96 and 112 tokens)
