@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 43's one-stream options on the lent H200 (docs/performance.md rounds 36-39): fp8_x_f16
+# Issue 43's one-stream options on the lent H200 (docs/performance.md rounds 36-40): fp8_x_f16
 # (on by default with FP8 weights since round 38: the kernels that write the residual stream's
 # shadow, SiLU * up and the final norm also write x's f16 form, so the FP8 skinny kernels
 # convert none of it), fp8_x_sumsq (round 39: x's sums of squares handed over too, on by
@@ -11,8 +11,9 @@
 #     converting ones and float64, the embedding's and the final norm's forms, the forward
 #     passes with each on and off);
 #   part 2 (about three minutes): bench_decode at batch 1 and 8 on Llama-3.1-8B and 3.2-1B, FP8
-#     weights with the FP8 cache (issue 43's one-stream configuration) without fp8_x_sumsq, as
-#     shipped (in the one-row bucket), and with it at every row count up to 8, in two orders;
+#     weights with the FP8 cache (issue 43's one-stream configuration) with fp8_x_sumsq off
+#     (nosq), as shipped (on in the one-row bucket only), and on at every row count up to 8, in
+#     two orders;
 #   part 3 (about three minutes): bf16 with and without qkv_release_early, then the batch-1
 #     breakdown (each op alone) of FP8 without and with fp8_x_f16.
 # Then bench_serving --suite targets --quantization fp8 --kv-cache-dtype fp8 shows the live
