@@ -268,12 +268,26 @@ def _fine_buckets_from(text: str) -> int:
 
 def _seconds(text: str) -> float:
     """A duration, a finite number of seconds >= 0."""
+    return _finite(text, "a number of seconds >= 0", positive=False)
+
+
+def _positive_seconds(text: str) -> float:
+    """A duration, a finite number of seconds > 0."""
+    return _finite(text, "a number of seconds > 0", positive=True)
+
+
+def _megabytes(text: str) -> float:
+    """A size in MiB, finite and > 0."""
+    return _finite(text, "a size in MB > 0", positive=True)
+
+
+def _finite(text: str, what: str, positive: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    if not (0 < value if positive else 0 <= value) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
 
 
@@ -291,9 +305,10 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait for a free ring slot")
     p.add_argument("--max-queued", type=int, default=1024,
                    help="requests allowed to wait for a slot")
-    p.add_argument("--engine-timeout", type=_seconds, default=3.0,
+    p.add_argument("--engine-timeout", type=_positive_seconds, default=3.0,
                    help="seconds without an engine heartbeat before streams fail UNAVAILABLE")
-    p.add_argument("--max-request-mb", type=float, default=4.0, help="largest request accepted")
+    p.add_argument("--max-request-mb", type=_megabytes, default=4.0,
+                   help="largest request accepted")
     p.add_argument("--stream-interval-ms", type=float, default=0.0,
                    help="send a stream's later tokens at most this often, together (its first "
                         "token and its end go at once): fewer gRPC messages, less front-end CPU "
@@ -797,6 +812,9 @@ def default_ring_name() -> str:
 def cmd_serve(args) -> None:
     _check_transport(args)
     _check_engine_args(args)
+    if args.workers > args.slots:  # (a worker with no share of the slots never attaches)
+        sys.exit(f"blink: --workers {args.workers} needs --slots >= {args.workers}: each "
+                 f"front-end worker serves its own share of the ring's slots")
     model_dir = _model_dir(
         args.model, need_weights=args.load_format != "dummy" and args.engine != "synthetic")
     if args.ring_name is None:  # engine and front end are ours alone: a ring per server

@@ -113,6 +113,20 @@ def test_fewer_slots_than_sequences_is_warned(tmp_path):
     assert "warning" not in out.stderr and out.returncode != 0  # (no config.json there)
 
 
+def test_flags_that_cannot_serve_are_refused_at_start(tmp_path):
+    """Flag values that would start a server that cannot serve are one line and a non-zero status
+    before anything starts: more front-end workers than slots (a worker with no share never
+    attached: its connections hung, then failed UNAVAILABLE), an engine timeout of 0 (the front
+    end detached and reattached over and over) and a request limit of 0 (every request refused)."""
+    for flags, says in ((["--workers", "4", "--slots", "2"], "--workers 4 needs --slots >= 4"),
+                        (["--engine-timeout", "0"], "not a number of seconds > 0"),
+                        (["--max-request-mb", "0"], "not a size in MB > 0"),
+                        (["--max-request-mb", "nan"], "not a size in MB > 0")):
+        out = blink("serve", *flags, "--model", str(tmp_path))
+        assert out.returncode != 0 and says in out.stderr, (flags, out.stderr)
+        assert "Traceback" not in out.stderr, out.stderr
+
+
 def test_dummy_weights_need_the_cuda_engine(checkpoints):
     out = blink("engine", "--model", str(checkpoints["llama"]), "--engine", "cpu",
                 "--load-format", "dummy", "--ring-name", f"blink-test-dummy-{os.getpid()}")
