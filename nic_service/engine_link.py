@@ -519,6 +519,9 @@ class EngineLink:
         self._seen = np.zeros(len(share), np.int64)
         self._due = np.zeros(len(share))
         self._watch_records(transport, geom, share)
+        # its own load where the other workers read it: a worker restarted after a crash found
+        # its predecessor's there, which counted as slots in use until it served a request
+        self._publish_load()
         # alive only once the heartbeat moves: a killed engine leaves a SERVING header behind
         self._last_beat = beat
         if not self.alive:

@@ -313,6 +313,32 @@ class LinkedRing:
         assert not shm_path(self.name).exists()
 
 
+def test_a_restarted_worker_publishes_its_load_as_it_attaches():
+    """A front-end worker killed with live streams leaves its slots in use (and requests queued)
+    in the file that the workers of `--workers N` share; the worker started in its place holds
+    none and says so as it attaches (GetServerStats summed the dead worker's 20 slots, which
+    looked like a leak, until the new one served a request)."""
+    from blink.nic_service.engine_link import EngineLink, WorkerCounts
+    name = f"blink-test-{secrets.token_hex(6)}"
+    server = RingServer(name, RingGeometry(2, max_prompt_tokens=63, max_output_tokens=64),
+                        model_name="unit", vocab_size=VOCAB, context_length=64, eos_ids=(2,))
+    server.set_state(layout.EngineState.SERVING)
+    try:
+        for kind, stale in (("slots", 20), ("queued", 3)):  # the killed worker 1's
+            WorkerCounts(name, 1, 2, kind=kind).set(stale)
+        link = EngineLink(name, engine_timeout_s=1e9, worker=(1, 2))
+        assert link.server_slots_in_use == 20  # (before it attaches: the file as it was left)
+        server.beat()
+        link._try_attach()
+        assert link.info is not None and link.slots_in_use == 0
+        assert link.server_slots_in_use == 0
+        assert WorkerCounts(name, 1, 2, kind="queued").total() == 0
+        link._detach(RuntimeError("test over"))
+    finally:
+        WorkerCounts.reset(name)
+        server.close()
+
+
 def drain(handle) -> tuple[list[list[int]], FinishReason | None]:
     """(the token lists of the handle's events so far, its finish reason or None)."""
     from blink.nic_service.engine_link import Finished
