@@ -209,8 +209,12 @@ def make_app(target: str, served_model_names: list[str] | None = None):
                 raise BadRequest("the body must be a JSON object")
             prompt, sampling = _prompt(body, chat), sampling_from(body, chat)
             cache_salt = cache_salt_from(body)
-        except (BadRequest, json.JSONDecodeError) as e:
+        except BadRequest as e:
             return _error(web, 400, str(e))
+        except (ValueError, LookupError, RecursionError) as e:  # (a 500 and a traceback before)
+            # JSON that does not parse, bytes that are not UTF-8, a charset Python does not know,
+            # nesting deeper than the parser goes
+            return _error(web, 400, f"the body is not JSON that can be read: {e}")
         model = body.get("model") or ""
         if served_model_names and model not in served_model_names:
             return _error(web, 404, f"The model `{model}` does not exist.", "model_not_found")

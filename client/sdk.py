@@ -427,8 +427,9 @@ class _Client:
 
     def with_token(self, token: str | None):
         """This client's channel with another bearer token on its calls (one channel for many
-        callers' tokens, as a gateway needs; closing either client closes the channel)."""
-        return self._carrying(token, self._session)
+        callers' tokens, as a gateway needs; closing either client closes the channel).
+        ValueError for a token that is not printable ASCII (what gRPC metadata carries)."""
+        return self._carrying(_metadata_value("a bearer token", token), self._session)
 
     def with_session(self, session: str | None):
         """This client's channel with `session` in the SESSION_HEADER of its calls: behind
@@ -436,9 +437,7 @@ class _Client:
         id) goes to the same replica while the replicas stay the same, so a turn finds the
         turns before it in that replica's prefix cache. ValueError for an id that is not
         printable ASCII (what gRPC metadata carries: a UUID is)."""
-        if session and not (session.isascii() and session.isprintable()):
-            raise ValueError(f"a session id must be printable ASCII, got {session!r}")
-        return self._carrying(self._token, session)
+        return self._carrying(self._token, _metadata_value("a session id", session))
 
     def _carrying(self, token: str | None, session: str | None):
         """A copy on this client's channel whose calls carry `token` and `session`."""
@@ -612,3 +611,10 @@ class AsyncBlinkClient(_Client):
             if time.monotonic() + _READY_POLL_S > deadline:
                 raise _not_ready(timeout, last)
             await asyncio.sleep(_READY_POLL_S)
+
+
+def _metadata_value(what: str, value: str | None) -> str | None:
+    """value, if gRPC metadata can carry it (printable ASCII); ValueError otherwise."""
+    if value and not (value.isascii() and value.isprintable()):
+        raise ValueError(f"{what} must be printable ASCII, got {value!r}")
+    return value

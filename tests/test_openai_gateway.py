@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -110,13 +112,16 @@ def test_openai_sdk_through_the_gateway(gateway):
         client.completions.create(model="llama", prompt="hi", n=2)
 
 
-def post(client, path: str, body: dict, timeout: float = 30, headers: dict | None = None):
-    """(status, parsed JSON body) of a raw POST to the gateway."""
+def post(client, path: str, body: dict | bytes, timeout: float = 30,
+         headers: dict | None = None):
+    """(status, parsed JSON body) of a raw POST to the gateway (body: JSON, or bytes as they
+    are)."""
     import json
     import urllib.error
     import urllib.request
     req = urllib.request.Request(f"{client.base_url}{path.lstrip('/')}",
-                                 data=json.dumps(body).encode(),
+                                 data=body if isinstance(body, bytes)
+                                 else json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",
                                           **(headers or {})})
     try:
@@ -155,6 +160,13 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
     assert status == 400 and "text content" in body["error"]["message"], body
     status, body = post(client, "/completions", {**base, "model": "gpt-4-nope"})
     assert (status, body["error"]["code"]) == (404, "model_not_found"), body
+    # bodies that cannot be read as JSON: bytes that are not UTF-8, a charset Python does not
+    # know, nesting deeper than the parser goes (each a 500 and a traceback before)
+    for raw, content_type in ((b'{"prompt": "\xff\xfe"}', "application/json"),
+                              (b'{"prompt": "hi"}', "application/json; charset=foo"),
+                              (b"[" * 100_000 + b"]" * 100_000, "application/json")):
+        status, body = post(client, "/completions", raw, headers={"Content-Type": content_type})
+        assert (status, body["error"]["type"]) == (400, "invalid_request_error"), (raw[:20], body)
     # null is the default; max_tokens applies where max_completion_tokens is null
     status, body = post(client, "/completions", {**base, "n": None, "seed": -5,
                                                  "max_completion_tokens": None, "top_k": -1,
@@ -321,6 +333,15 @@ def test_the_session_header_and_the_token_reach_the_server(tmp_path):
             status, body = post(client, "/completions", {"prompt": "hi", "max_tokens": 2},
                                 headers={SESSION_HEADER: "caf\u00e9"})
             assert status == 400 and "printable ASCII" in body["error"]["message"], body
+            # the same for a bearer token, and on /v1/models (a 500 and a traceback before)
+            status, body = post(client, "/completions", {"prompt": "hi", "max_tokens": 2},
+                                headers={"Authorization": "Bearer caf\u00e9"})
+            assert status == 400 and "printable ASCII" in body["error"]["message"], body
+            req = urllib.request.Request(f"{client.base_url}models",
+                                         headers={"Authorization": "Bearer caf\u00e9"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=30)
+            assert refused.value.code == 400, refused.value.read()
         finally:
             proc.terminate()
             proc.wait(10)
