@@ -198,22 +198,29 @@ def chunk_message(text: str, token_ids: Sequence[int] = ()) -> pb.GenerateRespon
     return message
 
 
+# the most of a client's request id a log line shows (the id is free-form: a 1 MB one made a
+# line of a million characters), then its length
+LOGGED_CLIENT_ID_CHARS = 128
+
+
 def log_request(handle: RequestHandle | None, prep: Prepared | None, clock: RequestClock,
                 outcome: str, generated: int) -> None:
     """One line per finished request: ids, token counts, latencies and how it ended (as JSON
     fields too, under --log-format json). No handle: it ended before it had a slot (no request
     id); no prep: before its prompt was read."""
     now = time.monotonic()
+    client_id = prep.client_request_id if prep else ""
+    if len(client_id) > LOGGED_CLIENT_ID_CHARS:
+        client_id = f"{client_id[:LOGGED_CLIENT_ID_CHARS]}... ({len(client_id)} characters)"
     fields = dict(request_id=handle.request_id if handle else None,
-                  client_request_id=prep.client_request_id if prep else "",
+                  client_request_id=client_id,
                   prompt_tokens=len(prep.prompt_ids) if prep else 0,
                   completion_tokens=generated,
                   ttft_s=round(clock.first - clock.received, 6) if clock.first else None,
                   total_s=round(now - clock.received, 6), outcome=outcome)
     log.info("request %s%s: %d prompt + %d generated tokens, first token %s, total %.3f s: %s",
              handle.request_id if handle else "(no slot)",
-             f" (client id {prep.client_request_id!r})" if prep and prep.client_request_id
-             else "",
+             f" (client id {client_id!r})" if client_id else "",
              fields["prompt_tokens"], generated,
              f"{fields['ttft_s']:.3f} s" if fields["ttft_s"] is not None else "none",
              fields["total_s"], outcome, extra={"request": fields})

@@ -683,6 +683,30 @@ def test_client_cancels_and_deadlines_are_counted_and_logged(long_checkpoint, tm
         assert serve.stop() == 0
 
 
+def test_a_long_client_request_id_is_cut_in_the_request_log(caplog):
+    """The client's request id is free-form and echoed in the request's log line: a 1 MB one made
+    a line of a million characters. The line (and its JSON fields) shows its first
+    LOGGED_CLIENT_ID_CHARS characters and its length; a short one whole."""
+    import logging
+
+    import numpy as np
+
+    from blink.nic_service.metrics import RequestClock
+    from blink.nic_service.server import LOGGED_CLIENT_ID_CHARS, Prepared, log_request
+    cut = "x" * LOGGED_CLIENT_ID_CHARS + "... (1000000 characters)"
+    for client_id, shown in (("client-42", "client-42"), ("x" * 1_000_000, cut)):
+        prep = Prepared(prompt_ids=np.zeros(3, np.int32), slot_fields={}, stops=[],
+                        terminal_ids=frozenset(), return_token_ids=False,
+                        client_request_id=client_id)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="blink.frontend"):
+            log_request(None, prep, RequestClock(None, time.monotonic()), "length", 2)
+        (record,) = caplog.records
+        assert record.request["client_request_id"] == shown
+        assert f"(client id {shown!r})" in record.getMessage()
+        assert len(record.getMessage()) < 300
+
+
 def test_request_clock_observes_as_vllm_does():
     """The front end's per-request metrics, against vLLM's definitions: the tokens that came
     with the first have no inter-token gap (it used to observe zeros), later chunks one gap a
