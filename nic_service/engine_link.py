@@ -603,7 +603,14 @@ class EngineLink:
 
     def give_up_live(self, why: Exception) -> None:
         """Ends every live request's stream with `why` and cancels it in the engine (a drain
-        whose time ran out); each slot comes back once the engine confirms its cancel."""
+        whose time ran out); each slot comes back once the engine confirms its cancel. The
+        requests still waiting for a slot fail with `why` too: they took the slots the
+        cancels freed and generated past the drain's deadline."""
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(why)
+        self._waiters.clear()
+        self._publish_load()
         for handle in list(self._live.values()):
             if not handle.done:
                 handle.events.put_nowait(why)

@@ -313,6 +313,30 @@ class LinkedRing:
         assert not shm_path(self.name).exists()
 
 
+def test_a_drain_s_timeout_gives_up_the_requests_waiting_for_a_slot_too():
+    """A drain whose time ran out (give_up_live) ends the live requests and cancels them in the
+    engine; the requests still waiting for a slot end with the same error and never take the
+    slots those cancels free (they did, and generated past the shutdown deadline)."""
+    import asyncio
+
+    from blink.nic_service.engine_link import EngineUnavailable
+    ring = LinkedRing(queue_timeout_s=30.0)
+    try:
+        live = ring.submit(max_tokens=8)
+        waiting = ring.loop.create_task(ring.link.submit(dict(
+            prompt=np.asarray([5, 6], np.int32), max_tokens=8)))
+        ring.loop.run_until_complete(asyncio.sleep(0.01))
+        assert ring.link.waiting_for_slot == 1 and not waiting.done()
+        why = EngineUnavailable("server shutting down")
+        ring.link.give_up_live(why)
+        assert ring.link.waiting_for_slot == 0
+        with pytest.raises(EngineUnavailable, match="shutting down"):
+            ring.loop.run_until_complete(waiting)
+        assert live.events.get_nowait() is why
+    finally:
+        ring.close()
+
+
 def test_a_restarted_worker_publishes_its_load_as_it_attaches():
     """A front-end worker killed with live streams leaves its slots in use (and requests queued)
     in the file that the workers of `--workers N` share; the worker started in its place holds
