@@ -334,9 +334,26 @@ def cmd_openai(args) -> None:
     except ImportError:
         raise SystemExit("blink openai needs aiohttp: .venv/bin/pip install -e '.[openai]'")
     banner = f"blink openai: http://{args.host}:{args.port}/v1 -> Blink at {args.target}"
+    app = make_app(args.target, args.served_model_name)
+    app.on_startup.append(_drain_on_hangup_and_quit)
     try:  # handler_cancellation: a client's disconnect cancels its handler (and its request)
-        web.run_app(make_app(args.target, args.served_model_name), host=args.host,
+        web.run_app(app, host=args.host,
                     port=args.port, print=lambda _: print(banner, flush=True),
                     handler_cancellation=True, shutdown_timeout=args.shutdown_timeout)
     except OSError as e:  # the port taken, say
         raise SystemExit(f"blink openai: {e}") from None
+
+
+async def _drain_on_hangup_and_quit(app) -> None:
+    """SIGHUP and SIGQUIT drain as SIGTERM and SIGINT do, as `blink serve`'s four signals do
+    (aiohttp handles those two alone: SIGHUP ended the gateway at once, its streams cut)."""
+    import asyncio
+    import signal
+
+    from aiohttp.web_runner import GracefulExit
+
+    def leave() -> None:
+        raise GracefulExit()  # (a SystemExit: the loop lets it out, as aiohttp's own handler)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGHUP, signal.SIGQUIT):
+        loop.add_signal_handler(sig, leave)

@@ -286,10 +286,12 @@ def wait_idle(blink, timeout: float = 5.0) -> bool:
     return False
 
 
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"])
 def test_sigterm_ends_the_gateway_within_its_shutdown_timeout(long_checkpoint, make_stack,
-                                                             tmp_path):
-    """SIGTERM with a stream in flight: the gateway exits 0 within --shutdown-timeout (it took
-    aiohttp's default 60 s) and the stream's request is cancelled in the server."""
+                                                             tmp_path, signal_name):
+    """SIGTERM (and SIGINT, SIGHUP, SIGQUIT, as `blink serve`'s) with a stream in flight: the
+    gateway exits 0 within --shutdown-timeout (it took aiohttp's default 60 s; SIGHUP killed it
+    at once, status 129) and the stream's request is cancelled in the server."""
     import http.client
     import json
     import signal
@@ -304,7 +306,7 @@ def test_sigterm_ends_the_gateway_within_its_shutdown_timeout(long_checkpoint, m
         response = conn.getresponse()
         assert response.status == 200 and response.read(200)
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, signal_name))
         assert proc.wait(20) == 0 and time.monotonic() - t0 < 10
         with BlinkClient(stack.target) as blink:
             assert wait_idle(blink) and blink.stats()["requests_cancelled"] == 1
