@@ -46,6 +46,9 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
               404: "invalid_request_error", 429: "rate_limit_error"}
 
 
+SHUTTING_DOWN = "server shutting down"  # (the front end's words for the same end)
+
+
 def _error(web, status: int, message: str, code: str | None = None):
     kind = ERROR_TYPE.get(status, "server_error")
     return web.json_response({"error": {"message": message, "type": kind, "param": None,
@@ -175,11 +178,16 @@ def _prompt(body: dict, chat: bool):
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def make_app(target: str, served_model_names: list[str] | None = None):
+def make_app(target: str, served_model_names: list[str] | None = None,
+             shutdown_timeout: float | None = None):
     """served_model_names: the names `model` may be (any other: 404), the first listed by
-    /v1/models; None: `model` is not checked, /v1/models lists the server's own name."""
+    /v1/models; None: `model` is not checked, /v1/models lists the server's own name.
+    shutdown_timeout: on shutdown, the requests in flight get this long, then end with a
+    "server shutting down" error (a stream: an error event, then [DONE])."""
+    import asyncio
+
     from aiohttp import web
-    state: dict = {}
+    state: dict = {"streams": set()}  # (the Blink calls in flight)
 
     def client_for(request) -> AsyncBlinkClient:
         """The gateway's one channel, with the request's bearer token and session header (if
@@ -222,12 +230,22 @@ def make_app(target: str, served_model_names: list[str] | None = None):
             stream = client_for(request).stream(prompt, sampling, cache_salt=cache_salt)
         except (TypeError, ValueError) as e:
             return _error(web, 400, str(e))
+        state["streams"].add(stream)
         try:  # a client that goes away (an error writing to it, or aiohttp's cancel of this
             # handler) cancels the request in the server rather than leave it generating
             return await (_stream if body.get("stream") else _complete)(
                 web, request, body, chat, model, stream)
         finally:
+            state["streams"].discard(stream)
             stream.cancel()  # a no-op once the call has finished
+
+    async def drain(app) -> None:
+        """At shutdown (aiohttp has stopped listening): the calls in flight get
+        shutdown_timeout, then are cancelled, which ends each with the shutting-down error."""
+        def give_up() -> None:
+            for stream in list(state["streams"]):
+                stream.cancel()
+        asyncio.get_running_loop().call_later(shutdown_timeout, give_up)
 
     async def close(app) -> None:
         if "client" in state:
@@ -238,6 +256,8 @@ def make_app(target: str, served_model_names: list[str] | None = None):
     app.router.add_post("/v1/completions", lambda r: generate(r, chat=False))
     app.router.add_post("/v1/chat/completions", lambda r: generate(r, chat=True))
     app.on_cleanup.append(close)
+    if shutdown_timeout is not None:
+        app.on_shutdown.append(drain)
     return app
 
 
@@ -278,6 +298,8 @@ async def _complete(web, request, body: dict, chat: bool, model: str, stream):
     except BlinkError as e:
         return _blink_error(web, e)
     done, shapes = stream.result, _Shapes(chat, model)
+    if done is None:  # cancelled without an error: the gateway's drain gave it up
+        return _error(web, 503, SHUTTING_DOWN, "unavailable")
     return web.json_response(shapes.envelope(
         False, [shapes.choice(text, FINISH.get(done.finish_reason, "stop"), False)],
         usage=_usage(done)))
@@ -320,6 +342,11 @@ async def _stream(web, request, body: dict, chat: bool, model: str, stream):
     if response is None:  # nothing streamed (a stop string at once, say)
         await start()
     done = stream.result
+    if done is None:  # cancelled without an error: the gateway's drain gave it up
+        await send({"error": {"message": SHUTTING_DOWN, "type": "server_error",
+                              "code": "unavailable"}})
+        await response.write(b"data: [DONE]\n\n")
+        return response
     await send_chunk([shapes.choice(None if chat else "", FINISH.get(done.finish_reason, "stop"),
                                     True)])
     if include_usage:
@@ -334,12 +361,13 @@ def cmd_openai(args) -> None:
     except ImportError:
         raise SystemExit("blink openai needs aiohttp: .venv/bin/pip install -e '.[openai]'")
     banner = f"blink openai: http://{args.host}:{args.port}/v1 -> Blink at {args.target}"
-    app = make_app(args.target, args.served_model_name)
+    app = make_app(args.target, args.served_model_name, args.shutdown_timeout)
     app.on_startup.append(_drain_on_hangup_and_quit)
-    try:  # handler_cancellation: a client's disconnect cancels its handler (and its request)
+    try:  # handler_cancellation: a client's disconnect cancels its handler (and its request);
+        # aiohttp's own timeout a little longer than the drain's, which ends the streams itself
         web.run_app(app, host=args.host,
                     port=args.port, print=lambda _: print(banner, flush=True),
-                    handler_cancellation=True, shutdown_timeout=args.shutdown_timeout)
+                    handler_cancellation=True, shutdown_timeout=args.shutdown_timeout + 2)
     except OSError as e:  # the port taken, say
         raise SystemExit(f"blink openai: {e}") from None
 
