@@ -588,10 +588,7 @@ class EngineLink:
         if cancel:
             self._cancel_live()
         self._live.clear()
-        for fut in self._waiters:
-            if not fut.done():
-                fut.set_exception(EngineUnavailable(str(why)))
-        self._waiters.clear()
+        self._fail_waiters(EngineUnavailable(str(why)))
         self._free.clear()
         self._publish_load()
         if self._watch is not None:
@@ -606,15 +603,19 @@ class EngineLink:
         whose time ran out); each slot comes back once the engine confirms its cancel. The
         requests still waiting for a slot fail with `why` too: they took the slots the
         cancels freed and generated past the drain's deadline."""
-        for fut in self._waiters:
-            if not fut.done():
-                fut.set_exception(why)
-        self._waiters.clear()
+        self._fail_waiters(why)
         self._publish_load()
         for handle in list(self._live.values()):
             if not handle.done:
                 handle.events.put_nowait(why)
                 self.cancel(handle)
+
+    def _fail_waiters(self, why: Exception) -> None:
+        """The requests waiting for a slot fail with `why`, and none waits any more."""
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(why)
+        self._waiters.clear()
 
     def _cancel_live(self) -> None:
         """Asks the engine to stop every live request of this link, which is giving them up: a
