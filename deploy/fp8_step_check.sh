@@ -4,9 +4,9 @@
 # shadow, SiLU * up and the final norm also write x's f16 form, so the FP8 skinny kernels
 # convert none of it), fp8_x_sumsq (round 39: x's sums of squares handed over too, on by
 # default in the one-row bucket, where it was faster, and off at more rows, where it was
-# slower) and qkv_release_early (off: attention's CTAs launch at the qkv projection's start and
-# load their first keys while it runs; round 38 found it 1-2% faster on the 1B FP8 step and no
-# faster on the 8B one):
+# slower) and qkv_release_early (attention's CTAs launch at the qkv projection's start and load
+# their first keys while it runs; round 38 found it 1-2% faster on the 1B FP8 step and no faster
+# on the 8B one; since round 41 on by default where a layer's weights are at most 128 MiB):
 #   part 1 (about three minutes): their GPU tests (the _xf16 and _xf16sq kernels against the
 #     converting ones and float64, the embedding's and the final norm's forms, the forward
 #     passes with each on and off);
@@ -37,13 +37,13 @@ bench() {
     --shapes llama-3.1-8b llama-3.2-1b "$@" 2>&1 | tee -a "$OUT/fp8_step_bench.log" \
     | grep -E "^\| |^=== |^#|^breakdown"
 }
-fp8=quantization=fp8,kv_cache_dtype=fp8 early=qkv_release_early=1
+fp8=quantization=fp8,kv_cache_dtype=fp8
 if [ "$part" = 2 ]; then
   [ $# -gt 0 ] || set -- --points 1x512 8x512
   bench --no-bf16 --options nosq:$fp8,fp8_x_sumsq=0 fp8:$fp8 allsq:$fp8,fp8_x_sumsq=1 "$@"
   bench --no-bf16 --options allsq:$fp8,fp8_x_sumsq=1 fp8:$fp8 nosq:$fp8,fp8_x_sumsq=0 "$@"
   exit
 fi
-bench --points 1x512 8x512 --options early:$early
+bench --no-bf16 --points 1x512 8x512 --options late:qkv_release_early=0 early:qkv_release_early=1
 # where the step's time moved, op by op (each op alone, batch 1)
 bench --no-bf16 --points 1x512 --breakdown 1x512 --options noxf16:$fp8,fp8_x_f16=0 fp8:$fp8

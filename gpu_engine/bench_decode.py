@@ -24,6 +24,16 @@ same way; per step, per launch, and as achieved bandwidth for the ops whose byte
 The sum of the groups can exceed the whole step: alone, each group pays its own launch
 latencies, which inside the step overlap the previous kernel's tail.
 
+--marginal BxC: what each op label costs inside the whole step, where the breakdown's ops alone
+cannot say: the step is timed with the label's launches left out, and with them replaced by
+empty kernels on the same grids (blink_pdl_noop: it lets the next kernel launch, waits for the
+one before, and exits). The whole step minus the emptied one is the label's work (its weights'
+stream with its ramp-up and tail, or attention's chain of latencies), the emptied minus the left
+out its kernel boundaries (an empty grid's launch and wait in the PDL chain), each beside its
+bytes at the copy rate. The outputs of those steps are wrong; their timing is not, as no decode
+kernel's work depends on the values it reads. A launch through cuBLAS is not emptied (decode
+steps of up to 16 rows make none).
+
 --prefill CHUNKxCONTEXT: one sequence computing a CHUNK-token prefill chunk whose last token
 sits at position CONTEXT - 1 (the last chunk of a CONTEXT-token prompt), timed the same way and
 broken down by op, with the FLOPs each op does (roofline.step_flops) per second: a chunk of
@@ -48,6 +58,7 @@ token's keys), or bf16head:quantization=fp8,fp8_lm_head=0 (FP8 weights, the LM h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import statistics
@@ -364,19 +375,102 @@ def breakdown(fwd, point: Point, blocks_per_seq: int,
     groups: dict[str, list] = {}
     for label, enqueue in fwd.ops(bucket, in_order=False):  # each label's launches alone
         groups.setdefault(label, []).append(enqueue)
-    out = []
-    for label, enqueues in groups.items():
-        # each enqueue() launches on fwd.stream, the stream being captured
-        exe = cr.capture_device_graph(fwd.stream, lambda _: [enqueue() for enqueue in enqueues])
-        with fwd.holding_sms():
-            seconds = median_seconds(fwd.stream,
-                                     lambda: cr.check(cr.cu.cuGraphLaunch(exe, fwd.stream)),
-                                     steps=10)
-        cr.check(cr.cu.cuGraphExecDestroy(exe))
-        out.append((label, len(enqueues), seconds))
+    out = [(label, len(enqueues), time_enqueues(fwd, enqueues, steps=10))
+           for label, enqueues in groups.items()]
     kernels = sum(fwd.graph_node_types[bucket].values())
     out.append(("whole step", kernels, whole))
     return out
+
+
+def time_enqueues(fwd, enqueues, steps: int = STEPS) -> float:
+    """Seconds a replay of the graph of these enqueue()s (each launches on fwd.stream, the
+    stream being captured) takes, timed as a step is."""
+    from blink.gpu_engine import cuda_runtime as cr
+    exe = cr.capture_device_graph(fwd.stream, lambda _: [enqueue() for enqueue in enqueues])
+    try:
+        with fwd.holding_sms():
+            return median_seconds(fwd.stream,
+                                  lambda: cr.check(cr.cu.cuGraphLaunch(exe, fwd.stream)),
+                                  steps=steps)
+    finally:
+        cr.check(cr.cu.cuGraphExecDestroy(exe))
+
+
+@contextlib.contextmanager
+def empty_kernels(kernels):
+    """Inside it, every launch of `kernels` (a ForwardKernels) runs blink_pdl_noop in its
+    place, on the same grid, block and shared memory: the op keeps its kernel boundaries and
+    does none of its work."""
+    launch, patched = kernels.launch, vars(kernels).get("launch")
+
+    def noop(name, grid, block, args, stream, smem=0):
+        launch("blink_pdl_noop", grid, block, (), stream, smem)
+
+    kernels.launch = noop
+    try:
+        yield
+    finally:
+        if patched is None:
+            del kernels.launch  # the class's method again
+        else:
+            kernels.launch = patched
+
+
+@dataclass(frozen=True)
+class Marginal:
+    """What one op label costs inside the whole step: the step's seconds without its launches
+    (left out) and with them doing nothing (empty kernels on their grids)."""
+    label: str
+    launches: int
+    without: float
+    empty: float
+
+
+def marginal(fwd, point: Point, blocks_per_seq: int) -> tuple[float, list[Marginal]]:
+    """The whole step (timed from the same kind of capture, before and after the variants:
+    their mean) and, for each op label in launch order, the step without that label's launches
+    and with them empty. The outputs of such steps are wrong, their timing is not: no decode
+    kernel's work depends on the values it reads."""
+    fwd.run(step_batch(point, blocks_per_seq, fwd.cfg.vocab_size))  # the batch arrays
+    ops = fwd.ops(fwd.bucket_for(point.tokens))
+    every = [enqueue for _, enqueue in ops]
+    first = time_enqueues(fwd, every)
+    def emptied(enqueue):
+        def run():
+            with empty_kernels(fwd.kernels):
+                enqueue()
+        return run
+
+    rows = []
+    for label in dict.fromkeys(label for label, _ in ops):
+        without = time_enqueues(fwd, [enqueue for other, enqueue in ops if other != label])
+        empty = time_enqueues(fwd, [emptied(enqueue) if other == label else enqueue
+                                    for other, enqueue in ops])
+        launches = sum(other == label for other, _ in ops)
+        rows.append(Marginal(label, launches, without, empty))
+    return (first + time_enqueues(fwd, every)) / 2, rows
+
+
+def print_marginal(name: str, cfg: ModelConfig, point: Point, whole: float,
+                   rows: list[Marginal], bw: float, impl: str, fwd) -> None:
+    """Each label's share of the step: its work (what emptying its kernels saves), its
+    boundaries (what leaving the empty kernels out saves on top) and its bytes at the copy
+    rate (decode points), per step and per launch."""
+    print(f"\nmarginal {name} {point} ({impl}): whole step {whole * 1e6:.1f} us")
+    print("| op | launches | work, us per step | boundaries, us per step | work a launch | "
+          "boundary a launch | its bytes at the copy rate, a launch |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    bytes_of = functools.partial(op_bytes, weights_fp8=fwd.fp8, kv_fp8=fwd.kv_fp8,
+                                 lm_head_fp8=fwd.lm_head_fp8)
+    total_work = total_boundaries = 0.0
+    for row in rows:
+        work, boundaries = whole - row.empty, row.empty - row.without
+        total_work, total_boundaries = total_work + work, total_boundaries + boundaries
+        amount = bytes_of(cfg, row.label, point) if point.chunk == 1 else None
+        print(f"| {row.label} | {row.launches} | {work * 1e6:.1f} | {boundaries * 1e6:.1f} | "
+              f"{work / row.launches * 1e6:.2f} | {boundaries / row.launches * 1e6:.2f} | " +
+              (f"{amount / bw * 1e6:.2f} |" if amount else "|"))
+    print(f"| sum | | {total_work * 1e6:.1f} | {total_boundaries * 1e6:.1f} | | | |")
 
 
 def print_breakdown(name: str, cfg: ModelConfig, point: Point | MixedPoint, rows, bw: float,
@@ -418,6 +512,9 @@ def main(argv: list[str] | None = None) -> None:
                              "--points alone)")
     parser.add_argument("--breakdown", nargs="*", type=Point.parse, default=[],
                         help="BATCHxCONTEXT points to break down by op")
+    parser.add_argument("--marginal", nargs="*", type=Point.parse, default=[],
+                        help="BATCHxCONTEXT points to break down inside the step: each op's "
+                             "work and kernel boundaries")
     parser.add_argument("--prefill", nargs="*", type=Point.parse_prefill, default=[],
                         help="CHUNKxCONTEXT prefill chunks (one sequence), timed and broken "
                              "down by op")
@@ -469,7 +566,8 @@ def run_points(args, bw: float, monitor: GpuMonitor) -> tuple[list, list]:
     table, prefill_table = [], []
     for name in args.shapes:
         cfg = SHAPES[name]
-        points = sorted(set(args.points) | set(args.breakdown) | set(args.prefill) |
+        points = sorted(set(args.points) | set(args.breakdown) | set(args.marginal) |
+                        set(args.prefill) |
                         set(args.mixed), key=lambda p: (p.chunk, p.batch, p.context))
         impls = [] if args.no_bf16 else [("default", {})]
         if args.fp8:
@@ -525,6 +623,9 @@ def run_points(args, bw: float, monitor: GpuMonitor) -> tuple[list, list]:
             for point in args.breakdown:
                 print_breakdown(name, cfg, point, breakdown(fwd, point, blocks_per_seq), bw,
                                 impl, fwd)
+            for point in args.marginal:
+                print_marginal(name, cfg, point, *marginal(fwd, point, blocks_per_seq), bw,
+                               impl, fwd)
             fwd.close()
     return table, prefill_table
 

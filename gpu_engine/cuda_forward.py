@@ -188,7 +188,8 @@ class ForwardKernels:
                       for layout in ("", "_any_block")),
                     "blink_silu_mul",
                     "blink_sample", "blink_sampling_uniform",
-                    "blink_hold_sm", "blink_tile_weights", "blink_splitk_add_linear",
+                    "blink_hold_sm", "blink_pdl_noop", "blink_tile_weights",
+                    "blink_splitk_add_linear",
                     "blink_splitk_add_linear_x2", "blink_splitk_add_linear_x4",
                     "blink_rowblock_silu_mul", "blink_rowblock_silu_mul_x2",
                     "blink_rowblock_silu_mul_x4", "blink_projection_chain",
@@ -326,6 +327,11 @@ class ForwardKernels:
                 name = self._clustered(base, cluster)
                 check(driver.cuFuncSetAttribute(self.fn[name], max_smem, smem),
                       f"cuFuncSetAttribute({name} smem)")
+        # bench_decode --marginal launches it in place of any op's kernels, their shared memory
+        check(driver.cuFuncSetAttribute(
+            self.fn["blink_pdl_noop"], max_smem,
+            device_attribute("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", device)),
+            "cuFuncSetAttribute(blink_pdl_noop smem)")
         self.chain_smem = self._constant("blink_chain_smem_bytes")  # the most it takes
         self.chain_ring_bytes = self._constant("blink_chain_ring_bytes")  # then two of x
         self.chain_max_k = self._constant("blink_chain_max_k")
@@ -733,6 +739,30 @@ class ForwardKernels:
     # 2.406, even; 1B 0.654-0.656 against 0.560. The smaller shapes were not run again.
     CHAIN_MIN_LAYER_BYTES_FP8: int | None = None
 
+    # The skinny qkv projection lets attention launch at its start (CudaForward
+    # qkv_release_early) by default where a layer's projection weights (qkv, o, gate|up, down,
+    # as stored) come to at most this many bytes: attention's CTAs then load their first keys
+    # during the qkv projection, which pays where the kernels are short and latency decides,
+    # and costs where they stream long (the o projection, which attention releases at its
+    # start, then launches early too and streams beside qkv). bench_decode, batch 1 (and 8) at
+    # 512 keys, ms a step, off against on, two orders in one call (docs/performance.md round
+    # 41; one H100): Llama-3.2-1B, 58 MiB of E4M3 codes a layer, 0.643 against 0.635-0.636
+    # (alike at batch 8; round 38 on an H200: 0.533-0.534 against 0.523-0.527); its 116 MiB
+    # of bf16 0.991-0.998 against 0.990-0.999 (1.065 against 1.059-1.060); Llama-3.2-3B, 96
+    # MiB of E4M3 codes, 1.472-1.475 against 1.469-1.472; its 192 MiB of bf16 2.427 against
+    # 2.408-2.409; Llama-3.1-8B, 208 MiB of E4M3 codes, 2.923 against 2.935-2.943 (alike at
+    # 8; round 38: 2.318-2.323 against 2.324); its 416 MiB of bf16 5.163-5.167 against 5.168
+    # (5.441-5.443 against 5.413). So the line leaves 3B's bf16 gain (0.8%) aside: it cannot
+    # sit between 3B's 192 MiB and 8B's 208 without more shapes to draw it. (Qwen3's qkv
+    # projection, before its q/k norms, releases nothing early either way.)
+    QKV_RELEASE_EARLY_MAX_LAYER_BYTES = 128 << 20
+
+    @staticmethod
+    def layer_bytes(cfg: ModelConfig, fp8: bool = False) -> int:
+        """The bytes of a layer's projection weights (bf16, or fp8: E4M3 codes)."""
+        return ((1 if fp8 else 2) * cfg.hidden_size
+                * (2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size))
+
     @staticmethod
     def chain_layer_bytes(hidden: int, inter: int, q_size: int, fp8: bool = False) -> int:
         """The bytes of a layer's o, gate|up and down weights (bf16, or fp8: E4M3 codes): what
@@ -1079,7 +1109,7 @@ class CudaForward:
                  attention_wgmma_min_bucket: int | None = None,
                  attention_spread_max_bucket: int | None = None,
                  attention_roomy_max_bucket: int | None = None,
-                 fine_buckets_from: int = 128, qkv_release_early: bool = False,
+                 fine_buckets_from: int = 128, qkv_release_early: bool | None = None,
                  fp8_x_f16: bool | None = None, fp8_x_sumsq: bool | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
@@ -1103,8 +1133,10 @@ class CudaForward:
         128: the comparison bench_decode --options makes). qkv_release_early: the skinny qkv
         projection (with RoPE + KV write) lets attention launch once its CTAs have started
         rather than once they have read their weights, so attention's CTAs load their first
-        keys while it runs (off: timed in docs/performance.md round 38, 1-2% off the 1B FP8
-        step and nothing off the 8B one; bench_decode --options makes the comparison).
+        keys while it runs (None: where a layer's weights come to at most
+        ForwardKernels.QKV_RELEASE_EARLY_MAX_LAYER_BYTES; timed in docs/performance.md rounds
+        38 and 41: 1.2-2% off the 1B FP8 batch-1 step, 0.4-0.7% onto the 8B one;
+        bench_decode --options makes the comparison).
         fp8_x_f16 (quantization "fp8"; None: on with it, off without): in buckets of up to
         ForwardKernels.SKINNY_X_F16_MAX_ROWS rows, the kernels that write the residual stream's
         shadow (the embedding, the o and down projections), SiLU * up and the final RMSNorm
@@ -1234,7 +1266,10 @@ class CudaForward:
         self.fuse_norm_rope = fuse_norm_rope
         self.splitk_residual = splitk_residual
         self.skinny_qkv_rope = skinny_qkv_rope
-        self.qkv_release_early = qkv_release_early
+        self.qkv_release_early = (
+            ForwardKernels.layer_bytes(cfg, self.fp8)
+            <= ForwardKernels.QKV_RELEASE_EARLY_MAX_LAYER_BYTES
+            if qkv_release_early is None else qkv_release_early)
         self.fp8_x_f16 = fp8_x_f16
         # the buckets whose normalizing FP8 kernels take x's sums of squares (0: none)
         self.x_sumsq_max_rows = x_sumsq_rows if fp8_x_sumsq else 0

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blink.gpu_engine.bench_decode import LABEL_PROJECTIONS, SHAPES, MixedPoint, Point, op_bytes, \
-    parse_options, read_stream, step_batch
+from blink.gpu_engine.bench_decode import LABEL_PROJECTIONS, SHAPES, MixedPoint, Point, \
+    empty_kernels, op_bytes, parse_options, read_stream, step_batch
 from blink.gpu_engine.roofline import BF16_BYTES, projection_weights
 from gpu import requires_gpu
 
@@ -117,3 +117,30 @@ def test_options_take_ints_and_words():
     assert parse_options("bf16head:quantization=fp8,fp8_lm_head=0,max_attention_splits=-1") == (
         "bf16head", {"quantization": "fp8", "fp8_lm_head": 0, "max_attention_splits": -1})
     assert parse_options("plain") == ("plain", {})
+
+
+class _Kernels:
+    """A stand-in for ForwardKernels: an op method that launches through self.launch."""
+
+    def __init__(self):
+        self.launched = []
+
+    def launch(self, name, grid, block, args, stream, smem=0):
+        self.launched.append((name, grid, block, args, stream, smem))
+
+    def norm(self, stream):
+        self.launch("blink_rms_norm", (3,), (256,), ("x", "w"), stream, 4096)
+
+
+def test_empty_kernels_launch_the_noop_on_each_launch_s_grid_then_give_the_launch_back():
+    kernels = _Kernels()
+    with empty_kernels(kernels):
+        kernels.norm("s")
+    kernels.norm("s")
+    assert kernels.launched == [("blink_pdl_noop", (3,), (256,), (), "s", 4096),
+                                ("blink_rms_norm", (3,), (256,), ("x", "w"), "s", 4096)]
+    assert "launch" not in vars(kernels)  # the class's method again
+    patched = kernels.launch = lambda *a, **kw: None  # a launch patched before is put back
+    with empty_kernels(kernels):
+        pass
+    assert kernels.launch is patched

@@ -10,6 +10,7 @@ Set BLINK_GPU_REPORT=<file.json> to collect the measured errors and environment 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -1997,6 +1998,20 @@ def test_forward_programmatic_launch_matches_plain_launches(cf, models):
         plain.close()
 
 
+def test_qkv_release_early_is_the_default_where_layers_are_small(cf, models):
+    """qkv_release_early's default line (ForwardKernels.QKV_RELEASE_EARLY_MAX_LAYER_BYTES) sits
+    between Llama-3.2-1B's layers, bf16 or E4M3, where it was faster, and Llama-3.1-8B's, where
+    it was slower; a layer's bytes are its projections' (Llama-3.2-1B: 60,817,408 weights);
+    the test checkpoints' engines take it."""
+    from blink.gpu_engine.bench_decode import SHAPES
+    k = cf.ForwardKernels
+    assert k.layer_bytes(SHAPES["llama-3.2-1b"], fp8=True) == 60_817_408
+    small = [k.layer_bytes(SHAPES["llama-3.2-1b"], fp8) for fp8 in (False, True)]
+    large = [k.layer_bytes(SHAPES["llama-3.1-8b"], fp8) for fp8 in (False, True)]
+    assert max(small) <= k.QKV_RELEASE_EARLY_MAX_LAYER_BYTES < min(large)
+    assert all(engine.qkv_release_early for _, _, engine in models.values())
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_forward_qkv_release_early_is_bit_identical(cf, models, monkeypatch, quantization):
     """qkv_release_early (the skinny qkv projection lets attention launch at its start) changes
@@ -2047,6 +2062,45 @@ def launched_entries(engine, monkeypatch, cfg, token_counts, infix, seed):
         engine.run(make_batch([(prompt(cfg, n, seed=seed), 0, np.arange(2))]), eager=True)
         launched[n] = [name for name in names if infix in name]
     return launched
+
+
+def test_empty_kernels_keep_every_launch_and_do_none_of_its_work(cf, models, monkeypatch):
+    """bench_decode --marginal's empty ops: inside empty_kernels each launch of a step's ops
+    runs blink_pdl_noop on that launch's own grid, block and shared memory, and none of them
+    writes (the logits and the residual stream keep a poison that the same ops' real kernels
+    overwrite, run next on the same batch)."""
+    from blink.gpu_engine.bench_decode import empty_kernels
+    cfg, _, engine = models["llama"]
+    ids = prompt(cfg, 5, seed=31)
+    engine.run(make_batch([(ids, 0, np.arange(2))]), eager=True)  # the batch arrays
+    ops = engine.ops(engine.bucket_for(len(ids)))
+    launches, launch = [], engine.kernels.launch
+
+    def recorded(name, grid, block, args, stream, smem=0):
+        launches.append((name, tuple(grid), tuple(block), smem))
+        launch(name, grid, block, args, stream, smem)
+
+    monkeypatch.setattr(engine.kernels, "launch", recorded)
+    poison = {buf: np.full(buf.shape, 7.5, np.float32) for buf in (engine.logits, engine.x)}
+
+    def step(*, empty: bool) -> list[bool]:
+        """Which buffers kept the poison after the ops ran."""
+        launches.clear()
+        for buf, values in poison.items():
+            buf.upload(values)
+        with empty_kernels(engine.kernels) if empty else contextlib.nullcontext():
+            for _, enqueue in ops:
+                enqueue()
+        cf.synchronize(engine.stream)
+        return [np.array_equal(buf.download(), values) for buf, values in poison.items()]
+
+    assert step(empty=True) == [True, True]
+    empty = list(launches)
+    assert engine.kernels.launch == recorded  # what was there before, again
+    assert step(empty=False) == [False, False]
+    assert len(empty) == len(launches) > 4 * cfg.num_layers
+    assert {name for name, *_ in empty} == {"blink_pdl_noop"}
+    assert [shape for _, *shape in empty] == [shape for _, *shape in launches]
 
 
 # Llama (qkv + RoPE fused), Qwen2 (with the qkv bias), Qwen3 (per-head q/k norms: the qkv

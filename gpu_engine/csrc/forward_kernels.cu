@@ -544,4 +544,15 @@ __global__ void __launch_bounds__(blink::engine::kSchedulerThreads, 1)
   held_smem[threadIdx.x % (kSchedulerSmemBytes / 4)] = sum;
 }
 
+// Not part of the forward pass either: a kernel that does none of an op's work, for
+// bench_decode --marginal, which launches it in place of one op's kernels (their grids, blocks
+// and shared memory) inside the whole step's graph. What the step loses then is that op's work;
+// what it loses with the op left out altogether is its work and its kernel boundary. It lets
+// the next kernel launch at once, as the decode kernels release theirs once their weights are
+// loaded.
+__global__ void blink_pdl_noop() {
+  blink::ReleaseNextKernel();
+  blink::AwaitPriorKernel();
+}
+
 }  // extern "C"
