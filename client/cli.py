@@ -843,12 +843,20 @@ def cmd_serve(args) -> None:
               f"\"Hello\"", flush=True)
         await asyncio.wait({engine, asyncio.ensure_future(stop.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
+        stop.clear()  # from here a second stop signal cuts the drains short
         workers.stop()  # each worker drains its own streams
         if engine.done():  # the engine never came up: nothing to serve
             await frontend.stop(grace=0)
             return engine.result()
-        await frontend.drain(args.shutdown_timeout)
+
+        async def hurry_workers() -> None:
+            await stop.wait()
+            workers.stop()  # their second signal (a terminal's Ctrl-C reaches them anyway)
+
+        hurrying = asyncio.ensure_future(hurry_workers())
+        await frontend.drain(args.shutdown_timeout, hurry=stop)
         await asyncio.to_thread(workers.join, args.shutdown_timeout)
+        hurrying.cancel()
         engine_stop.set()
         status = await engine
         await frontend.stop()

@@ -399,16 +399,20 @@ def time_enqueues(fwd, enqueues, steps: int = STEPS) -> float:
 @contextlib.contextmanager
 def empty_kernels(kernels):
     """Inside it, every launch of `kernels` (a ForwardKernels) runs blink_pdl_noop in its
-    place, on the same grid, block and shared memory: the op keeps its kernel boundaries and
-    does none of its work."""
+    place, on the same grid, block and dynamic shared memory: the op keeps its kernel
+    boundaries and does none of its work. Yields the list of the launches it emptied. (The
+    empty kernel holds fewer registers and no static shared memory, and has no cluster shape:
+    its CTAs fit an SM more densely than the kernels they stand for.)"""
     launch, patched = kernels.launch, vars(kernels).get("launch")
+    emptied: list[str] = []
 
     def noop(name, grid, block, args, stream, smem=0):
+        emptied.append(name)
         launch("blink_pdl_noop", grid, block, (), stream, smem)
 
     kernels.launch = noop
     try:
-        yield
+        yield emptied
     finally:
         if patched is None:
             del kernels.launch  # the class's method again
@@ -418,37 +422,42 @@ def empty_kernels(kernels):
 
 @dataclass(frozen=True)
 class Marginal:
-    """What one op label costs inside the whole step: the step's seconds without its launches
-    (left out) and with them doing nothing (empty kernels on their grids)."""
+    """What one op label costs inside the whole step: the step's seconds with the label's ops
+    left out, and with their kernels emptied (blink_pdl_noop on their grids)."""
     label: str
-    launches: int
-    without: float
-    empty: float
+    ops: int  # the label's ops in a step (an op: one or more kernels)
+    seconds_left_out: float
+    seconds_emptied: float
 
 
 def marginal(fwd, point: Point, blocks_per_seq: int) -> tuple[float, list[Marginal]]:
-    """The whole step (timed from the same kind of capture, before and after the variants:
-    their mean) and, for each op label in launch order, the step without that label's launches
-    and with them empty. The outputs of such steps are wrong, their timing is not: no decode
-    kernel's work depends on the values it reads."""
+    """The whole step (timed from the same kind of capture as the variants, before and after
+    them: their mean) and, for each op label in launch order, the step with that label's ops
+    left out and with them emptied. The outputs of such steps are wrong, their timing is not:
+    no decode kernel's work depends on the values it reads. An op that launches a kernel
+    other than through ForwardKernels.launch (cuBLAS: steps of more than 16 rows, skinny=0)
+    cannot be emptied: ValueError."""
     fwd.run(step_batch(point, blocks_per_seq, fwd.cfg.vocab_size))  # the batch arrays
     ops = fwd.ops(fwd.bucket_for(point.tokens))
-    every = [enqueue for _, enqueue in ops]
-    first = time_enqueues(fwd, every)
-    def emptied(enqueue):
+    whole_step = [enqueue for _, enqueue in ops]
+    before = time_enqueues(fwd, whole_step)
+
+    def emptied(label, enqueue):
         def run():
-            with empty_kernels(fwd.kernels):
+            with empty_kernels(fwd.kernels) as launches:
                 enqueue()
+            if not launches:
+                raise ValueError(f"{label!r} launches no kernel of ForwardKernels: "
+                                 f"--marginal cannot empty it")
         return run
 
     rows = []
     for label in dict.fromkeys(label for label, _ in ops):
-        without = time_enqueues(fwd, [enqueue for other, enqueue in ops if other != label])
-        empty = time_enqueues(fwd, [emptied(enqueue) if other == label else enqueue
+        left_out = time_enqueues(fwd, [enqueue for other, enqueue in ops if other != label])
+        empty = time_enqueues(fwd, [emptied(label, enqueue) if other == label else enqueue
                                     for other, enqueue in ops])
-        launches = sum(other == label for other, _ in ops)
-        rows.append(Marginal(label, launches, without, empty))
-    return (first + time_enqueues(fwd, every)) / 2, rows
+        rows.append(Marginal(label, sum(other == label for other, _ in ops), left_out, empty))
+    return (before + time_enqueues(fwd, whole_step)) / 2, rows
 
 
 def print_marginal(name: str, cfg: ModelConfig, point: Point, whole: float,
@@ -464,11 +473,11 @@ def print_marginal(name: str, cfg: ModelConfig, point: Point, whole: float,
                                  lm_head_fp8=fwd.lm_head_fp8)
     total_work = total_boundaries = 0.0
     for row in rows:
-        work, boundaries = whole - row.empty, row.empty - row.without
+        work, boundaries = whole - row.seconds_emptied, row.seconds_emptied - row.seconds_left_out
         total_work, total_boundaries = total_work + work, total_boundaries + boundaries
         amount = bytes_of(cfg, row.label, point) if point.chunk == 1 else None
-        print(f"| {row.label} | {row.launches} | {work * 1e6:.1f} | {boundaries * 1e6:.1f} | "
-              f"{work / row.launches * 1e6:.2f} | {boundaries / row.launches * 1e6:.2f} | " +
+        print(f"| {row.label} | {row.ops} | {work * 1e6:.1f} | {boundaries * 1e6:.1f} | "
+              f"{work / row.ops * 1e6:.2f} | {boundaries / row.ops * 1e6:.2f} | " +
               (f"{amount / bw * 1e6:.2f} |" if amount else "|"))
     print(f"| sum | | {total_work * 1e6:.1f} | {total_boundaries * 1e6:.1f} | | | |")
 

@@ -30,6 +30,7 @@ from . import engine_layout
 from .checkpoint import ModelConfig, ModelWeights, rope_inv_freq
 from .cublas import R_16BF, R_32F, Cublas
 from .gemm_tuning import ChoiceCache, GemmTuner, cache_file
+from .roofline import layer_projection_weights
 from .demo_model import float32_to_bf16_bits
 from .forward_batch import ForwardBatch
 from .fp8 import (calibration_count, calibration_tokens, fp8_refusal, kv_scales_from_amax,
@@ -740,28 +741,26 @@ class ForwardKernels:
     CHAIN_MIN_LAYER_BYTES_FP8: int | None = None
 
     # The skinny qkv projection lets attention launch at its start (CudaForward
-    # qkv_release_early) by default where a layer's projection weights (qkv, o, gate|up, down,
-    # as stored) come to at most this many bytes: attention's CTAs then load their first keys
-    # during the qkv projection, which pays where the kernels are short and latency decides,
-    # and costs where they stream long (the o projection, which attention releases at its
-    # start, then launches early too and streams beside qkv). bench_decode, batch 1 (and 8) at
-    # 512 keys, ms a step, off against on, two orders in one call (docs/performance.md round
-    # 41; one H100): Llama-3.2-1B, 58 MiB of E4M3 codes a layer, 0.643 against 0.635-0.636
-    # (alike at batch 8; round 38 on an H200: 0.533-0.534 against 0.523-0.527); its 116 MiB
-    # of bf16 0.991-0.998 against 0.990-0.999 (1.065 against 1.059-1.060); Llama-3.2-3B, 96
-    # MiB of E4M3 codes, 1.472-1.475 against 1.469-1.472; its 192 MiB of bf16 2.427 against
-    # 2.408-2.409; Llama-3.1-8B, 208 MiB of E4M3 codes, 2.923 against 2.935-2.943 (alike at
-    # 8; round 38: 2.318-2.323 against 2.324); its 416 MiB of bf16 5.163-5.167 against 5.168
-    # (5.441-5.443 against 5.413). So the line leaves 3B's bf16 gain (0.8%) aside: it cannot
-    # sit between 3B's 192 MiB and 8B's 208 without more shapes to draw it. (Qwen3's qkv
-    # projection, before its q/k norms, releases nothing early either way.)
+    # qkv_release_early) by default where a layer's projection weights, as stored
+    # (roofline.layer_projection_weights), come to at most this many bytes: attention's CTAs
+    # then load their first keys during the qkv projection, which pays where the kernels are
+    # short and latency decides, and may cost where they stream long (the o projection, which
+    # attention releases at its start, launches early too and streams beside qkv).
+    # bench_decode at 512 keys, ms a step, off against on, in two orders or alternating in one
+    # call (docs/performance.md round 41; one H100 unless said):
+    #   Llama-3.2-1B, 58 MiB of E4M3 codes a layer: batch 1 0.643 -> 0.635-0.636 (H200: 0.531-
+    #     0.533 -> 0.525-0.527; round 38's H200: 0.533-0.534 -> 0.523-0.527), 16 rows 0.826 ->
+    #     0.821; its 116 MiB of bf16: batch 1 even (0.991-0.998 -> 0.990-0.999), 8 rows 1.065 ->
+    #     1.059-1.060, 16 rows 1.154-1.157 -> 1.132-1.134, 32 rows 1.457-1.458 -> 1.449-1.453;
+    #   Llama-3.2-3B, 96 MiB of E4M3 codes: 1.472-1.475 -> 1.469-1.472; 192 MiB of bf16: 2.427
+    #     -> 2.408-2.409 (left off by the line: no line between 192 and 208 MiB is supported);
+    #   Llama-3.1-8B, 208 MiB of E4M3 codes: batch 1 2.923 -> 2.935-2.943 (round 38's H200:
+    #     2.318-2.323 -> 2.324; round 41's H200 the other way, 2.264-2.269 -> 2.238-2.259): its
+    #     one-stream step (issue 43's target) stays as it was; 416 MiB of bf16: 5.163-5.167 ->
+    #     5.168, 8 rows 5.441-5.443 -> 5.413.
+    # Not timed: Qwen2 shapes (their qkv projection releases too; Qwen3's, before its q/k
+    # norms, releases nothing either way).
     QKV_RELEASE_EARLY_MAX_LAYER_BYTES = 128 << 20
-
-    @staticmethod
-    def layer_bytes(cfg: ModelConfig, fp8: bool = False) -> int:
-        """The bytes of a layer's projection weights (bf16, or fp8: E4M3 codes)."""
-        return ((1 if fp8 else 2) * cfg.hidden_size
-                * (2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size))
 
     @staticmethod
     def chain_layer_bytes(hidden: int, inter: int, q_size: int, fp8: bool = False) -> int:
@@ -1267,7 +1266,7 @@ class CudaForward:
         self.splitk_residual = splitk_residual
         self.skinny_qkv_rope = skinny_qkv_rope
         self.qkv_release_early = (
-            ForwardKernels.layer_bytes(cfg, self.fp8)
+            layer_projection_weights(cfg) * (1 if self.fp8 else 2)
             <= ForwardKernels.QKV_RELEASE_EARLY_MAX_LAYER_BYTES
             if qkv_release_early is None else qkv_release_early)
         self.fp8_x_f16 = fp8_x_f16

@@ -30,13 +30,19 @@ def projection_rows(cfg: ModelConfig) -> int:
     return (cfg.q_size + 2 * cfg.kv_size) + H + 2 * I + H
 
 
+def layer_projection_weights(cfg: ModelConfig) -> int:
+    """Weights (elements) of one layer's qkv, o, gate|up and down projections."""
+    w = projection_weights(cfg)
+    return w["qkv"] + w["o"] + w["gate_up"] + w["down"]
+
+
 def linear_weight_bytes(cfg: ModelConfig, fp8: bool = False,
                         lm_head_fp8: bool | None = None) -> int:
     """Every projection of every layer, the LM head and the norm weights, in bf16; fp8: the
     projections as E4M3 codes and a float32 scale per output row, and the LM head too unless
     lm_head_fp8 is False (CudaForward's fp8_lm_head)."""
     w = projection_weights(cfg)
-    projections = w["qkv"] + w["o"] + w["gate_up"] + w["down"]
+    projections = layer_projection_weights(cfg)
     per_layer = (projections + 4 * projection_rows(cfg) if fp8
                  else BF16_BYTES * projections) + BF16_BYTES * 2 * cfg.hidden_size
     lm_head = (w["lm_head"] + 4 * cfg.vocab_size if fp8 and lm_head_fp8 is not False

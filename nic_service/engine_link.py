@@ -253,6 +253,9 @@ class EngineLink:
         # only once that heartbeat moves (a stalled engine that recovers), never while it stays
         # put (a killed engine leaves its segment and a SERVING header behind)
         self._dead_beats: dict[int, int] = {}
+        # why the ring in sight cannot be attached (too few slots for the workers), for the
+        # requests refused meanwhile; logged once an engine instance, not every attach interval
+        self._refusal: tuple[int, str] | None = None
         # engine counters (ring header) of the instances before the current one: totals that
         # survive engine restarts (counter_totals)
         self._carried = dict.fromkeys(ENGINE_COUNTERS, 0)
@@ -336,7 +339,8 @@ class EngineLink:
         """Writes a request into a free slot, waiting (bounded) for one. `req_fields` are
         SlotRequest's fields but request_id, which the link assigns."""
         if not self.alive:
-            raise EngineUnavailable("engine is not available")
+            raise EngineUnavailable(self._refusal[1] if self._refusal and self.info is None
+                                    else "engine is not available")
         instance = self.info.instance
         slot = await self._acquire_slot()
         if not self.alive or self.info is None or self.info.instance != instance:
@@ -478,6 +482,7 @@ class EngineLink:
             transport, info = _open_ring(self.ring_name, self._dialer)
         except EngineUnavailable as e:
             log.debug("attach: %s", e)
+            self._refusal = None  # no ring: nothing refused
             return
         try:
             self._attach(transport, info)
@@ -509,9 +514,14 @@ class EngineLink:
         if not share:
             transport.close()
             self._transport, self.info = None, None
-            log.error("the ring has %d slots: too few for %d front-end workers",
-                      geom.num_slots, self.workers)
+            why = (f"the engine's ring has {geom.num_slots} request slots: too few for "
+                   f"{self.workers} front-end workers (start the engine with at least "
+                   f"--slots {self.workers}, or fewer workers)")
+            if self._refusal != (info.instance, why):
+                log.error("%s", why)
+            self._refusal = (info.instance, why)
             return
+        self._refusal = None
         self._cancel_orphans(share, begins[share.start:share.stop])
         self._free = deque(reversed(share))  # the share's first slot first
         self._share = share

@@ -648,18 +648,21 @@ class Frontend:
         return grpc.ssl_server_credentials([pair], root_certificates=ca,
                                            require_client_auth=ca is not None)
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float, hurry: asyncio.Event | None = None) -> None:
         """Graceful shutdown, first half: health NOT_SERVING, new requests UNAVAILABLE
-        "server shutting down", and up to timeout_s for the streams in flight to finish."""
+        "server shutting down", and up to timeout_s for the streams in flight to finish, or
+        until `hurry` is set (a second stop signal: an operator who pressed Ctrl-C twice)."""
         self.servicer.draining = True
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + timeout_s
+        hurried = hurry.is_set if hurry is not None else lambda: False
         while (self.link.slots_in_use or self.link.waiting_for_slot) \
-                and time.monotonic() < deadline:
+                and time.monotonic() < deadline and not hurried():
             await asyncio.sleep(0.05)
         left = self.link.slots_in_use + self.link.waiting_for_slot
-        log.info("drained: %s", f"{left} streams still open at the timeout" if left
+        log.info("drained: %s", f"{left} streams still open at "
+                 f"{'a second stop signal' if hurried() else 'the timeout'}" if left
                  else "no stream in flight")
         # what is still open ends as shutting down (not as an engine that went away, which is
         # what it would say once the engine stops)
@@ -674,8 +677,9 @@ class Frontend:
 
 async def serve(config: FrontendConfig, ready_file: Path | None = None, *,
                 shutdown_timeout_s: float = 30.0, on_stop=None) -> None:
-    """Runs one front end until a STOP_SIGNALS signal, then drains. on_stop(): called first
-    when the signal arrives (the parent of several workers passes the signal on). The signals
+    """Runs one front end until a STOP_SIGNALS signal, then drains (a second signal ends the
+    drain at once). on_stop(): called first when the signal arrives (the parent of several
+    workers passes the signal on). The signals
     are taken from the start: an extra worker waits in start() for the engine, and one stopped
     there still ends through this function (its caller's clean-up runs)."""
     frontend = Frontend(config)
@@ -700,7 +704,8 @@ async def serve(config: FrontendConfig, ready_file: Path | None = None, *,
     if config.worker[0] == 0:
         print(f"blink front end listening on {config.host}:{port}", flush=True)
     await stop.wait()
+    stop.clear()  # from here a second stop signal cuts the drain short
     if on_stop is not None:
         on_stop()
-    await frontend.drain(shutdown_timeout_s)
-    await frontend.stop()
+    await frontend.drain(shutdown_timeout_s, hurry=stop)
+    await frontend.stop()  # (its grace lets the streams given up end with their error)

@@ -132,11 +132,12 @@ class _Kernels:
         self.launch("blink_rms_norm", (3,), (256,), ("x", "w"), stream, 4096)
 
 
-def test_empty_kernels_launch_the_noop_on_each_launch_s_grid_then_give_the_launch_back():
+def test_empty_kernels_swap_the_noop_in_on_the_same_grid_and_then_restore_launch():
     kernels = _Kernels()
-    with empty_kernels(kernels):
+    with empty_kernels(kernels) as emptied:
         kernels.norm("s")
     kernels.norm("s")
+    assert emptied == ["blink_rms_norm"]
     assert kernels.launched == [("blink_pdl_noop", (3,), (256,), (), "s", 4096),
                                 ("blink_rms_norm", (3,), (256,), ("x", "w"), "s", 4096)]
     assert "launch" not in vars(kernels)  # the class's method again
@@ -144,3 +145,49 @@ def test_empty_kernels_launch_the_noop_on_each_launch_s_grid_then_give_the_launc
     with empty_kernels(kernels):
         pass
     assert kernels.launch is patched
+
+
+class _Forward:
+    """A stand-in for CudaForward whose ops launch through _Kernels, and one op (`cublas`, if
+    asked) that launches a kernel the ForwardKernels cannot empty."""
+    cfg = SHAPES["llama-3.2-1b"]
+
+    def __init__(self, cublas: bool = False):
+        self.kernels, self.cublas = _Kernels(), cublas
+
+    def run(self, batch):
+        pass
+
+    def bucket_for(self, tokens):
+        return tokens
+
+    def ops(self, rows):
+        def launching(name):
+            return lambda: self.kernels.launch(name, (2,), (256,), (), "s")
+        ops = [("embedding", launching("blink_embedding")), ("qkv", launching("blink_qkv")),
+               ("attention", launching("blink_attention")), ("qkv", launching("blink_qkv")),
+               ("attention", launching("blink_attention"))]
+        return ops + ([("lm head", lambda: None)] if self.cublas else [])
+
+
+def test_marginal_empties_and_leaves_out_one_label_at_a_time(monkeypatch):
+    """Each label's ops, and only them, are left out, then emptied, in the step's graphs (here a
+    graph "takes" 10 s a real kernel and 1 s an empty one); an op that launches nothing
+    through ForwardKernels (a cuBLAS GEMM) cannot be emptied and says so."""
+    from blink.gpu_engine import bench_decode
+
+    def graph_seconds(fwd, enqueues, steps=bench_decode.STEPS):
+        fwd.kernels.launched.clear()
+        for enqueue in enqueues:
+            enqueue()
+        return sum(1 if name == "blink_pdl_noop" else 10
+                   for name, *_ in fwd.kernels.launched)
+
+    monkeypatch.setattr(bench_decode, "time_enqueues", graph_seconds)
+    whole, rows = bench_decode.marginal(_Forward(), Point(1, 512), 32)
+    assert whole == 50
+    assert rows == [bench_decode.Marginal("embedding", 1, 40, 41),
+                    bench_decode.Marginal("qkv", 2, 30, 32),
+                    bench_decode.Marginal("attention", 2, 30, 32)]
+    with pytest.raises(ValueError, match="'lm head' launches no kernel of ForwardKernels"):
+        bench_decode.marginal(_Forward(cublas=True), Point(1, 512), 32)

@@ -61,7 +61,9 @@ class Serve:
             client.wait_ready(60)
 
     def engine_pid(self) -> int:
-        (pid,) = wait_for(lambda: children(self.proc.pid), 10, "the engine process")
+        def engines() -> list[int]:  # (the other children, with --workers, are front ends)
+            return [pid for pid in children(self.proc.pid) if b"engine" in _cmdline(pid)]
+        (pid,) = wait_for(engines, 10, "the engine process")
         return pid
 
     def stop(self) -> int:
@@ -227,6 +229,14 @@ def test_serve_restarts_a_stuck_engine(checkpoints, tmp_path):
         assert "engine stuck" in serve.log_path.read_text()
     finally:
         assert serve.stop() == 0
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return b""
 
 
 def _gone(pid: int) -> bool:
@@ -421,6 +431,45 @@ def test_a_closed_terminal_or_ctrl_backslash_drains_like_sigterm(long_checkpoint
     assert serve.proc.wait(30) == 0
     streamer.join(30)
     assert "UNAVAILABLE" in str(results["error"]) and "shutting down" in str(results["error"])
+    assert _gone(engine) and not os.path.exists(ring)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_second_stop_signal_cuts_the_drain_short(long_checkpoint, tmp_path, workers):
+    """Ctrl-C twice: the first drains (the stream in flight goes on), the second ends the drain
+    at once, in every worker, rather than after --shutdown-timeout: the open streams end
+    "server shutting down" and every process exits 0, the engine's ring removed."""
+    serve = Serve(long_checkpoint, tmp_path, "--shutdown-timeout", "120", "--engine",
+                  "synthetic", "--synthetic-step-ms", "5", "--workers", str(workers))
+    ring = re.search(r"\(ring ([^)]+)\)", serve.log_path.read_text()).group(1)
+    errors = []
+
+    def long_stream():
+        with BlinkClient(serve.target) as client:
+            try:
+                client.generate("a long answer", exact(5000), timeout=120)
+            except BlinkError as e:
+                errors.append(e)
+
+    streamers = [threading.Thread(target=long_stream) for _ in range(2 * workers)]
+    for streamer in streamers:
+        streamer.start()
+    with BlinkClient(serve.target) as client:
+        wait_for(lambda: client.stats()["sequences_running"] == len(streamers), 30,
+                 "the streams to run")
+        engine = serve.engine_pid()
+        serve.proc.send_signal(signal.SIGINT)
+        wait_for(lambda: client.health() == "NOT_SERVING", 10, "NOT_SERVING")
+        time.sleep(0.5)
+        assert serve.proc.poll() is None  # draining: 5,000 tokens take 25 s
+    began = time.monotonic()
+    serve.proc.send_signal(signal.SIGINT)
+    assert serve.proc.wait(30) == 0
+    assert time.monotonic() - began < 15
+    for streamer in streamers:
+        streamer.join(30)
+    assert len(errors) == len(streamers)
+    assert all("UNAVAILABLE" in str(e) and "shutting down" in str(e) for e in errors), errors
     assert _gone(engine) and not os.path.exists(ring)
 
 

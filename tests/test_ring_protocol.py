@@ -363,6 +363,37 @@ def test_a_restarted_worker_publishes_its_load_as_it_attaches():
         server.close()
 
 
+def test_a_worker_without_a_share_of_the_slots_says_why_once_and_to_each_request(caplog):
+    """A front-end worker whose share of a ring's slots is empty (`blink frontend --workers 2`
+    against an engine of one slot) logs why once, not at every attach attempt (five a second),
+    and refuses each request with that reason rather than a bare "not available"."""
+    import asyncio
+    import logging
+
+    from blink.nic_service.engine_link import EngineLink, EngineUnavailable, WorkerCounts
+    name = f"blink-test-{secrets.token_hex(6)}"
+    server = RingServer(name, RingGeometry(1, max_prompt_tokens=63, max_output_tokens=64),
+                        model_name="unit", vocab_size=VOCAB, context_length=64, eos_ids=(2,))
+    server.set_state(layout.EngineState.SERVING)
+    loop = asyncio.new_event_loop()
+    try:
+        link = EngineLink(name, engine_timeout_s=1e9, worker=(0, 2))  # worker 1 has the slot
+        with caplog.at_level(logging.ERROR, logger="blink.frontend"):
+            for _ in range(5):
+                server.beat()
+                link._try_attach()
+        assert link.info is None and not link.alive
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "1 request slots: too few for 2 front-end workers" in errors[0]
+        with pytest.raises(EngineUnavailable, match="too few for 2 front-end workers"):
+            loop.run_until_complete(link.submit(dict(prompt=np.asarray([5, 6], np.int32),
+                                                     max_tokens=3)))
+    finally:
+        loop.close()
+        WorkerCounts.reset(name)
+        server.close()
+
+
 def drain(handle) -> tuple[list[list[int]], FinishReason | None]:
     """(the token lists of the handle's events so far, its finish reason or None)."""
     from blink.nic_service.engine_link import Finished

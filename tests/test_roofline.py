@@ -10,7 +10,8 @@ import pytest
 
 from blink.gpu_engine.checkpoint import load_config
 from blink.gpu_engine.demo_model import write_random_checkpoint
-from blink.gpu_engine.roofline import decode_step_bytes, kv_bytes_per_token, step_flops
+from blink.gpu_engine.roofline import decode_step_bytes, kv_bytes_per_token, \
+    layer_projection_weights, step_flops
 
 
 def tensor_bytes(model_dir) -> dict[str, int]:
@@ -65,10 +66,11 @@ def test_a_weightless_folder_for_dummy_weights(tmp_path):
 
 
 def test_step_flops_match_the_checkpoint(tmp_path):
-    """A prefill chunk's work: every 2-D projection tensor of the checkpoint (not the embedding)
-    once per token, the LM head once per logit row, and attention counted from the causal mask
-    itself: one (query, key) pair per unmasked cell, head_dim multiply-adds for Q K^T and as
-    many for P V, per head and layer."""
+    """A prefill chunk's work: every 2-D projection tensor of the checkpoint (not the embedding;
+    per layer, roofline.layer_projection_weights) once per token, the LM head once per logit
+    row, and attention counted from the causal mask itself: one (query, key) pair per
+    unmasked cell, head_dim multiply-adds for Q K^T and as many for P V, per head and
+    layer."""
     model = write_random_checkpoint(tmp_path / "m", hidden_size=64, intermediate_size=160,
                                     num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=2304)
     cfg = load_config(model)
@@ -80,6 +82,7 @@ def test_step_flops_match_the_checkpoint(tmp_path):
     positions = list(range(40, 57))  # a 17-token chunk after 40 cached tokens
     mask = np.arange(57)[None, :] <= np.array(positions)[:, None]
     got = step_flops(cfg, positions, logit_rows=1)
+    assert cfg.num_layers * layer_projection_weights(cfg) == layer_weights
     assert got.projections == 2 * (len(positions) * layer_weights + lm_head)
     assert got.attention == 2 * 2 * int(mask.sum()) * cfg.head_dim * cfg.num_heads * 3
     assert got.total == got.projections + got.attention

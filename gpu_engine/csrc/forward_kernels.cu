@@ -334,9 +334,9 @@ BLINK_SKINNY_NORM_LINEAR_FP8_XF16(xf16sq, 2, 1, true)
 // release_next: attention, the kernel after this one, may launch once every CTA of this grid
 // has started, not once their weights are read (its CTAs then take the slots this grid leaves
 // free and load their first keys, earlier steps', while it runs; CudaForward's
-// qkv_release_early, off until timed). x_f16: x's f16 form (the _xf16 entries; null in others);
-// x_sumsq: x's sums of squares in parts (the _xf16sq entries, which do not read x; null in
-// others).
+// qkv_release_early, on by default for small layers). x_f16: x's f16 form (the _xf16 entries;
+// null in others); x_sumsq: x's sums of squares in parts (the _xf16sq entries, which do not
+// read x; null in others).
 #define BLINK_SKINNY_QKV_ROPE(NAME, A, C, NORM, SPLITS, W, XF16, SQ)                         \
   __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
   __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas) NAME(                          \

@@ -54,7 +54,8 @@ __device__ __forceinline__ void StoreF32x8(float* p, const float (&v)[8]) {
 // (5.30 ms), or prefetching a projection's first weights into L2 before its wait (4.93 ms),
 // was slower: the waiting CTAs and the prefetches compete with the running kernel, so the
 // skinny projections release early only once their weights are read (the qkv projection may
-// release attention at its start instead: CudaForward's qkv_release_early, off until timed).
+// release attention at its start instead: CudaForward's qkv_release_early, on by default where
+// a layer's weights are small, ForwardKernels.QKV_RELEASE_EARLY_MAX_LAYER_BYTES).
 // They also issue their first batch of weight loads (into registers, a few KB a CTA) before
 // their wait (gemv.cuh): data nothing before them writes. Attention, a chain of latencies on a
 // few SMs in decode-sized steps, releases the skinny o projection at its start, so that
