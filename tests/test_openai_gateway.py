@@ -286,13 +286,16 @@ def wait_idle(blink, timeout: float = 5.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"])
+@pytest.mark.parametrize("signal_name,stream", [("SIGTERM", True), ("SIGINT", True),
+                                                ("SIGHUP", True), ("SIGQUIT", True),
+                                                ("SIGTERM", False)])
 def test_sigterm_ends_the_gateway_within_its_shutdown_timeout(long_checkpoint, make_stack,
-                                                             tmp_path, signal_name):
-    """SIGTERM (and SIGINT, SIGHUP, SIGQUIT, as `blink serve`'s) with a stream in flight: the
+                                                             tmp_path, signal_name, stream):
+    """SIGTERM (and SIGINT, SIGHUP, SIGQUIT, as `blink serve`'s) with a request in flight: the
     gateway exits 0 soon after --shutdown-timeout (it took aiohttp's default 60 s; SIGHUP killed
-    it at once, status 129), the stream ends with a "server shutting down" error event and
-    [DONE] (it was cut mid-chunk), and its request is cancelled in the server."""
+    it at once, status 129), a stream ends with a "server shutting down" error event and [DONE]
+    (it was cut mid-chunk), a whole completion with a 503 saying so, and the request is
+    cancelled in the server."""
     import http.client
     import json
     import signal
@@ -302,14 +305,26 @@ def test_sigterm_ends_the_gateway_within_its_shutdown_timeout(long_checkpoint, m
         conn = http.client.HTTPConnection(client.base_url.host, client.base_url.port,
                                           timeout=30)
         conn.request("POST", "/v1/completions", json.dumps({
-            "model": "m", "prompt": "go on", "max_tokens": 10_000, "stream": True}),
+            "model": "m", "prompt": "go on", "max_tokens": 10_000, "stream": stream}),
             {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        assert response.status == 200 and response.read(200)
+        if stream:
+            response = conn.getresponse()
+            assert response.status == 200 and response.read(200)
+        else:  # under way in the server
+            with BlinkClient(stack.target) as blink:
+                deadline = time.monotonic() + 30
+                while blink.stats()["sequences_running"] != 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
         t0 = time.monotonic()
         proc.send_signal(getattr(signal, signal_name))
-        rest = response.read()  # (http.client.IncompleteRead for a cut stream)
-        assert b'"code": "unavailable"' in rest and rest.endswith(b"data: [DONE]\n\n"), rest[-300:]
+        if stream:
+            rest = response.read()  # (http.client.IncompleteRead for a cut stream)
+            assert b'"code": "unavailable"' in rest and rest.endswith(b"data: [DONE]\n\n"), \
+                rest[-300:]
+        else:
+            response = conn.getresponse()
+            body = response.read()
+            assert response.status == 503 and b"shutting down" in body, (response.status, body)
         assert proc.wait(20) == 0 and time.monotonic() - t0 < 10
         with BlinkClient(stack.target) as blink:
             assert wait_idle(blink) and blink.stats()["requests_cancelled"] == 1
