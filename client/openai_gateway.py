@@ -182,8 +182,9 @@ def make_app(target: str, served_model_names: list[str] | None = None,
              shutdown_timeout: float | None = None):
     """served_model_names: the names `model` may be (any other: 404), the first listed by
     /v1/models; None: `model` is not checked, /v1/models lists the server's own name.
-    shutdown_timeout: on shutdown, the requests in flight get this long, then end with a
-    "server shutting down" error (a stream: an error event, then [DONE])."""
+    shutdown_timeout: on shutdown, the requests in flight get this long (or until a second
+    stop signal), then end with a "server shutting down" error (a stream: an error event, then
+    [DONE])."""
     import asyncio
 
     from aiohttp import web
@@ -241,11 +242,18 @@ def make_app(target: str, served_model_names: list[str] | None = None,
 
     async def drain(app) -> None:
         """At shutdown (aiohttp has stopped listening): the calls in flight get
-        shutdown_timeout, then are cancelled, which ends each with the shutting-down error."""
+        shutdown_timeout, then are cancelled, which ends each with the shutting-down error. A
+        second stop signal (Ctrl-C twice) cancels them at once: aiohttp's handler, still set,
+        raised out of its shutdown (exit status 1, the streams cut mid-chunk)."""
+        from blink.ring.lifecycle import STOP_SIGNALS
+
         def give_up() -> None:
             for stream in list(state["streams"]):
                 stream.cancel()
-        asyncio.get_running_loop().call_later(shutdown_timeout, give_up)
+        loop = asyncio.get_running_loop()
+        loop.call_later(shutdown_timeout, give_up)
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, give_up)
 
     async def close(app) -> None:
         if "client" in state:

@@ -286,21 +286,24 @@ def wait_idle(blink, timeout: float = 5.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("signal_name,stream", [("SIGTERM", True), ("SIGINT", True),
-                                                ("SIGHUP", True), ("SIGQUIT", True),
-                                                ("SIGTERM", False)])
+@pytest.mark.parametrize("signal_name,stream,twice", [
+    ("SIGTERM", True, False), ("SIGINT", True, False), ("SIGHUP", True, False),
+    ("SIGQUIT", True, False), ("SIGTERM", False, False), ("SIGINT", True, True)])
 def test_sigterm_ends_the_gateway_within_its_shutdown_timeout(long_checkpoint, make_stack,
-                                                             tmp_path, signal_name, stream):
+                                                             tmp_path, signal_name, stream,
+                                                             twice):
     """SIGTERM (and SIGINT, SIGHUP, SIGQUIT, as `blink serve`'s) with a request in flight: the
     gateway exits 0 soon after --shutdown-timeout (it took aiohttp's default 60 s; SIGHUP killed
     it at once, status 129), a stream ends with a "server shutting down" error event and [DONE]
     (it was cut mid-chunk), a whole completion with a 503 saying so, and the request is
-    cancelled in the server."""
+    cancelled in the server. twice: Ctrl-C twice, under a minute's --shutdown-timeout, ends it
+    all so at once (the second exited 1, the stream cut mid-chunk)."""
     import http.client
     import json
     import signal
     client, stack, proc = start_gateway(long_checkpoint, make_stack, tmp_path, [
-        "--engine", "synthetic", "--synthetic-step-ms", "5"], ["--shutdown-timeout", "1"])
+        "--engine", "synthetic", "--synthetic-step-ms", "5"],
+        ["--shutdown-timeout", "60" if twice else "1"])
     try:
         conn = http.client.HTTPConnection(client.base_url.host, client.base_url.port,
                                           timeout=30)
@@ -317,6 +320,10 @@ def test_sigterm_ends_the_gateway_within_its_shutdown_timeout(long_checkpoint, m
                     time.sleep(0.05)
         t0 = time.monotonic()
         proc.send_signal(getattr(signal, signal_name))
+        if twice:
+            time.sleep(0.5)
+            assert proc.poll() is None  # draining
+            proc.send_signal(getattr(signal, signal_name))
         if stream:
             rest = response.read()  # (http.client.IncompleteRead for a cut stream)
             assert b'"code": "unavailable"' in rest and rest.endswith(b"data: [DONE]\n\n"), \
