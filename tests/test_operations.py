@@ -452,20 +452,23 @@ def test_a_second_stop_signal_cuts_the_drain_short(long_checkpoint, tmp_path, wo
                 errors.append(e)
 
     streamers = [threading.Thread(target=long_stream) for _ in range(2 * workers)]
-    for streamer in streamers:
-        streamer.start()
-    with BlinkClient(serve.target) as client:
-        wait_for(lambda: client.stats()["sequences_running"] == len(streamers), 30,
-                 "the streams to run")
-        engine = serve.engine_pid()
+    try:
+        for streamer in streamers:
+            streamer.start()
+        with BlinkClient(serve.target) as client:
+            wait_for(lambda: client.stats()["sequences_running"] == len(streamers), 30,
+                     "the streams to run")
+            engine = serve.engine_pid()
+            serve.proc.send_signal(signal.SIGINT)
+            wait_for(lambda: client.health() == "NOT_SERVING", 10, "NOT_SERVING")
+            time.sleep(0.5)
+            assert serve.proc.poll() is None  # draining: 5,000 tokens take 25 s
+        began = time.monotonic()
         serve.proc.send_signal(signal.SIGINT)
-        wait_for(lambda: client.health() == "NOT_SERVING", 10, "NOT_SERVING")
-        time.sleep(0.5)
-        assert serve.proc.poll() is None  # draining: 5,000 tokens take 25 s
-    began = time.monotonic()
-    serve.proc.send_signal(signal.SIGINT)
-    assert serve.proc.wait(30) == 0
-    assert time.monotonic() - began < 15
+        assert serve.proc.wait(30) == 0
+        assert time.monotonic() - began < 15
+    finally:  # (a failed check leaves no server behind)
+        serve.stop()
     for streamer in streamers:
         streamer.join(30)
     assert len(errors) == len(streamers)
