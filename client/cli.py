@@ -537,7 +537,7 @@ def cmd_frontend(args) -> None:
     config = _frontend_config(args, model_dir)
     try:
         asyncio.run(serve(config, args.ready_file, shutdown_timeout_s=args.shutdown_timeout,
-                          on_stop=workers.stop))
+                          on_stop=workers.stop, on_hurry=workers.hurry))
     except OSError as e:
         sys.exit(f"blink frontend: {e}")
     finally:
@@ -583,7 +583,11 @@ def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None
     """One extra front-end worker process (multiprocessing target). It stops with its parent,
     however that ends (a kill -9 of serve used to leave it serving NOT_SERVING on the port)."""
     _exit_with_parent(parent_pid, f"blink front-end worker {index + 1}")
+    import signal
+
     from blink.nic_service.server import serve
+    from blink.ring.lifecycle import HURRY_SIGNAL
+    signal.signal(HURRY_SIGNAL, signal.SIG_IGN)  # (its default ends a worker still starting)
     logging.basicConfig(level="DEBUG" if args.verbose else args.log_level.upper(),
                         handlers=[_log_handler(args)])
     args.worker_index, args.ready_file = index, None
@@ -591,7 +595,7 @@ def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None
         args.metrics_port += index  # worker i: metrics port + i
     try:
         asyncio.run(serve(_frontend_config(args, model_dir), None,
-                          shutdown_timeout_s=args.shutdown_timeout))
+                          shutdown_timeout_s=args.shutdown_timeout, repeats_hurry=False))
     finally:
         if os.getppid() != parent_pid:  # the parent died (SIGKILL): nobody else clears them
             from blink.nic_service.engine_link import WorkerCounts
@@ -613,6 +617,7 @@ class FrontendWorkers:
         self.restart_wait: dict[int, float] = {}  # index -> its next quick failure's wait
         self.restart_at: dict[int, float] = {}    # index -> when to start it again
         self.stopping = False
+        self._stop_sent: set[int] = set()  # the processes told to stop (pids)
         self._watcher = None
 
     def _spawn(self, index: int) -> None:
@@ -662,11 +667,19 @@ class FrontendWorkers:
             self._spawn(index)
 
     def stop(self) -> None:
-        """SIGTERM to every worker: each drains its own streams."""
+        """SIGTERM to every worker, once: each drains its own streams."""
         self.stopping = True
         for proc in self.procs.values():
-            if proc.is_alive():
+            if proc.is_alive() and proc.pid not in self._stop_sent:
                 proc.terminate()
+                self._stop_sent.add(proc.pid)
+
+    def hurry(self) -> None:
+        """HURRY_SIGNAL to every worker: each ends its drain at once (a second stop signal)."""
+        from blink.ring.lifecycle import HURRY_SIGNAL
+        for proc in self.procs.values():
+            if proc.is_alive():
+                os.kill(proc.pid, HURRY_SIGNAL)
 
     def join(self, timeout_s: float) -> None:
         for proc in self.procs.values():
@@ -822,12 +835,10 @@ def cmd_serve(args) -> None:
     _claim_port(args)
 
     async def main() -> int:
-        from blink.nic_service.server import Frontend
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        from blink.ring.lifecycle import STOP_SIGNALS
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, stop.set)
+        from blink.nic_service.server import Frontend, when_set
+        from blink.ring.lifecycle import watch_stop_signals
+        stop, hurry = asyncio.Event(), asyncio.Event()
+        watch_stop_signals(asyncio.get_running_loop(), stop, hurry)
         # the front end first: a taken port or an unreadable tokenizer fails before any engine
         frontend = Frontend(_frontend_config(args, model_dir))
         port = await frontend.start()
@@ -843,20 +854,16 @@ def cmd_serve(args) -> None:
               f"\"Hello\"", flush=True)
         await asyncio.wait({engine, asyncio.ensure_future(stop.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
-        stop.clear()  # from here a second stop signal cuts the drains short
         workers.stop()  # each worker drains its own streams
         if engine.done():  # the engine never came up: nothing to serve
             await frontend.stop(grace=0)
             return engine.result()
-
-        async def hurry_workers() -> None:
-            await stop.wait()
-            workers.stop()  # their second signal (a terminal's Ctrl-C reaches them anyway)
-
-        hurrying = asyncio.ensure_future(hurry_workers())
-        await frontend.drain(args.shutdown_timeout, hurry=stop)
-        await asyncio.to_thread(workers.join, args.shutdown_timeout)
-        hurrying.cancel()
+        passing_on = asyncio.ensure_future(when_set(hurry, workers.hurry))  # Ctrl-C twice
+        try:
+            await frontend.drain(args.shutdown_timeout, hurry=hurry)
+            await asyncio.to_thread(workers.join, args.shutdown_timeout)
+        finally:
+            passing_on.cancel()
         engine_stop.set()
         status = await engine
         await frontend.stop()

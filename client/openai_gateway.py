@@ -232,6 +232,8 @@ def make_app(target: str, served_model_names: list[str] | None = None,
         except (TypeError, ValueError) as e:
             return _error(web, 400, str(e))
         state["streams"].add(stream)
+        if state.get("giving_up"):  # (registered after the drain gave up the others)
+            stream.cancel()
         try:  # a client that goes away (an error writing to it, or aiohttp's cancel of this
             # handler) cancels the request in the server rather than leave it generating
             return await (_stream if body.get("stream") else _complete)(
@@ -248,6 +250,7 @@ def make_app(target: str, served_model_names: list[str] | None = None,
         from blink.ring.lifecycle import STOP_SIGNALS
 
         def give_up() -> None:
+            state["giving_up"] = True
             for stream in list(state["streams"]):
                 stream.cancel()
         loop = asyncio.get_running_loop()

@@ -339,7 +339,7 @@ class EngineLink:
         """Writes a request into a free slot, waiting (bounded) for one. `req_fields` are
         SlotRequest's fields but request_id, which the link assigns."""
         if not self.alive:
-            raise EngineUnavailable(self._refusal[1] if self._refusal and self.info is None
+            raise EngineUnavailable(self._refusal[1] if self._refusal
                                     else "engine is not available")
         instance = self.info.instance
         slot = await self._acquire_slot()
@@ -488,6 +488,7 @@ class EngineLink:
             self._attach(transport, info)
         except Exception:  # a read or write that failed (RDMA): the next try starts afresh
             log.exception("attaching to the engine ring failed")
+            self._refusal = None
             transport.close()
             self._transport, self.info = None, None
 
@@ -514,7 +515,7 @@ class EngineLink:
         if not share:
             transport.close()
             self._transport, self.info = None, None
-            why = (f"the engine's ring has {geom.num_slots} request slots: too few for "
+            why = (f"the engine's ring has too few request slots ({geom.num_slots}) for "
                    f"{self.workers} front-end workers (start the engine with at least "
                    f"--slots {self.workers}, or fewer workers)")
             if self._refusal != (info.instance, why):

@@ -33,7 +33,7 @@ from blink.nic_service.engine_link import (
 from blink.ring.layout import (
     MAX_STOP_IDS, EngineKind, FinishReason, RejectReason, cache_salt_word,
 )
-from blink.ring.lifecycle import STOP_SIGNALS
+from blink.ring.lifecycle import watch_stop_signals
 from blink.v1 import blink_pb2 as pb
 from blink.v1 import blink_pb2_grpc as pb_grpc
 
@@ -676,17 +676,17 @@ class Frontend:
 
 
 async def serve(config: FrontendConfig, ready_file: Path | None = None, *,
-                shutdown_timeout_s: float = 30.0, on_stop=None) -> None:
-    """Runs one front end until a STOP_SIGNALS signal, then drains (a second signal ends the
-    drain at once). on_stop(): called first when the signal arrives (the parent of several
-    workers passes the signal on). The signals
+                shutdown_timeout_s: float = 30.0, on_stop=None, on_hurry=None,
+                repeats_hurry: bool = True) -> None:
+    """Runs one front end until a STOP_SIGNALS signal, then drains; a second signal, or
+    HURRY_SIGNAL, ends the drain at once (blink.ring.lifecycle.watch_stop_signals; a worker
+    process passes repeats_hurry=False). on_stop() and on_hurry(): called when each arrives
+    (the parent of several workers passes them on). The signals
     are taken from the start: an extra worker waits in start() for the engine, and one stopped
     there still ends through this function (its caller's clean-up runs)."""
     frontend = Frontend(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
+    stop, hurry = asyncio.Event(), asyncio.Event()
+    watch_stop_signals(asyncio.get_running_loop(), stop, hurry, repeats_hurry=repeats_hurry)
     starting, stopping = (asyncio.ensure_future(frontend.start()),
                           asyncio.ensure_future(stop.wait()))
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -704,8 +704,18 @@ async def serve(config: FrontendConfig, ready_file: Path | None = None, *,
     if config.worker[0] == 0:
         print(f"blink front end listening on {config.host}:{port}", flush=True)
     await stop.wait()
-    stop.clear()  # from here a second stop signal cuts the drain short
     if on_stop is not None:
         on_stop()
-    await frontend.drain(shutdown_timeout_s, hurry=stop)
-    await frontend.stop()  # (its grace lets the streams given up end with their error)
+    passing_on = asyncio.ensure_future(when_set(hurry, on_hurry))
+    try:
+        await frontend.drain(shutdown_timeout_s, hurry=hurry)
+        await frontend.stop()  # (its grace lets the streams given up end with their error)
+    finally:
+        passing_on.cancel()
+
+
+async def when_set(event: asyncio.Event, then) -> None:
+    """then() once `event` is set (nothing for None)."""
+    await event.wait()
+    if then is not None:
+        then()

@@ -318,6 +318,7 @@ def test_sigterm_ends_the_gateway_within_its_shutdown_timeout(long_checkpoint, m
                 deadline = time.monotonic() + 30
                 while blink.stats()["sequences_running"] != 1 and time.monotonic() < deadline:
                     time.sleep(0.05)
+                assert blink.stats()["sequences_running"] == 1
         t0 = time.monotonic()
         proc.send_signal(getattr(signal, signal_name))
         if twice:

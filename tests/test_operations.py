@@ -14,6 +14,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 from conftest import children
 from gpu import requires_gpu
@@ -45,13 +46,15 @@ def wait_for(predicate, timeout: float, what: str):
 class Serve:
     """`blink serve` as an operator starts it, on port 0."""
 
-    def __init__(self, model, tmp_path, *args):
+    def __init__(self, model, tmp_path, *args, session: bool = False):
+        """session: in a process group of its own, as a terminal's foreground job is (a
+        terminal's Ctrl-C goes to the whole group: os.killpg)."""
         self.ready, self.log_path = tmp_path / "port", tmp_path / "serve.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "blink.client.cli", "serve", "--model", str(model),
              "--port", "0", "--ready-file", str(self.ready), "--engine", "cpu", *args],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=session)
         wait_for(lambda: self.proc.poll() is not None or (self.ready.exists()
                                                           and self.ready.read_text()),
                  60, "the port")
@@ -434,46 +437,81 @@ def test_a_closed_terminal_or_ctrl_backslash_drains_like_sigterm(long_checkpoint
     assert _gone(engine) and not os.path.exists(ring)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_a_second_stop_signal_cuts_the_drain_short(long_checkpoint, tmp_path, workers):
-    """Ctrl-C twice: the first drains (the stream in flight goes on), the second ends the drain
-    at once, in every worker, rather than after --shutdown-timeout: the open streams end
-    "server shutting down" and every process exits 0, the engine's ring removed."""
-    serve = Serve(long_checkpoint, tmp_path, "--shutdown-timeout", "120", "--engine",
-                  "synthetic", "--synthetic-step-ms", "5", "--workers", str(workers))
-    ring = re.search(r"\(ring ([^)]+)\)", serve.log_path.read_text()).group(1)
-    errors = []
+def slots_in_use(ring: str, workers: int) -> list[int]:
+    """Each front-end worker's ring slots in use (the file `--workers N` share)."""
+    from blink.nic_service.engine_link import WorkerCounts
+    return [int(n) for n in np.fromfile(WorkerCounts.path(ring, "slots"), np.uint64)[:workers]]
 
-    def long_stream():
-        with BlinkClient(serve.target) as client:
+
+def streams_on_every_worker(target: str, ring: str, workers: int, tokens: int, results: list):
+    """Long streams, a connection each (gRPC shares one between a process's channels to one
+    target), started one at a time until every worker has one (at most 16); each thread
+    appends its result or its BlinkError to `results`."""
+    def stream():
+        with BlinkClient(target, options=[("grpc.use_local_subchannel_pool", 1)]) as client:
             try:
-                client.generate("a long answer", exact(5000), timeout=120)
+                results.append(client.generate("a long answer", exact(tokens), timeout=120))
             except BlinkError as e:
-                errors.append(e)
+                results.append(e)
+    threads = []
+    while len(threads) < 16 and not (len(threads) >= 2 and min(slots_in_use(ring, workers))):
+        threads.append(threading.Thread(target=stream))
+        threads[-1].start()
+        wait_for(lambda: sum(slots_in_use(ring, workers)) == len(threads), 30, "the stream")
+    assert min(slots_in_use(ring, workers)) > 0, slots_in_use(ring, workers)
+    return threads
 
-    streamers = [threading.Thread(target=long_stream) for _ in range(2 * workers)]
+
+def test_a_second_stop_signal_cuts_the_drain_short(long_checkpoint, tmp_path):
+    """Ctrl-C twice, as a terminal sends it (to serve and its front-end workers alike): the
+    first drains, every stream going on though each worker has it twice (the terminal's and
+    serve's passing on, which counted as a second signal); the second ends the drain at once
+    in every worker, rather than after --shutdown-timeout: the open streams end "server
+    shutting down" and every process exits 0, the engine's ring removed."""
+    serve = Serve(long_checkpoint, tmp_path, "--shutdown-timeout", "120", "--engine",
+                  "synthetic", "--synthetic-step-ms", "5", "--workers", "2", session=True)
+    ring = re.search(r"\(ring ([^)]+)\)", serve.log_path.read_text()).group(1)  # its path
+    results = []
     try:
-        for streamer in streamers:
-            streamer.start()
+        streamers = streams_on_every_worker(serve.target, os.path.basename(ring), 2, 5000,
+                                            results)
+        engine = serve.engine_pid()
+        os.killpg(serve.proc.pid, signal.SIGINT)
         with BlinkClient(serve.target) as client:
-            wait_for(lambda: client.stats()["sequences_running"] == len(streamers), 30,
-                     "the streams to run")
-            engine = serve.engine_pid()
-            serve.proc.send_signal(signal.SIGINT)
             wait_for(lambda: client.health() == "NOT_SERVING", 10, "NOT_SERVING")
-            time.sleep(0.5)
-            assert serve.proc.poll() is None  # draining: 5,000 tokens take 25 s
+        time.sleep(1.0)
+        assert serve.proc.poll() is None and not results  # draining: 5,000 tokens take 25 s
         began = time.monotonic()
-        serve.proc.send_signal(signal.SIGINT)
+        os.killpg(serve.proc.pid, signal.SIGINT)
         assert serve.proc.wait(30) == 0
         assert time.monotonic() - began < 15
     finally:  # (a failed check leaves no server behind)
         serve.stop()
     for streamer in streamers:
         streamer.join(30)
-    assert len(errors) == len(streamers)
-    assert all("UNAVAILABLE" in str(e) and "shutting down" in str(e) for e in errors), errors
+    assert len(results) == len(streamers)
+    assert all(isinstance(r, BlinkError) and "UNAVAILABLE" in str(r) and "shutting down"
+               in str(r) for r in results), results
     assert _gone(engine) and not os.path.exists(ring)
+
+
+def test_one_sigterm_lets_every_front_end_worker_finish_its_streams(long_checkpoint,
+                                                                    make_stack):
+    """`blink frontend --workers 2`, as the shipped systemd unit runs it, on one SIGTERM: every
+    stream runs to its end and the front end exits 0 (its passing on of the signal to the
+    workers, sent twice, once counted as a second signal: the workers' streams were cut)."""
+    stack = make_stack(long_checkpoint, engine_args=[
+        "--engine", "synthetic", "--synthetic-step-ms", "5", "--slots", "32"],
+        frontend_args=["--workers", "2", "--shutdown-timeout", "60"])
+    results = []
+    streamers = streams_on_every_worker(stack.target, stack.ring_name, 2, 2000, results)
+    stack.frontend.send_signal(signal.SIGTERM)
+    assert stack.frontend.wait(60) == 0
+    for streamer in streamers:
+        streamer.join(30)
+    assert len(results) == len(streamers)
+    assert all(not isinstance(r, BlinkError) and r.completion_tokens == 2000 for r in results), \
+        results
 
 
 def test_one_front_end_and_one_engine_a_ring(checkpoints, tmp_path):

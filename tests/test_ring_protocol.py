@@ -384,8 +384,8 @@ def test_a_worker_without_a_share_of_the_slots_says_why_once_and_to_each_request
                 link._try_attach()
         assert link.info is None and not link.alive
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-        assert len(errors) == 1 and "1 request slots: too few for 2 front-end workers" in errors[0]
-        with pytest.raises(EngineUnavailable, match="too few for 2 front-end workers"):
+        assert len(errors) == 1 and "too few request slots (1) for 2 front-end workers" in errors[0]
+        with pytest.raises(EngineUnavailable, match=r"slots \(1\) for 2 front-end workers"):
             loop.run_until_complete(link.submit(dict(prompt=np.asarray([5, 6], np.int32),
                                                      max_tokens=3)))
     finally:

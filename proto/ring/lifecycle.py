@@ -2,7 +2,10 @@
 
 STOP_SIGNALS: every Blink process (engine, front end, serve) stops cleanly on each of them, the
 engine removing its ring and the front end draining: SIGTERM (systemd, Kubernetes), SIGINT
-(Ctrl-C), SIGHUP (its terminal closed) and SIGQUIT (Ctrl-\\).
+(Ctrl-C), SIGHUP (its terminal closed) and SIGQUIT (Ctrl-\\). A second one, to the process
+an operator started (Ctrl-C twice), ends a front end's drain at once; the front-end workers that
+process started are told so with HURRY_SIGNAL, since a terminal's Ctrl-C and their parent's
+passing on of the first signal already reach them twice (watch_stop_signals).
 
 One engine and one front end per ring, held by the process that runs it.
 
@@ -20,6 +23,20 @@ import signal
 import socket
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+HURRY_SIGNAL = signal.SIGUSR1
+
+
+def watch_stop_signals(loop, stop, hurry, *, repeats_hurry: bool = True) -> None:
+    """On `loop`: the first of STOP_SIGNALS sets the event `stop`; HURRY_SIGNAL, or with
+    repeats_hurry a later stop signal, sets `hurry` (counted in the handler, so that a second
+    signal that comes before the stopping code has run is not lost). repeats_hurry=False: a
+    process whose stop signals may come twice for one stop (a front-end worker: the terminal's
+    and its parent's), hurried by its parent alone."""
+    def stop_signal() -> None:
+        (hurry if stop.is_set() and repeats_hurry else stop).set()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop_signal)
+    loop.add_signal_handler(HURRY_SIGNAL, hurry.set)
 
 
 class RingClaimed(RuntimeError):
