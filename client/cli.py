@@ -366,22 +366,57 @@ def _engine_config(args, model_dir: Path):
                         prefix_caching=args.prefix_caching)
 
 
+# a bearer token's length at most: gRPC refuses a call whose metadata passes 16 KB (a longer
+# token locked every client out, the server started as if nothing were wrong)
+MAX_TOKEN_CHARS = 4096
+
+
 def _auth_token(path: Path | None) -> str | None:
+    """The token in the file (whitespace around it ignored), if gRPC metadata can carry it:
+    one line of printable ASCII (a second line, or a non-ASCII one, locked every client out)."""
     if path is None:
         return None
     try:
-        token = path.read_text().strip()
+        token = path.read_bytes().strip()
     except OSError as e:
         sys.exit(f"blink: cannot read the auth token: {e}")
     if not token:
         sys.exit(f"blink: {path} holds no token")
-    return token
+    if not (token.isascii() and token.decode().isprintable()) or len(token) > MAX_TOKEN_CHARS:
+        sys.exit(f"blink: {path}: a token must be one line of printable ASCII of at most "
+                 f"{MAX_TOKEN_CHARS} characters (what gRPC metadata carries)")
+    return token.decode()
+
+
+def _check_tls_files(args) -> None:
+    """The TLS files loaded before the port is bound, each named if it is wrong: gRPC only
+    failed the bind, which read as a port in use; an empty --tls-client-ca refused every
+    client. Encrypted keys are refused (a service has no one to type the passphrase)."""
+    import ssl
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+            args.tls_cert, args.tls_key, password=lambda: b"")
+    except (OSError, ssl.SSLError) as e:
+        sys.exit(f"blink: --tls-cert {args.tls_cert} and --tls-key {args.tls_key} must be a "
+                 f"PEM certificate chain and its unencrypted PEM private key: {e}")
+    if args.tls_client_ca:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_verify_locations(cafile=args.tls_client_ca)
+            read = "" if context.cert_store_stats()["x509_ca"] else "none"
+        except (OSError, ssl.SSLError) as e:
+            read = str(e)
+        if read:
+            sys.exit(f"blink: --tls-client-ca {args.tls_client_ca} holds no PEM CA certificate "
+                     f"that can be read ({read}): every client would be refused")
 
 
 def _frontend_config(args, model_dir: Path):
     from blink.nic_service.server import FrontendConfig
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         sys.exit("blink: TLS needs --tls-cert and --tls-key (and --tls-client-ca only with them)")
+    if args.tls_cert:
+        _check_tls_files(args)
     if not args.poll_interval_us > 0:
         sys.exit("blink: --poll-interval-us must be > 0")
     return FrontendConfig(model_dir=model_dir, ring_name=args.ring_name, host=args.host,
@@ -563,6 +598,7 @@ def _claim_port(args) -> None:
         sys.exit(f"blink: {e}")
     if args.workers < 1:
         sys.exit("blink: --workers must be >= 1")
+    _check_metrics_ports(args)
     if args.workers == 1:
         return  # one process: gRPC's own bind (without port reuse) says if the port is taken
     import socket
@@ -577,6 +613,29 @@ def _claim_port(args) -> None:
         args.port = probe.getsockname()[1]
     from blink.nic_service.engine_link import WorkerCounts
     WorkerCounts.reset(args.ring_name)  # the port is ours: so is the ring
+
+
+def _check_metrics_ports(args) -> None:
+    """Worker i serves its metrics on --metrics-port + i: each port there and free, checked
+    before any worker starts (a worker whose port was taken, or past 65535, failed at start and
+    was restarted for ever, its share of the slots unused)."""
+    if not args.metrics_port:
+        return  # off, or any free port for each
+    import socket
+    last = args.metrics_port + args.workers - 1
+    if last > 65535:
+        sys.exit(f"blink: --metrics-port {args.metrics_port} with --workers {args.workers} "
+                 f"needs the ports up to {last}: past 65535")
+    for port in range(args.metrics_port, last + 1):
+        family = socket.AF_INET6 if ":" in args.metrics_host else socket.AF_INET
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((args.metrics_host, port))
+            except OSError as e:
+                sys.exit(f"blink: cannot serve metrics on {args.metrics_host}:{port} (--metrics-"
+                         f"port {args.metrics_port}, worker {port - args.metrics_port + 1}): "
+                         f"{e.strerror}")
 
 
 def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None:

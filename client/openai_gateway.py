@@ -195,8 +195,8 @@ def make_app(target: str, served_model_names: list[str] | None = None,
         any) on its calls: the session routes a conversation to one replica behind Envoy."""
         if "client" not in state:
             state["client"] = AsyncBlinkClient(target)
-        auth = request.headers.get("Authorization", "")
-        return state["client"].with_token(auth[7:] if auth.startswith("Bearer ") else None) \
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return state["client"].with_token(token if scheme.lower() == "bearer" else None) \
             .with_session(request.headers.get(SESSION_HEADER) or None)
 
     async def models(request):

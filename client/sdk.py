@@ -406,6 +406,10 @@ SESSION_HEADER = "x-blink-session"
 
 
 def _call_metadata(token: str | None, session: str | None) -> tuple[tuple[str, str], ...] | None:
+    """A call's metadata; ValueError for a token or session gRPC cannot carry (a token read
+    from a file with its newline failed every call with INTERNAL "Invalid metadata")."""
+    _metadata_value("a bearer token", token)
+    _metadata_value("a session", session)
     metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + (
         ((SESSION_HEADER, session),) if session else ())
     return metadata or None

@@ -198,9 +198,17 @@ def chunk_message(text: str, token_ids: Sequence[int] = ()) -> pb.GenerateRespon
     return message
 
 
-# the most of a client's request id a log line shows (the id is free-form: a 1 MB one made a
-# line of a million characters), then its length
+# the most of a client's free-form text (its request id, a model name) that a log line or an
+# error shows (a 1 MB id made a line of a million characters; a 100 KB model name, echoed in
+# the error's status header, failed the call with RESOURCE_EXHAUSTED), then its length
 LOGGED_CLIENT_ID_CHARS = 128
+
+
+def _cut(text: str) -> str:
+    """text, or its first LOGGED_CLIENT_ID_CHARS characters and its length."""
+    if len(text) <= LOGGED_CLIENT_ID_CHARS:
+        return text
+    return f"{text[:LOGGED_CLIENT_ID_CHARS]}... ({len(text)} characters)"
 
 
 def log_request(handle: RequestHandle | None, prep: Prepared | None, clock: RequestClock,
@@ -209,9 +217,7 @@ def log_request(handle: RequestHandle | None, prep: Prepared | None, clock: Requ
     fields too, under --log-format json). No handle: it ended before it had a slot (no request
     id); no prep: before its prompt was read."""
     now = time.monotonic()
-    client_id = prep.client_request_id if prep else ""
-    if len(client_id) > LOGGED_CLIENT_ID_CHARS:
-        client_id = f"{client_id[:LOGGED_CLIENT_ID_CHARS]}... ({len(client_id)} characters)"
+    client_id = _cut(prep.client_request_id) if prep else ""
     fields = dict(request_id=handle.request_id if handle else None,
                   client_request_id=client_id,
                   prompt_tokens=len(prep.prompt_ids) if prep else 0,
@@ -243,8 +249,8 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         if size > self.config.max_request_bytes:
             raise InvalidRequest(f"request is {size} bytes; the limit is "
                                  f"{self.config.max_request_bytes}")
-        if req.model and req.model != info.model_name:
-            raise InvalidRequest(f"unknown model {req.model!r}; this server serves "
+        if req.model and req.model != info.model_name:  # (echoed cut: it goes in a header)
+            raise InvalidRequest(f"unknown model {_cut(req.model)!r}; this server serves "
                                  f"{info.model_name!r}")
         kind = req.WhichOneof("prompt")
         if kind == "text":
@@ -275,10 +281,10 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                                  f"and at least one token must be generated")
 
         s = req.sampling
+        room = min(ctx, info.kv_capacity_tokens or ctx)  # what one sequence can hold
         if s.HasField("max_tokens"):
             max_tokens = s.max_tokens
         else:  # as much as the context, and the whole KV cache where that is smaller, allow
-            room = min(ctx, info.kv_capacity_tokens or ctx)
             if len(ids) >= room:
                 raise InvalidRequest(f"prompt has {len(ids)} tokens; the KV cache holds {room} "
                                      f"and at least one token must be generated")
@@ -288,6 +294,9 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         if len(ids) + max_tokens > ctx:
             raise InvalidRequest(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) "
                                  f"exceeds the context length {ctx}")
+        if len(ids) + max_tokens > room:  # (the engine refused it, a slot's round trip later)
+            raise InvalidRequest(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) "
+                                 f"exceeds the KV cache's {room} tokens")
         temperature = s.temperature if s.HasField("temperature") else 1.0
         _check_float("temperature", temperature, temperature >= 0, ">= 0")
         top_p = s.top_p if s.HasField("top_p") else 1.0
@@ -530,12 +539,18 @@ class BearerTokenCheck(grpc.aio.ServerInterceptor):
     open (load balancers and probes call them without credentials)."""
 
     def __init__(self, token: str):
-        self.expected = f"Bearer {token}".encode()
+        self.expected = token.encode()
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith(f"/{SERVICE_NAME}/"):
-            given = dict(details.invocation_metadata or ()).get("authorization", "")
-            if not hmac.compare_digest(str(given).encode(), self.expected):
+            # every authorization header must carry the token (of two, the last one decided),
+            # the scheme's name in any case (RFC 7235)
+            given = [str(value) for key, value in details.invocation_metadata or ()
+                     if key == "authorization"]
+            if not given or not all(
+                    scheme.lower() == "bearer" and hmac.compare_digest(token.encode(),
+                                                                       self.expected)
+                    for scheme, _, token in (value.partition(" ") for value in given)):
                 return _refusal(details.method)
         return await continuation(details)
 

@@ -351,7 +351,8 @@ def test_the_session_header_and_the_token_reach_the_server(tmp_path):
         client, proc = gateway_to(target, tmp_path)
         try:
             for headers, token in (({SESSION_HEADER: "conv-9", "Authorization": "Bearer k1"},
-                                    "k1"), ({}, "unused")):
+                                    "k1"), ({}, "unused"),
+                                   ({"Authorization": "bearer k2"}, "k2")):  # (any case)
                 client.with_options(default_headers=headers).completions.create(
                     model="m", prompt="hi", max_tokens=2)
                 sent = fake.metadata[-1]

@@ -176,6 +176,13 @@ def test_unset_max_tokens_fits_a_kv_cache_smaller_than_the_context(checkpoints, 
             client.generate(list(range(1, 129)), greedy)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "the KV cache holds 128" in str(err.value)
+        # with max_tokens set: refused by the front end, as the context's limit is (the engine
+        # refused it, a slot's round trip later, counted as a bad slot)
+        with pytest.raises(BlinkError) as err:
+            client.generate(list(range(1, 11)), Sampling(max_tokens=500))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "exceeds the KV cache's 128 tokens" in str(err.value)
+        assert client.stats()["requests_rejected"] == 0
         wait_for(lambda: idle(client), 5, "the engine idle")
 
 
@@ -1100,6 +1107,72 @@ def test_mutual_tls_and_bearer_token(checkpoints, make_stack, tmp_path):
     assert out.returncode == 0 and "3 generated tokens" in out.stderr, out.stderr
     out = blink("info", *flags[:-2])  # no token
     assert out.returncode == 1 and "UNAUTHENTICATED" in out.stderr
+
+
+def test_auth_and_tls_files_that_cannot_work_are_refused_at_start(checkpoints, tmp_path):
+    """A token gRPC metadata cannot carry (two lines, not ASCII, past 4,096 characters) locked
+    every client out of a server that started as if nothing were wrong; a key that is not the
+    certificate's failed the bind, which read as a port in use; an empty client CA refused
+    every client. Each is now one line at start, naming the file."""
+    pytest.importorskip("cryptography", reason="the test extra (cryptography) is not installed")
+    pem = _certificates(tmp_path)
+    files = {"two lines": b"tok1\ntok2\n", "not ascii": b"s3cr\xc3\xa9t\n",
+             "too long": b"x" * 5000, "empty CA": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    tls = ["--tls-cert", str(pem["server.pem"]), "--tls-key", str(pem["server.key"])]
+    for flags, says in (
+            (["--auth-token-file", str(tmp_path / "two lines")], "one line of printable ASCII"),
+            (["--auth-token-file", str(tmp_path / "not ascii")], "one line of printable ASCII"),
+            (["--auth-token-file", str(tmp_path / "too long")], "at most 4096 characters"),
+            (["--tls-cert", str(pem["server.pem"]), "--tls-key", str(pem["client.key"])],
+             "its unencrypted PEM private key"),
+            ([*tls, "--tls-client-ca", str(tmp_path / "empty CA")], "no PEM CA certificate"),
+            ([*tls, "--tls-client-ca", str(tmp_path / "two lines")], "no PEM CA certificate"),
+            ([*tls, "--tls-client-ca", str(pem["server.key"])], "no PEM CA certificate")):
+        out = blink("frontend", "--model", str(checkpoints["llama"]), "--ring-name",
+                    f"blink-test-refused-{os.getpid()}", "--port", "0", *flags, timeout=30)
+        assert out.returncode != 0 and says in out.stderr, (flags, out.stderr)
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_every_worker_s_metrics_port_is_checked_at_start(checkpoints, tmp_path):
+    """Worker i serves metrics on --metrics-port + i: a taken one, or one past 65535, is one
+    line at start (that worker failed and was restarted for ever, its share of the slots
+    unused, while serve said it was serving)."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for first, says in ((port - 1, f"cannot serve metrics on 0.0.0.0:{port}"),
+                            (65535, "needs the ports up to 65536")):
+            out = blink("serve", "--model", str(checkpoints["llama"]), "--port", "0",
+                        "--engine", "cpu", "--workers", "2", "--slots", "4", "--metrics-port",
+                        str(first), timeout=30)
+            assert out.returncode != 0 and says in out.stderr, out.stderr
+            assert "Traceback" not in out.stderr
+
+
+def test_bearer_scheme_in_any_case_and_every_authorization_header_checked(checkpoints,
+                                                                          make_stack, tmp_path):
+    """The scheme's name is case-insensitive (RFC 7235: "bearer" was refused); of two
+    authorization headers, both must carry the token (the last one alone decided)."""
+    from blink.v1 import blink_pb2, blink_pb2_grpc
+    (tmp_path / "token").write_text("s3cret\n")
+    stack = make_stack(checkpoints["llama"], frontend_args=[
+        "--auth-token-file", str(tmp_path / "token")])
+    with grpc.insecure_channel(stack.target) as channel:
+        info = blink_pb2_grpc.BlinkStub(channel).GetModelInfo
+        assert info(blink_pb2.GetModelInfoRequest(), timeout=10,
+                    metadata=[("authorization", "bearer s3cret")]).name
+        for headers in ([("authorization", "Bearer wrong"), ("authorization", "Bearer s3cret")],
+                        [("authorization", "Bearer s3cret"), ("authorization", "Bearer wrong")],
+                        [("authorization", "Basic s3cret")]):
+            with pytest.raises(grpc.RpcError) as err:
+                info(blink_pb2.GetModelInfoRequest(), timeout=10, metadata=headers)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, headers
+    with pytest.raises(ValueError, match="printable ASCII"):  # a token read with its newline
+        BlinkClient(stack.target, token="s3cret\n")
 
 
 def test_an_aged_connection_s_streams_run_to_their_end(long_checkpoint, make_stack):
