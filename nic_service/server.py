@@ -182,10 +182,16 @@ def add_blink_service(servicer: pb_grpc.BlinkServicer, server: grpc.aio.Server) 
                                                                          handlers),))
 
 
-async def refuse_undecodable(request, context) -> None:
+def undecodable_why(request) -> str | None:
+    """Why the request could not be decoded, or None: it was."""
     if isinstance(request, Undecodable):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"the request could not be decoded: {request.error}")
+        return f"the request could not be decoded: {request.error}"
+    return None
+
+
+async def refuse_undecodable(request, context) -> None:
+    if why := undecodable_why(request):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
 
 
 def chunk_message(text: str, token_ids: Sequence[int] = ()) -> pb.GenerateResponse:
@@ -334,24 +340,27 @@ class BlinkServicer(pb_grpc.BlinkServicer):
     # -- RPCs -----------------------------------------------------------------------------------
 
     async def Generate(self, request, context):
-        received = time.monotonic()
-        await refuse_undecodable(request, context)
+        clock = RequestClock(self.metrics, time.monotonic())
+        # refusals before the prompt is read count and log as the later ones do (an engine
+        # outage's UNAVAILABLE left request_failure_total silent)
+        if why := undecodable_why(request):
+            await self._fail(context, clock, grpc.StatusCode.INVALID_ARGUMENT, why)
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server shutting down")
+            await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE, "server shutting down")
         if not self.link.alive:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not available")
-        clock = RequestClock(self.metrics, received)
+            await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE,
+                             "the engine is not available")
         prep = None
         try:
             prep = await self._prepare(request)
             clock.prompt_tokens = len(prep.prompt_ids)
             handle = await self.link.submit(prep.slot_fields)
         except InvalidRequest as e:
-            await self._fail(context, clock, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._fail(context, clock, grpc.StatusCode.INVALID_ARGUMENT, str(e), prep)
         except SlotsExhausted as e:
-            await self._fail(context, clock, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await self._fail(context, clock, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), prep)
         except EngineUnavailable as e:
-            await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE, str(e))
+            await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE, str(e), prep)
         except asyncio.CancelledError:  # before it had a slot: queued for one, or tokenizing
             self._gone(context, clock, None, prep)
             raise
@@ -383,7 +392,10 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                     clock.generated)
         clock.failed("DEADLINE_EXCEEDED" if expired else "CANCELLED")
 
-    async def _fail(self, context, clock: RequestClock, code: grpc.StatusCode, message: str):
+    async def _fail(self, context, clock: RequestClock, code: grpc.StatusCode, message: str,
+                    prep: Prepared | None = None):
+        """Ends a request refused before it had a slot: counted, logged, aborted with code."""
+        log_request(None, prep, clock, f"refused, {code.name}: {_cut(message)}", 0)
         clock.failed(code.name)
         await context.abort(code, message)
 

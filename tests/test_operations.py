@@ -873,6 +873,40 @@ def test_requests_that_end_waiting_for_a_slot_are_counted_and_logged(long_checkp
         assert serve.stop() == 0
 
 
+def test_refusals_before_a_slot_are_counted_and_logged(long_checkpoint, tmp_path):
+    """A request refused before it has a slot counts in request_failure_total and logs a line,
+    whatever refuses it: a prompt outside the vocabulary (INVALID_ARGUMENT: counted, never
+    logged), the drain (UNAVAILABLE "server shutting down", as an engine outage's: neither
+    counted nor logged, so an alert on UNAVAILABLE stayed silent through an outage)."""
+    import json
+    serve = Serve(long_checkpoint, tmp_path, "--metrics-port", "0", "--log-format", "json",
+                  "--engine", "synthetic", "--synthetic-step-ms", "5")
+    try:
+        port = metrics_port(serve)
+        with BlinkClient(serve.target) as client:
+            with pytest.raises(BlinkError, match="INVALID_ARGUMENT"):
+                client.generate([10 ** 6], exact(2))
+            holder = client.stream("keep the drain going", exact(5000))
+            next(iter(holder))
+            serve.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: client.health() == "NOT_SERVING", 10, "NOT_SERVING")
+            with pytest.raises(BlinkError, match="UNAVAILABLE.*shutting down"):
+                client.generate("too late", exact(2))
+            counted = scrape(port)
+            holder.cancel()
+        assert {code: counted.get(("blink:request_failure_total", (("code", code),)), 0)
+                for code in ("INVALID_ARGUMENT", "UNAVAILABLE")} == {
+                    "INVALID_ARGUMENT": 1, "UNAVAILABLE": 1}
+    finally:
+        serve.stop()
+    outcomes = [json.loads(line)["request"]["outcome"]
+                for line in serve.log_path.read_text().splitlines()
+                if line.startswith("{") and '"request"' in line]
+    assert "refused, UNAVAILABLE: server shutting down" in outcomes, outcomes
+    assert any(o.startswith("refused, INVALID_ARGUMENT: token id 1000000 is outside")
+               for o in outcomes), outcomes
+
+
 def test_every_worker_s_stats_count_every_worker_s_slots(checkpoints, tmp_path):
     """--workers 2 with 8 live streams: GetServerStats, from whichever worker a connection
     reaches, says 8 slots in use of the ring's (it said that worker's own, 2 or 6, beside the
