@@ -548,10 +548,13 @@ def enable_reflection(server: grpc.aio.Server, services: tuple[str, ...]) -> Non
 
 class BearerTokenCheck(grpc.aio.ServerInterceptor):
     """Blink's RPCs need `authorization: Bearer <token>` metadata; health and reflection stay
-    open (load balancers and probes call them without credentials)."""
+    open (load balancers and probes call them without credentials). Each refusal logs a line
+    with its peer, and a refused Generate counts in request_failure_total (neither did: a
+    client guessing tokens left no trace)."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, metrics: FrontendMetrics | None = None):
         self.expected = token.encode()
+        self.metrics = metrics
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith(f"/{SERVICE_NAME}/"):
@@ -563,15 +566,18 @@ class BearerTokenCheck(grpc.aio.ServerInterceptor):
                     scheme.lower() == "bearer" and hmac.compare_digest(token.encode(),
                                                                        self.expected)
                     for scheme, _, token in (value.partition(" ") for value in given)):
-                return _refusal(details.method)
+                return _refusal(details.method, self.metrics)
         return await continuation(details)
 
 
-def _refusal(method: str):
+def _refusal(method: str, metrics: FrontendMetrics | None):
     """A handler that answers UNAUTHENTICATED, in the method's streaming shape."""
     async def refuse(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or wrong bearer token (metadata 'authorization')")
+        why = "missing or wrong bearer token (metadata 'authorization')"
+        log.info("refused %s from %s, UNAUTHENTICATED: %s", method, context.peer(), why)
+        if method.endswith("/Generate"):
+            RequestClock(metrics, time.monotonic()).failed("UNAUTHENTICATED")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
     if method.endswith("/Generate"):
         return grpc.unary_stream_rpc_method_handler(refuse)
     return grpc.unary_unary_rpc_method_handler(refuse)
@@ -626,7 +632,7 @@ class Frontend:
             if cfg.max_connection_age_grace_s is not None:  # gRPC's default: no limit
                 options.append(("grpc.max_connection_age_grace_ms",
                                  int(cfg.max_connection_age_grace_s * 1000)))
-        interceptors = [BearerTokenCheck(cfg.auth_token)] if cfg.auth_token else []
+        interceptors = [BearerTokenCheck(cfg.auth_token, self.metrics)] if cfg.auth_token else []
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.servicer = BlinkServicer(self.config, self.codec, self.link, self.metrics)
         add_blink_service(self.servicer, self.server)
@@ -661,6 +667,10 @@ class Frontend:
         log.info("front end%s listening on %s:%d (ring %s)",
                  f" worker {index + 1}/{count}" if count > 1 else "", self.config.host,
                  self.port, self.link.ring_where)
+        if cfg.auth_token and not cfg.tls_cert and index == 0 \
+                and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("the bearer token travels in clear text on %s: add --tls-cert and "
+                        "--tls-key unless a proxy terminates TLS in front", cfg.host)
         return self.port
 
     def _tls_credentials(self) -> grpc.ServerCredentials:

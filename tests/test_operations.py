@@ -1170,6 +1170,27 @@ def test_auth_and_tls_files_that_cannot_work_are_refused_at_start(checkpoints, t
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+def test_a_bearer_token_without_tls_on_a_public_address_is_warned_of(checkpoints, tmp_path):
+    """--auth-token-file on 0.0.0.0 without TLS: the front end says, once, that the token
+    travels in clear text (it said nothing)."""
+    (tmp_path / "token").write_text("s3cret\n")
+    log = tmp_path / "frontend.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "blink.client.cli", "frontend", "--model",
+             str(checkpoints["llama"]), "--ring-name", f"blink-test-clear-{os.getpid()}",
+             "--host", "0.0.0.0", "--port", "0", "--auth-token-file", str(tmp_path / "token"),
+             "--ready-file", str(tmp_path / "port")], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (tmp_path / "port").exists() and "clear text" in log.read_text(), 30,
+                 f"the warning ({log.read_text()[-500:]})")
+        (line,) = [line for line in log.read_text().splitlines() if "clear text" in line]
+        assert "WARNING" in line and "--tls-cert" in line, line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
 def test_every_worker_s_metrics_port_is_checked_at_start(checkpoints, tmp_path):
     """Worker i serves metrics on --metrics-port + i: a taken one, or one past 65535, is one
     line at start (that worker failed and was restarted for ever, its share of the slots
@@ -1190,11 +1211,13 @@ def test_every_worker_s_metrics_port_is_checked_at_start(checkpoints, tmp_path):
 def test_bearer_scheme_in_any_case_and_every_authorization_header_checked(checkpoints,
                                                                           make_stack, tmp_path):
     """The scheme's name is case-insensitive (RFC 7235: "bearer" was refused); of two
-    authorization headers, both must carry the token (the last one alone decided)."""
+    authorization headers, both must carry the token (the last one alone decided). Each
+    refusal logs a line with its peer, and a refused Generate counts in request_failure_total
+    (a client guessing tokens left no trace)."""
     from blink.v1 import blink_pb2, blink_pb2_grpc
     (tmp_path / "token").write_text("s3cret\n")
     stack = make_stack(checkpoints["llama"], frontend_args=[
-        "--auth-token-file", str(tmp_path / "token")])
+        "--auth-token-file", str(tmp_path / "token"), "--metrics-port", "0"])
     with grpc.insecure_channel(stack.target) as channel:
         info = blink_pb2_grpc.BlinkStub(channel).GetModelInfo
         assert info(blink_pb2.GetModelInfoRequest(), timeout=10,
@@ -1207,6 +1230,14 @@ def test_bearer_scheme_in_any_case_and_every_authorization_header_checked(checkp
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, headers
     with pytest.raises(ValueError, match="printable ASCII"):  # a token read with its newline
         BlinkClient(stack.target, token="s3cret\n")
+    with BlinkClient(stack.target, token="guess") as client:
+        with pytest.raises(BlinkError, match="UNAUTHENTICATED"):
+            client.generate("hi", exact(2))
+    log = next(tmp_path.glob("frontend-*.log")).read_text()
+    assert "in clear text" not in log  # (on 127.0.0.1)
+    port = int(re.search(r"metrics on http://[\d.]+:(\d+)/metrics", log).group(1))
+    assert scrape(port).get(("blink:request_failure_total", (("code", "UNAUTHENTICATED"),))) == 1
+    assert len(re.findall(r"refused /blink.v1.Blink/\w+ from \S+, UNAUTHENTICATED", log)) == 4
 
 
 def test_an_aged_connection_s_streams_run_to_their_end(long_checkpoint, make_stack):
