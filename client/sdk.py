@@ -409,7 +409,7 @@ def _call_metadata(token: str | None, session: str | None) -> tuple[tuple[str, s
     """A call's metadata; ValueError for a token or session gRPC cannot carry (a token read
     from a file with its newline failed every call with INTERNAL "Invalid metadata")."""
     _metadata_value("a bearer token", token)
-    _metadata_value("a session", session)
+    _metadata_value("a session id", session)
     metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + (
         ((SESSION_HEADER, session),) if session else ())
     return metadata or None
@@ -423,9 +423,9 @@ class _Client:
 
     def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = (),
                  tls: Tls | None = None, token: str | None = None):
+        self._metadata = _call_metadata(token, None)  # (before the channel: it may refuse)
         self._channel = _open_channel(self._grpc, target, options, tls)
         self._token, self._session = token, None
-        self._metadata = _call_metadata(token, None)
         self._stub = blink_pb2_grpc.BlinkStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -618,7 +618,10 @@ class AsyncBlinkClient(_Client):
 
 
 def _metadata_value(what: str, value: str | None) -> str | None:
-    """value, if gRPC metadata can carry it (printable ASCII); ValueError otherwise."""
+    """value, if gRPC metadata can carry it (printable ASCII); ValueError otherwise, which
+    shows a session id but not a token (a secret: it would land in logs)."""
     if value and not (value.isascii() and value.isprintable()):
-        raise ValueError(f"{what} must be printable ASCII, got {value!r}")
+        bad = next(i for i, c in enumerate(value) if not (c.isascii() and c.isprintable()))
+        shown = f"{value!r}" if "token" not in what else f"character {bad + 1} of {len(value)}"
+        raise ValueError(f"{what} must be printable ASCII, got {shown}")
     return value

@@ -394,8 +394,10 @@ class BlinkServicer(pb_grpc.BlinkServicer):
 
     async def _fail(self, context, clock: RequestClock, code: grpc.StatusCode, message: str,
                     prep: Prepared | None = None):
-        """Ends a request refused before it had a slot: counted, logged, aborted with code."""
-        log_request(None, prep, clock, f"refused, {code.name}: {_cut(message)}", 0)
+        """Ends a request refused before it had a slot: counted, logged (but a full queue's:
+        an overload's retries would flood the log; the metric counts them), aborted."""
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            log_request(None, prep, clock, f"refused, {code.name}: {_cut(message)}", 0)
         clock.failed(code.name)
         await context.abort(code, message)
 
@@ -570,11 +572,20 @@ class BearerTokenCheck(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether the address (or name) is this host's loopback: 127.0.0.0/8, ::1, localhost."""
+    import ipaddress
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _refusal(method: str, metrics: FrontendMetrics | None):
     """A handler that answers UNAUTHENTICATED, in the method's streaming shape."""
     async def refuse(request, context):
         why = "missing or wrong bearer token (metadata 'authorization')"
-        log.info("refused %s from %s, UNAUTHENTICATED: %s", method, context.peer(), why)
+        log.info("refused %s from %s, UNAUTHENTICATED: %s", _cut(method), context.peer(), why)
         if method.endswith("/Generate"):
             RequestClock(metrics, time.monotonic()).failed("UNAUTHENTICATED")
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
@@ -667,8 +678,7 @@ class Frontend:
         log.info("front end%s listening on %s:%d (ring %s)",
                  f" worker {index + 1}/{count}" if count > 1 else "", self.config.host,
                  self.port, self.link.ring_where)
-        if cfg.auth_token and not cfg.tls_cert and index == 0 \
-                and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        if cfg.auth_token and not cfg.tls_cert and index == 0 and not _is_loopback(cfg.host):
             log.warning("the bearer token travels in clear text on %s: add --tls-cert and "
                         "--tls-key unless a proxy terminates TLS in front", cfg.host)
         return self.port

@@ -1161,13 +1161,38 @@ def test_auth_and_tls_files_that_cannot_work_are_refused_at_start(checkpoints, t
             (["--auth-token-file", str(tmp_path / "too long")], "at most 4096 characters"),
             (["--tls-cert", str(pem["server.pem"]), "--tls-key", str(pem["client.key"])],
              "its unencrypted PEM private key"),
-            ([*tls, "--tls-client-ca", str(tmp_path / "empty CA")], "no PEM CA certificate"),
-            ([*tls, "--tls-client-ca", str(tmp_path / "two lines")], "no PEM CA certificate"),
-            ([*tls, "--tls-client-ca", str(pem["server.key"])], "no PEM CA certificate")):
+            ([*tls, "--tls-client-ca", str(tmp_path / "empty CA")], "no PEM certificate"),
+            ([*tls, "--tls-client-ca", str(tmp_path / "two lines")], "no PEM certificate"),
+            ([*tls, "--tls-client-ca", str(pem["server.key"])], "no PEM certificate")):
         out = blink("frontend", "--model", str(checkpoints["llama"]), "--ring-name",
                     f"blink-test-refused-{os.getpid()}", "--port", "0", *flags, timeout=30)
         assert out.returncode != 0 and says in out.stderr, (flags, out.stderr)
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    # what gRPC serves is not refused: a client certificate pinned as the client "CA" (not a
+    # CA's), an RSA-1024 certificate (which Python's default security level refuses)
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    import datetime
+    import types
+
+    from blink.client.cli import _check_tls_files
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "legacy")])
+    legacy = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+              .public_key(key.public_key()).serial_number(1)
+              .not_valid_before(datetime.datetime(2020, 1, 1))
+              .not_valid_after(datetime.datetime(2100, 1, 1)).sign(key, hashes.SHA256()))
+    (tmp_path / "legacy.pem").write_bytes(legacy.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "legacy.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption()))
+    for cert, key_file, client_ca in ((pem["server.pem"], pem["server.key"], pem["client.pem"]),
+                                      (tmp_path / "legacy.pem", tmp_path / "legacy.key", None)):
+        _check_tls_files(types.SimpleNamespace(tls_cert=cert, tls_key=key_file,
+                                               tls_client_ca=client_ca))
 
 
 def test_a_bearer_token_without_tls_on_a_public_address_is_warned_of(checkpoints, tmp_path):
@@ -1199,7 +1224,7 @@ def test_every_worker_s_metrics_port_is_checked_at_start(checkpoints, tmp_path):
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for first, says in ((port - 1, f"cannot serve metrics on 0.0.0.0:{port}"),
+        for first, says in ((port - 1, "cannot serve metrics on 0.0.0.0:"),
                             (65535, "needs the ports up to 65536")):
             out = blink("serve", "--model", str(checkpoints["llama"]), "--port", "0",
                         "--engine", "cpu", "--workers", "2", "--slots", "4", "--metrics-port",
@@ -1228,8 +1253,9 @@ def test_bearer_scheme_in_any_case_and_every_authorization_header_checked(checkp
             with pytest.raises(grpc.RpcError) as err:
                 info(blink_pb2.GetModelInfoRequest(), timeout=10, metadata=headers)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, headers
-    with pytest.raises(ValueError, match="printable ASCII"):  # a token read with its newline
+    with pytest.raises(ValueError, match="printable ASCII") as err:  # read with its newline
         BlinkClient(stack.target, token="s3cret\n")
+    assert "character 7 of 7" in str(err.value) and "s3cret" not in str(err.value)
     with BlinkClient(stack.target, token="guess") as client:
         with pytest.raises(BlinkError, match="UNAUTHENTICATED"):
             client.generate("hi", exact(2))
