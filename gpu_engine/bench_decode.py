@@ -353,6 +353,12 @@ def op_bytes(cfg: ModelConfig, label: str, point: Point, weights_fp8: bool = Fal
     return None
 
 
+def fwd_op_bytes(fwd):
+    """op_bytes for the forward pass timed: its FP8 weights, cache and LM head count."""
+    return functools.partial(op_bytes, weights_fp8=fwd.fp8, kv_fp8=fwd.kv_fp8,
+                             lm_head_fp8=fwd.lm_head_fp8)
+
+
 def op_flops(cfg: ModelConfig, label: str, point: Point) -> int | None:
     """FLOPs of one launch of a labelled op at a prefill point, if known (not the LM head's:
     one row a sequence, a GEMV)."""
@@ -469,8 +475,7 @@ def print_marginal(name: str, cfg: ModelConfig, point: Point, whole: float,
     print("| op | launches | work, us per step | boundaries, us per step | work a launch | "
           "boundary a launch | its bytes at the copy rate, a launch |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    bytes_of = functools.partial(op_bytes, weights_fp8=fwd.fp8, kv_fp8=fwd.kv_fp8,
-                                 lm_head_fp8=fwd.lm_head_fp8)
+    bytes_of = fwd_op_bytes(fwd)
     total_work = total_boundaries = 0.0
     for row in rows:
         work, boundaries = whole - row.seconds_emptied, row.seconds_emptied - row.seconds_left_out
@@ -494,8 +499,7 @@ def print_breakdown(name: str, cfg: ModelConfig, point: Point | MixedPoint, rows
         rates.append(("achieved TFLOP/s", op_flops, 1e12))
     if any(g.chunk == 1 for g in point.groups):
         rates.append(("achieved GB/s (copy rate %.0f)" % (bw / 1e9),
-                      functools.partial(op_bytes, weights_fp8=fwd.fp8, kv_fp8=fwd.kv_fp8,
-                                        lm_head_fp8=fwd.lm_head_fp8), 1e9))
+                      fwd_op_bytes(fwd), 1e9))
     print("| op | launches | us per step | us per launch | share of step | " +
           " | ".join(column for column, _, _ in rates) + " |")
     print("| --- | --- | --- | --- | --- |" + " --- |" * len(rates))

@@ -583,13 +583,15 @@ def _is_loopback(host: str) -> bool:
 
 def _refusal(method: str, metrics: FrontendMetrics | None):
     """A handler that answers UNAUTHENTICATED, in the method's streaming shape."""
+    generate = method.endswith("/Generate")  # (a request: counted as the others are)
+
     async def refuse(request, context):
         why = "missing or wrong bearer token (metadata 'authorization')"
         log.info("refused %s from %s, UNAUTHENTICATED: %s", _cut(method), context.peer(), why)
-        if method.endswith("/Generate"):
+        if generate:
             RequestClock(metrics, time.monotonic()).failed("UNAUTHENTICATED")
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-    if method.endswith("/Generate"):
+    if generate:
         return grpc.unary_stream_rpc_method_handler(refuse)
     return grpc.unary_unary_rpc_method_handler(refuse)
 
