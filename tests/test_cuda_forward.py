@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu import requires_gpu
+from gpu import free_device_arrays_after_each_test, requires_gpu  # noqa: F401 (autouse)
 
 from blink.gpu_engine.checkpoint import load_config, load_weights, rope_inv_freq
 from blink.gpu_engine.demo_model import float32_to_bf16_bits, write_random_checkpoint

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu import requires_gpu
+from gpu import free_device_arrays_after_each_test, requires_gpu  # noqa: F401 (autouse)
 from test_cuda_forward import (BLOCK, FORWARD_SHAPES, MAX_SEQS, MAX_TOKENS, NUM_BLOCKS,
                                REPORT, Pair, _blas, bf16_to_f32, cf, dev, desc,
                                kernels, make_batch, prompt, rb, rel_err, stream)
