@@ -340,7 +340,9 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
                         "default: off)")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
+    p.add_argument("--metrics-host", default=None,
+                   help="address of the metrics endpoint (None: --host's, so that it is no "
+                        "more exposed than the gRPC port; 0.0.0.0: every IPv4 interface)")
     p.add_argument("--workers", type=int, default=1,
                    help="front-end processes sharing the port (SO_REUSEPORT) and the ring, "
                         "each with its share of the slots")
@@ -625,29 +627,70 @@ def _claim_port(args) -> None:
 def _check_metrics_ports(args) -> None:
     """Worker i serves its metrics on --metrics-port + i: each port there and free, checked
     before any worker starts (a worker whose port was taken, or past 65535, failed at start and
-    was restarted for ever, its share of the slots unused)."""
-    if not args.metrics_port:
-        return  # off, or any free port for each
+    was restarted for ever, its share of the slots unused). With several workers, port 0 is
+    resolved here, once, to the first of a run of free ports: each worker took any free port
+    as it started, so one restarted after a crash moved to another, and a scrape configuration
+    naming its old one lost it. An unset --metrics-host becomes --host (the endpoint has no
+    authentication: it listened on every interface while the gRPC port was on loopback)."""
+    if args.metrics_host is None:
+        from blink.nic_service.server import unbracketed
+        args.metrics_host = unbracketed(args.host)
+    if args.metrics_port is None or (args.metrics_port == 0 and args.workers == 1):
+        return  # off, or one process: prometheus_client takes a free port as it binds
     import socket
-    last = args.metrics_port + args.workers - 1
-    if last > 65535:
-        sys.exit(f"blink: --metrics-port {args.metrics_port} with --workers {args.workers} "
-                 f"needs the ports up to {last}: past 65535")
     try:  # the address as prometheus_client binds it
         family, _, _, _, address = socket.getaddrinfo(
             args.metrics_host, args.metrics_port, type=socket.SOCK_STREAM,
             flags=socket.AI_PASSIVE)[0]
     except OSError as e:
         sys.exit(f"blink: --metrics-host {args.metrics_host}: {e}")
-    for port in range(args.metrics_port, last + 1):
-        with socket.socket(family) as probe:
+
+    def bind(port: int) -> socket.socket:
+        """A socket on the metrics address and `port` (0: a free one); raises OSError."""
+        probe = socket.socket(family)
+        try:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((address[0], port, *address[2:]))
-            except OSError as e:
-                sys.exit(f"blink: cannot serve metrics on {args.metrics_host}:{port} (--metrics-"
-                         f"port {args.metrics_port}, worker {port - args.metrics_port + 1}): "
-                         f"{e.strerror}")
+            probe.bind((address[0], port, *address[2:]))
+        except BaseException:
+            probe.close()
+            raise
+        return probe
+    if args.metrics_port == 0:
+        try:  # (free now: a program that takes one before its worker does fails that worker)
+            args.metrics_port = _free_port_run(bind, args.workers)
+        except OSError as e:
+            sys.exit(f"blink: cannot serve metrics on {args.metrics_host}: {e}")
+        return
+    last = args.metrics_port + args.workers - 1
+    if last > 65535:
+        sys.exit(f"blink: --metrics-port {args.metrics_port} with --workers {args.workers} "
+                 f"needs the ports up to {last}: past 65535")
+    for port in range(args.metrics_port, last + 1):
+        try:
+            bind(port).close()
+        except OSError as e:
+            sys.exit(f"blink: cannot serve metrics on {args.metrics_host}:{port} (--metrics-"
+                     f"port {args.metrics_port}, worker {port - args.metrics_port + 1}): "
+                     f"{e.strerror}")
+
+
+def _free_port_run(bind, n: int) -> int:
+    """The first of n consecutive ports that bind(port) takes, held together while they are
+    tried: the kernel picks the first, and a run whose next ports are taken (or past 65535)
+    makes way for another pick."""
+    for _ in range(64):
+        held = [bind(0)]
+        first = held[0].getsockname()[1]
+        try:
+            for port in range(first + 1, first + n):
+                held.append(bind(port))
+            return first
+        except (OSError, OverflowError):  # (OverflowError: a port past 65535)
+            continue
+        finally:
+            for probe in held:
+                probe.close()
+    raise OSError(f"found no {n} consecutive free ports")
 
 
 def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None:
@@ -960,8 +1003,8 @@ def _sampling(args):
                     ignore_eos=args.ignore_eos)
 
 
-def _add_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="127.0.0.1:50051", help="the Blink server (HOST:PORT)")
+def _add_tls_args(p: argparse.ArgumentParser) -> None:
+    """The TLS flags of a channel to a Blink server (the client commands', the gateway's)."""
     p.add_argument("--tls-ca", type=Path, default=None,
                    help="TLS: the PEM CA that signed the server's certificate (with --tls only: "
                         "the system's roots)")
@@ -969,20 +1012,33 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", type=Path, default=None,
                    help="mutual TLS: this client's PEM certificate chain (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None, help="mutual TLS: its PEM key")
+
+
+def tls_from_args(args):
+    """The channel's TLS as _add_tls_args' flags say (None: plain), the files read now; raises
+    OSError (a file) or ValueError (a certificate without its key, or the reverse)."""
+    from blink.client.sdk import Tls
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+
+    def read(path: Path | None) -> bytes | None:
+        return path.read_bytes() if path is not None else None
+    return Tls(ca=read(args.tls_ca), cert=read(args.tls_cert), key=read(args.tls_key))
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="127.0.0.1:50051", help="the Blink server (HOST:PORT)")
+    _add_tls_args(p)
     p.add_argument("--token-file", type=Path, default=None,
                    help="file holding the bearer token the server asks for")
 
 
 def _client(args):
     """The client commands' BlinkClient: TLS and a token as their flags say, or one line."""
-    from blink.client.sdk import BlinkClient, Tls
+    from blink.client.sdk import BlinkClient
     try:
-        def read(path: Path | None) -> bytes | None:
-            return path.read_bytes() if path is not None else None
-        tls = Tls(ca=read(args.tls_ca), cert=read(args.tls_cert), key=read(args.tls_key)) \
-            if args.tls or args.tls_ca or args.tls_cert or args.tls_key else None
         token = args.token_file.read_text().strip() if args.token_file else None
-        return BlinkClient(args.target, tls=tls, token=token)
+        return BlinkClient(args.target, tls=tls_from_args(args), token=token)
     except (OSError, ValueError) as e:  # (a token gRPC cannot carry: ValueError)
         sys.exit(f"blink: {e}")
 
@@ -1147,11 +1203,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("openai", help="OpenAI-compatible HTTP gateway to a Blink server (aiohttp)")
     p.add_argument("--target", default="127.0.0.1:50051", help="the Blink server (gRPC)")
+    # the client commands' TLS flags, not their --token-file: each HTTP request's own bearer
+    # token goes on to the server
+    _add_tls_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
-                   help="on SIGTERM/SIGINT: seconds in-flight streams may take to finish before "
-                        "they are cancelled (in the Blink server too)")
+                   help="on a stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT): seconds "
+                        "in-flight streams may take to finish before they are cancelled (in "
+                        "the Blink server too); a second signal cancels them at once")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names requests may ask for (OpenAI's `model`; the first is "
                         "what /v1/models lists): any other is a 404, model_not_found. By "

@@ -20,7 +20,8 @@ on as the gRPC bearer token, an `x-blink-session` header as the SDK's session (E
 session to one replica: deploy/envoy/envoy.yaml). Blink's errors map to HTTP statuses
 (INVALID_ARGUMENT 400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
 DEADLINE_EXCEEDED 504) with OpenAI's error body. A client that disconnects cancels its
-request in the server.
+request in the server. The channel to the server takes the client commands' TLS flags
+(--tls, --tls-ca, --tls-cert, --tls-key: TLS or mutual TLS).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import time
 
 import grpc
 
-from blink.client.sdk import SESSION_HEADER, AsyncBlinkClient, BlinkError, Sampling
+from blink.client.sdk import SESSION_HEADER, AsyncBlinkClient, BlinkError, Sampling, Tls
 
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
                grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
@@ -179,9 +180,10 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 def make_app(target: str, served_model_names: list[str] | None = None,
-             shutdown_timeout: float | None = None):
-    """served_model_names: the names `model` may be (any other: 404), the first listed by
-    /v1/models; None: `model` is not checked, /v1/models lists the server's own name.
+             shutdown_timeout: float | None = None, tls: Tls | None = None):
+    """tls: the channel's to the server at target (None: plain). served_model_names: the
+    names `model` may be (any other: 404), the first listed by /v1/models; None: `model` is
+    not checked, /v1/models lists the server's own name.
     shutdown_timeout: on shutdown, the requests in flight get this long (or until a second
     stop signal), then end with a "server shutting down" error (a stream: an error event, then
     [DONE])."""
@@ -194,7 +196,7 @@ def make_app(target: str, served_model_names: list[str] | None = None,
         """The gateway's one channel, with the request's bearer token and session header (if
         any) on its calls: the session routes a conversation to one replica behind Envoy."""
         if "client" not in state:
-            state["client"] = AsyncBlinkClient(target)
+            state["client"] = AsyncBlinkClient(target, tls=tls)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         return state["client"].with_token(token if scheme.lower() == "bearer" else None) \
             .with_session(request.headers.get(SESSION_HEADER) or None)
@@ -367,32 +369,82 @@ async def _stream(web, request, body: dict, chat: bool, model: str, stream):
 
 
 def cmd_openai(args) -> None:
+    import asyncio
     try:
-        from aiohttp import web
+        import aiohttp  # noqa: F401 (the `openai` extra)
     except ImportError:
         raise SystemExit("blink openai needs aiohttp: .venv/bin/pip install -e '.[openai]'")
-    banner = f"blink openai: http://{args.host}:{args.port}/v1 -> Blink at {args.target}"
-    app = make_app(args.target, args.served_model_name, args.shutdown_timeout)
-    app.on_startup.append(_drain_on_hangup_and_quit)
-    try:  # handler_cancellation: a client's disconnect cancels its handler (and its request);
-        # aiohttp's own timeout a little longer than the drain's, which ends the streams itself
-        web.run_app(app, host=args.host,
-                    port=args.port, print=lambda _: print(banner, flush=True),
-                    handler_cancellation=True, shutdown_timeout=args.shutdown_timeout + 2)
+    app = make_app(args.target, args.served_model_name, args.shutdown_timeout, _tls(args))
+    try:
+        asyncio.run(_serve(app, args))
     except OSError as e:  # the port taken, say
         raise SystemExit(f"blink openai: {e}") from None
 
 
-async def _drain_on_hangup_and_quit(app) -> None:
-    """SIGHUP and SIGQUIT drain as SIGTERM and SIGINT do, as `blink serve`'s four signals do
-    (aiohttp handles those two alone: SIGHUP ended the gateway at once, its streams cut)."""
+def _tls(args) -> Tls | None:
+    """The channel's TLS as the client commands' flags give theirs: the files read at start,
+    one that cannot be used a line there, not every request's error."""
+    from blink.client.cli import tls_from_args
+    try:
+        return tls_from_args(args)
+    except (OSError, ValueError) as e:  # (ValueError: a cert without its key, or the reverse)
+        raise SystemExit(f"blink openai: {e}") from None
+
+
+async def _serve(app, args) -> None:
+    """aiohttp's run_app, with the listening socket at hand: the banner names the port bound
+    (run_app's banner said 0 for --port 0). Each of `blink serve`'s four stop signals drains
+    (the app's on_shutdown; aiohttp handled SIGTERM and SIGINT alone, and SIGHUP ended the
+    gateway at once, its streams cut). A request that aiohttp cannot parse gets
+    _connection_class()'s refusal."""
     import asyncio
-    import signal
 
-    from aiohttp.web_runner import GracefulExit
+    from aiohttp import web
 
-    def leave() -> None:
-        raise GracefulExit()  # (a SystemExit: the loop lets it out, as aiohttp's own handler)
+    from blink.ring.lifecycle import STOP_SIGNALS
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGHUP, signal.SIGQUIT):
-        loop.add_signal_handler(sig, leave)
+    stop = asyncio.Event()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    # handler_cancellation: a client's disconnect cancels its handler (and its request);
+    # aiohttp's own timeout a little longer than the drain's, which ends the streams itself
+    runner = web.AppRunner(app, handler_cancellation=True,
+                           shutdown_timeout=args.shutdown_timeout + 2)
+    await runner.setup()
+    connection = _connection_class()
+    try:  # (keepalive_timeout and backlog: run_app's)
+        listener = await loop.create_server(
+            lambda: connection(runner.server, loop=loop, keepalive_timeout=75),
+            args.host, args.port, backlog=128)
+        port = listener.sockets[0].getsockname()[1]
+        print(f"blink openai: http://{args.host}:{port}/v1 -> Blink at {args.target}",
+              flush=True)
+        await stop.wait()
+        listener.close()  # no new connections; the open ones drain in the cleanup
+    finally:
+        await runner.cleanup()
+
+
+def _connection_class():
+    """aiohttp's connection handler, but for a request its parser refuses (a header past
+    8,190 bytes, a control character in one, ...): aiohttp's 400 page and its logged traceback
+    quoted the bytes that failed, an Authorization header's bearer token among them. The
+    refusal here is a 400 in OpenAI's error shape and a log line, each naming the parser's
+    error class alone. (aiohttp's limits stay: they hold the longest token a Blink server
+    takes, cli.py's MAX_TOKEN_CHARS and the scheme, with room to spare.)"""
+    from aiohttp import web
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    class Connection(web.RequestHandler):
+        def handle_error(self, request, status=500, exc=None, message=None):
+            if not isinstance(exc, HttpProcessingError):  # a handler's failure: aiohttp's 500
+                return super().handle_error(request, status, exc, message)
+            what = type(exc).__name__
+            # (a port scanner's or a TLS client's bytes fail as a method: aiohttp logs those
+            # at debug, as the probes they mostly are)
+            log = self.logger.debug if what == "BadHttpMethod" else self.logger.info
+            log("%d: a request from %s that cannot be read (%s)", status, request.remote, what)
+            response = _error(web, status, f"the request cannot be read as HTTP ({what})")
+            response.force_close()  # (the parser's state is lost, as aiohttp's own closes)
+            return response
+    return Connection

@@ -502,8 +502,7 @@ class EngineLink:
         if info.instance != self._instance:
             self._instance, self._instance_was_alive = info.instance, False
             if self._header_stats is not None:  # a new engine: fold in the old one's totals
-                for k in ENGINE_COUNTERS:
-                    self._carried[k] += int(self._header_stats[k])
+                self._carry(self._header_stats)
                 self._header_stats = None
         geom = info.geometry
         self._transport, self.info = transport, info
@@ -539,6 +538,21 @@ class EngineLink:
             self._last_beat_change = time.monotonic()
         log.info("attached to engine ring %s (instance %x): model %s, %d slots",
                  self.ring_where, info.instance, info.model_name, geom.num_slots)
+
+    def _carry(self, h: np.void) -> None:
+        """Adds the counters of an engine instance that is gone (h: its header as last read) to
+        the totals carried over restarts. The requests it had admitted and not ended died with
+        it (their streams ended UNAVAILABLE): they count as cancelled, so that every admitted
+        request ends as finished or cancelled (they stayed in flight for good)."""
+        for k in ENGINE_COUNTERS:
+            self._carried[k] += int(h[k])
+        lost = (int(h["requests_admitted"]) - int(h["requests_finished"])
+                - int(h["requests_cancelled"]))
+        if lost > 0:  # (never less, but for a header read as the engine wrote it)
+            self._carried["requests_cancelled"] += lost
+            if self.worker_index == 0:  # (the count is the engine's: every worker has it)
+                log.warning("the engine that was replaced ended with %d requests it had "
+                            "admitted: counted as cancelled", lost)
 
     def _cancel_orphans(self, share: range, last_gen: np.ndarray) -> None:
         """Cancels what an earlier front end left running in this share's slots (it was killed,

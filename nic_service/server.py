@@ -54,11 +54,12 @@ class FrontendConfig:
     host: str = "127.0.0.1"
     port: int = 50051                  # 0 picks a free port
     queue_timeout_s: float = 30.0      # how long a request may wait for a free ring slot
-    max_queued: int = 1024             # requests waiting for a slot at most; then RESOURCE_EXHAUSTED
+    max_queued: int = 1024             # at most this many wait for a slot; more: RESOURCE_EXHAUSTED
     engine_timeout_s: float = 3.0      # no heartbeat for this long: the engine is dead
     max_request_bytes: int = 4 << 20   # larger requests get INVALID_ARGUMENT
     metrics_port: int | None = None    # Prometheus /metrics on this port (0: any free); None: off
-    metrics_host: str = "0.0.0.0"
+    # its address; None: host's (unauthenticated: no more exposed than the gRPC port)
+    metrics_host: str | None = None
     tls_cert: Path | None = None       # PEM certificate chain and key: TLS on the gRPC port
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # PEM CA bundle: clients must present a certificate it signed
@@ -157,7 +158,10 @@ class Undecodable:
 def add_blink_service(servicer: pb_grpc.BlinkServicer, server: grpc.aio.Server) -> None:
     """blink_pb2_grpc.add_BlinkServicer_to_server, with request parsing that hands the servicer
     an Undecodable rather than failing inside gRPC. Built from the service descriptor, so every
-    RPC of blink.proto is covered."""
+    RPC of blink.proto is covered. A streaming RPC (Generate) is registered with a streaming
+    request, the same call on the wire: its handler runs as the call arrives and reads its one
+    request itself (context.read), so it sees a call that ends before its request is read (a
+    deadline that passes first: gRPC ended those before a unary request's handler ran)."""
     from google.protobuf import message_factory
     from google.protobuf.message import DecodeError
 
@@ -171,7 +175,7 @@ def add_blink_service(servicer: pb_grpc.BlinkServicer, server: grpc.aio.Server) 
 
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["Blink"].methods:
-        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+        make = (grpc.stream_stream_rpc_method_handler if method.server_streaming
                 else grpc.unary_unary_rpc_method_handler)
         handlers[method.name] = make(
             getattr(servicer, method.name),
@@ -339,8 +343,19 @@ class BlinkServicer(pb_grpc.BlinkServicer):
 
     # -- RPCs -----------------------------------------------------------------------------------
 
-    async def Generate(self, request, context):
+    async def Generate(self, requests, context):
+        """requests: unused; the one request is read here (add_blink_service says why)."""
         clock = RequestClock(self.metrics, time.monotonic())
+        try:
+            request = await context.read()
+        except asyncio.CancelledError:  # the client went away or the deadline passed first
+            self._gone(context, clock, None, None)
+            raise
+        if request is grpc.aio.EOF:
+            await self._no_request(context, clock)
+            return
+        # the timings from the request as read, as when gRPC read it before the handler ran
+        clock.received = time.monotonic()
         # refusals before the prompt is read count and log as the later ones do (an engine
         # outage's UNAVAILABLE left request_failure_total silent)
         if why := undecodable_why(request):
@@ -380,12 +395,29 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                 self._gone(context, clock, handle, prep)
             self.link.cancel(handle)  # no-op when the engine already finished it
 
+    async def _no_request(self, context, clock: RequestClock) -> None:
+        """The call's request stream ended without its message: gRPC ended the call before it
+        came (its deadline passed, it was cancelled, or the message is over gRPC's size limit,
+        which gRPC answered RESOURCE_EXHAUSTED), or the client sent none (INVALID_ARGUMENT)."""
+        if _expired(context):
+            self._gone(context, clock, None, None)
+            return
+        try:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+        except grpc.aio.AbortError:  # the client did get it: a call without a request
+            log_request(None, None, clock, "refused, INVALID_ARGUMENT: no request message", 0)
+            clock.failed("INVALID_ARGUMENT")
+            raise
+        except Exception:
+            # the call had ended in gRPC, which sent its own status; not counted: a message
+            # over gRPC's size limit and a cancel look the same here
+            pass
+
     def _gone(self, context, clock: RequestClock, handle: RequestHandle | None,
               prep: Prepared | None) -> None:
         """Counts and logs a request whose client went away or whose deadline passed, or that
         the server's stop cancelled."""
-        remaining = context.time_remaining()
-        expired = remaining is not None and remaining <= 0
+        expired = _expired(context)
         why = ("deadline exceeded" if expired else "cancelled at shutdown" if self.draining
                else "cancelled by the client")
         log_request(handle, prep, clock, why if handle else f"{why} before it had a slot",
@@ -572,11 +604,22 @@ class BearerTokenCheck(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
+def _expired(context) -> bool:
+    """Whether the call's deadline has passed."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
+def unbracketed(host: str) -> str:
+    """A host as a socket takes it: gRPC's "[::1]" is "::1"."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def _is_loopback(host: str) -> bool:
     """Whether the address (or name) is this host's loopback: 127.0.0.0/8, ::1, localhost."""
     import ipaddress
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(unbracketed(host)).is_loopback
     except ValueError:
         return host == "localhost"
 
@@ -591,8 +634,8 @@ def _refusal(method: str, metrics: FrontendMetrics | None):
         if generate:
             RequestClock(metrics, time.monotonic()).failed("UNAUTHENTICATED")
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-    if generate:
-        return grpc.unary_stream_rpc_method_handler(refuse)
+    if generate:  # (with a streaming request, as add_blink_service has it: runs unread)
+        return grpc.stream_stream_rpc_method_handler(refuse)
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
@@ -665,10 +708,10 @@ class Frontend:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.metrics is not None:
-            self.metrics_port = self.metrics.serve(self.config.metrics_port,
-                                                   self.config.metrics_host)
-            log.info("Prometheus metrics on http://%s:%d/metrics", self.config.metrics_host,
-                     self.metrics_port)
+            host = unbracketed(cfg.host if cfg.metrics_host is None else cfg.metrics_host)
+            self.metrics_port = self.metrics.serve(cfg.metrics_port, host)
+            log.info("Prometheus metrics on http://%s:%d/metrics",
+                     f"[{host}]" if ":" in host else host, self.metrics_port)
         await self.link.start()
         if self.config.worker[0] > 0:
             # an extra worker takes connections (SO_REUSEPORT hands it some) only once it can

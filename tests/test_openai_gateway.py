@@ -2,6 +2,9 @@
 SDK gets from the same server, in the shapes the OpenAI SDK parses, streaming included."""
 from __future__ import annotations
 
+import contextlib
+import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -26,27 +29,37 @@ def start_gateway(model_dir, make_stack, tmp_path, engine_args=(), gateway_args=
     return client, stack, proc
 
 
-def gateway_to(target: str, tmp_path, gateway_args=()):
-    """`blink openai` in front of the gRPC server at target: (OpenAI client, its process)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "gateway.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "blink.client.cli", "openai", "--target",
-                             target, "--port", str(port), *gateway_args], stdout=log,
-                            stderr=subprocess.STDOUT)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                           max_retries=0, timeout=30)
+def gateway_to(target: str, tmp_path, gateway_args=(), api_key="unused", name="gateway"):
+    """`blink openai --port 0` in front of the gRPC server at target, logging to
+    tmp_path/NAME.log: (OpenAI client, its process), on the port its banner names (printed
+    once it listens: no free port picked here and raced for)."""
+    log = tmp_path / f"{name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "blink.client.cli", "openai", "--target",
+                                 target, "--port", "0", *gateway_args], stdout=out,
+                                stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.models.list()
-            break
-        except openai.APIConnectionError:
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "gateway.log").read_text()
-            time.sleep(0.1)
+    while not (banner := re.search(r"^blink openai: http://[^ ]+:(\d+)/v1 ", log.read_text(),
+                                   re.MULTILINE)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()  # (a no-op where it exited)
+            proc.wait()
+            pytest.fail(f"the gateway did not start:\n{log.read_text()}")
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{banner[1]}/v1", api_key=api_key,
+                           max_retries=0, timeout=30)
     return client, proc
+
+
+@contextlib.contextmanager
+def serving_gateway(target: str, tmp_path, gateway_args=(), api_key="unused", name="gateway"):
+    """gateway_to's (OpenAI client, process), the process stopped after."""
+    client, proc = gateway_to(target, tmp_path, gateway_args, api_key, name)
+    try:
+        yield client, proc
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @pytest.fixture
@@ -347,30 +360,137 @@ def test_the_session_header_and_the_token_reach_the_server(tmp_path):
     sends none. The server here is the SDK tests' fake, which records each call's metadata.
     (The OpenAI client sends its api_key, "unused", as the bearer token unless told another.)"""
     from test_client_sdk import FakeBlink, serve_fake
-    with serve_fake(FakeBlink()) as (fake, target):
-        client, proc = gateway_to(target, tmp_path)
-        try:
-            for headers, token in (({SESSION_HEADER: "conv-9", "Authorization": "Bearer k1"},
-                                    "k1"), ({}, "unused"),
-                                   ({"Authorization": "bearer k2"}, "k2")):  # (any case)
-                client.with_options(default_headers=headers).completions.create(
-                    model="m", prompt="hi", max_tokens=2)
-                sent = fake.metadata[-1]
-                assert sent.get(SESSION_HEADER) == headers.get(SESSION_HEADER)
-                assert sent["authorization"] == f"Bearer {token}"
-            # a header value gRPC metadata cannot carry is the client's error, not the server's
-            status, body = post(client, "/completions", {"prompt": "hi", "max_tokens": 2},
-                                headers={SESSION_HEADER: "caf\u00e9"})
-            assert status == 400 and "printable ASCII" in body["error"]["message"], body
-            # the same for a bearer token, and on /v1/models (a 500 and a traceback before)
-            status, body = post(client, "/completions", {"prompt": "hi", "max_tokens": 2},
-                                headers={"Authorization": "Bearer caf\u00e9"})
-            assert status == 400 and "printable ASCII" in body["error"]["message"], body
-            req = urllib.request.Request(f"{client.base_url}models",
-                                         headers={"Authorization": "Bearer caf\u00e9"})
-            with pytest.raises(urllib.error.HTTPError) as refused:
-                urllib.request.urlopen(req, timeout=30)
-            assert refused.value.code == 400, refused.value.read()
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    with serve_fake(FakeBlink()) as (fake, target), \
+            serving_gateway(target, tmp_path) as (client, _):
+        for headers, token in (({SESSION_HEADER: "conv-9", "Authorization": "Bearer k1"},
+                                "k1"), ({}, "unused"),
+                               ({"Authorization": "bearer k2"}, "k2")):  # (any case)
+            client.with_options(default_headers=headers).completions.create(
+                model="m", prompt="hi", max_tokens=2)
+            sent = fake.metadata[-1]
+            assert sent.get(SESSION_HEADER) == headers.get(SESSION_HEADER)
+            assert sent["authorization"] == f"Bearer {token}"
+        # a header value gRPC metadata cannot carry is the client's error, not the server's
+        status, body = post(client, "/completions", {"prompt": "hi", "max_tokens": 2},
+                            headers={SESSION_HEADER: "caf\u00e9"})
+        assert status == 400 and "printable ASCII" in body["error"]["message"], body
+        # the same for a bearer token, and on /v1/models (a 500 and a traceback before)
+        status, body = post(client, "/completions", {"prompt": "hi", "max_tokens": 2},
+                            headers={"Authorization": "Bearer caf\u00e9"})
+        assert status == 400 and "printable ASCII" in body["error"]["message"], body
+        req = urllib.request.Request(f"{client.base_url}models",
+                                     headers={"Authorization": "Bearer caf\u00e9"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code == 400, refused.value.read()
+
+
+def test_port_0_is_the_bound_port_in_the_banner(tmp_path):
+    """`--port 0` listens on a free port and the banner names it, as a supervisor reads it
+    (gateway_to does): the banner said port 0."""
+    from test_client_sdk import FakeBlink, serve_fake
+    with serve_fake(FakeBlink()) as (_, target), \
+            serving_gateway(target, tmp_path) as (client, _):
+        port = client.base_url.port
+        assert port != 0
+        assert f"blink openai: http://127.0.0.1:{port}/v1 -> Blink at {target}\n" in \
+            (tmp_path / "gateway.log").read_text()
+        assert client.completions.create(model="m", prompt="hi", max_tokens=2).choices[0].text
+
+
+def test_the_gateway_reaches_a_mutual_tls_server(checkpoints, make_stack, tmp_path):
+    """`blink openai` takes the client commands' TLS flags (--tls, --tls-ca, --tls-cert,
+    --tls-key), so it reaches a server that serves TLS or mutual TLS (it had no way to). Where
+    the TLS cannot work (a CA that did not sign the server's certificate, the system's roots,
+    no client certificate), each request fails as `blink info`'s does, UNAVAILABLE with
+    gRPC's reason: a 503; a file it cannot use stops it at start in one line, as `blink info`."""
+    pytest.importorskip("cryptography", reason="the test extra (cryptography) is not installed")
+    from test_cli import blink
+    from test_operations import _certificates
+
+    from blink.client.sdk import Tls
+    (tmp_path / "pem").mkdir()
+    (tmp_path / "other").mkdir()
+    pem, other = _certificates(tmp_path / "pem"), _certificates(tmp_path / "other")
+    stack = make_stack(checkpoints["llama"], start=False, frontend_args=[
+        "--tls-cert", str(pem["server.pem"]), "--tls-key", str(pem["server.key"]),
+        "--tls-client-ca", str(pem["ca.pem"])])
+    stack.start_engine()
+    stack.start_frontend()
+    mutual = Tls(*(pem[f].read_bytes() for f in ("ca.pem", "client.pem", "client.key")))
+    with BlinkClient(stack.target, tls=mutual) as client:
+        client.wait_ready(60)
+
+    def flags(ca, cert=None, key=None):
+        return ["--tls-ca", str(ca)] + (["--tls-cert", str(cert), "--tls-key", str(key)]
+                                        if cert else [])
+    with serving_gateway(stack.target, tmp_path, flags(
+            pem["ca.pem"], pem["client.pem"], pem["client.key"])) as (client, _):
+        done = client.completions.create(model="m", prompt="over TLS", max_tokens=3,
+                                         extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 3
+    for name, wrong in (("wrong-ca", flags(other["ca.pem"], pem["client.pem"],
+                                           pem["client.key"])),
+                        ("no-client-cert", flags(pem["ca.pem"])),
+                        ("system-roots", ["--tls"])):
+        info = blink("info", "--target", stack.target, *wrong)
+        assert info.returncode == 1, info.stderr
+        with serving_gateway(stack.target, tmp_path, wrong, name=name) as (client, _):
+            status, body = post(client, "/completions", {"prompt": "hi", "max_tokens": 2})
+        assert (status, body["error"]["code"]) == (503, "unavailable"), (name, body)
+        assert f"blink info: UNAVAILABLE: {body['error']['message']}\n" in info.stderr
+    for wrong, why in ((["--tls-ca", str(tmp_path / "absent.pem")], "No such file"),
+                       (["--tls-cert", str(pem["client.pem"])], "cert and key go together")):
+        for command in (["info"], ["openai", "--port", "0"]):
+            out = blink(*command, "--target", stack.target, *wrong)
+            assert out.returncode == 1 and why in out.stderr, (command, out.stderr)
+            assert len(out.stderr.splitlines()) == 1, out.stderr
+
+
+def raw_request(client, authorization: bytes) -> bytes:
+    """What the gateway answers a POST /v1/completions with this Authorization value, sent
+    as raw bytes (a header HTTP clients refuse to build), up to its closing the connection."""
+    with socket.create_connection((client.base_url.host, client.base_url.port),
+                                  timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: "
+                  + authorization + b"\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 2\r\n\r\n{}")
+        answer = b""
+        while chunk := s.recv(1 << 16):
+            answer += chunk
+    return answer
+
+
+def quotes(text: str, secret: str, run: int = 16) -> bool:
+    """Whether text holds any `run` characters of secret in a row."""
+    pieces = {secret[i:i + run] for i in range(len(secret) - run + 1)}
+    return any(text[i:i + run] in pieces for i in range(len(text) - run + 1))
+
+
+def test_a_header_it_cannot_read_is_refused_without_quoting_it(checkpoints, make_stack,
+                                                              tmp_path):
+    """An Authorization header past aiohttp's 8,190 bytes a field (twice the longest token a
+    Blink server takes) or with a control character in it got aiohttp's own 400, whose body
+    and logged traceback quoted the header: a bearer token leaked into a response and a log.
+    Now it is a 400 in OpenAI's error shape and one log line, neither with a byte of the
+    request, even at --log-level debug; a wrong token of a usual size is still the server's
+    401, the right one served."""
+    import json
+    (tmp_path / "token").write_text("s3cret-token\n")
+    stack = make_stack(checkpoints["llama"],
+                       frontend_args=["--auth-token-file", str(tmp_path / "token")])
+    secret = secrets.token_hex(10_000)  # 20 KB
+    with serving_gateway(stack.target, tmp_path, ["--log-level", "debug"],
+                         api_key="s3cret-token") as (client, _):
+        for authorization in (f"Bearer {secret}", f"Bearer {secret[:100]}\x01"):
+            answer = raw_request(client, authorization.encode()).decode("latin-1")
+            assert not quotes(answer, secret), answer
+            assert re.match(r"HTTP/1\.[01] 400 ", answer), answer
+            error = json.loads(answer.partition("\r\n\r\n")[2])["error"]
+            assert error["type"] == "invalid_request_error", error
+        status, body = post(client, "/completions", {"prompt": "hi", "max_tokens": 2},
+                            headers={"Authorization": "Bearer wrong-token"})
+        assert (status, body["error"]["type"]) == (401, "authentication_error"), body
+        assert client.completions.create(model="m", prompt="hi", max_tokens=2).choices
+    log = (tmp_path / "gateway.log").read_text()
+    assert "cannot be read" in log and not quotes(log, secret), log[-3000:]

@@ -873,6 +873,51 @@ def test_requests_that_end_waiting_for_a_slot_are_counted_and_logged(long_checkp
         assert serve.stop() == 0
 
 
+def test_deadlines_that_pass_before_the_request_is_read_are_counted_and_logged(
+        long_checkpoint, tmp_path):
+    """--slots 1, held: calls whose deadline passes before the front end has their request
+    message (headers in, the message still on its way: a large prompt on a slow link, or a
+    burst the server's event loop is behind on) count in request_failure_total as
+    DEADLINE_EXCEEDED and log a line, as a deadline that passes in the queue for a slot does.
+    gRPC ended them before a unary handler ran: of a burst of 100 calls with a 50 ms deadline,
+    28 went unseen."""
+    from blink.v1 import blink_pb2 as pb
+    serve = Serve(long_checkpoint, tmp_path, "--metrics-port", "0", "--log-format", "json",
+                  "--engine", "synthetic", "--synthetic-step-ms", "5", "--slots", "1")
+    late_calls = 3
+    try:
+        port = metrics_port(serve)
+        with BlinkClient(serve.target) as client, grpc.insecure_channel(serve.target) as ch:
+            holder = client.stream("hold the slot", exact(5000))
+            next(iter(holder))
+            # Generate as the wire carries it, with its one request message sent late
+            generate = ch.stream_stream("/blink.v1.Blink/Generate",
+                                        request_serializer=pb.GenerateRequest.SerializeToString,
+                                        response_deserializer=pb.GenerateResponse.FromString)
+
+            def late():
+                time.sleep(1.0)
+                yield pb.GenerateRequest(text="too late")
+            for _ in range(late_calls):
+                with pytest.raises(grpc.RpcError) as err:
+                    list(generate(late(), timeout=0.3))
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            with pytest.raises(BlinkError) as err:  # one in the queue, as before
+                client.generate("too late", exact(4), timeout=0.05)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            holder.cancel()
+        wait_for(lambda: failures(port) == {"CANCELLED": 1,
+                                            "DEADLINE_EXCEEDED": late_calls + 1}, 10,
+                 f"the failures counted (have {failures(port)})")
+    finally:
+        assert serve.stop() == 0
+    outcomes = [json.loads(line)["request"]["outcome"]
+                for line in serve.log_path.read_text().splitlines()
+                if line.startswith("{") and '"request"' in line]
+    assert sorted(outcomes) == ["cancelled by the client"] + [
+        "deadline exceeded before it had a slot"] * (late_calls + 1), outcomes
+
+
 def test_refusals_before_a_slot_are_counted_and_logged(long_checkpoint, tmp_path):
     """A request refused before it has a slot counts in request_failure_total and logs a line,
     whatever refuses it: a prompt outside the vocabulary (INVALID_ARGUMENT: counted, never
@@ -905,6 +950,55 @@ def test_refusals_before_a_slot_are_counted_and_logged(long_checkpoint, tmp_path
     assert "refused, UNAVAILABLE: server shutting down" in outcomes, outcomes
     assert any(o.startswith("refused, INVALID_ARGUMENT: token id 1000000 is outside")
                for o in outcomes), outcomes
+
+
+def listening_address(port: int) -> str:
+    """The local address of this host's TCP listener on `port`, from /proc/net/tcp and tcp6
+    (the kernel's own view: needs no address but loopback to tell 127.0.0.1 from 0.0.0.0)."""
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+                    return socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1]
+                                                             for i in range(0, len(raw), 4)))
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+@pytest.mark.parametrize("flags, metrics_on", [
+    ((), "127.0.0.1"), (("--host", "0.0.0.0"), "0.0.0.0"),
+    (("--metrics-host", "0.0.0.0"), "0.0.0.0")], ids=["loopback", "wildcard", "explicit"])
+def test_metrics_listen_where_the_grpc_port_does(checkpoints, tmp_path, flags, metrics_on):
+    """The metrics endpoint (no authentication) listens on --host unless --metrics-host says
+    otherwise: it listened on every interface while the gRPC port was on loopback."""
+    serve = Serve(checkpoints["llama"], tmp_path, "--engine", "synthetic", "--metrics-port", "0",
+                  *flags)
+    try:
+        port = metrics_port(serve)
+        assert listening_address(port) == metrics_on
+        assert f"metrics on http://{metrics_on}:{port}/metrics" in serve.log_path.read_text()
+        assert ("blink:engine_alive", ()) in scrape(port)  # (scrape: through 127.0.0.1)
+    finally:
+        assert serve.stop() == 0
+
+
+def test_metrics_follow_a_bracketed_ipv6_host():
+    """--host [::1] (gRPC's form of an IPv6 address) gives the metrics ::1, as a socket takes
+    it: taken whole, the start-up check failed ("Name or service not known")."""
+    from blink.client.cli import _check_metrics_ports, build_parser
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            free = probe.getsockname()[1]
+    except OSError as e:
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    for port in ("0", str(free)):
+        args = build_parser().parse_args(["frontend", "--host", "[::1]", "--metrics-port", port,
+                                          "--workers", "2"])
+        _check_metrics_ports(args)  # exits on a failure
+        assert args.metrics_host == "::1"
 
 
 def test_every_worker_s_stats_count_every_worker_s_slots(checkpoints, tmp_path):
@@ -1224,7 +1318,7 @@ def test_every_worker_s_metrics_port_is_checked_at_start(checkpoints, tmp_path):
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for first, says in ((port - 1, "cannot serve metrics on 0.0.0.0:"),
+        for first, says in ((port - 1, "cannot serve metrics on 127.0.0.1:"),
                             (65535, "needs the ports up to 65536")):
             out = blink("serve", "--model", str(checkpoints["llama"]), "--port", "0",
                         "--engine", "cpu", "--workers", "2", "--slots", "4", "--metrics-port",
@@ -1323,6 +1417,29 @@ def test_two_servers_on_port_0_do_not_share_a_ring(checkpoints, tmp_path):
             assert b.stop() == 0
     finally:
         assert a.stop() == 0
+
+
+def test_a_restarted_worker_keeps_its_metrics_port(checkpoints, make_stack, tmp_path):
+    """`blink frontend --workers 3 --metrics-port 0`: the ports are picked once, at start, as
+    a run (worker i on the first + i, as for a given port), so a worker that dies is started
+    again on the port it had (it took another free one, and a scrape configuration naming the
+    old one lost that worker without a word)."""
+    stack = make_stack(checkpoints["llama"], frontend_args=["--workers", "3",
+                                                            "--metrics-port", "0"])
+    log = next(tmp_path.glob("frontend-*.log"))
+
+    def ports() -> list[int]:  # as each worker logged its own, in order
+        return [int(p) for p in re.findall(r"metrics on http://[\d.]+:(\d+)/metrics",
+                                           log.read_text())]
+    first = wait_for(lambda: len(ports()) == 3 and ports(), 30, "three metrics ports")
+    workers = [pid for pid in children(stack.frontend.pid)  # multiprocessing's spawned ones
+               if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
+    os.kill(workers[0], signal.SIGKILL)
+    wait_for(lambda: len(ports()) == 4, 30, "the worker restarted")
+    assert ports()[3] in first, (first, ports())
+    for port in first:
+        assert ("blink:engine_alive", ()) in scrape(port)
+    assert sorted(first) == list(range(min(first), min(first) + 3))
 
 
 @pytest.mark.parametrize("command", ["serve", "frontend"])

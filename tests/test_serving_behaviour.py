@@ -446,6 +446,14 @@ def test_engine_killed_then_restarted(long_checkpoint, engine_stack):
     assert stack.frontend.pid == frontend_pid and stack.frontend.poll() is None
     assert client.generate("after restart", GREEDY).completion_tokens == 24
     assert client.stats()["engine_attachments"] == 2
+
+    def counts() -> tuple[int, int, int]:  # summed over both engines
+        s = client.stats()
+        return s["requests_admitted"], s["requests_finished"], s["requests_cancelled"]
+    # the killed engine's three end as cancelled (they stayed in flight for good: admitted
+    # less finished and cancelled); the counters are the front end's last read of the
+    # header, up to its idle poll old
+    assert wait_for(lambda: counts() == (4, 1, 3), 5), counts()
     client.close()
 
 
