@@ -2,21 +2,32 @@
 
 Templates from the Hub are untrusted code, so they run in Jinja's immutable sandbox, set up as
 transformers' apply_chat_template does (same options, filters and globals), so the same template renders
-the same prompt here as there.
+the same prompt here as there. The sandbox keeps a template from reaching anything but its
+inputs, not from running without end: a render also has a budget (RENDER_CPU_SECONDS,
+MAX_PROMPT_CHARS).
 """
 
 import json
 import os
 import re
+import time
 from datetime import datetime
 from functools import lru_cache
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Older Jinja releases have known sandbox escapes (transformers refuses them too).
 _MIN_JINJA = (3, 1, 6)
+
+# One render's budget. A template that loops without end on some conversation (or writes without
+# end) would otherwise hold the front-end thread rendering it for good, and with a few such
+# requests every thread the front end encodes prompts on. Real templates render a 4 MiB
+# conversation of 400,000 messages in under a second and write a few times its size.
+RENDER_CPU_SECONDS = 5.0
+MAX_PROMPT_CHARS = 64 << 20  # 16 times the default request limit; ~16M tokens of English
 
 
 def render_chat(
@@ -24,18 +35,23 @@ def render_chat(
     messages: list[dict[str, str]],
     *,
     add_generation_prompt: bool = True,
+    cpu_seconds: float = RENDER_CPU_SECONDS,
+    max_chars: int = MAX_PROMPT_CHARS,
     **special_tokens,
 ) -> str:
     """Renders `messages` ({"role": ..., "content": ...} dicts) into the model's prompt text;
     special_tokens: bos_token, eos_token, pad_token, ... as the template may use them
     (load_special_tokens).
 
-    Raises ValueError when the template is broken, refuses the conversation (raise_exception), or
-    tries something the sandbox forbids.
+    Raises ValueError when the template is broken, refuses the conversation (raise_exception),
+    tries something the sandbox forbids, or overruns its budget: `cpu_seconds` of this thread's
+    CPU, `max_chars` characters of prompt.
     """
     compiled = _compile(template)
+    budget = _Budget(cpu_seconds, max_chars)
+    pieces = []
     try:
-        return compiled.render(
+        for piece in compiled.generate(
             # Copies: nothing a template does can reach the caller's messages.
             messages=[dict(message) for message in messages],
             # transformers passes these as None when unset; templates test `tools is not none`.
@@ -43,13 +59,19 @@ def render_chat(
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **special_tokens,
-        )
+            **{_BUDGET: budget},
+        ):
+            budget.wrote(piece)
+            pieces.append(piece)
+    except _OverBudget as e:
+        raise ValueError(f"the chat template {e}") from e
     except _TemplateRaised as e:
         raise ValueError(f"the chat template rejected the conversation: {e.message}") from e
     except jinja2.exceptions.SecurityError as e:
         raise ValueError(f"the chat template did something its sandbox forbids: {e}") from e
     except Exception as e:  # a template is code: any failure of it is a bad template or conversation
         raise ValueError(f"the chat template failed to render: {type(e).__name__}: {e}") from e
+    return "".join(pieces)
 
 
 def load_chat_template(model_dir: str | os.PathLike) -> str | None:
@@ -58,7 +80,17 @@ def load_chat_template(model_dir: str | os.PathLike) -> str | None:
     As in transformers, a `chat_template.jinja` file wins over the `chat_template` entry of
     tokenizer_config.json, which is either the template itself or a list of {"name", "template"}
     entries of which "default" is the one used for chat.
+
+    Raises ValueError when the template cannot be read or does not compile: a syntax error is
+    the model folder's, found once when the folder is loaded, not in every chat request.
     """
+    template = _read_chat_template(model_dir)
+    if template is not None:
+        _compile(template)
+    return template
+
+
+def _read_chat_template(model_dir: str | os.PathLike) -> str | None:
     jinja_path = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(jinja_path):
         with open(jinja_path, encoding="utf-8") as f:
@@ -84,9 +116,10 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 
 def load_special_tokens(model_dir: str | os.PathLike) -> dict:
     """The special tokens a chat template sees, as transformers passes them: each of
-    SPECIAL_TOKEN_KEYS (and additional_special_tokens, a list) from tokenizer_config.json, then
-    from special_tokens_map.json over them in a folder saved without `added_tokens_decoder`
-    (older ones, Blink's demo model), as transformers reads such a folder."""
+    SPECIAL_TOKEN_KEYS (and additional_special_tokens, a list, and the model's own: _named_tokens)
+    from tokenizer_config.json, then from special_tokens_map.json over them in a folder saved
+    without `added_tokens_decoder` (older ones, Blink's demo model), as transformers reads such a
+    folder."""
     config, legacy = (_read_json(os.path.join(model_dir, name))
                       for name in ("tokenizer_config.json", "special_tokens_map.json"))
     out: dict = {}
@@ -97,7 +130,20 @@ def load_special_tokens(model_dir: str | os.PathLike) -> dict:
         extra = source.get("additional_special_tokens")
         if isinstance(extra, list) and extra:
             out["additional_special_tokens"] = [_token_text(t) for t in extra]
+        out.update(_named_tokens(source))
     return out
+
+
+def _named_tokens(config: dict) -> dict:
+    """The model's own special tokens transformers hands a template too (a multimodal model's
+    image_token, ...): every other `*_token` entry, then the names of an `extra_special_tokens`
+    object over them."""
+    named = {key: _token_text(value) for key, value in config.items()
+             if key.endswith("_token") and key not in SPECIAL_TOKEN_KEYS}
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        named.update((key, _token_text(value)) for key, value in extra.items())
+    return {key: text for key, text in named.items() if text}
 
 
 def _read_json(path: str) -> dict:
@@ -121,6 +167,58 @@ def _token_text(token) -> str:
 
 class _TemplateRaised(jinja2.exceptions.TemplateError):
     """A template called raise_exception(message): it refuses this conversation."""
+
+
+class _OverBudget(Exception):
+    """A render ran past its budget; the message completes "the chat template ..."."""
+
+
+# The render variable that holds its _Budget: not a name a template can write, so only the
+# loops and calls below reach it.
+_BUDGET = "blink render budget"
+_CLOCK_EVERY = 16  # budget ticks per look at the clock (a system call, 0.2 us)
+
+
+class _Budget:
+    """One render's allowance. Its thread's CPU time, not wall time: renders and the event loop
+    share the GIL, and a render waiting for it spends nothing. A template can run long only by
+    looping or calling (Jinja has no other iteration), so every loop iteration and every call
+    ticks; every piece of output is counted as it is written."""
+
+    def __init__(self, cpu_seconds: float, max_chars: int):
+        self._cpu_seconds, self._max_chars = cpu_seconds, max_chars
+        self._deadline = time.thread_time() + cpu_seconds
+        self._ticks = 0
+        self._chars = 0
+
+    def tick(self) -> None:
+        self._ticks += 1
+        if self._ticks % _CLOCK_EVERY == 0 and time.thread_time() > self._deadline:
+            raise _OverBudget(f"did not finish within {self._cpu_seconds:g} s of CPU")
+
+    def wrote(self, piece: str) -> None:
+        self._chars += len(piece)
+        if self._chars > self._max_chars:
+            raise _OverBudget(f"wrote more than {self._max_chars:,} characters")
+
+
+@jinja2.pass_context
+def _budgeted_iter(context, iterable):
+    """Every template loop iterates through this (_compile puts it there): a loop whose body
+    makes no call would otherwise run unseen."""
+    budget = context.get(_BUDGET)
+    for item in iterable:
+        budget.tick()
+        yield item
+
+
+class _BudgetedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox whose every call ticks the render's budget: a macro that calls
+    itself twice runs in exponential time without any loop."""
+
+    def call(self, context, obj, /, *args, **kwargs):
+        context.get(_BUDGET).tick()
+        return super().call(context, obj, *args, **kwargs)
 
 
 def _raise_exception(message: str) -> None:
@@ -154,14 +252,21 @@ class _GenerationTag(jinja2.ext.Extension):
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     if tuple(int(part) for part in re.findall(r"\d+", jinja2.__version__)[:3]) < _MIN_JINJA:
-        raise RuntimeError(f"chat templates need jinja2 >= 3.1.6 (sandbox fixes); found {jinja2.__version__}")
-    env = ImmutableSandboxedEnvironment(
+        # (a ValueError: the front end's start names it in one line, as any unusable template)
+        raise ValueError(f"chat templates need jinja2 >= 3.1.6 (sandbox fixes); found "
+                         f"{jinja2.__version__}")
+    env = _BudgetedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
-        return env.from_string(template)
+        tree = env.parse(template)
+        for loop in list(tree.find_all(jinja2.nodes.For)):
+            # `for x in items` becomes `for x in _budgeted_iter(items)`: the same items, ticked
+            ticked = jinja2.nodes.ImportedName(f"{__name__}.{_budgeted_iter.__name__}")
+            loop.iter = jinja2.nodes.Call(ticked, [loop.iter], [], None, None)
+        return env.from_string(tree)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ValueError(f"the chat template has a syntax error on line {e.lineno}: {e.message}") from e

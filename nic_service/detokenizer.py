@@ -8,9 +8,10 @@ text a later token would change).
 How: the usual prefix-offset / read-offset technique over a short window of token ids.
 
     window = ids[prefix_offset:]            (the only ids kept; a few tokens long)
-    window[:read] is settled: its text is emitted, and _prefix_text == decode(window[:read])
+    window[:read] is settled: its text is emitted
+    _shown == decode(window[:read]) + what the ids after read show before a character they split
 
-Each new token decodes the window and emits what the decode adds after _prefix_text. Decoding a window
+Each new token decodes the window and emits what the decode adds after _shown. Decoding a window
 instead of all ids keeps a token at O(window) work; the window starts at a settled boundary and its first
 part (window[:read]) has text, so start-of-text effects of the decoder (Metaspace and Strip drop the first
 space, WordPiece treats its first token differently) fall on text already emitted, identically in both
@@ -18,7 +19,10 @@ decodes, and the difference is exactly what the full decode would add.
 
 A boundary is settled when no later token can change the text before it:
   - the decode does not end in U+FFFD: byte-level decoders decode all bytes at once, lossily, so a trailing
-    U+FFFD may be a character whose remaining bytes are still to come;
+    U+FFFD may be a character whose remaining bytes are still to come. The text before it cannot
+    change (UTF-8 decodes a byte sequence's prefix alike), and a byte-level token can end inside a
+    character after text of its own (a space and the first byte of "你"): that text is shown at
+    once (_shown), so a stop string it completes ends the stream on that token;
   - with a ByteFallback decoder, the last visible token is not a <0xNN> byte token: ByteFallback decodes a
     whole run of byte tokens together and turns *every* byte of the run into U+FFFD when any of it is not
     UTF-8, so even a finished character can still turn into U+FFFD until a normal token closes the run.
@@ -50,7 +54,7 @@ class IncrementalDetokenizer:
         self._byte_fallback = _has_byte_fallback(tokenizer)
         self._window: list[int] = []  # ids[prefix_offset:]
         self._read = 0  # window[:read] is settled and emitted
-        self._prefix_text = ""  # decode(window[:read])
+        self._shown = ""  # the window's text emitted (decode(window[:read]), and more: _show)
         self._byte_run_open = False  # ByteFallback only: the last visible token is a byte token
         self._finished = False
 
@@ -76,7 +80,7 @@ class IncrementalDetokenizer:
         self._finished = True
         text = self._decode(self._window)
         self._check_prefix(text)
-        return text[len(self._prefix_text) :]
+        return text[len(self._shown) :]
 
     def _step(self, token_id: int) -> str:
         window = self._window
@@ -84,23 +88,34 @@ class IncrementalDetokenizer:
         if self._byte_fallback:
             self._track_byte_run(token_id)
         text = self._decode(window)
-        if text.endswith(_REPLACEMENT) or self._byte_run_open:
+        if self._byte_run_open:
             return ""  # not settled yet: the window grows until it is
+        if text.endswith(_REPLACEMENT):  # nor this, but the text before the split character is
+            return self._show(text.rstrip(_REPLACEMENT))
         return self._settle(window, text)
+
+    def _show(self, final: str) -> str:
+        """`final` is the window's decode up to a character its last ids split, which no later token
+        changes: returns what it adds to the emitted text (the window stays unsettled)."""
+        if len(final) <= len(self._shown):
+            return ""
+        self._check_prefix(final)
+        delta, self._shown = final[len(self._shown) :], final
+        return delta
 
     def _settle(self, window: list[int], text: str) -> str:
         """The window (the current one plus the ids pushed since) decodes to `text`, which is settled:
         returns what it adds to the emitted text, and makes the whole window settled."""
         self._check_prefix(text)
-        delta = text[len(self._prefix_text) :]
+        delta = text[len(self._shown) :]
         if delta and len(window) > _ANCHOR_AFTER:
             # Re-anchor: the ids just emitted (they have text) become the window's settled start.
             # Tokens without text (skipped specials, ids past the vocabulary) cannot anchor one: the window
             # keeps its start, and they are just settled.
             window = window[self._read :]
-            self._prefix_text = self._decode(window)
+            self._shown = self._decode(window)
         else:
-            self._prefix_text = text  # decode(window[:read]) with read = len(window)
+            self._shown = text  # decode(window[:read]) with read = len(window)
         self._window, self._read = window, len(window)
         return delta
 
@@ -118,9 +133,9 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _check_prefix(self, text: str) -> None:
-        if not text.startswith(self._prefix_text):
+        if not text.startswith(self._shown):
             raise RuntimeError(
-                f"the tokenizer's decoder changed already settled text ({self._prefix_text!r} became "
+                f"the tokenizer's decoder changed already settled text ({self._shown!r} became "
                 f"{text!r} when more tokens followed); it cannot be decoded incrementally"
             )
 

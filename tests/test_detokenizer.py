@@ -222,6 +222,30 @@ def test_split_character_is_held_back_until_complete(tok):
     assert deltas[:2] == ["", ""]
 
 
+def test_byte_level_holds_back_only_the_unfinished_character():
+    """Byte-level BPE merges across character boundaries (" \\xe4", "na\\xce": a letter and the
+    first byte of the next one). Such a token's text before its split character is final, so it
+    is emitted with that token: the whole token was held back, and a stop string it completes
+    ended the stream a token or more late, counting tokens after the one that completed it. After
+    every push the stream is the decode so far less only its trailing U+FFFD (the unfinished
+    character; a literal U+FFFD there is held back too, until the next character)."""
+    tok = TOKENIZERS["byte_level"]()
+    straddling = [i for i in range(tok.get_vocab_size())
+                  if tok.decode([i]).endswith("\ufffd") and tok.decode([i]).rstrip("\ufffd")]
+    assert straddling  # the trained vocabulary has such merges
+    rng = random.Random(7)
+    for trial in range(200):
+        ids = _random_ids(rng, tok, rng.randint(1, 40))
+        ids[rng.randrange(len(ids))] = rng.choice(straddling)
+        detok, emitted, i = IncrementalDetokenizer(tok), "", 0
+        while i < len(ids):
+            n = rng.randint(1, 3)
+            emitted += detok.push(ids[i : i + n])
+            i += n
+            assert emitted == tok.decode(ids[:i]).rstrip("\ufffd"), ids[:i]
+        assert emitted + detok.flush() == tok.decode(ids)
+
+
 def test_flush_emits_invalid_bytes_that_decode_keeps(tok):
     ids = [_byte_id(tok, 0xE4), _byte_id(tok, 0xB8)]  # the first two of three bytes of "中"
     detok = IncrementalDetokenizer(tok)

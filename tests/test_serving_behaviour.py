@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import secrets
 import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -249,6 +254,72 @@ def test_a_stop_string_ends_the_stream_on_the_token_that_completes_it(checkpoint
         assert wait_for(lambda: engine_idle(c))
 
 
+def test_sampled_streams_are_the_tokenizers_decode_of_their_tokens(client, checkpoints):
+    """Text sampled from the random model is full of split and invalid UTF-8: byte tokens,
+    tokens that end inside a character, max_tokens ending inside one. The deltas concatenate to
+    the tokenizers library's decode of every generated token (nothing lost or doubled at the
+    end), every prefix of the stream is a prefix of it, and with a stop string (a U+FFFD of an
+    invalid byte too) the text is the decode up to the stop."""
+    tok = Tokenizer.from_file(str(checkpoints["llama"] / "tokenizer.json"))
+    replaced = 0
+    for seed in range(12):
+        sampling = dict(max_tokens=12, temperature=3.0, seed=seed, ignore_eos=True)
+        deltas = list(client.stream("hi", Sampling(**sampling), return_token_ids=True))
+        want = tok.decode([t for d in deltas for t in d.token_ids])
+        streamed = ""
+        for delta in deltas:
+            streamed += delta.text
+            assert want.startswith(streamed), (streamed, want)
+        assert streamed == want
+        replaced += "\ufffd" in want
+        for stop in {want[len(want) // 2:][:2], "\ufffd"} - {""}:
+            done = client.generate("hi", Sampling(**sampling, stop=(stop,)))
+            assert done.text == (want[:want.find(stop)] if stop in want else want)
+            assert done.matched_stop == (stop if stop in want else "")
+    assert replaced  # some stream did end inside a character or hold an invalid byte
+
+
+def test_stop_strings_at_their_limits(client):
+    """At most 16 stop strings of 1 to 256 characters (characters, not bytes: 256 emoji make one
+    stop); one past either limit is INVALID_ARGUMENT naming it."""
+    stops = tuple(chr(0x4E00 + i) + "😀" * 255 for i in range(16))
+    sampling = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert client.generate("hi", Sampling(**sampling, stop=stops)).completion_tokens == 4
+    for stop, says in ((stops + ("x",), "at most 16 stop strings"),
+                       (("😀" * 257,), "stop strings must be 1 to 256 characters")):
+        with pytest.raises(BlinkError) as err:
+            client.generate("hi", Sampling(**sampling, stop=stop))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details
+
+
+def test_a_stop_string_completed_by_a_token_that_splits_a_character(client, checkpoints):
+    """A byte-level token can hold text and then the first bytes of a character the next token
+    finishes (" \\xe4", "λ\\xce"). A stop string such a token completes ends the stream on that
+    token, as on any other: its text was held back with the split character, so the stream went
+    on for a token or more, and usage and token_ids counted tokens after the one that completed
+    the stop. The text is the tokenizers library's decode up to the stop."""
+    tok = Tokenizer.from_file(str(checkpoints["llama"] / "tokenizer.json"))
+    for seed in range(100):  # sampled text from the random model, until a token splits a char
+        sampling = dict(max_tokens=20, temperature=3.0, seed=seed, ignore_eos=True)
+        full = client.generate("hi", Sampling(**sampling), return_token_ids=True)
+        ids = full.token_ids
+        for k in range(1, len(ids)):
+            before = tok.decode(ids[:k]).rstrip("\ufffd")
+            text = tok.decode(ids[:k + 1])
+            shown = text.rstrip("\ufffd")
+            if text != shown and len(shown) > len(before) and shown[-1] not in before:
+                break
+        else:
+            continue
+        stop = shown[-1]  # completed by token k, which also starts a character it leaves split
+        done = client.generate("hi", Sampling(**sampling, stop=(stop,)), return_token_ids=True)
+        assert done.finish_reason == "stop" and done.matched_stop == stop
+        assert done.text == shown[:shown.find(stop)]
+        assert done.token_ids == ids[:k + 1] and done.completion_tokens == k + 1
+        return
+    pytest.fail("no sampled token split a character")
+
+
 def test_eos_ends_stream(checkpoints, tmp_path, engine_stack):
     """A checkpoint whose EOS is a token the model produces greedily: generation ends there
     (finish EOS) unless ignore_eos is set."""
@@ -300,30 +371,41 @@ BAD_REQUESTS = [
 ]
 
 
+class GreedyBeside:
+    """A greedy generate of `ids` on a connection of its own, started with the block (the bad
+    requests sent in it must not disturb it); .tokens once the block has ended: its ids."""
+
+    def __init__(self, target: str, ids: list[int]):
+        self.target, self.ids, self.tokens = target, ids, None
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self):
+        with BlinkClient(self.target) as c:
+            self.tokens = c.generate(self.ids, GREEDY, return_token_ids=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._thread.join(60)
+
+
 def test_bad_input_is_invalid_argument_and_others_keep_going(engine, stack, client,
                                                             checkpoints):
     beside_bad = [11, 12, 13, 14, 15]
     expected = client.generate(beside_bad, GREEDY, return_token_ids=True)
-    results = {}
-
-    def background():
-        with BlinkClient(stack.target) as c:
-            results["bg"] = c.generate(beside_bad, GREEDY, return_token_ids=True)
-
-    t = threading.Thread(target=background)
-    t.start()
     vocab = client.model_info().vocab_size  # the first id outside it, at the boundary
     at_vocab = (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, vocab - 1, vocab])),
                 f"token id {vocab} is outside the vocabulary")
-    with grpc.insecure_channel(stack.target) as ch:
+    with GreedyBeside(stack.target, beside_bad) as bg, grpc.insecure_channel(stack.target) as ch:
         stub = pb_grpc.BlinkStub(ch)
         for req, message in BAD_REQUESTS + [at_vocab]:
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(req, timeout=30))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (req, err.value)
             assert message in err.value.details(), (message, err.value.details())
-    t.join(60)
-    assert_unaffected(engine, checkpoints["llama"], beside_bad, expected, results["bg"])
+    assert_unaffected(engine, checkpoints["llama"], beside_bad, expected, bg.tokens)
     assert client.generate("still serving", GREEDY).completion_tokens == 24
 
 
@@ -496,6 +578,104 @@ def test_chat_messages(client, checkpoints):
     assert done.prompt_tokens == len(ids)
     assert done.text == client.generate(ids, Sampling(max_tokens=4, temperature=0.0,
                                                       ignore_eos=True)).text
+
+
+# Renders as the demo model's template does, but refuses a role it does not know, writes without
+# end for a message "flood", and loops without end on a conversation of more than 3 messages.
+MISBEHAVING_TEMPLATE = (
+    "{% if messages | length > 3 %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% endfor %}{% endfor %}{% endif %}{{ bos_token }}{% for m in messages %}"
+    "{% if m.role not in ('system', 'user', 'assistant') %}"
+    "{{ raise_exception('unknown role ' + m.role) }}{% endif %}"
+    "{% if m.content == 'flood' %}{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}"
+    "{% endif %}{{ m.role }}: {{ m.content }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def with_chat_template(model_dir: Path, out: Path, template: str | None) -> Path:
+    """A copy of a model folder with another chat template (None: without one)."""
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    if template is not None:
+        config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def chat_request(messages: list[dict[str, str]], **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages]),
+        sampling=pb.SamplingParams(**sampling))
+
+
+def test_chats_a_template_refuses_or_cannot_finish_are_invalid_argument(engine, checkpoints,
+                                                                        tmp_path, engine_stack):
+    """A conversation the template refuses (raise_exception), one it writes more than a prompt
+    can be for, one it loops on without end, and none at all: each is INVALID_ARGUMENT saying why,
+    while another stream gets every token. The looping render held its front-end thread for good
+    (the request hung past its deadline, and a few of them held every thread the front end
+    encodes prompts on: text prompts hung too); now it stops within its CPU budget, and the front
+    end idles again. No slot is left taken."""
+    model = with_chat_template(checkpoints["llama"], tmp_path / "m", MISBEHAVING_TEMPLATE)
+    stack = engine_stack(model)
+    beside = [11, 12, 13, 14, 15]
+    user = {"role": "user", "content": "hi"}
+    with BlinkClient(stack.target) as client, grpc.insecure_channel(stack.target) as channel:
+        expected = client.generate(beside, GREEDY, return_token_ids=True)
+        stub = pb_grpc.BlinkStub(channel)
+        with GreedyBeside(stack.target, beside) as bg:
+            for messages, says in (
+                    ([user] * 4, "the chat template did not finish within 5 s of CPU"),
+                    ([{"role": "intruder", "content": "hi"}],
+                     "the chat template rejected the conversation: unknown role intruder"),
+                    ([{"role": "user", "content": "flood"}],
+                     "the chat template wrote more than 67,108,864 characters"),
+                    ([], "messages is empty")):
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Generate(chat_request(messages, max_tokens=4), timeout=30))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+                assert says in err.value.details(), err.value.details()
+        assert_unaffected(engine, checkpoints["llama"], beside, expected, bg.tokens)
+        # nothing still renders: the front end's process idles
+        spent = process_cpu_seconds(stack.frontend.pid)
+        time.sleep(1.0)
+        assert process_cpu_seconds(stack.frontend.pid) - spent < 0.5
+        chat = client.generate([user] * 3, Sampling(max_tokens=4, temperature=0.0))
+        assert chat.completion_tokens == 4
+        assert client.generate("still serving", GREEDY).completion_tokens == 24
+        assert wait_for(lambda: engine_idle(client))
+
+
+def test_a_model_without_a_chat_template_refuses_chats(checkpoints, tmp_path, engine_stack):
+    model = with_chat_template(checkpoints["llama"], tmp_path / "m", None)
+    with BlinkClient(engine_stack(model).target) as client:
+        assert not client.model_info().has_chat_template
+        with pytest.raises(BlinkError) as err:
+            client.generate([{"role": "user", "content": "hi"}], Sampling(max_tokens=2))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "this model has no chat template" in err.value.details
+        assert client.generate("hi", Sampling(max_tokens=2)).completion_tokens == 2
+
+
+def test_a_chat_template_that_does_not_compile_stops_the_front_end_at_start(checkpoints,
+                                                                            tmp_path):
+    """A syntax error in the model folder's template: one line when the front end starts (it
+    served, reported a chat template, and refused every chat as the client's INVALID_ARGUMENT)."""
+    model = with_chat_template(checkpoints["llama"], tmp_path / "m",
+                               "{% for m in messages %}{{ m.content }}")
+    out = subprocess.run(
+        [sys.executable, "-m", "blink.client.cli", "frontend", "--model", str(model),
+         "--ring-name", f"blink-test-template-{secrets.token_hex(4)}", "--port", "0"],
+        capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "syntax error on line 1" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
 def test_kv_pressure_preempts_and_every_token_follows_the_reference(engine, checkpoints,
