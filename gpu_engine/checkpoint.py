@@ -11,8 +11,11 @@ writes them): a projection's weight is F8_E4M3 codes with its float32 scales bes
 codes times scales in float32, and the config says quantization "fp8", which serves FP8 weights
 (the engines quantize per output row: per-row checkpoints keep their codes, block- and
 tensor-scaled ones are rounded again to per-row scales; the GPU's row scales come within bf16's
-rounding of the stored ones, cuda_forward._upload_weights). k_scale / v_scale tensors (an FP8 KV cache's
-calibrated scales) are read too (ModelWeights.kv_scales).
+rounding of the stored ones, cuda_forward._upload_weights). k_scale / v_scale tensors (an FP8 KV
+cache's calibrated scales) are read too (ModelWeights.kv_scales).
+
+Whatever cannot be served is a CheckpointError, one line at start-up (check_weights from the
+headers before anything starts, load_weights for values), never a crash or wrong output later.
 """
 from __future__ import annotations
 
@@ -83,6 +86,8 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path.name} not found in checkpoint directory {path.parent}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:  # unreadable (permissions): still one line, not a traceback
+        raise CheckpointError(f"{path} cannot be read: {e.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
@@ -111,6 +116,15 @@ def _positive_int(value, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise CheckpointError(f"config.json: {what} must be a positive int, got {value!r}")
     return value
+
+
+def _flag(raw: dict, key: str) -> bool:
+    """A true/false config key (absent or null: false). Anything but a JSON boolean is refused:
+    Python's truth would read "false" as true (transformers' typed configs refuse it too)."""
+    value = raw.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise CheckpointError(f"config.json: {key} must be true or false, got {value!r}")
+    return bool(value)
 
 
 def _parse_rope(raw: dict, max_pos: int) -> tuple[float, dict | None]:
@@ -161,8 +175,9 @@ def _architecture(raw: dict, model_dir: Path) -> str:
     archs = raw.get("architectures") or []
     archs = [archs] if isinstance(archs, str) else archs
     model_type = raw.get("model_type")
-    if not isinstance(archs, list):
-        raise CheckpointError(f"config.json: architectures must be a list, got {archs!r}")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"config.json: architectures must be a list of names, got "
+                              f"{archs!r}")
     arch = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
     if arch is None and not archs and model_type in _ARCHITECTURES.values():
         arch = model_type
@@ -191,10 +206,19 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
     hidden = need_int("hidden_size")
     heads = need_int("num_attention_heads")
-    kv_heads = need_int("num_key_value_heads") if raw.get("num_key_value_heads") else heads
+    # absent or null take transformers' defaults; a 0 is refused like any other bad size
+    kv_heads = (need_int("num_key_value_heads") if raw.get("num_key_value_heads") is not None
+                else heads)
     # transformers' defaults when head_dim is absent: hidden/heads, except Qwen3Config's 128.
-    head_dim = need_int("head_dim") if raw.get("head_dim") else (
-        128 if arch == "qwen3" else hidden // heads)
+    if raw.get("head_dim") is not None:
+        head_dim = need_int("head_dim")
+    elif arch == "qwen3":
+        head_dim = 128
+    elif hidden % heads:  # transformers refuses it too: the heads would not tile the hidden size
+        raise CheckpointError(f"config.json: hidden_size {hidden} is not a multiple of "
+                              f"num_attention_heads {heads} (and there is no head_dim)")
+    else:
+        head_dim = hidden // heads
     if heads % kv_heads:
         raise CheckpointError(f"num_attention_heads {heads} is not a multiple of "
                               f"num_key_value_heads {kv_heads}")
@@ -202,9 +226,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise CheckpointError(f"head_dim {head_dim} must be even for RoPE")
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
-    if raw.get("mlp_bias"):
+    if _flag(raw, "mlp_bias"):
         raise CheckpointError("mlp_bias=true is not supported")
-    if arch in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3") and _flag(raw, "use_sliding_window"):
         raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
 
     max_pos = (need_int("max_position_embeddings") if "max_position_embeddings" in raw
@@ -229,7 +253,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         if not 0 <= tok < vocab:
             raise CheckpointError(f"special token id {tok} is outside the vocabulary ({vocab})")
 
-    bias = bool(raw.get("attention_bias", False))
+    bias = _flag(raw, "attention_bias")
     quantization, fp8_weight_block = _parse_quantization(raw.get("quantization_config"))
     return ModelConfig(
         name=model_dir.resolve().name,
@@ -245,7 +269,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(raw, "tie_word_embeddings"),
         attention_bias=True if arch == "qwen2" else bias,
         o_proj_bias=False if arch == "qwen2" else bias,
         qk_norm=arch == "qwen3",
@@ -324,36 +348,71 @@ class _TensorRef:
     end: int
 
 
+def _nonnegative_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_ok(e) -> bool:
+    """A header entry as the safetensors format defines it: a dtype name, a shape of sizes and
+    [begin, end] byte offsets into the data after the header."""
+    if not isinstance(e, dict):
+        return False
+    shape, offsets = e.get("shape"), e.get("data_offsets")
+    return (isinstance(e.get("dtype"), str) and isinstance(shape, list)
+            and all(map(_nonnegative_int, shape)) and isinstance(offsets, list)
+            and len(offsets) == 2 and all(map(_nonnegative_int, offsets))
+            and offsets[0] <= offsets[1])
+
+
 def _read_safetensors_header(path: Path) -> dict[str, _TensorRef]:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CheckpointError(f"{path} is too short to be a safetensors file")
-        n = int.from_bytes(head, "little")
-        if n > 100_000_000:
-            raise CheckpointError(f"{path}: implausible safetensors header length {n}")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
+    """The tensors of a safetensors file by name, from its header, checked as the safetensors
+    library checks it (transformers cannot load a file it refuses): entries of _entry_ok's form
+    whose bytes tile the data to the end of the file, with no hole or overlap (the format's
+    rule). Offsets that overlap or point into the header would serve other bytes as a tensor's."""
+    if not path.is_file():
+        what = "a link to a missing file" if path.is_symlink() else "a folder or special file"
+        raise CheckpointError(f"{path} is not a file ({what})")
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise CheckpointError(f"{path} is too short to be a safetensors file")
+            n = int.from_bytes(head, "little")
+            if n > 100_000_000:  # checked before the read, which would allocate n bytes
+                raise CheckpointError(f"{path}: implausible safetensors header length {n}")
+            if 8 + n > size:
+                raise CheckpointError(f"{path}: the safetensors header runs past the end of "
+                                      f"the file (truncated?)")
+            text = f.read(n)
+    except OSError as e:  # unreadable (permissions): still one line, not a traceback
+        raise CheckpointError(f"{path} cannot be read: {e.strerror}") from None
+    try:
+        header = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    size = path.stat().st_size
     refs = {}
     for name, e in header.items():
         if name == "__metadata__":
             continue
-        try:
-            (begin, end), dtype, shape = e["data_offsets"], e["dtype"], e["shape"]
-            ref = _TensorRef(path, dtype, tuple(int(d) for d in shape), 8 + n + int(begin),
-                             8 + n + int(end))
-        except (TypeError, ValueError, KeyError):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name}: "
-                                  f"{e!r}") from None
-        if ref.end > size:
+        if not _entry_ok(e):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name}: {e!r}")
+        begin, end = e["data_offsets"]
+        if 8 + n + end > size:
             raise CheckpointError(
                 f"{path}: tensor {name} runs past the end of the file (truncated?)")
-        refs[name] = ref
+        refs[name] = _TensorRef(path, e["dtype"], tuple(e["shape"]), 8 + n + begin, 8 + n + end)
+    covered = 8 + n  # where the next tensor's bytes must start
+    for name, ref in sorted(refs.items(), key=lambda item: (item[1].start, item[1].end)):
+        if ref.start != covered:
+            raise CheckpointError(f"{path}: tensor {name}'s data_offsets overlap another "
+                                  f"tensor's or leave a gap before it (corrupt header)")
+        covered = ref.end
+    if covered != size:
+        raise CheckpointError(f"{path}: {size - covered} bytes after the last tensor that no "
+                              f"header entry describes (corrupt header)")
     return refs
 
 
@@ -385,6 +444,10 @@ def _weight_files(model_dir: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map")
+        for name, file in weight_map.items():
+            if not isinstance(file, str):
+                raise CheckpointError(f"{index.name}: weight_map gives {name} the file "
+                                      f"{file!r}, not a file name")
         files = [model_dir / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -454,29 +517,50 @@ def _model_ref(refs: dict[str, _TensorRef], model_dir: Path, name: str,
 def check_weights(model_dir: str | Path, cfg: ModelConfig) -> None:
     """Refuses (CheckpointError) weight files load_weights would refuse for their names, shapes,
     dtypes or sizes, from the headers alone (no tensor is read): a command's check before
-    anything starts. An FP8 weight's scale tensor is checked when it is read."""
+    anything starts. That covers an FP8 weight's scale tensor and the KV-cache scales too;
+    only values (NaN, infinities, negative scales) wait for load_weights."""
     model_dir = Path(model_dir)
     refs = _tensor_refs(model_dir)
-    _model_tensors(cfg, "lm_head.weight" in refs,
-                   lambda name, shape: _model_ref(refs, model_dir, name, shape))
+
+    def check(name: str, shape: tuple[int, ...]) -> _TensorRef:
+        ref = _model_ref(refs, model_dir, name, shape)
+        if ref.dtype == "F8_E4M3":
+            _fp8_scale(name, ref, refs, cfg.fp8_weight_block)
+        return ref
+
+    _model_tensors(cfg, "lm_head.weight" in refs, check)
+    _kv_scale_names(cfg, refs)
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
-    """All weights as float32 NumPy arrays, shapes checked against `cfg`."""
+    """All weights as float32 NumPy arrays, shapes checked against `cfg`, values finite (a NaN
+    or an infinity in one weight makes every logit NaN). Tensors the model does not take are
+    ignored with a warning, as transformers ignores them."""
     model_dir = Path(model_dir)
     refs = _tensor_refs(model_dir)
     maps: dict[Path, np.memmap] = {}
+    used: set[str] = set()
 
     def read(name: str, ref: _TensorRef) -> np.ndarray:
         if ref.path not in maps:
             maps[ref.path] = np.memmap(ref.path, dtype=np.uint8, mode="r")
-        return _read_tensor(ref, maps[ref.path], name)
+        used.add(name)
+        value = _read_tensor(ref, maps[ref.path], name)
+        if not np.isfinite(value).all():  # F8_E4M3 too: its NaN codes read as NaN
+            raise CheckpointError(f"tensor {name} holds NaN or infinite values "
+                                  f"({ref.path.name})")
+        return value
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         ref = _model_ref(refs, model_dir, name, shape)
         value = read(name, ref)
         if ref.dtype == "F8_E4M3":  # the codes times their scales
-            value = _scaled_fp8(name, value, refs, read, cfg.fp8_weight_block)
+            scale_name, block = _fp8_scale(name, ref, refs, cfg.fp8_weight_block)
+            scale = read(scale_name, refs[scale_name])
+            if (scale < 0).any():  # no quantizer writes one: a misread or corrupt tensor
+                raise CheckpointError(f"tensor {scale_name} holds negative values; a scale is "
+                                      f"its block's max |value| / 448")
+            value = _dequantized(value, scale, block)
         return value
 
     weights = _model_tensors(cfg, "lm_head.weight" in refs, get)
@@ -487,6 +571,12 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
             log.warning("config.json ties the embedding to the LM head, but lm_head.weight "
                         "differs from it: serving lm_head.weight, as transformers does")
     weights.kv_scales = _kv_scales(cfg, refs, read)
+    unused = sorted(refs.keys() - used)
+    if unused:  # transformers' load report calls them UNEXPECTED, and loads the model
+        log.warning("%d tensor%s of %s not part of a %s model with its config.json, ignored "
+                    "as transformers ignores them: %s%s", len(unused),
+                    " is" if len(unused) == 1 else "s are", model_dir.name, cfg.architecture,
+                    ", ".join(unused[:5]), ", ..." if len(unused) > 5 else "")
     return weights
 
 
@@ -524,56 +614,85 @@ def _model_tensors(cfg: ModelConfig, has_lm_head: bool, get) -> ModelWeights:
                         lm_head=lm_head)
 
 
-def _scaled_fp8(name: str, codes: np.ndarray, refs: dict, read,
-                block: tuple[int, int] | None) -> np.ndarray:
-    """An F8_E4M3 weight's values: its codes' values [N, K] times the scale tensor beside it
+def _fp8_scale(name: str, ref: _TensorRef, refs: dict[str, _TensorRef],
+               block: tuple[int, int] | None) -> tuple[str, tuple[int, int]]:
+    """(the scale tensor's name, the (rows, columns) block each of its values scales) of an
+    F8_E4M3 weight [N, K], from the headers. The scale is the tensor beside it
     (name.replace("weight", "weight_scale_inv" or "weight_scale")): one for the tensor ([] or
-    [1]), one per output row ([N] or [N, 1]), or one per block of `block` = (bn, bk) rows and
-    columns (config.json's weight_block_size; the last blocks may be partial): a [ceil(N / bn),
-    ceil(K / bk)] grid. Without weight_block_size a grid is read only where its blocks divide N
-    and K exactly (otherwise their size is ambiguous)."""
+    [1]; block (N, K)), one per output row ([N] or [N, 1]; (1, K)), or one per block of `block`
+    = (bn, bk) rows and columns (config.json's weight_block_size; the last blocks may be
+    partial): a [ceil(N / bn), ceil(K / bk)] grid. Without weight_block_size a grid is read only
+    where its blocks divide N and K exactly (otherwise their size is ambiguous)."""
+    if len(ref.shape) != 2:
+        raise CheckpointError(f"FP8 tensor {name} has shape {list(ref.shape)}: only 2-D "
+                              f"weights ([out, in]) are read as FP8 codes with scales")
     base = name[:-len("weight")] if name.endswith("weight") else name + "_"
     scale_name = next((base + s for s in ("weight_scale_inv", "weight_scale")
                        if base + s in refs), None)
-    if scale_name is None or codes.ndim != 2:
+    if scale_name is None:
         raise CheckpointError(f"FP8 tensor {name} has no weight_scale_inv or weight_scale "
                               f"beside it")
-    scale = read(scale_name, refs[scale_name]).astype(np.float32)
-    n, k = codes.shape
-    if scale.size == 1:
-        return codes * scale.reshape(())
+    scale = refs[scale_name]
+    _check_ref(scale, scale_name)
+    n, k = ref.shape
+    if math.prod(scale.shape) == 1:
+        return scale_name, (n, k)
     if block is None and scale.shape in ((n,), (n, 1)):
-        return codes * scale.reshape(n, 1)
-    if scale.ndim == 2:
+        return scale_name, (1, k)
+    if len(scale.shape) == 2:
         rows, cols = scale.shape
         if block is None and n % rows == 0 and k % cols == 0:
             block = (n // rows, k // cols)
         if block is not None and (rows, cols) == (-(-n // block[0]), -(-k // block[1])):
-            bn, bk = block
-            return codes * np.repeat(np.repeat(scale, bn, 0)[:n], bk, 1)[:, :k]
+            return scale_name, block
     blocks = f"blocks of {list(block)}" if block else "blocks that divide it"
     raise CheckpointError(f"{scale_name} has shape {list(scale.shape)}: not a scale for the "
                           f"tensor, per row or per {blocks} of {name} {[n, k]}")
 
 
-def _kv_scales(cfg: ModelConfig, refs: dict, read) -> np.ndarray | None:
-    """[num_layers, 2] (keys', values') from each layer's self_attn.k_scale / v_scale (as
-    vLLM-style FP8 checkpoints store an FP8 KV cache's calibrated scales), or None without them
-    (then an FP8 cache calibrates its own)."""
+def _dequantized(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """codes [N, K] (their values) times `scale`, one value per (bn, bk) = `block` block as
+    _fp8_scale gives it; a grid of one row or column broadcasts instead of being repeated."""
+    (n, k), (bn, bk) = codes.shape, block
+    rows, cols = -(-n // bn), -(-k // bk)
+    grid = scale.reshape(rows, cols)
+    if rows > 1:
+        grid = np.repeat(grid, bn, 0)[:n]
+    if cols > 1:
+        grid = np.repeat(grid, bk, 1)[:, :k]
+    return codes * grid
+
+
+def _kv_scale_names(cfg: ModelConfig, refs: dict[str, _TensorRef]) -> list[tuple[str, str]]:
+    """Each layer's (self_attn.k_scale, self_attn.v_scale), as vLLM-style FP8 checkpoints store
+    an FP8 KV cache's calibrated scales, checked from the headers: in every layer or in none
+    ([] then: an FP8 cache calibrates its own), one value each."""
     names = [(f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale")
              for i in range(cfg.num_layers)]
     present = [k in refs and v in refs for k, v in names]
     if not any(present):
-        return None
+        return []
     if not all(present):
         raise CheckpointError("k_scale / v_scale are in some layers' weights and not others")
-    out = np.empty((cfg.num_layers, 2), np.float32)
-    for i, pair in enumerate(names):
-        for j, name in enumerate(pair):
-            value = read(name, refs[name])
-            if value.size != 1 or not np.isfinite(value).all() or value.reshape(()) <= 0:
-                raise CheckpointError(f"{name} must be one positive scale, got {value!r}")
-            out[i, j] = value.reshape(())
+    for name in (name for pair in names for name in pair):
+        _check_ref(refs[name], name)
+        if math.prod(refs[name].shape) != 1:
+            raise CheckpointError(f"{name} must be one scale, got shape "
+                                  f"{list(refs[name].shape)}")
+    return names
+
+
+def _kv_scales(cfg: ModelConfig, refs: dict[str, _TensorRef], read) -> np.ndarray | None:
+    """[num_layers, 2] (keys', values') scales from _kv_scale_names' tensors, or None without
+    them."""
+    names = _kv_scale_names(cfg, refs)
+    if not names:
+        return None
+    out = np.array([[read(name, refs[name]).reshape(()) for name in pair] for pair in names],
+                   np.float32)
+    if (out <= 0).any():  # read refused NaN and infinities already
+        i, j = np.argwhere(out <= 0)[0]
+        raise CheckpointError(f"{names[i][j]} must be a positive scale, got {out[i, j]}")
     return out
 
 

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,6 +15,7 @@ import pytest
 from blink.gpu_engine.checkpoint import (CheckpointError, load_config, load_tokenizer, load_weights,
                                          rope_inv_freq)
 from blink.gpu_engine.demo_model import float32_to_bf16_bits, write_random_checkpoint
+from blink.ring.shm import shm_path
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -304,3 +309,164 @@ def test_config_values_and_weight_headers_are_refused_in_one_error(tmp_path, f32
         for load in (check_weights, load_weights):
             with pytest.raises(CheckpointError, match=message):
                 load(path, cfg)
+
+
+# --- adversarial folders: each refused in one line at start-up -----------------------------------
+
+def _edit_header(path, edit, fname="model.safetensors", extra_bytes=b""):
+    """Rewrites a safetensors file's header as edit(header) returns it (the data unchanged, plus
+    extra_bytes at the end)."""
+    f = path / fname
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    text = json.dumps(edit(json.loads(data[8:8 + n])), separators=(",", ":")).encode()
+    text = text.ljust(-(-len(text) // 8) * 8)
+    f.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:] + extra_bytes)
+
+
+def _entry(name, **changes):
+    """A header edit: tensor `name`'s entry with `changes`."""
+    return lambda h: {**h, name: {**h[name], **changes}}
+
+
+def _offsets(name, shift):
+    return lambda h: _entry(name, data_offsets=[o + shift for o in h[name]["data_offsets"]])(h)
+
+
+def _same_bytes_as(name, other):
+    return lambda h: _entry(name, data_offsets=h[other]["data_offsets"])(h)
+
+
+NORM = "model.norm.weight"
+
+
+@pytest.mark.parametrize("edit, extra_bytes", [
+    (_entry(NORM, dtype=["F32"]), b""),  # not a string
+    (_entry(NORM, shape=["64"]), b""),
+    (_entry(NORM, shape=[64.0]), b""),
+    (_offsets(NORM, 0.5), b""),
+    (_entry(NORM, data_offsets=[-256, 0]), b""),  # the header's own bytes
+    (_same_bytes_as(NORM, "model.layers.0.input_layernorm.weight"), b""),  # overlap
+    (_offsets("lm_head.weight", 4), b"\0" * 4),  # a hole before the last tensor
+    (lambda h: h, b"\0" * 8),  # bytes no tensor owns after the last one
+], ids=["dtype-list", "shape-str", "shape-float", "offset-float", "offset-negative", "overlap",
+        "gap", "trailing-bytes"])
+def test_safetensors_headers_are_checked_as_the_library_checks_them(tmp_path, f32_ckpt, edit,
+                                                                     extra_bytes):
+    """A header the safetensors library refuses (so transformers cannot load the file either) is
+    refused in one CheckpointError, never read: offsets that overlap or point into the header
+    would serve another tensor's bytes as this one's."""
+    from safetensors import SafetensorError, safe_open
+
+    from blink.gpu_engine.checkpoint import check_weights
+
+    path = shutil.copytree(f32_ckpt, tmp_path / "m")
+    _edit_header(path, edit, extra_bytes=extra_bytes)
+    with pytest.raises(SafetensorError):  # the oracle refuses it
+        safe_open(str(path / "model.safetensors"), "np")
+    cfg = load_config(path)
+    for load in (check_weights, load_weights):
+        with pytest.raises(CheckpointError, match="model.safetensors"):
+            load(path, cfg)
+
+
+def _dangling_weights(path):
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors").symlink_to(path / "blobs" / "never-downloaded")
+
+
+def _sharded_with_a_null_shard(path):
+    (path / "model.safetensors").unlink()
+    write_random_checkpoint(path, dtype="float32", max_shard_bytes=40_000, **TINY)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"][NORM] = None
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _nan_weight(path):
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+    save_file(tensors, path / "model.safetensors")
+
+
+def _config(**changes):
+    return lambda path: _rewrite_config(path, **changes)
+
+
+# case -> (how the folder is broken, what its one line says)
+UNSERVABLE = {
+    "weights a dangling link": (_dangling_weights, r"model.safetensors is not a file"),
+    "a folder named like weights": (lambda p: (p / "extra.safetensors").mkdir(),
+                                    r"extra.safetensors is not a file"),
+    "header dtype not a string": (lambda p: _edit_header(p, _entry(NORM, dtype=["F32"])),
+                                  r"corrupt safetensors header entry for model.norm.weight"),
+    "shard listed as null": (_sharded_with_a_null_shard,
+                             r"weight_map.*model.norm.weight.*None"),
+    "architectures not strings": (_config(architectures=[["LlamaForCausalLM"]]),
+                                  r"architectures must be a list of names"),
+    "zero kv heads": (_config(num_key_value_heads=0),
+                      r"num_key_value_heads must be a positive int, got 0"),
+    "zero head_dim": (_config(head_dim=0), r"head_dim must be a positive int, got 0"),
+    "hidden not a multiple of heads": (
+        _config(num_attention_heads=5, num_key_value_heads=5, head_dim=None),
+        r"hidden_size 64 is not a multiple of num_attention_heads 5"),
+    "tie flag a string": (_config(tie_word_embeddings="false"),
+                          r"tie_word_embeddings must be true or false, got 'false'"),
+    "bias flag a string": (_config(attention_bias="false"),
+                           r"attention_bias must be true or false, got 'false'"),
+    "NaN in a weight": (_nan_weight,
+                        r"model.layers.1.mlp.up_proj.weight holds NaN or infinite values"),
+}
+
+
+def start_engine(model, ring: str) -> subprocess.CompletedProcess:
+    """`blink engine --engine cpu --model DIR` as `blink serve` starts it (warnings and errors
+    only): a folder it cannot serve ends it before it serves; one it can would run until the
+    timeout, which fails the caller."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "blink.client.cli", "engine", "--engine", "cpu", "--model",
+             str(model), "--ring-name", ring, "--log-level", "warning"],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        shm_path(ring).unlink(missing_ok=True)  # left only by an engine the timeout killed
+
+
+def assert_one_line_refusal(done: subprocess.CompletedProcess, message: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert len(lines) == 1 and re.search(message, lines[0]), done.stderr
+
+
+@pytest.mark.parametrize("case", list(UNSERVABLE))
+def test_unservable_folders_stop_the_engine_in_one_line(tmp_path, f32_ckpt, case):
+    """The real start-up (`blink engine --engine cpu`): a folder it cannot serve exits non-zero
+    with one line naming the file, tensor or key and what is wrong; never a traceback, never
+    served."""
+    path = shutil.copytree(f32_ckpt, tmp_path / "m")
+    broken, message = UNSERVABLE[case]
+    broken(path)
+    assert_one_line_refusal(start_engine(path, f"ckpt-test-{os.getpid()}"), message)
+
+
+def test_tensors_the_model_does_not_use_are_ignored_with_a_warning(tmp_path, f32_ckpt, caplog):
+    """As transformers does (its load report lists them as UNEXPECTED and loads the model):
+    a tensor no module of the model takes is skipped, and named in one warning."""
+    from safetensors.numpy import load_file, save_file
+
+    path = shutil.copytree(f32_ckpt, tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.2.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.layers.0.self_attn.o_proj.bias"] = np.ones(64, np.float32)
+    save_file(tensors, path / "model.safetensors")
+    cfg = load_config(path)
+    with caplog.at_level("WARNING", logger="blink.gpu_engine.checkpoint"):
+        w = load_weights(path, cfg)
+    assert "2 tensors" in caplog.text and "model.layers.2.mlp.up_proj.weight" in caplog.text
+    assert "model.layers.0.self_attn.o_proj.bias" in caplog.text
+    np.testing.assert_array_equal(w.layers[1].up_proj,
+                                  tensors["model.layers.1.mlp.up_proj.weight"])
+    assert w.layers[0].o_bias is None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert len(hf.model.layers) == 2 and hf.model.layers[0].self_attn.o_proj.bias is None

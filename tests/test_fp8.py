@@ -8,6 +8,7 @@ writer) for FP8 checkpoints; transformers in float32 for the accuracy of the emu
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -236,6 +237,105 @@ def test_fp8_tensor_without_a_scale_is_refused(bf16_checkpoint, tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(CheckpointError, match="down_proj.weight has no weight_scale"):
         load_weights(tmp_path / "fp8", load_config(tmp_path / "fp8"))
+
+
+def _edit_tensors(path, edit) -> None:
+    """Rewrites path/model.safetensors with edit(tensors) applied (torch tensors by name)."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+DOWN = "model.layers.1.mlp.down_proj."
+
+
+def _set(name, value):
+    return lambda t: t.__setitem__(name, value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop(DOWN + "weight_scale"), "down_proj.weight has no weight_scale"),
+    (lambda t: t.__setitem__(DOWN + "weight_scale", t[DOWN + "weight_scale"][:5]),
+     r"weight_scale has shape \[5, 1\]: not a scale"),
+    (lambda t: t.__setitem__(DOWN + "weight_scale", t[DOWN + "weight_scale"].to(torch.int8)),
+     "weight_scale has dtype I8"),
+    (lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].to(
+        torch.float8_e4m3fn)), r"model.norm.weight has shape \[128\]: only 2-D"),
+    (lambda t: t.pop("model.layers.1.self_attn.k_scale"), "k_scale / v_scale are in some"),
+    (_set("model.layers.0.self_attn.v_scale", torch.ones(2)),
+     "v_scale must be one scale, got shape"),
+], ids=["scale-missing", "scale-shape", "scale-dtype", "fp8-norm", "kv-scale-missing",
+        "kv-scale-shape"])
+def test_fp8_scale_tensors_are_checked_from_the_headers(bf16_checkpoint, tmp_path, edit,
+                                                        message):
+    """What the headers show of an FP8 weight's scale (there, its dtype, its shape against the
+    weight's) and of the KV scales is refused by check_weights, the check before anything
+    starts (under `blink serve`: before the front end), not first by the engine."""
+    from blink.gpu_engine.checkpoint import check_weights
+    fp8_checkpoint(bf16_checkpoint, tmp_path / "fp8", "row", kv_scales=True)
+    _edit_tensors(tmp_path / "fp8", edit)
+    cfg = load_config(tmp_path / "fp8")
+    for load in (check_weights, load_weights):
+        with pytest.raises(CheckpointError, match=message):
+            load(tmp_path / "fp8", cfg)
+
+
+def _nan_code(t):
+    codes = t["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8)
+    codes[2, 7] = fp8.E4M3_NAN
+
+
+def _last_scale(value):
+    """An edit: the last of layer 1's down_proj scales (its last row's, block's, or the
+    tensor's) set to `value`."""
+    def edit(t):
+        for suffix in ("weight_scale", "weight_scale_inv"):
+            if DOWN + suffix in t:
+                t[DOWN + suffix].view(-1)[-1] = value
+    return edit
+
+
+@pytest.mark.parametrize("scheme, edit, message", [
+    ("row", _last_scale(float("nan")), "down_proj.weight_scale holds NaN or infinite"),
+    ("row", _last_scale(float("inf")), "down_proj.weight_scale holds NaN or infinite"),
+    ("block", _last_scale(float("nan")),
+     "down_proj.weight_scale_inv holds NaN or infinite"),
+    ("row", _last_scale(-0.01), "down_proj.weight_scale holds negative values"),
+    ("tensor", _last_scale(-0.01), "down_proj.weight_scale_inv holds negative"),
+    ("row", _nan_code, "q_proj.weight holds NaN or infinite values"),
+], ids=["scale-nan", "scale-inf", "block-scale-nan", "scale-negative", "tensor-scale-negative",
+        "nan-code"])
+def test_fp8_values_that_would_serve_garbage_are_refused(bf16_checkpoint, tmp_path, scheme,
+                                                         edit, message):
+    """A NaN or infinite scale or an E4M3 NaN code makes NaN weights (every logit NaN); a
+    negative scale is no amax / 448 (a misread or corrupt tensor): load_weights refuses each,
+    naming the tensor, where it used to serve them."""
+    fp8_checkpoint(bf16_checkpoint, tmp_path / "fp8", scheme)
+    _edit_tensors(tmp_path / "fp8", edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_weights(tmp_path / "fp8", load_config(tmp_path / "fp8"))
+
+
+def test_a_zero_scale_is_a_block_of_zeros(bf16_checkpoint, tmp_path):
+    """A zero scale is served (its block's values are zero): transformers' own fine-grained
+    quantizer writes one for a block of zeros (the reciprocal of 448 / 0)."""
+    values = fp8_checkpoint(bf16_checkpoint, tmp_path / "fp8", "block")
+    _edit_tensors(tmp_path / "fp8", _last_scale(0.0))
+    w = load_weights(tmp_path / "fp8", load_config(tmp_path / "fp8"))
+    want = values[DOWN + "weight"].copy()
+    want[2 * FP8_BLOCK:, 5 * FP8_BLOCK:] = 0  # the last block of its [3, 6] grid
+    np.testing.assert_array_equal(w.layers[1].down_proj, want)
+
+
+def test_a_nan_scale_stops_the_engine_in_one_line(bf16_checkpoint, tmp_path):
+    """Through the real start-up: `blink engine --engine cpu` ends with one line naming the
+    scale tensor, no traceback."""
+    from test_checkpoint import assert_one_line_refusal, start_engine
+    fp8_checkpoint(bf16_checkpoint, tmp_path / "fp8", "row")
+    _edit_tensors(tmp_path / "fp8", _last_scale(float("nan")))
+    assert_one_line_refusal(start_engine(tmp_path / "fp8", f"fp8-test-{os.getpid()}"),
+                            "down_proj.weight_scale holds NaN or infinite values")
 
 
 # --- the CPU engine's emulation: the accuracy FP8 costs ------------------------------------------
