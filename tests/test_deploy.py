@@ -4,17 +4,25 @@ typed configs are refused), and every Blink command line in them (systemd units,
 args) parsed by Blink's own CLI, so a renamed or mistyped flag fails here."""
 from __future__ import annotations
 
+import argparse
 import configparser
 import importlib
+import ipaddress
+import re
 import shlex
+import signal
 from pathlib import Path
 
 import pytest
 
-from blink.client.cli import build_parser
+from blink.client.cli import _check_metrics_ports, build_parser
 from blink.client.sdk import SESSION_HEADER
+from blink.nic_service.server import SERVICE_NAME
+from blink.ring.layout import RingGeometry
+from blink.ring.lifecycle import STOP_SIGNALS
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
 K8S_VERSION = "1.30.0"
 ENVOY_TYPED_CONFIGS = ("envoy.extensions.filters.network.http_connection_manager.v3",
                        "envoy.extensions.filters.http.router.v3",
@@ -46,7 +54,7 @@ def test_kubernetes_manifests():
     # a replica per GPU: a rollout must not need a GPU more than the replicas hold
     assert docs[0]["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
     assert container["readinessProbe"]["grpc"] == {"port": args.port,
-                                                   "service": "blink.v1.Blink"}
+                                                   "service": SERVICE_NAME}
     assert str(args.metrics_port) == docs[0]["spec"]["template"]["metadata"]["annotations"][
         "prometheus.io/port"]
     assert docs[1]["spec"]["clusterIP"] == "None"  # headless: Envoy sees every pod
@@ -61,7 +69,7 @@ def test_envoy_config():
     config = yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
     Bootstrap().from_dict(config)  # raises on unknown fields, bad enums, unknown types
     cluster = config["static_resources"]["clusters"][0]
-    assert cluster["health_checks"][0]["grpc_health_check"]["service_name"] == "blink.v1.Blink"
+    assert cluster["health_checks"][0]["grpc_health_check"]["service_name"] == SERVICE_NAME
     k8s_service = "blink.default.svc.cluster.local"
     address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
         "address"]["socket_address"]
@@ -131,3 +139,174 @@ def test_dpu_host_systemd_units():
     # two machines: neither unit waits for the other (the front end dials until it answers)
     assert "blink-engine" not in frontend_unit["Unit"].get("After", "")
     assert float(frontend_unit["Service"]["TimeoutStopSec"]) > frontend.shutdown_timeout
+
+
+# --- the deploy files against the code as it is: engine, paths, ring, probes, metrics, Envoy ----
+
+ALL_UNITS = ("blink-engine", "blink-frontend", "blink-engine-rdma", "blink-frontend-dpu")
+ENGINE_UNITS = ("blink-engine", "blink-engine-rdma")
+FRONTEND_UNITS = ("blink-frontend", "blink-frontend-dpu")
+# the context the manifests' model serves without --max-model-len: Llama-3.1-8B's
+# max_position_embeddings (the ring holds a whole prompt and a whole output per slot)
+MODEL_CONTEXT = 131_072
+# what serve gives a stopping engine (README, "Drain"); a unit's engine gets at least as long
+ENGINE_STOP_S = 10
+
+
+def k8s_docs() -> list[dict]:
+    import yaml
+    return list(yaml.safe_load_all((DEPLOY / "k8s" / "blink.yaml").read_text()))
+
+
+def envoy_config() -> dict:
+    import yaml
+    return yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
+
+
+def quantity_bytes(text: str) -> int:
+    """A Kubernetes memory quantity (binary suffixes) in bytes."""
+    number, suffix = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", str(text)).groups()
+    return int(number) << {None: 0, "Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40}[suffix]
+
+
+def effective_metrics_host(args) -> str:
+    """Where the front end serves its metrics, as the CLI resolves an unset --metrics-host."""
+    resolved = argparse.Namespace(**vars(args))
+    resolved.metrics_port = None  # (resolve the host only: bind nothing)
+    _check_metrics_ports(resolved)
+    return resolved.metrics_host
+
+
+def test_gpu_engines_are_pinned_to_cuda():
+    """A GPU deployment fails loudly without its GPU: --engine auto falls back to the CPU
+    NumPy engine (an info line) where cuda-python, nvcc or the GPU is missing, and would serve
+    an 8B model there (deploy/setup.sh alone does not install the gpu extra)."""
+    for name in ENGINE_UNITS:
+        assert systemd_unit(name)[1].engine == "cuda", name
+    (container,) = k8s_docs()[0]["spec"]["template"]["spec"]["containers"]
+    assert parse_blink(container["args"]).engine == "cuda"
+
+
+def test_engine_cache_dir_is_writable():
+    """The CUDA engine writes compiled kernels and GEMM choices under $BLINK_CACHE_DIR, else
+    ~/.cache/blink: a system user (useradd --system, as the units ask) has no home there, and
+    the engine's mkdir failed at start: systemd's CacheDirectory, made for the unit's user."""
+    for name in ENGINE_UNITS:
+        service = systemd_unit(name)[0]["Service"]
+        env = dict(item.split("=", 1) for item in shlex.split(service["Environment"]))
+        assert env["BLINK_CACHE_DIR"] == f"/var/cache/{service['CacheDirectory']}", name
+
+
+def test_pod_cache_dir_is_writable():
+    """The pod's engine cache (test_engine_cache_dir_is_writable) on a volume of its own."""
+    pod = k8s_docs()[0]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == env["BLINK_CACHE_DIR"]]
+    assert not mount.get("readOnly")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert "emptyDir" in volume and volume["emptyDir"].get("medium") != "Memory"
+
+
+def test_units_run_what_setup_installs():
+    """Every unit runs the blink that deploy/setup.sh installs in the checkout's .venv, as the
+    user the install notes create, restarts on failure, and stops by a signal Blink drains on
+    within a time that covers it."""
+    setup = (DEPLOY / "setup.sh").read_text()
+    assert '-m venv .venv' in setup and 'blink = "blink.client.cli:main"' in (
+        ROOT / "pyproject.toml").read_text()
+    for name in ALL_UNITS:
+        unit, args = systemd_unit(name)
+        service = unit["Service"]
+        assert shlex.split(service["ExecStart"])[0] == "/opt/blink/.venv/bin/blink", name
+        assert service["User"] == "blink" and service["Restart"] in ("always", "on-failure")
+        assert signal.Signals[service.get("KillSignal", "SIGTERM")] in STOP_SIGNALS
+        stop_s = float(service["TimeoutStopSec"])
+        if args.command == "engine":
+            assert stop_s >= ENGINE_STOP_S, name
+        else:  # the drain, then the workers' gRPC stop (1 s) and exit
+            assert stop_s >= args.shutdown_timeout + 5, name
+
+
+def test_metrics_ports_as_the_front_ends_serve_them():
+    """--metrics-host defaults to --host: the units' and the pod's --host 0.0.0.0 serves the
+    metrics on every interface, where Prometheus scrapes a pod's IP; worker i serves its own on
+    the metrics port + i, the range the units name."""
+    for name in FRONTEND_UNITS:
+        unit, args = systemd_unit(name)
+        assert effective_metrics_host(args) == args.host
+        first, last = args.metrics_port, args.metrics_port + args.workers - 1
+        assert f"metrics on {first}-{last}" in unit["Unit"]["Description"], name
+    deployment, service, _ = k8s_docs()
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = parse_blink(container["args"])
+    assert args.workers == 1  # (one metrics port: the annotation's)
+    host = effective_metrics_host(args)
+    assert ipaddress.ip_address(host).is_unspecified  # not loopback: scraped by the pod's IP
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": args.port, "metrics": args.metrics_port}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
+
+
+def test_pod_probes_memory_and_ring():
+    """Probes on the health service the front end registers; liveness that a model load cannot
+    fail; /dev/shm large enough for the ring at the served context, within the memory limit."""
+    pod = k8s_docs()[0]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = parse_blink(container["args"])
+    for probe in ("readinessProbe", "startupProbe"):
+        assert container[probe]["grpc"] == {"port": args.port, "service": SERVICE_NAME}
+    # liveness: the process answers TCP from before the engine loads; NOT_SERVING (an engine
+    # serve restarts, a drain) must not kill the pod
+    assert "grpc" not in container["livenessProbe"] and "tcpSocket" in container["livenessProbe"]
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # a cold 8B load
+    ring = RingGeometry(args.slots, MODEL_CONTEXT - 1, MODEL_CONTEXT).total_bytes
+    (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == shm["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    size = quantity_bytes(volume["emptyDir"]["sizeLimit"])
+    limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+    assert 2 * ring <= size <= quantity_bytes(limits["memory"])
+    assert quantity_bytes(requests["memory"]) <= quantity_bytes(limits["memory"])
+    assert limits["nvidia.com/gpu"] == 1 and args.slots >= args.max_num_seqs
+
+
+def test_envoy_streams_and_retries():
+    """HTTP/2 to the replicas with no timeout on streams; retries only where no replica took
+    the request or the client has no byte yet: UNAVAILABLE before any token, a connection
+    that failed (a pod just gone), a stream HTTP/2 refused (GOAWAY): never reset or 5xx."""
+    config = envoy_config()
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    assert hcm["stream_idle_timeout"] == "0s"
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    safe = {"unavailable", "connect-failure", "refused-stream"}
+    for route in routes:
+        assert route["route"]["timeout"] == "0s"
+        assert set(route["route"]["retry_policy"]["retry_on"].split(",")) == safe
+    for cluster in config["static_resources"]["clusters"]:
+        options = cluster["typed_extension_protocol_options"][
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        assert "http2_protocol_options" in options["explicit_http_config"]
+
+
+def test_envoy_circuit_breakers_admit_what_replicas_queue():
+    """Envoy's default limits (1,024 streams a cluster, 3 retries at once) refused streams
+    (UNAVAILABLE) that the replicas would have run or queued; Blink's own queue and its
+    RESOURCE_EXHAUSTED are the admission control."""
+    deployment = k8s_docs()[0]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = parse_blink(container["args"])
+    queued = deployment["spec"]["replicas"] * (args.slots + args.max_queued)
+    for cluster in envoy_config()["static_resources"]["clusters"]:
+        (limits,) = cluster["circuit_breakers"]["thresholds"]
+        assert limits["max_requests"] >= queued and limits["max_pending_requests"] >= queued
+        assert limits["max_retries"] > 3, cluster["name"]  # (Envoy's default)
+
+
+def test_envoy_admin_on_loopback():
+    """The admin interface has no authentication and can stop Envoy (/quitquitquit) or
+    change its runtime: loopback only."""
+    admin = envoy_config()["admin"]["address"]["socket_address"]["address"]
+    assert ipaddress.ip_address(admin).is_loopback
