@@ -874,8 +874,11 @@ async def _supervise_engine(argv: list[str], stop: asyncio.Event, link,
     backoff = 0.5
     while not stop.is_set():
         # its own session: a terminal's Ctrl-C reaches serve, which drains before stopping the
-        # engine; and the engine gets SIGTERM should serve itself die (--exit-with-parent)
-        proc = await asyncio.create_subprocess_exec(*argv, start_new_session=True)
+        # engine; and the engine gets SIGTERM should serve itself die (--exit-with-parent).
+        # Not a systemd unit's notify socket: serve is the unit's process, and restarts its
+        # engine itself.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_", "WATCHDOG_"))}
+        proc = await asyncio.create_subprocess_exec(*argv, start_new_session=True, env=env)
         started, attachments = time.monotonic(), link.attachments
         waiter = asyncio.ensure_future(proc.wait())
         stopper = asyncio.ensure_future(stop.wait())

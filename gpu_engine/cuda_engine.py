@@ -39,6 +39,7 @@ from blink.gpu_engine.reference_engine import (EngineConfig, served_context_leng
 from blink.gpu_engine.ring_server import CORRUPT_GRACE_S, RingServer
 from blink.gpu_engine.step_log import STEP_LOG_CAPACITY, save_step_log
 from blink.ring.layout import HEADER_DTYPE, EngineKind, EngineState, RingGeometry
+from blink.ring.lifecycle import SystemdNotify
 
 log = logging.getLogger("blink.engine")
 
@@ -156,6 +157,7 @@ class CudaEngine:
         self.scheduler_graph = cr.capture_device_graph(self.stream, lambda s: cr.launch(
             fn, 1, el.SCHEDULER_THREADS, (self.state.ptr,), (P,), s))
         self.stop_event = threading.Event()
+        self.systemd = SystemdNotify()  # (a Type=notify unit's: a no-op elsewhere)
 
     def _init_device_state(self, geom: RingGeometry, num_blocks: int, ring_base: int) -> None:
         """Allocates the scheduler's device state and fills it: engine_sizes says how much
@@ -223,13 +225,17 @@ class CudaEngine:
                                                    self.ring.geom)
         cr.check(cr.cu.cuGraphLaunch(self.scheduler_graph, self.stream))
         log.info("CUDA engine serving: the scheduler kernel owns the ring")
+        self.systemd.ready()
 
     def wait(self, poll_s: float = 0.1) -> None:
-        """The host's whole steady-state job: sleep, notice errors, handle stop."""
+        """The host's whole steady-state job: sleep, notice errors, tell systemd's watchdog the
+        scheduler kernel's heartbeat moves, handle stop."""
         while not self.stop_event.wait(poll_s):
             c = self.control.read()
             if int(c["exited"]):
                 raise cr.CudaError(f"scheduler kernel exited with error {int(c['error'])}")
+            self.systemd.keepalive(lambda: int(self.ring_header()["heartbeat"]))
+        self.systemd.stopping()
         self.control.request_stop()
         cr.check(cr.cu.cuStreamSynchronize(self.stream))
 

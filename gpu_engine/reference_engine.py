@@ -29,7 +29,7 @@ from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from blink.gpu_engine.sequence import Sequence
 from blink.gpu_engine.step_core import StepCore, samples_now
 from blink.ring.layout import EngineKind, EngineState, FinishReason, RingGeometry
-from blink.ring.lifecycle import STOP_SIGNALS
+from blink.ring.lifecycle import STOP_SIGNALS, SystemdNotify
 
 log = logging.getLogger("blink.engine")
 
@@ -307,6 +307,8 @@ class ReferenceEngine:
     def serve_forever(self) -> None:
         self.ring.set_state(EngineState.SERVING)
         log.info("engine serving")
+        systemd = SystemdNotify()
+        systemd.ready()
         sleep = self.config.idle_sleep_s
         try:
             while not self.stop_event.is_set():
@@ -315,7 +317,9 @@ class ReferenceEngine:
                 else:  # idle: back off, so waiting costs little CPU and a new request <= 5 ms
                     time.sleep(sleep)
                     sleep = min(2 * sleep, self.config.idle_sleep_max_s)
+                systemd.keepalive(lambda: int(self.ring.header["heartbeat"]))
         finally:
+            systemd.stopping()
             self.close()
 
     def close(self) -> None:

@@ -310,3 +310,16 @@ def test_envoy_admin_on_loopback():
     change its runtime: loopback only."""
     admin = envoy_config()["admin"]["address"]["socket_address"]["address"]
     assert ipaddress.ip_address(admin).is_loopback
+
+
+def test_engine_units_tell_systemd_they_serve_and_live():
+    """The engine units are Type=notify with a watchdog: the engine says READY=1 once it serves
+    and WATCHDOG=1 only while its heartbeat moves (blink.ring.lifecycle.SystemdNotify), so
+    systemd restarts one whose scheduler hung, where the front end could only say NOT_SERVING.
+    Starting may take minutes (a model's load, kernels' compile, GEMM tuning)."""
+    for name in ENGINE_UNITS:
+        service = systemd_unit(name)[0]["Service"]
+        assert service["Type"] == "notify" and service["NotifyAccess"] == "main", name
+        assert service["TimeoutStartSec"] in ("infinity", "30min"), name
+        # longer than any step's silence: an 8,000-token prompt's prefill is a fraction of it
+        assert int(service["WatchdogSec"]) >= 10, name

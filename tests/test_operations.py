@@ -1492,3 +1492,84 @@ def test_front_end_workers_share_port_and_ring(checkpoints, make_stack, tmp_path
     assert all(d.completion_tokens == 4 for d in asyncio.run(many()))
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
+
+
+# -- systemd's notify protocol (a Type=notify engine unit with WatchdogSec=) ---------------------
+
+class NotifySocket:
+    """A stand-in for systemd's notify socket: a datagram socket in tmp_path; .wait(state)
+    returns once that message came (the messages kept, in order, in .got)."""
+
+    def __init__(self, path: Path):
+        self.path, self.got = str(path), []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+
+    def receive(self) -> None:
+        """Keeps the next message, if one comes within 0.2 s."""
+        try:
+            self.got.append(self.sock.recv(4096).decode())
+        except TimeoutError:
+            pass
+
+    def wait(self, state: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while state not in self.got:
+            assert time.monotonic() < deadline, f"no {state} within {timeout} s: {self.got}"
+            self.receive()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_systemd_watchdog_pings_only_while_the_heartbeat_moves(tmp_path):
+    from blink.ring.lifecycle import SystemdNotify
+    notify = NotifySocket(tmp_path / "notify")
+    try:
+        systemd = SystemdNotify({"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"})
+        assert systemd.watchdog_s == 0.4
+        systemd.ready()
+        beats = iter([1, 1, 1, 2])
+        systemd.keepalive(lambda: next(beats))  # the first look: a ping
+        systemd.keepalive(lambda: next(beats))  # too soon to look again: not read
+        time.sleep(0.11)
+        systemd.keepalive(lambda: next(beats))  # read, unmoved: no ping
+        systemd.keepalive(lambda: next(beats))  # unmoved again
+        systemd.keepalive(lambda: next(beats))  # moved: a ping
+        systemd.stopping()
+        notify.wait("STOPPING=1", 5)
+        assert notify.got == ["READY=1", "WATCHDOG=1", "WATCHDOG=1", "STOPPING=1"]
+        # another process's watchdog (a child inherits the variables), and no unit at all
+        assert SystemdNotify({"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000",
+                              "WATCHDOG_PID": "1"}).watchdog_s is None
+        SystemdNotify({}).ready()  # nothing to send to: nothing happens
+    finally:
+        notify.close()
+
+
+def test_an_engine_unit_is_told_ready_alive_and_stopping(checkpoints, tmp_path):
+    """`blink engine` under a Type=notify unit with WatchdogSec=: READY=1 once it serves,
+    WATCHDOG=1 a few times a period while its loop beats, STOPPING=1 on SIGTERM, exit 0. (A
+    hung scheduler stops the heartbeat and with it the pings: systemd then restarts it.)"""
+    notify = NotifySocket(tmp_path / "notify")
+    env = {**os.environ, "NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blink.client.cli", "engine", "--engine", "cpu", "--model",
+         str(checkpoints["llama"]), "--ring-name", f"blink-notify-{os.getpid()}"],
+        env=env, stderr=subprocess.DEVNULL)
+    try:
+        notify.wait("READY=1")
+        ready_at = time.monotonic()
+        while notify.got.count("WATCHDOG=1") < 5:
+            assert time.monotonic() - ready_at < 10, notify.got
+            notify.receive()
+        assert time.monotonic() - ready_at < 3  # four pings a 0.4-s period at most: ~0.5 s
+        proc.send_signal(signal.SIGTERM)
+        notify.wait("STOPPING=1", 10)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        notify.close()

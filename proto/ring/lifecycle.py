@@ -15,12 +15,23 @@ the first one is doing (a busy engine whose heartbeat is slow, a front end still
 engine), and the kernel releases a claim when its process exits however it ends: no file is left
 behind in /dev/shm and none needs cleaning up after a SIGKILL. Abstract sockets are per network
 namespace, as containers sharing one /dev/shm share one.
+
+An engine run by systemd as a Type=notify unit tells it when it serves and when it stops, and,
+with WatchdogSec=, that it is alive while its heartbeat moves (SystemdNotify): a scheduler that
+hangs stops the heartbeat, and systemd restarts the engine, as `blink serve` restarts its own
+(--engine-restart-timeout).
 """
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import signal
 import socket
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("blink.engine")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 HURRY_SIGNAL = signal.SIGUSR1
@@ -56,3 +67,48 @@ def claim_ring(ring_name: str, role: str) -> socket.socket:
                               f"stop it or pick another --ring-name") from None
         raise
     return sock
+
+
+class SystemdNotify:
+    """systemd's notify protocol (sd_notify(3)): READY=1 once the engine serves, STOPPING=1 as it
+    stops, and, under WatchdogSec=, WATCHDOG=1 only while its heartbeat moves. Nothing to do
+    outside such a unit (no NOTIFY_SOCKET)."""
+
+    def __init__(self, environ=os.environ):
+        path = environ.get("NOTIFY_SOCKET", "")
+        # "@name": an abstract socket
+        self._address = "\0" + path[1:] if path.startswith("@") else path or None
+        usec, pid = environ.get("WATCHDOG_USEC"), environ.get("WATCHDOG_PID")
+        mine = not pid or pid == str(os.getpid())  # (a child inherits the parent's variables)
+        self.watchdog_s = int(usec) / 1e6 if self._address and usec and mine else None
+        self._beat: int | None = None
+        self._pinged = -float("inf")
+
+    def ready(self) -> None:
+        self._send("READY=1")
+
+    def stopping(self) -> None:
+        self._send("STOPPING=1")
+
+    def keepalive(self, heartbeat: Callable[[], int]) -> None:
+        """Call often from the engine's steady loop: pings the watchdog, four times a period at
+        most, when heartbeat() has moved since the last ping (read only when one is due)."""
+        if self.watchdog_s is None:
+            return
+        now = time.monotonic()
+        if now - self._pinged < self.watchdog_s / 4:
+            return
+        beat = heartbeat()
+        if beat != self._beat:
+            self._beat, self._pinged = beat, now
+            self._send("WATCHDOG=1")
+
+    def _send(self, state: str) -> None:
+        if self._address is None:
+            return
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                sock.sendto(state.encode(), self._address)
+        except OSError as e:  # systemd went away: the engine serves on
+            log.warning("systemd notification %s not sent to %s: %s", state,
+                        os.environ.get("NOTIFY_SOCKET"), e)
