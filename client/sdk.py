@@ -15,6 +15,7 @@ Every failed call raises BlinkError; its codes are documented at the top of blin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import numbers
 import time
@@ -36,8 +37,17 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    # While the server is down a channel waits between connection attempts, each wait 1.6
+    # times the last, up to gRPC's 120 s; calls in a wait fail UNAVAILABLE at once, so after a
+    # 30 s outage a client failed for 14 s more with the server back. At most 1 s now.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 _READY_POLL_S = 0.1
+# gRPC keeps a deadline as int64 nanoseconds since the epoch: a timeout past about 9e9 s
+# overflows it and the call failed DEADLINE_EXCEEDED at once (so did inf). One past 1e9 s
+# (31 years) is taken as no deadline.
+_NO_DEADLINE_PAST_S = 1e9
 
 # Text, token ids, or chat messages ({"role": ..., "content": ...}).
 Prompt = Union[str, Sequence[int], Sequence[Mapping[str, str]]]
@@ -53,6 +63,25 @@ class BlinkError(Exception):
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.details}"
+
+
+def _seconds(what: str, value: Any, *, zero_ok: bool = False) -> float:
+    """value as float seconds; TypeError for a non-number (a bool too), ValueError for NaN or
+    one below the range (gRPC failed such a call DEADLINE_EXCEEDED, with no word on why, and
+    wait_ready(nan) polled forever)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if not (value >= 0 if zero_ok else value > 0):  # (NaN compares false)
+        raise ValueError(f"{what} must be {'>=' if zero_ok else '>'} 0 seconds, got {value!r}")
+    return float(value)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """A call's timeout as gRPC takes it: None (or inf, or past _NO_DEADLINE_PAST_S) for none."""
+    if timeout is None:
+        return None
+    timeout = _seconds("timeout", timeout)
+    return None if timeout > _NO_DEADLINE_PAST_S else timeout
 
 
 def _blink_error(error: grpc.RpcError) -> BlinkError:
@@ -77,24 +106,44 @@ class Sampling:
 
     def __post_init__(self):
         # a str is iterable: stop="\n\n" must not become a stop at every "\n"
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        for name, value in (("stop", stop), ("stop_token_ids", self.stop_token_ids)):
+            if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+                raise TypeError(f"{name} must be a sequence, not {type(value).__name__}")
+            object.__setattr__(self, name, tuple(value))
 
     def to_proto(self) -> blink_pb2.SamplingParams:
-        msg = blink_pb2.SamplingParams(
-            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos
-        )
+        """The message; TypeError or ValueError naming the field protobuf refuses (its own
+        said not which, or "bad argument type for built-in operation" for a stop of 1)."""
+        msg = blink_pb2.SamplingParams()
         # The scalars are proto3 `optional`: assigning one marks it present even when it is 0,
         # so only the caller's choices are assigned and temperature=0.0 still reaches the server.
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos"):
             value = getattr(self, name)
             if value is not None:
-                try:
+                # a bool is no number: protobuf took True as 1 (with a warning at most)
+                if isinstance(value, bool) and name != "ignore_eos":
+                    raise TypeError(f"{name} must be a number, not bool")
+                with _naming(name):
                     setattr(msg, name, value)
-                except (TypeError, ValueError) as e:  # protobuf's says not which field
-                    raise type(e)(f"{name}: {e}") from None
+        for i, stop in enumerate(self.stop):
+            if not isinstance(stop, str):  # protobuf also took bytes, as UTF-8
+                raise TypeError(f"stop[{i}] must be a str, not {type(stop).__name__}")
+        msg.stop.extend(self.stop)
+        if not all(_is_token_id(t) for t in self.stop_token_ids):
+            raise TypeError(f"stop_token_ids must be token ids (int), got {self.stop_token_ids}")
+        with _naming("stop_token_ids"):
+            msg.stop_token_ids.extend(self.stop_token_ids)
         return msg
+
+
+@contextlib.contextmanager
+def _naming(field: str):
+    """Prefixes protobuf's TypeError or ValueError with the field (its own names none)."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{field}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -206,6 +255,10 @@ def build_request(
         for i, m in enumerate(items):
             if "role" not in m or "content" not in m:
                 raise ValueError(f"chat message {i} needs 'role' and 'content', got {sorted(m)}")
+            for key in ("role", "content"):  # (protobuf took None for "", named nothing else)
+                if not isinstance(m[key], str):
+                    raise TypeError(f"chat message {i}'s {key} must be a str, not "
+                                    f"{type(m[key]).__name__}")
             request.messages.messages.add(role=m["role"], content=m["content"])
     elif all(_is_token_id(t) for t in items):  # integers without __index__
         request.token_ids.SetInParent()
@@ -270,11 +323,38 @@ def _status_name(response: health_pb2.HealthCheckResponse) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
+class _Channel:
+    """The gRPC channel (grpc or grpc.aio) a client and its with_token / with_session copies
+    share, and whether one of them closed it: a call then is one clear error in both clients
+    (gRPC's were a ValueError in grpc and a UsageError, no RpcError, in grpc.aio), and a stream
+    it cut says so (grpc.aio's raised CancelledError in a task nobody cancelled)."""
+
+    def __init__(self, channel: Any):
+        self.grpc = channel
+        self.closed = False
+
+    def close(self) -> Any:  # (grpc.aio's close is a coroutine: the async client awaits this)
+        self.closed = True
+        return self.grpc.close()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ValueError("this Blink client is closed (by close() or its with block; its "
+                             "with_token / with_session copies share its channel)")
+
+    def stream_error(self, error: grpc.RpcError) -> BlinkError:
+        if self.closed:
+            return BlinkError(grpc.StatusCode.CANCELLED,
+                              "the client was closed while this stream was open")
+        return _blink_error(error)
+
+
 class _Stream:
     """What both streams share: the call, the folding of its messages, and cancel()."""
 
-    def __init__(self, call: Any):  # grpc's response iterator (also a grpc.Call) or grpc.aio's
-        self._call = call
+    def __init__(self, call: Any, channel: _Channel):
+        self._call = call  # grpc's response iterator (also a grpc.Call) or grpc.aio's call
+        self._channel = channel
         self._folder = _Folder()
         self._cancelled = False
 
@@ -308,7 +388,7 @@ class GenerationStream(_Stream):
             except grpc.RpcError as e:
                 if self._cancelled:
                     raise StopIteration from None
-                raise _blink_error(e) from e
+                raise self._channel.stream_error(e) from e
             delta = self._folder.fold(response)
             if delta is not None:
                 return delta
@@ -339,15 +419,17 @@ class AsyncGenerationStream(_Stream):
         while True:
             try:
                 response = await self._call.read()
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as e:
                 if self._cancelled:  # our own cancel() surfaces as CancelledError in grpc.aio
                     raise StopAsyncIteration from None
+                if self._channel.closed and not _task_cancelling():  # so does the channel's
+                    raise self._channel.stream_error(e) from None
                 self._call.cancel()  # the awaiting task was cancelled: end the call too
                 raise
             except grpc.RpcError as e:
                 if self._cancelled:
                     raise StopAsyncIteration from None
-                raise _blink_error(e) from e
+                raise self._channel.stream_error(e) from e
             if response is grpc.aio.EOF:
                 break
             delta = self._folder.fold(response)
@@ -373,6 +455,13 @@ class AsyncGenerationStream(_Stream):
                 self._call.cancel()
             except RuntimeError:  # the event loop is already closed
                 pass
+
+
+def _task_cancelling() -> bool:
+    """Whether someone asked to cancel the running task. False on Python 3.10 (no
+    Task.cancelling): there a CancelledError after the channel closed is taken for the close's."""
+    task = asyncio.current_task()
+    return task is not None and getattr(task, "cancelling", lambda: 0)() > 0
 
 
 @dataclass(frozen=True)
@@ -424,10 +513,10 @@ class _Client:
     def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = (),
                  tls: Tls | None = None, token: str | None = None):
         self._metadata = _call_metadata(token, None)  # (before the channel: it may refuse)
-        self._channel = _open_channel(self._grpc, target, options, tls)
+        self._channel = _Channel(_open_channel(self._grpc, target, options, tls))
         self._token, self._session = token, None
-        self._stub = blink_pb2_grpc.BlinkStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._stub = blink_pb2_grpc.BlinkStub(self._channel.grpc)
+        self._health = health_pb2_grpc.HealthStub(self._channel.grpc)
 
     def with_token(self, token: str | None):
         """This client's channel with another bearer token on its calls (one channel for many
@@ -455,7 +544,18 @@ class _Client:
                        cache_salt: str) -> Any:
         request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model,
                                 client_request_id=client_request_id, cache_salt=cache_salt)
-        return self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        return self._stub.Generate(request, timeout=self._call_timeout(timeout),
+                                   metadata=self._metadata)
+
+    def _call_timeout(self, timeout: float | None) -> float | None:
+        """A call's timeout as gRPC takes it, once the call may be made (see _check_usable)."""
+        timeout = _deadline(timeout)
+        self._check_usable()
+        return timeout
+
+    def _check_usable(self) -> None:
+        """ValueError for a closed client (before a call is made)."""
+        self._channel.check_open()
 
 
 class BlinkClient(_Client):
@@ -485,7 +585,8 @@ class BlinkClient(_Client):
         cache_salt: str = "",
     ) -> GenerationStream:
         return GenerationStream(self._generate_call(prompt, sampling, timeout, return_token_ids,
-                                                    model, client_request_id, cache_salt))
+                                                    model, client_request_id, cache_salt),
+                                self._channel)
 
     def generate(
         self,
@@ -507,6 +608,7 @@ class BlinkClient(_Client):
             return stream.result
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        timeout = self._call_timeout(timeout)
         try:
             return method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
@@ -524,8 +626,9 @@ class BlinkClient(_Client):
         return _status_name(self._unary(self._health.Check, _health_request(), timeout))
 
     def wait_ready(self, timeout: float) -> None:
-        """Polls health until SERVING; BlinkError(DEADLINE_EXCEEDED) after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
+        """Polls health until SERVING; BlinkError(DEADLINE_EXCEEDED) after `timeout` seconds
+        (0: one poll; inf: no end)."""
+        deadline = time.monotonic() + _seconds("wait_ready's timeout", timeout, zero_ok=True)
         while True:
             try:
                 last = self.health(timeout=max(deadline - time.monotonic(), 0.001))
@@ -542,6 +645,29 @@ class AsyncBlinkClient(_Client):
     """BlinkClient on grpc.aio: the same methods, awaited. Use `async with` or `await close()`."""
 
     _grpc = grpc.aio
+
+    def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = (),
+                 tls: Tls | None = None, token: str | None = None):
+        """Made in a coroutine: grpc.aio binds the channel to the loop running it, and a call
+        from another loop failed with "got Future attached to a different loop", its request
+        task left pending."""
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("AsyncBlinkClient must be created in a coroutine, on the event "
+                               "loop that will use it") from None
+        super().__init__(target, options=options, tls=tls, token=token)
+
+    def _check_usable(self) -> None:
+        """RuntimeError for a call outside the client's event loop, as well."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not self._loop:
+            raise RuntimeError("this AsyncBlinkClient belongs to the event loop it was created "
+                               "on: make one in each loop that calls it")
+        super()._check_usable()
 
     async def close(self) -> None:
         await self._channel.close()
@@ -565,7 +691,8 @@ class AsyncBlinkClient(_Client):
     ) -> AsyncGenerationStream:
         return AsyncGenerationStream(self._generate_call(prompt, sampling, timeout,
                                                          return_token_ids, model,
-                                                         client_request_id, cache_salt))
+                                                         client_request_id, cache_salt),
+                                     self._channel)
 
     async def generate(
         self,
@@ -587,6 +714,7 @@ class AsyncBlinkClient(_Client):
             return stream.result
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        timeout = self._call_timeout(timeout)
         try:
             return await method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
@@ -604,7 +732,7 @@ class AsyncBlinkClient(_Client):
         return _status_name(await self._unary(self._health.Check, _health_request(), timeout))
 
     async def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + _seconds("wait_ready's timeout", timeout, zero_ok=True)
         while True:
             try:
                 last = await self.health(timeout=max(deadline - time.monotonic(), 0.001))

@@ -1,4 +1,5 @@
-"""The client SDK against a real gRPC server on localhost that runs a scripted fake servicer.
+"""The client SDK against a real gRPC server on localhost that runs a scripted fake servicer,
+then against a real Blink server (engine and front end processes, the synthetic engine).
 
 The prompt text picks the fake's script: "bad" is rejected, "fail-mid" fails after one chunk,
 "no-final" ends without a final message, "slow" streams two chunks and then waits for the client
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
+import os
 import pickle
 import socket
 import threading
@@ -463,3 +466,354 @@ def test_async_stream_dropped_early_cancels(server):
             assert await asyncio.to_thread(server.fake.cancelled.wait, 2)
 
     asyncio.run(main())
+
+
+# --- against a real server ------------------------------------------------------------------
+# `blink engine --engine synthetic` (a token every STEP_MS, so a LONG stream runs for minutes
+# unless the server cancels it) behind `blink frontend` on a free port, serving conftest's
+# long_checkpoint (a tiny random Llama with a 16,384-token context).
+
+STEP_MS = "20"
+LONG = Sampling(max_tokens=10_000, ignore_eos=True)
+SHORT = Sampling(max_tokens=3, ignore_eos=True)
+
+
+def synthetic_stack(model_dir, workdir, frontend_args=()):
+    """A started BlinkStack (tests/conftest.py) on the synthetic engine; the caller stops it."""
+    from conftest import BlinkStack
+    stack = BlinkStack(model_dir, workdir, ["--engine", "synthetic", "--synthetic-step-ms",
+                                            STEP_MS, "--slots", "4"], frontend_args)
+    stack.start_engine()
+    stack.start_frontend()
+    stack.wait_serving()
+    return stack
+
+
+@pytest.fixture(scope="module")
+def real(long_checkpoint, tmp_path_factory):
+    stack = synthetic_stack(long_checkpoint, tmp_path_factory.mktemp("sdk"))
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def real_client(real):
+    with BlinkClient(real.target) as c:
+        yield c
+
+
+def assert_cancelled_in_server(client: BlinkClient, cancelled_before: int) -> None:
+    """Every slot free again, the abandoned stream counted as cancelled: the server stopped
+    generating for it (a slot held until max_tokens would take minutes here)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        stats = client.stats()
+        if (stats["ring_slots_in_use"], stats["requests_cancelled"]) == (0, cancelled_before + 1):
+            return
+        time.sleep(0.02)
+    pytest.fail(f"not cancelled in the server: {client.stats()}")
+
+
+def _abandon_by_break(client, target):
+    for _ in client.stream("hi", LONG):
+        break
+
+
+def _abandon_by_gc(client, target):
+    stream = client.stream("hi", LONG)
+    next(stream)
+    del stream
+    gc.collect()
+
+
+def _abandon_by_exception(client, target):
+    with contextlib.suppress(KeyError):
+        for _ in client.stream("hi", LONG):
+            raise KeyError("the caller's own error")
+
+
+def _abandon_by_closing_the_client(client, target):
+    with BlinkClient(target) as other:
+        stream = other.stream("hi", LONG)
+        next(stream)
+    # the stream is still referenced: it is the close that cancels it, and says so
+    with pytest.raises(BlinkError, match="CANCELLED: the client was closed") as err:
+        list(stream)
+    assert err.value.code == grpc.StatusCode.CANCELLED
+
+
+@pytest.mark.parametrize("abandon", [_abandon_by_break, _abandon_by_gc, _abandon_by_exception,
+                                     _abandon_by_closing_the_client])
+def test_abandoned_sync_stream_is_cancelled_in_the_server(real, real_client, abandon):
+    before = real_client.stats()["requests_cancelled"]
+    abandon(real_client, real.target)
+    assert_cancelled_in_server(real_client, before)
+
+
+async def _abandon_async(way: str, client: AsyncBlinkClient, target: str) -> None:
+    if way == "break":
+        async for _ in client.stream("hi", LONG):
+            break
+    elif way == "exception":
+        with contextlib.suppress(KeyError):
+            async for _ in client.stream("hi", LONG):
+                raise KeyError("the caller's own error")
+    elif way == "task.cancel":
+        task = asyncio.create_task(client.generate("hi", LONG))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    elif way == "wait_for":
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.generate("hi", LONG), 0.2)
+    else:  # the client closed while another task reads the stream: that task is not cancelled
+        other = AsyncBlinkClient(target)
+        stream = other.stream("hi", LONG)
+        await anext(stream)
+
+        async def read_all():
+            return [d async for d in stream]
+        reader = asyncio.create_task(read_all())
+        await asyncio.sleep(0.1)
+        await other.close()
+        with pytest.raises(BlinkError, match="CANCELLED: the client was closed"):
+            await reader  # (it raised CancelledError, as if the reader had been cancelled)
+
+
+@pytest.mark.parametrize("way", ["break", "exception", "task.cancel", "wait_for", "close"])
+def test_abandoned_async_stream_is_cancelled_in_the_server(real, real_client, way):
+    before = real_client.stats()["requests_cancelled"]
+
+    async def main():
+        async with AsyncBlinkClient(real.target) as c:
+            await _abandon_async(way, c, real.target)
+            # checked while this client is open: the abandoning, not a close, cancelled it
+            await asyncio.to_thread(assert_cancelled_in_server, real_client, before)
+
+    asyncio.run(main())
+
+
+def test_call_timeouts_are_seconds_or_none(real, real_client):
+    """inf or a deadline too far for gRPC (which failed the call DEADLINE_EXCEEDED at once) is no
+    deadline; 0, a negative or NaN (the same failure, with no word on why) and a non-number
+    are refused before anything is sent."""
+    for far in (math.inf, 1e20, 2**63):
+        assert real_client.generate("hi", SHORT, timeout=far).completion_tokens == 3
+        assert real_client.health(timeout=far) == "SERVING"
+        assert real_client.stats(timeout=far)["ring_slots"] == 4
+    admitted = real_client.stats()["requests_admitted"]
+    for bad, error in ((0, ValueError), (-1, ValueError), (math.nan, ValueError),
+                       ("1", TypeError), (True, TypeError)):
+        for call in (lambda: real_client.generate("hi", SHORT, timeout=bad),
+                     lambda: real_client.stream("hi", SHORT, timeout=bad),
+                     lambda: real_client.stats(timeout=bad),
+                     lambda: real_client.model_info(timeout=bad)):
+            with pytest.raises(error, match="timeout must be"):
+                call()
+    assert real_client.stats()["requests_admitted"] == admitted
+
+    async def main():
+        async with AsyncBlinkClient(real.target) as c:
+            assert (await c.generate("hi", SHORT, timeout=math.inf)).completion_tokens == 3
+            with pytest.raises(ValueError, match="timeout must be > 0"):
+                await c.stats(timeout=math.nan)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_wait_ready_timeouts(real, real_client):
+    """NaN polled for ever (no time compares past it), and so did inf, even with the server
+    SERVING: each poll's health(timeout=inf) failed DEADLINE_EXCEEDED at once."""
+    for bad in (-1, math.nan):
+        with pytest.raises(ValueError, match="wait_ready's timeout must be >= 0"):
+            real_client.wait_ready(bad)
+    real_client.wait_ready(math.inf)
+    real_client.wait_ready(0)  # one poll
+
+    async def main():
+        async with AsyncBlinkClient(real.target) as c:
+            await c.wait_ready(math.inf)
+            with pytest.raises(ValueError, match="wait_ready's timeout"):
+                await c.wait_ready(math.nan)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("sampling, error, says", [
+    # refused by the SDK, naming the field (protobuf's errors named none, or took the value)
+    (dict(max_tokens=-1), ValueError, "max_tokens: Value out of range"),
+    (dict(max_tokens=True), TypeError, "max_tokens must be a number, not bool"),
+    (dict(top_k=-1), ValueError, "top_k: Value out of range"),
+    (dict(seed=2**64), ValueError, "seed: Value out of range"),
+    (dict(temperature="0.5"), TypeError, "temperature: "),
+    (dict(stop=[1]), TypeError, r"stop\[0\] must be a str, not int"),
+    (dict(stop=["ok", None]), TypeError, r"stop\[1\] must be a str, not NoneType"),
+    (dict(stop=[b"\n"]), TypeError, r"stop\[0\] must be a str, not bytes"),
+    (dict(stop_token_ids=[-1]), ValueError, "stop_token_ids: Value out of range"),
+    (dict(stop_token_ids=[True]), TypeError, "stop_token_ids must be token ids"),
+    (dict(ignore_eos="yes"), TypeError, "ignore_eos: "),
+    # the server's checks, which the SDK leaves to it: INVALID_ARGUMENT naming the rule
+    (dict(max_tokens=0), BlinkError, "INVALID_ARGUMENT: max_tokens must be at least 1"),
+    (dict(temperature=math.nan), BlinkError, "INVALID_ARGUMENT: temperature must be >= 0"),
+    (dict(temperature=-1.0), BlinkError, "INVALID_ARGUMENT: temperature must be >= 0"),
+    (dict(top_p=1.5), BlinkError, r"INVALID_ARGUMENT: top_p must be in \(0, 1\]"),
+    (dict(top_p=0.0), BlinkError, r"INVALID_ARGUMENT: top_p must be in \(0, 1\]"),
+    (dict(stop=["x"] * 17), BlinkError, "INVALID_ARGUMENT: at most 16 stop strings"),
+    (dict(stop=["x" * 257]), BlinkError, "INVALID_ARGUMENT: stop strings must be 1 to 256"),
+    (dict(stop=[""]), BlinkError, "INVALID_ARGUMENT: stop strings must be 1 to 256"),
+])
+def test_bad_sampling_is_one_clear_error(real_client, sampling, error, says):
+    with pytest.raises(error, match=says) as err:
+        real_client.generate("hi", Sampling(**sampling))
+    if error is BlinkError:
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_sampling_refuses_a_stop_that_is_no_sequence():
+    for bad in (None, 5, b"\n"):
+        with pytest.raises(TypeError, match="stop must be a sequence"):
+            Sampling(stop=bad)
+    with pytest.raises(TypeError, match="stop_token_ids must be a sequence"):
+        Sampling(stop_token_ids=5)
+
+
+@pytest.mark.parametrize("prompt, error, says", [
+    ([{"role": "user", "content": 5}], TypeError, "chat message 0's content must be a str"),
+    ([{"role": "user", "content": None}], TypeError, "chat message 0's content must be a str"),
+    ([{"role": "system", "content": "a"}, {"role": 1, "content": "b"}], TypeError,
+     "chat message 1's role must be a str"),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], TypeError,
+     "chat message 0's content must be a str, not list"),
+    ([1.0], TypeError, "only token ids"),
+    ([-1], ValueError, "uint32"),
+    ([2**32], ValueError, "uint32"),
+    ("", BlinkError, "INVALID_ARGUMENT: prompt is empty"),
+    ([], BlinkError, "INVALID_ARGUMENT: prompt is empty"),
+    ([2**31], BlinkError, "INVALID_ARGUMENT: token id 2147483648 is outside the vocabulary"),
+])
+def test_bad_prompt_is_one_clear_error(real_client, prompt, error, says):
+    with pytest.raises(error, match=says):
+        real_client.generate(prompt, SHORT)
+
+
+def test_numpy_token_ids_reach_the_server(real_client):
+    import numpy as np
+    for prompt in (np.array([5, 6], dtype=np.int64), [np.uint32(5), np.int8(6)]):
+        assert real_client.generate(prompt, SHORT).prompt_tokens == 2
+
+
+def test_one_client_from_many_threads(real, real_client):
+    """More callers than slots: every call completes (waiting for a slot), none interferes."""
+    with ThreadPoolExecutor(16) as pool:
+        done = list(pool.map(lambda i: real_client.generate(f"thread {i}", SHORT), range(48)))
+    assert [d.completion_tokens for d in done] == [3] * 48
+    assert real_client.stats()["ring_slots_in_use"] == 0
+
+
+async def _async_client(target: str) -> AsyncBlinkClient:
+    """An AsyncBlinkClient bound to the loop that runs this (it must be made in one)."""
+    return AsyncBlinkClient(target)
+
+
+def test_async_client_belongs_to_one_event_loop(real, real_client):
+    """A call from another loop (or none) is a RuntimeError that says why, sent nowhere; it
+    failed with "got Future attached to a different loop", its request task left pending."""
+    with pytest.raises(RuntimeError, match="created in a coroutine"):
+        AsyncBlinkClient(real.target)
+    home = asyncio.new_event_loop()
+    client = home.run_until_complete(_async_client(real.target))
+    admitted = real_client.stats()["requests_admitted"]
+
+    async def elsewhere():
+        with pytest.raises(RuntimeError, match="belongs to the event loop it was created on"):
+            await client.generate("hi", SHORT)
+        with pytest.raises(RuntimeError, match="belongs to the event loop"):
+            await client.stats()
+    asyncio.run(elsewhere())
+    assert real_client.stats()["requests_admitted"] == admitted
+    assert home.run_until_complete(client.generate("hi", SHORT)).completion_tokens == 3
+    home.run_until_complete(client.close())
+    home.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_with_token_and_session_share_the_channel(real, real_client):
+    """Copies open no channel of their own (no connection, no fd), and closing any one closes
+    them all: a call then is one clear ValueError in both clients (grpc's said "Cannot invoke
+    RPC: Channel closed!", grpc.aio's was a UsageError that is no RpcError)."""
+    real_client.generate("warm", SHORT)  # the connection is up before counting
+    fds = _open_fds()
+    for i in range(200):
+        real_client.with_token(f"t{i}").with_session(f"s{i}").stats()
+    assert _open_fds() <= fds
+    client = BlinkClient(real.target)
+    copy = client.with_session("conv")
+    copy.close()
+    for c in (client, copy):
+        with pytest.raises(ValueError, match="this Blink client is closed"):
+            c.generate("hi", SHORT)
+        with pytest.raises(ValueError, match="this Blink client is closed"):
+            c.health()
+
+    async def main():
+        c = AsyncBlinkClient(real.target)
+        await c.with_token("t").close()
+        with pytest.raises(ValueError, match="this Blink client is closed"):
+            await c.stats()
+        with pytest.raises(ValueError, match="this Blink client is closed"):
+            c.stream("hi", SHORT)
+    asyncio.run(main())
+
+
+def _seconds_until_it_works(call) -> float:
+    """How long `call` keeps failing UNAVAILABLE (it must work within 10 s)."""
+    start = time.monotonic()
+    while True:
+        try:
+            call()
+            return time.monotonic() - start
+        except BlinkError as e:
+            assert e.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 10, e
+        time.sleep(0.05)
+
+
+OUTAGE_S = 10
+
+
+def test_a_restarted_server_is_reached_again(long_checkpoint, tmp_path):
+    """The front end stops for OUTAGE_S and starts again on its port: in between a call is
+    UNAVAILABLE, and once it serves the same clients' channels reconnect within about a second
+    (gRPC's wait between connection attempts grew to 120 s: they failed for seconds more)."""
+    with socket.socket() as s:  # a free port, to start the front end on twice
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stack = synthetic_stack(long_checkpoint, tmp_path, ["--port", str(port)])
+    loop = asyncio.new_event_loop()
+    aclient = loop.run_until_complete(_async_client(stack.target))
+    try:
+        with BlinkClient(stack.target) as client:
+            calls = (lambda: client.generate("hi", SHORT),
+                     lambda: loop.run_until_complete(aclient.generate("hi", SHORT)))
+            for call in calls:
+                assert call().completion_tokens == 3
+            stack.frontend.terminate()
+            stack.frontend.wait(10)
+            back = time.monotonic() + OUTAGE_S
+            while time.monotonic() < back:  # (each failed attempt lengthened gRPC's wait)
+                for call in calls:
+                    with pytest.raises(BlinkError, match="UNAVAILABLE"):
+                        call()
+                time.sleep(0.2)
+            stack.start_frontend()
+            stack.wait_serving()  # (on a channel of its own)
+            for call in calls:
+                assert _seconds_until_it_works(call) < 2
+    finally:
+        loop.run_until_complete(aclient.close())
+        loop.close()
+        stack.stop()
