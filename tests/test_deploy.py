@@ -323,3 +323,13 @@ def test_engine_units_tell_systemd_they_serve_and_live():
         assert service["TimeoutStartSec"] in ("infinity", "30min"), name
         # longer than any step's silence: an 8,000-token prompt's prefill is a fraction of it
         assert int(service["WatchdogSec"]) >= 10, name
+
+
+def test_units_keep_restarting():
+    """Restart=always under systemd's default start limit (5 starts in 10 s) still ends in
+    `failed` for a unit that fails at once a few times in a row, RestartSec=1 or 2 apart (its
+    ring still claimed, its peer not up): the units lift the limit."""
+    for name in ALL_UNITS:
+        unit, _ = systemd_unit(name)
+        assert unit["Service"]["Restart"] == "always", name
+        assert unit["Unit"]["StartLimitIntervalSec"] == "0", name
