@@ -75,7 +75,7 @@ class SystemdNotify:
     outside such a unit (no NOTIFY_SOCKET)."""
 
     def __init__(self, environ=os.environ):
-        path = environ.get("NOTIFY_SOCKET", "")
+        self._path = path = environ.get("NOTIFY_SOCKET", "")
         # "@name": an abstract socket
         self._address = "\0" + path[1:] if path.startswith("@") else path or None
         usec, pid = environ.get("WATCHDOG_USEC"), environ.get("WATCHDOG_PID")
@@ -110,5 +110,4 @@ class SystemdNotify:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
                 sock.sendto(state.encode(), self._address)
         except OSError as e:  # systemd went away: the engine serves on
-            log.warning("systemd notification %s not sent to %s: %s", state,
-                        os.environ.get("NOTIFY_SOCKET"), e)
+            log.warning("systemd notification %s not sent to %s: %s", state, self._path, e)
