@@ -34,12 +34,12 @@ from blink.gpu_engine import cuda_runtime as cr
 from blink.gpu_engine import engine_layout as el
 from blink.gpu_engine.checkpoint import load_config, load_weights
 from blink.gpu_engine.cuda_forward import CudaForward
-from blink.gpu_engine.reference_engine import (EngineConfig, served_context_length,
-                                               stop_on_signals)
+from blink.gpu_engine.reference_engine import (EngineConfig, build_engine,
+                                               served_context_length)
 from blink.gpu_engine.ring_server import CORRUPT_GRACE_S, RingServer
 from blink.gpu_engine.step_log import STEP_LOG_CAPACITY, save_step_log
 from blink.ring.layout import HEADER_DTYPE, EngineKind, EngineState, RingGeometry
-from blink.ring.lifecycle import SystemdNotify
+from blink.ring.lifecycle import EngineStopSignals, SystemdNotify
 
 log = logging.getLogger("blink.engine")
 
@@ -275,10 +275,11 @@ class CudaEngine:
 def run_cuda_engine(config: EngineConfig, gpu_memory_utilization: float = 0.9,
                     step_log: Path | None = None, ring_memory: str = "host",
                     ring_export=None) -> None:
-    engine = CudaEngine(config, gpu_memory_utilization=gpu_memory_utilization,
-                        step_log=step_log, ring_memory=ring_memory,
-                        ring_export=ring_export)
-    stop_on_signals(engine.stop_event)
+    signals = EngineStopSignals()
+    engine = build_engine(lambda: CudaEngine(
+        config, gpu_memory_utilization=gpu_memory_utilization, step_log=step_log,
+        ring_memory=ring_memory, ring_export=ring_export))
+    signals.serving(engine.stop_event)
     engine.start()
     try:
         engine.wait()

@@ -8,8 +8,6 @@ this class adds the ring's I/O, the counters and the forward pass.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -29,7 +27,8 @@ from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from blink.gpu_engine.sequence import Sequence
 from blink.gpu_engine.step_core import StepCore, samples_now
 from blink.ring.layout import EngineKind, EngineState, FinishReason, RingGeometry
-from blink.ring.lifecycle import STOP_SIGNALS, SystemdNotify
+from blink.ring.lifecycle import EngineStopSignals, SystemdNotify
+from blink.ring.shm import unlink_created_segments
 
 log = logging.getLogger("blink.engine")
 
@@ -328,29 +327,19 @@ class ReferenceEngine:
             log.info("engine stopped")
 
 
-def stop_on_signals(stop_event: threading.Event) -> None:
-    """STOP_SIGNALS set stop_event, from a thread of its own (call from the main thread).
-    A Python signal handler runs in the main thread between any two bytecodes, so one that sets
-    the event can run while the main thread holds the event's lock (inside its wait or set, or
-    inside the handler itself when signals come close together) and wait for that lock forever.
-    Seen: `blink serve` killed with SIGKILL, its engine got SIGTERM once for each of serve's
-    threads it was handed to as they died (the parent-death signal) and hung in nested
-    handlers. Here the C-level handler writes the signal to a pipe (set_wakeup_fd) and a daemon
-    thread sets the event."""
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)  # a full pipe drops a signal's byte, not the handler
-    signal.set_wakeup_fd(write_fd)
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda *_: None)  # replaces the default action; the pipe does the rest
-
-    def watch() -> None:
-        os.read(read_fd, 1)
-        stop_event.set()
-    threading.Thread(target=watch, name="stop-on-signal", daemon=True).start()
-
-
 def run_engine(config: EngineConfig, engine_cls=ReferenceEngine, **options) -> None:
     """Serves the ring with `engine_cls` (ReferenceEngine or a subclass) until SIGTERM/SIGINT."""
-    engine = engine_cls(config, **options)
-    stop_on_signals(engine.stop_event)
+    signals = EngineStopSignals()
+    engine = build_engine(lambda: engine_cls(config, **options))
+    signals.serving(engine.stop_event)
     engine.serve_forever()
+
+
+def build_engine(build):
+    """build(), and if it fails, the ring files it had created removed (an error after the
+    ring's creation, a scheduler configuration refused say, left it in /dev/shm)."""
+    try:
+        return build()
+    except BaseException:
+        unlink_created_segments()
+        raise

@@ -263,9 +263,9 @@ def _gone(pid: int) -> bool:
 # the lock is free. A handler that set it from the main thread would wait for that lock forever.
 _SIGNAL_WHILE_LOCKED = """
 import os, signal, sys, threading, time
-from blink.gpu_engine.reference_engine import stop_on_signals
+from blink.ring.lifecycle import EngineStopSignals
 stop = threading.Event()
-stop_on_signals(stop)
+EngineStopSignals().serving(stop)
 with stop._cond:
     for _ in range(3):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -278,6 +278,59 @@ def test_a_signal_while_the_stop_events_lock_is_held_still_stops():
     proc = subprocess.run([sys.executable, "-c", _SIGNAL_WHILE_LOCKED], timeout=30,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+# An engine whose start-up goes on after its ring is created (as the CUDA engine's does: the
+# scheduler's module, its device state, its graph), or fails there.
+_ENGINE_STARTING = """
+import logging, sys, time
+from pathlib import Path
+from blink.gpu_engine.reference_engine import EngineConfig, ReferenceEngine, run_engine
+
+class StillStarting(ReferenceEngine):
+    def __init__(self, config):
+        super().__init__(config)
+        Path(sys.argv[3]).write_text("ring created")
+        if sys.argv[4] == "fail":
+            raise ValueError("scheduler configuration refused")
+        time.sleep(60)
+
+logging.basicConfig(level="INFO")
+run_engine(EngineConfig(Path(sys.argv[1]), sys.argv[2]), StillStarting)
+"""
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "fail"])
+def test_an_engine_stopped_or_failing_after_its_ring_is_made_removes_it(checkpoints, tmp_path,
+                                                                         stop):
+    """A stop signal while the engine is still starting, after it created its ring, ends it at
+    once with the ring removed; so does an error there. The default action of the signals (and
+    the error's traceback) left the ring in /dev/shm."""
+    import secrets
+
+    from blink.ring.shm import SHM_DIR, shm_path
+    ring = f"blink-test-{secrets.token_hex(6)}"
+    marker = tmp_path / "created"
+    proc = subprocess.Popen([sys.executable, "-c", _ENGINE_STARTING, str(checkpoints["llama"]),
+                             ring, str(marker), stop], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: marker.exists() or proc.poll() is not None, 60, "the ring")
+        assert shm_path(ring).exists() or stop == "fail"
+        if stop != "fail":
+            proc.send_signal(getattr(signal, stop))
+        _, err = proc.communicate(timeout=10)
+        left = sorted(p.name for p in SHM_DIR.iterdir() if ring in p.name)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for path in SHM_DIR.iterdir():
+            if ring in path.name:  # (the failure's leftovers)
+                path.unlink()
+    assert left == [], (left, err)
+    if stop == "fail":
+        assert proc.returncode == 1 and "scheduler configuration refused" in err, err
+    else:
+        assert proc.returncode == 0 and f"stopped by {stop} while starting" in err, err
 
 
 def test_engine_stops_when_serve_is_killed(checkpoints, tmp_path):

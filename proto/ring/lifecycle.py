@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -48,6 +49,56 @@ def watch_stop_signals(loop, stop, hurry, *, repeats_hurry: bool = True) -> None
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop_signal)
     loop.add_signal_handler(HURRY_SIGNAL, hurry.set)
+
+
+class EngineStopSignals:
+    """STOP_SIGNALS for an engine process, from its first step (create it in the main thread,
+    before anything else) to its end.
+
+    Before `serving`: a stop signal removes the ring files this process has created
+    (blink.ring.shm.unlink_created_segments) and ends the process at once with status 0, as a
+    stop in service does. The default action did the same minus the removal, so a stop between
+    the ring's creation and its service (systemd stopping a unit still starting, a second Ctrl-C)
+    left the ring in /dev/shm. No exception is raised into the start-up code: it holds nothing
+    but memory, which goes with the process, and it may be inside any C call.
+
+    From `serving(stop_event)`: a stop signal sets stop_event, from a thread of its own. A Python
+    signal handler runs in the main thread between any two bytecodes, so one that sets the event
+    can run while the main thread holds the event's lock (inside its wait or set, or inside the
+    handler itself when signals come close together) and wait for that lock forever. Seen: `blink
+    serve` killed with SIGKILL, its engine got SIGTERM once for each of serve's threads it was
+    handed to as they died (the parent-death signal) and hung in nested handlers. Here the C-level
+    handler writes the signal's number to a pipe (set_wakeup_fd) and the thread reads it."""
+
+    def __init__(self):
+        self._stop_event: threading.Event | None = None
+        self._lock = threading.Lock()
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # a full pipe drops a signal's byte, not the handler
+        signal.set_wakeup_fd(write_fd)
+        for sig in STOP_SIGNALS:
+            # replaces the default action; the pipe does the rest
+            signal.signal(sig, lambda *_: None)
+        threading.Thread(target=self._watch, args=(read_fd,), name="stop-on-signal",
+                         daemon=True).start()
+
+    def serving(self, stop_event: threading.Event) -> None:
+        """From now on a stop signal sets stop_event (the engine, built, removes its own
+        ring as it stops)."""
+        with self._lock:
+            self._stop_event = stop_event
+
+    def _watch(self, read_fd: int) -> None:
+        signum = os.read(read_fd, 1)[0]
+        with self._lock:
+            if self._stop_event is not None:
+                self._stop_event.set()
+                return
+            from blink.ring.shm import unlink_created_segments
+            unlink_created_segments()
+            log.info("engine stopped by %s while starting", signal.Signals(signum).name)
+            logging.shutdown()  # (flushes the handlers; os._exit skips the interpreter's exit)
+            os._exit(0)
 
 
 class RingClaimed(RuntimeError):

@@ -56,6 +56,22 @@ def default_ring_name() -> str:
     return f"blink-ring-{os.getuid()}"
 
 
+# The ring files this process is creating (their temporary names) and has created and not yet
+# unlinked: what unlink_created_segments removes when start-up stops before the engine serves.
+_CREATING: set[Path] = set()
+_CREATED: set["ShmSegment"] = set()
+
+
+def unlink_created_segments() -> None:
+    """Removes every file this process created and still owns, under its temporary name or its
+    public one (only while it is still this process's inode). Safe from another thread while
+    the main thread creates one: a temporary name is recorded before its file exists."""
+    for tmp in list(_CREATING):
+        tmp.unlink(missing_ok=True)
+    for seg in list(_CREATED):
+        seg.unlink()
+
+
 class ShmSegment:
     """A mapped /dev/shm file. The engine `create`s it (replacing a stale one from a previous
     engine: a new inode, so front ends still mapping the old one see its heartbeat stop);
@@ -67,6 +83,7 @@ class ShmSegment:
         self._fd = fd
         self.mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.inode = os.fstat(fd).st_ino
+        self._tmp_path: Path | None = None  # a created segment's name until it is published
 
     @classmethod
     def create(cls, name: str, size: int) -> "ShmSegment":
@@ -74,20 +91,26 @@ class ShmSegment:
         # Build under a private temporary name, then rename over the public one, so an
         # attaching front end never maps a half-initialised or half-sized file.
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        _CREATING.add(tmp)
         try:
-            os.ftruncate(fd, size)
-            seg = cls(path, fd, size)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        seg._tmp_path = tmp
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                seg = cls(path, fd, size)
+            except BaseException:
+                os.close(fd)
+                tmp.unlink(missing_ok=True)
+                raise
+            seg._tmp_path = tmp
+            _CREATED.add(seg)
+        finally:
+            _CREATING.discard(tmp)
         return seg
 
     def publish(self) -> None:
         """Makes a created segment visible under its public name (after its header is set)."""
         os.replace(self._tmp_path, self.path)
+        self._tmp_path = None
 
     @classmethod
     def attach(cls, name: str) -> "ShmSegment":
@@ -113,8 +136,13 @@ class ShmSegment:
         return np.frombuffer(self.mmap, dtype=np.uint8)
 
     def unlink(self) -> None:
+        """Removes the file, if it is still this segment's (a created one not yet published:
+        its temporary name)."""
+        if self._tmp_path is not None:
+            self._tmp_path.unlink(missing_ok=True)
         if self.is_current():
             self.path.unlink(missing_ok=True)
+        _CREATED.discard(self)
 
     def close(self) -> None:
         try:
