@@ -35,9 +35,9 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from blink.client.bench_data import BENCH_EXTRA_HINT, BenchError, BenchRequest, \
-    random_requests, sharegpt_requests
+    random_requests, sharegpt_requests, warm_up_request
 from blink.client.bench_hog import CpuHog
-from blink.client.bench_load import run_in_processes
+from blink.client.bench_load import RUN_TIME_LIMIT, run_in_processes
 from blink.client.bench_metrics import Slo, summarize
 from blink.client.bench_report import LOOP_SATURATED, SCHEMA, document, plot, rate_label, \
     request_rows, summary_table, write_json
@@ -357,7 +357,8 @@ def serving(args, system: str, model_dir: Path | None, cores: list[int]):
 def prepare(args, system: str, target: str, model_dir: Path | None,
             requests: list[BenchRequest] | None):
     """The server's ModelInfo and the workload (built once, the same for every system); one
-    warm-up request."""
+    warm-up request, of a prompt no request of the workload starts with (a --target server's
+    prefix cache would serve the first one from it)."""
     with BlinkClient(target) as client:
         try:
             client.wait_ready(30)  # a started server is SERVING already
@@ -366,7 +367,9 @@ def prepare(args, system: str, target: str, model_dir: Path | None,
                 tokenizer = args.tokenizer or (model_dir / "tokenizer.json" if model_dir
                                                else None)
                 requests = workload(args, info.vocab_size, info.context_length, tokenizer)
-            client.generate(list(requests[0].prompt), Sampling(max_tokens=2, temperature=0.0))
+            warm_up = warm_up_request(len(requests[0].prompt), info.vocab_size)
+            client.generate(list(warm_up.prompt), Sampling(max_tokens=warm_up.output_len,
+                                                           temperature=0.0))
         except BlinkError as e:
             raise BenchError(f"{system} at {target}: {e}") from None
     return info, requests
@@ -461,6 +464,21 @@ def report(paths: list[Path], out: Path | None) -> dict:
     return doc
 
 
+def unexpected_failures(doc: dict) -> list[str]:
+    """A line for each run with requests that failed other than by --run-timeout's cut (which
+    was asked for): a server that fails requests has no figures to publish."""
+    lines = []
+    for run in doc["runs"]:
+        errors = [q["error"] or "no token" for q in run["requests"]
+                  if (q["error"] or not q["tokens"])
+                  and not (q["error"] or "").startswith(RUN_TIME_LIMIT)]
+        if errors:
+            lines.append(f"{run['system']} {run['interference']} rate {run['rate']} run "
+                         f"{run['repeat'] + 1}: {len(errors)} of {len(run['requests'])} "
+                         f"requests failed ({errors[0]})")
+    return lines
+
+
 def print_run(desc: str, repeat: int, result: dict) -> None:
     m = result["metrics"]
     failed = f"{m['failed']} failed" + (f" (streamed {m['streamed_throughput']:,.0f} tok/s)"
@@ -491,7 +509,8 @@ def cmd_bench(args) -> None:
                 raise BenchError("--report reads an earlier run and measures nothing: drop "
                                  "--target, --model and --shape")
             report(args.report, args.out)
-        else:
-            run(args)
+        elif failed := unexpected_failures(run(args)):
+            sys.exit("blink bench: requests failed (their runs' figures count only the "
+                     "completed ones):\n  " + "\n  ".join(failed))
     except BenchError as e:
         sys.exit(f"blink bench: {e}")

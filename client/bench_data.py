@@ -39,7 +39,7 @@ class BenchRequest:
 
 
 def random_requests(n: int, input_len: int, output_len: int, vocab_size: int, *,
-                    range_ratio: float = 0.0, seed: int = 0) -> list[BenchRequest]:
+                    range_ratio: float = 0.0, seed: int | str = 0) -> list[BenchRequest]:
     """n prompts of random ordinary token ids (the middle of the vocabulary, no special ones);
     lengths drawn uniformly from [len * (1 - range_ratio), len * (1 + range_ratio)]."""
     if not 0 <= range_ratio < 1:
@@ -54,6 +54,14 @@ def random_requests(n: int, input_len: int, output_len: int, vocab_size: int, *,
 
     return [BenchRequest(tuple(rnd.randrange(lo, hi) for _ in range(length(input_len))),
                          length(output_len)) for _ in range(n)]
+
+
+def warm_up_request(prompt_len: int, vocab_size: int) -> BenchRequest:
+    """A request of prompt_len random tokens and two output tokens, from a generator no
+    workload draws from (seeded by a string): a server's prefix cache keeps no block from it
+    that a measured request starts with (as it did when the workload's first prompt warmed)."""
+    (request,) = random_requests(1, prompt_len, 2, vocab_size, seed="blink warm-up")
+    return request
 
 
 def shared_prefix_requests(pairs: int, prefix_len: int, own_len: int, output_len: int,

@@ -7,6 +7,9 @@ every system under the same seed; rate inf sends everything at once. --concurren
 requests in flight (with rate inf: a closed loop of that many clients, each sending its next
 request when the last one finished).
 
+Every connection is open before the clock starts (open_connections): a connection's set-up
+(TCP, HTTP/2) is not part of the first request's time to first token.
+
 One Python client process takes roughly 10 us of CPU per streamed token, so past about 80,000
 tokens/s the client, not the server, would set the pace: `run_in_processes` spreads the requests
 over several client processes (each its own event loop and connections) that keep one common
@@ -27,6 +30,8 @@ import numpy as np
 
 from blink.client.bench_data import BenchRequest
 from blink.client.sdk import AsyncBlinkClient, BlinkError, Sampling
+
+RUN_TIME_LIMIT = "cut by the run time limit"  # the error of a request --run-timeout cut
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0,
@@ -89,9 +94,25 @@ async def stream_request(client: AsyncBlinkClient, request: BenchRequest,
             record.finish_reason = stream.result.finish_reason
             record.cached_prompt_tokens = stream.result.cached_prompt_tokens
             record.server_ttft_s = stream.result.time_to_first_token_s
+        if stream.result is not None and stream.result.completion_tokens != len(token_ids):
+            # the metrics count the streamed tokens: they must be the ones the server counts
+            record.error = (f"the server's usage counts {stream.result.completion_tokens} "
+                            f"generated tokens, its stream carried {len(token_ids)}")
     except BlinkError as e:
         record.error = str(e)
     return token_ids
+
+
+async def open_connections(clients: list[AsyncBlinkClient]) -> None:
+    """Opens each client's connection with one health check, whatever its answer (a server
+    without the health service, as bench_grpc_floor's, answers UNIMPLEMENTED over an open
+    connection; a server that is down fails the requests themselves, each recorded)."""
+    async def open_one(client: AsyncBlinkClient) -> None:
+        try:
+            await client.health(timeout=30)
+        except BlinkError:
+            pass
+    await asyncio.gather(*(open_one(client) for client in clients))
 
 
 async def run_requests(target: str, requests: list[BenchRequest], *, rate: float = math.inf,
@@ -99,7 +120,8 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
                        ignore_eos: bool = True, seed: int = 0, timeout: float = 3600.0,
                        connections: int = 1, run_timeout: float | None = None,
                        on_done: Callable[[RequestRecord], None] | None = None,
-                       offsets: np.ndarray | None = None, start: float | None = None,
+                       offsets: np.ndarray | None = None,
+                       synchronise: Callable[[], float] | None = None,
                        claim: Callable[[], int] | None = None
                        ) -> tuple[list[RequestRecord], float, ClientLoad]:
     """Sends every request (greedy, max_tokens = its output length) on the schedule, round
@@ -108,11 +130,12 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
     order, the wall time from the first send to the last token, and the client's CPU use. A
     failed request keeps its error and does not stop the others. run_timeout: seconds after
     which requests not yet finished (or sent) are cancelled and recorded as failed.
-    offsets, start: this process's share of a schedule drawn elsewhere, and the perf_counter
-    time its offsets count from (run_in_processes). claim (with concurrency): the index of the
-    next request to send, from a counter several processes share, so that their `concurrency`
-    workers together are one closed loop over the whole list (the records of requests another
-    process claimed stay unsent here)."""
+    offsets: this process's share of a schedule drawn elsewhere (run_in_processes);
+    synchronise: called in a thread once the connections are open, returns the perf_counter
+    time the offsets count from (run_in_processes: the processes' common start). claim (with
+    concurrency): the index of the next request to send, from a counter several processes
+    share, so that their `concurrency` workers together are one closed loop over the whole
+    list (the records of requests another process claimed stay unsent here)."""
     if offsets is None:
         offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     records = [RequestRecord(len(r.prompt), r.output_len) for r in requests]
@@ -158,15 +181,16 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
 
-        loop_cpu0 = time.thread_time()
-        cpu0, start = time.process_time(), start or time.perf_counter()
+        await open_connections(clients)  # before the clock: no request's TTFT holds it
+        start = await asyncio.to_thread(synchronise) if synchronise else time.perf_counter()
+        loop_cpu0, cpu0 = time.thread_time(), time.process_time()
         try:
             await asyncio.wait_for(send_all(), run_timeout)
         except asyncio.TimeoutError:
             for record in records:
                 if record.error is None and (not record.token_times
                                              or record.finish_reason == ""):
-                    record.error = f"cut by the run time limit ({run_timeout:g} s)"
+                    record.error = f"{RUN_TIME_LIMIT} ({run_timeout:g} s)"
         load = ClientLoad(time.process_time() - cpu0, time.thread_time() - loop_cpu0,
                           time.perf_counter() - start)
     finally:
@@ -186,6 +210,8 @@ async def run_conversations(target: str, user_turns: list[list[tuple[int, ...]]]
     conversation's records turn by turn (a failed turn ends its conversation) and the wall time
     from the first send to the last token."""
     async with AsyncBlinkClient(target) as client:
+        await open_connections([client])
+
         async def converse(messages: list[tuple[int, ...]]) -> list[RequestRecord]:
             records: list[RequestRecord] = []
             prompt: tuple[int, ...] = ()
@@ -209,9 +235,13 @@ def _client_process(requests: list[BenchRequest], offsets: np.ndarray, options: 
                     ready, go, start, results, index: int, processes: int, counter) -> None:
     """One client process of run_in_processes: waits for the common start, runs its share:
     with a concurrency cap, the requests it claims from the shared counter; otherwise every
-    processes-th one from its index. Puts (its index, [(request index, record)], its load)."""
-    ready.wait()
-    go.wait()
+    processes-th one from its index, once its connections are open. Puts (its index,
+    [(request index, record)], its load)."""
+    def synchronise() -> float:  # every process connected: the common start
+        ready.wait()
+        go.wait()
+        return start.value
+
     try:
         claimed: list[int] = []
 
@@ -226,12 +256,13 @@ def _client_process(requests: list[BenchRequest], offsets: np.ndarray, options: 
             claimed = list(range(index, len(requests), processes))
             requests, offsets = requests[index::processes], offsets[index::processes]
         records, _, load = asyncio.run(run_requests(
-            options.pop("target"), requests, offsets=offsets, start=start.value,
+            options.pop("target"), requests, offsets=offsets, synchronise=synchronise,
             claim=None if options["concurrency"] is None else claim, **options))
         mine = records if options["concurrency"] is None else [records[i] for i in claimed]
         results.put((index, list(zip(claimed, mine)), load))
     except BaseException as e:  # the parent reports it; a silent child would hang the run
         results.put((index, None, f"{type(e).__name__}: {e}"))
+        ready.abort()  # a parent still waiting for every process to connect stops waiting
 
 
 def run_in_processes(processes: int, target: str, requests: list[BenchRequest], *,
@@ -266,7 +297,7 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
     for worker in workers:
         worker.start()
     try:
-        ready.wait(timeout=120)        # every process has imported and is waiting
+        ready.wait(timeout=120)        # every process has connected and is waiting
         start.value = time.perf_counter() + 0.05  # CLOCK_MONOTONIC: one clock for all
         go.set()
         shares = {}
@@ -282,7 +313,11 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
                 raise RuntimeError(f"client process {index}: {load}")
             shares[index] = (records, load)
     except threading.BrokenBarrierError:
-        raise RuntimeError("the client processes did not start within 120 s") from None
+        try:  # a process that failed before it connected says why
+            index, _, why = results.get(timeout=1.0)
+        except queue.Empty:
+            raise RuntimeError("the client processes did not start within 120 s") from None
+        raise RuntimeError(f"client process {index}: {why}") from None
     finally:
         for worker in workers:
             worker.join(timeout=5)
@@ -296,7 +331,7 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
     for i, record in enumerate(records):  # never claimed: the run's time limit came first
         if record is None:
             records[i] = RequestRecord(len(requests[i].prompt), requests[i].output_len,
-                                       error=f"cut by the run time limit ({limit:g} s)"
+                                       error=f"{RUN_TIME_LIMIT} ({limit:g} s)"
                                        if limit else "never sent")
     for record in records if on_done else ():
         on_done(record)

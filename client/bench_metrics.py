@@ -3,9 +3,12 @@
 Per request: TTFT = first token - sent; TPOT = (last token - first token) / (tokens - 1);
 end-to-end latency = last token - sent. ITL: every gap between consecutive chunks of a
 request's stream, as in vLLM's benchmark (tokens that arrive in one chunk are one arrival and
-add no gap; at a token a chunk this is the gap between tokens). Each is summarised as mean, P50, P90 and P99 in milliseconds. Decode TPOT: the mean of the gaps
-during which no prompt of the run was being prefilled (no request lay between its send and its
-first token): where streams arrive together, TPOT and ITL also hold the steps that prefilled
+add no gap; at a token a chunk this is the gap between tokens). Each is summarised as mean,
+P50, P90 and P99 in milliseconds (NumPy's linear interpolation, as vLLM's). A request's tokens
+are those its stream carried, which bench_load.stream_request checks against its final's
+usage (a mismatch fails the request). Decode TPOT: the mean of the gaps during which no
+prompt of the run was being prefilled (no request lay between its send and its first token):
+where streams arrive together, TPOT and ITL also hold the steps that prefilled
 the later streams' prompts while the first ones decoded; this is the decode steps' own time
 as the client sees it (a request that failed before its first token counts no prefill).
 Throughput is over the run's wall time (first send to last token): completed requests,

@@ -13,7 +13,9 @@ second over the run's wall time, and the engine's own time per step from its cou
 (d engine_busy_ns / d engine_steps over the run: batch building, forward pass, sampling,
 publishing; client and gRPC excluded).
 Decode workloads print their floor: roofline.decode_step_bytes for `concurrency` sequences at
-the run's mean context (prompt + output / 2) over the device-to-device copy rate measured first.
+the run's mean context (prompt + output / 2) over the device-to-device copy rate measured first,
+in the formats the engine's flags serve (served_formats: --quantization, --no-fp8-lm-head and
+--kv-cache-dtype, also when given through --engine-flag).
 Prefill workloads (one request, one output token) print prompt tokens / TTFT.
 
 Every workload also prints the GPU's SM clock and power over its run (gpu_monitor.py, NVML): a
@@ -23,7 +25,9 @@ Cold by construction: each request of the decode, throughput and prefill workloa
 token ids drawn for it alone, every workload of a run from a seed of its own (its place in the
 run), so no two prompts sent to one server share their first KV block and none takes anything
 from the engine's prefix cache (on by default): every prompt is computed whole, as the figures
-above assume (an 8,000-token prompt's first token is the time to prefill all of it).
+above assume (an 8,000-token prompt's first token is the time to prefill all of it). Each
+server gets one warm-up request first (random tokens from a seed no workload uses), so the
+first workload's first request does not carry the server's first-request costs.
 
 The prefix suite measures that cache, on a server started as for the others:
 - shared prefix: requests sent one at a time, alternately cold (random from the first token)
@@ -62,12 +66,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from blink.client.bench_data import BenchRequest, chat_user_turns, random_requests, \
-    shared_prefix_requests
+    shared_prefix_requests, warm_up_request
 from blink.client.bench_grpc_floor import floor_server
 from blink.client.bench_load import RequestRecord, run_conversations, run_requests
 from blink.client.bench_metrics import full_batch_gaps_ms, summarize
 from blink.client.bench_server import Server, shape_folder
-from blink.client.sdk import BlinkClient
+from blink.client.sdk import BlinkClient, Sampling
 from blink.gpu_engine.gpu_monitor import GpuClocks, GpuMonitor
 
 
@@ -326,11 +330,44 @@ def check_completed(name: str, metrics: dict) -> None:
         raise RuntimeError(f"{name}: {metrics['failed']} requests failed: {metrics['errors']}")
 
 
-def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
-                 monitor: GpuMonitor, weights_fp8: bool = False, kv_fp8: bool = False,
-                 seed: int = 0) -> Result:
+@dataclass(frozen=True)
+class ServedFormats:
+    """What the engine's weights, LM head and KV cache are served in (the floors' bytes)."""
+    weights_fp8: bool = False
+    lm_head_fp8: bool = False
+    kv_fp8: bool = False
+
+
+def served_formats(flags: list[str]) -> ServedFormats:
+    """The formats an engine started with `flags` on a shape's folder (a bf16 config: the flags
+    alone decide) serves, read by the engine's own argument parser: the last of a repeated
+    flag wins there as here."""
+    from blink.client.cli import build_parser
+    args = build_parser().parse_args(["engine", *flags])
+    fp8 = args.quantization == "fp8"
+    return ServedFormats(fp8, fp8 and args.fp8_lm_head, args.kv_cache_dtype == "fp8")
+
+
+def decode_floor_bytes(shape: str, w: Workload, formats: ServedFormats):
+    """roofline.StepBytes of one decode step of w: `concurrency` sequences at its mean
+    context."""
     from blink.gpu_engine.bench_decode import SHAPES
     from blink.gpu_engine.roofline import decode_step_bytes
+    return decode_step_bytes(SHAPES[shape], [w.mean_context] * w.concurrency,
+                             formats.weights_fp8, formats.kv_fp8, formats.lm_head_fp8)
+
+
+def warm_up(target: str) -> None:
+    """One short request before the workloads (the module doc); raises if it fails."""
+    with BlinkClient(target) as client:
+        request = warm_up_request(16, client.model_info().vocab_size)
+        client.generate(list(request.prompt), Sampling(max_tokens=request.output_len,
+                                                       temperature=0.0, ignore_eos=True))
+
+
+def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
+                 monitor: GpuMonitor, formats: ServedFormats = ServedFormats(),
+                 seed: int = 0) -> Result:
     with BlinkClient(server.target) as client:
         since = monitor.mark()
         before = client.stats()
@@ -344,9 +381,7 @@ def run_workload(server: Server, shape: str, w: Workload, bandwidth: float,
     steps = max(1, after["engine_steps"] - before["engine_steps"])
     floor = None
     if w.kind == "decode":
-        need = decode_step_bytes(SHAPES[shape], [w.mean_context] * w.concurrency, weights_fp8,
-                                 kv_fp8)
-        floor = need.total / bandwidth * 1e3
+        floor = decode_floor_bytes(shape, w, formats).total / bandwidth * 1e3
     return Result(
         shape=shape, workload=w,
         tpot_ms=m["tpot_ms"]["p50"] if w.output_tokens > 1 else None,
@@ -380,19 +415,19 @@ def run_server(shape: str, folder: Path, workdir: Path, flags: list[str], worklo
     step_log = workdir / f"steps-{shape}{'' if prefix_caching else '-no-prefix-caching'}.npy"
     if args.step_log:
         flags = [*flags, "--step-log", str(step_log)]
+    formats = served_formats(flags)
     t0 = time.monotonic()
     server = Server(folder, workdir, flags)
     print(f"bench serving {shape}: engine up in {time.monotonic() - t0:.0f} s "
           f"({' '.join(flags)})", flush=True)
     results = []
     try:
+        warm_up(server.target)
         # each workload's prompts from a seed of its own: no prompt of one is in the prefix
         # cache from another (the module doc)
         for seed, w in enumerate(workloads):
             if isinstance(w, Workload):
-                result = run_workload(server, shape, w, bandwidth, monitor,
-                                      args.quantization == "fp8", args.kv_cache_dtype == "fp8",
-                                      seed)
+                result = run_workload(server, shape, w, bandwidth, monitor, formats, seed)
             else:
                 result = run_prefix_workload(server, shape, w, monitor, seed)
             result.prefix_caching = prefix_caching
@@ -415,7 +450,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=8448)
     parser.add_argument("--quantization", choices=["fp8"], default=None,
                         help="serve FP8 weights (the engine's --quantization); the floors "
-                             "count their bytes")
+                             "count their bytes (and the LM head's in bf16 with "
+                             "--engine-flag=--no-fp8-lm-head)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="the engine's --kv-cache-dtype; the floors count its bytes")
     parser.add_argument("--engine-flag", action="append", default=[],

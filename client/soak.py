@@ -5,8 +5,10 @@
 
 N closed-loop clients send random requests (random prompt tokens and output lengths, greedy,
 EOS ignored) for --duration seconds, each drawn as one of:
-  - completed: it must stream exactly its max_tokens tokens and finish "length";
-  - cancelled by the client after a random number of its tokens;
+  - completed: it must stream exactly its max_tokens tokens, finish "length" and count them
+    in its usage;
+  - cancelled by the client after a random number of its tokens (a stream that ends by
+    itself before that is short: an error);
   - sent with a deadline drawn around its expected time: it must end DEADLINE_EXCEEDED, or
     complete in time with every token.
 Anything else is an error: another status, a stream short or long. Afterwards the server must
@@ -84,6 +86,12 @@ async def one_request(client: AsyncBlinkClient, rnd: random.Random, mix: Mix,
                 if got >= cancel_after:
                     stream.cancel()
                     break
+            else:  # cancel_after <= n: a whole stream reaches it
+                result = stream.result
+                out.errors.append(f"request of {n} tokens, to cancel after {cancel_after}, "
+                                  f"ended with {got} "
+                                  f"({result.finish_reason if result else 'no result'})")
+                return
         except BlinkError as e:
             out.errors.append(f"cancelled request: {e}")
             return
@@ -105,9 +113,11 @@ async def one_request(client: AsyncBlinkClient, rnd: random.Random, mix: Mix,
             out.errors.append(f"request of {n} tokens after {got}: {e}")
         return
     result = stream.result
-    if got != n or result is None or result.finish_reason != "length":
+    if (got != n or result is None or result.finish_reason != "length"
+            or result.completion_tokens != got):
         out.errors.append(f"request of {n} tokens ended with {got} "
-                          f"({result.finish_reason if result else 'no result'})")
+                          + (f"({result.finish_reason}, usage {result.completion_tokens})"
+                             if result else "(no result)"))
         return
     out.tokens += got
     if deadline is None:

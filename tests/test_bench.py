@@ -3,6 +3,7 @@ the tokenizers library, the CPU hog, the transformers peer against transformers 
 whole benchmark through real servers on real ports."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -25,6 +26,7 @@ from blink.client.bench_server import process_tree_cpu
 from blink.client.bench_metrics import Slo, full_batch_gaps_ms, summarize
 from blink.client.cli import build_parser
 from blink.client.sdk import BlinkClient, Sampling
+from blink.v1.blink_pb2_grpc import BlinkServicer
 
 
 def test_arrivals_poisson_and_gamma():
@@ -610,3 +612,213 @@ def test_a_benchmark_ended_early_leaves_nothing_running(tmp_path, ending):
         if proc.poll() is None:
             proc.kill()
 
+
+
+class ScriptedBlink(BlinkServicer):
+    """A Blink server whose Generate follows a script: reply(request) -> (the token ids to
+    stream, a chunk each; the usage.completion_tokens of its final; a status code to abort
+    with instead of the final, or None). It keeps every request it was sent; GetServerStats
+    is UNIMPLEMENTED."""
+
+    def __init__(self, reply):
+        self.reply, self.requests = reply, []
+
+    def Generate(self, request, context):
+        from blink.v1 import blink_pb2 as pb
+        self.requests.append(request)
+        ids, usage, abort = self.reply(request)
+        for token in ids:
+            yield pb.GenerateResponse(chunk=pb.Chunk(text="x", token_ids=[token]))
+        if abort is not None:
+            context.abort(abort, "the script fails this request")
+        yield pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_LENGTH,
+                                                 usage=pb.Usage(completion_tokens=usage)))
+
+    def GetModelInfo(self, request, context):
+        from blink.v1 import blink_pb2 as pb
+        return pb.ModelInfo(name="scripted", context_length=4096, vocab_size=2048,
+                            engine="scripted")
+
+    def GetServerStats(self, request, context):
+        import grpc
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "no stats here")
+
+
+def as_asked(request):
+    """The honest script: max_tokens tokens, counted so."""
+    n = request.sampling.max_tokens
+    return list(range(300, 300 + n)), n, None
+
+
+@contextlib.contextmanager
+def scripted_server(reply):
+    """A ScriptedBlink (with the health service, SERVING) on a free port: (target, servicer)."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from blink.client.sdk import HEALTH_SERVICE
+    from blink.v1 import blink_pb2_grpc as pb_grpc
+    servicer, server = ScriptedBlink(reply), grpc.server(futures.ThreadPoolExecutor(8))
+    pb_grpc.add_BlinkServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        server.stop(0)
+
+
+@contextlib.contextmanager
+def slow_to_connect(target: str, delay_s: float):
+    """A TCP proxy to target that holds each new connection delay_s before it forwards it:
+    (its target, the perf_counter times at which it forwarded each connection)."""
+    import socket
+    import threading
+    host, port = target.rsplit(":", 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    forwarded: list[float] = []
+
+    def pipe(source, sink) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                s.close()
+
+    def accept() -> None:
+        while True:
+            try:
+                downstream, _ = listener.accept()
+            except OSError:  # closed: the with-block ended
+                return
+            time.sleep(delay_s)
+            upstream = socket.create_connection((host, int(port)))
+            forwarded.append(time.perf_counter())
+            for ends in ((downstream, upstream), (upstream, downstream)):
+                threading.Thread(target=pipe, args=ends, daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}", forwarded
+    finally:
+        listener.close()
+
+
+def test_connections_open_before_the_clock_starts():
+    """A connection's set-up is no request's time to first token: every request is sent after
+    the connections it uses were made (through a proxy that takes 0.3 s to make each), and the
+    run's wall time starts after them too."""
+    import asyncio
+
+    from blink.client.bench_load import run_requests
+    requests = [BenchRequest((300, 301, 302), 3)] * 4
+    with scripted_server(as_asked) as (target, _), slow_to_connect(target, 0.3) as (proxy, made):
+        records, wall, _ = asyncio.run(run_requests(proxy, requests, concurrency=2,
+                                                    connections=2))
+    assert [(r.error, r.tokens) for r in records] == [(None, 3)] * 4
+    assert len(made) == 2 and min(r.sent for r in records) > max(made)
+    assert wall <= max(r.token_times[-1] for r in records) - max(made)
+
+
+def test_usage_that_disagrees_with_the_stream_fails_the_request():
+    """Output tokens are the server's count (usage.completion_tokens): a stream that carried
+    another number of tokens than its usage counts is a failed request, not a completed one
+    with the client's count."""
+    import asyncio
+
+    from blink.client.bench_load import run_requests
+
+    def overcounted(request):
+        ids, usage, _ = as_asked(request)
+        return ids, usage + (request.sampling.max_tokens == 4), None
+    requests = [BenchRequest((300, 301), 3), BenchRequest((300, 302), 4)]
+    with scripted_server(overcounted) as (target, _):
+        records, _, _ = asyncio.run(run_requests(target, requests))
+    assert records[0].error is None and records[0].tokens == 3
+    assert records[1].error == "the server's usage counts 5 generated tokens, its stream " \
+                               "carried 4"
+    m = summarize(records, wall_s=1.0)
+    assert (m["completed"], m["failed"], m["output_tokens"]) == (1, 1, 3)
+
+
+def test_bench_fails_when_requests_failed(tmp_path):
+    """`blink bench` exits non-zero, naming the run and the error, when a server failed
+    requests (it exited 0 with a table of the completed ones' figures)."""
+    import grpc
+
+    def fail_the_long_ones(request):  # the warm-up (2 tokens) passes
+        ids, usage, _ = as_asked(request)
+        return ids[:1], usage, (grpc.StatusCode.INTERNAL if usage > 2 else None)
+    with scripted_server(fail_the_long_ones) as (target, _):
+        args = build_parser().parse_args([
+            "bench", "--target", target, "--num-prompts", "3", "--random-input-len", "8",
+            "--random-output-len", "4", "--out", str(tmp_path)])
+        with pytest.raises(SystemExit, match=r"target idle rate inf run 1: 3 of 3 requests "
+                                             r"failed \(INTERNAL"):
+            bench.cmd_bench(args)
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["complete"] and doc["runs"][0]["metrics"]["failed"] == 3
+
+
+def test_warm_up_leaves_no_measured_prompt_in_the_cache(tmp_path):
+    """The warm-up request (sent before the runs, not measured) shares no first KV block with
+    any measured prompt: it was the first measured prompt itself, which a --target server's
+    prefix cache then served to the first measured request."""
+    with scripted_server(as_asked) as (target, servicer):
+        bench.run(build_parser().parse_args([
+            "bench", "--target", target, "--num-prompts", "4", "--random-input-len", "32",
+            "--random-output-len", "4", "--out", str(tmp_path)]))
+    warm_up, *measured = [tuple(r.token_ids.ids) for r in servicer.requests]
+    assert len(measured) == 4 and len(warm_up) == len(measured[0])
+    assert all(warm_up[:16] != prompt[:16] for prompt in measured)
+    assert servicer.requests[0].sampling.max_tokens == 2
+
+
+def test_decode_floor_counts_the_formats_the_engine_serves():
+    """bench_serving's decode floor, by hand for the Llama-3.1-8B shape at batch 1, context
+    512 (384 + 256 / 2): the engine's own flags decide the formats, so an LM head kept in bf16
+    (--engine-flag=--no-fp8-lm-head) counts 2 bytes a weight, not FP8's 1 and a row scale."""
+    from blink.client.bench_serving import SUITES, decode_floor_bytes, served_formats
+    w = SUITES["decode"][0]
+    assert (w.concurrency, w.mean_context) == (1, 512)
+    H, I, L, V, kv_heads, head_dim = 4096, 14336, 32, 128256, 8, 128
+    qkv_rows = 32 * head_dim + 2 * kv_heads * head_dim
+    projections = H * qkv_rows + 32 * head_dim * H + 2 * H * I + I * H
+    rows = qkv_rows + H + 2 * I + H
+    norms = L * 2 * H * 2 + H * 2
+    fp8_layers = L * (projections + 4 * rows)
+    kv_bf16 = 512 * 2 * L * kv_heads * head_dim * 2
+    embedding_row = H * 2
+    cases = {
+        (): L * projections * 2 + V * H * 2 + norms + kv_bf16 + embedding_row,
+        ("--quantization", "fp8"): fp8_layers + V * H + 4 * V + norms + kv_bf16 + embedding_row,
+        ("--quantization", "fp8", "--no-fp8-lm-head"):
+            fp8_layers + V * H * 2 + norms + kv_bf16 + embedding_row,
+        ("--quantization", "fp8", "--kv-cache-dtype", "fp8"):
+            fp8_layers + V * H + 4 * V + norms + kv_bf16 // 2 + embedding_row,
+    }
+    for flags, want in cases.items():
+        flags = ["--engine", "cuda", "--load-format", "dummy", *flags]
+        assert decode_floor_bytes("llama-3.1-8b", w, served_formats(flags)).total == want, flags
+
+
+def test_serving_suite_warms_the_server_before_its_workloads(bench_checkpoint, tmp_path):
+    """bench_serving sends one request before the first workload (none before: the first
+    workload's first request was the server's first), which shares no first block with it."""
+    import argparse
+
+    from blink.client.bench_serving import Workload, run_server
+    from blink.gpu_engine.gpu_monitor import GpuMonitor
+    w = Workload("tiny", "throughput", 2, 2, 16, 4)
+    args = argparse.Namespace(step_log=False)
+    (result,) = run_server("tiny", bench_checkpoint, tmp_path, ["--engine", "cpu"], [w], 1e12,
+                           GpuMonitor(None, unavailable="no GPU in this test"), args)
+    assert result.step_range[0] > 0 and result.generated_tokens == 8

@@ -73,3 +73,37 @@ def test_soak_on_the_cuda_engine(checkpoints, tmp_path):
     check(doc)
     print(f"engine soak: {text.splitlines()[1].strip()}; {doc['server']['engine_steps']} "
           f"scheduler steps, {doc['server']['preemptions']} preemptions, 0 errors, 0 leaked")
+
+
+@pytest.mark.parametrize("kind", ["cancelled", "completed"])
+def test_short_or_miscounted_streams_are_errors(kind):
+    """A stream meant to be cancelled that ends by itself before its cancel point (here with no
+    token at all) is an error, not a cancel; a completed stream whose usage counts another
+    number of tokens than it carried is an error, not a completion."""
+    import asyncio
+    import random
+
+    from test_bench import as_asked, scripted_server
+
+    from blink.client.sdk import AsyncBlinkClient
+    from blink.client.soak import Mix, Outcomes, one_request
+
+    def script(request):
+        ids, usage, _ = as_asked(request)
+        return ([], 0, None) if kind == "cancelled" else (ids, usage + 1, None)
+
+    async def send(target: str) -> Outcomes:
+        out = Outcomes()
+        async with AsyncBlinkClient(target) as client:
+            rnd = random.Random(1)
+            mix = Mix(cancel_fraction=1.0 if kind == "cancelled" else 0.0,
+                      deadline_fraction=0.0, max_prompt=8, max_output=6, vocab_size=2048)
+            for _ in range(5):
+                await one_request(client, rnd, mix, out, step_s=0.01)
+        return out
+
+    with scripted_server(script) as (target, _):
+        out = asyncio.run(send(target))
+    assert (out.requests, len(out.errors)) == (0, 5), out
+    assert all(("to cancel after" in e) if kind == "cancelled" else ("usage" in e)
+               for e in out.errors), out.errors
