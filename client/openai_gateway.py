@@ -7,25 +7,32 @@ and the usual benchmark tools work against Blink unchanged.
 It is a gRPC client of the front end (aiohttp, the `openai` extra) and stays off the CPU-free
 path: run it where HTTP clients need it. Endpoints: GET /v1/models; POST /v1/completions
 (prompt: a string or token ids) and POST /v1/chat/completions (messages through the model's
-chat template), both with `stream` (server-sent events ending in `data: [DONE]`, a usage chunk
-before it with `stream_options.include_usage`). Parameters: max_tokens (max_completion_tokens),
-temperature, top_p, top_k, seed, stop (string or list), n = 1, and vLLM's extensions
-ignore_eos and stop_token_ids (which benchmark tools send) and cache_salt (a non-empty string:
-the prefix cache's namespace, blink.proto's GenerateRequest.cache_salt); null is the default;
-one that Blink does not serve (logprobs, echo, penalties, tools, vLLM's chat_template_kwargs and
-continue_final_message, ...) set to anything but its neutral value is a 400; with
+chat template: role, content as a string or text parts, and name, which the template sees),
+both with `stream` (server-sent events ending in `data: [DONE]`, a usage chunk before it with
+`stream_options.include_usage`). Parameters: max_tokens (max_completion_tokens), temperature,
+top_p, top_k, seed, stop (string or list), n = 1, and vLLM's extensions ignore_eos and
+stop_token_ids (which benchmark tools send) and cache_salt (a non-empty string: the prefix
+cache's namespace, blink.proto's GenerateRequest.cache_salt); null is the default; one that
+Blink does not serve (logprobs, echo, penalties, tools, audio output, reasoning_effort, vLLM's
+guided decoding, chat_template_kwargs and continue_final_message, ...) set to anything but its
+neutral value is a 400 whose `param` names it, as is a message that carries tool calls;
+parameters that change no output (user, metadata, store, ...) are accepted. With
 --served-model-name, a model not among its names is a 404 (model_not_found), else `model` is
-not checked (clients send Hub ids or paths). An `Authorization: Bearer KEY` header is passed
-on as the gRPC bearer token, an `x-blink-session` header as the SDK's session (Envoy routes a
-session to one replica: deploy/envoy/envoy.yaml). Blink's errors map to HTTP statuses
-(INVALID_ARGUMENT 400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
-DEADLINE_EXCEEDED 504) with OpenAI's error body. A client that disconnects cancels its
-request in the server. The channel to the server takes the client commands' TLS flags
-(--tls, --tls-ca, --tls-cert, --tls-key: TLS or mutual TLS).
+not checked (clients send Hub ids or paths); a response names the served model where the
+request named none. A body may be MAX_BODY_BYTES; a path or method not served, or a larger
+body, is OpenAI's error body too. An `Authorization: Bearer KEY` header is passed on as the
+gRPC bearer token, an `x-blink-session` header as the SDK's session (Envoy routes a session to
+one replica: deploy/envoy/envoy.yaml). Blink's errors map to HTTP statuses (INVALID_ARGUMENT
+400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, or 413 for a message past gRPC's size limit,
+UNAVAILABLE 503, DEADLINE_EXCEEDED 504) with OpenAI's error body (a prompt too long for the
+context: code context_length_exceeded, as OpenAI's). A client that disconnects
+cancels its request in the server. The channel to the server takes the client commands' TLS
+flags (--tls, --tls-ca, --tls-cert, --tls-key: TLS or mutual TLS).
 """
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 
@@ -38,40 +45,104 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTI
                grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499}
 
 
+# gRPC's words for a message past its size limit ("Received message larger than max (N vs.
+# M)", "Sent message ..."), which it reports as RESOURCE_EXHAUSTED, as a full server's queue
+GRPC_TOO_LARGE = "message larger than max"
+
+# The front end's words for a prompt that leaves no room in the context or the KV cache
+# (nic_service/server.py's request checks): OpenAI's code for it, context_length_exceeded, is
+# what clients look for to shorten a conversation and retry (LangChain's ContextOverflowError)
+CONTEXT_LENGTH_EXCEEDED = re.compile(
+    r"prompt (has \d+ tokens; the (context length is|KV cache holds) \d+"
+    r"|\(\d+ tokens\) plus max_tokens \(\d+\) exceeds the (context length|KV cache))")
+
+
 class BadRequest(ValueError):
-    pass
+    """A request the gateway refuses; param: the field at fault (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
-# HTTP status -> OpenAI's error type
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
-              404: "invalid_request_error", 429: "rate_limit_error"}
+# HTTP status -> OpenAI's error type (another 4xx: invalid_request_error; 5xx: server_error)
+ERROR_TYPE = {401: "authentication_error", 429: "rate_limit_error"}
+
+ROUTES = "GET /v1/models, POST /v1/completions and POST /v1/chat/completions"
+
+# The largest request body read. aiohttp's default, 1 MiB, refused prompts the server takes:
+# its default limit is 4 MiB of request (--max-request-mb), which JSON that escapes non-ASCII
+# text (\uXXXX, as the OpenAI SDK sends it) writes in up to 3 times as many bytes.
+MAX_BODY_BYTES = 16 << 20
 
 
 SHUTTING_DOWN = "server shutting down"  # (the front end's words for the same end)
 
 
-def _error(web, status: int, message: str, code: str | None = None):
-    kind = ERROR_TYPE.get(status, "server_error")
-    return web.json_response({"error": {"message": message, "type": kind, "param": None,
-                                        "code": code}}, status=status)
+def _error_body(status: int, message: str, code: str | None = None,
+                param: str | None = None) -> dict:
+    """OpenAI's error object, as a response's body or a stream's error event."""
+    kind = ERROR_TYPE.get(status) or ("invalid_request_error" if status < 500
+                                      else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _blink_error(web, e: BlinkError):
-    return _error(web, HTTP_STATUS.get(e.code, 500), e.details, e.code.name.lower())
+def _error(web, status: int, message: str, code: str | None = None, param: str | None = None):
+    return web.json_response(_error_body(status, message, code, param), status=status)
+
+
+def _blink_error_body(e: BlinkError, chat: bool | None = None) -> tuple[int, dict]:
+    """(HTTP status, OpenAI's error body) for a Blink call's error; chat: which endpoint's
+    prompt (messages or prompt) a context-length error names, None where neither."""
+    status = HTTP_STATUS.get(e.code, 500)
+    if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and GRPC_TOO_LARGE in e.details:
+        status = 413  # (not the 429 that clients retry: no retry makes the request smaller)
+    if e.code == grpc.StatusCode.INVALID_ARGUMENT and CONTEXT_LENGTH_EXCEEDED.match(e.details):
+        return status, _error_body(status, e.details, "context_length_exceeded",
+                                   None if chat is None else "messages" if chat else "prompt")
+    return status, _error_body(status, e.details, e.code.name.lower())
+
+
+def _blink_error(web, e: BlinkError, chat: bool | None = None):
+    status, body = _blink_error_body(e, chat)
+    return web.json_response(body, status=status)
 
 
 # Parameters OpenAI's API has and Blink does not serve: a request that sets one to anything
-# but its neutral value is a 400, not a completion that silently ignores it.
-UNSUPPORTED = {"echo": (None, False), "logprobs": (None, False), "top_logprobs": (None,),
-               "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0),
-               "frequency_penalty": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
-               "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none"),
+# but its neutral value is a 400, not a completion that silently ignores it. (Parameters that
+# change no output, such as user, metadata, store or prediction, are accepted and unused.)
+UNSUPPORTED = {"n": (None, 1), "echo": (None, False), "logprobs": (None, False),
+               "top_logprobs": (None,), "best_of": (None, 1), "suffix": (None, ""),
+               "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+               "functions": (None, []), "function_call": (None, "none"),
+               "modalities": (None, ["text"]), "audio": (None,), "reasoning_effort": (None,),
+               "web_search_options": (None,),
                # vLLM's extensions that change the prompt or the sampling
                "chat_template": (None,), "chat_template_kwargs": (None, {}),
                "add_generation_prompt": (None, True), "continue_final_message": (None, False),
                "documents": (None, []), "repetition_penalty": (None, 1), "min_p": (None, 0),
-               "min_tokens": (None, 0)}
+               "min_tokens": (None, 0), "truncate_prompt_tokens": (None,),
+               "prompt_logprobs": (None,), "use_beam_search": (None, False),
+               "include_stop_str_in_output": (None, False), "bad_words": (None, []),
+               "allowed_token_ids": (None,), "logits_processors": (None,),
+               "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+               "guided_grammar": (None,), "structured_outputs": (None,)}
+
+
+def _is_neutral(value, neutral: tuple) -> bool:
+    """Whether value is one of neutral, JSON's booleans apart from its numbers (Python has
+    False == 0: `"logprobs": 0`, which asks for the sampled tokens' logprobs, passed as
+    false)."""
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
+def _bool(body: dict, key: str) -> bool:
+    """body[key] as a boolean; False when absent or null."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be a boolean, got {value!r}", key)
+    return bool(value)
 
 
 def _int(body: dict, key: str, lo: int, hi: int) -> int | None:
@@ -80,7 +151,7 @@ def _int(body: dict, key: str, lo: int, hi: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise BadRequest(f"'{key}' must be an integer in [{lo}, {hi}], got {value!r}")
+        raise BadRequest(f"'{key}' must be an integer in [{lo}, {hi}], got {value!r}", key)
     return value
 
 
@@ -89,7 +160,7 @@ def _number(body: dict, key: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"'{key}' must be a number, got {value!r}")
+        raise BadRequest(f"'{key}' must be a number, got {value!r}", key)
     return float(value)
 
 
@@ -101,34 +172,33 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 def sampling_from(body: dict, chat: bool) -> Sampling:
     """OpenAI request fields -> Blink sampling (unsupported values are a 400, not ignored;
     null is the default, as OpenAI documents)."""
-    if body.get("n") not in (None, 1):
-        raise BadRequest("only n = 1 is supported")
     for key, neutral in UNSUPPORTED.items():
-        if key in body and body[key] not in neutral:
-            raise BadRequest(f"'{key}' is not supported by this server")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise BadRequest("only the text response_format is supported")
+        if key in body and not _is_neutral(body[key], neutral):
+            if key == "n":
+                raise BadRequest(f"only n = 1 is supported, got {body[key]!r}", key)
+            raise BadRequest(f"'{key}' is not supported by this server", key)
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise BadRequest("only the text response_format is supported", "response_format")
+    _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and isinstance(
             options.get("include_usage", False), bool)):
-        raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'")
+        raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'",
+                         "stream_options")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
-        raise BadRequest("'stop' must be a string or a list of strings")
+        raise BadRequest("'stop' must be a string or a list of strings", "stop")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     seed = _int(body, "seed", -(1 << 63), (1 << 64) - 1)
     top_k = _int(body, "top_k", -1, (1 << 31) - 1)
-    ignore_eos = body.get("ignore_eos") or False
+    ignore_eos = _bool(body, "ignore_eos")
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(ignore_eos, bool):
-        raise BadRequest("'ignore_eos' must be a boolean")
     if not isinstance(stop_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32
             for t in stop_ids):
-        raise BadRequest("'stop_token_ids' must be a list of token ids")
+        raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
     max_tokens = _int(body, key, 0, (1 << 32) - 1)
     if max_tokens is None and not chat:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -145,27 +215,51 @@ def cache_salt_from(body: dict) -> str:
     if salt is None:
         return ""
     if not isinstance(salt, str) or not salt:
-        raise BadRequest("'cache_salt' must be a non-empty string")
+        raise BadRequest("'cache_salt' must be a non-empty string", "cache_salt")
     return salt
+
+
+# A message's fields for the tool calls Blink does not serve (tools is a 400): a conversation
+# that carries one is a 400 too, not a prompt rendered without it.
+TOOL_CALL_FIELDS = ("tool_calls", "function_call", "tool_call_id")
+
+
+def _message(m, i: int) -> dict:
+    """messages[i] as the server takes it: role, content (text parts joined with newlines, as
+    vLLM joins them) and name, the participant's, which chat templates may print."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise BadRequest(f"{where} must be an object", where)
+    content = m.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}.content[{j}]: only text content parts (with a "
+                                 f"string 'text') are supported, got type {kind!r}",
+                                 f"{where}.content")
+        content = "\n".join(part["text"] for part in content)
+    for key in TOOL_CALL_FIELDS:
+        if m.get(key):
+            raise BadRequest(f"{where}.{key}: tool calls are not supported by this server",
+                             f"{where}.{key}")
+    if not isinstance(m.get("role"), str):
+        raise BadRequest(f"{where} needs a string 'role'", f"{where}.role")
+    if not isinstance(content, str):
+        raise BadRequest(f"{where} needs 'content', a string or a list of text parts",
+                         f"{where}.content")
+    name = m.get("name")
+    if name is not None and not isinstance(name, str):
+        raise BadRequest(f"{where}.name must be a string", f"{where}.name")
+    return {"role": m["role"], "content": content, **({"name": name} if name else {})}
 
 
 def _prompt(body: dict, chat: bool):
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty list")
-        out = []
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                if not all(isinstance(p, dict) and p.get("type") == "text"
-                           and isinstance(p.get("text"), str) for p in content):
-                    raise BadRequest("only text content parts are supported")
-                content = "\n".join(p["text"] for p in content)  # as vLLM joins them
-            if not isinstance(content, str) or not isinstance(m.get("role"), str):
-                raise BadRequest("each message needs a string 'role' and text 'content'")
-            out.append({"role": m["role"], "content": content})
-        return out
+            raise BadRequest("'messages' must be a non-empty list", "messages")
+        return [_message(m, i) for i, m in enumerate(messages)]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -173,7 +267,7 @@ def _prompt(body: dict, chat: bool):
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31
             for t in prompt)):
         return prompt
-    raise BadRequest("'prompt' must be a string or a list of token ids (one prompt)")
+    raise BadRequest("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
 
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -201,6 +295,15 @@ def make_app(target: str, served_model_names: list[str] | None = None,
         return state["client"].with_token(token if scheme.lower() == "bearer" else None) \
             .with_session(request.headers.get(SESSION_HEADER) or None)
 
+    async def served_name(client: AsyncBlinkClient) -> str:
+        """The model name a response carries where the request named none, as OpenAI's and
+        vLLM's carry the model that answered (it was "")."""
+        if served_model_names:
+            return served_model_names[0]
+        if "model_name" not in state:  # (one call: a server serves one model)
+            state["model_name"] = (await client.model_info(timeout=10)).name
+        return state["model_name"]
+
     async def models(request):
         try:  # the caller's token checked by the server, whatever the listed name
             name = (await client_for(request).model_info(timeout=10)).name
@@ -220,17 +323,24 @@ def make_app(target: str, served_model_names: list[str] | None = None,
                 raise BadRequest("the body must be a JSON object")
             prompt, sampling = _prompt(body, chat), sampling_from(body, chat)
             cache_salt = cache_salt_from(body)
+            model = body.get("model") or ""
+            if not isinstance(model, str):
+                raise BadRequest(f"'model' must be a string, got {model!r}", "model")
         except BadRequest as e:
-            return _error(web, 400, str(e))
+            return _error(web, 400, str(e), param=e.param)
         except (ValueError, LookupError, RecursionError) as e:  # (a 500 and a traceback before)
             # JSON that does not parse, bytes that are not UTF-8, a charset Python does not know,
             # nesting deeper than the parser goes
             return _error(web, 400, f"the body is not JSON that can be read: {e}")
-        model = body.get("model") or ""
         if served_model_names and model not in served_model_names:
-            return _error(web, 404, f"The model `{model}` does not exist.", "model_not_found")
+            return _error(web, 404, f"The model `{model}` does not exist.", "model_not_found",
+                          "model")
         try:  # (what the SDK's request builder refuses; a session header gRPC cannot carry)
-            stream = client_for(request).stream(prompt, sampling, cache_salt=cache_salt)
+            client = client_for(request)
+            model = model or await served_name(client)
+            stream = client.stream(prompt, sampling, cache_salt=cache_salt)
+        except BlinkError as e:
+            return _blink_error(web, e)
         except (TypeError, ValueError) as e:
             return _error(web, 400, str(e))
         state["streams"].add(stream)
@@ -238,7 +348,7 @@ def make_app(target: str, served_model_names: list[str] | None = None,
             stream.cancel()
         try:  # a client that goes away (an error writing to it, or aiohttp's cancel of this
             # handler) cancels the request in the server rather than leave it generating
-            return await (_stream if body.get("stream") else _complete)(
+            return await (_stream if body.get("stream") is True else _complete)(
                 web, request, body, chat, model, stream)
         finally:
             state["streams"].discard(stream)
@@ -264,7 +374,25 @@ def make_app(target: str, served_model_names: list[str] | None = None,
         if "client" in state:
             await state["client"].close()
 
-    app = web.Application()
+    @web.middleware
+    async def refusals_as_openai_errors(request, handler):
+        """aiohttp's own refusals (a path not served, a method a path does not take, a body
+        past MAX_BODY_BYTES) in OpenAI's error shape: they were text/plain pages."""
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            why = {404: f"this gateway serves {ROUTES}",
+                   405: f"it takes {', '.join(sorted(getattr(e, 'allowed_methods', ())))}"}
+            response = _error(web, e.status, f"{request.method} {request.path}: {e.reason}; "
+                              f"{why.get(e.status, e.text)}")
+            if "Allow" in e.headers:  # (a 405's list of methods, which HTTP requires)
+                response.headers["Allow"] = e.headers["Allow"]
+            return response
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES,
+                          middlewares=[refusals_as_openai_errors])
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", lambda r: generate(r, chat=False))
     app.router.add_post("/v1/chat/completions", lambda r: generate(r, chat=True))
@@ -309,7 +437,7 @@ async def _complete(web, request, body: dict, chat: bool, model: str, stream):
     try:
         text = "".join([d.text async for d in stream])
     except BlinkError as e:
-        return _blink_error(web, e)
+        return _blink_error(web, e, chat)
     done, shapes = stream.result, _Shapes(chat, model)
     if done is None:  # cancelled without an error: the gateway's drain gave it up
         return _error(web, 503, SHUTTING_DOWN, "unavailable")
@@ -347,17 +475,15 @@ async def _stream(web, request, body: dict, chat: bool, model: str, stream):
                 await send_chunk([shapes.choice(delta.text, None, True)])
     except BlinkError as e:
         if response is None:
-            return _blink_error(web, e)
-        await send({"error": {"message": e.details, "type": ERROR_TYPE.get(
-            HTTP_STATUS.get(e.code, 500), "server_error"), "code": e.code.name.lower()}})
+            return _blink_error(web, e, chat)
+        await send(_blink_error_body(e, chat)[1])
         await response.write(b"data: [DONE]\n\n")
         return response
     if response is None:  # nothing streamed (a stop string at once, say)
         await start()
     done = stream.result
     if done is None:  # cancelled without an error: the gateway's drain gave it up
-        await send({"error": {"message": SHUTTING_DOWN, "type": "server_error",
-                              "code": "unavailable"}})
+        await send(_error_body(503, SHUTTING_DOWN, "unavailable"))
         await response.write(b"data: [DONE]\n\n")
         return response
     await send_chunk([shapes.choice(None if chat else "", FINISH.get(done.finish_reason, "stop"),

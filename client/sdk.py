@@ -49,7 +49,7 @@ _READY_POLL_S = 0.1
 # (31 years) is taken as no deadline.
 _NO_DEADLINE_PAST_S = 1e9
 
-# Text, token ids, or chat messages ({"role": ..., "content": ...}).
+# Text, token ids, or chat messages ({"role": ..., "content": ...}, "name": ... optional).
 Prompt = Union[str, Sequence[int], Sequence[Mapping[str, str]]]
 
 
@@ -255,11 +255,14 @@ def build_request(
         for i, m in enumerate(items):
             if "role" not in m or "content" not in m:
                 raise ValueError(f"chat message {i} needs 'role' and 'content', got {sorted(m)}")
-            for key in ("role", "content"):  # (protobuf took None for "", named nothing else)
-                if not isinstance(m[key], str):
+            fields = {"role": m["role"], "content": m["content"]}
+            if m.get("name") is not None:  # optional: OpenAI's participant name, for the template
+                fields["name"] = m["name"]
+            for key, value in fields.items():  # (protobuf took None for "", named nothing else)
+                if not isinstance(value, str):
                     raise TypeError(f"chat message {i}'s {key} must be a str, not "
-                                    f"{type(m[key]).__name__}")
-            request.messages.messages.add(role=m["role"], content=m["content"])
+                                    f"{type(value).__name__}")
+            request.messages.messages.add(**fields)
     elif all(_is_token_id(t) for t in items):  # integers without __index__
         request.token_ids.SetInParent()
         request.token_ids.ids.extend(int(t) for t in items)

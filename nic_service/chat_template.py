@@ -4,7 +4,9 @@ Templates from the Hub are untrusted code, so they run in Jinja's immutable sand
 transformers' apply_chat_template does (same options, filters and globals), so the same template renders
 the same prompt here as there. The sandbox keeps a template from reaching anything but its
 inputs, not from running without end: a render also has a budget (RENDER_CPU_SECONDS,
-MAX_PROMPT_CHARS).
+MAX_PROMPT_CHARS), and no one operation may build a string or list longer than the prompt may
+be, or an integer past MAX_INT_BITS (one such operation runs, and allocates, before any check
+between operations could stop it).
 """
 
 import json
@@ -28,6 +30,9 @@ _MIN_JINJA = (3, 1, 6)
 # conversation of 400,000 messages in under a second and write a few times its size.
 RENDER_CPU_SECONDS = 5.0
 MAX_PROMPT_CHARS = 64 << 20  # 16 times the default request limit; ~16M tokens of English
+# The largest integer a template may compute: a prompt prints none longer than a few digits, and
+# `2 ** (10 ** 9)` alone ran for minutes (Python prints no int past 4,300 digits, 14,000 bits).
+MAX_INT_BITS = 1 << 16
 
 
 def render_chat(
@@ -196,6 +201,12 @@ class _Budget:
         if self._ticks % _CLOCK_EVERY == 0 and time.thread_time() > self._deadline:
             raise _OverBudget(f"did not finish within {self._cpu_seconds:g} s of CPU")
 
+    def building(self, size: int) -> None:
+        """A string or list of `size` items is about to be built: within the output cap, as
+        anything longer could only be written past it."""
+        if size > self._max_chars:
+            raise _OverBudget(f"built a value of {size:,} items, more than {self._max_chars:,}")
+
     def wrote(self, piece: str) -> None:
         self._chars += len(piece)
         if self._chars > self._max_chars:
@@ -212,13 +223,51 @@ def _budgeted_iter(context, iterable):
         yield item
 
 
+@jinja2.pass_context
+def _budgeted_concat(context, *pieces) -> str:
+    """Every `a ~ b ~ ...` joins through this (_compile puts it there): strings that double
+    in a loop outgrew memory within a few iterations, before the clock was looked at."""
+    pieces = [str(piece) for piece in pieces]
+    context.get(_BUDGET).building(sum(map(len, pieces)))
+    return "".join(pieces)
+
+
+_SEQUENCES = (str, list, tuple)
+
+
+def _int_bits(operator: str, left, right) -> int:
+    """A bound on the bits of `left operator right` for integers (0 for other operands)."""
+    if not (isinstance(left, int) and isinstance(right, int)):
+        return 0
+    if operator == "*":
+        return left.bit_length() + right.bit_length()
+    if operator == "**" and right > 0:
+        return (left.bit_length() - (abs(left) == 1)) * right  # (1 and -1 stay small)
+    return 0
+
+
 class _BudgetedSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox whose every call ticks the render's budget: a macro that calls
-    itself twice runs in exponential time without any loop."""
+    """The immutable sandbox whose every call ticks the render's budget (a macro that calls
+    itself twice runs in exponential time without any loop), and whose `*`, `**` and `+` are
+    sized before they run: `"x" * 10 ** 10` was one operation of 10 GB."""
+
+    intercepted_binops = frozenset({"*", "**", "+"})
 
     def call(self, context, obj, /, *args, **kwargs):
         context.get(_BUDGET).tick()
         return super().call(context, obj, *args, **kwargs)
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "+":  # (templates add strings all the time: the short way)
+            if isinstance(left, _SEQUENCES) and isinstance(right, _SEQUENCES):
+                context.get(_BUDGET).building(len(left) + len(right))
+            return left + right  # (an integer sum grows a bit an operation, loops ticked)
+        sequence, times = (right, left) if isinstance(right, _SEQUENCES) else (left, right)
+        if operator == "*" and isinstance(sequence, _SEQUENCES) and isinstance(times, int):
+            context.get(_BUDGET).building(len(sequence) * times)
+        elif _int_bits(operator, left, right) > MAX_INT_BITS:
+            raise _OverBudget(f"computed an integer of more than {MAX_INT_BITS:,} bits")
+        return super().call_binop(context, operator, left, right)
 
 
 def _raise_exception(message: str) -> None:
@@ -248,6 +297,12 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
+def _call(function, args: list) -> jinja2.nodes.Call:
+    """A template node that calls one of this module's functions with args (template nodes)."""
+    name = jinja2.nodes.ImportedName(f"{__name__}.{function.__name__}")
+    return jinja2.nodes.Call(name, args, [], None, None)
+
+
 # Memoizes the compile: a server renders every request with the same few templates.
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
@@ -265,8 +320,10 @@ def _compile(template: str) -> jinja2.Template:
         tree = env.parse(template)
         for loop in list(tree.find_all(jinja2.nodes.For)):
             # `for x in items` becomes `for x in _budgeted_iter(items)`: the same items, ticked
-            ticked = jinja2.nodes.ImportedName(f"{__name__}.{_budgeted_iter.__name__}")
-            loop.iter = jinja2.nodes.Call(ticked, [loop.iter], [], None, None)
+            loop.iter = _call(_budgeted_iter, [loop.iter])
+        for concat in list(tree.find_all(jinja2.nodes.Concat)):
+            # `a ~ b` becomes `_budgeted_concat(a, b)`, the one piece of a join
+            concat.nodes = [_call(_budgeted_concat, concat.nodes)]
         return env.from_string(tree)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ValueError(f"the chat template has a syntax error on line {e.lineno}: {e.message}") from e

@@ -276,7 +276,9 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                                      f"(size {info.vocab_size})")
             ids = ids.view(np.int32)  # every id below the vocabulary size: the same values
         elif kind == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+            # a name only where one was given: templates test `message.name is defined`
+            messages = [{"role": m.role, "content": m.content}
+                        | ({"name": m.name} if m.name else {}) for m in req.messages.messages]
             if not messages:
                 raise InvalidRequest("messages is empty")
             text = await asyncio.to_thread(self.codec.render, messages)

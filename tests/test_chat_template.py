@@ -440,3 +440,64 @@ def test_prompt_ids_are_transformers_apply_chat_template_ids(tmp_path, template)
         want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         got = codec.encode(codec.render(messages), False)
         assert got == list(getattr(want, "input_ids", want)), name
+
+
+# -- one operation that builds a huge value ------------------------------------------------------
+
+@pytest.mark.parametrize("template, says", [
+    ("{{ ('x' * 10**6)|length }}", "built a value of 1,000,000 items"),
+    ("{{ (10**6 * [0])|length }}", "built a value of 1,000,000 items"),
+    ("{{ (('x' * 600) + ('y' * 600))|length }}", "built a value of 1,200 items"),
+    # strings that double in a loop: a dozen iterations, or 40 to take every byte of memory
+    ("{% set s = namespace(v='xx') %}{% for i in range(12) %}{% set s.v = s.v ~ s.v %}"
+     "{% endfor %}{{ s.v|length }}", "built a value of 1,024 items"),
+    ("{{ (2 ** 100000) % 7 }}", "computed an integer of more than 65,536 bits"),
+    ("{% set n = namespace(v=3) %}{% for i in range(20) %}{% set n.v = n.v * n.v %}"
+     "{% endfor %}{{ n.v % 7 }}", "computed an integer of more than 65,536 bits"),
+], ids=["string-times", "list-times", "plus", "concat-doubling", "power", "squaring"])
+def test_one_operation_that_builds_a_huge_value_is_stopped(template, says):
+    """The budget was looked at between operations, so one operation ran whole: `"x" * 10**10`
+    built 10 GB and `2 ** (10**9)` ran for minutes before any check. Now `*`, `**`, `+` and `~`
+    are sized before they run: none may build a string or list longer than the prompt may be
+    (here a short limit, with outputs that fit it) or an integer past MAX_INT_BITS."""
+    import time
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=says):
+        render_chat(template, CONVERSATION, bos_token="", eos_token="", max_chars=1000)
+    assert time.monotonic() - start < 2
+
+
+# The operators the budget sizes, within it: the same output as transformers'.
+SIZED_OPERATORS = (
+    "{{ 'ab' * 3 ~ (1 ~ none) ~ 2 * 'c' }}|{{ [1] + [2] }}|{{ (1, 2) * 2 }}|{{ 2 ** 10 }}|"
+    "{{ 2 ** -1 }}|{{ 1.5 * 2 }}|{{ 3 + 4.5 }}|{{ (-1) ** 99999999 }}|"
+    "{% for m in messages %}{{ m.role ~ ': ' ~ m.content + '\n' }}{% endfor %}"
+)
+
+
+def test_sized_operators_render_as_transformers_renders_them():
+    chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    expected = chat_template_utils.render_jinja_template(
+        conversations=[CONVERSATION], chat_template=SIZED_OPERATORS)[0][0]
+    assert render_chat(SIZED_OPERATORS, CONVERSATION) == expected
+
+
+def test_the_front_end_refuses_a_huge_operation_at_once_and_serves_on(tmp_path, make_stack):
+    """A chat template that builds 100 MB in one operation on some conversation: that request
+    is INVALID_ARGUMENT at once, saying why (it was rendered, and 10**10 took the front end's
+    memory), and the front end serves the next."""
+    import time
+
+    from blink.client.sdk import BlinkClient, BlinkError, Sampling
+    template = ("{% if messages[-1].content == 'boom' %}{{ ('x' * 10**8)|length }}{% endif %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}<|eot|>{% endfor %}"
+                "assistant: ")
+    stack = make_stack(_tiny_model(tmp_path / "m", chat_template=template))
+    with BlinkClient(stack.target) as client:
+        start = time.monotonic()
+        with pytest.raises(BlinkError, match="INVALID_ARGUMENT: .*built a value of "
+                                             "100,000,000 items"):
+            client.generate([{"role": "user", "content": "boom"}], Sampling(max_tokens=1))
+        assert time.monotonic() - start < 4  # (a round trip on a busy host: the render is instant)
+        done = client.generate([{"role": "user", "content": "hi"}], Sampling(max_tokens=1))
+        assert done.completion_tokens == 1

@@ -494,3 +494,181 @@ def test_a_header_it_cannot_read_is_refused_without_quoting_it(checkpoints, make
         assert client.completions.create(model="m", prompt="hi", max_tokens=2).choices
     log = (tmp_path / "gateway.log").read_text()
     assert "cannot be read" in log and not quotes(log, secret), log[-3000:]
+
+
+# A template that prints a message's name where it has one, as ChatML-style templates for
+# multi-party chats do (transformers hands a template every key of a message).
+NAMED_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m.role }}"
+                  "{% if m.name is defined %} ({{ m.name }}){% endif %}: {{ m.content }}<|eot|>"
+                  "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_a_message_s_name_reaches_the_chat_template(make_stack, tmp_path):
+    """A message's `name` (OpenAI's participant name) reaches the model's chat template, so
+    the prompt is transformers' apply_chat_template's on the same folder, token for token
+    (the gateway dropped it: the prompt had no names); a message without one has no `name`
+    for the template to test."""
+    from test_chat_template import _codec_and_transformers, _tiny_model
+    folder = _tiny_model(tmp_path / "named", chat_template=NAMED_TEMPLATE)
+    _, hf = _codec_and_transformers(folder)
+    client, stack, proc = start_gateway(folder, make_stack, tmp_path)
+    try:
+        named = [{"role": "system", "content": "Two users share this chat."},
+                 {"role": "user", "name": "alice", "content": "Hi, I am Alice."},
+                 {"role": "user", "name": "bob_2", "content": "And I am Bob."}]
+        unnamed = [{k: v for k, v in m.items() if k != "name"} for m in named]
+        with BlinkClient(stack.target) as blink:
+            for messages in (named, unnamed):
+                want = hf.apply_chat_template(messages, add_generation_prompt=True,
+                                              tokenize=True)
+                want = len(getattr(want, "input_ids", want))
+                done = client.chat.completions.create(model="m", messages=messages,
+                                                      max_tokens=1)
+                assert done.usage.prompt_tokens == want, messages
+                # the Blink SDK sends it too
+                assert blink.generate(messages, Sampling(max_tokens=1)).prompt_tokens == want
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_refusals_name_their_parameter_and_a_number_is_not_a_boolean(gateway):
+    """A 400 names the parameter at fault in OpenAI's `param` (it was always null); JSON's 0
+    and true are not its false and 1 (Python's False == 0 let `"logprobs": 0`, which asks for
+    the sampled tokens' logprobs, and `"echo": 0`, `"n": true`, pass as neutral, and
+    `"stream": "false"` streamed); parameters that would change the answer (audio output,
+    reasoning effort, vLLM's guided decoding, ...) and messages that carry tool calls are
+    refused, not ignored; a message's fault names the message."""
+    client, _ = gateway
+    completion = {"model": "llama", "prompt": "hi", "max_tokens": 3}
+    chat = {"model": "llama", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
+    for path, base, bad, param in (
+            ("/completions", completion, {"logprobs": 0}, "logprobs"),
+            ("/completions", completion, {"echo": 0}, "echo"),
+            ("/completions", completion, {"best_of": True}, "best_of"),
+            ("/completions", completion, {"n": True}, "n"),
+            ("/completions", completion, {"stream": "false"}, "stream"),
+            ("/completions", completion, {"ignore_eos": 0}, "ignore_eos"),
+            ("/completions", completion, {"model": 5}, "model"),
+            ("/completions", completion, {"max_tokens": -1}, "max_tokens"),
+            ("/completions", completion, {"stop": 5}, "stop"),
+            ("/completions", completion, {"guided_json": {"type": "object"}}, "guided_json"),
+            ("/completions", completion, {"include_stop_str_in_output": True},
+             "include_stop_str_in_output"),
+            ("/chat/completions", chat, {"modalities": ["text", "audio"]}, "modalities"),
+            ("/chat/completions", chat, {"reasoning_effort": "low"}, "reasoning_effort"),
+            ("/chat/completions", chat, {"response_format": {"type": "json_object"}},
+             "response_format"),
+            ("/chat/completions", chat, {"messages": [
+                {"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "", "tool_calls": [{
+                    "id": "c1", "type": "function",
+                    "function": {"name": "add", "arguments": "[2, 2]"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "4"}]},
+             "messages[1].tool_calls"),
+            ("/chat/completions", chat, {"messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "tool", "tool_call_id": "c1", "content": "4"}]},
+             "messages[1].tool_call_id"),
+            ("/chat/completions", chat, {"messages": [
+                {"role": "user", "content": "Hi"}, {"role": "user", "content": [
+                    {"type": "text", "text": "this:"},
+                    {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+             "messages[1].content"),
+            ("/chat/completions", chat, {"messages": [{"role": "user", "content": "Hi",
+                                                       "name": 5}]}, "messages[0].name")):
+        status, body = post(client, path, {**base, **bad})
+        assert status == 400, (bad, body)
+        assert (body["error"]["type"], body["error"]["param"]) == (
+            "invalid_request_error", param), (bad, body)
+        assert param.partition(".")[0].partition("[")[0] in body["error"]["message"], body
+    # the neutral values still pass: 0.0 for 0, false, null, [], OpenAI's "text" output
+    status, body = post(client, "/chat/completions", {
+        **chat, "presence_penalty": 0.0, "logprobs": False, "stream": False, "n": 1,
+        "tools": [], "modalities": ["text"], "user": "u-1", "metadata": {"k": "v"},
+        "messages": [{"role": "user", "content": "Hi", "name": "alice", "tool_calls": []}]})
+    assert status == 200 and body["object"] == "chat.completion", body
+
+
+def test_aiohttp_s_refusals_and_stream_errors_are_openai_errors(tmp_path):
+    """A path the gateway does not serve, a method a path does not take and a body past its
+    limit are OpenAI's error body (they were aiohttp's text/plain pages, which the OpenAI SDK
+    shows as raw text); a body under the server's own 4 MiB request limit is read (aiohttp's
+    1 MiB default refused it: a 413); an error mid-stream is an event in the same shape, then
+    [DONE]; a response carries the served model's name where the request named none (it
+    carried ""). The server here is the SDK tests' fake."""
+    import json
+
+    from test_client_sdk import MODEL, FakeBlink, serve_fake
+
+    def raw(client, method: str, path: str, body: bytes | None = None):
+        req = urllib.request.Request(f"{client.base_url}{path}", data=body, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+    with serve_fake(FakeBlink()) as (fake, target), \
+            serving_gateway(target, tmp_path) as (client, _):
+        for method, path, body, status in (
+                ("POST", "embeddings", b"{}", 404), ("GET", "chat/completions", None, 405),
+                ("POST", "completions", json.dumps({"prompt": "x" * (17 << 20)}).encode(),
+                 413)):
+            got, headers, answer = raw(client, method, path, body)
+            error = json.loads(answer)["error"]
+            assert (got, error["type"]) == (status, "invalid_request_error"), (path, answer)
+            assert f"{method} /v1/{path}" in error["message"], error
+        got, headers, _ = raw(client, "GET", "chat/completions")
+        assert headers["Allow"] == "POST"
+        with pytest.raises(openai.NotFoundError, match="this gateway serves"):
+            client.embeddings.create(model="m", input="hi")
+        # 3 MiB of prompt (under the fake's 4 MiB gRPC limit), as JSON that escapes each
+        # character to 6 bytes: 9 MiB of body
+        prompt = "\u00e9" * (3 << 19)
+        done = client.completions.create(model="m", prompt=prompt, max_tokens=2)
+        assert done.choices[0].text == "Hello world"
+        assert fake.requests[-1].text == prompt
+        # past the server's gRPC limit: a 413 (a 429, RESOURCE_EXHAUSTED's, had clients retry)
+        status, body = post(client, "/completions", {"prompt": "x" * (5 << 20)})
+        assert (status, body["error"]["code"]) == (413, "resource_exhausted"), body
+        # a request without a model: the response names the served one, as OpenAI and vLLM
+        status, body = post(client, "/completions", {"prompt": "hi", "max_tokens": 2})
+        assert (status, body["model"]) == (200, MODEL.name), body
+        # the server's error mid-stream: an event in OpenAI's error shape, then [DONE]
+        with pytest.raises(openai.APIError, match="engine stopped"):
+            list(client.completions.create(model="m", prompt="fail-mid", stream=True))
+        req = urllib.request.Request(
+            f"{client.base_url}completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": "fail-mid", "stream": True}).encode())
+        with urllib.request.urlopen(req, timeout=30) as r:
+            lines = [line for line in r.read().decode().splitlines() if line]
+        assert json.loads(lines[-2][len("data: "):]) == {"error": {
+            "message": "engine stopped", "type": "server_error", "param": None,
+            "code": "unavailable"}}, lines
+        assert lines[-1] == "data: [DONE]"
+
+
+def test_a_prompt_too_long_for_the_context_is_context_length_exceeded(gateway):
+    """A prompt that leaves no room in the context (alone or with its max_tokens) is OpenAI's
+    400 with code context_length_exceeded and param messages or prompt (it was the gRPC
+    code's name, invalid_argument, which no client looks for: LangChain's ContextOverflowError,
+    which shortens a conversation and retries, keys on OpenAI's code); other bad values keep
+    their code. (The model here has a 512-token context.)"""
+    client, _ = gateway
+    long_text = "hello " * 600
+    for create, prompt, param, extra in (
+            (client.completions.create, {"prompt": long_text}, "prompt", {}),
+            (client.completions.create, {"prompt": "hi"}, "prompt", {"max_tokens": 10_000}),
+            (client.chat.completions.create,
+             {"messages": [{"role": "user", "content": long_text}]}, "messages", {}),
+            (client.chat.completions.create,
+             {"messages": [{"role": "user", "content": long_text}]}, "messages",
+             {"stream": True})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            create(model="llama", **prompt, **extra)
+        assert (refused.value.code, refused.value.param) == ("context_length_exceeded", param)
+        assert "context length" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="llama", prompt="hi", top_p=0)
+    assert refused.value.code == "invalid_argument"

@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x62link/v1/blink.proto\x12\x08\x62link.v1\"\xab\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.blink.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.blink.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.blink.v1.SamplingParams\x12\x18\n\x10return_token_ids\x18\x06 \x01(\x08\x12%\n\x1dskip_special_tokens_in_prompt\x18\x07 \x01(\x08\x12\x19\n\x11\x63lient_request_id\x18\x08 \x01(\t\x12\x12\n\ncache_salt\x18\t \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.blink.v1.ChatMessage\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"^\n\x10GenerateResponse\x12 \n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x0f.blink.v1.ChunkH\x00\x12 \n\x05\x66inal\x18\x02 \x01(\x0b\x32\x0f.blink.v1.FinalH\x00\x42\x06\n\x04kind\"(\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"l\n\x07Timings\x12\x1d\n\x15time_to_first_token_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\xa4\x01\n\x05\x46inal\x12-\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x16.blink.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x02 \x01(\t\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.blink.v1.Usage\x12\"\n\x07timings\x18\x04 \x01(\x0b\x32\x11.blink.v1.Timings\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x9d\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\"\x17\n\x15GetServerStatsRequest\"\xfe\x04\n\x0bServerStats\x12\x14\n\x0c\x65ngine_alive\x18\x01 \x01(\x08\x12\x12\n\nring_slots\x18\x02 \x01(\r\x12\x19\n\x11ring_slots_in_use\x18\x03 \x01(\r\x12!\n\x19requests_waiting_for_slot\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x15\n\rkv_block_size\x18\x07 \x01(\r\x12\x19\n\x11sequences_running\x18\x08 \x01(\r\x12\x19\n\x11sequences_waiting\x18\t \x01(\r\x12\x19\n\x11requests_admitted\x18\n \x01(\x04\x12\x19\n\x11requests_finished\x18\x0b \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\x0c \x01(\x04\x12\x19\n\x11requests_rejected\x18\r \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\x12\x18\n\x10tokens_generated\x18\x0f \x01(\x04\x12\x14\n\x0c\x65ngine_steps\x18\x10 \x01(\x04\x12\x1a\n\x12\x65ngine_attachments\x18\x11 \x01(\x04\x12\x16\n\x0e\x65ngine_busy_ns\x18\x12 \x01(\x04\x12\x1a\n\x12\x65ngine_step_tokens\x18\x13 \x01(\x04\x12\x16\n\x0eprefix_caching\x18\x14 \x01(\x08\x12\x18\n\x10kv_blocks_cached\x18\x15 \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x16 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x17 \x01(\x04\x12\x1d\n\x15prefix_evicted_blocks\x18\x18 \x01(\x04*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xda\x01\n\x05\x42link\x12\x43\n\x08Generate\x12\x19.blink.v1.GenerateRequest\x1a\x1a.blink.v1.GenerateResponse0\x01\x12\x42\n\x0cGetModelInfo\x12\x1d.blink.v1.GetModelInfoRequest\x1a\x13.blink.v1.ModelInfo\x12H\n\x0eGetServerStats\x12\x1f.blink.v1.GetServerStatsRequest\x1a\x15.blink.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x62link/v1/blink.proto\x12\x08\x62link.v1\"\xab\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.blink.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.blink.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.blink.v1.SamplingParams\x12\x18\n\x10return_token_ids\x18\x06 \x01(\x08\x12%\n\x1dskip_special_tokens_in_prompt\x18\x07 \x01(\x08\x12\x19\n\x11\x63lient_request_id\x18\x08 \x01(\t\x12\x12\n\ncache_salt\x18\t \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.blink.v1.ChatMessage\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"^\n\x10GenerateResponse\x12 \n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x0f.blink.v1.ChunkH\x00\x12 \n\x05\x66inal\x18\x02 \x01(\x0b\x32\x0f.blink.v1.FinalH\x00\x42\x06\n\x04kind\"(\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"l\n\x07Timings\x12\x1d\n\x15time_to_first_token_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\xa4\x01\n\x05\x46inal\x12-\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x16.blink.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x02 \x01(\t\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.blink.v1.Usage\x12\"\n\x07timings\x18\x04 \x01(\x0b\x32\x11.blink.v1.Timings\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x9d\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\"\x17\n\x15GetServerStatsRequest\"\xfe\x04\n\x0bServerStats\x12\x14\n\x0c\x65ngine_alive\x18\x01 \x01(\x08\x12\x12\n\nring_slots\x18\x02 \x01(\r\x12\x19\n\x11ring_slots_in_use\x18\x03 \x01(\r\x12!\n\x19requests_waiting_for_slot\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x15\n\rkv_block_size\x18\x07 \x01(\r\x12\x19\n\x11sequences_running\x18\x08 \x01(\r\x12\x19\n\x11sequences_waiting\x18\t \x01(\r\x12\x19\n\x11requests_admitted\x18\n \x01(\x04\x12\x19\n\x11requests_finished\x18\x0b \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\x0c \x01(\x04\x12\x19\n\x11requests_rejected\x18\r \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\x12\x18\n\x10tokens_generated\x18\x0f \x01(\x04\x12\x14\n\x0c\x65ngine_steps\x18\x10 \x01(\x04\x12\x1a\n\x12\x65ngine_attachments\x18\x11 \x01(\x04\x12\x16\n\x0e\x65ngine_busy_ns\x18\x12 \x01(\x04\x12\x1a\n\x12\x65ngine_step_tokens\x18\x13 \x01(\x04\x12\x16\n\x0eprefix_caching\x18\x14 \x01(\x08\x12\x18\n\x10kv_blocks_cached\x18\x15 \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x16 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x17 \x01(\x04\x12\x1d\n\x15prefix_evicted_blocks\x18\x18 \x01(\x04*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xda\x01\n\x05\x42link\x12\x43\n\x08Generate\x12\x19.blink.v1.GenerateRequest\x1a\x1a.blink.v1.GenerateResponse0\x01\x12\x42\n\x0cGetModelInfo\x12\x1d.blink.v1.GetModelInfoRequest\x1a\x13.blink.v1.ModelInfo\x12H\n\x0eGetServerStats\x12\x1f.blink.v1.GetServerStatsRequest\x1a\x15.blink.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'blink.v1.blink_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2034
-  _globals['_FINISHREASON']._serialized_end=2152
+  _globals['_FINISHREASON']._serialized_start=2048
+  _globals['_FINISHREASON']._serialized_end=2166
   _globals['_GENERATEREQUEST']._serialized_start=35
   _globals['_GENERATEREQUEST']._serialized_end=334
   _globals['_TOKENIDS']._serialized_start=336
   _globals['_TOKENIDS']._serialized_end=359
   _globals['_CHATMESSAGE']._serialized_start=361
-  _globals['_CHATMESSAGE']._serialized_end=405
-  _globals['_CHATMESSAGES']._serialized_start=407
-  _globals['_CHATMESSAGES']._serialized_end=462
-  _globals['_SAMPLINGPARAMS']._serialized_start=465
-  _globals['_SAMPLINGPARAMS']._serialized_end=709
-  _globals['_GENERATERESPONSE']._serialized_start=711
-  _globals['_GENERATERESPONSE']._serialized_end=805
-  _globals['_CHUNK']._serialized_start=807
-  _globals['_CHUNK']._serialized_end=847
-  _globals['_USAGE']._serialized_start=849
-  _globals['_USAGE']._serialized_end=906
-  _globals['_TIMINGS']._serialized_start=908
-  _globals['_TIMINGS']._serialized_end=1016
-  _globals['_FINAL']._serialized_start=1019
-  _globals['_FINAL']._serialized_end=1183
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1185
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1206
-  _globals['_MODELINFO']._serialized_start=1209
-  _globals['_MODELINFO']._serialized_end=1366
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1368
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1391
-  _globals['_SERVERSTATS']._serialized_start=1394
-  _globals['_SERVERSTATS']._serialized_end=2032
-  _globals['_BLINK']._serialized_start=2155
-  _globals['_BLINK']._serialized_end=2373
+  _globals['_CHATMESSAGE']._serialized_end=419
+  _globals['_CHATMESSAGES']._serialized_start=421
+  _globals['_CHATMESSAGES']._serialized_end=476
+  _globals['_SAMPLINGPARAMS']._serialized_start=479
+  _globals['_SAMPLINGPARAMS']._serialized_end=723
+  _globals['_GENERATERESPONSE']._serialized_start=725
+  _globals['_GENERATERESPONSE']._serialized_end=819
+  _globals['_CHUNK']._serialized_start=821
+  _globals['_CHUNK']._serialized_end=861
+  _globals['_USAGE']._serialized_start=863
+  _globals['_USAGE']._serialized_end=920
+  _globals['_TIMINGS']._serialized_start=922
+  _globals['_TIMINGS']._serialized_end=1030
+  _globals['_FINAL']._serialized_start=1033
+  _globals['_FINAL']._serialized_end=1197
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1199
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1220
+  _globals['_MODELINFO']._serialized_start=1223
+  _globals['_MODELINFO']._serialized_end=1380
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1382
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1405
+  _globals['_SERVERSTATS']._serialized_start=1408
+  _globals['_SERVERSTATS']._serialized_end=2046
+  _globals['_BLINK']._serialized_start=2169
+  _globals['_BLINK']._serialized_end=2387
 # @@protoc_insertion_point(module_scope)
