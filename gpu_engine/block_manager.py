@@ -12,7 +12,10 @@ block before it in its sequence (for a sequence's first block, the sequence's ro
 request's cache salt with the top bit set) and its own tokens. A uid is given once, when a block
 enters the cache, and never reused, so a block whose predecessor was evicted and reused can
 never be matched through it: two sequences share block j only if they share every token up to
-its end and their salt. The GPU scheduler (csrc/scheduler.cuh) keys the same
+its end and their salt. A block computed twice (by sequences admitted before either had
+computed it) is kept once: the later one gives its copy back and takes the cached one, so every
+block table holds its cached blocks' predecessors too, and a prefix is never evicted before its
+continuations. The GPU scheduler (csrc/scheduler.cuh) keys the same
 identities by a 64-bit hash and compares the parent uid and the tokens of every candidate, so a
 hash collision costs a probe, never a wrong block; this pool keys a dict by the identity itself.
 """
@@ -43,7 +46,8 @@ class KvBlockPool:
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"KV pool needs blocks: num_blocks={num_blocks} block_size={block_size}")
+            raise ValueError(f"KV pool needs blocks: num_blocks={num_blocks} "
+                             f"block_size={block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
@@ -138,13 +142,17 @@ class KvBlockPool:
         taken = sum(1 for b in hit if self.refs[b] == 0)
         return blocks_for(num_tokens, self.block_size) - len(hit) <= self.num_free - taken
 
+    def _hold(self, block: int) -> None:
+        """One more block table holds the cached `block` (no longer evictable if none did)."""
+        if self.refs[block] == 0:
+            del self._evictable[block]
+        self.refs[block] += 1
+
     def admit(self, seq: Sequence, hit: list[int]) -> None:
         """seq (waiting: no blocks) takes the cached blocks of its prefix; its computed tokens
         start after them."""
         for block in hit:
-            if self.refs[block] == 0:
-                del self._evictable[block]
-            self.refs[block] += 1
+            self._hold(block)
             seq.block_table.append(block)
             seq.block_uids.append(self._uid[block])
         seq.num_computed = len(hit) * self.block_size
@@ -157,18 +165,27 @@ class KvBlockPool:
                 self.hit_tokens += seq.num_computed
 
     def register(self, seq: Sequence) -> None:
-        """After a step: seq's newly full, computed blocks join the cache, in order. A block
-        whose identity is cached already (computed twice, concurrently) stays seq's own; the
-        cached one's uid continues the chain, so seq's next blocks are still found."""
+        """After a step: seq's newly full, computed blocks join the cache, in order. Where a
+        block's identity is cached already (computed twice: requests of one prefix admitted
+        before either had computed it), seq takes the cached block and frees its own copy (the
+        same keys and values): each keeping its copy, a burst of one prompt held it once a
+        request, and the cached copy, held by none of them once its request ended, went
+        first when blocks ran short."""
         if not self.prefix_caching:
             return
         for j in range(len(seq.block_uids), seq.num_computed // self.block_size):
             identity = self._block_identity(seq, j,
                                             seq.block_uids[j - 1] if j else prefix_root(seq))
             block = self.cached.get(identity)
+            own = seq.block_table[j]
             if block is None:
-                block = seq.block_table[j]
+                block = own
                 self.cached[identity] = block
                 self._identity[block], self._uid[block] = identity, self._next_uid
                 self._next_uid += 1
+            else:  # own is seq's alone (uncached, computed by it): refs 1
+                self._hold(block)
+                seq.block_table[j] = block
+                self.refs[own] = 0
+                self._free.appendleft(own)
             seq.block_uids.append(self._uid[block])

@@ -40,8 +40,8 @@ class Sequence:
     # KV blocks in order; an int32 array rather than a list so that a step copies each table into
     # the batch's block_tables with one memcpy (a list is converted element by element)
     block_table: array.array = field(default_factory=lambda: array.array("i"))
-    # With prefix caching: the cache uid of each of its first full computed blocks (its own,
-    # or the cached twin of a block it computed again), the identity its next block is keyed by
+    # With prefix caching: the cache uid of each of its first full computed blocks (all cached:
+    # KvBlockPool.register), the identity its next block is keyed by
     block_uids: list[int] = field(default_factory=list)
     cached_tokens: int = 0   # prompt tokens its first admission took from the prefix cache
     status: SeqStatus = SeqStatus.WAITING

@@ -128,15 +128,22 @@ def test_a_block_is_matched_only_through_the_block_before_it():
 
 
 def test_a_block_computed_twice_is_cached_once_and_its_chain_goes_on():
+    """Two sequences of one prompt admitted before either computed it: the second to register
+    takes the first's cached blocks and gives its own copies back (the same keys and values),
+    so the prompt is held once and its chain goes on from the cached blocks."""
     pool = KvBlockPool(16, BS, prefix_caching=True)
     a, b = seq(0, range(13)), seq(1, range(13))
     for s in (a, b):                                    # both admitted before either registers
         pool.admit(s, pool.match(s))
         pool.grow(s, s.num_tokens)
+    assert pool.num_free == 16 - 8
     for s in (a, b):
         s.num_computed = s.num_tokens
         pool.register(s)
-    assert pool.num_cached == 3 and b.block_uids == a.block_uids  # b's blocks stay its own
+    assert pool.num_cached == 3 and b.block_uids == a.block_uids
+    assert list(b.block_table[:3]) == list(a.block_table[:3])   # its copies went back
+    assert b.block_table[3] != a.block_table[3]
+    assert [pool.refs[x] for x in a.block_table[:3]] == [2, 2, 2] and pool.num_free == 16 - 5
     b.output += [13, 14, 15, 16]                        # b goes on: its 4th block is cached
     pool.grow(b, b.num_tokens)
     b.num_computed = b.num_tokens
@@ -144,9 +151,40 @@ def test_a_block_computed_twice_is_cached_once_and_its_chain_goes_on():
     assert pool.num_cached == 4
     a_blocks, b_fourth = list(a.block_table[:3]), b.block_table[3]
     pool.release(a)
+    assert pool.num_evictable == 0                      # b holds the prefix its 4th block needs
     pool.release(b)
-    assert pool.num_evictable == 4 and pool.num_free == 16
+    assert pool.num_evictable == 4 and pool.num_free == 16 and not any(pool.refs)
+    assert list(pool._evictable) == [b_fourth] + a_blocks[::-1]  # the continuation goes first
     assert pool.match(seq(2, range(18))) == a_blocks + [b_fourth]
+
+
+def test_a_burst_of_one_prefix_holds_it_once_and_keeps_it_while_in_use():
+    """Eight requests of one 64-token system prompt arrive together (none finds it cached):
+    all compute it in one step, and after it they hold it once (4 blocks + a block each, not
+    8 x 5). When the first ends, the prefix stays held by the other seven, so blocks taken
+    for other work evict nothing of it and a late request still finds it. (Each kept its own
+    copy before: the cached one, held by the first request alone, was the first evicted.)"""
+    pool = KvBlockPool(64, 16, prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024,
+                                      max_model_len=256), pool)
+    system = list(range(64))
+    burst = [seq(i, system + [100 + i] * 8) for i in range(8)]
+    for s in burst:
+        sched.add(s)
+    plan = sched.schedule_step()
+    assert plan.num_admitted == 8 and all(s.cached_tokens == 0 for s in burst)
+    for s, n in plan.scheduled:
+        s.num_computed += n
+    sched.register(plan)
+    prefix = list(burst[0].block_table[:4])
+    assert all(list(s.block_table[:4]) == prefix for s in burst)
+    assert pool.num_blocks - pool.num_free == 4 + 8 and pool.num_cached == 4
+    sched.finish(burst[0])
+    assert pool.num_evictable == 0
+    other = seq(9, [7] * 16 * pool.num_free)            # every block that can be taken
+    pool.grow(other, other.num_tokens)
+    late = seq(10, system + [55] * 8)
+    assert pool.match(late) == prefix
 
 
 def test_a_salted_sequence_meets_only_its_own_salt_s_blocks():

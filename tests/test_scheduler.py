@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from test_scheduler_parity import PyReplay, adversarial_workload
 
 from blink.gpu_engine.block_manager import KvBlockPool, blocks_for
 from blink.gpu_engine.step_core import eos_finish
@@ -149,6 +150,145 @@ def test_random_workload_never_leaks_or_deadlocks():
         if not pending and sched.num_unfinished == 0:
             break
     assert finished == 60 and pool.num_free == pool.num_blocks
+
+
+class InvariantReplay(PyReplay):
+    """The parity test's Python replay, checked as it goes. The KV cache is emulated: each
+    position of a block holds what the forward pass writes there (its tokens up to that
+    position, tagged with the sequence's tenant), so a step that writes a block another
+    sequence holds or the cache keeps, or whose attention reads a position holding anything but
+    its own prefix (a wrong hit, another tenant's block, a block reused under a sequence), fails
+    at once. Every lookup is checked against a brute-force oracle of the cache's contents, every
+    eviction against the order the README states, the pool's bookkeeping after every event."""
+
+    def _config(self, *fields):
+        lines = super()._config(*fields)
+        # (block, offset) -> what the forward pass wrote there (`written`)
+        self.kv: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
+        # the eviction order as the README states it, kept apart from the pool's: cached blocks
+        # no table holds, least recently released first, a table's last block before its first
+        self.released: dict[int, None] = {}
+        self.counts = Counter()
+        pool, schedule = self.pool, self.core.schedule
+        match, release, grow = pool.match, pool.release, pool.grow
+
+        def checked_schedule():
+            plan = schedule()
+            self.check_plan(plan)
+            return plan
+
+        def checked_match(seq):
+            hit = match(seq)
+            self.check_hit(seq, hit)
+            return hit
+
+        def checked_release(seq):
+            self.forget_held()
+            table = list(seq.block_table)
+            release(seq)
+            self.released.update((b, None) for b in reversed(table)
+                                 if not pool.refs[b] and pool._uid[b])
+
+        def checked_grow(seq, num_tokens):
+            self.forget_held()
+            cached = set(pool.cached.values())
+            grow(seq, num_tokens)
+            evicted = cached - set(pool.cached.values())
+            assert evicted == set(list(self.released)[:len(evicted)]), "eviction order"
+            for block in evicted:
+                del self.released[block]
+            self.counts["evictions"] += len(evicted)
+        pool.match, pool.release, pool.grow = checked_match, checked_release, checked_grow
+        self.core.schedule = checked_schedule
+        return lines
+
+    def forget_held(self) -> None:
+        """Blocks a table took again since their release (a hit) are not evictable."""
+        for block in [b for b in self.released if self.pool.refs[b]]:
+            del self.released[block]
+
+    def run(self, line: str) -> list[str]:
+        lines = super().run(line)
+        if self.core is not None:
+            self.check_pool()
+        return lines
+
+    @staticmethod
+    def written(seq: Sequence, position: int) -> tuple[int, tuple[int, ...]]:
+        """What computing seq's token at `position` writes into its block, tagged with its
+        tenant: the salt word with its top bit set, or 0 (the README's rule, restated here)."""
+        tenant = seq.cache_salt | 1 << 63 if seq.cache_salt else 0
+        return tenant, tuple(seq.token_range(0, position + 1))
+
+    def check_hit(self, seq: Sequence, hit: list[int]) -> None:
+        """The hit is seq's longest prefix of whole blocks, at most num_tokens - 1 tokens, whose
+        every block's contents the cache holds (none when caching is off: it holds nothing)."""
+        bs = self.pool.block_size
+        cached = {self.kv[block, bs - 1] for block in self.pool.cached.values()}
+        longest = 0
+        while ((longest + 1) * bs < seq.num_tokens
+               and self.written(seq, (longest + 1) * bs - 1) in cached):
+            longest += 1
+        assert len(hit) == longest, (seq.slot, len(hit), longest)
+        for j, block in enumerate(hit):
+            assert self.kv[block, bs - 1] == self.written(seq, (j + 1) * bs - 1)
+        self.counts["hits at the limit"] += hit != [] and (len(hit) + 1) * bs >= seq.num_tokens
+
+    def check_plan(self, plan) -> None:
+        sched, pool, bs = self.sched, self.pool, self.pool.block_size
+        assert plan.num_tokens <= sched.config.max_num_batched_tokens
+        assert len(sched.running) <= sched.config.max_num_seqs
+        assert len({seq.slot for seq, _ in plan.scheduled}) == len(plan.scheduled)
+        for seq, n in plan.scheduled:
+            assert 1 <= n <= seq.num_pending
+            for p in range(seq.num_computed, seq.num_computed + n):
+                block = seq.block_table[p // bs]
+                assert pool.refs[block] == 1 and not pool._uid[block], \
+                    f"slot {seq.slot} writes block {block}, shared or cached"
+                self.kv[block, p % bs] = self.written(seq, p)
+            for p in range(seq.num_computed + n):  # what its attention reads
+                assert self.kv.get((seq.block_table[p // bs], p % bs)) == self.written(seq, p), \
+                    f"slot {seq.slot} reads another prefix's keys and values at {p}"
+        # an empty plan with sequences left: nothing runs, and the queue's head never fits
+        assert plan.scheduled or plan.preempted or not sched.num_unfinished, "deadlock"
+        self.counts["preemptions"] += len(plan.preempted)
+
+    def check_pool(self) -> None:
+        sched, pool, bs = self.sched, self.pool, self.pool.block_size
+        held = Counter()
+        for seq in sched.running:
+            assert len(set(seq.block_table)) == len(seq.block_table)
+            assert len(seq.block_table) == blocks_for(seq.num_computed, bs)
+            held.update(seq.block_table)
+            if pool.prefix_caching:  # its full blocks are the cached ones (one copy each)
+                assert [pool._uid[b] for b in seq.block_table[:len(seq.block_uids)]] \
+                    == seq.block_uids and len(seq.block_uids) == seq.num_computed // bs
+        for seq in sched.waiting:
+            assert not seq.block_table and not seq.block_uids and seq.num_computed == 0
+        assert pool.refs == [held[b] for b in range(pool.num_blocks)], "reference counts"
+        free, evictable = list(pool._free), list(pool._evictable)
+        assert not any(pool.refs[b] or pool._uid[b] for b in free)
+        assert all(pool._uid[b] and not pool.refs[b] for b in evictable)
+        assert len(set(free)) + len(evictable) + len(held) == pool.num_blocks, "leaked blocks"
+        assert all(pool._identity[b] == i for i, b in pool.cached.items())
+        assert sum(map(bool, pool._uid)) == pool.num_cached
+        if not sched.num_unfinished:
+            assert pool.num_free == pool.num_blocks and not any(pool.refs)
+
+
+def test_adversarial_workloads_keep_every_invariant():
+    """The parity test's adversarial workloads (shared prefixes cut at and around block
+    boundaries, chat turns of running sequences, salts, tight pools, cancels of preempted
+    sequences), every event checked (InvariantReplay); each drains to an empty pool."""
+    counts = Counter()
+    for seed in range(300):
+        replay = InvariantReplay()
+        for event in adversarial_workload(seed):
+            replay.run(event)
+        assert not replay.active
+        counts += replay.counts
+    assert counts["preemptions"] > 300 and counts["hits at the limit"] > 700, counts
+    assert counts["evictions"] > 10000, counts
 
 
 def test_stop_checks():

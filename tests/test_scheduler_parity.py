@@ -239,6 +239,97 @@ def random_workload(seed: int, steps: int, **overrides) -> list[str]:
     return events
 
 
+def adversarial_workload(seed: int, steps: int = 80) -> list[str]:
+    """Workloads aimed at the prefix cache's edges: most prompts copy a live sequence's prompt
+    and output (a chat turn sent while the last one still runs), a finished one's or a fixed
+    one's, cut at a block boundary, one token before or after it, whole, or with a few tokens
+    more; pools from exactly one longest sequence's blocks (every third seed: every slot busy,
+    long outputs) to a few times that; block sizes 1 to 16, budgets from 1 token to past a
+    block; cancels that favour preempted sequences; slots reused while live; then no arrivals
+    until every sequence has ended (a leak or a deadlock shows). Returns the event lines."""
+    rng = random.Random(seed)
+    bs = rng.choice([1, 1, 2, 3, 4, 5, 8, 16])
+    ctx = rng.randint(3, 64)
+    least = blocks_for(ctx - 1, bs)  # a sequence computes ctx - 1 tokens at most
+    c = dict(num_slots=rng.randint(1, 10), max_model_len=ctx + rng.choice([0, 0, 1, 5]),
+             num_blocks=rng.choice([least, least, least + 1, least + 3, 2 * least + 2,
+                                    4 * least]),
+             max_num_seqs=rng.randint(1, 8),
+             budget=rng.choice([1, 2, bs, bs + 1, rng.randint(3, 40), 200]),
+             prefix_caching=int(rng.random() < 0.85), vocab=rng.choice([3, 4, 40]),
+             p_arrive=rng.uniform(0.2, 1.0), p_cancel=rng.choice([0.0, 0.1, 0.3]),
+             p_copy=rng.choice([0.3, 0.7, 0.95]),
+             salts=rng.choice([(0,), (0, 5, 1 << 63 | 5, 9)]))
+    if seed % 3 == 0:
+        c.update(num_blocks=rng.choice([least, least + 1, least + 2]), p_arrive=1.0,
+                 num_slots=rng.randint(4, 10), max_num_seqs=rng.randint(3, 8),
+                 budget=rng.randint(bs + 1, 64))
+    eos = rng.sample(range(c["vocab"]), rng.randint(0, 2))
+    events: list[str] = []
+    rep = PyReplay()
+
+    def emit(line: str) -> None:
+        events.append(line)
+        rep.run(line)
+
+    def sample_all() -> None:
+        for slot in rep.samplers:
+            token = rng.choice(eos) if eos and rng.random() < 0.03 else rng.randrange(c["vocab"])
+            seq = rep.active[slot]
+            emit(f"sample {slot} {token}")
+            if rep.active.get(slot) is not seq:
+                finished.append(seq.token_range(0, seq.num_tokens))
+
+    emit(" ".join(map(str, ["config", c["num_slots"], c["max_model_len"], bs, c["num_blocks"],
+                            c["max_num_seqs"], c["budget"], c["prefix_caching"], ctx, len(eos),
+                            *eos])))
+    fixed = [[rng.randrange(c["vocab"]) for _ in range(ctx)] for _ in range(2)]
+    finished: list[list[int]] = []
+    gens = [0] * c["num_slots"]
+    request_id = 0
+    for _ in range(steps):
+        while rng.random() < c["p_arrive"] * 0.6:
+            free = [s for s in range(c["num_slots"]) if s not in rep.active]
+            if not free and rng.random() < 0.8:
+                break
+            slot = rng.choice(free) if free and rng.random() < 0.95 \
+                else rng.randrange(c["num_slots"])
+            gens[slot] += 1
+            request_id += 1
+            sources = [q.token_range(0, q.num_tokens) for q in rep.active.values()]
+            sources += finished[-4:] + fixed
+            if rng.random() < c["p_copy"]:
+                source = rng.choice(sources)
+                k = rng.randint(0, len(source) // bs)
+                cut = rng.choice([len(source), len(source), k * bs, k * bs - 1, k * bs + 1,
+                                  len(source) + rng.randint(1, 4)])
+                prompt = source[:max(1, cut)]
+                prompt += [rng.randrange(c["vocab"]) for _ in range(cut - len(prompt))]
+            else:
+                prompt = [rng.randrange(c["vocab"]) for _ in range(rng.randint(1, ctx - 1))]
+            prompt = prompt[:ctx - 1]
+            room = ctx - len(prompt)
+            max_tokens = rng.choice([1, room, rng.randint(1, room), room + rng.randint(1, 5)])
+            if slot in rep.active:
+                finished.append(rep.active[slot].token_range(0, rep.active[slot].num_tokens))
+            emit(add_line(slot, gens[slot], request_id, prompt, max_tokens,
+                          seed=rng.getrandbits(32), cache_salt=rng.choice(c["salts"]),
+                          ignore_eos=int(rng.random() < 0.5)))
+        if rep.active and rng.random() < c["p_cancel"]:
+            live = sorted(rep.active)
+            preempted = [s for s in live if rep.active[s].preemptions
+                         and rep.active[s].status is SeqStatus.WAITING]
+            emit(f"finish {rng.choice(preempted if preempted and rng.random() < 0.5 else live)}")
+        emit("step")
+        sample_all()
+    for _ in range(4 * ctx * c["num_slots"] + 50):
+        if not rep.active:
+            break
+        emit("step")
+        sample_all()
+    return events
+
+
 FIXED_OFFSET = {name: off for name, (_, off) in SLOT_DTYPE.fields.items()}
 
 
@@ -514,6 +605,27 @@ def test_cache_salts_namespace_the_prefix_cache(replay):
     assert admitted == ["0", "0", "12", "12", "0", "12"]
 
 
+def burst_events() -> list[str]:
+    """Three requests of one 10-token prompt (two blocks of 4 to cache) admitted in one step,
+    none finding it cached, then a fourth after the first has ended."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    events = ["config 4 32 4 16 4 64 1 32 0"]
+    events += [add_line(slot, 1, slot, prompt, 4) for slot in range(3)] + ["step"]
+    events += [f"sample {slot} 7" for slot in range(3)] + ["finish 0"]
+    return events + [add_line(3, 1, 3, prompt + [7], 4), "step"]
+
+
+def test_a_prefix_computed_twice_is_held_once(replay):
+    """Blocks computed by several sequences in one step are kept once: the later ones take the
+    cached blocks and free their copies, in both schedulers."""
+    pairs = expected(burst_events())
+    assert_same(pairs, replay([e for e, _ in pairs]))
+    first, last = (lines[0] for e, lines in pairs if e == "step")
+    tables = re.search(r" run=(\S+) ", first).group(1)
+    assert tables == "0:0.1.2,1:0.1.5,2:0.1.8", tables  # their copies 3, 4, 6, 7 went back
+    assert " free=11 " in first and re.search(r" adm=\S*3:8 ", last)
+
+
 def test_colliding_prefix_keys_change_no_decision(replay_colliding_keys):
     """Keys of 2 bits: every lookup probes past blocks of other identities, which the parent
     uid and token comparison must reject, so the decisions stay exactly Python's (which keys
@@ -521,7 +633,18 @@ def test_colliding_prefix_keys_change_no_decision(replay_colliding_keys):
     pairs = []
     for seed in range(150):
         pairs += expected(random_workload(seed, steps=60, prefix_caching=1))
+    for seed in range(150):
+        pairs += expected(adversarial_workload(seed))
     assert_same(pairs, replay_colliding_keys([e for e, _ in pairs]))
+
+
+def test_adversarial_workloads_match_python(replay):
+    """adversarial_workload's edges of the prefix cache (the replay's host build also checks
+    its state's consistency after every event: an `error` line would differ)."""
+    pairs = []
+    for seed in range(300):
+        pairs += expected(adversarial_workload(seed))
+    assert_same(pairs, replay([e for e, _ in pairs]))
 
 
 def test_validate_slot_matches_python(replay):

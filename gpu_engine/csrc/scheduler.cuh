@@ -591,13 +591,15 @@ BLINK_HD inline bool prefix_can_admit(const SchedState& s, const SeqState& q, in
   return want - hit <= pool_takeable(s) - taken;
 }
 
+// KvBlockPool._hold: one more block table holds the cached block (no longer evictable).
+BLINK_HD inline void prefix_hold(SchedState& s, int32_t block) {
+  if (s.block_refs[block]++ == 0) lru_unlink(s, block);
+}
+
 // KvBlockPool.admit: q takes the blocks prefix_match left in its rows; it computes after them.
 BLINK_HD inline void prefix_admit(SchedState& s, SeqState& q, int32_t hit) {
   const int32_t* table = block_table(s, q.slot);
-  for (int32_t j = 0; j < hit; ++j) {
-    const int32_t b = table[j];
-    if (s.block_refs[b]++ == 0) lru_unlink(s, b);
-  }
+  for (int32_t j = 0; j < hit; ++j) prefix_hold(s, table[j]);
   q.num_blocks = q.num_keyed = hit;
   q.num_hinted = 0;  // its rows are its block table now
   q.num_computed = hit * s.cfg.block_size;
@@ -616,13 +618,15 @@ BLINK_HD inline bool prefix_has_new_blocks(const SchedState& s, const SeqState& 
   return s.cfg.prefix_caching && q.num_computed / s.cfg.block_size > q.num_keyed;
 }
 
-// KvBlockPool.register: q's newly full, computed blocks join the cache in order. A block whose
-// identity is cached already stays q's own, and the cached one's uid continues q's chain.
+// KvBlockPool.register: q's newly full, computed blocks join the cache in order. Where a
+// block's identity is cached already (computed twice), q takes the cached block in its table
+// row and its own copy goes on top of the free stack (the forward pass reads the row as the
+// next step's batch describes it, after this).
 BLINK_SCHED_CALL BLINK_HD void prefix_register(SchedState& s, SeqState& q) {
   if (!prefix_has_new_blocks(s, q)) return;
   const int32_t bs = s.cfg.block_size, full = q.num_computed / bs;
   const int32_t* tokens = seq_tokens(s, q.slot);
-  const int32_t* table = block_table(s, q.slot);
+  int32_t* table = block_table(s, q.slot);
   uint64_t* uids = block_uids(s, q.slot);
   for (int32_t j = q.num_keyed; j < full; ++j) {
     const uint64_t parent = j > 0 ? uids[j - 1] : prefix_root(q);
@@ -638,6 +642,11 @@ BLINK_SCHED_CALL BLINK_HD void prefix_register(SchedState& s, SeqState& q) {
       for (int32_t t = 0; t < bs; ++t) keep[t] = block_tokens[t];
       cache_insert(s, b);
       ++s.num_cached;
+    } else {  // table[j] is q's alone (uncached, computed by it): refs 1
+      prefix_hold(s, b);
+      s.block_refs[table[j]] = 0;
+      s.free_blocks[s.num_free++] = table[j];
+      table[j] = b;
     }
     uids[j] = s.block_uid[b];
   }

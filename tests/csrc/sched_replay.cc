@@ -35,7 +35,9 @@
 //   validate REJECT_REASON
 //   crc SERIAL COMBINED
 //   uniform SEED STEP SPLITMIX64_HEX DOUBLE_BITS_HEX
-//   error WHAT ARG                        (never in a passing run)
+//   error WHAT ARG                        (never in a passing run; the host build audits the
+//                                          state after every add, finish, step and sample:
+//                                          `error 9 CHECK` names the first broken AuditCheck)
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,7 +58,7 @@ enum Op : uint32_t { kOpStep = 1, kOpAdd, kOpSample, kOpFinish, kOpValidate, kOp
 enum Out : int64_t { kOutStep = 1, kOutSample, kOutValidate, kOutCrc, kOutUniform, kOutError };
 enum Error : int64_t {
   kErrNoState = 1, kErrAdd, kErrNotSampling, kErrAppend, kErrFinishFree, kErrValidateTokens,
-  kErrCtaCrc, kErrOverflow,
+  kErrCtaCrc, kErrOverflow, kErrAudit,
 };
 
 // What the engine knows beyond the scheduler: the model's stop tokens and context length.
@@ -151,6 +153,90 @@ BLINK_HD void emit_error(Writer& w, Error what, int64_t arg) {
   w.put(what);
   w.put(arg);
 }
+
+#if !defined(__CUDACC__)
+// The host build checks the state's own consistency after every event that changes it (the
+// parity test compares decisions; this catches a corrupt free list, evictable queue, cache table
+// or reference count before it shows in one): error kErrAudit CHECK on the first that fails.
+enum AuditCheck : int64_t {
+  kAuditSeqBlocks = 1, kAuditRefs, kAuditFreeList, kAuditLru, kAuditPartition, kAuditCacheTable,
+  kAuditCacheFind, kAuditKeyed, kAuditKeys, kAuditQueues,
+};
+
+int64_t audit_state(const SchedState& s) {
+  const SchedConfig& c = s.cfg;
+  std::vector<int32_t> held(c.num_blocks, 0);
+  std::vector<int32_t> queued(c.num_slots, 0);
+  for (int32_t k = 0; k < s.num_running; ++k) ++queued[s.running[k]];
+  for (int32_t k = 0; k < s.num_waiting; ++k) ++queued[waiting_at(s, k)];
+  for (int32_t slot = 0; slot < c.num_slots; ++slot) {
+    const SeqState& q = s.seqs[slot];
+    if (queued[slot] != (q.status == SeqStatus::kFree ? 0 : 1)) return kAuditQueues;
+    if (q.status != SeqStatus::kRunning) {  // (a finished one keeps its last count)
+      if (q.num_blocks != 0 || (q.status == SeqStatus::kWaiting && q.num_computed != 0))
+        return kAuditSeqBlocks;
+      continue;
+    }
+    if (q.num_blocks != blocks_for(q.num_computed, c.block_size)) return kAuditSeqBlocks;
+    for (int32_t j = 0; j < q.num_blocks; ++j) ++held[block_table(s, slot)[j]];
+    if (c.prefix_caching && q.num_keyed != q.num_computed / c.block_size) return kAuditKeyed;
+    for (int32_t j = 0; j < q.num_keyed; ++j)  // its keyed blocks are the cached ones
+      if (s.block_uid[block_table(s, slot)[j]] != block_uids(s, slot)[j]) return kAuditKeyed;
+  }
+  for (int32_t k = 0; k < s.num_running; ++k)
+    if (s.seqs[s.running[k]].status != SeqStatus::kRunning) return kAuditQueues;
+  for (int32_t k = 0; k < s.num_waiting; ++k)
+    if (s.seqs[waiting_at(s, k)].status != SeqStatus::kWaiting) return kAuditQueues;
+  int32_t in_use = 0, cached = 0;
+  for (int32_t b = 0; b < c.num_blocks; ++b) {
+    if (s.block_refs[b] != held[b]) return kAuditRefs;
+    in_use += held[b] > 0;
+    cached += s.block_uid[b] != 0;
+  }
+  std::vector<char> seen(c.num_blocks, 0);
+  for (int32_t k = 0; k < s.num_free; ++k) {
+    const int32_t b = s.free_blocks[k];
+    if (b < 0 || b >= c.num_blocks || seen[b] || s.block_refs[b] || s.block_uid[b])
+      return kAuditFreeList;
+    seen[b] = 1;
+  }
+  int32_t walked = 0;
+  for (int32_t b = s.lru_head, prev = -1; b >= 0; prev = b, b = s.lru_next[b]) {
+    if (b >= c.num_blocks || seen[b] || s.lru_prev[b] != prev || s.block_refs[b] ||
+        !s.block_uid[b] || ++walked > s.num_evictable)
+      return kAuditLru;
+    seen[b] = 1;
+    if (s.lru_next[b] < 0 && s.lru_tail != b) return kAuditLru;
+  }
+  if (walked != s.num_evictable) return kAuditLru;
+  if (s.num_free + s.num_evictable + in_use != c.num_blocks) return kAuditPartition;
+  if (cached != s.num_cached) return kAuditCacheTable;
+  int32_t entries = 0;
+  for (uint32_t i = 0; i <= s.cache_mask; ++i) {
+    const int32_t b = s.cache_table[i];
+    if (b < 0) continue;
+    ++entries;
+    if (b >= c.num_blocks || !s.block_uid[b]) return kAuditCacheTable;
+    // each cached identity once, found from its key's home
+    if (cache_find(s, s.block_key[b], s.block_parent[b], cached_tokens_of(s, b)) != b)
+      return kAuditCacheFind;
+  }
+  if (entries != s.num_cached) return kAuditCacheTable;
+  for (int32_t slot = 0; slot < c.num_slots; ++slot) {  // keys: the chain over the tokens
+    const SeqState& q = s.seqs[slot];
+    if (q.status == SeqStatus::kFree) continue;
+    const uint64_t* keys = block_row(s, s.seq_block_keys, slot);
+    uint64_t key = prefix_root_key(q);
+    for (int32_t j = 0; j < q.num_hashed; ++j) {
+      if (j >= q.num_tokens / c.block_size) return kAuditKeys;
+      key = prefix_key(key, prefix_block_digest(seq_tokens(s, slot) + j * c.block_size,
+                                                c.block_size));
+      if (keys[j] != key) return kAuditKeys;
+    }
+  }
+  return 0;
+}
+#endif
 
 // One serial event (everything but the CTA part of crc). a: the event's arguments.
 BLINK_HD void run_event(SchedState* s, StepPlan* plan, ReplayBatch* batch, const Env& env,
@@ -286,6 +372,10 @@ BLINK_HD void run_events(SchedState* s, StepScratch* step, const Env* env, const
     }
 #endif
     if (lead) run_event(s, &step->plan, &step->batch, *env, op, a, w);
+#if !defined(__CUDACC__)
+    if (env->has_state && (op == kOpStep || op == kOpAdd || op == kOpSample || op == kOpFinish))
+      if (const int64_t failed = audit_state(*s)) emit_error(w, kErrAudit, failed);
+#endif
   }
   if (lead) *out_len = w.n;
 }
