@@ -411,9 +411,13 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             clock.failed("INVALID_ARGUMENT")
             raise
         except Exception:
-            # the call had ended in gRPC, which sent its own status; not counted: a message
-            # over gRPC's size limit and a cancel look the same here
-            pass
+            # the call had ended in gRPC: the client cancelled it, or its message was over
+            # gRPC's size limit (gRPC answered RESOURCE_EXHAUSTED). The two look the same here
+            # (an EOF, then a status that cannot be sent), so both count as the client's
+            # cancel: they went uncounted and unlogged.
+            log_request(None, None, clock, "ended before its request was read: cancelled by "
+                        "the client, or its message was over gRPC's size limit", 0)
+            clock.failed("CANCELLED")
 
     def _gone(self, context, clock: RequestClock, handle: RequestHandle | None,
               prep: Prepared | None) -> None:

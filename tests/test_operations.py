@@ -971,6 +971,45 @@ def test_deadlines_that_pass_before_the_request_is_read_are_counted_and_logged(
         "deadline exceeded before it had a slot"] * (late_calls + 1), outcomes
 
 
+def test_calls_cancelled_before_their_request_is_read_are_counted_and_logged(checkpoints,
+                                                                              tmp_path):
+    """A client that cancels its call after the headers and before its request message (or
+    whose message is over gRPC's size limit: the same thing to the server) counts in
+    request_failure_total as CANCELLED and logs a line; both went unseen."""
+    import asyncio
+    import json
+    serve = Serve(checkpoints["llama"], tmp_path, "--metrics-port", "0", "--log-format", "json")
+    cancels = 3
+
+    async def cancel_before_the_request() -> None:
+        async with grpc.aio.insecure_channel(serve.target) as channel:
+            generate = channel.stream_stream("/blink.v1.Blink/Generate",
+                                             request_serializer=bytes,
+                                             response_deserializer=bytes)
+            never = asyncio.Event()
+
+            async def no_message_yet():
+                await never.wait()
+                yield b""
+            for _ in range(cancels):
+                call = generate(no_message_yet())
+                await call.wait_for_connection()
+                await asyncio.sleep(0.3)  # the front end is reading the request
+                call.cancel()
+    try:
+        port = metrics_port(serve)
+        asyncio.run(cancel_before_the_request())
+        wait_for(lambda: failures(port)["CANCELLED"] == cancels, 10,
+                 f"the cancels counted (have {failures(port)})")
+    finally:
+        assert serve.stop() == 0
+    outcomes = [json.loads(line)["request"]["outcome"]
+                for line in serve.log_path.read_text().splitlines()
+                if line.startswith("{") and '"request"' in line]
+    assert outcomes == ["ended before its request was read: cancelled by the client, or its "
+                        "message was over gRPC's size limit"] * cancels, outcomes
+
+
 def test_refusals_before_a_slot_are_counted_and_logged(long_checkpoint, tmp_path):
     """A request refused before it has a slot counts in request_failure_total and logs a line,
     whatever refuses it: a prompt outside the vocabulary (INVALID_ARGUMENT: counted, never
