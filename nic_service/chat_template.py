@@ -4,14 +4,17 @@ Templates from the Hub are untrusted code, so they run in Jinja's immutable sand
 transformers' apply_chat_template does (same options, filters and globals), so the same template renders
 the same prompt here as there. The sandbox keeps a template from reaching anything but its
 inputs, not from running without end: a render also has a budget (RENDER_CPU_SECONDS,
-MAX_PROMPT_CHARS), and no one operation may build a string or list longer than the prompt may
-be, or an integer past MAX_INT_BITS (one such operation runs, and allocates, before any check
-between operations could stop it).
+MAX_PROMPT_CHARS), and no operator (`*`, `**`, `+`, `~`, `%`), width argument (`center`,
+`ljust`, `indent`, ...) or str.format may build a string or list longer than the prompt may be,
+or an integer past MAX_INT_BITS (one such operation runs, and allocates, before any check
+between operations could stop it). What else builds in one step builds from what the template
+already holds, at most a few times its size.
 """
 
 import json
 import os
 import re
+import string
 import time
 from datetime import datetime
 from functools import lru_cache
@@ -234,6 +237,101 @@ def _budgeted_concat(context, *pieces) -> str:
 
 _SEQUENCES = (str, list, tuple)
 
+# A %-conversion's width and precision (digits, or * for one taken from the arguments)
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?")
+
+
+def _spec_widths(spec: str, args) -> int:
+    """A bound on what the widths and precisions of a %-format or a str.format spec add to its
+    output: their digits summed, and any integer argument where one is taken from the arguments
+    (`*`, a nested `{}`)."""
+    numbers = [int(n) for n in re.findall(r"\d+", spec)]
+    if "*" in spec or "{" in spec:
+        numbers += [abs(a) for a in args if isinstance(a, int)]
+    return sum(numbers)
+
+
+def _percent_size(text: str, args) -> int:
+    """A bound on the length of `text % args`."""
+    args = args if isinstance(args, tuple) else (args,)
+    widths = "".join(m.group(0) for m in _PERCENT_SPEC.finditer(text))
+    return len(text) + _spec_widths(widths, args) + sum(len(str(a)) for a in args)
+
+
+def _str_call_size(text: str, method: str, args, kwargs) -> int:
+    """A bound on the length of the string text.method(*args, **kwargs) builds, for the methods
+    whose arguments set a width (0 for the others: their results are at most a few times
+    their inputs, which the budget has seen)."""
+    if method in ("center", "ljust", "rjust", "zfill", "expandtabs"):
+        width = args[0] if args else kwargs.get("width", kwargs.get("tabsize", 8))
+        if not isinstance(width, int):
+            return 0  # (the method raises its own TypeError)
+        if method == "expandtabs":
+            return len(text) + text.count("\t") * max(width, 0)
+        return max(len(text), width)
+    if method == "replace" and len(args) >= 2:
+        return _replace_size(text, *args[:3])
+    if method == "join" and args:
+        return _join_size(text, args[0])
+    if method in ("format", "format_map"):
+        mapping = args[0] if method == "format_map" and args else kwargs
+        values = [*args, *mapping.values()] if isinstance(mapping, dict) else [*args]
+        specs = "".join(spec for _, _, spec, _ in string.Formatter().parse(text) if spec)
+        return len(text) + _spec_widths(specs, values) + sum(len(str(v)) for v in values)
+    return 0
+
+
+def _replace_size(text, old, new, count=-1) -> int:
+    """A bound on the length of text.replace(old, new, count)."""
+    if not all(isinstance(x, str) for x in (text, old, new)):
+        return 0  # (replace raises its own TypeError)
+    found = text.count(old) if old else len(text) + 1
+    if isinstance(count, int) and count >= 0:
+        found = min(found, count)
+    return len(text) + found * max(len(new) - len(old), 0)
+
+
+def _join_size(separator, items, *_) -> int:
+    """A bound on the length of separator.join(items) (0 where items is not yet a sequence:
+    an iterator's items are built one at a time, each ticked where a loop made them)."""
+    if not isinstance(items, (str, list, tuple)):
+        return 0
+    return len(str(separator)) * max(len(items) - 1, 0) + sum(len(str(x)) for x in items)
+
+
+def _sized_filter(filter_function, size):
+    """filter_function, sized first: size(value, *args, **kwargs) bounds what it builds. It
+    takes the render's context, so Jinja never runs it while compiling (constant folding)."""
+    passes_eval_context = getattr(filter_function, "jinja_pass_arg", None) is not None
+
+    @jinja2.pass_context
+    def sized(context, value, *args, **kwargs):
+        context.get(_BUDGET).building(size(value, *args, **kwargs))
+        if passes_eval_context:  # (replace, join: Jinja's own take the eval context first)
+            return filter_function(context.eval_ctx, value, *args, **kwargs)
+        return filter_function(value, *args, **kwargs)
+    return sized
+
+
+def _indent_size(value, width=4, first=False, blank=False) -> int:
+    prefix = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+    return len(str(value)) + (str(value).count("\n") + 1) * max(prefix, 0)
+
+
+# The filters whose arguments set a width, and the bound of each one's output
+_SIZED_FILTERS = {
+    "center": lambda value, width=80: max(len(str(value)), width if isinstance(width, int)
+                                          else 0),
+    "indent": _indent_size,
+    "format": lambda value, *args, **kwargs: _percent_size(str(value), kwargs or args),
+    "replace": lambda value, old, new, count=None: _replace_size(
+        str(value), str(old), str(new), -1 if count is None else count),
+    "join": lambda value, d="", attribute=None: _join_size(d, value),
+    # the last batch is filled to linecount items in one step
+    "batch": lambda value, linecount, fill_with=None: linecount if isinstance(linecount, int)
+    else 0,
+}
+
 
 def _int_bits(operator: str, left, right) -> int:
     """A bound on the bits of `left operator right` for integers (0 for other operands)."""
@@ -248,16 +346,33 @@ def _int_bits(operator: str, left, right) -> int:
 
 class _BudgetedSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox whose every call ticks the render's budget (a macro that calls
-    itself twice runs in exponential time without any loop), and whose `*`, `**` and `+` are
-    sized before they run: `"x" * 10 ** 10` was one operation of 10 GB."""
+    itself twice runs in exponential time without any loop), and whose `*`, `**`, `+` and `%`,
+    string methods that take a width and str.format are sized before they run: `"x" * 10 ** 10`
+    and `'x'.center(10 ** 10)` were one operation of 10 GB each."""
 
-    intercepted_binops = frozenset({"*", "**", "+"})
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call(self, context, obj, /, *args, **kwargs):
-        context.get(_BUDGET).tick()
+        budget = context.get(_BUDGET)
+        budget.tick()
+        text, method = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+        if not isinstance(text, str):  # str.format, as wrap_str_format wrapped it
+            text, method = getattr(obj, "blink_text", None), getattr(obj, "blink_method", "")
+        if isinstance(text, str):  # `'x'.center(10 ** 10)`: one call of 10 GB
+            budget.building(_str_call_size(text, method, args, kwargs))
         return super().call(context, obj, *args, **kwargs)
 
+    def wrap_str_format(self, value):
+        """The sandbox's str.format, named for call's sizing (the sandbox wraps the method as
+        the template reads it, so call sees a function of its own)."""
+        wrapper = super().wrap_str_format(value)
+        if wrapper is not None:
+            wrapper.blink_text, wrapper.blink_method = value.__self__, value.__name__
+        return wrapper
+
     def call_binop(self, context, operator: str, left, right):
+        if operator == "%" and isinstance(left, str):  # `'%*s' % (10 ** 10, '')`
+            context.get(_BUDGET).building(_percent_size(left, right))
         if operator == "+":  # (templates add strings all the time: the short way)
             if isinstance(left, _SEQUENCES) and isinstance(right, _SEQUENCES):
                 context.get(_BUDGET).building(len(left) + len(right))
@@ -314,6 +429,8 @@ def _compile(template: str) -> jinja2.Template:
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    for name, size in _SIZED_FILTERS.items():
+        env.filters[name] = _sized_filter(env.filters[name], size)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:

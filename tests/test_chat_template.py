@@ -454,12 +454,34 @@ def test_prompt_ids_are_transformers_apply_chat_template_ids(tmp_path, template)
     ("{{ (2 ** 100000) % 7 }}", "computed an integer of more than 65,536 bits"),
     ("{% set n = namespace(v=3) %}{% for i in range(20) %}{% set n.v = n.v * n.v %}"
      "{% endfor %}{{ n.v % 7 }}", "computed an integer of more than 65,536 bits"),
-], ids=["string-times", "list-times", "plus", "concat-doubling", "power", "squaring"])
+    # a width argument: one call or filter that builds the whole string
+    ("{{ 'x'.center(10**10)|length }}", "built a value of 10,000,000,000 items"),
+    ("{{ 'x'.zfill(10**6)|length }}", "built a value of 1,000,000 items"),
+    ("{{ ('a' ~ '\t' * 3).expandtabs(10**6)|length }}", "built a value of 3,000,004 items"),
+    ("{{ '{:>1000000}'.format('x')|length }}", "built a value of"),
+    ("{{ '{a:>{w}}'.format_map({'a': 'x', 'w': 10**6})|length }}", "built a value of"),
+    ("{{ ('%*s' % (10**10, ''))|length }}", "built a value of"),
+    ("{{ ('%.9999999f' % 1.5)|length }}", "built a value of"),
+    ("{{ 'x'|center(10**8)|length }}", "built a value of 100,000,000 items"),
+    ("{{ ('a\nb\nc')|indent(10**6, true)|length }}", "built a value of"),
+    ("{{ ('%10000000s'|format('x'))|length }}", "built a value of"),
+    ("{{ ('x' * 1000).replace('', 'y' * 1000)|length }}", "built a value of 1,002,000 items"),
+    ("{{ ('x' * 1000)|replace('x', 'y' * 1000)|length }}", "built a value of 1,000,000 items"),
+    ("{{ ('z' * 1000).join('y' * 1000)|length }}", "built a value of 1,000,000 items"),
+    ("{{ ('y' * 1000)|join('z' * 1000)|length }}", "built a value of 1,000,000 items"),
+    ("{{ ([1]|batch(10**9, 0)|list)|length }}", "built a value of 1,000,000,000 items"),
+], ids=["string-times", "list-times", "plus", "concat-doubling", "power", "squaring",
+        "center-method", "zfill", "expandtabs", "str-format", "format-map", "percent-star",
+        "percent-precision", "replace-method", "replace-filter", "join-method", "join-filter",
+        "batch-fill",
+        "center-filter", "indent-filter", "format-filter"])
 def test_one_operation_that_builds_a_huge_value_is_stopped(template, says):
     """The budget was looked at between operations, so one operation ran whole: `"x" * 10**10`
-    built 10 GB and `2 ** (10**9)` ran for minutes before any check. Now `*`, `**`, `+` and `~`
-    are sized before they run: none may build a string or list longer than the prompt may be
-    (here a short limit, with outputs that fit it) or an integer past MAX_INT_BITS."""
+    built 10 GB and `2 ** (10**9)` ran for minutes before any check, as did `'x'.center(10**10)`
+    and the other calls and filters whose argument is a width. Now `*`, `**`, `+`, `~`, `%`,
+    those calls and those filters are sized before they run: none may build a string or list
+    longer than the prompt may be (here a short limit, with outputs that fit it) or an integer
+    past MAX_INT_BITS."""
     import time
     start = time.monotonic()
     with pytest.raises(ValueError, match=says):
@@ -472,6 +494,12 @@ SIZED_OPERATORS = (
     "{{ 'ab' * 3 ~ (1 ~ none) ~ 2 * 'c' }}|{{ [1] + [2] }}|{{ (1, 2) * 2 }}|{{ 2 ** 10 }}|"
     "{{ 2 ** -1 }}|{{ 1.5 * 2 }}|{{ 3 + 4.5 }}|{{ (-1) ** 99999999 }}|"
     "{% for m in messages %}{{ m.role ~ ': ' ~ m.content + '\n' }}{% endfor %}"
+    "{{ 'ab'.center(6) }}|{{ 'a\tb'.expandtabs(4) }}|{{ '{:>5}|{:.2f}'.format('x', 1/3) }}|"
+    "{{ '%5s|%-3d|%%' % ('a', 7) }}|{{ '%(k)s' % {'k': 1} }}|{{ 7 % 3 }}|{{ 'x'|center(5) }}|"
+    "{{ 'a\nb'|indent(2, true) }}|{{ 'a\nb'|indent('> ') }}|{{ '%s-%s'|format(1, 2) }}|"
+    "{{ 'aXb'.replace('X', '--') }}|{{ 'aXbX'|replace('X', '-', 1) }}|{{ ', '.join(['a', 'b']) }}|"
+    "{{ [1, 2, 3]|join('+') }}|{{ messages|join(', ', attribute='role') }}|"
+    "{{ [1, 2, 3]|batch(2, 0)|list }}"
 )
 
 
