@@ -32,6 +32,7 @@ flags (--tls, --tls-ca, --tls-cert, --tls-key: TLS or mutual TLS).
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 import time
@@ -39,6 +40,7 @@ import time
 import grpc
 
 from blink.client.sdk import SESSION_HEADER, AsyncBlinkClient, BlinkError, Sampling, Tls
+from blink.ring.layout import RejectReason
 
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
                grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
@@ -50,11 +52,14 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTI
 GRPC_TOO_LARGE = "message larger than max"
 
 # The front end's words for a prompt that leaves no room in the context or the KV cache
-# (nic_service/server.py's request checks): OpenAI's code for it, context_length_exceeded, is
-# what clients look for to shorten a conversation and retry (LangChain's ContextOverflowError)
+# (nic_service/server.py's request checks, and the engine's own refusals where the front end
+# could not check): OpenAI's code for it, context_length_exceeded, is what clients look for
+# to shorten a conversation and retry (LangChain's ContextOverflowError)
 CONTEXT_LENGTH_EXCEEDED = re.compile(
     r"prompt (has \d+ tokens; the (context length is|KV cache holds) \d+"
-    r"|\(\d+ tokens\) plus max_tokens \(\d+\) exceeds the (context length|KV cache))")
+    r"|\(\d+ tokens\) plus max_tokens \(\d+\) exceeds the (context length|KV cache))"
+    + "".join(f"|{re.escape('engine rejected the request: ' + reason.describe())}"
+              for reason in (RejectReason.EXCEEDS_CONTEXT, RejectReason.EXCEEDS_KV_CAPACITY)))
 
 
 class BadRequest(ValueError):
@@ -75,6 +80,9 @@ ROUTES = "GET /v1/models, POST /v1/completions and POST /v1/chat/completions"
 # text (\uXXXX, as the OpenAI SDK sends it) writes in up to 3 times as many bytes.
 MAX_BODY_BYTES = 16 << 20
 
+
+# How long a response's model name, where the request named none, is taken as known
+SERVED_NAME_TTL_S = 30.0
 
 SHUTTING_DOWN = "server shutting down"  # (the front end's words for the same end)
 
@@ -296,13 +304,15 @@ def make_app(target: str, served_model_names: list[str] | None = None,
             .with_session(request.headers.get(SESSION_HEADER) or None)
 
     async def served_name(client: AsyncBlinkClient) -> str:
-        """The model name a response carries where the request named none, as OpenAI's and
-        vLLM's carry the model that answered (it was "")."""
-        if served_model_names:
-            return served_model_names[0]
-        if "model_name" not in state:  # (one call: a server serves one model)
-            state["model_name"] = (await client.model_info(timeout=10)).name
-        return state["model_name"]
+        """The model name a response carries where the request named none (with
+        --served-model-name, such a request is a 404), as OpenAI's and vLLM's carry the model
+        that answered (it was ""). Asked again after SERVED_NAME_TTL_S: the target may be
+        redeployed with another model."""
+        name, asked = state.get("model_name", ("", -math.inf))
+        if time.monotonic() - asked > SERVED_NAME_TTL_S:
+            name = (await client.model_info(timeout=10)).name
+            state["model_name"] = (name, time.monotonic())
+        return name
 
     async def models(request):
         try:  # the caller's token checked by the server, whatever the listed name

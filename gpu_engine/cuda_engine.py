@@ -280,8 +280,8 @@ def run_cuda_engine(config: EngineConfig, gpu_memory_utilization: float = 0.9,
         config, gpu_memory_utilization=gpu_memory_utilization, step_log=step_log,
         ring_memory=ring_memory, ring_export=ring_export))
     signals.serving(engine.stop_event)
-    engine.start()
-    try:
+    try:  # (a start that fails, its graph launch say, removes the ring too)
+        engine.start()
         engine.wait()
     finally:
         engine.close()

@@ -672,3 +672,22 @@ def test_a_prompt_too_long_for_the_context_is_context_length_exceeded(gateway):
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model="llama", prompt="hi", top_p=0)
     assert refused.value.code == "invalid_argument"
+
+
+@pytest.mark.parametrize("reason", ["EXCEEDS_CONTEXT", "EXCEEDS_KV_CAPACITY", "BAD_TOP_P"])
+def test_the_engine_s_own_context_refusals_are_context_length_exceeded(reason):
+    """Where the front end could not check (an engine that publishes no KV capacity), the
+    engine refuses the request itself, in its words (RejectReason): the same code for a
+    client, and another refusal keeps its own."""
+    import grpc
+
+    from blink.client.openai_gateway import _blink_error_body
+    from blink.client.sdk import BlinkError
+    from blink.ring.layout import RejectReason
+    error = BlinkError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"engine rejected the request: {RejectReason[reason].describe()}")
+    status, body = _blink_error_body(error, chat=True)
+    context = reason != "BAD_TOP_P"
+    assert (status, body["error"]["code"], body["error"]["param"]) == (
+        400, "context_length_exceeded" if context else "invalid_argument",
+        "messages" if context else None)

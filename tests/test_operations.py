@@ -333,6 +333,34 @@ def test_an_engine_stopped_or_failing_after_its_ring_is_made_removes_it(checkpoi
         assert proc.returncode == 0 and f"stopped by {stop} while starting" in err, err
 
 
+def test_a_ring_being_created_as_the_stop_comes_is_removed(monkeypatch):
+    """The stop's removal (another thread) while the main thread is between recording a ring's
+    temporary name and creating its file: it waits for the file and removes it. It found
+    nothing to remove, and the file was made after it."""
+    import secrets
+    from pathlib import Path
+
+    from blink.ring import shm
+    name = f"blink-test-{secrets.token_hex(6)}"
+    opening, real_open = threading.Event(), os.open
+
+    def slow_open(path, *args):
+        if Path(path).name.startswith(f".{name}."):
+            opening.set()
+            time.sleep(0.3)  # the stop comes now
+        return real_open(path, *args)
+    monkeypatch.setattr(shm.os, "open", slow_open)
+    stop = threading.Thread(target=lambda: (opening.wait(5), shm.unlink_created_segments()))
+    stop.start()
+    segment = shm.ShmSegment.create(name, 4096)
+    stop.join(5)
+    try:
+        assert [p.name for p in shm.SHM_DIR.iterdir() if name in p.name] == []
+    finally:
+        segment.unlink()
+        segment.close()
+
+
 def test_engine_stops_when_serve_is_killed(checkpoints, tmp_path):
     """serve's engine runs in its own session (a terminal's Ctrl-C goes to serve, which drains
     first), so nothing but its parent-death signal (`blink engine --exit-with-parent`, set by

@@ -695,6 +695,11 @@ def vector_events() -> list[str]:
                               num_blocks=24, max_num_seqs=4, budget=24, p_arrive=0.8,
                               vocab=8, p_cancel=0.05, prefix_caching=1, p_shared=0.9)
     events += salted_prefix_events()
+    # blocks computed twice at once (the cached one taken, the copy freed), and the cache's
+    # edges under pressure
+    events += burst_events()
+    for seed in range(3):
+        events += adversarial_workload(seed)
     events += [line for line, _ in handcrafted_validate_cases()]
     events += crc_lines(1006, 12) + [line for line, _ in slot_crc_lines(1007)]
     events += ["crc 7 5000 " + random.Random(1008).randbytes(8192).hex()]  # a long prompt

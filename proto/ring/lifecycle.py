@@ -95,7 +95,7 @@ class EngineStopSignals:
                 self._stop_event.set()
                 return
             from blink.ring.shm import unlink_created_segments
-            unlink_created_segments()
+            unlink_created_segments(for_good=True)  # (a ring created after it would stay)
             log.info("engine stopped by %s while starting", signal.Signals(signum).name)
             logging.shutdown()  # (flushes the handlers; os._exit skips the interpreter's exit)
             os._exit(0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -58,18 +59,27 @@ def default_ring_name() -> str:
 
 # The ring files this process is creating (their temporary names) and has created and not yet
 # unlinked: what unlink_created_segments removes when start-up stops before the engine serves.
+# _CREATION_LOCK is held across a creation and a publication, and by unlink_created_segments.
 _CREATING: set[Path] = set()
 _CREATED: set["ShmSegment"] = set()
+_CREATION_LOCK = threading.RLock()
 
 
-def unlink_created_segments() -> None:
+def unlink_created_segments(*, for_good: bool = False) -> None:
     """Removes every file this process created and still owns, under its temporary name or its
-    public one (only while it is still this process's inode). Safe from another thread while
-    the main thread creates one: a temporary name is recorded before its file exists."""
-    for tmp in list(_CREATING):
-        tmp.unlink(missing_ok=True)
-    for seg in list(_CREATED):
-        seg.unlink()
+    public one (only while it is still this process's inode). From another thread, while the
+    main thread may be creating one: it waits for that creation to end, and with for_good it
+    keeps the lock, so that no creation starts after it (the caller is about to end the
+    process)."""
+    _CREATION_LOCK.acquire()
+    try:
+        for tmp in list(_CREATING):
+            tmp.unlink(missing_ok=True)
+        for seg in list(_CREATED):
+            seg.unlink()
+    finally:
+        if not for_good:
+            _CREATION_LOCK.release()
 
 
 class ShmSegment:
@@ -91,26 +101,28 @@ class ShmSegment:
         # Build under a private temporary name, then rename over the public one, so an
         # attaching front end never maps a half-initialised or half-sized file.
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-        _CREATING.add(tmp)
-        try:
-            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        with _CREATION_LOCK:
+            _CREATING.add(tmp)
             try:
-                os.ftruncate(fd, size)
-                seg = cls(path, fd, size)
-            except BaseException:
-                os.close(fd)
-                tmp.unlink(missing_ok=True)
-                raise
-            seg._tmp_path = tmp
-            _CREATED.add(seg)
-        finally:
-            _CREATING.discard(tmp)
+                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.ftruncate(fd, size)
+                    seg = cls(path, fd, size)
+                except BaseException:
+                    os.close(fd)
+                    tmp.unlink(missing_ok=True)
+                    raise
+                seg._tmp_path = tmp
+                _CREATED.add(seg)
+            finally:
+                _CREATING.discard(tmp)
         return seg
 
     def publish(self) -> None:
         """Makes a created segment visible under its public name (after its header is set)."""
-        os.replace(self._tmp_path, self.path)
-        self._tmp_path = None
+        with _CREATION_LOCK:
+            os.replace(self._tmp_path, self.path)
+            self._tmp_path = None
 
     @classmethod
     def attach(cls, name: str) -> "ShmSegment":
