@@ -132,9 +132,16 @@ async def soak(target: str, *, duration_s: float, concurrency: int, cancel_fract
     async with AsyncBlinkClient(target) as client:
         await client.wait_ready(60)
         info = await client.model_info()
-        max_output = min(max_output, info.context_length // 2)
+        # what one sequence can hold: the context, or the whole KV cache where that is smaller
+        # (the server refuses a prompt plus max_tokens past it, INVALID_ARGUMENT, which counted
+        # as the soak's errors against a server with a small --num-kv-blocks)
+        kv = await client.stats()
+        room = info.context_length
+        if kv["kv_blocks_total"] and kv["kv_block_size"]:
+            room = min(room, kv["kv_blocks_total"] * kv["kv_block_size"])
+        max_output = max(1, min(max_output, room // 2))
         mix = Mix(cancel_fraction, deadline_fraction,
-                  max(1, min(max_prompt, info.context_length - max_output)), max_output,
+                  max(1, min(max_prompt, room - max_output)), max_output,
                   info.vocab_size)
         # a measured time per token at this concurrency scales the deadlines
         t0 = time.monotonic()

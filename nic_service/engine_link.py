@@ -74,6 +74,7 @@ class RequestHandle:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Tokens | Finished | Exception
     cancelled: bool = False
     stop_matched: bool = False    # cancelled because a stop string matched: a finish, not a cancel
+    stop_pending: bool = False    # ... and its cancel written, its record not read yet
     done: bool = False            # the engine finished it (or it was failed locally)
     finished: Finished | None = None  # the engine's finish, once read (also queued in events)
 
@@ -146,21 +147,22 @@ class WorkerCounts:
     `--workers N` on one ring) in /dev/shm/{ring}.frontend-{kind}, so that each can report their
     sum; each writes its own word only. One worker: kept in memory. A worker that is restarted
     finds its number where it left it; the front end's parent clears the files as it starts
-    (reset). Kinds: "counts" (stop-string finishes), "slots" and "queued" (its slots in use and
-    its requests waiting for one, now)."""
+    (reset). Kinds: "counts" (stop-string finishes), "stopping" (stop-string cancels written
+    whose records are not read yet), "slots" and "queued" (its slots in use and its requests
+    waiting for one, now)."""
 
-    KINDS = ("counts", "slots", "queued")
+    KINDS = ("counts", "stopping", "slots", "queued")
 
     def __init__(self, ring_name: str, index: int, workers: int, kind: str = "counts"):
         self.index = index
         if workers == 1:
-            self._counts = np.zeros(1, np.uint64)
+            self._counts = np.zeros(1, np.int64)
             return
         fd = os.open(self.path(ring_name, kind), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < 8 * workers:
                 os.ftruncate(fd, 8 * workers)
-            self._counts = np.frombuffer(mmap.mmap(fd, 8 * workers), np.uint64)
+            self._counts = np.frombuffer(mmap.mmap(fd, 8 * workers), np.int64)
         finally:
             os.close(fd)  # the mapping stays
 
@@ -259,8 +261,11 @@ class EngineLink:
         # engine counters (ring header) of the instances before the current one: totals that
         # survive engine restarts (counter_totals)
         self._carried = dict.fromkeys(ENGINE_COUNTERS, 0)
-        # engine "cancels" that were stop-string finishes, every worker's
+        # engine "cancels" that were stop-string finishes, every worker's; and such cancels
+        # written whose records no worker has read yet (counter_totals says why)
         self._stop_string_finishes = WorkerCounts(ring_name, *worker)
+        self._stop_cancels_pending = WorkerCounts(ring_name, *worker, kind="stopping")
+        self._cancelled_reported = 0  # the largest count of cancelled requests reported yet
         # this worker's slots in use and requests waiting for one, where every worker reads
         # them: GetServerStats answers for the whole server from whichever worker it reaches
         self._shared_slots = WorkerCounts(ring_name, *worker, kind="slots")
@@ -312,13 +317,22 @@ class EngineLink:
 
     def counter_totals(self) -> dict[str, int]:
         """The engine's counters (ENGINE_COUNTERS) summed over every engine instance this link
-        has seen: they keep growing across engine restarts."""
+        has seen: they keep growing across engine restarts. The engine counts a stop string's
+        end as a cancel (the front end cancels the sequence): those move to the finished. Its
+        counts lag the records it writes by up to a step, so a stop-string cancel may be in the
+        records read (the stop-string finishes) or only written (pending) and not yet in the
+        engine's count: the engine's cancels minus both is at most the clients' own cancels,
+        exact at rest; the largest of those reported is what is reported (it went down for a
+        step, under stop-string load, when a finish was read before the engine counted it)."""
         h = self._header_stats
         totals = {k: self._carried[k] + (int(h[k]) if h is not None else 0)
                   for k in ENGINE_COUNTERS}
-        moved = min(self._stop_string_finishes.total(), totals["requests_cancelled"])
-        totals["requests_cancelled"] -= moved
-        totals["requests_finished"] += moved
+        engine_cancels = totals["requests_cancelled"]
+        cancelled = max(self._cancelled_reported, engine_cancels
+                        - self._stop_string_finishes.total() - self._stop_cancels_pending.total())
+        self._cancelled_reported = cancelled
+        totals["requests_cancelled"] = cancelled
+        totals["requests_finished"] += engine_cancels - cancelled
         return totals
 
     # -- requests -------------------------------------------------------------------------------
@@ -375,7 +389,16 @@ class EngineLink:
             return
         handle.cancelled, handle.stop_matched = True, stop_matched
         if self.alive and self.info.instance == handle.instance:
+            if stop_matched:  # (before the engine can count it: counter_totals)
+                handle.stop_pending = True
+                self._stop_cancels_pending.add(1)
             self._write_cancel(handle.slot, handle.gen)
+
+    def _stop_read(self, handle: RequestHandle) -> None:
+        """A stop-string cancel is no longer pending: its record was read (or given up)."""
+        if handle.stop_pending:
+            handle.stop_pending = False
+            self._stop_cancels_pending.add(-1)
 
     def _write_cancel(self, slot: int, gen: int) -> None:
         """The slot's cancel word: the engine stops generation `gen` of the slot when it reads
@@ -607,6 +630,10 @@ class EngineLink:
         cancelled in it; waiters for a slot fail; the mapping goes."""
         self._set_alive(False)
         for handle in self._live.values():
+            if handle.stop_pending:  # its record is not read: the engine's end, if it counts
+                # the cancel or dies (_carry counts its admitted requests), is this finish
+                self._stop_string_finishes.add()
+                self._stop_read(handle)
             if not handle.done:
                 handle.done = True
                 handle.events.put_nowait(why)
@@ -787,6 +814,7 @@ class EngineLink:
         rec = self._record(slot)
         if reason == FinishReason.CANCELLED and handle.stop_matched:
             self._stop_string_finishes.add()
+        self._stop_read(handle)
         handle.done = True
         handle.finished = Finished(reason, int(rec["detail"]), int(rec["prompt_len"]),
                                    int(rec["preemptions"]), int(rec["cached_tokens"]))
