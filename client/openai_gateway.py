@@ -31,6 +31,7 @@ flags (--tls, --tls-ca, --tls-cert, --tls-key: TLS or mutual TLS).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -80,6 +81,9 @@ ROUTES = "GET /v1/models, POST /v1/completions and POST /v1/chat/completions"
 # text (\uXXXX, as the OpenAI SDK sends it) writes in up to 3 times as many bytes.
 MAX_BODY_BYTES = 16 << 20
 
+
+# How long a request's body may take to arrive once its headers have
+BODY_READ_TIMEOUT_S = 60.0
 
 # How long a response's model name, where the request named none, is taken as known
 SERVED_NAME_TTL_S = 30.0
@@ -289,8 +293,6 @@ def make_app(target: str, served_model_names: list[str] | None = None,
     shutdown_timeout: on shutdown, the requests in flight get this long (or until a second
     stop signal), then end with a "server shutting down" error (a stream: an error event, then
     [DONE])."""
-    import asyncio
-
     from aiohttp import web
     state: dict = {"streams": set()}  # (the Blink calls in flight)
 
@@ -327,8 +329,9 @@ def make_app(target: str, served_model_names: list[str] | None = None,
             {"id": name, "object": "model", "created": 0, "owned_by": "blink"}]})
 
     async def generate(request, chat: bool):
-        try:
-            body = await request.json()
+        try:  # (aiohttp waits for a body as long as its client takes: a client that sent
+            # part of one and waited held its connection and this handler for good)
+            body = await asyncio.wait_for(request.json(), BODY_READ_TIMEOUT_S)
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
             prompt, sampling = _prompt(body, chat), sampling_from(body, chat)
@@ -338,6 +341,11 @@ def make_app(target: str, served_model_names: list[str] | None = None,
                 raise BadRequest(f"'model' must be a string, got {model!r}", "model")
         except BadRequest as e:
             return _error(web, 400, str(e), param=e.param)
+        except asyncio.TimeoutError:
+            late = _error(web, 408, f"the request body did not arrive within "
+                          f"{BODY_READ_TIMEOUT_S:g} s")
+            late.force_close()  # (the rest of that body would hold the connection instead)
+            return late
         except (ValueError, LookupError, RecursionError) as e:  # (a 500 and a traceback before)
             # JSON that does not parse, bytes that are not UTF-8, a charset Python does not know,
             # nesting deeper than the parser goes
@@ -505,7 +513,6 @@ async def _stream(web, request, body: dict, chat: bool, model: str, stream):
 
 
 def cmd_openai(args) -> None:
-    import asyncio
     try:
         import aiohttp  # noqa: F401 (the `openai` extra)
     except ImportError:
@@ -533,7 +540,6 @@ async def _serve(app, args) -> None:
     (the app's on_shutdown; aiohttp handled SIGTERM and SIGINT alone, and SIGHUP ended the
     gateway at once, its streams cut). A request that aiohttp cannot parse gets
     _connection_class()'s refusal."""
-    import asyncio
 
     from aiohttp import web
 

@@ -36,7 +36,8 @@ from blink.client.sdk import AsyncBlinkClient, BlinkError, Sampling
 COUNTERS = ("requests_admitted", "requests_finished", "requests_cancelled", "requests_rejected",
             "preemptions", "tokens_generated", "engine_steps")
 # stats that are back at rest once the server is idle
-IDLE = ("ring_slots_in_use", "sequences_running", "sequences_waiting", "kv_blocks_in_use")
+IDLE = ("ring_slots_in_use", "requests_waiting_for_slot", "sequences_running",
+        "sequences_waiting", "kv_blocks_in_use", "requests_in_flight")
 
 
 @dataclass
@@ -63,9 +64,12 @@ class Mix:
 
 
 def at_rest(stats: dict) -> dict[str, int]:
-    """The stats that must be zero when the server is idle (KV blocks in use derived), and
+    """The stats that must be zero when the server is idle (KV blocks in use derived, and the
+    requests in flight: admitted and neither finished, cancelled nor rejected), and
     engine_silent: an engine that does not answer shows nothing in use, which proves nothing."""
-    rest = dict(stats, kv_blocks_in_use=stats["kv_blocks_total"] - stats["kv_blocks_free"])
+    rest = dict(stats, kv_blocks_in_use=stats["kv_blocks_total"] - stats["kv_blocks_free"],
+                requests_in_flight=stats["requests_admitted"] - stats["requests_finished"]
+                - stats["requests_cancelled"] - stats["requests_rejected"])
     return {**{k: int(rest[k]) for k in IDLE},
             "engine_silent": int(not stats["engine_alive"] or not stats["kv_blocks_total"])}
 

@@ -691,3 +691,45 @@ def test_the_engine_s_own_context_refusals_are_context_length_exceeded(reason):
     assert (status, body["error"]["code"], body["error"]["param"]) == (
         400, "context_length_exceeded" if context else "invalid_argument",
         "messages" if context else None)
+
+
+def test_a_body_that_stops_arriving_is_a_408(monkeypatch):
+    """A client that sends its headers and part of its body, then waits, gets a 408 once the
+    body's time is up, with the connection to be closed (aiohttp reads what is left of the
+    body for its lingering time, 10 s, then closes it): it held the connection and a handler
+    for as long as it waited (aiohttp sets no limit on a body's arrival)."""
+    import asyncio
+    import json
+
+    from aiohttp import web
+
+    from blink.client import openai_gateway
+    monkeypatch.setattr(openai_gateway, "BODY_READ_TIMEOUT_S", 0.5)
+
+    async def half_a_body() -> tuple[bytes, float]:
+        runner = web.AppRunner(openai_gateway.make_app("127.0.0.1:9"))  # (never reached)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            port = runner.addresses[0][1]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+            await writer.drain()
+            start = time.monotonic()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+            response = head + await reader.readexactly(length)
+            took = time.monotonic() - start
+            writer.close()
+            await writer.wait_closed()
+            return response, took
+        finally:
+            await runner.cleanup()
+    response, took = asyncio.run(half_a_body())
+    assert response.startswith(b"HTTP/1.1 408"), response[:200]
+    assert b"Connection: close" in response, response[:300]
+    body = json.loads(response.split(b"\r\n\r\n", 1)[1])
+    assert "did not arrive within 0.5 s" in body["error"]["message"], body
+    assert took < 5

@@ -41,12 +41,16 @@ def test_soak_on_the_cpu_engine(checkpoints, tmp_path):
 
 
 def test_leak_check_reports_what_is_left():
-    rest = dict(ring_slots_in_use=0, sequences_running=0, sequences_waiting=0,
-                kv_blocks_total=64, kv_blocks_free=64, engine_alive=True)
+    rest = dict(ring_slots_in_use=0, requests_waiting_for_slot=0, sequences_running=0,
+                sequences_waiting=0, kv_blocks_total=64, kv_blocks_free=64, engine_alive=True,
+                requests_admitted=10, requests_finished=6, requests_cancelled=3,
+                requests_rejected=1)
     assert not any(at_rest(rest).values())
-    leaky = dict(rest, ring_slots_in_use=1, kv_blocks_free=61)
-    assert at_rest(leaky) == dict(ring_slots_in_use=1, sequences_running=0,
-                                  sequences_waiting=0, kv_blocks_in_use=3, engine_silent=0)
+    leaky = dict(rest, ring_slots_in_use=1, kv_blocks_free=61, requests_waiting_for_slot=2,
+                 requests_finished=5)
+    assert at_rest(leaky) == dict(ring_slots_in_use=1, requests_waiting_for_slot=2,
+                                  sequences_running=0, sequences_waiting=0, kv_blocks_in_use=3,
+                                  requests_in_flight=1, engine_silent=0)
     # a silent engine's zeros are no proof of rest (they passed as "nothing leaked")
     silent = dict(rest, engine_alive=False, kv_blocks_total=0, kv_blocks_free=0)
     assert at_rest(silent)["engine_silent"] == 1
