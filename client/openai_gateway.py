@@ -19,8 +19,8 @@ neutral value is a 400 whose `param` names it, as is a message that carries tool
 parameters that change no output (user, metadata, store, ...) are accepted. With
 --served-model-name, a model not among its names is a 404 (model_not_found), else `model` is
 not checked (clients send Hub ids or paths); a response names the served model where the
-request named none. A body may be MAX_BODY_BYTES; a path or method not served, or a larger
-body, is OpenAI's error body too. An `Authorization: Bearer KEY` header is passed on as the
+request named none. A body may be MAX_BODY_BYTES and must arrive within BODY_READ_TIMEOUT_S
+(else a 408); a path or method not served, or a larger body, is OpenAI's error body too. An `Authorization: Bearer KEY` header is passed on as the
 gRPC bearer token, an `x-blink-session` header as the SDK's session (Envoy routes a session to
 one replica: deploy/envoy/envoy.yaml). Blink's errors map to HTTP statuses (INVALID_ARGUMENT
 400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, or 413 for a message past gRPC's size limit,
