@@ -760,6 +760,14 @@ def failures(port: int) -> dict[str, float]:
             for code in ("CANCELLED", "DEADLINE_EXCEEDED")}
 
 
+def request_outcomes(serve: Serve) -> list[str]:
+    """The outcome of every request line of a server started with `--log-format json`."""
+    import json
+    return [json.loads(line)["request"]["outcome"]
+            for line in serve.log_path.read_text().splitlines()
+            if line.startswith("{") and '"request"' in line]
+
+
 def metrics_port(serve: Serve) -> int:
     """The port `--metrics-port 0` took, as the server's log says."""
     import re
@@ -992,9 +1000,7 @@ def test_deadlines_that_pass_before_the_request_is_read_are_counted_and_logged(
                  f"the failures counted (have {failures(port)})")
     finally:
         assert serve.stop() == 0
-    outcomes = [json.loads(line)["request"]["outcome"]
-                for line in serve.log_path.read_text().splitlines()
-                if line.startswith("{") and '"request"' in line]
+    outcomes = request_outcomes(serve)
     assert sorted(outcomes) == ["cancelled by the client"] + [
         "deadline exceeded before it had a slot"] * (late_calls + 1), outcomes
 
@@ -1005,7 +1011,6 @@ def test_calls_cancelled_before_their_request_is_read_are_counted_and_logged(che
     whose message is over gRPC's size limit: the same thing to the server) counts in
     request_failure_total as CANCELLED and logs a line; both went unseen."""
     import asyncio
-    import json
     serve = Serve(checkpoints["llama"], tmp_path, "--metrics-port", "0", "--log-format", "json")
     cancels = 3
 
@@ -1031,9 +1036,7 @@ def test_calls_cancelled_before_their_request_is_read_are_counted_and_logged(che
                  f"the cancels counted (have {failures(port)})")
     finally:
         assert serve.stop() == 0
-    outcomes = [json.loads(line)["request"]["outcome"]
-                for line in serve.log_path.read_text().splitlines()
-                if line.startswith("{") and '"request"' in line]
+    outcomes = request_outcomes(serve)
     assert outcomes == ["ended before its request was read: cancelled by the client, or its "
                         "message was over gRPC's size limit"] * cancels, outcomes
 
@@ -1064,9 +1067,7 @@ def test_refusals_before_a_slot_are_counted_and_logged(long_checkpoint, tmp_path
                     "INVALID_ARGUMENT": 1, "UNAVAILABLE": 1}
     finally:
         serve.stop()
-    outcomes = [json.loads(line)["request"]["outcome"]
-                for line in serve.log_path.read_text().splitlines()
-                if line.startswith("{") and '"request"' in line]
+    outcomes = request_outcomes(serve)
     assert "refused, UNAVAILABLE: server shutting down" in outcomes, outcomes
     assert any(o.startswith("refused, INVALID_ARGUMENT: token id 1000000 is outside")
                for o in outcomes), outcomes
