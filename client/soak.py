@@ -65,11 +65,12 @@ class Mix:
 
 def at_rest(stats: dict) -> dict[str, int]:
     """The stats that must be zero when the server is idle (KV blocks in use derived, and the
-    requests in flight: admitted and neither finished, cancelled nor rejected), and
-    engine_silent: an engine that does not answer shows nothing in use, which proves nothing."""
+    requests in flight: admitted and neither finished nor cancelled; a rejected request is
+    never admitted), and engine_silent: an engine that does not answer shows nothing in use,
+    which proves nothing."""
     rest = dict(stats, kv_blocks_in_use=stats["kv_blocks_total"] - stats["kv_blocks_free"],
                 requests_in_flight=stats["requests_admitted"] - stats["requests_finished"]
-                - stats["requests_cancelled"] - stats["requests_rejected"])
+                - stats["requests_cancelled"])
     return {**{k: int(rest[k]) for k in IDLE},
             "engine_silent": int(not stats["engine_alive"] or not stats["kv_blocks_total"])}
 

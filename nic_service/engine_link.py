@@ -323,13 +323,20 @@ class EngineLink:
         records read (the stop-string finishes) or only written (pending) and not yet in the
         engine's count: the engine's cancels minus both is at most the clients' own cancels,
         exact at rest; the largest of those reported is what is reported (it went down for a
-        step, under stop-string load, when a finish was read before the engine counted it)."""
+        step, under stop-string load, when a finish was read before the engine counted it).
+        The finished count can still go down by one for a step: when the engine ends a request
+        whose stop cancel is pending by its length or EOS, that finish is in its counters only
+        after the step, while the pending count drops as the record is read."""
         h = self._header_stats
         totals = {k: self._carried[k] + (int(h[k]) if h is not None else 0)
                   for k in ENGINE_COUNTERS}
         engine_cancels = totals["requests_cancelled"]
-        cancelled = max(self._cancelled_reported, engine_cancels
-                        - self._stop_string_finishes.total() - self._stop_cancels_pending.total())
+        # pending before finishes: a worker's finish adds to its finishes and then takes from
+        # its pending, so reading in the other order errs low, never high (the aligned 8-byte
+        # words are read and written whole, in program order on x86)
+        pending = self._stop_cancels_pending.total()
+        cancelled = max(self._cancelled_reported,
+                        engine_cancels - self._stop_string_finishes.total() - pending)
         self._cancelled_reported = cancelled
         totals["requests_cancelled"] = cancelled
         totals["requests_finished"] += engine_cancels - cancelled
