@@ -4,11 +4,12 @@ Templates from the Hub are untrusted code, so they run in Jinja's immutable sand
 transformers' apply_chat_template does (same options, filters and globals), so the same template renders
 the same prompt here as there. The sandbox keeps a template from reaching anything but its
 inputs, not from running without end: a render also has a budget (RENDER_CPU_SECONDS,
-MAX_PROMPT_CHARS), and no operator (`*`, `**`, `+`, `~`, `%`), width argument (`center`,
-`ljust`, `indent`, ...) or str.format may build a string or list longer than the prompt may be,
-or an integer past MAX_INT_BITS (one such operation runs, and allocates, before any check
-between operations could stop it). What else builds in one step builds from what the template
-already holds, at most a few times its size.
+MAX_PROMPT_CHARS), and no operator (`*`, `**`, `+`, `~`, `%`), width or count argument
+(`center`, `indent`, `wordwrap`, `batch`, `lipsum`, `to_bytes`, ...), str.format, replace,
+join, translate or printed value may build a string or list longer than the prompt may be, or
+an integer past MAX_INT_BITS (one such operation runs, and allocates, before any check between
+operations could stop it). What else builds in one step builds from what the template already
+holds, at most a few times its size.
 """
 
 import json
@@ -226,42 +227,110 @@ def _budgeted_iter(context, iterable):
         yield item
 
 
+def _text_size(value, limit: int = MAX_PROMPT_CHARS, depth: int = 0) -> int:
+    """A bound on len(str(value)), found without building it, and given up once past limit
+    (the caller refuses anything past it): strings by their length, numbers by their digits,
+    containers by their items' (a list of 60 references to one 50 MB string prints 3 GB)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, bool) or value is None:
+        return 5
+    if isinstance(value, int):
+        return value.bit_length() * 31 // 100 + 2  # (log10(2) < 0.31)
+    if isinstance(value, float):
+        return 32
+    if isinstance(value, (bytes, bytearray)):
+        return 4 * len(value) + 3
+    items = ([*value.keys(), *value.values()] if isinstance(value, dict)
+             else value if isinstance(value, (list, tuple, set, frozenset)) else None)
+    if items is None or depth > 32:
+        return 64  # (an object of the sandbox's: an undefined, a namespace, a macro)
+    size = 2
+    for item in items:
+        size += _text_size(item, limit - size, depth + 1) + 2
+        if size > limit:
+            break
+    return size
+
+
 @jinja2.pass_context
 def _budgeted_concat(context, *pieces) -> str:
     """Every `a ~ b ~ ...` joins through this (_compile puts it there): strings that double
     in a loop outgrew memory within a few iterations, before the clock was looked at."""
-    pieces = [str(piece) for piece in pieces]
-    context.get(_BUDGET).building(sum(map(len, pieces)))
-    return "".join(pieces)
+    context.get(_BUDGET).building(sum(_text_size(piece) for piece in pieces))
+    return "".join(str(piece) for piece in pieces)
+
+
+@jinja2.pass_context
+def _budgeted_finalize(context, value):
+    """Every `{{ value }}` before it is written: sized before str() builds it."""
+    if not isinstance(value, str):
+        context.get(_BUDGET).building(_text_size(value))
+    return value
 
 
 _SEQUENCES = (str, list, tuple)
 
-# A %-conversion's width and precision (digits, or * for one taken from the arguments)
-_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?")
+# One %-conversion: its mapping key, width and precision (digits, or * for one taken from the
+# arguments) and conversion character
+_PERCENT_SPEC = re.compile(
+    r"%(?:\((?P<key>[^)]*)\))?[-#0 +]*(?P<width>\*|\d*)(?:\.(?P<precision>\*|\d*))?[hlL]?"
+    r"(?P<conversion>.?)", re.DOTALL)
 
 
-def _spec_widths(spec: str, args) -> int:
-    """A bound on what the widths and precisions of a %-format or a str.format spec add to its
-    output: their digits summed, and any integer argument where one is taken from the arguments
-    (`*`, a nested `{}`)."""
-    numbers = [int(n) for n in re.findall(r"\d+", spec)]
-    if "*" in spec or "{" in spec:
-        numbers += [abs(a) for a in args if isinstance(a, int)]
-    return sum(numbers)
+def _number(value) -> int:
+    """A width or precision as given (an int, or a string of digits in a format spec)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value)
+    return sum(int(n) for n in re.findall(r"\d+", value)) if isinstance(value, str) else 0
 
 
 def _percent_size(text: str, args) -> int:
-    """A bound on the length of `text % args`."""
-    args = args if isinstance(args, tuple) else (args,)
-    widths = "".join(m.group(0) for m in _PERCENT_SPEC.finditer(text))
-    return len(text) + _spec_widths(widths, args) + sum(len(str(a)) for a in args)
+    """A bound on the length of `text % args`: each conversion's width, precision and value,
+    taken from the arguments in order as `%` takes them."""
+    mapping = args if isinstance(args, dict) else None
+    values = iter(args if isinstance(args, tuple) else () if mapping is not None else (args,))
+    size = len(text)
+    for m in _PERCENT_SPEC.finditer(text):
+        for part in ("width", "precision"):
+            given = m.group(part)
+            size += _number(next(values, 0) if given == "*" else given or "")
+        if m.group("conversion") in ("%", ""):
+            continue
+        key = m.group("key")
+        value = mapping.get(key) if mapping is not None and key is not None else next(values, "")
+        size += _text_size(value)
+    return size
+
+
+def _format_size(text: str, args, kwargs) -> int:
+    """A bound on the length of text.format(*args, **kwargs): each field's value (the whole
+    argument it names) and its spec's widths, nested fields resolved as format resolves them."""
+    auto = iter(range(len(args)))
+
+    def argument(name: str):
+        name = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if name == "":
+            name = str(next(auto, -1))
+        if name.isdigit():
+            return args[int(name)] if int(name) < len(args) else ""
+        return kwargs.get(name, "")
+    size = len(text)
+    for _, name, spec, _ in string.Formatter().parse(text):
+        if name is None:
+            continue
+        value = argument(name)
+        spec = spec or ""
+        for literal, nested, _, _ in string.Formatter().parse(spec):
+            size += _number(literal) + (_number(argument(nested)) if nested is not None else 0)
+        size += _text_size(value)
+    return size
 
 
 def _str_call_size(text: str, method: str, args, kwargs) -> int:
     """A bound on the length of the string text.method(*args, **kwargs) builds, for the methods
-    whose arguments set a width (0 for the others: their results are at most a few times
-    their inputs, which the budget has seen)."""
+    whose arguments can make it much longer than the strings they hold (0 for the others:
+    at most a few times their inputs, which the budget has seen)."""
     if method in ("center", "ljust", "rjust", "zfill", "expandtabs"):
         width = args[0] if args else kwargs.get("width", kwargs.get("tabsize", 8))
         if not isinstance(width, int):
@@ -273,11 +342,13 @@ def _str_call_size(text: str, method: str, args, kwargs) -> int:
         return _replace_size(text, *args[:3])
     if method == "join" and args:
         return _join_size(text, args[0])
-    if method in ("format", "format_map"):
-        mapping = args[0] if method == "format_map" and args else kwargs
-        values = [*args, *mapping.values()] if isinstance(mapping, dict) else [*args]
-        specs = "".join(spec for _, _, spec, _ in string.Formatter().parse(text) if spec)
-        return len(text) + _spec_widths(specs, values) + sum(len(str(v)) for v in values)
+    if method == "translate" and args and isinstance(args[0], dict):
+        longest = max((_text_size(v) for v in args[0].values()), default=1)
+        return len(text) * max(longest, 1)
+    if method == "format":
+        return _format_size(text, args, kwargs)
+    if method == "format_map" and args and isinstance(args[0], dict):
+        return _format_size(text, (), args[0])
     return 0
 
 
@@ -296,41 +367,73 @@ def _join_size(separator, items, *_) -> int:
     an iterator's items are built one at a time, each ticked where a loop made them)."""
     if not isinstance(items, (str, list, tuple)):
         return 0
-    return len(str(separator)) * max(len(items) - 1, 0) + sum(len(str(x)) for x in items)
+    return _text_size(separator) * max(len(items) - 1, 0) + _text_size(items)
 
 
 def _sized_filter(filter_function, size):
     """filter_function, sized first: size(value, *args, **kwargs) bounds what it builds. It
     takes the render's context, so Jinja never runs it while compiling (constant folding)."""
-    passes_eval_context = getattr(filter_function, "jinja_pass_arg", None) is not None
+    passes = getattr(filter_function, "jinja_pass_arg", None)
 
     @jinja2.pass_context
     def sized(context, value, *args, **kwargs):
         context.get(_BUDGET).building(size(value, *args, **kwargs))
-        if passes_eval_context:  # (replace, join: Jinja's own take the eval context first)
-            return filter_function(context.eval_ctx, value, *args, **kwargs)
-        return filter_function(value, *args, **kwargs)
+        first = {None: (), "eval_context": (context.eval_ctx,),
+                 "environment": (context.environment,), "context": (context,)}[
+            passes and passes.name]
+        return filter_function(*first, value, *args, **kwargs)
     return sized
 
 
 def _indent_size(value, width=4, first=False, blank=False) -> int:
     prefix = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
-    return len(str(value)) + (str(value).count("\n") + 1) * max(prefix, 0)
+    return _text_size(value) + (str(value).count("\n") + 1) * max(prefix, 0)
 
 
-# The filters whose arguments set a width, and the bound of each one's output
+def _wordwrap_size(value, width=79, break_long_words=True, wrapstring=None, *_) -> int:
+    """Every character can start a line: the text, and a line break for each."""
+    return _text_size(value) * (1 + len(wrapstring if isinstance(wrapstring, str) else "\n"))
+
+
+def _tojson_size(value, ensure_ascii=False, indent=None, *_, **__) -> int:
+    """Each item on a line of its own, indented at most a level an item (6 bytes an escaped
+    character at most)."""
+    size = 6 * _text_size(value)
+    return size * (1 + _number(indent)) if indent is not None else size
+
+
+def _sum_size(value, attribute=None, start=0) -> int:
+    """Lists summed onto a list start: their items' total."""
+    if not isinstance(start, (list, tuple)) or not isinstance(value, (list, tuple)):
+        return 0
+    return len(start) + sum(len(x) for x in value if isinstance(x, (list, tuple, str)))
+
+
+# The filters whose arguments can make their output much longer than their input, and the
+# bound of each one's output
 _SIZED_FILTERS = {
-    "center": lambda value, width=80: max(len(str(value)), width if isinstance(width, int)
+    "center": lambda value, width=80: max(_text_size(value), width if isinstance(width, int)
                                           else 0),
     "indent": _indent_size,
     "format": lambda value, *args, **kwargs: _percent_size(str(value), kwargs or args),
     "replace": lambda value, old, new, count=None: _replace_size(
         str(value), str(old), str(new), -1 if count is None else count),
     "join": lambda value, d="", attribute=None: _join_size(d, value),
-    # the last batch is filled to linecount items in one step
-    "batch": lambda value, linecount, fill_with=None: linecount if isinstance(linecount, int)
-    else 0,
+    # the last batch (slice) is filled to linecount items (slices lists) in one step
+    "batch": lambda value, linecount, fill_with=None: _number(linecount),
+    "slice": lambda value, slices, fill_with=None: _number(slices),
+    "wordwrap": _wordwrap_size,
+    "tojson": _tojson_size,
+    "sum": _sum_size,
 }
+
+
+@jinja2.pass_context
+def _sized_lipsum(context, n=5, html=True, min=20, max=100):
+    """Jinja's lipsum global, sized first: n paragraphs of up to max words (of up to 12
+    characters) took 47 s and 1.7 GB at n = 10 ** 6."""
+    context.get(_BUDGET).building(_number(n) * _number(max) * 12)
+    return jinja2.utils.generate_lorem_ipsum(n, html, min, max)
 
 
 def _int_bits(operator: str, left, right) -> int:
@@ -356,6 +459,8 @@ class _BudgetedSandbox(ImmutableSandboxedEnvironment):
         budget = context.get(_BUDGET)
         budget.tick()
         text, method = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+        if isinstance(text, int) and method == "to_bytes":  # `(1).to_bytes(10 ** 9)`
+            budget.building(_number(args[0] if args else kwargs.get("length", 1)))
         if not isinstance(text, str):  # str.format, as wrap_str_format wrapped it
             text, method = getattr(obj, "blink_text", None), getattr(obj, "blink_method", "")
         if isinstance(text, str):  # `'x'.center(10 ** 10)`: one call of 10 GB
@@ -431,6 +536,8 @@ def _compile(template: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     for name, size in _SIZED_FILTERS.items():
         env.filters[name] = _sized_filter(env.filters[name], size)
+    env.globals["lipsum"] = _sized_lipsum
+    env.finalize = _budgeted_finalize
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:

@@ -470,10 +470,25 @@ def test_prompt_ids_are_transformers_apply_chat_template_ids(tmp_path, template)
     ("{{ ('z' * 1000).join('y' * 1000)|length }}", "built a value of 1,000,000 items"),
     ("{{ ('y' * 1000)|join('z' * 1000)|length }}", "built a value of 1,000,000 items"),
     ("{{ ([1]|batch(10**9, 0)|list)|length }}", "built a value of 1,000,000,000 items"),
+    # values printed, joined or formatted whole: sized before str() builds them
+    ("{{ (['x' * 600] * 2 ~ '')|length }}", "built a value of"),
+    ("{{ ['x' * 600] * 2 }}", "built a value of"),
+    ("{{ ('%s' % (['x' * 600] * 2,))|length }}", "built a value of"),
+    ("{{ '{0[0]}{1}'.format(['x' * 600] * 2, 'y')|length }}", "built a value of"),
+    ("{{ '{:{w}}'.format('a', w='>2000')|length }}", "built a value of"),
+    ("{{ lipsum(10**6)|length }}", "built a value of"),
+    ("{{ ('a ' * 400)|wordwrap(1, true, 'x' * 5)|length }}", "built a value of"),
+    ("{{ ('a' * 500).translate({97: 'x' * 10})|length }}", "built a value of"),
+    ("{{ (1).to_bytes(10**6, 'big')|length }}", "built a value of 1,000,000 items"),
+    ("{{ ([1] * 50)|tojson(indent=1000)|length }}", "built a value of"),
+    ("{{ ([1]|slice(10**8)|list)|length }}", "built a value of 100,000,000 items"),
+    ("{{ ([['x'] * 600] * 2)|sum(start=[])|length }}", "built a value of 1,200 items"),
 ], ids=["string-times", "list-times", "plus", "concat-doubling", "power", "squaring",
         "center-method", "zfill", "expandtabs", "str-format", "format-map", "percent-star",
         "percent-precision", "replace-method", "replace-filter", "join-method", "join-filter",
-        "batch-fill",
+        "batch-fill", "concat-value", "print-value", "percent-value", "format-value",
+        "format-nested-width", "lipsum", "wordwrap", "translate", "to-bytes", "tojson-indent",
+        "slice-fill", "sum-lists",
         "center-filter", "indent-filter", "format-filter"])
 def test_one_operation_that_builds_a_huge_value_is_stopped(template, says):
     """The budget was looked at between operations, so one operation ran whole: `"x" * 10**10`
@@ -499,7 +514,11 @@ SIZED_OPERATORS = (
     "{{ 'a\nb'|indent(2, true) }}|{{ 'a\nb'|indent('> ') }}|{{ '%s-%s'|format(1, 2) }}|"
     "{{ 'aXb'.replace('X', '--') }}|{{ 'aXbX'|replace('X', '-', 1) }}|{{ ', '.join(['a', 'b']) }}|"
     "{{ [1, 2, 3]|join('+') }}|{{ messages|join(', ', attribute='role') }}|"
-    "{{ [1, 2, 3]|batch(2, 0)|list }}"
+    "{{ [1, 2, 3]|batch(2, 0)|list }}|{{ '%(a)s' % {'a': 1, 'b': ['x' * 600] * 5} }}|"
+    "{{ '{:>{}}'.format(1733400000, 12) }}|{{ '%*d' % (12, 1733400000) }}|"
+    "{{ '{:{w}}|{n}'.format('a', w=3, n=10**9) }}|{{ [1, 2]|slice(2)|list }}|"
+    "{{ 'ab cd'|wordwrap(2) }}|{{ [[1], [2]]|sum(start=[]) }}|{{ {'a': [1]}|tojson(indent=2) }}|"
+    "{{ ('a').translate({97: 'b'}) }}|{{ lipsum(1, false, 20, 21)|wordcount > 0 }}|{{ ['a', 1] }}"
 )
 
 
