@@ -19,8 +19,9 @@ neutral value is a 400 whose `param` names it, as is a message that carries tool
 parameters that change no output (user, metadata, store, ...) are accepted. With
 --served-model-name, a model not among its names is a 404 (model_not_found), else `model` is
 not checked (clients send Hub ids or paths); a response names the served model where the
-request named none. A body may be MAX_BODY_BYTES and must arrive within BODY_READ_TIMEOUT_S
-(else a 408); a path or method not served, or a larger body, is OpenAI's error body too. An `Authorization: Bearer KEY` header is passed on as the
+request named none. A body may be MAX_BODY_BYTES, and may not stop arriving for
+BODY_READ_TIMEOUT_S (a 408); a path or method not served, or a larger body, is OpenAI's error
+body too. An `Authorization: Bearer KEY` header is passed on as the
 gRPC bearer token, an `x-blink-session` header as the SDK's session (Envoy routes a session to
 one replica: deploy/envoy/envoy.yaml). Blink's errors map to HTTP statuses (INVALID_ARGUMENT
 400, UNAUTHENTICATED 401, RESOURCE_EXHAUSTED 429, or 413 for a message past gRPC's size limit,
@@ -82,8 +83,23 @@ ROUTES = "GET /v1/models, POST /v1/completions and POST /v1/chat/completions"
 MAX_BODY_BYTES = 16 << 20
 
 
-# How long a request's body may take to arrive once its headers have
+# How long a request's body may go without a byte arriving
 BODY_READ_TIMEOUT_S = 60.0
+
+
+async def _read_body(request) -> bytes:
+    """The request's body, up to MAX_BODY_BYTES (413 past it), each piece within
+    BODY_READ_TIMEOUT_S (asyncio.TimeoutError): aiohttp waits for a body as long as its client
+    takes, so a client that sent part of one and waited held its connection and a handler for
+    good; a slow client that keeps sending is no such client."""
+    from aiohttp import web
+    body = bytearray()
+    while piece := await asyncio.wait_for(request.content.readany(), BODY_READ_TIMEOUT_S):
+        body += piece
+        if len(body) > MAX_BODY_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES,
+                                                actual_size=len(body))
+    return bytes(body)
 
 # How long a response's model name, where the request named none, is taken as known
 SERVED_NAME_TTL_S = 30.0
@@ -329,9 +345,8 @@ def make_app(target: str, served_model_names: list[str] | None = None,
             {"id": name, "object": "model", "created": 0, "owned_by": "blink"}]})
 
     async def generate(request, chat: bool):
-        try:  # (aiohttp waits for a body as long as its client takes: a client that sent
-            # part of one and waited held its connection and this handler for good)
-            body = await asyncio.wait_for(request.json(), BODY_READ_TIMEOUT_S)
+        try:
+            body = json.loads((await _read_body(request)).decode(request.charset or "utf-8"))
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
             prompt, sampling = _prompt(body, chat), sampling_from(body, chat)
@@ -342,7 +357,7 @@ def make_app(target: str, served_model_names: list[str] | None = None,
         except BadRequest as e:
             return _error(web, 400, str(e), param=e.param)
         except asyncio.TimeoutError:
-            late = _error(web, 408, f"the request body did not arrive within "
+            late = _error(web, 408, f"the request body stopped arriving for "
                           f"{BODY_READ_TIMEOUT_S:g} s")
             late.force_close()  # (the rest of that body would hold the connection instead)
             return late

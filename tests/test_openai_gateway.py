@@ -731,5 +731,51 @@ def test_a_body_that_stops_arriving_is_a_408(monkeypatch):
     assert response.startswith(b"HTTP/1.1 408"), response[:200]
     assert b"Connection: close" in response, response[:300]
     body = json.loads(response.split(b"\r\n\r\n", 1)[1])
-    assert "did not arrive within 0.5 s" in body["error"]["message"], body
+    assert "stopped arriving for 0.5 s" in body["error"]["message"], body
     assert took < 5
+
+
+def test_a_slow_body_that_keeps_arriving_is_read(monkeypatch):
+    """The body's time limit is between pieces, not for the whole body: a client sending
+    slowly (here a piece every 0.2 s for 1.2 s, against 0.5 s) is served, and a body past
+    MAX_BODY_BYTES is a 413 in OpenAI's shape."""
+    import asyncio
+    import json
+
+    from aiohttp import web
+
+    from blink.client import openai_gateway
+    monkeypatch.setattr(openai_gateway, "BODY_READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(openai_gateway, "MAX_BODY_BYTES", 1000)
+
+    async def send(pieces: list[bytes]) -> bytes:
+        runner = web.AppRunner(openai_gateway.make_app("127.0.0.1:9"))  # (never reached)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n"
+                         % sum(map(len, pieces)))
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.2)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+            response = head + await reader.readexactly(length)
+            writer.close()
+            await writer.wait_closed()
+            return response
+        finally:
+            await runner.cleanup()
+    # a valid request whose model is refused (n = 2) once read whole: the gateway read it
+    slow = json.dumps({"prompt": "hi", "n": 2}).encode()
+    response = asyncio.run(send([slow[i:i + 4] for i in range(0, len(slow), 4)][:6]
+                                + [slow[24:]]))
+    assert response.startswith(b"HTTP/1.1 400"), response[:300]
+    assert json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]["param"] == "n"
+    response = asyncio.run(send([b'{"prompt": "' + b"x" * 1200 + b'"}']))
+    assert response.startswith(b"HTTP/1.1 413"), response[:300]
+    assert json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]["type"] == \
+        "invalid_request_error"
