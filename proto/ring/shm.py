@@ -57,12 +57,12 @@ def default_ring_name() -> str:
     return f"blink-ring-{os.getuid()}"
 
 
-# The ring files this process is creating (their temporary names) and has created and not yet
-# unlinked: what unlink_created_segments removes when start-up stops before the engine serves.
-# _CREATION_LOCK is held across a creation and a publication, and by unlink_created_segments.
-_CREATING: set[Path] = set()
+# The ring files this process has created and not yet unlinked: what unlink_created_segments
+# removes when start-up stops before the engine serves. _CREATION_LOCK is held across a
+# creation (from before its file exists to its entry here) and a publication, and by
+# unlink_created_segments.
 _CREATED: set["ShmSegment"] = set()
-_CREATION_LOCK = threading.RLock()
+_CREATION_LOCK = threading.Lock()
 
 
 def unlink_created_segments(*, for_good: bool = False) -> None:
@@ -73,8 +73,6 @@ def unlink_created_segments(*, for_good: bool = False) -> None:
     process)."""
     _CREATION_LOCK.acquire()
     try:
-        for tmp in list(_CREATING):
-            tmp.unlink(missing_ok=True)
         for seg in list(_CREATED):
             seg.unlink()
     finally:
@@ -102,20 +100,16 @@ class ShmSegment:
         # attaching front end never maps a half-initialised or half-sized file.
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
         with _CREATION_LOCK:
-            _CREATING.add(tmp)
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                try:
-                    os.ftruncate(fd, size)
-                    seg = cls(path, fd, size)
-                except BaseException:
-                    os.close(fd)
-                    tmp.unlink(missing_ok=True)
-                    raise
-                seg._tmp_path = tmp
-                _CREATED.add(seg)
-            finally:
-                _CREATING.discard(tmp)
+                os.ftruncate(fd, size)
+                seg = cls(path, fd, size)
+            except BaseException:
+                os.close(fd)
+                tmp.unlink(missing_ok=True)
+                raise
+            seg._tmp_path = tmp
+            _CREATED.add(seg)
         return seg
 
     def publish(self) -> None:
