@@ -5,9 +5,11 @@ on q and k). The directory holds config.json, optionally generation_config.json,
 *.safetensors files (sharded through model.safetensors.index.json) and tokenizer.json.
 
 FP8 checkpoints (config.json's quantization_config with quant_method "fp8", as transformers
-writes them): a projection's weight is F8_E4M3 codes with its float32 scales beside it, as
-`weight_scale_inv` (transformers: one per weight_block_size block, or one for the tensor) or
-`weight_scale` (one per output row or for the tensor); load_weights returns their values,
+writes them, "compressed-tensors" as llm-compressor writes FP8 weights, or "fbgemm_fp8"): a
+projection's weight is F8_E4M3 codes with its scales beside it, as `weight_scale_inv`
+(transformers: one per weight_block_size block, or one for the tensor) or `weight_scale` (one
+for the tensor, per output row, or per block or group of columns as compressed-tensors'
+strategies say; FBGEMM's per row); load_weights returns their values,
 codes times scales in float32, and the config says quantization "fp8", which serves FP8 weights
 (the engines quantize per output row: per-row checkpoints keep their codes, block- and
 tensor-scaled ones are rounded again to per-row scales; the GPU's row scales come within bf16's
@@ -281,31 +283,139 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 
 def _parse_quantization(qc) -> tuple[str | None, tuple[int, int] | None]:
-    """config.json's quantization_config -> (None or "fp8", its weight_block_size or None);
-    anything else cannot be served."""
+    """config.json's quantization_config -> (None or "fp8", the (rows, columns) of the blocks
+    its weights' scale grids cover, or None: scales per tensor or per row); anything else
+    cannot be served. Which weights are FP8 is each tensor's own dtype (F8_E4M3, its scale
+    beside it); the config says how to read the scales and refuses what is not E4M3 codes."""
     if qc is None:
         return None, None
     if not isinstance(qc, dict):
         raise CheckpointError(f"quantization_config must be an object, got {qc!r}")
     method = qc.get("quant_method")
-    if method != "fp8":
+    read_block = _FP8_FORMATS.get(method)
+    if read_block is None:
         raise CheckpointError(f"quantization_config quant_method {method!r} is not supported "
-                              f"(supported: 'fp8', E4M3 weights)")
+                              f"(supported, E4M3 weights: {', '.join(map(repr, _FP8_FORMATS))})")
+    return "fp8", read_block(qc)
+
+
+def _block_size(block, what: str) -> tuple[int, int] | None:
+    if block is not None and (not isinstance(block, list) or len(block) != 2 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise CheckpointError(f"{what} must be two positive ints or null, got {block!r}")
+    return tuple(block) if block is not None else None
+
+
+def _static_activation_scales(what: str) -> None:
+    # input_scale tensors (static activation scales) are not read: every engine scales each
+    # activation row by its own amax, which is never less accurate
+    log.info("%s: activations are scaled per token row at run time instead (dynamic); "
+             "input_scale tensors are not read", what)
+
+
+def _transformers_fp8_block(qc: dict) -> tuple[int, int] | None:
+    """transformers' FP8 (quant_method "fp8"): weight_scale_inv per tensor, or per
+    weight_block_size block (its fine-grained format)."""
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise CheckpointError(f"FP8 format {fmt!r} is not supported (only e4m3)")
-    block = qc.get("weight_block_size")
-    if block is not None and (not isinstance(block, list) or len(block) != 2 or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise CheckpointError(f"quantization_config weight_block_size must be two positive "
-                              f"ints or null, got {block!r}")
+    block = _block_size(qc.get("weight_block_size"), "quantization_config weight_block_size")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
-        # input_scale tensors (static activation scales) are not read: every engine scales each
-        # activation row by its own amax, which is never less accurate
-        log.info("quantization_config activation_scheme %r: activations are scaled per token "
-                 "row at run time instead (dynamic); input_scale tensors are not read",
-                 qc.get("activation_scheme"))
-    return "fp8", (tuple(block) if block is not None else None)
+        _static_activation_scales(
+            f"quantization_config activation_scheme {qc.get('activation_scheme')!r}")
+    return block
+
+
+def _fbgemm_fp8_block(qc: dict) -> None:
+    """FBGEMM's FP8 (quant_method "fbgemm_fp8", Meta's Llama 3.1 FP8 releases): weight_scale
+    per output row; input_scale_ub (a bound on the activations' scales) is not needed."""
+    return None
+
+
+# tensors beside FP8 weights that scale (or bound) their inputs' quantization
+_ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".input_scale_ub")
+
+# compressed-tensors' formats whose FP8 weights are stored as E4M3 codes beside their scales
+_COMPRESSED_TENSORS_FP8_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def _compressed_tensors_fp8_block(qc: dict) -> tuple[int, int] | None:
+    """compressed-tensors (llm-compressor's checkpoints, quant_method "compressed-tensors"):
+    each config group's weights must be 8-bit symmetric floats with static scales, per tensor
+    or channel (row), or per block (block_structure) or group (group_size columns of a row),
+    one block size for the checkpoint; a KV-cache scheme, per-tensor k_scale / v_scale."""
+    def refuse(why: str):
+        raise CheckpointError(f"compressed-tensors quantization_config: {why}")
+
+    if qc.get("sparsity_config"):
+        refuse("sparse weights (sparsity_config) are not supported")
+    formats = set()
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        refuse(f"config_groups must name at least one group, got {groups!r}")
+    blocks, per_row = set(), False
+    for name, group in groups.items():
+        if not isinstance(group, dict):
+            refuse(f"config group {name!r} must be an object, got {group!r}")
+        formats.add(group.get("format") or qc.get("format"))
+        weights = group.get("weights")
+        if not isinstance(weights, dict):
+            refuse(f"config group {name!r} has no weights scheme (only weight quantization "
+                   f"is read)")
+        kind = (weights.get("num_bits"), weights.get("type"))
+        if kind != (8, "float"):
+            refuse(f"group {name!r} weights are {kind[0]}-bit {kind[1]}: only 8-bit float "
+                   f"(E4M3) weights are supported")
+        if not weights.get("symmetric", True) or weights.get("dynamic", False):
+            refuse(f"group {name!r} weights must be symmetric with static scales")
+        strategy = weights.get("strategy")
+        if strategy == "block":
+            block = _block_size(weights.get("block_structure"),
+                                f"group {name!r} weights block_structure")
+            if block is None:
+                refuse(f"group {name!r} weights strategy 'block' needs a block_structure")
+            blocks.add(block)
+        elif strategy == "group":
+            size = weights.get("group_size")
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+                refuse(f"group {name!r} weights group_size must be a positive int, got "
+                       f"{size!r}")
+            blocks.add((1, size))
+        elif strategy == "channel":
+            per_row = True
+        elif strategy != "tensor":
+            refuse(f"group {name!r} weights strategy {strategy!r} is not supported "
+                   f"(tensor, channel, block, group)")
+        acts = group.get("input_activations")
+        if acts is not None and not isinstance(acts, dict):
+            refuse(f"group {name!r} input_activations must be an object or null")
+        if acts is not None and (acts.get("num_bits"), acts.get("type")) != (8, "float"):
+            refuse(f"group {name!r} input activations must be 8-bit float or unquantized")
+        if acts is not None and not acts.get("dynamic", False):
+            _static_activation_scales(f"compressed-tensors group {name!r} static input "
+                                      f"activations")
+        if group.get("output_activations") is not None:
+            refuse(f"group {name!r} output activation quantization is not supported")
+    bad_formats = formats - {None, *_COMPRESSED_TENSORS_FP8_FORMATS}
+    if bad_formats:
+        refuse(f"format {sorted(map(str, bad_formats))} is not supported (FP8 weights: "
+               f"{', '.join(_COMPRESSED_TENSORS_FP8_FORMATS)})")
+    if len(blocks) > 1 or (blocks and per_row):
+        refuse("the groups scale their weights in different blocks; one block size, or "
+               "tensors and rows, is supported")
+    kv = qc.get("kv_cache_scheme")
+    if kv is not None and (not isinstance(kv, dict)
+                           or (kv.get("num_bits"), kv.get("type"), kv.get("strategy"))
+                           != (8, "float", "tensor") or kv.get("dynamic", False)):
+        refuse(f"kv_cache_scheme {kv!r} is not supported: per-tensor static k_scale / "
+               f"v_scale only")
+    return next(iter(blocks), None)
+
+
+# quant_method -> its weights' scale blocks from its quantization_config
+_FP8_FORMATS = {"fp8": _transformers_fp8_block,
+                "compressed-tensors": _compressed_tensors_fp8_block,
+                "fbgemm_fp8": _fbgemm_fp8_block}
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -561,6 +671,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
                 raise CheckpointError(f"tensor {scale_name} holds negative values; a scale is "
                                       f"its block's max |value| / 448")
             value = _dequantized(value, scale, block)
+            zero_point = name + "_zero_point"  # compressed-tensors may store symmetric zeros
+            if zero_point in refs and read(zero_point, refs[zero_point]).any():
+                raise CheckpointError(f"tensor {zero_point} is not zero: asymmetric FP8 "
+                                      f"weights are not supported")
         return value
 
     weights = _model_tensors(cfg, "lm_head.weight" in refs, get)
@@ -571,7 +685,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
             log.warning("config.json ties the embedding to the LM head, but lm_head.weight "
                         "differs from it: serving lm_head.weight, as transformers does")
     weights.kv_scales = _kv_scales(cfg, refs, read)
-    unused = sorted(refs.keys() - used)
+    # static activation scales (and FBGEMM's bounds on them) are not read: activations are
+    # scaled per token row (_static_activation_scales)
+    unused = sorted(n for n in refs.keys() - used
+                    if not (cfg.quantization and n.endswith(_ACTIVATION_SCALE_SUFFIXES)))
     if unused:  # transformers' load report calls them UNEXPECTED, and loads the model
         log.warning("%d tensor%s of %s not part of a %s model with its config.json, ignored "
                     "as transformers ignores them: %s%s", len(unused),

@@ -1,0 +1,254 @@
+"""FP8 checkpoints in the formats other tools write, beside transformers' own (test_fp8.py):
+compressed-tensors (llm-compressor's, quant_method "compressed-tensors": RedHat's and Neural
+Magic's FP8 releases) and FBGEMM's (quant_method "fbgemm_fp8": Meta's Llama 3.1 FP8 releases).
+
+Oracle: transformers with the compressed-tensors package, which reads a compressed-tensors
+checkpoint back as dense weights (dequantize=True); torch's E4M3 codes times their scales for
+FBGEMM's, which transformers reads only on a GPU (fbgemm-gpu).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blink.gpu_engine.checkpoint import (CheckpointError, check_weights, load_config,
+                                         load_weights)
+from blink.gpu_engine.demo_model import write_random_checkpoint
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+PROJECTIONS = {"self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj",
+               "self_attn.v_proj": "v_proj", "self_attn.o_proj": "o_proj",
+               "mlp.gate_proj": "gate_proj", "mlp.up_proj": "up_proj",
+               "mlp.down_proj": "down_proj"}
+NUM_LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("formats") / "m", hidden_size=128,
+                                   intermediate_size=256, num_layers=NUM_LAYERS, num_heads=4,
+                                   num_kv_heads=2, seed=5)
+
+
+def _scales(w, strategy: str, block: tuple[int, int] | None):
+    """(the stored scale tensor, its value for every element of w) of a max-abs E4M3 scale
+    per tensor, row, or (rows, columns) block (the last blocks partial where they do not
+    divide w)."""
+    if strategy == "tensor":
+        scale = w.abs().amax().reshape(1) / 448
+        return scale, scale
+    if strategy == "channel":
+        scale = w.abs().amax(1, keepdim=True) / 448
+        return scale, scale
+    (n, k), (bn, bk) = w.shape, block
+    padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+    padded[:n, :k] = w
+    scale = padded.reshape(-1, bn, padded.shape[1] // bk, bk).abs().amax((1, 3)) / 448
+    return scale, scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+
+
+def _write(src: Path, dst: Path, quantization_config: dict, strategy: str,
+           block: tuple[int, int] | None = None, scale_dtype=torch.float32,
+           extra=lambda base, out: None) -> None:
+    """dst: src with every projection's weight as torch's E4M3 codes and a `weight_scale` of
+    scale_dtype (per `strategy`, as _scales), config.json's quantization_config as given;
+    extra(base, tensors) adds tensors beside each projection's."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    out = {}
+    for name, t in safetensors_torch.load_file(str(src / "model.safetensors")).items():
+        base = name[:-len("weight")]
+        if not any(base.endswith(p + ".") for p in PROJECTIONS):
+            out[name] = t
+            continue
+        scale, full = _scales(t.float(), strategy, block)
+        scale = scale.to(scale_dtype)
+        out[name] = (t.float() / full.to(scale_dtype).float()).to(torch.float8_e4m3fn)
+        out[base + "weight_scale"] = scale
+        extra(base, out)
+    safetensors_torch.save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+def ct_config(strategy: str = "channel", block: tuple[int, int] | None = None,
+              static_inputs: bool = False, kv_cache: bool = False) -> dict:
+    """compressed-tensors' quantization_config as llm-compressor writes it for FP8 weights:
+    one group over every Linear but the LM head."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+               "strategy": strategy, "group_size": block[1] if strategy == "group" else None,
+               "block_structure": list(block) if strategy == "block" else None,
+               "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static_inputs,
+              "strategy": "tensor" if static_inputs else "token", "group_size": None,
+              "block_structure": None, "observer": None if not static_inputs else "minmax"}
+    kv = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+          "strategy": "tensor"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "global_compression_ratio": None,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": inputs,
+                                          "output_activations": None}},
+            "ignore": ["lm_head"], "kv_cache_scheme": kv if kv_cache else None}
+
+
+def _weights_by_name(w) -> dict[str, np.ndarray]:
+    return {f"model.layers.{i}.{p}.weight": getattr(w.layers[i], a)
+            for i in range(NUM_LAYERS) for p, a in PROJECTIONS.items()}
+
+
+@pytest.mark.parametrize("strategy, block, scale_dtype, static_inputs", [
+    ("tensor", None, torch.float32, True),
+    ("channel", None, torch.bfloat16, False),
+    ("block", (48, 48), torch.bfloat16, False),  # 48: every projection's last blocks partial
+    ("group", (1, 32), torch.float32, False),
+])
+def test_compressed_tensors_fp8_reads_as_transformers_dequantizes_it(
+        bf16_checkpoint, tmp_path, caplog, strategy, block, scale_dtype, static_inputs):
+    """Every projection reads back as transformers (with compressed-tensors) dequantizes it:
+    exactly with float32 scales; with bf16 ones transformers multiplies in bf16, so ours
+    (exact in float32: an E4M3 code times a bf16 scale has 12 significant bits) rounded to
+    bf16 is its value. The static input scales are not read and not reported as unused."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    dst = tmp_path / "ct"
+    inputs = (lambda base, out: out.__setitem__(base + "input_scale",
+                                                torch.tensor([0.01], dtype=scale_dtype)))
+    _write(bf16_checkpoint, dst, ct_config(strategy, block, static_inputs), strategy, block,
+           scale_dtype, extra=inputs if static_inputs else lambda base, out: None)
+    cfg = load_config(dst)
+    assert (cfg.quantization, cfg.fp8_weight_block) == ("fp8", block)
+    check_weights(dst, cfg)
+    with caplog.at_level(logging.WARNING, logger="blink.gpu_engine.checkpoint"):
+        ours = _weights_by_name(load_weights(dst, cfg))
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    model = AutoModelForCausalLM.from_pretrained(
+        dst, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32)
+    theirs = model.state_dict()
+    for name, value in ours.items():
+        if scale_dtype == torch.bfloat16:
+            value = torch.from_numpy(value).to(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(value, theirs[name].numpy(), err_msg=name)
+
+
+def test_compressed_tensors_kv_cache_scales(bf16_checkpoint, tmp_path):
+    """A kv_cache_scheme's per-tensor k_scale / v_scale are the FP8 cache's scales."""
+    dst = tmp_path / "ct"
+    _write(bf16_checkpoint, dst, ct_config(kv_cache=True), "channel")
+    tensors = safetensors_torch.load_file(str(dst / "model.safetensors"))
+    for i in range(NUM_LAYERS):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.04 + i)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.03 + i)
+    safetensors_torch.save_file(tensors, str(dst / "model.safetensors"))
+    w = load_weights(dst, load_config(dst))
+    np.testing.assert_allclose(w.kv_scales, [[0.04, 0.03], [1.04, 1.03]], rtol=1e-6)
+
+
+def _group(config: dict) -> dict:
+    return config["config_groups"]["group_0"]
+
+
+# (what the edit does, the edit of ct_config()'s output, what the refusal names)
+REFUSED = [
+    ("int8 weights", lambda c: _group(c)["weights"].update(type="int"), "8-bit int"),
+    ("4-bit weights", lambda c: _group(c)["weights"].update(num_bits=4), "4-bit float"),
+    ("asymmetric", lambda c: _group(c)["weights"].update(symmetric=False), "symmetric"),
+    ("dynamic weights", lambda c: _group(c)["weights"].update(dynamic=True), "static scales"),
+    ("NVFP4's strategy", lambda c: _group(c)["weights"].update(strategy="tensor_group"),
+     "tensor_group"),
+    ("a block without its size", lambda c: _group(c)["weights"].update(strategy="block"),
+     "block_structure"),
+    ("a bad group size", lambda c: _group(c)["weights"].update(strategy="group", group_size=0),
+     "group_size"),
+    ("packed weights", lambda c: c.update(format="pack-quantized"), "pack-quantized"),
+    ("a group's own format", lambda c: _group(c).update(format="int-quantized"),
+     "int-quantized"),
+    ("2:4 sparsity", lambda c: c.update(sparsity_config={"format": "sparse-24-bitmask"}),
+     "sparsity_config"),
+    ("int8 activations", lambda c: _group(c)["input_activations"].update(type="int"),
+     "input activations"),
+    ("output activations", lambda c: _group(c).update(output_activations={"num_bits": 8}),
+     "output activation"),
+    ("per-head KV scales", lambda c: c.update(kv_cache_scheme={
+        "num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": False}),
+     "kv_cache_scheme"),
+    ("no group", lambda c: c.update(config_groups={}), "config_groups"),
+    ("weights not described", lambda c: _group(c).pop("weights"), "no weights scheme"),
+    ("two block sizes", lambda c: c["config_groups"].update(group_1={
+        "targets": ["re:.*down_proj"], "weights": {**_group(c)["weights"], "strategy": "block",
+                                                    "block_structure": [64, 64]}}) or
+     _group(c)["weights"].update(strategy="block", block_structure=[128, 128]),
+     "different blocks"),
+    ("rows and blocks", lambda c: c["config_groups"].update(group_1={
+        "targets": ["re:.*down_proj"], "weights": {**_group(c)["weights"], "strategy": "block",
+                                                    "block_structure": [64, 64]}}),
+     "different blocks"),
+]
+
+
+@pytest.mark.parametrize("edit, match", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+def test_unsupported_compressed_tensors_configs_are_refused_in_one_line(
+        bf16_checkpoint, tmp_path, edit, match):
+    """What Blink cannot serve as E4M3 weights with their scales is a CheckpointError naming
+    it, from config.json alone (before any weight is read)."""
+    config = ct_config()
+    edit(config)
+    dst = tmp_path / "bad"
+    _write(bf16_checkpoint, dst, config, "channel")
+    with pytest.raises(CheckpointError, match=match) as refusal:
+        load_config(dst)
+    assert "\n" not in str(refusal.value)
+
+
+def test_a_nonzero_zero_point_is_refused_and_zeros_are_read(bf16_checkpoint, tmp_path):
+    """compressed-tensors may store zero points beside symmetric weights: zeros load as the
+    weights without them; anything else would be asymmetric weights, which are refused."""
+    def zero_points(fill):
+        def extra(base, out):
+            n = out[base + "weight"].shape[0]
+            out[base + "weight_zero_point"] = torch.full((n, 1), fill, dtype=torch.float32)
+        return extra
+
+    _write(bf16_checkpoint, tmp_path / "plain", ct_config(), "channel")
+    _write(bf16_checkpoint, tmp_path / "zeros", ct_config(), "channel", extra=zero_points(0))
+    plain = _weights_by_name(load_weights(tmp_path / "plain", load_config(tmp_path / "plain")))
+    zeros = _weights_by_name(load_weights(tmp_path / "zeros", load_config(tmp_path / "zeros")))
+    for name, value in plain.items():
+        np.testing.assert_array_equal(zeros[name], value, err_msg=name)
+    _write(bf16_checkpoint, tmp_path / "shifted", ct_config(), "channel",
+           extra=zero_points(3))
+    with pytest.raises(CheckpointError, match="weight_zero_point is not zero"):
+        load_weights(tmp_path / "shifted", load_config(tmp_path / "shifted"))
+
+
+def test_fbgemm_fp8_reads_its_codes_times_row_scales(bf16_checkpoint, tmp_path, caplog):
+    """FBGEMM's FP8: E4M3 codes with a float32 scale per output row, and an input_scale_ub
+    beside each (a bound Blink's per-row activation scales do not need: not reported as
+    unused)."""
+    def bound(base, out):
+        out[base + "input_scale_ub"] = torch.tensor([1200.0])
+
+    dst = tmp_path / "fbgemm"
+    _write(bf16_checkpoint, dst, {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                  "modules_to_not_convert": ["lm_head"]}, "channel",
+           extra=bound)
+    cfg = load_config(dst)
+    assert (cfg.quantization, cfg.fp8_weight_block) == ("fp8", None)
+    with caplog.at_level(logging.WARNING, logger="blink.gpu_engine.checkpoint"):
+        ours = _weights_by_name(load_weights(dst, cfg))
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    stored = safetensors_torch.load_file(str(dst / "model.safetensors"))
+    for name, value in ours.items():
+        want = stored[name].float() * stored[name + "_scale"]
+        np.testing.assert_array_equal(value, want.numpy(), err_msg=name)
