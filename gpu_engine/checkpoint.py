@@ -780,14 +780,25 @@ def _dequantized(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -
     return codes * grid
 
 
+# where FP8 checkpoints keep a layer's calibrated KV-cache scales (keys', values'): beside the
+# attention (vLLM's name, llm-compressor's now), or as the k and v projections' output scales
+# (compressed-tensors' kv_cache_scheme in earlier llm-compressor releases)
+_KV_SCALE_NAMES = (("self_attn.k_scale", "self_attn.v_scale"),
+                   ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"))
+
+
 def _kv_scale_names(cfg: ModelConfig, refs: dict[str, _TensorRef]) -> list[tuple[str, str]]:
-    """Each layer's (self_attn.k_scale, self_attn.v_scale), as vLLM-style FP8 checkpoints store
-    an FP8 KV cache's calibrated scales, checked from the headers: in every layer or in none
-    ([] then: an FP8 cache calibrates its own), one value each."""
-    names = [(f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale")
-             for i in range(cfg.num_layers)]
-    present = [k in refs and v in refs for k, v in names]
-    if not any(present):
+    """Each layer's (keys', values') scale tensors, as FP8 checkpoints store an FP8 KV cache's
+    calibrated scales (_KV_SCALE_NAMES: the first naming any layer uses), checked from the
+    headers: in every layer or in none ([] then: an FP8 cache calibrates its own), one value
+    each."""
+    for k_name, v_name in _KV_SCALE_NAMES:
+        names = [(f"model.layers.{i}.{k_name}", f"model.layers.{i}.{v_name}")
+                 for i in range(cfg.num_layers)]
+        present = [k in refs and v in refs for k, v in names]
+        if any(present):
+            break
+    else:
         return []
     if not all(present):
         raise CheckpointError("k_scale / v_scale are in some layers' weights and not others")

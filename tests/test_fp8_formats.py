@@ -142,16 +142,23 @@ def test_compressed_tensors_fp8_reads_as_transformers_dequantizes_it(
         np.testing.assert_array_equal(value, theirs[name].numpy(), err_msg=name)
 
 
-def test_compressed_tensors_kv_cache_scales(bf16_checkpoint, tmp_path):
-    """A kv_cache_scheme's per-tensor k_scale / v_scale are the FP8 cache's scales."""
+@pytest.mark.parametrize("keys, values", [
+    ("self_attn.k_scale", "self_attn.v_scale"),  # llm-compressor now, as vLLM names them
+    ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),  # its earlier releases
+])
+def test_compressed_tensors_kv_cache_scales(bf16_checkpoint, tmp_path, caplog, keys, values):
+    """A kv_cache_scheme's per-tensor scales, under either name llm-compressor has given
+    them, are the FP8 cache's scales."""
     dst = tmp_path / "ct"
     _write(bf16_checkpoint, dst, ct_config(kv_cache=True), "channel")
     tensors = safetensors_torch.load_file(str(dst / "model.safetensors"))
     for i in range(NUM_LAYERS):
-        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.04 + i)
-        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.03 + i)
+        tensors[f"model.layers.{i}.{keys}"] = torch.tensor([0.04 + i])
+        tensors[f"model.layers.{i}.{values}"] = torch.tensor([0.03 + i])
     safetensors_torch.save_file(tensors, str(dst / "model.safetensors"))
-    w = load_weights(dst, load_config(dst))
+    with caplog.at_level(logging.WARNING, logger="blink.gpu_engine.checkpoint"):
+        w = load_weights(dst, load_config(dst))
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
     np.testing.assert_allclose(w.kv_scales, [[0.04, 0.03], [1.04, 1.03]], rtol=1e-6)
 
 
