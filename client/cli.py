@@ -205,8 +205,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["fp8", "none"], default=None,
                    help="fp8: the projections' weights as E4M3 with a scale per output row, "
                         "quantized at load from bf16/f16/f32 checkpoints (an FP8 checkpoint, "
-                        "quantization_config quant_method fp8, compressed-tensors or "
-                        "fbgemm_fp8, is served so without the flag); "
+                        "quantization_config quant_method fp8, compressed-tensors, "
+                        "fbgemm_fp8 or modelopt, is served so without the flag); "
                         "decode-sized steps dequantize them in registers, larger ones run FP8 "
                         "GEMMs on activations quantized per token (cuda and host-cuda engines: "
                         "Hopper GPUs; the cpu engine emulates the rounding). none: an FP8 "

@@ -5,7 +5,8 @@ on q and k). The directory holds config.json, optionally generation_config.json,
 *.safetensors files (sharded through model.safetensors.index.json) and tokenizer.json.
 
 FP8 checkpoints (config.json's quantization_config with quant_method "fp8", as transformers
-writes them, "compressed-tensors" as llm-compressor writes FP8 weights, or "fbgemm_fp8"): a
+writes them, "compressed-tensors" as llm-compressor writes FP8 weights, "fbgemm_fp8", or
+"modelopt", also from ModelOpt's hf_quant_config.json): a
 projection's weight is F8_E4M3 codes with its scales beside it, as `weight_scale_inv`
 (transformers: one per weight_block_size block, or one for the tensor) or `weight_scale` (one
 for the tensor, per output row, or per block or group of columns as compressed-tensors'
@@ -256,7 +257,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
             raise CheckpointError(f"special token id {tok} is outside the vocabulary ({vocab})")
 
     bias = _flag(raw, "attention_bias")
-    quantization, fp8_weight_block = _parse_quantization(raw.get("quantization_config"))
+    qc = raw.get("quantization_config")
+    quantization, fp8_weight_block = _parse_quantization(
+        qc if qc is not None else _modelopt_config(model_dir))
     return ModelConfig(
         name=model_dir.resolve().name,
         architecture=arch,
@@ -324,6 +327,38 @@ def _transformers_fp8_block(qc: dict) -> tuple[int, int] | None:
         _static_activation_scales(
             f"quantization_config activation_scheme {qc.get('activation_scheme')!r}")
     return block
+
+
+def _modelopt_config(model_dir: Path) -> dict | None:
+    """NVIDIA's Model Optimizer (ModelOpt) FP8 releases that predate its quantization_config
+    in config.json say what they are in hf_quant_config.json beside it: that, as the
+    quantization_config it would be (None without one)."""
+    path = model_dir / "hf_quant_config.json"
+    if not path.is_file():
+        return None
+    quant = _read_json(path).get("quantization")
+    if not isinstance(quant, dict):
+        raise CheckpointError(f"{path.name} has no quantization object")
+    return {"quant_method": "modelopt", **quant}
+
+
+# ModelOpt's FP8 algorithms whose weights are E4M3 codes with a scale per tensor or per row
+_MODELOPT_FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+
+
+def _modelopt_fp8_block(qc: dict) -> None:
+    """ModelOpt's FP8 (quant_method "modelopt"): weight_scale per tensor (FP8) or per row
+    (FP8_PER_CHANNEL_PER_TOKEN), input_scale (static, not read); an FP8 KV cache's scales
+    as the k and v projections' k_scale and v_scale (_KV_SCALE_NAMES)."""
+    algo = qc.get("quant_algo")
+    if algo not in _MODELOPT_FP8_ALGOS:
+        raise CheckpointError(f"ModelOpt quant_algo {algo!r} is not supported (E4M3 weights: "
+                              f"{', '.join(_MODELOPT_FP8_ALGOS)})")
+    kv = qc.get("kv_cache_quant_algo")
+    if kv not in (None, "FP8"):
+        raise CheckpointError(f"ModelOpt kv_cache_quant_algo {kv!r} is not supported (FP8 "
+                              f"or none)")
+    return None
 
 
 def _fbgemm_fp8_block(qc: dict) -> None:
@@ -415,7 +450,7 @@ def _compressed_tensors_fp8_block(qc: dict) -> tuple[int, int] | None:
 # quant_method -> its weights' scale blocks from its quantization_config
 _FP8_FORMATS = {"fp8": _transformers_fp8_block,
                 "compressed-tensors": _compressed_tensors_fp8_block,
-                "fbgemm_fp8": _fbgemm_fp8_block}
+                "fbgemm_fp8": _fbgemm_fp8_block, "modelopt": _modelopt_fp8_block}
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -781,10 +816,11 @@ def _dequantized(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -
 
 
 # where FP8 checkpoints keep a layer's calibrated KV-cache scales (keys', values'): beside the
-# attention (vLLM's name, llm-compressor's now), or as the k and v projections' output scales
-# (compressed-tensors' kv_cache_scheme in earlier llm-compressor releases)
+# attention (vLLM's name, llm-compressor's now), as the k and v projections' output scales
+# (compressed-tensors' kv_cache_scheme in earlier llm-compressor releases), or as ModelOpt's
 _KV_SCALE_NAMES = (("self_attn.k_scale", "self_attn.v_scale"),
-                   ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"))
+                   ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+                   ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"))
 
 
 def _kv_scale_names(cfg: ModelConfig, refs: dict[str, _TensorRef]) -> list[tuple[str, str]]:

@@ -1,10 +1,11 @@
 """FP8 checkpoints in the formats other tools write, beside transformers' own (test_fp8.py):
 compressed-tensors (llm-compressor's, quant_method "compressed-tensors": RedHat's and Neural
-Magic's FP8 releases) and FBGEMM's (quant_method "fbgemm_fp8": Meta's Llama 3.1 FP8 releases).
+Magic's FP8 releases), FBGEMM's (quant_method "fbgemm_fp8": Meta's Llama 3.1 FP8 releases) and
+NVIDIA ModelOpt's (quant_method "modelopt", or hf_quant_config.json).
 
 Oracle: transformers with the compressed-tensors package, which reads a compressed-tensors
 checkpoint back as dense weights (dequantize=True); torch's E4M3 codes times their scales for
-FBGEMM's, which transformers reads only on a GPU (fbgemm-gpu).
+FBGEMM's and ModelOpt's, which transformers reads only on a GPU.
 """
 from __future__ import annotations
 
@@ -259,3 +260,52 @@ def test_fbgemm_fp8_reads_its_codes_times_row_scales(bf16_checkpoint, tmp_path, 
     for name, value in ours.items():
         want = stored[name].float() * stored[name + "_scale"]
         np.testing.assert_array_equal(value, want.numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("where", ["config.json", "hf_quant_config.json"])
+def test_modelopt_fp8_reads_its_codes_times_tensor_scales(bf16_checkpoint, tmp_path, caplog,
+                                                          where):
+    """NVIDIA ModelOpt's FP8: E4M3 codes with a scale per tensor and a static input_scale
+    (not read, not reported), the FP8 cache's scales as the k and v projections' k_scale and
+    v_scale; said in config.json's quantization_config, or in hf_quant_config.json alone as
+    its earlier releases did."""
+    def input_scale(base, out):
+        out[base + "input_scale"] = torch.tensor([0.02])
+
+    quant = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    dst = tmp_path / "modelopt"
+    _write(bf16_checkpoint, dst, {"quant_method": "modelopt", **quant}, "tensor",
+           extra=input_scale)
+    stored = safetensors_torch.load_file(str(dst / "model.safetensors"))
+    for i in range(NUM_LAYERS):
+        stored[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(0.06 + i)
+        stored[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(0.05 + i)
+    safetensors_torch.save_file(stored, str(dst / "model.safetensors"))
+    if where == "hf_quant_config.json":
+        config = json.loads((dst / "config.json").read_text())
+        del config["quantization_config"]
+        (dst / "config.json").write_text(json.dumps(config))
+        (dst / where).write_text(json.dumps({"producer": {"name": "modelopt"},
+                                             "quantization": quant}))
+    cfg = load_config(dst)
+    assert (cfg.quantization, cfg.fp8_weight_block) == ("fp8", None)
+    with caplog.at_level(logging.WARNING, logger="blink.gpu_engine.checkpoint"):
+        w = load_weights(dst, cfg)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    for name, value in _weights_by_name(w).items():
+        want = stored[name].float() * stored[name + "_scale"]
+        np.testing.assert_array_equal(value, want.numpy(), err_msg=name)
+    np.testing.assert_allclose(w.kv_scales, [[0.06, 0.05], [1.06, 1.05]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("quant, match", [
+    ({"quant_algo": "NVFP4"}, "NVFP4"),
+    ({"quant_algo": "W4A16_NVFP4"}, "W4A16_NVFP4"),
+    ({"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}, "kv_cache_quant_algo"),
+])
+def test_unsupported_modelopt_configs_are_refused_in_one_line(bf16_checkpoint, tmp_path,
+                                                               quant, match):
+    dst = tmp_path / "bad"
+    _write(bf16_checkpoint, dst, {"quant_method": "modelopt", **quant}, "tensor")
+    with pytest.raises(CheckpointError, match=match):
+        load_config(dst)
