@@ -12,9 +12,9 @@ projection's weight is F8_E4M3 codes with its scales beside it, as `weight_scale
 for the tensor, per output row, or per block or group of columns as compressed-tensors'
 strategies say; FBGEMM's per row); load_weights returns their values,
 codes times scales in float32, and the config says quantization "fp8", which serves FP8 weights
-(the engines quantize per output row: per-row checkpoints keep their codes, block- and
-tensor-scaled ones are rounded again to per-row scales; the GPU's row scales come within bf16's
-rounding of the stored ones, cuda_forward._upload_weights). k_scale / v_scale tensors (an FP8 KV
+(the engines quantize per output row: projections stored with a scale a tensor or a row keep
+their codes and scales, LayerWeights.fp8_codes; block- and group-scaled ones are rounded again
+to per-row scales). k_scale / v_scale tensors (an FP8 KV
 cache's calibrated scales) are read too (ModelWeights.kv_scales).
 
 Whatever cannot be served is a CheckpointError, one line at start-up (check_weights from the
@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -622,6 +622,18 @@ class LayerWeights:
     gate_proj: np.ndarray  # [I, H]
     up_proj: np.ndarray  # [I, H]
     down_proj: np.ndarray  # [H, I]
+    # an FP8 checkpoint's projections stored with a scale per tensor or per row, by the names
+    # above: (E4M3 codes [out, in] uint8 as stored, float32 scale per row [out]), whose values
+    # the arrays above hold; an FP8 engine serves these codes as they are (fp8.fp8_weights,
+    # CudaForward), since quantizing the values again per row would round them twice
+    fp8_codes: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+# a layer's projections (LayerWeights' names) and their tensors' names in the layer
+PROJECTION_TENSORS = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+                      "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+                      "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+                      "down_proj": "mlp.down_proj"}
 
 
 @dataclass
@@ -685,6 +697,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
     refs = _tensor_refs(model_dir)
     maps: dict[Path, np.memmap] = {}
     used: set[str] = set()
+    codes: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # LayerWeights.fp8_codes, by tensor
 
     def read(name: str, ref: _TensorRef) -> np.ndarray:
         if ref.path not in maps:
@@ -706,6 +719,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
                 raise CheckpointError(f"tensor {scale_name} holds negative values; a scale is "
                                       f"its block's max |value| / 448")
             value = _dequantized(value, scale, block)
+            if block[1] == ref.shape[1]:  # one scale a row (per tensor, row or rows): kept
+                raw = maps[ref.path][ref.start:ref.end].view(np.uint8).reshape(ref.shape)
+                codes[name] = (raw, np.repeat(scale.reshape(-1), block[0])[:ref.shape[0]])
             zero_point = name + "_zero_point"  # compressed-tensors may store symmetric zeros
             if zero_point in refs and read(zero_point, refs[zero_point]).any():
                 raise CheckpointError(f"tensor {zero_point} is not zero: asymmetric FP8 "
@@ -713,6 +729,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
         return value
 
     weights = _model_tensors(cfg, "lm_head.weight" in refs, get)
+    for i, lw in enumerate(weights.layers):
+        lw.fp8_codes = {attr: codes[f"model.layers.{i}.{tensor}.weight"]
+                        for attr, tensor in PROJECTION_TENSORS.items()
+                        if f"model.layers.{i}.{tensor}.weight" in codes}
     if weights.lm_head is not weights.embed and cfg.tie_word_embeddings:
         if np.array_equal(weights.lm_head, weights.embed):
             weights.lm_head = weights.embed

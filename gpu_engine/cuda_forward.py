@@ -33,6 +33,7 @@ from .gemm_tuning import ChoiceCache, GemmTuner, cache_file
 from .roofline import layer_projection_weights
 from .demo_model import float32_to_bf16_bits
 from .forward_batch import ForwardBatch
+from .weight_layout import interleave_gate_up, rope_pair_order, stored_fp8
 from .fp8 import (calibration_count, calibration_tokens, fp8_refusal, kv_scales_from_amax,
                   per_head_kv_scales)
 
@@ -51,34 +52,6 @@ SKINNY_BF16, SKINNY_F32, SKINNY_F32_ADD, SKINNY_SILU_MUL = 0, 1, 2, 3
 
 # The infix of the FP8-weight entry points' names (blink_skinny_linear_fp8_1x1, ...), by fp8.
 _FP8 = {False: "", True: "_fp8"}
-
-
-def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """[I, H] gate_proj and up_proj -> [2I, H] in 16-row groups: gate rows 16b..16b+15, then up
-    rows 16b..16b+15, for b = 0 .. I/16 - 1. One skinny-linear CTA then holds both halves of
-    16 features and applies SiLU(gate) * up itself; silu_mul reads the same layout."""
-    inter, hidden = gate.shape
-    if inter % 16:
-        raise ValueError(f"intermediate size {inter} must be a multiple of 16")
-    return np.stack([gate.reshape(inter // 16, 16, hidden), up.reshape(inter // 16, 16, hidden)],
-                    axis=1).reshape(2 * inter, hidden)
-
-
-def rope_pair_order(num_heads: int, num_kv_heads: int, head_dim: int) -> np.ndarray:
-    """Row order of the fused q|k|v projection in the RoPE pair layout (csrc/rope.cuh): within
-    every q and k head, pair j's two rows (dimensions j and j + head_dim / 2) sit 8 apart in
-    one 16-row tile; v heads keep their order. new_rows = rows[order]."""
-    if head_dim % 16:
-        raise ValueError(f"head_dim {head_dim} must be a multiple of 16")
-    half = head_dim // 2
-    j = np.arange(half)
-    within = np.empty(head_dim, np.int64)
-    within[16 * (j // 8) + j % 8] = j            # RopePairRow(j) holds dimension j
-    within[16 * (j // 8) + j % 8 + 8] = j + half  # 8 rows later, its partner
-    rotated = num_heads + num_kv_heads
-    order = [h * head_dim + within for h in range(rotated)]
-    order.append(np.arange(rotated * head_dim, (rotated + num_kv_heads) * head_dim))
-    return np.concatenate(order)
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:
@@ -1456,7 +1429,10 @@ class CudaForward:
         return arr
 
     def _bf16(self, x: np.ndarray) -> DeviceArray:
-        arr = DeviceArray.from_numpy(to_bf16(x))
+        return self._device(to_bf16(x))
+
+    def _device(self, x: np.ndarray) -> DeviceArray:
+        arr = DeviceArray.from_numpy(np.ascontiguousarray(x))
         self._memory.append(arr)
         return arr
 
@@ -1518,9 +1494,10 @@ class CudaForward:
         """The checkpoint's weights in bf16, the RMSNorm weights folded into the projections
         after them (FP8: kept apart, and each layer's projections quantized from these by
         _quantize_projections before the next layer's come, so the bf16 model never needs to
-        fit). An FP8 checkpoint's values pass through bf16 on their way to the quantizer: its
-        per-row codes come out as stored (bf16's rounding, 2^-9 relative, is far inside half an
-        E4M3 step), its row scales within that rounding of its own."""
+        fit). An FP8 checkpoint's projections stored with a scale a tensor or a row are uploaded
+        as stored (weight_layout.stored_fp8: quantizing a per-tensor checkpoint's values again
+        per row would round them twice); block- and group-scaled ones pass through bf16 on
+        their way to the quantizer, a scale per row."""
         cfg = self.cfg
         self.embed = self._bf16(w.embed)
         self.lm_head = self.embed if w.lm_head is w.embed else self._bf16(w.lm_head)
@@ -1548,15 +1525,24 @@ class CudaForward:
                 post_norm=self._bf16(lw.post_attention_norm) if self.fp8 else None,
             ))
             if self.fp8:
-                self._quantize_projections(self.layers[-1:])
+                self._quantize_projections(self.layers[-1:], [stored_fp8(lw, order)])
 
-    def _quantize_projections(self, layers: list[_Layer]) -> None:
+    def _quantize_projections(self, layers: list[_Layer],
+                              stored: list[dict[str, tuple[np.ndarray, np.ndarray]]] | None
+                              = None) -> None:
         """These layers' bf16 projections -> E4M3 codes with a scale per row (_Layer.scales),
-        quantized on the GPU (ForwardKernels.quantize_rows: fp8.py quantize_rows's codes), the
-        bf16 copies freed as it goes."""
-        for lw in layers:
+        quantized on the GPU (ForwardKernels.quantize_rows: fp8.py quantize_rows's codes), or
+        the checkpoint's own codes and row scales where a layer's stored_fp8 has them; the bf16
+        copies freed as it goes."""
+        for i, lw in enumerate(layers):
             for name, rows, cols in self._projections():
-                codes, lw.scales[name] = self._quantized(getattr(lw, name), rows, cols)
+                kept = stored[i].get(name) if stored else None
+                if kept is None:
+                    codes, lw.scales[name] = self._quantized(getattr(lw, name), rows, cols)
+                else:
+                    self._memory.remove(getattr(lw, name))
+                    getattr(lw, name).free()
+                    codes, lw.scales[name] = self._device(kept[0]), self._device(kept[1])
                 setattr(lw, name, codes)
 
     def _quantize_lm_head(self) -> None:

@@ -134,13 +134,14 @@ def calibration_tokens(vocab_size: int, count: int = CALIBRATION_TOKENS,
 
 def fp8_weights(weights, lm_head: bool = True):
     """ModelWeights with every layer's projections as FP8 weights hold them (fp8_rounded_rows:
-    a scale per output row), and the LM head too (lm_head: CudaForward's fp8_lm_head); the
-    embedding and the norms unchanged (they stay bf16 on the GPU; a tied embedding's table
-    keeps its values, the LM head's copy is rounded). The CPU engine's emulation of
-    --quantization fp8, and the GPU tests' reference."""
+    a scale per output row; an FP8 checkpoint's projections stored with a scale a row keep
+    their codes and scales, LayerWeights.fp8_codes, whose values the loader gave), and the LM
+    head too (lm_head: CudaForward's fp8_lm_head); the embedding and the norms unchanged (they
+    stay bf16 on the GPU; a tied embedding's table keeps its values, the LM head's copy is
+    rounded). The CPU engine's emulation of --quantization fp8, and the GPU tests' reference."""
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     layers = [dataclasses.replace(lw, **{name: fp8_rounded_rows(getattr(lw, name))
-                                         for name in projections})
+                                         for name in projections if name not in lw.fp8_codes})
               for lw in weights.layers]
     head = fp8_rounded_rows(weights.lm_head) if lm_head else weights.lm_head
     return dataclasses.replace(weights, layers=layers, lm_head=head)

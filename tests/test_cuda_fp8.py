@@ -190,16 +190,27 @@ def test_cublas_linear_fp8(cf, stream, rows, fast_accum):
 
 # --- the forward pass against the reference's FP8 emulation -----------------------------------
 
+# the llama model's checkpoint stored as FP8 with one scale a tensor, which the engine serves
+# as stored (the checkpoint's codes uploaded, weight_layout.stored_fp8), not quantized again
+STORED_FP8 = "llama, FP8 checkpoint with a scale a tensor"
+
+
 @pytest.fixture(scope="module")
 def fp8_models(cf, tmp_path_factory):
     """Per architecture: (config, bf16 weights, the FP8 engine with FP8 weights and an E4M3
-    cache), the checkpoints test_cuda_forward's models use."""
+    cache), the checkpoints test_cuda_forward's models use; and STORED_FP8's."""
+    from test_fp8 import fp8_checkpoint
+
     root = tmp_path_factory.mktemp("fp8_ckpt")
+    paths = {arch: write_random_checkpoint(root / arch, architecture=arch, seed=20 + i, **shape)
+             for i, (arch, shape) in enumerate(FORWARD_SHAPES.items())}
+    paths[STORED_FP8] = root / "llama-fp8-tensor"
+    fp8_checkpoint(paths["llama"], paths[STORED_FP8], "tensor")
     out = {}
-    for i, (arch, shape) in enumerate(FORWARD_SHAPES.items()):
-        path = write_random_checkpoint(root / arch, architecture=arch, seed=20 + i, **shape)
+    for arch, path in paths.items():
         cfg = load_config(path)
         w = load_weights(path, cfg)
+        assert bool(w.layers[0].fp8_codes) == (arch == STORED_FP8)
         engine = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
                                 max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
                                 quantization="fp8", kv_cache_dtype="fp8")
@@ -240,11 +251,13 @@ class Fp8Pair(Pair):
 ARCHS = list(FORWARD_SHAPES)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, STORED_FP8])
 def test_fp8_forward_prefill_chunks_and_decode(fp8_models, arch):
     """A 99-token prefill (FP8 GEMMs), chunked prefill (both paths) and decode steps (the FP8
     skinny kernels) of several sequences, the GPU's greedy token fed back: every step's logits
-    within FP8_LOGITS_TOL of the emulation, top-1 equal except at near-ties."""
+    within FP8_LOGITS_TOL of the emulation, top-1 equal except at near-ties. STORED_FP8: the
+    emulation's weights are the checkpoint's values (fp8.fp8_weights keeps them), so the GPU
+    must hold its codes and scales, not a second rounding of them."""
     pair = Fp8Pair(fp8_models, arch)
     pool = np.random.default_rng(1).permutation(NUM_BLOCKS)
     seqs = [list(prompt(pair.cfg, 99, seed=2)), list(prompt(pair.cfg, 70, seed=4))]
@@ -263,6 +276,22 @@ def test_fp8_forward_prefill_chunks_and_decode(fp8_models, arch):
             s.append(int(np.argmax(row)))
         pos = [p + 1 for p in pos]
     pair.record("fp8 prefill, chunks, decode")
+
+
+def test_fp8_checkpoint_codes_are_uploaded_as_stored(fp8_models):
+    """STORED_FP8's engine holds the checkpoint's codes and scales, fused in its layout
+    (weight_layout.stored_fp8, which the CPU tests check against the CPU engine's weights),
+    bit for bit: the forward test's tolerance would not see a second rounding."""
+    from blink.gpu_engine.weight_layout import rope_pair_order, stored_fp8
+
+    cfg, w, engine = fp8_models[STORED_FP8]
+    order = rope_pair_order(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    for lw, layer in zip(w.layers, engine.layers):
+        fused = stored_fp8(lw, order)
+        assert sorted(fused) == ["wdown", "wgu", "wo", "wqkv"]
+        for name, (codes, scales) in fused.items():
+            np.testing.assert_array_equal(getattr(layer, name).download(), codes, name)
+            np.testing.assert_array_equal(layer.scales[name].download(), scales, name)
 
 
 def test_fp8_kv_calibration_leaves_capture_an_empty_batch(cf, tmp_path_factory):

@@ -309,3 +309,45 @@ def test_unsupported_modelopt_configs_are_refused_in_one_line(bf16_checkpoint, t
     _write(bf16_checkpoint, dst, {"quant_method": "modelopt", **quant}, "tensor")
     with pytest.raises(CheckpointError, match=match):
         load_config(dst)
+
+
+@pytest.mark.parametrize("strategy, block, kept", [
+    ("tensor", None, True), ("channel", None, True), ("block", (48, 48), False),
+    ("group", (1, 32), False)])
+def test_fp8_checkpoints_with_a_scale_a_row_are_served_as_stored(bf16_checkpoint, tmp_path,
+                                                                 strategy, block, kept):
+    """An FP8 engine serves a checkpoint stored with a scale per tensor or per row as stored:
+    the CPU engine's FP8 weights (fp8.fp8_weights) are the loaded values, which transformers'
+    dequantization gives (above), and the GPU's fused projections (weight_layout.stored_fp8,
+    what CudaForward uploads) are the stored codes and scales in its layout, whose values are
+    the CPU engine's. Quantizing a per-tensor checkpoint's values again per row, as before,
+    rounded every row without the tensor's largest value a second time. Block and group
+    scales cannot be one scale a row: those projections are quantized again, per row."""
+    from blink.gpu_engine.fp8 import e4m3_to_float32, fp8_weights
+    from blink.gpu_engine.weight_layout import interleave_gate_up, rope_pair_order, stored_fp8
+
+    dst = tmp_path / "ct"
+    _write(bf16_checkpoint, dst, ct_config(strategy, block), strategy, block)
+    cfg = load_config(dst)
+    loaded = load_weights(dst, cfg)
+    served = fp8_weights(loaded)
+    stored = safetensors_torch.load_file(str(dst / "model.safetensors"))
+    order = rope_pair_order(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    for i, (lw, fw) in enumerate(zip(loaded.layers, served.layers)):
+        assert sorted(lw.fp8_codes) == (sorted(PROJECTIONS.values()) if kept else [])
+        for tensor, attr in PROJECTIONS.items():
+            if kept:
+                codes = stored[f"model.layers.{i}.{tensor}.weight"].view(torch.uint8).numpy()
+                np.testing.assert_array_equal(lw.fp8_codes[attr][0], codes)
+                np.testing.assert_array_equal(getattr(fw, attr), getattr(lw, attr))
+            else:  # the row's own scale: not the stored values, unless by chance
+                assert not np.array_equal(getattr(fw, attr), getattr(lw, attr)), attr
+        fused = stored_fp8(lw, order)
+        assert sorted(fused) == (["wdown", "wgu", "wo", "wqkv"] if kept else [])
+        want = {"wqkv": np.concatenate([fw.q_proj, fw.k_proj, fw.v_proj])[order],
+                "wo": fw.o_proj, "wgu": interleave_gate_up(fw.gate_proj, fw.up_proj),
+                "wdown": fw.down_proj}
+        for name, (codes, scales) in fused.items():
+            assert codes.dtype == np.uint8 and scales.dtype == np.float32
+            np.testing.assert_array_equal(e4m3_to_float32(codes) * scales[:, None],
+                                          want[name], err_msg=name)
