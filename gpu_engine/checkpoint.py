@@ -295,7 +295,7 @@ def _parse_quantization(qc) -> tuple[str | None, tuple[int, int] | None]:
     if not isinstance(qc, dict):
         raise CheckpointError(f"quantization_config must be an object, got {qc!r}")
     method = qc.get("quant_method")
-    read_block = _FP8_FORMATS.get(method)
+    read_block = _FP8_FORMATS.get(method) if isinstance(method, str) else None
     if read_block is None:
         raise CheckpointError(f"quantization_config quant_method {method!r} is not supported "
                               f"(supported, E4M3 weights: {', '.join(map(repr, _FP8_FORMATS))})")
@@ -382,7 +382,8 @@ def _compressed_tensors_fp8_block(qc: dict) -> tuple[int, int] | None:
     def refuse(why: str):
         raise CheckpointError(f"compressed-tensors quantization_config: {why}")
 
-    if qc.get("sparsity_config"):
+    sparsity = qc.get("sparsity_config")
+    if sparsity and not (isinstance(sparsity, dict) and sparsity.get("format") == "dense"):
         refuse("sparse weights (sparsity_config) are not supported")
     formats = set()
     groups = qc.get("config_groups")
@@ -392,21 +393,29 @@ def _compressed_tensors_fp8_block(qc: dict) -> tuple[int, int] | None:
     for name, group in groups.items():
         if not isinstance(group, dict):
             refuse(f"config group {name!r} must be an object, got {group!r}")
-        formats.add(group.get("format") or qc.get("format"))
+        fmt = group.get("format") or qc.get("format")
+        if fmt is not None and not isinstance(fmt, str):
+            refuse(f"format must be a string, got {fmt!r}")
+        formats.add(fmt)
         weights = group.get("weights")
         if not isinstance(weights, dict):
             refuse(f"config group {name!r} has no weights scheme (only weight quantization "
                    f"is read)")
-        kind = (weights.get("num_bits"), weights.get("type"))
+        kind = (weights.get("num_bits"), str(weights.get("type")).lower())
         if kind != (8, "float"):
             refuse(f"group {name!r} weights are {kind[0]}-bit {kind[1]}: only 8-bit float "
                    f"(E4M3) weights are supported")
         if not weights.get("symmetric", True) or weights.get("dynamic", False):
             refuse(f"group {name!r} weights must be symmetric with static scales")
-        strategy = weights.get("strategy")
+        strategy = _strategy(weights)
+        if strategy == "group" and weights.get("actorder") == "group":
+            refuse(f"group {name!r} weights: activation-ordered groups (actorder 'group', a "
+                   f"weight_g_idx) are not supported")
         if strategy == "block":
-            block = _block_size(weights.get("block_structure"),
-                                f"group {name!r} weights block_structure")
+            structure = weights.get("block_structure")
+            if isinstance(structure, str):  # its earlier form, "128x128"
+                structure = [int(b) if b.isdigit() else b for b in structure.split("x")]
+            block = _block_size(structure, f"group {name!r} weights block_structure")
             if block is None:
                 refuse(f"group {name!r} weights strategy 'block' needs a block_structure")
             blocks.add(block)
@@ -424,7 +433,8 @@ def _compressed_tensors_fp8_block(qc: dict) -> tuple[int, int] | None:
         acts = group.get("input_activations")
         if acts is not None and not isinstance(acts, dict):
             refuse(f"group {name!r} input_activations must be an object or null")
-        if acts is not None and (acts.get("num_bits"), acts.get("type")) != (8, "float"):
+        if acts is not None and (acts.get("num_bits"),
+                                 str(acts.get("type")).lower()) != (8, "float"):
             refuse(f"group {name!r} input activations must be 8-bit float or unquantized")
         if acts is not None and not acts.get("dynamic", False):
             _static_activation_scales(f"compressed-tensors group {name!r} static input "
@@ -445,6 +455,18 @@ def _compressed_tensors_fp8_block(qc: dict) -> tuple[int, int] | None:
         refuse(f"kv_cache_scheme {kv!r} is not supported: per-tensor static k_scale / "
                f"v_scale only")
     return next(iter(blocks), None)
+
+
+def _strategy(weights: dict) -> str | None:
+    """A compressed-tensors scheme's strategy, inferred as compressed-tensors infers one that is
+    not given: per group of group_size columns, per row (group_size -1), or per tensor."""
+    strategy = weights.get("strategy")
+    if strategy is not None:
+        return str(strategy).lower()
+    size = weights.get("group_size")
+    if size == -1:
+        return "channel"
+    return "group" if size is not None else "tensor"
 
 
 # quant_method -> its weights' scale blocks from its quantization_config
@@ -719,7 +741,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
                 raise CheckpointError(f"tensor {scale_name} holds negative values; a scale is "
                                       f"its block's max |value| / 448")
             value = _dequantized(value, scale, block)
-            if block[1] == ref.shape[1]:  # one scale a row (per tensor, row or rows): kept
+            if block[1] >= ref.shape[1]:  # one scale a row (per tensor, row or rows): kept
                 raw = maps[ref.path][ref.start:ref.end].view(np.uint8).reshape(ref.shape)
                 codes[name] = (raw, np.repeat(scale.reshape(-1), block[0])[:ref.shape[0]])
             zero_point = name + "_zero_point"  # compressed-tensors may store symmetric zeros

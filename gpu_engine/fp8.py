@@ -19,6 +19,8 @@ import dataclasses
 
 import numpy as np
 
+from .weight_layout import FUSED_PROJECTIONS, served_as_stored
+
 E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
 # Keys and values are scaled so that the calibration's largest |value| lands at this fraction
@@ -139,10 +141,12 @@ def fp8_weights(weights, lm_head: bool = True):
     head too (lm_head: CudaForward's fp8_lm_head); the embedding and the norms unchanged (they
     stay bf16 on the GPU; a tied embedding's table keeps its values, the LM head's copy is
     rounded). The CPU engine's emulation of --quantization fp8, and the GPU tests' reference."""
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    layers = [dataclasses.replace(lw, **{name: fp8_rounded_rows(getattr(lw, name))
-                                         for name in projections if name not in lw.fp8_codes})
-              for lw in weights.layers]
+    def rounded(lw):
+        kept = {part for name in served_as_stored(lw) for part in FUSED_PROJECTIONS[name]}
+        return {part: fp8_rounded_rows(getattr(lw, part))
+                for parts in FUSED_PROJECTIONS.values() for part in parts if part not in kept}
+
+    layers = [dataclasses.replace(lw, **rounded(lw)) for lw in weights.layers]
     head = fp8_rounded_rows(weights.lm_head) if lm_head else weights.lm_head
     return dataclasses.replace(weights, layers=layers, lm_head=head)
 

@@ -20,20 +20,30 @@ def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
                     axis=1).reshape(2 * inter, hidden)
 
 
+# CudaForward's fused projections and the checkpoint projections (LayerWeights' names) in each
+FUSED_PROJECTIONS = {"wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",),
+                     "wgu": ("gate_proj", "up_proj"), "wdown": ("down_proj",)}
+
+
+def served_as_stored(lw: LayerWeights) -> list[str]:
+    """The fused projections (FUSED_PROJECTIONS) an FP8 engine serves with the checkpoint's
+    own codes and scales: those all of whose parts were stored with a scale a row
+    (LayerWeights.fp8_codes). A fused projection with one part stored otherwise (a block
+    scale, or bf16) is quantized again per row whole, on the GPU as on the CPU."""
+    return [name for name, parts in FUSED_PROJECTIONS.items()
+            if all(part in lw.fp8_codes for part in parts)]
+
+
 def stored_fp8(lw: LayerWeights, qkv_order: np.ndarray) -> dict[str, tuple[np.ndarray,
                                                                          np.ndarray]]:
-    """An FP8 checkpoint's codes and row scales (LayerWeights.fp8_codes) fused as CudaForward
-    fuses its projections (wqkv in qkv_order, rope_pair_order's; wgu interleaved), for each
-    fused projection all of whose parts were stored with a scale a row: the GPU serves those
-    codes as stored, as fp8.fp8_weights does on the CPU."""
-    parts = {"wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",),
-             "wgu": ("gate_proj", "up_proj"), "wdown": ("down_proj",)}
+    """The codes and row scales of the fused projections served_as_stored names, fused as
+    CudaForward fuses its projections (wqkv in qkv_order, rope_pair_order's; wgu interleaved):
+    what the GPU uploads, whose values fp8.fp8_weights keeps on the CPU."""
     fused = {}
-    for name, attrs in parts.items():
-        if not all(a in lw.fp8_codes for a in attrs):
-            continue
-        codes = [lw.fp8_codes[a][0] for a in attrs]
-        scales = [lw.fp8_codes[a][1].astype(np.float32)[:, None] for a in attrs]
+    for name in served_as_stored(lw):
+        parts = FUSED_PROJECTIONS[name]
+        codes = [lw.fp8_codes[a][0] for a in parts]
+        scales = [lw.fp8_codes[a][1].astype(np.float32)[:, None] for a in parts]
         if name == "wqkv":
             codes, scales = np.concatenate(codes)[qkv_order], np.concatenate(scales)[qkv_order]
         elif name == "wgu":

@@ -180,6 +180,10 @@ REFUSED = [
     ("a bad group size", lambda c: _group(c)["weights"].update(strategy="group", group_size=0),
      "group_size"),
     ("packed weights", lambda c: c.update(format="pack-quantized"), "pack-quantized"),
+    ("a format not a string", lambda c: c.update(format=["float-quantized"]), "format"),
+    ("a quant_method not a string", lambda c: c.update(quant_method=["fp8"]), "quant_method"),
+    ("activation-ordered groups", lambda c: _group(c)["weights"].update(
+        strategy="group", group_size=32, actorder="group"), "actorder"),
     ("a group's own format", lambda c: _group(c).update(format="int-quantized"),
      "int-quantized"),
     ("2:4 sparsity", lambda c: c.update(sparsity_config={"format": "sparse-24-bitmask"}),
@@ -203,6 +207,31 @@ REFUSED = [
                                                     "block_structure": [64, 64]}}),
      "different blocks"),
 ]
+
+
+# (what the edit does, the edit of ct_config()'s output, the weights' blocks it reads as):
+# forms compressed-tensors itself reads
+ACCEPTED = [
+    ("dense sparsity (none)", lambda c: c.update(sparsity_config={"format": "dense"}), None),
+    ("a block_structure as a string", lambda c: _group(c)["weights"].update(
+        strategy="block", block_structure="48x48"), (48, 48)),
+    ("an upper-case type", lambda c: _group(c)["weights"].update(type="FLOAT"), None),
+    ("no strategy, a group size", lambda c: _group(c)["weights"].update(
+        strategy=None, group_size=32), (1, 32)),
+    ("no strategy, group size -1: rows", lambda c: _group(c)["weights"].update(
+        strategy=None, group_size=-1), None),
+]
+
+
+@pytest.mark.parametrize("edit, block", [r[1:] for r in ACCEPTED], ids=[r[0] for r in ACCEPTED])
+def test_compressed_tensors_configs_in_other_forms_are_read(bf16_checkpoint, tmp_path, edit,
+                                                             block):
+    config = ct_config()
+    edit(config)
+    dst = tmp_path / "ok"
+    _write(bf16_checkpoint, dst, config, "channel")
+    cfg = load_config(dst)
+    assert (cfg.quantization, cfg.fp8_weight_block) == ("fp8", block)
 
 
 @pytest.mark.parametrize("edit, match", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
@@ -351,3 +380,53 @@ def test_fp8_checkpoints_with_a_scale_a_row_are_served_as_stored(bf16_checkpoint
             assert codes.dtype == np.uint8 and scales.dtype == np.float32
             np.testing.assert_array_equal(e4m3_to_float32(codes) * scales[:, None],
                                           want[name], err_msg=name)
+
+
+def test_a_fused_projection_served_as_stored_only_when_every_part_is(bf16_checkpoint,
+                                                                      tmp_path):
+    """With k_proj left bf16 (an ignore entry), q|k|v cannot be one stored matrix: the GPU
+    quantizes the fused matrix again per row, so the CPU engine must round q, k and v again
+    too (the two served different weights before the review caught it); o, gate|up and down
+    stay as stored."""
+    from blink.gpu_engine.fp8 import fp8_rounded_rows, fp8_weights
+    from blink.gpu_engine.weight_layout import rope_pair_order, served_as_stored, stored_fp8
+
+    def keep_k_bf16(base, out):
+        if base.endswith("self_attn.k_proj."):
+            out[base + "weight"] = (out[base + "weight"].float()
+                                    * out.pop(base + "weight_scale").float()).bfloat16()
+
+    dst = tmp_path / "ct"
+    _write(bf16_checkpoint, dst, ct_config("tensor"), "tensor", extra=keep_k_bf16)
+    cfg = load_config(dst)
+    loaded = load_weights(dst, cfg)
+    served = fp8_weights(loaded)
+    order = rope_pair_order(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    for lw, fw in zip(loaded.layers, served.layers):
+        assert "k_proj" not in lw.fp8_codes and "q_proj" in lw.fp8_codes
+        assert served_as_stored(lw) == ["wo", "wgu", "wdown"]
+        assert sorted(stored_fp8(lw, order)) == ["wdown", "wgu", "wo"]
+        for attr in ("q_proj", "k_proj", "v_proj"):
+            np.testing.assert_array_equal(getattr(fw, attr),
+                                          fp8_rounded_rows(getattr(lw, attr)), attr)
+        for attr in ("o_proj", "gate_proj", "up_proj", "down_proj"):
+            np.testing.assert_array_equal(getattr(fw, attr), getattr(lw, attr), attr)
+
+
+def test_blocks_as_wide_as_a_row_are_one_scale_a_row(bf16_checkpoint, tmp_path):
+    """Blocks of 32 rows and every column (a scale grid of one column) are one scale a row:
+    served as stored, each row the scale of its block."""
+    from blink.gpu_engine.fp8 import fp8_weights
+
+    dst = tmp_path / "ct"
+    _write(bf16_checkpoint, dst, ct_config("block", (32, 512)), "block", (32, 512))
+    loaded = load_weights(dst, load_config(dst))
+    stored = safetensors_torch.load_file(str(dst / "model.safetensors"))
+    for i, (lw, fw) in enumerate(zip(loaded.layers, fp8_weights(loaded).layers)):
+        assert sorted(lw.fp8_codes) == sorted(PROJECTIONS.values())
+        for tensor, attr in PROJECTIONS.items():
+            grid = stored[f"model.layers.{i}.{tensor}.weight_scale"].float().numpy()
+            np.testing.assert_array_equal(lw.fp8_codes[attr][1],
+                                          np.repeat(grid[:, 0], 32)[:grid.shape[0] * 32][
+                                              :getattr(lw, attr).shape[0]])
+            np.testing.assert_array_equal(getattr(fw, attr), getattr(lw, attr), attr)
