@@ -779,16 +779,16 @@ def _model_tensors(cfg: ModelConfig, has_lm_head: bool, get) -> ModelWeights:
     check_weights' header entries. A tied model's stored lm_head.weight is taken too."""
     H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     Q, KV = cfg.q_size, cfg.kv_size
+    shapes = {"q_proj": (Q, H), "k_proj": (KV, H), "v_proj": (KV, H), "o_proj": (H, Q),
+              "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         bias = cfg.attention_bias
         layers.append(LayerWeights(
-            q_proj=get(a + "q_proj.weight", (Q, H)),
-            k_proj=get(a + "k_proj.weight", (KV, H)),
-            v_proj=get(a + "v_proj.weight", (KV, H)),
-            o_proj=get(a + "o_proj.weight", (H, Q)),
+            **{attr: get(f"{p}{tensor}.weight", shapes[attr])
+               for attr, tensor in PROJECTION_TENSORS.items()},
             q_bias=get(a + "q_proj.bias", (Q,)) if bias else None,
             k_bias=get(a + "k_proj.bias", (KV,)) if bias else None,
             v_bias=get(a + "v_proj.bias", (KV,)) if bias else None,
@@ -797,9 +797,6 @@ def _model_tensors(cfg: ModelConfig, has_lm_head: bool, get) -> ModelWeights:
             k_norm=get(a + "k_norm.weight", (D,)) if cfg.qk_norm else None,
             input_norm=get(p + "input_layernorm.weight", (H,)),
             post_attention_norm=get(p + "post_attention_layernorm.weight", (H,)),
-            gate_proj=get(p + "mlp.gate_proj.weight", (I, H)),
-            up_proj=get(p + "mlp.up_proj.weight", (I, H)),
-            down_proj=get(p + "mlp.down_proj.weight", (H, I)),
         ))
     embed = get("model.embed_tokens.weight", (V, H))
     tied = cfg.tie_word_embeddings and not has_lm_head

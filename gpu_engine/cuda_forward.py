@@ -1509,41 +1509,47 @@ class CudaForward:
         order = rope_pair_order(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.layers = []
         for lw in w.layers:
-            wqkv = np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj])[order]
-            wgu = interleave_gate_up(lw.gate_proj, lw.up_proj)
+            stored = stored_fp8(lw, order) if self.fp8 else {}
+
+            def projection(name, values):
+                """The stored codes of fused projection `name`, else values() in bf16."""
+                return self._device(stored[name][0]) if name in stored else self._bf16(values())
+
+            def wqkv():
+                fused = np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj])[order]
+                return fused if self.fp8 else fused * lw.input_norm[None, :]
+
+            def wgu():
+                fused = interleave_gate_up(lw.gate_proj, lw.up_proj)
+                return fused if self.fp8 else fused * lw.post_attention_norm[None, :]
+
             self.layers.append(_Layer(
-                wqkv=self._bf16(wqkv if self.fp8 else wqkv * lw.input_norm[None, :]),
+                wqkv=projection("wqkv", wqkv),
                 bqkv=(self._bf16(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias])[order])
                       if lw.q_bias is not None else None),
                 q_norm=self._bf16(lw.q_norm) if lw.q_norm is not None else None,
                 k_norm=self._bf16(lw.k_norm) if lw.k_norm is not None else None,
-                wo=self._bf16(lw.o_proj),
+                wo=projection("wo", lambda: lw.o_proj),
                 bo=self._bf16(lw.o_bias) if lw.o_bias is not None else None,
-                wgu=self._bf16(wgu if self.fp8 else wgu * lw.post_attention_norm[None, :]),
-                wdown=self._bf16(lw.down_proj),
+                wgu=projection("wgu", wgu),
+                wdown=projection("wdown", lambda: lw.down_proj),
                 input_norm=self._bf16(lw.input_norm) if self.fp8 else None,
                 post_norm=self._bf16(lw.post_attention_norm) if self.fp8 else None,
+                scales={name: self._device(scale) for name, (_, scale) in stored.items()},
             ))
             if self.fp8:
-                self._quantize_projections(self.layers[-1:], [stored_fp8(lw, order)])
+                self._quantize_projections(self.layers[-1:])
 
-    def _quantize_projections(self, layers: list[_Layer],
-                              stored: list[dict[str, tuple[np.ndarray, np.ndarray]]] | None
-                              = None) -> None:
+    def _quantize_projections(self, layers: list[_Layer]) -> None:
         """These layers' bf16 projections -> E4M3 codes with a scale per row (_Layer.scales),
-        quantized on the GPU (ForwardKernels.quantize_rows: fp8.py quantize_rows's codes), or
-        the checkpoint's own codes and row scales where a layer's stored_fp8 has them; the bf16
-        copies freed as it goes."""
-        for i, lw in enumerate(layers):
+        quantized on the GPU (ForwardKernels.quantize_rows: fp8.py quantize_rows's codes), the
+        bf16 copies freed as it goes; those with scales already hold a checkpoint's own codes
+        (stored_fp8, _upload_weights)."""
+        for lw in layers:
             for name, rows, cols in self._projections():
-                kept = stored[i].get(name) if stored else None
-                if kept is None:
+                if name not in lw.scales:
                     codes, lw.scales[name] = self._quantized(getattr(lw, name), rows, cols)
-                else:
-                    self._memory.remove(getattr(lw, name))
-                    getattr(lw, name).free()
-                    codes, lw.scales[name] = self._device(kept[0]), self._device(kept[1])
-                setattr(lw, name, codes)
+                    setattr(lw, name, codes)
 
     def _quantize_lm_head(self) -> None:
         """The LM head as E4M3 codes with a scale per vocabulary row (lm_head_codes,
