@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -282,13 +283,38 @@ def _megabytes(text: str) -> float:
     return _finite(text, "a size in MB > 0", positive=True)
 
 
-def _finite(text: str, what: str, positive: bool) -> float:
+def _finite(text: str, what: str, positive: bool, most: float = math.inf) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not (0 < value if positive else 0 <= value) or value == float("inf"):
+    if not (0 < value if positive else 0 <= value) or not value <= most or value == math.inf:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def _stream_interval_ms(text: str) -> float:
+    """How long a stream's later tokens may wait to go together: 0 to 10 s, in milliseconds
+    (-5 was taken, as was nan, which sent nothing until the end)."""
+    return _finite(text, "a number of milliseconds from 0 to 10000", positive=False,
+                   most=10_000)
+
+
+def _poll_interval_us(text: str) -> float:
+    """How often live records are looked at: more than 0, at most a second, in microseconds
+    (inf was taken, and the poll thread's sleep raised OverflowError once a request came)."""
+    return _finite(text, "a number of microseconds > 0 and at most 1000000", positive=True,
+                   most=1_000_000)
+
+
+def _count(text: str) -> int:
+    """A whole number >= 0 (--max-queued -3 was taken)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
     return value
 
 
@@ -304,17 +330,17 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=_port, default=50051, help="port to listen on (0: any free)")
     p.add_argument("--queue-timeout", type=_seconds, default=30.0,
                    help="seconds a request may wait for a free ring slot")
-    p.add_argument("--max-queued", type=int, default=1024,
+    p.add_argument("--max-queued", type=_count, default=1024,
                    help="requests allowed to wait for a slot")
     p.add_argument("--engine-timeout", type=_positive_seconds, default=3.0,
                    help="seconds without an engine heartbeat before streams fail UNAVAILABLE")
     p.add_argument("--max-request-mb", type=_megabytes, default=4.0,
                    help="largest request accepted")
-    p.add_argument("--stream-interval-ms", type=float, default=0.0,
+    p.add_argument("--stream-interval-ms", type=_stream_interval_ms, default=0.0,
                    help="send a stream's later tokens at most this often, together (its first "
                         "token and its end go at once): fewer gRPC messages, less front-end CPU "
                         "per token, burstier arrival (0: every step's token as it comes)")
-    p.add_argument("--poll-interval-us", type=float, default=200.0,
+    p.add_argument("--poll-interval-us", type=_poll_interval_us, default=200.0,
                    help="how often live requests' output records are checked for new tokens "
                         "(shared memory: by a thread, 3-6%% more of a core at one stream; RDMA: "
                         "the event loop's timer, whole milliseconds)")
@@ -427,8 +453,6 @@ def _frontend_config(args, model_dir: Path):
         sys.exit("blink: TLS needs --tls-cert and --tls-key (and --tls-client-ca only with them)")
     if args.tls_cert:
         _check_tls_files(args)
-    if not args.poll_interval_us > 0:
-        sys.exit("blink: --poll-interval-us must be > 0")
     return FrontendConfig(model_dir=model_dir, ring_name=args.ring_name, host=args.host,
                           port=args.port, queue_timeout_s=args.queue_timeout,
                           max_queued=args.max_queued, engine_timeout_s=args.engine_timeout,

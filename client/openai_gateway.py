@@ -301,6 +301,15 @@ def _prompt(body: dict, chat: bool):
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
+def _encodable(text: str) -> bool:
+    """Whether text is Unicode text that UTF-8 can carry (JSON's \ud800 escape is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def make_app(target: str, served_model_names: list[str] | None = None,
              shutdown_timeout: float | None = None, tls: Tls | None = None):
     """tls: the channel's to the server at target (None: plain). served_model_names: the
@@ -352,8 +361,12 @@ def make_app(target: str, served_model_names: list[str] | None = None,
             prompt, sampling = _prompt(body, chat), sampling_from(body, chat)
             cache_salt = cache_salt_from(body)
             model = body.get("model") or ""
-            if not isinstance(model, str):
-                raise BadRequest(f"'model' must be a string, got {model!r}", "model")
+            if not isinstance(model, str) or not model.isascii() and not _encodable(model):
+                # (a lone surrogate, "\ud800", was echoed in the response's own `model`:
+                # JSON that strict parsers refuse; the other text fields reach protobuf, which
+                # refuses it)
+                raise BadRequest(f"'model' must be a string of Unicode text, got {model!r}",
+                                 "model")
         except BadRequest as e:
             return _error(web, 400, str(e), param=e.param)
         except asyncio.TimeoutError:

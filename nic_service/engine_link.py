@@ -427,13 +427,25 @@ class EngineLink:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._release_slot(fut.result())  # handed a slot just as the caller gave up
             if isinstance(e, asyncio.TimeoutError):
-                raise SlotsExhausted(f"no request slot became free within "
-                                     f"{self.queue_timeout_s:g} s") from None
+                raise SlotsExhausted(self._no_slot_why()) from None
             raise
         finally:
             if fut in self._waiters:
                 self._waiters.remove(fut)
             self._publish_load()
+
+    def _no_slot_why(self) -> str:
+        """Why a request waited queue_timeout_s for a slot in vain. With front-end workers, a
+        connection reaches one worker and its share of the slots: say so where the others had
+        slots free (a client on one connection, as an HTTP gateway is, was told none was)."""
+        why = f"no request slot became free within {self.queue_timeout_s:g} s"
+        total = self.info.geometry.num_slots if self.info is not None else 0
+        others_free = total - self.server_slots_in_use
+        if self.workers == 1 or others_free <= 0:
+            return why
+        return (f"{why} in this front-end worker's share ({len(self._share)} of the {total} "
+                f"slots; {others_free} free in the other workers' shares: a connection "
+                f"reaches one worker, so spread requests over several)")
 
     def _release_slot(self, slot: int) -> None:
         while self._waiters:

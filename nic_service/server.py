@@ -15,6 +15,7 @@ import math
 import secrets
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,13 @@ ENGINE_NAMES = {EngineKind.CPU_REFERENCE: "cpu-reference", EngineKind.CUDA: "cud
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Blink"].full_name
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# A prompt of more characters than this is tokenized (and, as messages, rendered) on the large
+# prompts' own thread, one at a time, so that a few clients' megabyte prompts (which take
+# seconds, and are often refused as over the context only after) do not take every thread of
+# the event loop's default pool, where every other request's prompt waits for one: 8 of 2.3 MB
+# held a 2-token request 44 s on the 2-core VM. 64 K characters take about 25 ms (the demo
+# model's tokenizer, on that VM).
+LARGE_PROMPT_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,7 @@ class PromptCodec:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # encode_batch, not encode: tokenizers' encode holds the GIL for the whole text (2.7 s
         # for a 3.9 MB prompt), so the event loop's thread, and every stream it serves, would
-        # wait on one large prompt even from asyncio.to_thread; encode_batch releases it
+        # wait on one large prompt even from another thread; encode_batch releases it
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def render(self, messages: list[dict[str, str]]) -> str:
@@ -250,6 +258,13 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         self.link = link
         self.metrics = metrics
         self.draining = False  # set by Frontend.drain: new requests are refused
+        self.large_prompts = ThreadPoolExecutor(1, thread_name_prefix="blink-large-prompt")
+
+    async def _off_loop(self, chars: int, fn, *args):
+        """fn(*args) on a thread: the event loop's default pool, or the large prompts' own
+        thread for a prompt of more than LARGE_PROMPT_CHARS characters."""
+        pool = self.large_prompts if chars > LARGE_PROMPT_CHARS else None
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     # -- validation (everything the engine would reject, with a message a person reads) -------
 
@@ -266,8 +281,8 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         if kind == "text":
             if not req.text:
                 raise InvalidRequest("prompt is empty")
-            ids = await asyncio.to_thread(self.codec.encode, req.text,
-                                          not req.skip_special_tokens_in_prompt)
+            ids = await self._off_loop(len(req.text), self.codec.encode, req.text,
+                                       not req.skip_special_tokens_in_prompt)
         elif kind == "token_ids":
             ids = token_id_array(req.token_ids.ids)
             outside = ids >= info.vocab_size
@@ -281,8 +296,9 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                         | ({"name": m.name} if m.name else {}) for m in req.messages.messages]
             if not messages:
                 raise InvalidRequest("messages is empty")
-            text = await asyncio.to_thread(self.codec.render, messages)
-            ids = await asyncio.to_thread(self.codec.encode, text, False)
+            chars = sum(len(m.content) for m in req.messages.messages)
+            text = await self._off_loop(chars, self.codec.render, messages)
+            ids = await self._off_loop(len(text), self.codec.encode, text, False)
         else:
             raise InvalidRequest("prompt is empty: set text, token_ids or messages")
         if not len(ids):
@@ -431,10 +447,14 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         clock.failed("DEADLINE_EXCEEDED" if expired else "CANCELLED")
 
     async def _fail(self, context, clock: RequestClock, code: grpc.StatusCode, message: str,
-                    prep: Prepared | None = None):
-        """Ends a request refused before it had a slot: counted, logged (but a full queue's:
-        an overload's retries would flood the log; the metric counts them), aborted."""
-        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    prep: Prepared | None = None, handle: RequestHandle | None = None,
+                    outcome: str | None = None):
+        """Ends a request with an error: counted, logged once (a request refused before it had
+        a slot as "refused", but a full queue's: an overload's retries would flood the log;
+        the metric counts them; one that had a slot with its `outcome`), aborted."""
+        if handle is not None:
+            log_request(handle, prep, clock, outcome or code.name, clock.generated)
+        elif code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             log_request(None, prep, clock, f"refused, {code.name}: {_cut(message)}", 0)
         clock.failed(code.name)
         await context.abort(code, message)
@@ -488,8 +508,8 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                     break
                 event = Tokens(event.ids + nxt.ids)
             if isinstance(event, Exception):
-                log_request(handle, prep, clock, f"unavailable: {event}", clock.generated)
-                await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE, str(event))
+                await self._fail(context, clock, grpc.StatusCode.UNAVAILABLE, str(event), prep,
+                                 handle, f"unavailable: {event}")
             if isinstance(event, Tokens):
                 text, matched, ids = text_of(event.ids)
                 clock.tokens(len(ids))
@@ -507,12 +527,11 @@ class BlinkServicer(pb_grpc.BlinkServicer):
                 code = (grpc.StatusCode.INTERNAL if event.detail == RejectReason.CORRUPT
                         else grpc.StatusCode.INVALID_ARGUMENT)
                 why = RejectReason(event.detail).describe()
-                log_request(handle, prep, clock, f"rejected: {why}", clock.generated)
-                await self._fail(context, clock, code, f"engine rejected the request: {why}")
+                await self._fail(context, clock, code, f"engine rejected the request: {why}",
+                                 prep, handle, f"rejected: {why}")
             if event.reason is FinishReason.CANCELLED:
-                log_request(handle, prep, clock, "cancelled", clock.generated)
                 await self._fail(context, clock, grpc.StatusCode.CANCELLED,
-                                 "the request was cancelled")
+                                 "the request was cancelled", prep, handle, "cancelled")
             text = detok.flush()
             matched = None
             if stopper is not None:
@@ -770,6 +789,7 @@ class Frontend:
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace)
+            self.servicer.large_prompts.shutdown(wait=False, cancel_futures=True)
         await self.link.stop()
 
 

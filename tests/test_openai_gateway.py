@@ -550,6 +550,7 @@ def test_refusals_name_their_parameter_and_a_number_is_not_a_boolean(gateway):
             ("/completions", completion, {"stream": "false"}, "stream"),
             ("/completions", completion, {"ignore_eos": 0}, "ignore_eos"),
             ("/completions", completion, {"model": 5}, "model"),
+            ("/completions", completion, {"model": "\ud800"}, "model"),  # (was echoed)
             ("/completions", completion, {"max_tokens": -1}, "max_tokens"),
             ("/completions", completion, {"stop": 5}, "stop"),
             ("/completions", completion, {"guided_json": {"type": "object"}}, "guided_json"),

@@ -555,9 +555,11 @@ def test_a_second_stop_signal_cuts_the_drain_short(long_checkpoint, tmp_path):
     first drains, every stream going on though each worker has it twice (the terminal's and
     serve's passing on, which counted as a second signal); the second ends the drain at once
     in every worker, rather than after --shutdown-timeout: the open streams end "server
-    shutting down" and every process exits 0, the engine's ring removed."""
+    shutting down" and every process exits 0, the engine's ring removed. Each cut stream is one
+    line of the request log (it was two: its own, then a "refused" one with no request id)."""
     serve = Serve(long_checkpoint, tmp_path, "--shutdown-timeout", "120", "--engine",
-                  "synthetic", "--synthetic-step-ms", "5", "--workers", "2", session=True)
+                  "synthetic", "--synthetic-step-ms", "5", "--workers", "2", "--log-format",
+                  "json", session=True)
     ring = re.search(r"\(ring ([^)]+)\)", serve.log_path.read_text()).group(1)  # its path
     results = []
     try:
@@ -581,6 +583,7 @@ def test_a_second_stop_signal_cuts_the_drain_short(long_checkpoint, tmp_path):
     assert all(isinstance(r, BlinkError) and "UNAVAILABLE" in str(r) and "shutting down"
                in str(r) for r in results), results
     assert _gone(engine) and not os.path.exists(ring)
+    assert request_outcomes(serve) == ["unavailable: server shutting down"] * len(streamers)
 
 
 def test_one_sigterm_lets_every_front_end_worker_finish_its_streams(long_checkpoint,
@@ -640,12 +643,20 @@ def test_lifecycle_flags_are_checked_before_anything_starts(checkpoints, tmp_pat
     """Out-of-range ports and durations and a ready file in a folder that does not exist are
     one line before anything starts (--port 70000 served on 4464, --engine-restart-timeout -1
     restarted the engine every few seconds, --metrics-port 70000 ended in a traceback, a
-    missing ready-file folder hung serve with its port held)."""
+    missing ready-file folder hung serve with its port held), as are the front end's poll and
+    stream intervals out of range and a negative queue."""
     model = str(checkpoints["llama"])
     for flags, message in ((["--port", "70000"], "'70000' is not a port"),
                            (["--metrics-port", "70000"], "'70000' is not a port"),
                            (["--engine-restart-timeout", "-1"], "'-1' is not a number of"),
                            (["--shutdown-timeout", "nan"], "'nan' is not a number of"),
+                           # taken, and then: a poll thread's OverflowError on the first
+                           # request; nothing streamed until the end; a queue of -3
+                           (["--poll-interval-us", "inf"], "'inf' is not a number of"),
+                           (["--poll-interval-us", "1e300"], "'1e300' is not a number of"),
+                           (["--stream-interval-ms", "-5"], "'-5' is not a number of"),
+                           (["--stream-interval-ms", "nan"], "'nan' is not a number of"),
+                           (["--max-queued", "-3"], "'-3' is not a whole number"),
                            (["--ready-file", str(tmp_path / "none" / "port")],
                             "its folder does not exist")):
         out = blink("serve", "--model", model, *flags)
@@ -1158,6 +1169,26 @@ def test_every_worker_s_stats_count_every_worker_s_slots(checkpoints, tmp_path):
         assert sum(shares) == 8 and len(shares) == 2
         with BlinkClient(serve.target) as client:
             wait_for(lambda: client.stats()["ring_slots_in_use"] == 0, 10, "the slots back")
+    finally:
+        assert serve.stop() == 0
+
+
+def test_a_worker_out_of_slots_says_the_other_workers_have_some(checkpoints, tmp_path):
+    """--workers 2 of a slot each: a second request on the connection of a streaming one waits
+    in vain for its worker's share while the other worker's slot is free, and its error says so
+    and what to do (it said only that no slot became free, as if the server were full: what a
+    client on one connection, such as the OpenAI gateway, was told)."""
+    serve = Serve(checkpoints["llama"], tmp_path, "--workers", "2", "--slots", "2", "--engine",
+                  "synthetic", "--synthetic-step-ms", "20", "--queue-timeout", "1")
+    try:
+        with BlinkClient(serve.target) as client:
+            holder = client.stream("hold on", Sampling(max_tokens=400, ignore_eos=True))
+            next(iter(holder))
+            with pytest.raises(BlinkError, match=r"RESOURCE_EXHAUSTED.*within 1 s in this "
+                               r"front-end worker's share \(1 of the 2 slots; 1 free in the "
+                               r"other workers' shares: a connection reaches one worker"):
+                client.generate("me too", Sampling(max_tokens=2))
+            holder.cancel()
     finally:
         assert serve.stop() == 0
 

@@ -418,6 +418,56 @@ def test_message_over_grpc_limit_is_refused_cleanly(stack, client):
     assert client.generate("still serving", GREEDY).completion_tokens == 24
 
 
+def test_large_prompts_do_not_hold_up_the_tokenizing_of_others():
+    """Megabyte prompts take seconds to tokenize (often to be refused as over the context only
+    then): 8 of 2.3 MB took every thread of the event loop's default pool and held a 2-token
+    request 44 s on the 2-core VM. Prompts of more than LARGE_PROMPT_CHARS characters, as text
+    or as messages, are tokenized on a thread of their own, one at a time: here the tokenizer
+    holds the large ones until released, more of them than any default pool has threads, and a
+    small request's prompt must still be read; then every large one's."""
+    from types import SimpleNamespace
+
+    from blink.nic_service.server import LARGE_PROMPT_CHARS, BlinkServicer, FrontendConfig
+    release, started = threading.Event(), []
+
+    class HeldTokenizer:  # the large prompts' tokenizing takes until release
+        chat_template = "x"
+
+        def encode(self, text, add_special_tokens):
+            if len(text) > LARGE_PROMPT_CHARS:
+                started.append(len(text))
+                assert release.wait(60)
+            return [1, 2, 3]
+
+        def render(self, messages):
+            return "".join(m["content"] for m in messages)
+
+    info = SimpleNamespace(model_name="m", vocab_size=100, context_length=64,
+                           kv_capacity_tokens=64, eos_ids=(2,))
+    servicer = BlinkServicer(FrontendConfig(model_dir=Path("."), ring_name="r"),
+                             HeldTokenizer(), SimpleNamespace(info=info))
+    large = "x" * (LARGE_PROMPT_CHARS + 1)
+    pool = 33  # more than the threads of any default pool (at most 32)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        held = [asyncio.create_task(servicer._prepare(pb.GenerateRequest(text=large)))
+                for _ in range(pool)]
+        held.append(asyncio.create_task(servicer._prepare(chat_request(
+            [{"role": "user", "content": large}]))))
+        await asyncio.sleep(0.2)
+        small = await asyncio.wait_for(servicer._prepare(pb.GenerateRequest(text="hi")), 10)
+        assert list(small.prompt_ids) == [1, 2, 3] and started == [len(large)]
+        await loop.run_in_executor(None, release.set)
+        return await asyncio.wait_for(asyncio.gather(*held), 30)
+
+    try:
+        assert len(asyncio.run(run())) == pool + 1 and len(started) == pool + 1
+    finally:
+        release.set()
+        servicer.large_prompts.shutdown()
+
+
 # -- cancel and deadline ----------------------------------------------------------------------
 
 LONG = Sampling(max_tokens=16000, temperature=0.0, ignore_eos=True)  # seconds of work
