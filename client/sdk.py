@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import math
 import numbers
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -126,6 +127,7 @@ class Sampling:
                     raise TypeError(f"{name} must be a number, not bool")
                 with _naming(name):
                     setattr(msg, name, value)
+                _check_float32(name, value, getattr(msg, name))
         for i, stop in enumerate(self.stop):
             if not isinstance(stop, str):  # protobuf also took bytes, as UTF-8
                 raise TypeError(f"stop[{i}] must be a str, not {type(stop).__name__}")
@@ -135,6 +137,16 @@ class Sampling:
         with _naming("stop_token_ids"):
             msg.stop_token_ids.extend(self.stop_token_ids)
         return msg
+
+
+def _check_float32(name: str, value, sent) -> None:
+    """ValueError for a finite number the message's float32 field cannot hold: 1e300 became
+    inf and 1e-50 became 0, which the server refused as "got inf" and "got 0.0"."""
+    if not isinstance(value, float) or not math.isfinite(value):
+        return
+    if math.isinf(sent) or (sent == 0) != (value == 0):
+        raise ValueError(f"{name}: {value!r} is outside what a float32 holds (it would be sent "
+                         f"as {sent!r})")
 
 
 @contextlib.contextmanager

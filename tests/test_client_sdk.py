@@ -648,6 +648,9 @@ def test_wait_ready_timeouts(real, real_client):
     (dict(top_k=-1), ValueError, "top_k: Value out of range"),
     (dict(seed=2**64), ValueError, "seed: Value out of range"),
     (dict(temperature="0.5"), TypeError, "temperature: "),
+    # finite, but not as the message's float32 (the server said "got inf", "got 0.0")
+    (dict(temperature=1e300), ValueError, "temperature: 1e.300 is outside what a float32"),
+    (dict(top_p=1e-50), ValueError, "top_p: 1e-50 is outside what a float32 holds"),
     (dict(stop=[1]), TypeError, r"stop\[0\] must be a str, not int"),
     (dict(stop=["ok", None]), TypeError, r"stop\[1\] must be a str, not NoneType"),
     (dict(stop=[b"\n"]), TypeError, r"stop\[0\] must be a str, not bytes"),
