@@ -310,6 +310,62 @@ def _encodable(text: str) -> bool:
     return True
 
 
+class WorkerConnections:
+    """The gateway's connections to a Blink server: one to each of its front-end workers.
+
+    A connection reaches one worker (`blink serve --workers N` runs N processes on one port,
+    and the kernel spreads connections over them), and a worker queues a request for a slot of
+    its own share alone: on one connection, the gateway in front of N workers had a worker's
+    share of the slots (its requests past that waited --queue-timeout, then were a 429, the
+    other shares' slots free). So it opens connections (each its own, not gRPC's shared one)
+    and asks each which worker it reached (ServerStats.frontend_worker) until it holds one to
+    every worker, at most PROBES_PER_WORKER tries a worker, and sends each request to the
+    worker with the fewest of its calls in flight. (A connection that gRPC opens again later,
+    after the server's --max-connection-age, may reach another worker: the requests then
+    spread less evenly, and nothing fails.)"""
+
+    PROBES_PER_WORKER = 8  # to miss one of 4 workers in 32 tries: about 4 * 0.75^32 = 4e-4
+
+    def __init__(self, target: str, tls: Tls | None):
+        self.target, self.tls = target, tls
+        self.by_worker: dict[int, AsyncBlinkClient] = {}
+        self.in_flight: dict[int, int] = {}  # the gateway's calls on each worker's connection
+        self._found = False
+        self._lock = asyncio.Lock()
+
+    async def pick(self, token: str | None) -> tuple[int, AsyncBlinkClient]:
+        """(worker, its connection) with the fewest calls in flight; the first call finds the
+        workers (with the caller's bearer token: BlinkError as the caller's call would)."""
+        if not self._found:
+            await self._find_workers(token)
+        worker = min(self.by_worker, key=lambda w: (self.in_flight[w], w))
+        return worker, self.by_worker[worker]
+
+    async def _find_workers(self, token: str | None) -> None:
+        async with self._lock:
+            tries = 0
+            while not self._found:
+                client = AsyncBlinkClient(self.target, tls=self.tls,
+                                          options=[("grpc.use_local_subchannel_pool", 1)])
+                try:
+                    stats = await client.with_token(token).stats(timeout=10)
+                except BaseException:
+                    await client.close()
+                    raise
+                tries += 1
+                worker, workers = stats["frontend_worker"], max(stats["frontend_workers"], 1)
+                if worker in self.by_worker:
+                    await client.close()
+                else:
+                    self.by_worker[worker], self.in_flight[worker] = client, 0
+                self._found = (len(self.by_worker) >= workers
+                               or tries >= self.PROBES_PER_WORKER * workers)
+
+    async def close(self) -> None:
+        for client in self.by_worker.values():
+            await client.close()
+
+
 def make_app(target: str, served_model_names: list[str] | None = None,
              shutdown_timeout: float | None = None, tls: Tls | None = None):
     """tls: the channel's to the server at target (None: plain). served_model_names: the
@@ -320,15 +376,17 @@ def make_app(target: str, served_model_names: list[str] | None = None,
     [DONE])."""
     from aiohttp import web
     state: dict = {"streams": set()}  # (the Blink calls in flight)
+    connections = WorkerConnections(target, tls)
 
-    def client_for(request) -> AsyncBlinkClient:
-        """The gateway's one channel, with the request's bearer token and session header (if
-        any) on its calls: the session routes a conversation to one replica behind Envoy."""
-        if "client" not in state:
-            state["client"] = AsyncBlinkClient(target, tls=tls)
+    async def client_for(request) -> tuple[int, AsyncBlinkClient]:
+        """(a front-end worker, the gateway's connection to it: WorkerConnections), with the
+        request's bearer token and session header (if any) on its calls: the session routes a
+        conversation to one replica behind Envoy."""
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        return state["client"].with_token(token if scheme.lower() == "bearer" else None) \
-            .with_session(request.headers.get(SESSION_HEADER) or None)
+        token = token if scheme.lower() == "bearer" else None
+        worker, client = await connections.pick(token)
+        return worker, client.with_token(token).with_session(
+            request.headers.get(SESSION_HEADER) or None)
 
     async def served_name(client: AsyncBlinkClient) -> str:
         """The model name a response carries where the request named none (with
@@ -343,7 +401,8 @@ def make_app(target: str, served_model_names: list[str] | None = None,
 
     async def models(request):
         try:  # the caller's token checked by the server, whatever the listed name
-            name = (await client_for(request).model_info(timeout=10)).name
+            _, client = await client_for(request)
+            name = (await client.model_info(timeout=10)).name
         except BlinkError as e:
             return _blink_error(web, e)
         except ValueError as e:  # a session header gRPC cannot carry
@@ -382,13 +441,14 @@ def make_app(target: str, served_model_names: list[str] | None = None,
             return _error(web, 404, f"The model `{model}` does not exist.", "model_not_found",
                           "model")
         try:  # (what the SDK's request builder refuses; a session header gRPC cannot carry)
-            client = client_for(request)
+            worker, client = await client_for(request)
             model = model or await served_name(client)
             stream = client.stream(prompt, sampling, cache_salt=cache_salt)
         except BlinkError as e:
             return _blink_error(web, e)
         except (TypeError, ValueError) as e:
             return _error(web, 400, str(e))
+        connections.in_flight[worker] += 1
         state["streams"].add(stream)
         if state.get("giving_up"):  # (registered after the drain gave up the others)
             stream.cancel()
@@ -397,6 +457,7 @@ def make_app(target: str, served_model_names: list[str] | None = None,
             return await (_stream if body.get("stream") is True else _complete)(
                 web, request, body, chat, model, stream)
         finally:
+            connections.in_flight[worker] -= 1
             state["streams"].discard(stream)
             stream.cancel()  # a no-op once the call has finished
 
@@ -417,8 +478,7 @@ def make_app(target: str, served_model_names: list[str] | None = None,
             loop.add_signal_handler(sig, give_up)
 
     async def close(app) -> None:
-        if "client" in state:
-            await state["client"].close()
+        await connections.close()
 
     @web.middleware
     async def refusals_as_openai_errors(request, handler):

@@ -565,10 +565,12 @@ class BlinkServicer(pb_grpc.BlinkServicer):
     async def GetServerStats(self, request, context):
         await refuse_undecodable(request, context)
         link = self.link
+        worker, workers = self.config.worker
         stats = pb.ServerStats(engine_alive=link.alive,
                                ring_slots_in_use=link.server_slots_in_use,  # every worker's
                                requests_waiting_for_slot=link.server_waiting_for_slot,
-                               engine_attachments=link.attachments)
+                               engine_attachments=link.attachments,
+                               frontend_worker=worker, frontend_workers=workers)
         h = link.header_snapshot()
         if h is not None and link.info is not None:
             stats.ring_slots = link.info.geometry.num_slots

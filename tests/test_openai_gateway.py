@@ -288,6 +288,37 @@ def test_a_client_that_goes_away_cancels_its_request(slow_gateway):
         assert wait_idle(blink) and blink.stats()["requests_cancelled"] == 2
 
 
+def test_the_gateway_reaches_every_front_end_worker_s_slots(long_checkpoint, make_stack,
+                                                           tmp_path):
+    """In front of `--workers 2` with a slot each, two long streams at once both run: the
+    gateway holds a connection to each worker and sends a request to the one with the fewest
+    of its calls in flight. (On its one connection, the second waited for the first worker's
+    slot through --queue-timeout, then was a 429, the other worker's slot free.)"""
+    import http.client
+    import json
+    stack = make_stack(long_checkpoint, engine_args=[
+        "--engine", "synthetic", "--synthetic-step-ms", "5", "--slots", "2"],
+        frontend_args=["--workers", "2", "--queue-timeout", "2"])
+    stack.wait_serving()
+    with serving_gateway(stack.target, tmp_path) as (client, _):
+        body = json.dumps({"model": "m", "prompt": "go on", "max_tokens": 2000,
+                           "stream": True})
+        streams = []
+        for _ in range(2):  # the second sent once the first streams
+            conn = http.client.HTTPConnection(client.base_url.host, client.base_url.port,
+                                              timeout=30)
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            assert response.status == 200, response.read()
+            assert response.readline().startswith(b"data: {"), "no first chunk"
+            streams.append(conn)
+        with BlinkClient(stack.target) as blink:
+            assert blink.stats()["ring_slots_in_use"] == 2
+            for conn in streams:
+                conn.close()
+            assert wait_idle(blink)
+
+
 def wait_idle(blink, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1166,6 +1166,8 @@ def test_every_worker_s_stats_count_every_worker_s_slots(checkpoints, tmp_path):
                                         serve.log_path.read_text())], 30, "both metrics ports")
         stats, shares = asyncio.run(run())
         assert {(s["ring_slots_in_use"], s["ring_slots"]) for s in stats} == {(8, 128)}
+        # each answer names the worker that gave it, of the two
+        assert {(s["frontend_worker"], s["frontend_workers"]) for s in stats} <= {(0, 2), (1, 2)}
         assert sum(shares) == 8 and len(shares) == 2
         with BlinkClient(serve.target) as client:
             wait_for(lambda: client.stats()["ring_slots_in_use"] == 0, 10, "the slots back")

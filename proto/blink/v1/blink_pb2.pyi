@@ -159,7 +159,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("engine_alive", "ring_slots", "ring_slots_in_use", "requests_waiting_for_slot", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "sequences_running", "sequences_waiting", "requests_admitted", "requests_finished", "requests_cancelled", "requests_rejected", "preemptions", "tokens_generated", "engine_steps", "engine_attachments", "engine_busy_ns", "engine_step_tokens", "prefix_caching", "kv_blocks_cached", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evicted_blocks")
+    __slots__ = ("engine_alive", "ring_slots", "ring_slots_in_use", "requests_waiting_for_slot", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "sequences_running", "sequences_waiting", "requests_admitted", "requests_finished", "requests_cancelled", "requests_rejected", "preemptions", "tokens_generated", "engine_steps", "engine_attachments", "engine_busy_ns", "engine_step_tokens", "prefix_caching", "kv_blocks_cached", "prefix_query_tokens", "prefix_hit_tokens", "prefix_evicted_blocks", "frontend_worker", "frontend_workers")
     ENGINE_ALIVE_FIELD_NUMBER: _ClassVar[int]
     RING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     RING_SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,8 @@ class ServerStats(_message.Message):
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_WORKER_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_WORKERS_FIELD_NUMBER: _ClassVar[int]
     engine_alive: bool
     ring_slots: int
     ring_slots_in_use: int
@@ -208,4 +210,6 @@ class ServerStats(_message.Message):
     prefix_query_tokens: int
     prefix_hit_tokens: int
     prefix_evicted_blocks: int
-    def __init__(self, engine_alive: bool = ..., ring_slots: _Optional[int] = ..., ring_slots_in_use: _Optional[int] = ..., requests_waiting_for_slot: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., sequences_running: _Optional[int] = ..., sequences_waiting: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., preemptions: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_attachments: _Optional[int] = ..., engine_busy_ns: _Optional[int] = ..., engine_step_tokens: _Optional[int] = ..., prefix_caching: bool = ..., kv_blocks_cached: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ...) -> None: ...
+    frontend_worker: int
+    frontend_workers: int
+    def __init__(self, engine_alive: bool = ..., ring_slots: _Optional[int] = ..., ring_slots_in_use: _Optional[int] = ..., requests_waiting_for_slot: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., sequences_running: _Optional[int] = ..., sequences_waiting: _Optional[int] = ..., requests_admitted: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., preemptions: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_attachments: _Optional[int] = ..., engine_busy_ns: _Optional[int] = ..., engine_step_tokens: _Optional[int] = ..., prefix_caching: bool = ..., kv_blocks_cached: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_evicted_blocks: _Optional[int] = ..., frontend_worker: _Optional[int] = ..., frontend_workers: _Optional[int] = ...) -> None: ...
