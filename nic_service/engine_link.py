@@ -372,11 +372,23 @@ class EngineLink:
         req = SlotRequest(request_id=request_id, **req_fields)
         geom = self.info.geometry
         base = geom.slot_offset(slot)
-        body, _ = encode_slot(geom, gen, req)
-        self._transport.write(base + 4, body)
-        self._transport.write(base + geom.seq_end_offset, u32_bytes(gen))
-        # the doorbell, after the payload has landed: the engine may consume from here on
-        self._transport.write(base, u32_bytes(gen))
+        try:
+            body, _ = encode_slot(geom, gen, req)
+        except BaseException:
+            self._release_slot(slot)
+            raise
+        try:
+            self._transport.write(base + 4, body)
+            self._transport.write(base + geom.seq_end_offset, u32_bytes(gen))
+            # the doorbell, after the payload has landed: the engine may consume from here on
+            self._transport.write(base, u32_bytes(gen))
+        except Exception as e:  # the transport failed (an RDMA peer gone): as a failed poll
+            # does, detach (the slots come back with the next attach); the caller's request is
+            # UNAVAILABLE (it escaped as the transport's error, its slot neither free nor live)
+            log.exception("writing a request into the ring failed")
+            self._detach(EngineUnavailable(f"writing to the ring failed: {e}"))
+            raise EngineUnavailable(f"the engine went away as the request was written: {e}") \
+                from None
         handle = RequestHandle(slot, gen, request_id, instance)
         self._live[slot] = handle
         self._publish_load()
@@ -717,6 +729,8 @@ class EngineLink:
             if current or t.mapped else None
         now = time.monotonic()
         ours = h is not None and int(h["engine_instance"]) == self.info.instance
+        if ours:  # its counters, the last ones too where it stopped or went away (a mapping)
+            self._header_stats = h  # (_carry counted its last step's finishes as cancels)
         if ours and int(h["engine_state"]) == EngineState.STOPPED:
             self._detach(EngineUnavailable("the engine stopped"))
             return False
@@ -725,7 +739,6 @@ class EngineLink:
             self._detach(EngineUnavailable("the engine was restarted" if h is not None and
                                            not ours else "the engine went away"), cancel=False)
             return False
-        self._header_stats = h
         beat = int(h["heartbeat"])
         if beat != self._last_beat:
             self._last_beat, self._last_beat_change = beat, now

@@ -313,6 +313,75 @@ class LinkedRing:
         assert not shm_path(self.name).exists()
 
 
+@pytest.mark.parametrize("ended", ["stopped", "killed"])
+def test_an_engine_s_last_counters_are_carried_over_its_restart(ended):
+    """The engine writes a request's finish, then its counters at the step's end; a front end
+    that read the record between the two, and next saw the engine stopped (its header STOPPED)
+    or gone (killed: the old mapping still shows its header), folded in the header before
+    (admitted 1, finished 0): the request counted as cancelled and its token was lost from the
+    totals that carry over restarts."""
+    ring = LinkedRing()
+    server = ring.server
+    try:
+        handle = ring.submit(max_tokens=1)
+        r = ring.admit()
+        server.header["requests_admitted"] = 1  # the step's counters, read by the front end
+        server.beat()
+        ring.link._poll_once()
+        server.append_token(r.slot, 0, 42)
+        server.finish(r.slot, r.gen, layout.FinishReason.LENGTH)
+        server.beat()
+        ring.link._poll_once()  # the record read: its token and LENGTH
+        assert drain(handle) == ([[42]], layout.FinishReason.LENGTH)
+        server.header["requests_finished"] = server.header["tokens_generated"] = 1
+        if ended == "stopped":
+            server.close()  # STOPPED, the ring unlinked
+            ring.link._poll_once()
+        else:
+            server.claim.close()  # killed: its header stays as it was
+        ring.server = server = RingServer(ring.name, RingGeometry(1, max_prompt_tokens=63,
+                                                                  max_output_tokens=64),
+                                          model_name="unit", vocab_size=VOCAB,
+                                          context_length=64, eos_ids=(2,))
+        server.set_state(layout.EngineState.SERVING)
+        if ring.link._transport is not None:
+            ring.link._poll_once()  # the new instance seen: detached
+        server.beat()
+        ring.link._try_attach()
+        totals = ring.link.counter_totals()
+        assert {k: totals[k] for k in ("requests_admitted", "requests_finished",
+                                       "requests_cancelled", "tokens_generated")} == {
+            "requests_admitted": 1, "requests_finished": 1, "requests_cancelled": 0,
+            "tokens_generated": 1}
+    finally:
+        ring.close()
+
+
+def test_a_transport_that_fails_as_a_request_is_written_is_unavailable_and_keeps_the_slot():
+    """The engine goes away while submit writes a slot (RDMA: the transport's write raises):
+    the request is UNAVAILABLE, as a failed poll detaches, and the slot is not lost (the error
+    escaped as the transport's, a gRPC UNKNOWN, and the slot was neither free nor live while the
+    link stayed attached)."""
+    from blink.nic_service.engine_link import EngineUnavailable
+    ring = LinkedRing()
+    try:
+        def gone(offset, data):
+            raise RuntimeError("the engine at x disconnected")
+        ring.link._transport.write = gone
+        with pytest.raises(EngineUnavailable, match="went away as the request was written"):
+            ring.submit()
+        assert not ring.link.alive and ring.link._transport is None
+        ring.server.beat()
+        ring.link._try_attach()  # the engine is still there: every slot free again
+        ring.server.beat()
+        ring.link._poll_once()
+        assert ring.link.alive and list(ring.link._free) == [0]
+        handle = ring.submit(max_tokens=1)
+        assert ring.admit().gen == handle.gen
+    finally:
+        ring.close()
+
+
 def test_a_drain_s_timeout_gives_up_the_requests_waiting_for_a_slot_too():
     """A drain whose time ran out (give_up_live) ends the live requests and cancels them in the
     engine; the requests still waiting for a slot end with the same error and never take the
