@@ -991,11 +991,18 @@ def cmd_serve(args) -> None:
         engine = asyncio.ensure_future(_supervise_engine(
             _engine_argv(args, model_dir), engine_stop, frontend.link,
             args.engine_restart_timeout))
-        print(f"blink: serving {model_dir.name} on {args.host}:{port} (ring "
-              f"{frontend.link.ring_where}); try: blink generate --target {args.host}:{port} "
-              f"\"Hello\"", flush=True)
+        async def announce() -> None:
+            """The "serving" line once the engine answers (printed as the front end listened,
+            it was there too when the engine then failed to start)."""
+            while not frontend.link.alive:
+                await asyncio.sleep(0.05)
+            print(f"blink: serving {model_dir.name} on {args.host}:{port} (ring "
+                  f"{frontend.link.ring_where}); try: blink generate --target "
+                  f"{args.host}:{port} \"Hello\"", flush=True)
+        announcing = asyncio.ensure_future(announce())
         await asyncio.wait({engine, asyncio.ensure_future(stop.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
+        announcing.cancel()
         workers.stop()  # each worker drains its own streams
         if engine.done():  # the engine never came up: nothing to serve
             await frontend.stop(grace=0)
@@ -1141,8 +1148,23 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: ...)" after a flag's help, but for a switch (--no-prefix-caching's
+    "(default: True)" read as off by default) or a help that gives its default in words (it was
+    said twice: "(default: the built-in demo model) (default: None)")."""
+
+    def _get_help_string(self, action):
+        if action.nargs == 0 or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blink", description="Blink: CPU-free LLM serving")
+    # allow_abbrev off: a flag cut short (--metrics-p 9400) or mistyped into another's prefix
+    # (`blink frontend --engine cpu`: "--engine-timeout: 'cpu' is not a number of seconds")
+    # is an unrecognized argument, as deploy/README.md's check of every command line assumes
+    parser = argparse.ArgumentParser(prog="blink", description="Blink: CPU-free LLM serving",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"blink {_version()}")
     logs = argparse.ArgumentParser(add_help=False)  # every command takes these
     logs.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")
@@ -1154,8 +1176,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, **kw) -> argparse.ArgumentParser:
-        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
-        return sub.add_parser(name, parents=[logs], **kw)
+        kw.setdefault("formatter_class", _DefaultsFormatter)
+        return sub.add_parser(name, parents=[logs], allow_abbrev=False, **kw)
 
     def model_args(p, ring_default):
         p.add_argument("--model", default=None,

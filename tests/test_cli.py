@@ -104,6 +104,26 @@ def test_the_cuda_engines_where_they_cannot_run_are_one_line(checkpoints):
             out.stderr.count("\n") == 1, out.stderr
 
 
+def test_a_flag_cut_short_is_refused_and_help_says_each_default_once(capsys):
+    """argparse took a unique prefix of a flag (--metrics-p 9400 was --metrics-port), so a
+    mistyped flag could pass deploy/README.md's check of every command line, and `blink
+    frontend --engine cpu` failed as "--engine-timeout: 'cpu' is not a number of seconds".
+    --help said "(default: True)" after --no-prefix-caching (read as off by default) and a
+    default twice where the help gives it in words."""
+    from blink.client.cli import build_parser
+    for argv in (["frontend", "--metrics-p", "9400"], ["serve", "--no-prefix"],
+                 ["frontend", "--engine", "cpu"], ["serve", "--max-batched", "1024"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        assert f"unrecognized arguments: {argv[1]}" in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # (its lines folded)
+    assert "(default: True)" not in text and "(default: False)" not in text
+    assert "the built-in demo model) (default" not in text
+    assert "--max-num-seqs MAX_NUM_SEQS sequences per step at most (default: 64)" in text
+
+
 def test_fewer_slots_than_sequences_is_warned(tmp_path):
     """A request holds a ring slot while it runs: --slots below --max-num-seqs caps the batch
     at the slots, which the operator is told (the Kubernetes layout ran 128 of its 256)."""
