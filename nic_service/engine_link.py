@@ -576,13 +576,25 @@ class EngineLink:
             self._refusal = (info.instance, why)
             return
         self._refusal = None
-        self._cancel_orphans(share, begins[share.start:share.stop])
-        self._free = deque(reversed(share))  # the share's first slot first
+        orphans = self._cancel_orphans(share, begins[share.start:share.stop])
+        self._free = deque(s for s in reversed(share) if s not in orphans)  # the first first
         self._share = share
         self._want_gen = np.full(len(share), -1, np.int64)
         self._seen = np.zeros(len(share), np.int64)
         self._due = np.zeros(len(share))
+        for slot, gen in orphans.items():
+            # held as a cancelled request until the engine confirms the cancel: a new
+            # generation written at once took the slot's cancel word before the engine read
+            # it, so the engine dropped the orphan as stale and counted it neither finished nor
+            # cancelled (admitted ran ahead of the two until the engine restarted)
+            self._live[slot] = RequestHandle(slot, gen, 0, info.instance, cancelled=True,
+                                             done=True)
+            self._want_gen[slot - share.start] = gen
         self._watch_records(transport, geom, share)
+        if orphans and self._watched:  # their records are polled as a live request's are
+            self._watch.arm()
+        elif orphans:
+            self._wake()
         # its own load where the other workers read it: a worker restarted after a crash found
         # its predecessor's there, which counted as slots in use until it served a request
         self._publish_load()
@@ -608,22 +620,25 @@ class EngineLink:
                 log.warning("the engine that was replaced ended with %d requests it had "
                             "admitted: counted as cancelled", lost)
 
-    def _cancel_orphans(self, share: range, last_gen: np.ndarray) -> None:
+    def _cancel_orphans(self, share: range, last_gen: np.ndarray) -> dict[int, int]:
         """Cancels what an earlier front end left running in this share's slots (it was killed,
         or it gave up on the engine as stalled and the engine came back): each slot whose last
         generation (last_gen, its seq_begin) the engine has not finished. Otherwise the engine
         generates for no one until max_tokens, holding KV blocks and a sequence of
         --max-num-seqs, unless a new request happens to take the slot. A generation not
-        admitted yet is cancelled as it is admitted; one that is finished is left alone."""
+        admitted yet is cancelled as it is admitted; one that is finished is left alone.
+        Returns {slot: the generation cancelled}."""
         gen = self._record_column(share, _GEN)  # gen first, as the protocol reads a record
         finish = self._record_column(share, _FINISH)
         orphans = np.flatnonzero((last_gen != 0)
                                  & ((gen != last_gen) | (finish == FinishReason.NONE)))
-        for i in orphans.tolist():
-            self._write_cancel(share.start + i, int(last_gen[i]))
-        if len(orphans):
+        cancelled = {share.start + i: int(last_gen[i]) for i in orphans.tolist()}
+        for slot, gen in cancelled.items():
+            self._write_cancel(slot, gen)
+        if cancelled:
             log.warning("cancelled %d requests an earlier front end left in the engine",
-                        len(orphans))
+                        len(cancelled))
+        return cancelled
 
     def _watch_records(self, transport: RingTransport, geom: RingGeometry, share: range) -> None:
         """Hands RecordWatch views of this share's records, where the transport has them."""

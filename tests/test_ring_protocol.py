@@ -382,6 +382,41 @@ def test_a_transport_that_fails_as_a_request_is_written_is_unavailable_and_keeps
         ring.close()
 
 
+def test_a_slot_an_earlier_front_end_left_running_is_reused_once_its_cancel_is_confirmed():
+    """A front end killed with a request running: the next one cancels it as it attaches, and
+    takes the slot only once the engine has finished that generation. (It took it at once: a
+    request written before the engine read the cancel word replaced it, the engine dropped the
+    old sequence as stale, and counted it neither finished nor cancelled.)"""
+    import asyncio
+
+    from blink.nic_service.engine_link import EngineLink
+    ring = LinkedRing()
+    server = ring.server
+    try:
+        ring.submit(max_tokens=8)
+        old = ring.admit()
+        server.append_token(old.slot, 0, 42)
+        # the front end is killed; another attaches
+        ring.link._detach(RuntimeError("killed"), cancel=False)  # (writes nothing, as a crash)
+        ring.link = link = EngineLink(ring.name, engine_timeout_s=1e9)
+        server.beat()
+        link._try_attach()
+        server.beat()
+        link._poll_once()
+        assert link.alive and link.slots_in_use == 1 and not link._free
+        assert server.cancel_words()[old.slot] == old.gen
+        waiting = ring.loop.create_task(link.submit(dict(prompt=np.asarray([5, 6], np.int32),
+                                                         max_tokens=1)))
+        ring.loop.run_until_complete(asyncio.sleep(0.01))
+        assert not waiting.done() and server.poll(LIMITS) == ([], [])  # nothing written
+        server.finish(old.slot, old.gen, layout.FinishReason.CANCELLED)  # the engine's confirm
+        link._poll_once()
+        handle = ring.loop.run_until_complete(waiting)
+        assert ring.admit().gen == handle.gen != old.gen
+    finally:
+        ring.close()
+
+
 def test_a_drain_s_timeout_gives_up_the_requests_waiting_for_a_slot_too():
     """A drain whose time ran out (give_up_live) ends the live requests and cancels them in the
     engine; the requests still waiting for a slot end with the same error and never take the
