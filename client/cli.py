@@ -736,9 +736,30 @@ def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None
         asyncio.run(serve(_frontend_config(args, model_dir), None,
                           shutdown_timeout_s=args.shutdown_timeout, repeats_hurry=False))
     finally:
-        if os.getppid() != parent_pid:  # the parent died (SIGKILL): nobody else clears them
+        if _parent_died(parent_pid):  # (SIGKILL): nobody else clears them
             from blink.nic_service.engine_link import WorkerCounts
             WorkerCounts.reset(args.ring_name)
+
+
+def _parent_died(parent_pid: int, wait_s: float = 0.25) -> bool:
+    """Whether serve (parent_pid), which clears the workers' shared counts once they have
+    stopped, has died instead. The parent-death signal comes as the thread that started this
+    process exits: in a SIGKILL, before the rest of serve's threads, and until the last of them
+    has gone getppid() still names serve (so a worker that drained fast left the counts in
+    /dev/shm, one run in eight on a loaded 2-core VM). So: serve's main thread has exited (a
+    zombie, or gone), or this process has another parent, within wait_s (a worker restarted by
+    serve's watcher thread may get the signal before the main thread is hit)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if os.getppid() != parent_pid:
+            return True
+        try:  # the state, after the command's parenthesized name
+            state = Path(f"/proc/{parent_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X") or time.monotonic() > deadline:
+            return state in ("Z", "X")
+        time.sleep(0.01)
 
 
 class FrontendWorkers:
