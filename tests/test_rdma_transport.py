@@ -267,7 +267,8 @@ def test_engine_side_gone_then_back(rdma_ip):
     poll says so at once, from the disconnect event (a READ posted to the vanished queue pair
     held the event loop until the NIC's retries ran out, about 0.27 s on real hardware, as the
     stand-in now models), and fails the stream in flight; a new export on the same address:
-    the link reconnects."""
+    the link reconnects, cancels the request it had written (the engine's ring still holds it)
+    and keeps that slot until the engine has finished it."""
     from blink.ring.rdma import RingExport
     ring = RdmaRing(rdma_ip)
     try:
@@ -282,7 +283,21 @@ def test_engine_side_gone_then_back(rdma_ip):
         ring.export.start()
         ring.attach()
         ring.submit([6])
-        assert [r.prompt for r in ring.admitted()] == [[6]]
+        seen = []
+        while len(seen) < 2:
+            seen += ring.admitted()
+        old, new = sorted(seen, key=lambda r: list(r.prompt))
+        assert (list(old.prompt), list(new.prompt)) == ([5], [6]) and new.slot != old.slot
+        deadline = time.monotonic() + 5
+        while not ring.server.cancel_requested(old.slot, old.gen):
+            assert time.monotonic() < deadline, "the cancel word never landed"
+            time.sleep(0.001)
+        assert old.slot not in ring.link._free
+        ring.server.open_record(old.slot, old.gen, 1)
+        ring.server.finish(old.slot, old.gen, FinishReason.CANCELLED)
+        ring.server.beat()
+        ring.link._poll_once()
+        assert old.slot in ring.link._free
     finally:
         ring.close()
 
