@@ -134,7 +134,9 @@ def load_special_tokens(model_dir: str | os.PathLike) -> dict:
     out: dict = {}
     for source in (config, legacy if "added_tokens_decoder" not in config else {}):
         for key in SPECIAL_TOKEN_KEYS:
-            if _token_text(source.get(key)):
+            # "" too: transformers hands a template bos_token="" (Llama 3's `bos_token + ...`
+            # was an undefined name here)
+            if isinstance(source.get(key), (str, dict)):
                 out[key] = _token_text(source[key])
         extra = source.get("additional_special_tokens")
         if isinstance(extra, list) and extra:
@@ -390,7 +392,7 @@ def _indent_size(value, width=4, first=False, blank=False) -> int:
     return _text_size(value) + (str(value).count("\n") + 1) * max(prefix, 0)
 
 
-def _wordwrap_size(value, width=79, break_long_words=True, wrapstring=None, *_) -> int:
+def _wordwrap_size(value, width=79, break_long_words=True, wrapstring=None, *_, **__) -> int:
     """Every character can start a line: the text, and a line break for each."""
     return _text_size(value) * (1 + len(wrapstring if isinstance(wrapstring, str) else "\n"))
 

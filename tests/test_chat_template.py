@@ -411,6 +411,18 @@ def test_a_model_s_own_special_tokens_reach_the_template_as_in_transformers(tmp_
     assert "[<|eot|>|<|eot|>|<|end_of_text|>]" in codec.render(messages)
 
 
+def test_an_empty_special_token_reaches_the_template_as_in_transformers(tmp_path):
+    """A config's bos_token "" is handed to the template as "" (it was dropped, and Llama 3's
+    `bos_token + ...` failed as an undefined name)."""
+    template = "{{ bos_token + messages[0].content }}|{{ eos_token }}"
+    folder = _tiny_model(tmp_path / "m", chat_template=template, bos_token="")
+    (folder / "special_tokens_map.json").unlink(missing_ok=True)  # (its bos_token wins)
+    codec, hf = _codec_and_transformers(folder)
+    messages = [{"role": "user", "content": "hi"}]
+    assert codec.render(messages) == hf.apply_chat_template(messages, add_generation_prompt=True,
+                                                            tokenize=False)
+
+
 # What the gRPC API lets a client send: string roles and contents, any of them empty, unknown
 # roles, a system turn anywhere, special-token text in a message.
 ODD_CONVERSATIONS = {
@@ -517,7 +529,7 @@ SIZED_OPERATORS = (
     "{{ [1, 2, 3]|batch(2, 0)|list }}|{{ '%(a)s' % {'a': 1, 'b': ['x' * 600] * 5} }}|"
     "{{ '{:>{}}'.format(1733400000, 12) }}|{{ '%*d' % (12, 1733400000) }}|"
     "{{ '{:{w}}|{n}'.format('a', w=3, n=10**9) }}|{{ [1, 2]|slice(2)|list }}|"
-    "{{ 'ab cd'|wordwrap(2) }}|{{ [[1], [2]]|sum(start=[]) }}|{{ {'a': [1]}|tojson(indent=2) }}|"
+    "{{ 'ab cd'|wordwrap(2) }}|{{ 'ab-cd ef'|wordwrap(3, break_on_hyphens=false) }}|{{ [[1], [2]]|sum(start=[]) }}|{{ {'a': [1]}|tojson(indent=2) }}|"
     "{{ ('a').translate({97: 'b'}) }}|{{ lipsum(1, false, 20, 21)|wordcount > 0 }}|{{ ['a', 1] }}"
 )
 

@@ -813,7 +813,13 @@ def test_metrics_request_logs_and_counters_across_restarts(checkpoints, tmp_path
         assert 0 < m[("blink:inter_token_latency_seconds_count", ())] <= streamed - 6
         assert m[("blink:request_success_total", (("finished_reason", "length"),))] == 5
         assert m[("blink:request_success_total", (("finished_reason", "stop"),))] == 1
-        assert m[("blink:engine_alive", ())] == 1 and m[("blink:kv_cache_usage_perc", ())] == 0
+        assert m[("blink:engine_alive", ())] == 1
+        # (a gauge of the engine's is the front end's last read of the ring header: the engine
+        # frees a request's blocks after its finish record, and an idle front end reads the
+        # header every idle poll, so the scrape just after the last finish may see one block
+        # in use: a CI run on a loaded 2-core VM did; a block leaked still fails this)
+        wait_for(lambda: scrape(port)[("blink:kv_cache_usage_perc", ())] == 0, 2,
+                 "the KV cache free again")
         assert m[("blink:prompt_tokens_total", ())] > 0
         tokens_before = m[("blink:generation_tokens_total", ())]
         assert tokens_before >= 4 * 12 + 3
