@@ -589,8 +589,9 @@ def cmd_engine(args) -> None:
             run_engine(config)
     except (RingInUse, CheckpointError) as e:  # weights the headers' check could not see
         sys.exit(f"blink engine: {e}")
-    except KvCacheTooLarge as e:
-        sys.exit(f"blink engine: {e} (--num-kv-blocks, --gpu-memory-utilization)")
+    except KvCacheTooLarge as e:  # (the CPU engine's names its own flags)
+        hint = "" if "(--" in str(e) else " (--num-kv-blocks, --gpu-memory-utilization)"
+        sys.exit(f"blink engine: {e}{hint}")
     finally:
         if export is not None:
             export.close()

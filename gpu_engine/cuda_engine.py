@@ -35,7 +35,7 @@ from blink.gpu_engine import engine_layout as el
 from blink.gpu_engine.checkpoint import load_config, load_weights
 from blink.gpu_engine.cuda_forward import CudaForward
 from blink.gpu_engine.reference_engine import (EngineConfig, build_engine,
-                                               served_context_length)
+                                               served_context_length, warn_if_kv_cache_short)
 from blink.gpu_engine.ring_server import CORRUPT_GRACE_S, RingServer
 from blink.gpu_engine.step_log import STEP_LOG_CAPACITY, save_step_log
 from blink.ring.layout import HEADER_DTYPE, EngineKind, EngineState, RingGeometry
@@ -119,6 +119,7 @@ class CudaEngine:
             fp8_fast_accum=config.fp8_fast_accum, kv_cache_dtype=config.kv_cache_dtype,
             kv_scales=weights.kv_scales if weights is not None else None)
         num_blocks = self.forward.num_blocks
+        warn_if_kv_cache_short(num_blocks, config.block_size, self.context_length)
         log.info("weights (%s), KV cache (%s, %d blocks of %d tokens) and %d forward graphs "
                  "ready in %.1f s", ("FP8, LM head FP8" if self.forward.lm_head_fp8 else
                                      "FP8, LM head bf16") if self.forward.fp8 else "bf16",

@@ -17,6 +17,7 @@ import numpy as np
 
 from blink.gpu_engine.block_manager import KvBlockPool
 from blink.gpu_engine.checkpoint import ModelConfig, load_config, load_weights
+from blink.gpu_engine.engine_layout import KvCacheTooLarge
 from blink.gpu_engine.forward_batch import ForwardBatch
 from blink.gpu_engine.fp8 import (calibration_count, calibration_tokens, fp8_weights,
                                   per_head_kv_scales)
@@ -117,6 +118,41 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, f32
 
 
+def warn_if_kv_cache_short(num_blocks: int, block_size: int, context_length: int) -> None:
+    """A KV cache smaller than one sequence of the served context serves only shorter requests
+    (the longer ones are INVALID_ARGUMENT, each): said once at start-up, where it was silent."""
+    if num_blocks * block_size < context_length:
+        log.warning("the KV cache holds %d tokens (%d blocks of %d), fewer than the context of "
+                    "%d: a request of more is refused (--num-kv-blocks, --kv-cache-mb, "
+                    "--gpu-memory-utilization, --max-model-len)", num_blocks * block_size,
+                    num_blocks, block_size, context_length)
+
+
+def host_memory_available() -> int | None:
+    """Bytes of memory the kernel says a new allocation can have without swapping (MemAvailable
+    in /proc/meminfo); None where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_kv_cache(num_blocks: int, block_bytes: int) -> None:
+    """KvCacheTooLarge for a CPU engine's KV cache (float32, in host memory) larger than the
+    memory available: --num-kv-blocks 100000000 was NumPy's out-of-memory traceback, and one
+    that fit the address space but not the memory was taken, to be killed once filled."""
+    available = host_memory_available()
+    if available is not None and num_blocks * block_bytes > available:
+        raise KvCacheTooLarge(
+            f"{num_blocks} KV blocks need {num_blocks * block_bytes >> 20} MiB of host memory; "
+            f"{available >> 20} MiB is available, room for {available // block_bytes} blocks "
+            f"(--num-kv-blocks, --kv-cache-mb)")
+
+
 class ReferenceEngine:
     """The host loop: scheduler.py's decisions, a forward pass and sampling per step. The
     forward pass is the NumPy reference model here; HostDrivenCudaEngine swaps in the CUDA
@@ -148,6 +184,7 @@ class ReferenceEngine:
                              requests_rejected=0, preemptions=0, tokens_generated=0,
                              engine_steps=0, busy_ns=0, step_tokens=0)
         self._publish_stats()
+        warn_if_kv_cache_short(num_blocks, config.block_size, self.context_length)
         log.info("engine ready: model %s (%s), context %d, %d KV blocks of %d tokens, %d slots, "
                  "ring /dev/shm/%s", cfg.name, cfg.architecture, self.context_length, num_blocks,
                  config.block_size, config.num_slots, config.ring_name)
@@ -158,8 +195,9 @@ class ReferenceEngine:
         float32 (not the rounding of the activations its FP8 GEMMs take in steps of more than 16
         rows, which depends on the step's size: ReferenceModel's fp8_activations)."""
         config = self.config
-        num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_bytes // kv_bytes_per_block(cfg, config.block_size))
+        block_bytes = kv_bytes_per_block(cfg, config.block_size)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // block_bytes)
+        check_host_kv_cache(num_blocks, block_bytes)
         weights = load_weights(config.model_dir, cfg)
         if config.quantization_for(cfg) == "fp8":
             weights = fp8_weights(weights, lm_head=config.fp8_lm_head)

@@ -133,6 +133,32 @@ def test_fewer_slots_than_sequences_is_warned(tmp_path):
     assert "warning" not in out.stderr and out.returncode != 0  # (no config.json there)
 
 
+def test_a_cpu_kv_cache_past_the_host_s_memory_is_one_line_and_a_short_one_is_warned(
+        checkpoints, caplog):
+    """The CPU engine's KV cache is float32 in host memory: --num-kv-blocks past what the host
+    has is one line (it was NumPy's out-of-memory traceback, or, where the address space took
+    it, a start that the kernel would kill once the cache filled); one smaller than a sequence
+    of the served context is said at start-up (longer requests were each refused, silently)."""
+    import logging
+    import secrets
+
+    from blink.gpu_engine.reference_engine import EngineConfig, ReferenceEngine
+    out = blink("engine", "--engine", "cpu", "--model", str(checkpoints["llama"]),
+                "--num-kv-blocks", str(10 ** 12), "--ring-name", "blink-test-too-large")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert re.search(r"blink engine: 1000000000000 KV blocks need \d+ MiB of host memory; \d+ "
+                     r"MiB is available, room for \d+ blocks \(--num-kv-blocks, --kv-cache-mb\)$",
+                     out.stderr.strip()), out.stderr
+    with caplog.at_level(logging.WARNING, logger="blink.engine"):
+        engine = ReferenceEngine(EngineConfig(model_dir=checkpoints["llama"], num_kv_blocks=2,
+                                              ring_name=f"blink-test-{secrets.token_hex(6)}"))
+    try:
+        assert "the KV cache holds 32 tokens (2 blocks of 16), fewer than the context of" \
+            in caplog.text
+    finally:
+        engine.close()
+
+
 def test_flags_that_cannot_serve_are_refused_at_start(tmp_path):
     """Flag values that would start a server that cannot serve are one line and a non-zero status
     before anything starts: more front-end workers than slots (a worker with no share never
