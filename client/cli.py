@@ -540,7 +540,7 @@ def _fp8_for_this_gpu(config, compute_capability: tuple[int, int], cfg=None):
 
 def cmd_engine(args) -> None:
     from blink.gpu_engine.checkpoint import CheckpointError
-    from blink.gpu_engine.engine_layout import KvCacheTooLarge
+    from blink.gpu_engine.engine_layout import GpuSetupError, KvCacheTooLarge
     from blink.gpu_engine.ring_server import RingInUse
     if args.exit_with_parent is not None:
         _exit_with_parent(args.exit_with_parent, "blink engine")
@@ -592,6 +592,9 @@ def cmd_engine(args) -> None:
     except KvCacheTooLarge as e:  # (the CPU engine's names its own flags)
         hint = "" if "(--" in str(e) else " (--num-kv-blocks, --gpu-memory-utilization)"
         sys.exit(f"blink engine: {e}{hint}")
+    except GpuSetupError as e:  # (weights past the GPU's memory: cuMemAlloc's out of memory)
+        logging.getLogger("blink.engine").debug("the GPU call's traceback", exc_info=True)
+        sys.exit(f"blink engine: {e}")
     finally:
         if export is not None:
             export.close()

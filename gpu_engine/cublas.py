@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from blink.gpu_engine.engine_layout import GpuSetupError
+
 log = logging.getLogger(__name__)
 
 # cublasOperation_t
@@ -124,7 +126,7 @@ class _LtHeuristicResult(ctypes.Structure):
                 ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
-class CublasError(RuntimeError):
+class CublasError(GpuSetupError):
     pass
 
 

@@ -21,10 +21,12 @@ from pathlib import Path
 
 from cuda.bindings import driver as cu
 
+from blink.gpu_engine.engine_layout import GpuSetupError
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 
 
-class CudaError(RuntimeError):
+class CudaError(GpuSetupError):
     pass
 
 

@@ -80,6 +80,13 @@ def cuda_engine_refusal(cfg, *, kind: str, quantization: str | None, kv_cache_dt
     return None
 
 
+class GpuSetupError(RuntimeError):
+    """A CUDA or cuBLAS call failed (CudaError, CublasError): at start-up most often an
+    operator's matter (weights past the GPU's memory, pinned memory refused), which the
+    engine's start-up says in one line, the driver's error named (a traceback with --log-level
+    debug)."""
+
+
 class KvCacheTooLarge(ValueError):
     """The KV cache asked for (its blocks, or gpu_memory_utilization's share) does not fit in
     the GPU's memory left after the weights (CudaForward): an operator's setting, which the

@@ -159,6 +159,25 @@ def test_a_cpu_kv_cache_past_the_host_s_memory_is_one_line_and_a_short_one_is_wa
         engine.close()
 
 
+def test_a_gpu_call_that_fails_as_the_engine_starts_is_one_line(checkpoints, monkeypatch):
+    """A CUDA or cuBLAS call that fails in the engine (weights past the GPU's memory: cuMemAlloc
+    out of memory; pinned memory refused) ends it in one line naming the driver's error, as a
+    KV cache too large does (CudaError and CublasError were tracebacks); here the engine's run
+    raises cuBLAS's error, the GPU faked."""
+    from blink.client import cli
+    from blink.gpu_engine import reference_engine
+    from blink.gpu_engine.cublas import CublasError
+
+    def fails(*args, **kwargs):
+        raise CublasError("cublasLtMatmulAlgoGetHeuristic failed: status 7")
+    monkeypatch.setattr(reference_engine, "run_engine", fails)
+    args = cli.build_parser().parse_args(["engine", "--engine", "cpu", "--model",
+                                          str(checkpoints["llama"]), "--ring-name", "x"])
+    with pytest.raises(SystemExit, match=r"^blink engine: cublasLtMatmulAlgoGetHeuristic failed: "
+                                         r"status 7$"):
+        cli.cmd_engine(args)
+
+
 def test_flags_that_cannot_serve_are_refused_at_start(tmp_path):
     """Flag values that would start a server that cannot serve are one line and a non-zero status
     before anything starts: more front-end workers than slots (a worker with no share never
