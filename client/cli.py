@@ -256,16 +256,21 @@ def _port(text: str) -> int:
     return port
 
 
-def _fine_buckets_from(text: str) -> int:
-    """The token count from which the forward graphs' buckets go four an octave: at least 4
-    (engine_layout.default_buckets)."""
+def _whole(text: str, least: int, what: str) -> int:
+    """An int of at least `least`: argparse refuses anything else in one line."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 4:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count of at least 4")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
+
+
+def _fine_buckets_from(text: str) -> int:
+    """The token count from which the forward graphs' buckets go four an octave: at least 4
+    (engine_layout.default_buckets)."""
+    return _whole(text, 4, "a token count of at least 4")
 
 
 def _seconds(text: str) -> float:
@@ -309,13 +314,7 @@ def _poll_interval_us(text: str) -> float:
 
 def _count(text: str) -> int:
     """A whole number >= 0 (--max-queued -3 was taken)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
-    return value
+    return _whole(text, 0, "a whole number >= 0")
 
 
 def _ready_file(text: str) -> Path:
@@ -589,9 +588,8 @@ def cmd_engine(args) -> None:
             run_engine(config)
     except (RingInUse, CheckpointError) as e:  # weights the headers' check could not see
         sys.exit(f"blink engine: {e}")
-    except KvCacheTooLarge as e:  # (the CPU engine's names its own flags)
-        hint = "" if "(--" in str(e) else " (--num-kv-blocks, --gpu-memory-utilization)"
-        sys.exit(f"blink engine: {e}{hint}")
+    except KvCacheTooLarge as e:
+        sys.exit(f"blink engine: {e} ({e.flags})")
     except GpuSetupError as e:  # (weights past the GPU's memory: cuMemAlloc's out of memory)
         logging.getLogger("blink.engine").debug("the GPU call's traceback", exc_info=True)
         sys.exit(f"blink engine: {e}")

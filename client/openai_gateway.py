@@ -420,7 +420,7 @@ def make_app(target: str, served_model_names: list[str] | None = None,
             prompt, sampling = _prompt(body, chat), sampling_from(body, chat)
             cache_salt = cache_salt_from(body)
             model = body.get("model") or ""
-            if not isinstance(model, str) or not model.isascii() and not _encodable(model):
+            if not isinstance(model, str) or not _encodable(model):
                 # (a lone surrogate, "\ud800", was echoed in the response's own `model`:
                 # JSON that strict parsers refuse; the other text fields reach protobuf, which
                 # refuses it)

@@ -89,8 +89,13 @@ class GpuSetupError(RuntimeError):
 
 class KvCacheTooLarge(ValueError):
     """The KV cache asked for (its blocks, or gpu_memory_utilization's share) does not fit in
-    the GPU's memory left after the weights (CudaForward): an operator's setting, which the
-    engine's start-up says in one line."""
+    the GPU's memory left after the weights (CudaForward), or, the CPU engine's, in the host's:
+    an operator's setting, which the engine's start-up says in one line, naming `flags`, the
+    settings that size it."""
+
+    def __init__(self, message: str, flags: str = "--num-kv-blocks, --gpu-memory-utilization"):
+        super().__init__(message)
+        self.flags = flags
 
 
 def default_buckets(max_num_batched_tokens: int, fine_from: int = 128) -> list[int]:

@@ -149,8 +149,8 @@ def check_host_kv_cache(num_blocks: int, block_bytes: int) -> None:
     if available is not None and num_blocks * block_bytes > available:
         raise KvCacheTooLarge(
             f"{num_blocks} KV blocks need {num_blocks * block_bytes >> 20} MiB of host memory; "
-            f"{available >> 20} MiB is available, room for {available // block_bytes} blocks "
-            f"(--num-kv-blocks, --kv-cache-mb)")
+            f"{available >> 20} MiB is available, room for {available // block_bytes} blocks",
+            flags="--num-kv-blocks, --kv-cache-mb")
 
 
 class ReferenceEngine:

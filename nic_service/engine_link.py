@@ -390,15 +390,24 @@ class EngineLink:
             raise EngineUnavailable(f"the engine went away as the request was written: {e}") \
                 from None
         handle = RequestHandle(slot, gen, request_id, instance)
-        self._live[slot] = handle
+        self._track(handle)
         self._publish_load()
-        i = slot - self._share.start
-        self._want_gen[i], self._seen[i], self._due[i] = gen, 0, 0.0
+        self._poll_live()
+        return handle
+
+    def _track(self, handle: RequestHandle) -> None:
+        """handle's record is read from now on (a request's, or an orphan's cancel awaited)."""
+        self._live[handle.slot] = handle
+        i = handle.slot - self._share.start
+        self._want_gen[i], self._seen[i], self._due[i] = handle.gen, 0, 0.0
+
+    def _poll_live(self) -> None:
+        """A record went live: RecordWatch armed, or the poll loop woken (off the idle
+        interval, onto the live one)."""
         if self._watched:
             self._watch.arm()
         else:
-            self._wake()  # off the idle interval, onto the live one
-        return handle
+            self._wake()
 
     def cancel(self, handle: RequestHandle, *, stop_matched: bool = False) -> None:
         """Asks the engine to stop; the slot is freed once the engine confirms. stop_matched:
@@ -587,14 +596,10 @@ class EngineLink:
             # generation written at once took the slot's cancel word before the engine read
             # it, so the engine dropped the orphan as stale and counted it neither finished nor
             # cancelled (admitted ran ahead of the two until the engine restarted)
-            self._live[slot] = RequestHandle(slot, gen, 0, info.instance, cancelled=True,
-                                             done=True)
-            self._want_gen[slot - share.start] = gen
+            self._track(RequestHandle(slot, gen, 0, info.instance, cancelled=True, done=True))
         self._watch_records(transport, geom, share)
-        if orphans and self._watched:  # their records are polled as a live request's are
-            self._watch.arm()
-        elif orphans:
-            self._wake()
+        if orphans:  # their records are polled as a live request's are
+            self._poll_live()
         # its own load where the other workers read it: a worker restarted after a crash found
         # its predecessor's there, which counted as slots in use until it served a request
         self._publish_load()
