@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -661,7 +662,7 @@ PROJECTION_TENSORS = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj"
 @dataclass
 class ModelWeights:
     embed: np.ndarray  # [V, H]
-    layers: list[LayerWeights]
+    layers: Sequence[LayerWeights]  # a list, or LayersOnDemand
     final_norm: np.ndarray  # [H]
     lm_head: np.ndarray  # [V, H]; the same array as `embed` when tied
     # an FP8 checkpoint's KV-cache scales: [num_layers, 2] (k_scale, v_scale), or None
@@ -699,32 +700,66 @@ def check_weights(model_dir: str | Path, cfg: ModelConfig) -> None:
     anything starts. That covers an FP8 weight's scale tensor and the KV-cache scales too;
     only values (NaN, infinities, negative scales) wait for load_weights."""
     model_dir = Path(model_dir)
-    refs = _tensor_refs(model_dir)
+    _model_tensor_names(model_dir, _tensor_refs(model_dir), cfg)
+
+
+def _model_tensor_names(model_dir: Path, refs: dict[str, _TensorRef],
+                        cfg: ModelConfig) -> set[str]:
+    """The names of every tensor the model reads (its weights, an FP8 weight's scale and zero
+    point, the KV-cache scales), each checked from its header as check_weights says."""
+    names: set[str] = set()
 
     def check(name: str, shape: tuple[int, ...]) -> _TensorRef:
         ref = _model_ref(refs, model_dir, name, shape)
+        names.add(name)
         if ref.dtype == "F8_E4M3":
-            _fp8_scale(name, ref, refs, cfg.fp8_weight_block)
+            names.add(_fp8_scale(name, ref, refs, cfg.fp8_weight_block)[0])
+            if name + "_zero_point" in refs:
+                names.add(name + "_zero_point")
         return ref
 
     _model_tensors(cfg, "lm_head.weight" in refs, check)
-    _kv_scale_names(cfg, refs)
+    names.update(name for pair in _kv_scale_names(cfg, refs) for name in pair)
+    return names
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
+class LayersOnDemand(Sequence):
+    """A model's layers, each read from the checkpoint when it is asked for and not kept (the
+    memory-mapped files are): what load_weights(layers_on_demand=True) gives the CUDA engine,
+    which uploads a layer and drops it as it asks for the next, so the host holds about two
+    layers' float32 arrays at a time (Llama-3.1-70B: 3.4 GB a layer), not the model's (about
+    280 GB, past the lent hosts' 128 GiB). Each access reads the layer again."""
+
+    def __init__(self, count: int, read_layer):
+        self._count, self._read_layer = count, read_layer
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._count))]
+        if not -self._count <= i < self._count:
+            raise IndexError(f"layer {i} of {self._count}")
+        return self._read_layer(i % self._count)
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig, *,
+                 layers_on_demand: bool = False) -> ModelWeights:
     """All weights as float32 NumPy arrays, shapes checked against `cfg`, values finite (a NaN
     or an infinity in one weight makes every logit NaN). Tensors the model does not take are
-    ignored with a warning, as transformers ignores them."""
+    ignored with a warning, as transformers ignores them. Every header is checked before any
+    value is read. layers_on_demand: the layers are a LayersOnDemand (read as each is asked
+    for, a NaN refused then), the embedding, LM head and norms read now."""
     model_dir = Path(model_dir)
     refs = _tensor_refs(model_dir)
+    used = _model_tensor_names(model_dir, refs, cfg)
     maps: dict[Path, np.memmap] = {}
-    used: set[str] = set()
     codes: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # LayerWeights.fp8_codes, by tensor
 
     def read(name: str, ref: _TensorRef) -> np.ndarray:
         if ref.path not in maps:
             maps[ref.path] = np.memmap(ref.path, dtype=np.uint8, mode="r")
-        used.add(name)
         value = _read_tensor(ref, maps[ref.path], name)
         if not np.isfinite(value).all():  # F8_E4M3 too: its NaN codes read as NaN
             raise CheckpointError(f"tensor {name} holds NaN or infinite values "
@@ -750,11 +785,16 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
                                       f"weights are not supported")
         return value
 
-    weights = _model_tensors(cfg, "lm_head.weight" in refs, get)
-    for i, lw in enumerate(weights.layers):
-        lw.fp8_codes = {attr: codes[f"model.layers.{i}.{tensor}.weight"]
+    def read_layer(i: int) -> LayerWeights:
+        lw = _layer_tensors(cfg, i, get)
+        lw.fp8_codes = {attr: codes.pop(f"model.layers.{i}.{tensor}.weight")
                         for attr, tensor in PROJECTION_TENSORS.items()
                         if f"model.layers.{i}.{tensor}.weight" in codes}
+        return lw
+
+    layers = LayersOnDemand(cfg.num_layers, read_layer)
+    weights = _model_tensors(cfg, "lm_head.weight" in refs, get,
+                             layers if layers_on_demand else list(layers))
     if weights.lm_head is not weights.embed and cfg.tie_word_embeddings:
         if np.array_equal(weights.lm_head, weights.embed):
             weights.lm_head = weights.embed
@@ -774,30 +814,36 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> ModelWeights:
     return weights
 
 
-def _model_tensors(cfg: ModelConfig, has_lm_head: bool, get) -> ModelWeights:
-    """The model's tensors as `get(name, shape)` gives them: load_weights' arrays, or
-    check_weights' header entries. A tied model's stored lm_head.weight is taken too."""
-    H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    Q, KV = cfg.q_size, cfg.kv_size
+def _layer_tensors(cfg: ModelConfig, i: int, get) -> LayerWeights:
+    """Layer i's tensors as `get(name, shape)` gives them (_model_tensors)."""
+    H, I, D, Q, KV = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.q_size, cfg.kv_size
     shapes = {"q_proj": (Q, H), "k_proj": (KV, H), "v_proj": (KV, H), "o_proj": (H, Q),
               "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        bias = cfg.attention_bias
-        layers.append(LayerWeights(
-            **{attr: get(f"{p}{tensor}.weight", shapes[attr])
-               for attr, tensor in PROJECTION_TENSORS.items()},
-            q_bias=get(a + "q_proj.bias", (Q,)) if bias else None,
-            k_bias=get(a + "k_proj.bias", (KV,)) if bias else None,
-            v_bias=get(a + "v_proj.bias", (KV,)) if bias else None,
-            o_bias=get(a + "o_proj.bias", (H,)) if cfg.o_proj_bias else None,
-            q_norm=get(a + "q_norm.weight", (D,)) if cfg.qk_norm else None,
-            k_norm=get(a + "k_norm.weight", (D,)) if cfg.qk_norm else None,
-            input_norm=get(p + "input_layernorm.weight", (H,)),
-            post_attention_norm=get(p + "post_attention_layernorm.weight", (H,)),
-        ))
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    bias = cfg.attention_bias
+    return LayerWeights(
+        **{attr: get(f"{p}{tensor}.weight", shapes[attr])
+           for attr, tensor in PROJECTION_TENSORS.items()},
+        q_bias=get(a + "q_proj.bias", (Q,)) if bias else None,
+        k_bias=get(a + "k_proj.bias", (KV,)) if bias else None,
+        v_bias=get(a + "v_proj.bias", (KV,)) if bias else None,
+        o_bias=get(a + "o_proj.bias", (H,)) if cfg.o_proj_bias else None,
+        q_norm=get(a + "q_norm.weight", (D,)) if cfg.qk_norm else None,
+        k_norm=get(a + "k_norm.weight", (D,)) if cfg.qk_norm else None,
+        input_norm=get(p + "input_layernorm.weight", (H,)),
+        post_attention_norm=get(p + "post_attention_layernorm.weight", (H,)),
+    )
+
+
+def _model_tensors(cfg: ModelConfig, has_lm_head: bool, get,
+                   layers: Sequence[LayerWeights] | None = None) -> ModelWeights:
+    """The model's tensors as `get(name, shape)` gives them: load_weights' arrays, or
+    check_weights' header entries; `layers` where the caller reads them itself. A tied model's
+    stored lm_head.weight is taken too."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    if layers is None:
+        layers = [_layer_tensors(cfg, i, get) for i in range(cfg.num_layers)]
     embed = get("model.embed_tokens.weight", (V, H))
     tied = cfg.tie_word_embeddings and not has_lm_head
     lm_head = embed if tied else get("lm_head.weight", (V, H))

@@ -105,7 +105,8 @@ class CudaEngine:
         cfg = self.model_cfg = load_config(config.model_dir)
         self.context_length = served_context_length(config, cfg)
         t0 = time.monotonic()
-        weights = None if config.load_format == "dummy" else load_weights(config.model_dir, cfg)
+        weights = (None if config.load_format == "dummy" else
+                   load_weights(config.model_dir, cfg, layers_on_demand=True))
         self.forward = CudaForward(
             cfg, weights, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,

@@ -1497,7 +1497,8 @@ class CudaForward:
         fit). An FP8 checkpoint's projections stored with a scale a tensor or a row are uploaded
         as stored (weight_layout.stored_fp8: quantizing a per-tensor checkpoint's values again
         per row would round them twice); block- and group-scaled ones pass through bf16 on
-        their way to the quantizer, a scale per row."""
+        their way to the quantizer, a scale per row. w.layers may be read as they are asked for
+        (checkpoint.LayersOnDemand): a layer is uploaded and dropped before the next is read."""
         cfg = self.cfg
         self.embed = self._bf16(w.embed)
         self.lm_head = self.embed if w.lm_head is w.embed else self._bf16(w.lm_head)

@@ -32,7 +32,8 @@ class HostDrivenCudaEngine(ReferenceEngine):
     def _load_model(self, cfg: ModelConfig) -> int:
         config = self.config
         t0 = time.monotonic()
-        weights = None if config.load_format == "dummy" else load_weights(config.model_dir, cfg)
+        weights = (None if config.load_format == "dummy" else
+                   load_weights(config.model_dir, cfg, layers_on_demand=True))
         self.forward = CudaForward(
             cfg, weights, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -470,3 +470,78 @@ def test_tensors_the_model_does_not_use_are_ignored_with_a_warning(tmp_path, f32
     assert w.layers[0].o_bias is None
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert len(hf.model.layers) == 2 and hf.model.layers[0].self_attn.o_proj.bias is None
+
+
+def _walk_as_the_cuda_engine_uploads(weights) -> int:
+    """Each layer's fused projections to bf16 bits, one layer at a time, as
+    CudaForward._upload_weights makes them (the host's part of an upload); the layers seen."""
+    seen = 0
+    for lw in weights.layers:
+        float32_to_bf16_bits(np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj]))
+        float32_to_bf16_bits(np.concatenate([lw.gate_proj, lw.up_proj]))
+        seen += 1
+    return seen
+
+
+def test_layers_on_demand_hold_one_layer_at_a_time(tmp_path):
+    """load_weights(layers_on_demand=True), as the CUDA engines load: the eager load's arrays
+    (an FP8 checkpoint's stored codes and scales too), with the host holding about one layer's
+    float32 arrays while the layers are walked as the upload walks them, where the eager load
+    holds every layer's (tracemalloc sees NumPy's allocations); every header is checked before
+    anything is read, and a layer's bad value is refused when that layer is read."""
+    import tracemalloc
+
+    from safetensors.numpy import load_file, save_file
+    from test_fp8 import fp8_checkpoint
+
+    shape = dict(hidden_size=128, intermediate_size=512, num_layers=12, num_heads=4,
+                 num_kv_heads=2)
+    path = write_random_checkpoint(tmp_path / "m", dtype="float32", **shape)
+    cfg = load_config(path)
+    layer_bytes = 4 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 512 * 128)
+
+    def peak(**kw) -> int:
+        tracemalloc.start()
+        try:
+            w = load_weights(path, cfg, **kw)
+            assert _walk_as_the_cuda_engine_uploads(w) == 12
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    heads = 2 * 4 * cfg.vocab_size * 128  # the embedding and the LM head, read at once
+    eager, on_demand = peak(), peak(layers_on_demand=True)
+    assert eager > heads + 12 * layer_bytes, (eager, heads, layer_bytes)
+    # two layers (the next is read while the walk still holds the last) and their temporaries
+    assert on_demand < heads + 4 * layer_bytes, (on_demand, heads, layer_bytes)
+
+    fp8_path = tmp_path / "fp8"
+    fp8_checkpoint(path, fp8_path, "row")
+    for folder in (path, fp8_path):
+        c = load_config(folder)
+        a, b = load_weights(folder, c), load_weights(folder, c, layers_on_demand=True)
+        assert len(b.layers) == 12 and b.layers[-1] is not b.layers[-1]  # read again, not kept
+        for la, lb in zip(a.layers, b.layers):
+            for f in dataclasses.fields(la):
+                if f.name != "fp8_codes":
+                    np.testing.assert_array_equal(getattr(la, f.name), getattr(lb, f.name))
+            assert sorted(la.fp8_codes) == sorted(lb.fp8_codes) == (
+                sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"]) if folder == fp8_path else [])
+            for name, (codes, scale) in la.fp8_codes.items():
+                np.testing.assert_array_equal(lb.fp8_codes[name][0], codes)
+                np.testing.assert_array_equal(lb.fp8_codes[name][1], scale)
+        np.testing.assert_array_equal(a.embed, b.embed)
+
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.11.mlp.down_proj.weight"][3, 5] = np.nan
+    save_file(tensors, path / "model.safetensors")
+    w = load_weights(path, cfg, layers_on_demand=True)  # the values wait for their layer
+    w.layers[10]
+    with pytest.raises(CheckpointError, match=r"model\.layers\.11\.mlp\.down_proj\.weight "
+                                              r"holds NaN"):
+        w.layers[11]
+    tensors["model.layers.11.mlp.down_proj.weight"] = np.zeros((128, 500), np.float32)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"down_proj\.weight has shape \[128, 500\]"):
+        load_weights(path, cfg, layers_on_demand=True)  # the headers, all before anything

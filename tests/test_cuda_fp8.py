@@ -329,8 +329,13 @@ def test_fp8_kv_calibration_leaves_capture_an_empty_batch(cf, tmp_path_factory):
         calibrated.close()
 
 
-@pytest.mark.parametrize("fp8_lm_head", [True, False])
-def test_fp8_lm_head_in_both_paths(cf, tmp_path_factory, fp8_lm_head):
+# (fp8_lm_head, vocabulary): the demo tokenizer's 2,048 rows, and 2,049: a logits row of an
+# odd number of floats, 4-byte aligned only (Llama-2 fine-tunes with 32,001 tokens), which
+# cuBLASLt's GEMMs must still write
+@pytest.mark.parametrize("fp8_lm_head,vocab", [(True, None), (False, None), (True, 2049),
+                                                (False, 2049)],
+                         ids=["fp8", "bf16", "fp8-odd-vocab", "bf16-odd-vocab"])
+def test_fp8_lm_head_in_both_paths(cf, tmp_path_factory, fp8_lm_head, vocab):
     """The LM head as FP8 (fp8_lm_head, the default: E4M3 codes with a scale per vocabulary row)
     or bf16, on an engine of 24 sequences: a prefill of 20 prompts and decode steps of the 20
     (more than 16 logit rows: the final RMSNorm's rows quantized, then cuBLASLt's FP8 GEMM), then
@@ -338,7 +343,7 @@ def test_fp8_lm_head_in_both_paths(cf, tmp_path_factory, fp8_lm_head):
     FP8_LOGITS_TOL of the emulation (the LM head rounded or not), the greedy tokens the
     logits' argmax, top-1 equal except at near-ties."""
     path = write_random_checkpoint(tmp_path_factory.mktemp("fp8_head") / "llama", seed=20,
-                                   **FORWARD_SHAPES["llama"])
+                                   vocab_size=vocab, **FORWARD_SHAPES["llama"])
     cfg = load_config(path)
     w = load_weights(path, cfg)
     engine = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
@@ -356,7 +361,9 @@ def test_fp8_lm_head_in_both_paths(cf, tmp_path_factory, fp8_lm_head):
                 seqs[i].append(int(np.argmax(row)))
             logits = pair.step([(np.array(seqs[i][-1:]), len(seqs[i]) - 1, tables[i])
                                 for i in live])
-        pair.record(f"fp8 lm head {'fp8' if fp8_lm_head else 'bf16'}, gemm and skinny")
+        assert cfg.vocab_size == (vocab or cfg.vocab_size)
+        pair.record(f"fp8 lm head {'fp8' if fp8_lm_head else 'bf16'}, vocabulary "
+                    f"{cfg.vocab_size}, gemm and skinny")
     finally:
         engine.close()
 
