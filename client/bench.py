@@ -18,8 +18,9 @@ loop: the ablation), hf (Hugging Face transformers' generate, static batching) a
 with N busy processes pinned to the server's cores and reports busy / idle ratios.
 
 Every run sends the same prompts, so the servers it starts run without prefix caching
-(SYSTEM_FLAGS); a --target server keeps its own settings, and with prefix caching on (the
-default) its runs after the first find their prompts' full blocks cached.
+(SYSTEM_FLAGS), and each run's requests carry a cache salt of their own: on a --target server,
+which keeps its settings (prefix caching on by default), no run finds an earlier run's prompts
+in the cache (each run's cached_prompt_tokens in the JSON says so).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import signal
 import sys
 import tempfile
 import time
+import uuid
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -303,7 +305,8 @@ def measure(target: str, requests: list[BenchRequest], args, rate: float, desc: 
             args.client_procs, target, requests, rate=rate, burstiness=args.burstiness,
             concurrency=args.concurrency, ignore_eos=not args.respect_eos, seed=args.seed,
             timeout=args.timeout, connections=args.connections, run_timeout=args.run_timeout,
-            on_done=(lambda _: bar.update()) if bar else None)
+            on_done=(lambda _: bar.update()) if bar else None,
+            cache_salt=f"blink bench {uuid.uuid4()}")  # no run served from another's cache
     except RuntimeError as e:
         raise BenchError(f"{desc}: {e}") from None
     finally:

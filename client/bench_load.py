@@ -77,15 +77,16 @@ class ClientLoad:
 
 async def stream_request(client: AsyncBlinkClient, request: BenchRequest,
                          record: RequestRecord, *, timeout: float = 3600.0,
-                         ignore_eos: bool = True) -> list[int]:
-    """Sends one request (greedy, max_tokens = its output length) and times its tokens into
-    `record`; returns the generated token ids. A failure is kept in record.error."""
+                         ignore_eos: bool = True, cache_salt: str = "") -> list[int]:
+    """Sends one request (greedy, max_tokens = its output length; under cache_salt, the
+    server's prefix-cache namespace) and times its tokens into `record`; returns the
+    generated token ids. A failure is kept in record.error."""
     sampling = Sampling(max_tokens=request.output_len, temperature=0.0, ignore_eos=ignore_eos)
     token_ids: list[int] = []
     record.sent = time.perf_counter()
     try:
         stream = client.stream(list(request.prompt), sampling, timeout=timeout,
-                               return_token_ids=True)
+                               return_token_ids=True, cache_salt=cache_salt)
         async for delta in stream:
             now = time.perf_counter()
             record.token_times.extend([now] * len(delta.token_ids))
@@ -122,7 +123,7 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
                        on_done: Callable[[RequestRecord], None] | None = None,
                        offsets: np.ndarray | None = None,
                        synchronise: Callable[[], float] | None = None,
-                       claim: Callable[[], int] | None = None
+                       claim: Callable[[], int] | None = None, cache_salt: str = ""
                        ) -> tuple[list[RequestRecord], float, ClientLoad]:
     """Sends every request (greedy, max_tokens = its output length) on the schedule, round
     robin over `connections` TCP connections (a server with several front-end workers on one
@@ -135,7 +136,8 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
     time the offsets count from (run_in_processes: the processes' common start). claim (with
     concurrency): the index of the next request to send, from a counter several processes
     share, so that their `concurrency` workers together are one closed loop over the whole
-    list (the records of requests another process claimed stay unsent here)."""
+    list (the records of requests another process claimed stay unsent here). cache_salt:
+    every request's (stream_request)."""
     if offsets is None:
         offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     records = [RequestRecord(len(r.prompt), r.output_len) for r in requests]
@@ -146,7 +148,7 @@ async def run_requests(target: str, requests: list[BenchRequest], *, rate: float
     try:
         async def one(i: int, request: BenchRequest, record: RequestRecord) -> None:
             await stream_request(clients[i % len(clients)], request, record, timeout=timeout,
-                                 ignore_eos=ignore_eos)
+                                 ignore_eos=ignore_eos, cache_salt=cache_salt)
             if on_done is not None:
                 on_done(record)
 

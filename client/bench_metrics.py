@@ -131,6 +131,7 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: Slo = Slo()) -> 
         "errors": sorted({r.error for r in records if r.error})[:5],
         "short_outputs": sum(r.tokens < r.output_len for r in done),
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in done),
         "streamed_tokens": streamed_tokens,
         "wall_s": wall_s,
         "request_throughput": len(done) / wall,

@@ -16,7 +16,9 @@ JSON schema "blink-bench/1" (bench.json):
         rate          requests per second, or "inf"
         repeat        0, 1, ...
         metrics       bench_metrics.summarize: requests, completed, failed, errors,
-                      short_outputs, prompt_tokens, output_tokens, streamed_tokens, wall_s,
+                      short_outputs, prompt_tokens, output_tokens, streamed_tokens,
+                      cached_prompt_tokens (the prompts' tokens the server's prefix cache
+                      held: 0, as each run has a cache salt of its own), wall_s,
                       request_throughput, output_throughput, streamed_throughput (also the
                       tokens of failed and cut requests), total_token_throughput (per second),
                       goodput (requests
@@ -33,7 +35,8 @@ JSON schema "blink-bench/1" (bench.json):
         requests      per request: prompt_len, output_len, tokens, ttft_ms, tpot_ms, e2e_ms,
                       error
     interference  per (system, rate, repeat) run both idle and busy: busy / idle ratios of
-                  ttft_p99, tpot_p99 and output_throughput (the streamed throughput's ratio)
+                  ttft_p99, tpot_p99 (null where either run had a failed request) and
+                  output_throughput (the streamed throughput's ratio)
 The plots' throughput axis and the interference ratios use the streamed throughput: it equals
 the completed-token throughput when no request failed, and stays meaningful for a peer whose run
 was cut by --run-timeout.
@@ -86,9 +89,12 @@ def interference_ratios(runs: list[dict]) -> list[dict]:
         def ratio(get):
             a, b = get(busy["metrics"]), get(base["metrics"])
             return a / b if a is not None and b else None
+        # a run with failed (or cut) requests has latencies of the few that completed, the
+        # quick ones first: their P99s are no run's, so no latency ratio from them
+        whole = not busy["metrics"]["failed"] and not base["metrics"]["failed"]
         out.append({"system": busy["system"], "rate": busy["rate"], "repeat": busy["repeat"],
-                    "ttft_p99": ratio(lambda m: m["ttft_ms"]["p99"]),
-                    "tpot_p99": ratio(lambda m: m["tpot_ms"]["p99"]),
+                    "ttft_p99": ratio(lambda m: m["ttft_ms"]["p99"]) if whole else None,
+                    "tpot_p99": ratio(lambda m: m["tpot_ms"]["p99"]) if whole else None,
                     "output_throughput": ratio(streamed_throughput)})
     return out
 

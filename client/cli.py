@@ -1115,7 +1115,8 @@ def cmd_generate(args) -> None:
                 client.wait_ready(args.wait)
             prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
             stream = client.stream(prompt, _sampling(args), timeout=args.timeout,
-                                   cache_salt=args.cache_salt)
+                                   cache_salt=args.cache_salt,
+                                   skip_special_tokens_in_prompt=args.skip_special_tokens_in_prompt)
             for delta in stream:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
@@ -1257,6 +1258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-salt", default="",
                    help="the prefix cache's namespace: cached prompt prefixes are reused only "
                         "between requests with the same salt")
+    p.add_argument("--skip-special-tokens-in-prompt", action="store_true",
+                   help="tokenize the prompt without the tokenizer's special tokens (e.g. BOS)")
     p.set_defaults(func=cmd_generate)
 
     from blink.client import bench
@@ -1310,6 +1313,11 @@ def main(argv: list[str] | None = None) -> None:
         # (a stream's call cancelled in the server, a benchmark's servers stopped); no traceback
         print(file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+    except BrokenPipeError:  # stdout's reader went away (`blink generate ... | head`): its
+        # stream was cancelled on the way out, as for Ctrl-C; stdout pointed at /dev/null so that
+        # the interpreter's last flush does not fail again; SIGPIPE's status, as `cat` ends
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)
 
 
 def _log_handler(args) -> logging.Handler:

@@ -20,6 +20,7 @@ import copy
 import math
 import numbers
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -131,7 +132,8 @@ class Sampling:
         for i, stop in enumerate(self.stop):
             if not isinstance(stop, str):  # protobuf also took bytes, as UTF-8
                 raise TypeError(f"stop[{i}] must be a str, not {type(stop).__name__}")
-        msg.stop.extend(self.stop)
+        with _naming("stop"):
+            msg.stop.extend(self.stop)
         if not all(_is_token_id(t) for t in self.stop_token_ids):
             raise TypeError(f"stop_token_ids must be token ids (int), got {self.stop_token_ids}")
         with _naming("stop_token_ids"):
@@ -151,11 +153,12 @@ def _check_float32(name: str, value, sent) -> None:
 
 @contextlib.contextmanager
 def _naming(field: str):
-    """Prefixes protobuf's TypeError or ValueError with the field (its own names none)."""
+    """Prefixes protobuf's TypeError or ValueError with the field (its own names none; a str
+    with a lone surrogate is its UnicodeEncodeError, a ValueError here)."""
     try:
         yield
     except (TypeError, ValueError) as e:
-        raise type(e)(f"{field}: {e}") from None
+        raise (TypeError if isinstance(e, TypeError) else ValueError)(f"{field}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,14 @@ def _is_token_id(t) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
+# protobuf takes a bool in a prompt's token ids as 1 or 0, with only this warning (protobuf 7.34
+# will refuse it): made an error (a ValueError out of extend, all or nothing), the prompt is
+# refused as a TypeError below, at no cost a call. A filter on the message, as the warning comes
+# from C with no frame of this module to match.
+warnings.filterwarnings("error", message=r"Field blink\.v1\.TokenIds\.ids: Expected an int, "
+                        r"got a boolean", category=DeprecationWarning)
+
+
 def build_request(
     prompt: Prompt,
     sampling: Sampling | None = None,
@@ -225,19 +236,31 @@ def build_request(
     model: str = "",
     client_request_id: str = "",
     cache_salt: str = "",
+    skip_special_tokens_in_prompt: bool = False,
 ) -> blink_pb2.GenerateRequest:
     """The GenerateRequest for a prompt: str -> text, ints -> token_ids, dicts -> messages.
     client_request_id: your id for the request, in the server's log line for it. cache_salt:
     the prefix cache's namespace (requests reuse cached prompt prefixes only under the same
-    salt; see blink.proto). TypeError for a sequence of anything else (a bool is no token id),
-    ValueError for an id outside uint32 (the server checks the model's vocabulary)."""
-    request = blink_pb2.GenerateRequest(model=model, return_token_ids=return_token_ids,
-                                        client_request_id=client_request_id,
-                                        cache_salt=cache_salt)
+    salt; see blink.proto). skip_special_tokens_in_prompt: a text prompt is tokenized without
+    the tokenizer's special tokens (e.g. BOS) added. TypeError for a sequence of anything else
+    (a bool is no token id), ValueError for an id outside uint32 (the server checks the model's
+    vocabulary); either names the argument it refuses."""
+    request = blink_pb2.GenerateRequest(
+        return_token_ids=return_token_ids,
+        skip_special_tokens_in_prompt=skip_special_tokens_in_prompt)
+    for name, value in (("model", model), ("client_request_id", client_request_id),
+                        ("cache_salt", cache_salt)):
+        if not isinstance(value, str):  # protobuf: "bad argument type for built-in operation"
+            raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+        with _naming(name):
+            setattr(request, name, value)
     if sampling is not None:
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a Sampling, not {type(sampling).__name__}")
         request.sampling.CopyFrom(sampling.to_proto())
     if isinstance(prompt, str):
-        request.text = prompt
+        with _naming("prompt"):
+            request.text = prompt
         return request
     if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Iterable):
         raise TypeError(f"prompt must be str, token ids or chat messages, not {type(prompt).__name__}")
@@ -274,7 +297,8 @@ def build_request(
                 if not isinstance(value, str):
                     raise TypeError(f"chat message {i}'s {key} must be a str, not "
                                     f"{type(value).__name__}")
-            request.messages.messages.add(**fields)
+            with _naming(f"chat message {i}"):
+                request.messages.messages.add(**fields)
     elif all(_is_token_id(t) for t in items):  # integers without __index__
         request.token_ids.SetInParent()
         request.token_ids.ids.extend(int(t) for t in items)
@@ -496,7 +520,8 @@ class Tls:
 def _open_channel(grpc_module: Any, target: str, options: Sequence[tuple[str, Any]],
                   tls: Tls | None) -> Any:
     """grpc or grpc.aio: a secure channel with `tls`, else a plain one."""
-    options = [*_CHANNEL_OPTIONS, *options]
+    # the caller's options over the SDK's own (gRPC keeps the first of a repeated key)
+    options = list({**dict(_CHANNEL_OPTIONS), **dict(options)}.items())
     if tls is None:
         return grpc_module.insecure_channel(target, options=options)
     creds = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
@@ -556,9 +581,10 @@ class _Client:
 
     def _generate_call(self, prompt: Prompt, sampling: Sampling | None, timeout: float | None,
                        return_token_ids: bool, model: str, client_request_id: str,
-                       cache_salt: str) -> Any:
+                       cache_salt: str, skip_special_tokens_in_prompt: bool) -> Any:
         request = build_request(prompt, sampling, return_token_ids=return_token_ids, model=model,
-                                client_request_id=client_request_id, cache_salt=cache_salt)
+                                client_request_id=client_request_id, cache_salt=cache_salt,
+                                skip_special_tokens_in_prompt=skip_special_tokens_in_prompt)
         return self._stub.Generate(request, timeout=self._call_timeout(timeout),
                                    metadata=self._metadata)
 
@@ -598,9 +624,11 @@ class BlinkClient(_Client):
         model: str = "",
         client_request_id: str = "",
         cache_salt: str = "",
+        skip_special_tokens_in_prompt: bool = False,
     ) -> GenerationStream:
         return GenerationStream(self._generate_call(prompt, sampling, timeout, return_token_ids,
-                                                    model, client_request_id, cache_salt),
+                                                    model, client_request_id, cache_salt,
+                                                    skip_special_tokens_in_prompt),
                                 self._channel)
 
     def generate(
@@ -613,10 +641,12 @@ class BlinkClient(_Client):
         model: str = "",
         client_request_id: str = "",
         cache_salt: str = "",
+        skip_special_tokens_in_prompt: bool = False,
     ) -> Completion:
         with self.stream(
             prompt, sampling, timeout=timeout, return_token_ids=return_token_ids, model=model,
             client_request_id=client_request_id, cache_salt=cache_salt,
+            skip_special_tokens_in_prompt=skip_special_tokens_in_prompt,
         ) as stream:
             for _ in stream:
                 pass
@@ -703,10 +733,12 @@ class AsyncBlinkClient(_Client):
         model: str = "",
         client_request_id: str = "",
         cache_salt: str = "",
+        skip_special_tokens_in_prompt: bool = False,
     ) -> AsyncGenerationStream:
         return AsyncGenerationStream(self._generate_call(prompt, sampling, timeout,
                                                          return_token_ids, model,
-                                                         client_request_id, cache_salt),
+                                                         client_request_id, cache_salt,
+                                                         skip_special_tokens_in_prompt),
                                      self._channel)
 
     async def generate(
@@ -719,10 +751,12 @@ class AsyncBlinkClient(_Client):
         model: str = "",
         client_request_id: str = "",
         cache_salt: str = "",
+        skip_special_tokens_in_prompt: bool = False,
     ) -> Completion:
         async with self.stream(
             prompt, sampling, timeout=timeout, return_token_ids=return_token_ids, model=model,
             client_request_id=client_request_id, cache_salt=cache_salt,
+            skip_special_tokens_in_prompt=skip_special_tokens_in_prompt,
         ) as stream:
             async for _ in stream:
                 pass
@@ -763,6 +797,8 @@ class AsyncBlinkClient(_Client):
 def _metadata_value(what: str, value: str | None) -> str | None:
     """value, if gRPC metadata can carry it (printable ASCII); ValueError otherwise, which
     shows a session id but not a token (a secret: it would land in logs)."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
     if value and not (value.isascii() and value.isprintable()):
         bad = next(i for i, c in enumerate(value) if not (c.isascii() and c.isprintable()))
         shown = f"{value!r}" if "token" not in what else f"character {bad + 1} of {len(value)}"

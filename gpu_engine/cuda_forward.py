@@ -1211,6 +1211,11 @@ class CudaForward:
         else:
             x_sumsq_rows = ForwardKernels.SKINNY_X_F16_MAX_ROWS
         self.lm_head_fp8 = self.fp8 and fp8_lm_head
+        # an FP8 LM head's GEMM writes only output rows of whole 16s of logits (cuBLASLt offers
+        # no FP8 GEMM for another pitch): with another vocabulary (Llama-2 fine-tunes' 32,001)
+        # it writes rows padded to them (logits_padded), copied into logits after
+        self.lm_head_rows = (_rows16(cfg.vocab_size) if self.lm_head_fp8 and cfg.vocab_size % 16
+                             else cfg.vocab_size)
         self.kv_fp8 = kv_cache_dtype == "fp8"
         if self.fp8:
             align = ForwardKernels.SKINNY_FP8_K_ALIGN
@@ -1328,8 +1333,10 @@ class CudaForward:
         self.top_k = self._alloc(S, np.int32)
         self.seed = self._alloc(S, np.uint64)
         self.step = self._alloc(S, np.uint32)
-        # an FP8 LM head's GEMM writes whole 16s of rows
+        # an FP8 LM head's GEMM writes whole 16s of rows (and of logits: lm_head_rows)
         self.logits = self._alloc((_rows16(S) if self.lm_head_fp8 else S, V), np.float32)
+        self.logits_padded = (self._alloc((_rows16(S), self.lm_head_rows), np.float32)
+                              if self.lm_head_rows != V else None)
         self.sampled = self._alloc(S, np.int32)
         # each logit row's greedy argmax, packed, that the skinny LM head reduces into and the
         # sampling kernel reads and zeroes (lm_head_argmax)
@@ -1557,17 +1564,21 @@ class CudaForward:
         lm_head_scale); its bf16 copy freed unless it is the embedding's table."""
         V, H = self.cfg.vocab_size, self.cfg.hidden_size
         tied = self.lm_head is self.embed
-        self.lm_head_codes, self.lm_head_scale = self._quantized(self.lm_head, V, H,
-                                                                 free=not tied)
+        self.lm_head_codes, self.lm_head_scale = self._quantized(  # rows past V: zero
+            self.lm_head, V, H, free=not tied, alloc_rows=self.lm_head_rows)
         if not tied:
             self.lm_head = None
 
-    def _quantized(self, bf16: DeviceArray, rows: int, cols: int,
-                   free: bool = True) -> tuple[DeviceArray, DeviceArray]:
+    def _quantized(self, bf16: DeviceArray, rows: int, cols: int, free: bool = True,
+                   alloc_rows: int | None = None) -> tuple[DeviceArray, DeviceArray]:
         """bf16 [rows, cols] -> (E4M3 codes, float32 scale per row), quantized on the GPU
-        (ForwardKernels.quantize_rows: fp8.py quantize_rows's codes); bf16 freed (free)."""
-        codes = self._alloc((rows, cols), np.uint8)
-        scale = self._alloc(rows, np.float32)
+        (ForwardKernels.quantize_rows: fp8.py quantize_rows's codes); bf16 freed (free).
+        alloc_rows: the arrays hold that many rows, those past `rows` zero."""
+        codes = self._alloc((alloc_rows or rows, cols), np.uint8)
+        scale = self._alloc(alloc_rows or rows, np.float32)
+        if (alloc_rows or rows) > rows:
+            codes.fill_bytes(0)
+            scale.fill_bytes(0)
         self.kernels.quantize_rows(self.stream, rows, 0, bf16.ptr, cols, codes.ptr, cols,
                                    scale.ptr, cols)
         synchronize(self.stream)
@@ -1575,6 +1586,18 @@ class CudaForward:
             self._memory.remove(bf16)
             bf16.free()
         return codes, scale
+
+    def _unpad_logits(self, stream, rows: int) -> None:
+        """logits_padded's first `rows` rows into logits (a 2D copy: a memcpy node of the
+        bucket's graph, which device-launched graphs allow for device memory)."""
+        V = self.cfg.vocab_size
+        copy = driver.CUDA_MEMCPY2D()
+        copy.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        copy.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        copy.srcDevice, copy.srcPitch = self.logits_padded.ptr, 4 * self.lm_head_rows
+        copy.dstDevice, copy.dstPitch = self.logits.ptr, 4 * V
+        copy.WidthInBytes, copy.Height = 4 * V, rows
+        check(driver.cuMemcpy2DAsync(copy, stream), "cuMemcpy2DAsync(logits)")
 
     def _projections(self) -> list[tuple[str, int, int]]:
         """(weight, rows, columns) of a layer's projections, which the skinny kernels take in
@@ -1912,9 +1935,13 @@ class CudaForward:
         elif self.lm_head_fp8:  # the final RMSNorm's rows quantized, then the FP8 GEMM
             op("lm head quantize", k.quantize_rows, s, logit_rows, 0, self.h_logits.ptr, H,
                self.act_q.ptr, H, self.act_q_scale.ptr, H)
+            padded = self.logits_padded is not None
             op("lm head", blas.linear_fp8, self.act_q.ptr, self.act_q_scale.ptr,
-               self.lm_head_codes.ptr, self.lm_head_scale.ptr, self.logits.ptr,
-               _rows16(logit_rows), H, V, R_32F, False)
+               self.lm_head_codes.ptr, self.lm_head_scale.ptr,
+               (self.logits_padded if padded else self.logits).ptr, _rows16(logit_rows), H,
+               self.lm_head_rows, R_32F, False)
+            if padded:
+                op("lm head unpad", self._unpad_logits, s, logit_rows)
         else:
             op("lm head", blas.linear, self.h_logits.ptr, self.lm_head.ptr, self.logits.ptr,
                logit_rows, H, V, R_32F)

@@ -136,6 +136,7 @@ class RequestClock:
         self.generated = 0
         self.prompt_tokens = 0  # counted in the metrics with the first token
         self.ended = False
+        self.budget: float | None = None  # the call's deadline as it arrived, s (None: none)
 
     def tokens(self, n: int) -> None:
         if not n:

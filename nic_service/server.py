@@ -364,6 +364,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
     async def Generate(self, requests, context):
         """requests: unused; the one request is read here (add_blink_service says why)."""
         clock = RequestClock(self.metrics, time.monotonic())
+        clock.budget = context.time_remaining()  # the deadline as the header gave it (_expired)
         try:
             request = await context.read()
         except asyncio.CancelledError:  # the client went away or the deadline passed first
@@ -417,7 +418,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
         """The call's request stream ended without its message: gRPC ended the call before it
         came (its deadline passed, it was cancelled, or the message is over gRPC's size limit,
         which gRPC answered RESOURCE_EXHAUSTED), or the client sent none (INVALID_ARGUMENT)."""
-        if _expired(context):
+        if _expired(context, clock):
             self._gone(context, clock, None, None)
             return
         try:
@@ -439,7 +440,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
               prep: Prepared | None) -> None:
         """Counts and logs a request whose client went away or whose deadline passed, or that
         the server's stop cancelled."""
-        expired = _expired(context)
+        expired = _expired(context, clock)
         why = ("deadline exceeded" if expired else "cancelled at shutdown" if self.draining
                else "cancelled by the client")
         log_request(handle, prep, clock, why if handle else f"{why} before it had a slot",
@@ -631,10 +632,22 @@ class BearerTokenCheck(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
-def _expired(context) -> bool:
-    """Whether the call's deadline has passed."""
+# The client's stack rounds a deadline up as it writes it into the call's grpc-timeout header
+# (gRPC's encoding keeps few digits: 1.0 s arrives as 1.008, 1,000.3 as 1,009.999), so the
+# client's own deadline passes first, and its cancel reaches the server with up to about 1% of
+# the header's time left: time that close to the server's deadline counts as the deadline's.
+# (A client that cancels that close to its deadline is counted as its deadline.)
+DEADLINE_ROUNDING = 0.011  # of the deadline the header gave
+DEADLINE_SLACK_S = 0.05    # and a cancel's way from the client
+
+
+def _expired(context, clock: RequestClock) -> bool:
+    """Whether the call ended at its deadline (the server's, or the client's of the same
+    call, which the header rounded up: DEADLINE_ROUNDING)."""
     remaining = context.time_remaining()
-    return remaining is not None and remaining <= 0
+    if remaining is None:
+        return False
+    return remaining <= max(DEADLINE_SLACK_S, DEADLINE_ROUNDING * (clock.budget or 0.0))
 
 
 def unbracketed(host: str) -> str:

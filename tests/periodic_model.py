@@ -39,16 +39,17 @@ def continue_period(prompt: list[int], n: int) -> list[int]:
     return [prompt[len(prompt) - PERIOD + i % PERIOD] for i in range(n)]
 
 
-def write_periodic_checkpoint(out_dir: Path, steps: int = 400, seed: int = 0) -> Path:
+def write_periodic_checkpoint(out_dir: Path, steps: int = 400, seed: int = 0,
+                              vocab_size: int | None = None) -> Path:
     """Trains the model (AdamW, full-vocabulary cross-entropy on every predictable position,
     batches of 16 sequences of TRAIN_LENGTH tokens, the rate warmed up then decayed to zero)
     and writes it as a bf16 Hugging Face checkpoint in out_dir (write_random_checkpoint's
-    files, its weights replaced)."""
+    files, its weights replaced; vocab_size as it takes it)."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
-    out = write_random_checkpoint(out_dir, seed=seed, **SHAPE)
+    out = write_random_checkpoint(out_dir, seed=seed, vocab_size=vocab_size, **SHAPE)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)

@@ -782,6 +782,40 @@ def test_warm_up_leaves_no_measured_prompt_in_the_cache(tmp_path):
     assert servicer.requests[0].sampling.max_tokens == 2
 
 
+def test_each_run_has_a_cache_salt_of_its_own(tmp_path):
+    """Every run sends the same prompts: on a --target server with prefix caching (the
+    default) every run after the first was served from the cache (a second run of 512-token
+    prompts on the CPU engine: TTFT 36 against 360 ms). Each run's requests carry one salt,
+    another run's another, so no run finds an earlier run's blocks."""
+    with scripted_server(as_asked) as (target, servicer):
+        doc = bench.run(build_parser().parse_args([
+            "bench", "--target", target, "--num-prompts", "3", "--random-input-len", "32",
+            "--random-output-len", "4", "--repeats", "2", "--request-rate", "inf", "8",
+            "--out", str(tmp_path)]))
+    salts = [r.cache_salt for r in servicer.requests[1:]]  # after the warm-up
+    runs = [salts[i:i + 3] for i in range(0, len(salts), 3)]
+    assert len(runs) == 4 and all(len(set(run)) == 1 and run[0] for run in runs)
+    assert len({run[0] for run in runs}) == 4
+    assert all(run["metrics"]["cached_prompt_tokens"] == 0 for run in doc["runs"])
+
+
+def test_busy_idle_latency_ratios_need_whole_runs():
+    """A run with failed or cut requests has the latencies of the few that completed (a
+    peer that finished 1 of 48 under the hog: a P99 TTFT 'ratio' of 0.14), so its latency
+    ratios are null; the streamed throughput's stays."""
+    from blink.client.bench_report import interference_ratios
+
+    def run(interference, failed, ttft):
+        return {"system": "hf", "rate": "inf", "repeat": 0, "interference": interference,
+                "metrics": {"failed": failed, "ttft_ms": {"p99": ttft}, "tpot_ms": {"p99": 5.0},
+                            "streamed_throughput": 10.0, "output_throughput": 10.0}}
+    (cut,) = interference_ratios([run("idle", 46, 2935.6), run("busy", 47, 425.6)])
+    assert cut["ttft_p99"] is None and cut["tpot_p99"] is None
+    assert cut["output_throughput"] == 1.0
+    (whole,) = interference_ratios([run("idle", 0, 100.0), run("busy", 0, 250.0)])
+    assert whole["ttft_p99"] == 2.5 and whole["tpot_p99"] == 1.0
+
+
 def test_decode_floor_counts_the_formats_the_engine_serves():
     """bench_serving's decode floor, by hand for the Llama-3.1-8B shape at batch 1, context
     512 (384 + 256 / 2): the engine's own flags decide the formats, so an LM head kept in bf16

@@ -285,6 +285,24 @@ def test_generate_stops_on_ctrl_c_and_cancels_in_the_server(checkpoints, tmp_pat
         assert stats["tokens_generated"] < 400
 
 
+def test_generate_into_a_closed_pipe_ends_quietly_and_cancels(checkpoints, tmp_path):
+    """`blink generate ... | head -c1`: the reader goes away mid-stream; the command ends with
+    SIGPIPE's status and no traceback (it printed BrokenPipeError's), and the server ends the
+    request as cancelled."""
+    with serving(tmp_path, checkpoints["llama"], "--engine", "synthetic",
+                 "--synthetic-step-ms", "20") as (_, target):
+        gen = subprocess.Popen([sys.executable, "-m", "blink.client.cli", "generate",
+                                "--target", target, "--max-tokens", "400", "--ignore-eos",
+                                "Hello"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert gen.stdout.read(1)  # streaming
+        gen.stdout.close()
+        err = gen.stderr.read().decode()
+        assert gen.wait(timeout=30) == 128 + signal.SIGPIPE and "Traceback" not in err, err
+        with BlinkClient(target) as client:
+            wait_for(lambda: client.stats()["requests_cancelled"] == 1, timeout=5, interval=0.02)
+            assert client.stats()["tokens_generated"] < 400
+
+
 def test_client_commands_end_in_one_line_on_bad_numbers_and_a_taken_port(checkpoints, tmp_path):
     """`blink generate --max-tokens -1` and `blink openai` on a port in use: one line and a
     non-zero status, no traceback (both printed one)."""

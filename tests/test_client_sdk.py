@@ -200,8 +200,16 @@ def test_build_request_rejects_mixed_or_odd_prompts():
     # the type error first where a sequence mixes an id out of range with a string
     with pytest.raises(TypeError, match="only token ids"):
         build_request([2**32, "a"])
-    # a bool is no token id: protobuf only warns on one (until it refuses them), and the SDK
-    # refuses one wherever the warning is made an error
+    # a bool is no token id: protobuf only warns on one (until it refuses them; it sent 1),
+    # and the SDK makes that warning an error, in a program that leaves the warnings as they
+    # are (pytest's capture puts its own filter first) and where they are errors
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", "from blink.client.sdk import build_request\n"
+                          "try:\n    print(list(build_request([True, 5]).token_ids.ids))\n"
+                          "except TypeError as e:\n    print('TypeError', e)"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.stdout.startswith("TypeError a prompt sequence must hold only token ids"), run
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(TypeError, match="only token ids"):
@@ -293,6 +301,22 @@ def test_sync_model_info_and_stats(client):
     stats = client.stats()
     assert stats["engine_alive"] is True and stats["ring_slots"] == 8
     assert stats["requests_admitted"] == BIG_COUNTER and stats["kv_blocks_free"] == 0
+
+
+def test_the_caller_s_channel_options_win_over_the_sdk_s(server):
+    """A channel option the caller gives replaces the SDK's own for the same key (gRPC keeps
+    the first of a repeated key: the SDK's came first, and the caller's were ignored)."""
+    small = [("grpc.max_receive_message_length", 10)]
+    with BlinkClient(server.target, options=small) as client, pytest.raises(BlinkError) as err:
+        client.model_info()
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    async def async_info():
+        async with AsyncBlinkClient(server.target, options=small) as client:
+            await client.model_info()
+    with pytest.raises(BlinkError) as err:
+        asyncio.run(async_info())
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_invalid_argument_becomes_blink_error(client):
@@ -699,6 +723,40 @@ def test_sampling_refuses_a_stop_that_is_no_sequence():
 def test_bad_prompt_is_one_clear_error(real_client, prompt, error, says):
     with pytest.raises(error, match=says):
         real_client.generate(prompt, SHORT)
+
+
+@pytest.mark.parametrize("call, error, says", [
+    (lambda c: c.generate("hi", SHORT, client_request_id=5), TypeError, "client_request_id"),
+    (lambda c: c.generate("hi", SHORT, cache_salt=5), TypeError, "cache_salt must be a str"),
+    (lambda c: c.generate("hi", 5), TypeError, "sampling must be a Sampling, not int"),
+    (lambda c: c.generate("hi", {"max_tokens": 3}), TypeError, "sampling must be a Sampling"),
+    (lambda c: c.with_token(123), TypeError, "a bearer token must be a str, not int"),
+    (lambda c: c.generate("a\ud800", SHORT), ValueError, "prompt: .*surrogates"),
+    (lambda c: c.generate([{"role": "user", "content": "\ud800"}], SHORT), ValueError,
+     "chat message 0: .*surrogates"),
+    (lambda c: c.generate("hi", SHORT, cache_salt="\ud800"), ValueError, "cache_salt: "),
+    (lambda c: c.generate("hi", Sampling(max_tokens=3, stop=["\ud800"])), ValueError,
+     "stop: .*surrogates"),
+])
+def test_a_bad_argument_is_named_before_anything_is_sent(real_client, call, error, says):
+    """Each argument the SDK cannot send is a TypeError or ValueError naming it (protobuf's
+    own said "bad argument type for built-in operation", an AttributeError came from a
+    Sampling's place, UnicodeEncodeError named no field)."""
+    with pytest.raises(error, match=says):
+        call(real_client)
+
+
+def test_special_tokens_can_be_left_out_of_a_text_prompt(long_checkpoint, real_client):
+    """skip_special_tokens_in_prompt, a field of the request the SDK could not set: the text
+    is tokenized as the tokenizers library does without special tokens (here BOS)."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(long_checkpoint / "tokenizer.json"))
+    for skip in (False, True):
+        done = real_client.generate("hello world", SHORT, skip_special_tokens_in_prompt=skip)
+        assert done.prompt_tokens == len(tok.encode("hello world",
+                                                    add_special_tokens=not skip).ids)
+    assert len(tok.encode("hello world").ids) > len(tok.encode("hello world",
+                                                               add_special_tokens=False).ids)
 
 
 def test_numpy_token_ids_reach_the_server(real_client):

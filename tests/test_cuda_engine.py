@@ -201,6 +201,34 @@ def test_cuda_64_concurrent_streams_staggered(checkpoints, cuda_stacks):
         assert_all_blocks_back(client)
 
 
+def test_cuda_fp8_engine_on_an_odd_vocabulary_continues_every_period(tmp_path_factory,
+                                                                    cuda_stacks):
+    """FP8 weights and LM head on a 2,049-token vocabulary, served through the ring by the
+    scheduler kernel's device-launched graphs. No vocabulary but a multiple of 16 has an FP8
+    GEMM of cuBLASLt's (Llama-2 fine-tunes' 32,001 neither): steps of more than 16 logit rows
+    write padded rows, which a memcpy node of the graph copies in. On the periodic model
+    (decisive greedy choices, tests/periodic_model.py), 24 concurrent prompts (their prefill and
+    decode steps past 16 rows: the GEMM; the stragglers': the skinny kernel) each continue their
+    period, every token."""
+    from periodic_model import continue_period, periodic_prompt, write_periodic_checkpoint
+    path = write_periodic_checkpoint(tmp_path_factory.mktemp("periodic-odd") / "m",
+                                     vocab_size=2049)
+    stack = cuda_stacks("periodic-odd-vocab-fp8", path, ["--quantization", "fp8"])
+    rng = np.random.default_rng(6)
+    prompts = [periodic_prompt(rng, int(rng.integers(24, 64))) for _ in range(24)]
+
+    async def run_all():
+        async with AsyncBlinkClient(stack.target) as client:
+            return await asyncio.gather(*(
+                client.generate(p, Sampling(max_tokens=48, temperature=0.0, ignore_eos=True),
+                                return_token_ids=True) for p in prompts))
+
+    done = asyncio.run(run_all())
+    exact = sum(list(d.token_ids) == continue_period(p, 48) for p, d in zip(prompts, done))
+    print(f"engine fp8 odd vocabulary: {exact} of 24 periodic streams of 48 tokens exact")
+    assert exact == 24
+
+
 def test_cuda_kv_pressure_preempts_and_finishes(checkpoints, cuda_stacks):
     """12 x (100 + 100) tokens in 48 blocks of 16: the engine preempts and recomputes. Every
     token of every request is checked, not a prefix: the crowded run equals the request's solo

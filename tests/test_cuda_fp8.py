@@ -330,8 +330,8 @@ def test_fp8_kv_calibration_leaves_capture_an_empty_batch(cf, tmp_path_factory):
 
 
 # (fp8_lm_head, vocabulary): the demo tokenizer's 2,048 rows, and 2,049: a logits row of an
-# odd number of floats, 4-byte aligned only (Llama-2 fine-tunes with 32,001 tokens), which
-# cuBLASLt's GEMMs must still write
+# odd number of floats, 4-byte aligned only (Llama-2 fine-tunes with 32,001 tokens), for which
+# cuBLASLt offers no FP8 GEMM (CudaForward.lm_head_rows: it writes padded rows, copied in)
 @pytest.mark.parametrize("fp8_lm_head,vocab", [(True, None), (False, None), (True, 2049),
                                                 (False, 2049)],
                          ids=["fp8", "bf16", "fp8-odd-vocab", "bf16-odd-vocab"])
@@ -351,6 +351,9 @@ def test_fp8_lm_head_in_both_paths(cf, tmp_path_factory, fp8_lm_head, vocab):
                             quantization="fp8", fp8_lm_head=fp8_lm_head)
     try:
         assert engine.lm_head_fp8 == fp8_lm_head
+        # 24 logit rows: the FP8 GEMM; on an odd vocabulary into padded rows, copied in
+        padded = fp8_lm_head and cfg.vocab_size % 16
+        assert engine.graph_node_types[32].get("MEMCPY", 0) == (1 if padded else 0)
         pair = Fp8Pair({"llama": (cfg, w, engine)}, "llama")
         seqs = [list(prompt(cfg, 5, seed=30 + i)) for i in range(20)]
         tables = [np.array([2 * i, 2 * i + 1]) for i in range(20)]

@@ -849,9 +849,10 @@ def test_metrics_request_logs_and_counters_across_restarts(checkpoints, tmp_path
 
 
 def test_client_cancels_and_deadlines_are_counted_and_logged(long_checkpoint, tmp_path):
-    """Streams the client cancels, and streams whose deadline passes, mid-stream on a fast
-    engine: each counts once in request_failure_total (CANCELLED, DEADLINE_EXCEEDED) and logs
-    its line with the tokens it streamed. Both used to go uncounted and unlogged whenever gRPC
+    """Streams the client cancels, and streams whose deadline passes (of 0.3 s, and of 1.5 s,
+    which the client's own deadline ends), mid-stream on a fast engine: each counts once in
+    request_failure_total (CANCELLED, DEADLINE_EXCEEDED) and logs its line with the tokens it
+    streamed. Both used to go uncounted and unlogged whenever gRPC
     was sending a message as the cancel came (the handler is then closed at its yield), and a
     cancel's log line said 0 tokens."""
     import json
@@ -868,19 +869,21 @@ def test_client_cancels_and_deadlines_are_counted_and_logged(long_checkpoint, tm
                         break
                 stream.cancel()
                 assert got >= 5
-            for _ in range(2):
+            # 1.5 s: the header rounds it up, so the client's deadline passes first and its
+            # cancel arrives with the server's still ahead (these counted as cancels)
+            for timeout in (0.3, 0.3, 1.5, 1.5):
                 with pytest.raises(BlinkError) as err:
-                    for _ in client.stream("too slow", exact(10_000), timeout=0.3):
+                    for _ in client.stream("too slow", exact(10_000), timeout=timeout):
                         pass
                 assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             wait_for(lambda: idle(client), 10, "the engine idle")
 
-        wait_for(lambda: failures(port) == {"CANCELLED": 3, "DEADLINE_EXCEEDED": 2}, 10,
+        wait_for(lambda: failures(port) == {"CANCELLED": 3, "DEADLINE_EXCEEDED": 4}, 10,
                  f"the failures counted (have {failures(port)})")
         requests = [json.loads(line)["request"] for line in serve.log_path.read_text().splitlines()
                     if line.startswith("{") and '"request"' in line]
         outcomes = sorted(r["outcome"] for r in requests)
-        assert outcomes == ["cancelled by the client"] * 3 + ["deadline exceeded"] * 2
+        assert outcomes == ["cancelled by the client"] * 3 + ["deadline exceeded"] * 4
         assert all(r["completion_tokens"] >= 5 for r in requests)
     finally:
         assert serve.stop() == 0
