@@ -1000,7 +1000,7 @@ def cmd_serve(args) -> None:
     _claim_port(args)
 
     async def main() -> int:
-        from blink.nic_service.server import Frontend, when_set
+        from blink.nic_service.server import Frontend, announce, when_set
         from blink.ring.lifecycle import watch_stop_signals
         stop, hurry = asyncio.Event(), asyncio.Event()
         watch_stop_signals(asyncio.get_running_loop(), stop, hurry)
@@ -1014,15 +1014,15 @@ def cmd_serve(args) -> None:
         engine = asyncio.ensure_future(_supervise_engine(
             _engine_argv(args, model_dir), engine_stop, frontend.link,
             args.engine_restart_timeout))
-        async def announce() -> None:
+        async def announce_serving() -> None:
             """The "serving" line once the engine answers (printed as the front end listened,
             it was there too when the engine then failed to start)."""
             while not frontend.link.alive:
                 await asyncio.sleep(0.05)
-            print(f"blink: serving {model_dir.name} on {args.host}:{port} (ring "
-                  f"{frontend.link.ring_where}); try: blink generate --target "
-                  f"{args.host}:{port} \"Hello\"", flush=True)
-        announcing = asyncio.ensure_future(announce())
+            announce(f"blink: serving {model_dir.name} on {args.host}:{port} (ring "
+                     f"{frontend.link.ring_where}); try: blink generate --target "
+                     f"{args.host}:{port} \"Hello\"")
+        announcing = asyncio.ensure_future(announce_serving())
         await asyncio.wait({engine, asyncio.ensure_future(stop.wait())},
                            return_when=asyncio.FIRST_COMPLETED)
         announcing.cancel()
@@ -1330,6 +1330,8 @@ def _log_handler(args) -> logging.Handler:
 class JsonLogFormatter(logging.Formatter):
     """One JSON object per record: time, level, logger, message, and a structured `request`
     (log_request's fields) when the record has one."""
+
+    json_lines = True  # (server.announce: the operator's lines as records, not plain text)
 
     def format(self, record: logging.LogRecord) -> str:
         out = {"time": self.formatTime(record), "level": record.levelname,

@@ -650,6 +650,16 @@ def _expired(context, clock: RequestClock) -> bool:
     return remaining <= max(DEADLINE_SLACK_S, DEADLINE_ROUNDING * (clock.budget or 0.0))
 
 
+def announce(line: str) -> None:
+    """A line for the operator (listening, serving) on stdout; where the logs are JSON lines
+    (--log-format json: a formatter with json_lines), a log record of it instead: stdout and
+    stderr both reach journald or the pod's log, whose parser a plain line breaks."""
+    if any(getattr(h.formatter, "json_lines", False) for h in logging.getLogger().handlers):
+        log.info(line)
+    else:
+        print(line, flush=True)
+
+
 def unbracketed(host: str) -> str:
     """A host as a socket takes it: gRPC's "[::1]" is "::1"."""
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -835,7 +845,7 @@ async def serve(config: FrontendConfig, ready_file: Path | None = None, *,
     if ready_file is not None:
         ready_file.write_text(str(port))
     if config.worker[0] == 0:
-        print(f"blink front end listening on {config.host}:{port}", flush=True)
+        announce(f"blink front end listening on {config.host}:{port}")
     await stop.wait()
     if on_stop is not None:
         on_stop()
