@@ -368,7 +368,9 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                         "default: off)")
     p.add_argument("--metrics-host", default=None,
                    help="address of the metrics endpoint (None: --host's, so that it is no "
-                        "more exposed than the gRPC port; 0.0.0.0: every IPv4 interface)")
+                        "more exposed than the gRPC port, and for --host 0.0.0.0 every "
+                        "interface of both families, as gRPC listens; 0.0.0.0: every IPv4 "
+                        "interface)")
     p.add_argument("--workers", type=int, default=1,
                    help="front-end processes sharing the port (SO_REUSEPORT) and the ring, "
                         "each with its share of the slots")
@@ -658,10 +660,11 @@ def _check_metrics_ports(args) -> None:
     resolved here, once, to the first of a run of free ports: each worker took any free port
     as it started, so one restarted after a crash moved to another, and a scrape configuration
     naming its old one lost it. An unset --metrics-host becomes --host (the endpoint has no
-    authentication: it listened on every interface while the gRPC port was on loopback)."""
+    authentication: it listened on every interface while the gRPC port was on loopback), with
+    0.0.0.0's both families as gRPC takes them (server.metrics_address)."""
     if args.metrics_host is None:
-        from blink.nic_service.server import unbracketed
-        args.metrics_host = unbracketed(args.host)
+        from blink.nic_service.server import metrics_address, unbracketed
+        args.metrics_host = metrics_address(unbracketed(args.host))
     if args.metrics_port is None or (args.metrics_port == 0 and args.workers == 1):
         return  # off, or one process: prometheus_client takes a free port as it binds
     import socket

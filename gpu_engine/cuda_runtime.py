@@ -3,7 +3,7 @@
 Kernels are compiled once by nvcc (the same compiler PyCUDA drives) into sm_90a cubins and cached
 on disk; code that launches graphs from the device is compiled relocatable and linked with
 cudadevrt through the driver's linker. Everything here runs at start-up only. PyCUDA has no
-graph API and its host registration breaks under NumPy 2 (DESIGN.md), so this module uses
+graph API and its host registration breaks under NumPy 2 (README.md), so this module uses
 `cuda.bindings` for modules, launches, graphs and host registration.
 
 Importing this module needs cuda-python but no GPU; calls need a GPU. CPU code never imports it.

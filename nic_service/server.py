@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import secrets
+import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -665,6 +666,21 @@ def unbracketed(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+def metrics_address(host: str) -> str:
+    """The metrics endpoint's address where --metrics-host is unset: gRPC's own `host`, but for
+    0.0.0.0, which gRPC takes as every address of both families (it listens on [::]): "::"
+    where the host has IPv6 (both families on Linux), so that an IPv6-only cluster scrapes the
+    pod's metrics as it reaches its gRPC port (0.0.0.0 alone is IPv4's)."""
+    if host != "0.0.0.0":
+        return host
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::", 0))
+    except OSError:
+        return host
+    return "::"
+
+
 def _is_loopback(host: str) -> bool:
     """Whether the address (or name) is this host's loopback: 127.0.0.0/8, ::1, localhost."""
     import ipaddress
@@ -758,7 +774,8 @@ class Frontend:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.metrics is not None:
-            host = unbracketed(cfg.host if cfg.metrics_host is None else cfg.metrics_host)
+            host = (metrics_address(unbracketed(cfg.host)) if cfg.metrics_host is None
+                    else unbracketed(cfg.metrics_host))
             self.metrics_port = self.metrics.serve(cfg.metrics_port, host)
             log.info("Prometheus metrics on http://%s:%d/metrics",
                      f"[{host}]" if ":" in host else host, self.metrics_port)

@@ -234,7 +234,8 @@ def test_metrics_ports_as_the_front_ends_serve_them():
     the metrics port + i, the range the units name."""
     for name in FRONTEND_UNITS:
         unit, args = systemd_unit(name)
-        assert effective_metrics_host(args) == args.host
+        host = effective_metrics_host(args)  # (0.0.0.0: both families where there is IPv6)
+        assert host == args.host or (args.host == "0.0.0.0" and host == "::")
         first, last = args.metrics_port, args.metrics_port + args.workers - 1
         assert f"metrics on {first}-{last}" in unit["Unit"]["Description"], name
     deployment, service, _ = k8s_docs()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -782,9 +783,10 @@ def request_outcomes(serve: Serve) -> list[str]:
 def metrics_port(serve: Serve) -> int:
     """The port `--metrics-port 0` took, as the server's log says."""
     import re
-    return int(wait_for(lambda: re.search(r"metrics on http://[\d.]+:(\d+)/metrics",
+    shown = r"([\d.]+|\[[\da-f:]+\])"  # an IPv4 address or a bracketed IPv6 one
+    return int(wait_for(lambda: re.search(rf"metrics on http://{shown}:(\d+)/metrics",
                                           serve.log_path.read_text()), 10,
-                        "the metrics port").group(1))
+                        "the metrics port").group(2))
 
 
 def test_metrics_request_logs_and_counters_across_restarts(checkpoints, tmp_path):
@@ -1114,18 +1116,27 @@ def listening_address(port: int) -> str:
 
 
 @pytest.mark.parametrize("flags, metrics_on", [
-    ((), "127.0.0.1"), (("--host", "0.0.0.0"), "0.0.0.0"),
+    ((), "127.0.0.1"), (("--host", "0.0.0.0"), "::"),
     (("--metrics-host", "0.0.0.0"), "0.0.0.0")], ids=["loopback", "wildcard", "explicit"])
 def test_metrics_listen_where_the_grpc_port_does(checkpoints, tmp_path, flags, metrics_on):
     """The metrics endpoint (no authentication) listens on --host unless --metrics-host says
-    otherwise: it listened on every interface while the gRPC port was on loopback."""
+    otherwise: it listened on every interface while the gRPC port was on loopback. --host
+    0.0.0.0, which gRPC takes for both families, gives it both too (it was IPv4's alone: an
+    IPv6-only cluster reached the gRPC port and not the metrics)."""
+    from blink.nic_service.server import metrics_address
+    if metrics_on == "::" and metrics_address("0.0.0.0") != "::":
+        pytest.skip("no IPv6 here")
     serve = Serve(checkpoints["llama"], tmp_path, "--engine", "synthetic", "--metrics-port", "0",
                   *flags)
     try:
         port = metrics_port(serve)
         assert listening_address(port) == metrics_on
-        assert f"metrics on http://{metrics_on}:{port}/metrics" in serve.log_path.read_text()
+        shown = f"[{metrics_on}]" if ":" in metrics_on else metrics_on
+        assert f"metrics on http://{shown}:{port}/metrics" in serve.log_path.read_text()
         assert ("blink:engine_alive", ()) in scrape(port)  # (scrape: through 127.0.0.1)
+        if metrics_on == "::":  # and through IPv6, as the gRPC port answers it
+            with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=10) as reply:
+                assert b"blink:engine_alive" in reply.read()
     finally:
         assert serve.stop() == 0
 
