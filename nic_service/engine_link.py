@@ -11,6 +11,7 @@ import asyncio
 import logging
 import mmap
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -266,6 +267,7 @@ class EngineLink:
         self._stop_string_finishes = WorkerCounts(ring_name, *worker)
         self._stop_cancels_pending = WorkerCounts(ring_name, *worker, kind="stopping")
         self._cancelled_reported = 0  # the largest count of cancelled requests reported yet
+        self._totals_lock = threading.Lock()
         # this worker's slots in use and requests waiting for one, where every worker reads
         # them: GetServerStats answers for the whole server from whichever worker it reaches
         self._shared_slots = WorkerCounts(ring_name, *worker, kind="slots")
@@ -297,7 +299,9 @@ class EngineLink:
 
     @property
     def waiting_for_slot(self) -> int:
-        return sum(not w.done() for w in self._waiters)
+        # a copy first (one C call, under the GIL): the metrics' scrape thread reads this while
+        # the event loop adds and removes waiters ("deque mutated during iteration")
+        return sum(not w.done() for w in list(self._waiters))
 
     def _publish_load(self) -> None:
         self._shared_slots.set(len(self._live))
@@ -335,9 +339,10 @@ class EngineLink:
         # its pending, so reading in the other order errs low, never high (the aligned 8-byte
         # words are read and written whole, in program order on x86)
         pending = self._stop_cancels_pending.total()
-        cancelled = max(self._cancelled_reported,
-                        engine_cancels - self._stop_string_finishes.total() - pending)
-        self._cancelled_reported = cancelled
+        with self._totals_lock:  # (the scrape thread and the event loop both report them)
+            cancelled = max(self._cancelled_reported,
+                            engine_cancels - self._stop_string_finishes.total() - pending)
+            self._cancelled_reported = cancelled
         totals["requests_cancelled"] = cancelled
         totals["requests_finished"] += engine_cancels - cancelled
         return totals

@@ -789,3 +789,34 @@ def test_a_rejected_generation_drops_the_sequence_its_slot_held(checkpoints):
     finally:
         t.close()
         engine.close()
+
+
+def test_the_metrics_thread_reads_the_slot_queue_while_the_loop_changes_it():
+    """The Prometheus scrape runs on prometheus_client's thread and reads how many requests
+    wait for a slot while the event loop adds and removes them: iterating the live deque there
+    raised "deque mutated during iteration" (about 170 times in 2 s of this loop), a 500 for
+    the scrape."""
+    import collections
+    import types
+
+    from blink.nic_service.engine_link import EngineLink
+
+    class Waiting:
+        def done(self) -> bool:
+            return False
+    link = types.SimpleNamespace(_waiters=collections.deque(Waiting() for _ in range(50)))
+    stop = threading.Event()
+
+    def loop():  # as requests queue for a slot and leave the queue
+        while not stop.is_set():
+            link._waiters.append(Waiting())
+            link._waiters.popleft()
+    mutator = threading.Thread(target=loop)
+    mutator.start()
+    try:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            assert 49 <= EngineLink.waiting_for_slot.fget(link) <= 51
+    finally:
+        stop.set()
+        mutator.join()
