@@ -1116,6 +1116,9 @@ def cmd_generate(args) -> None:
                 print(f"blink: waiting up to {args.wait:g} s for {args.target} to serve",
                       file=sys.stderr)
                 client.wait_ready(args.wait)
+            if args.chat and args.skip_special_tokens_in_prompt:
+                sys.exit("blink: --skip-special-tokens-in-prompt applies to a text prompt; "
+                         "--chat's template decides its special tokens")
             prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
             stream = client.stream(prompt, _sampling(args), timeout=args.timeout,
                                    cache_salt=args.cache_salt,
@@ -1312,6 +1315,7 @@ def main(argv: list[str] | None = None) -> None:
                         handlers=[_log_handler(args)])
     try:
         args.func(args)
+        sys.stdout.flush()  # (buffered output to a closed pipe fails here, not at exit)
     except KeyboardInterrupt:  # Ctrl-C: what the command holds is released on the way out
         # (a stream's call cancelled in the server, a benchmark's servers stopped); no traceback
         print(file=sys.stderr)

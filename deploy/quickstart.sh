@@ -8,10 +8,11 @@ PORT=${BLINK_PORT:-50051}
 READY=$(mktemp -u "${TMPDIR:-/tmp}/blink-quickstart.XXXXXX")
 .venv/bin/blink serve --port "$PORT" --ready-file "$READY" &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; rm -f "$READY"' EXIT
+trap 'rm -f "$READY"; kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
 # the request goes to this server: one that failed to start (the port taken by another) ends
 # the script with its own message, not another server's answer
-until [ -s "$READY" ]; do
+for _ in $(seq 600); do  # (its port is bound within seconds; 120 s at most)
+  [ -s "$READY" ] && break
   if ! kill -0 $SERVER 2>/dev/null; then
     wait $SERVER && status=0 || status=$?
     echo "quickstart: blink serve did not start (exit status $status)" >&2
@@ -19,6 +20,7 @@ until [ -s "$READY" ]; do
   fi
   sleep 0.2
 done
+[ -s "$READY" ] || { echo "quickstart: blink serve did not listen within 120 s" >&2; exit 1; }
 .venv/bin/blink generate --target "127.0.0.1:$PORT" --wait 120 --max-tokens 48 \
   "The three most important ideas in computer science are"
 if [ "${1:-}" = "--exit" ]; then

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -739,6 +740,7 @@ class LayersOnDemand(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self._count))]
+        i = operator.index(i)  # (a float named a layer "1.0" that no checkpoint holds)
         if not -self._count <= i < self._count:
             raise IndexError(f"layer {i} of {self._count}")
         return self._read_layer(i % self._count)

@@ -638,8 +638,9 @@ class BearerTokenCheck(grpc.aio.ServerInterceptor):
 # client's own deadline passes first, and its cancel reaches the server with up to about 1% of
 # the header's time left: time that close to the server's deadline counts as the deadline's.
 # (A client that cancels that close to its deadline is counted as its deadline.)
-DEADLINE_ROUNDING = 0.011  # of the deadline the header gave
+DEADLINE_ROUNDING = 0.011  # of the deadline the header gave (1 h: 3,601 s came as 3,610)
 DEADLINE_SLACK_S = 0.05    # and a cancel's way from the client
+DEADLINE_SLACK_MAX_S = 15.0  # (a day-long deadline's rounding is a smaller part of it)
 
 
 def _expired(context, clock: RequestClock) -> bool:
@@ -648,7 +649,8 @@ def _expired(context, clock: RequestClock) -> bool:
     remaining = context.time_remaining()
     if remaining is None:
         return False
-    return remaining <= max(DEADLINE_SLACK_S, DEADLINE_ROUNDING * (clock.budget or 0.0))
+    return remaining <= max(DEADLINE_SLACK_S,
+                            min(DEADLINE_ROUNDING * (clock.budget or 0.0), DEADLINE_SLACK_MAX_S))
 
 
 def announce(line: str) -> None:
@@ -656,7 +658,8 @@ def announce(line: str) -> None:
     (--log-format json: a formatter with json_lines), a log record of it instead: stdout and
     stderr both reach journald or the pod's log, whose parser a plain line breaks."""
     if any(getattr(h.formatter, "json_lines", False) for h in logging.getLogger().handlers):
-        log.info(line)
+        # at INFO, or at the level the logs are cut at (--log-level warning kept print's line)
+        log.log(max(logging.INFO, log.getEffectiveLevel()), line)
     else:
         print(line, flush=True)
 
@@ -673,9 +676,12 @@ def metrics_address(host: str) -> str:
     pod's metrics as it reaches its gRPC port (0.0.0.0 alone is IPv4's)."""
     if host != "0.0.0.0":
         return host
-    try:
+    try:  # prometheus_client's socket takes the system's default: both families unless
+        # net.ipv6.bindv6only says IPv6 alone, where 0.0.0.0 stays (IPv4 scrapers keep it)
         with socket.socket(socket.AF_INET6) as probe:
             probe.bind(("::", 0))
+            if probe.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY):
+                return host
     except OSError:
         return host
     return "::"

@@ -521,6 +521,8 @@ def test_layers_on_demand_hold_one_layer_at_a_time(tmp_path):
         c = load_config(folder)
         a, b = load_weights(folder, c), load_weights(folder, c, layers_on_demand=True)
         assert len(b.layers) == 12 and b.layers[-1] is not b.layers[-1]  # read again, not kept
+        with pytest.raises(TypeError):
+            b.layers[1.0]
         for la, lb in zip(a.layers, b.layers):
             for f in dataclasses.fields(la):
                 if f.name != "fp8_codes":

@@ -288,7 +288,7 @@ def test_generate_stops_on_ctrl_c_and_cancels_in_the_server(checkpoints, tmp_pat
 def test_generate_into_a_closed_pipe_ends_quietly_and_cancels(checkpoints, tmp_path):
     """`blink generate ... | head -c1`: the reader goes away mid-stream; the command ends with
     SIGPIPE's status and no traceback (it printed BrokenPipeError's), and the server ends the
-    request as cancelled."""
+    request as cancelled; `blink stats | true` too."""
     with serving(tmp_path, checkpoints["llama"], "--engine", "synthetic",
                  "--synthetic-step-ms", "20") as (_, target):
         gen = subprocess.Popen([sys.executable, "-m", "blink.client.cli", "generate",
@@ -301,6 +301,15 @@ def test_generate_into_a_closed_pipe_ends_quietly_and_cancels(checkpoints, tmp_p
         with BlinkClient(target) as client:
             wait_for(lambda: client.stats()["requests_cancelled"] == 1, timeout=5, interval=0.02)
             assert client.stats()["tokens_generated"] < 400
+        # a command whose whole output is buffered (stats: the write fails at the flush, once
+        # the command is done), without PYTHONUNBUFFERED
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+        stats = subprocess.Popen([sys.executable, "-m", "blink.client.cli", "stats", "--target",
+                                  target], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env=env)
+        stats.stdout.close()
+        err = stats.stderr.read().decode()
+        assert stats.wait(timeout=30) == 128 + signal.SIGPIPE and "Exception" not in err, err
 
 
 def test_client_commands_end_in_one_line_on_bad_numbers_and_a_taken_port(checkpoints, tmp_path):
