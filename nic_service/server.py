@@ -85,7 +85,7 @@ class FrontendConfig:
 
 
 class InvalidRequest(ValueError):
-    pass
+    prompt_tokens = 0  # the prompt's, where it was refused after it was tokenized
 
 
 @dataclass
@@ -239,7 +239,7 @@ def log_request(handle: RequestHandle | None, prep: Prepared | None, clock: Requ
     client_id = _cut(prep.client_request_id) if prep else ""
     fields = dict(request_id=handle.request_id if handle else None,
                   client_request_id=client_id,
-                  prompt_tokens=len(prep.prompt_ids) if prep else 0,
+                  prompt_tokens=len(prep.prompt_ids) if prep else clock.prompt_tokens,
                   completion_tokens=generated,
                   ttft_s=round(clock.first - clock.received, 6) if clock.first else None,
                   total_s=round(now - clock.received, 6), outcome=outcome)
@@ -302,6 +302,16 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             ids = await self._off_loop(len(text), self.codec.encode, text, False)
         else:
             raise InvalidRequest("prompt is empty: set text, token_ids or messages")
+        try:
+            return self._checked(req, info, ids)
+        except InvalidRequest as e:  # its log line says how long the prompt it refused was
+            e.prompt_tokens = len(ids)
+            raise
+
+    @staticmethod
+    def _checked(req: pb.GenerateRequest, info, ids) -> Prepared:
+        """The request with its prompt's ids, checked against the model (`info`, the engine's
+        as the request was read) and the limits."""
         if not len(ids):
             raise InvalidRequest("prompt is empty after tokenization")
         ctx = info.context_length
@@ -391,6 +401,7 @@ class BlinkServicer(pb_grpc.BlinkServicer):
             clock.prompt_tokens = len(prep.prompt_ids)
             handle = await self.link.submit(prep.slot_fields)
         except InvalidRequest as e:
+            clock.prompt_tokens = e.prompt_tokens  # (for its log line: it has no first token)
             await self._fail(context, clock, grpc.StatusCode.INVALID_ARGUMENT, str(e), prep)
         except SlotsExhausted as e:
             await self._fail(context, clock, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), prep)

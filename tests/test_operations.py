@@ -896,6 +896,28 @@ def test_client_cancels_and_deadlines_are_counted_and_logged(long_checkpoint, tm
         assert serve.stop() == 0
 
 
+def test_a_prompt_refused_after_tokenizing_logs_its_tokens(long_checkpoint, tmp_path):
+    """A request refused once its prompt is tokenized (max_tokens past the context) logs the
+    prompt's token count, as the tokenizers library counts it (it logged 0 prompt tokens)."""
+    import json
+
+    from tokenizers import Tokenizer
+    serve = Serve(long_checkpoint, tmp_path, "--log-format", "json", "--engine", "synthetic")
+    try:
+        with BlinkClient(serve.target) as client:
+            with pytest.raises(BlinkError) as err:
+                client.generate("hello there, world", exact(10_000_000))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        want = len(Tokenizer.from_file(str(long_checkpoint / "tokenizer.json"))
+                   .encode("hello there, world").ids)
+        requests = wait_for(lambda: [json.loads(line)["request"] for line in
+                                     serve.log_path.read_text().splitlines()
+                                     if '"request"' in line], 10, "the request's log line")
+        assert [r["prompt_tokens"] for r in requests] == [want] and want > 1
+    finally:
+        assert serve.stop() == 0
+
+
 def test_a_long_client_request_id_is_cut_in_the_request_log(caplog):
     """The client's request id is free-form and echoed in the request's log line: a 1 MB one made
     a line of a million characters. The line (and its JSON fields) shows its first
