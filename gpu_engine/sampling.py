@@ -25,19 +25,27 @@ def uniform(seed: int, step: int) -> float:
     return (splitmix64(splitmix64(seed & _MASK64) ^ step) >> 11) * (1.0 / (1 << 53))
 
 
+def _no_nan(logits: np.ndarray) -> np.ndarray:
+    """NaN never wins, as in the GPU kernels (argmax.cuh, sampling.cuh): it counts as -inf."""
+    return np.where(np.isnan(logits), -np.inf, logits) if np.isnan(logits).any() else logits
+
+
 def sampling_distribution(logits: np.ndarray, params: SamplingParams
                           ) -> tuple[np.ndarray, np.ndarray]:
     """The tokens a non-greedy request can draw and their probabilities, in draw order:
     softmax(logits / temperature) over the top_k highest (0: all), then the smallest prefix
-    whose mass reaches top_p (the token crossing it included), renormalized."""
-    scaled = logits.astype(np.float64) / params.temperature
+    whose mass reaches top_p (the token crossing it included), renormalized. Tokens tied with
+    the last one kept at either cut-off are kept too, as the GPU kernel cuts on a logit
+    threshold (sampling.cuh) and transformers' and vLLM's top-k keep ties."""
+    scaled = _no_nan(logits).astype(np.float64) / params.temperature
     order = np.argsort(-scaled, kind="stable")  # descending; ties keep the lower id first
-    if params.top_k > 0:
-        order = order[: params.top_k]
+    if 0 < params.top_k < len(order):
+        order = order[scaled[order] >= scaled[order[params.top_k - 1]]]
     probs = np.exp(scaled[order] - scaled[order[0]])
     probs /= probs.sum()
     if params.top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
+        keep = min(int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1, len(order))
+        keep = int(np.count_nonzero(scaled[order] >= scaled[order[keep - 1]]))
         probs = probs[:keep] / probs[:keep].sum()
         order = order[:keep]
     return order, probs
@@ -46,7 +54,7 @@ def sampling_distribution(logits: np.ndarray, params: SamplingParams
 def sample_token(logits: np.ndarray, params: SamplingParams, step: int) -> int:
     """logits: [vocab] float32. `step` is the index of the token being generated (0-based)."""
     if params.temperature == 0.0 or params.top_k == 1:
-        return int(np.argmax(logits))
+        return int(np.argmax(_no_nan(logits)))
     order, probs = sampling_distribution(logits, params)
     u = uniform(params.seed, step)
     idx = int(np.searchsorted(np.cumsum(probs), u, side="right"))

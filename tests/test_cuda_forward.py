@@ -28,7 +28,7 @@ from blink.gpu_engine.forward_batch import ForwardBatch
 from blink.gpu_engine.fp8 import dequantize_rows, e4m3_to_float32, float32_to_e4m3, \
     quantize_rows
 from blink.gpu_engine.reference_model import ReferenceModel
-from blink.gpu_engine.sampling import sample_token, uniform
+from blink.gpu_engine.sampling import sample_token, sampling_distribution, uniform
 from blink.gpu_engine.sequence import SamplingParams
 
 
@@ -1597,16 +1597,10 @@ def test_greedy_is_argmax_lowest_id_on_ties(cf, stream):
 
 
 def _expected_probs(logits, temperature, top_k, top_p):
-    """The CPU sampler's distribution (gpu_engine.sampling.sample_token) in float64."""
-    scaled = logits.astype(np.float64) / temperature
-    order = np.argsort(-scaled, kind="stable")
-    if top_k > 0:
-        order = order[:top_k]
-    probs = np.exp(scaled[order] - scaled[order[0]])
-    probs /= probs.sum()
-    if top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
-        probs, order = probs[:keep] / probs[:keep].sum(), order[:keep]
+    """The CPU sampler's distribution (gpu_engine.sampling.sampling_distribution) in float64,
+    over the vocabulary."""
+    order, probs = sampling_distribution(logits, SamplingParams(
+        max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p))
     out = np.zeros(len(logits))
     out[order] = probs
     return out

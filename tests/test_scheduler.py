@@ -358,6 +358,34 @@ def test_sampling_distribution(params):
     assert np.abs(got - want).max() < 4 * np.sqrt(want.max() / n) + 1e-3
 
 
+def test_ties_at_a_cut_off_are_kept_and_nan_never_wins():
+    """Tokens tied with the last one top_k or top_p keeps are kept too: the GPU kernel cuts on
+    a logit threshold (sampling.cuh), and transformers' TopKLogitsWarper and vLLM keep top-k
+    ties; the CPU sampler kept exactly k tokens, the lower ids, so the two engines drew from
+    different sets (tied logits are common: a checkpoint's reserved tokens share one row). A NaN
+    logit counts as -inf, as in the kernels: greedy picked it, and sampling drew one token."""
+    from blink.gpu_engine.sampling import sampling_distribution
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    logits = np.array([3.0, 2.0, 2.0, 2.0, 0.0], np.float32)
+    order, probs = sampling_distribution(logits, SamplingParams(1, top_k=2))
+    hf = transformers.TopKLogitsWarper(top_k=2)(None, torch.tensor(logits)[None])
+    want = torch.softmax(hf, -1)[0].numpy()
+    assert sorted(order.tolist()) == [0, 1, 2, 3]
+    got = np.zeros(5)
+    got[order] = probs
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    # top_p 0.75 over [0.5, 0.25, 0.25]: the crossing token's tie comes along (the kernel's set)
+    order, probs = sampling_distribution(np.log(np.array([.5, .25, .25], np.float32)),
+                                         SamplingParams(1, top_p=0.75))
+    assert sorted(order.tolist()) == [0, 1, 2]
+    np.testing.assert_allclose(sorted(probs.tolist()), [0.25, 0.25, 0.5], rtol=1e-6)
+    with_nan = np.array([0.0, np.nan, 1.0], np.float32)
+    assert sample_token(with_nan, SamplingParams(1, temperature=0.0), 0) == 2
+    draws = Counter(sample_token(with_nan, SamplingParams(1, seed=s), 0) for s in range(2000))
+    assert draws[1] == 0 and 0.2 < draws[0] / 2000 < 0.34  # softmax([0, 1]): 0.269 and 0.731
+
+
 def test_uniform_is_uniform():
     u = np.array([uniform(77, i) for i in range(20000)])
     assert 0 <= u.min() and u.max() < 1
