@@ -155,7 +155,9 @@ UNSUPPORTED = {"n": (None, 1), "echo": (None, False), "logprobs": (None, False),
                "include_stop_str_in_output": (None, False), "bad_words": (None, []),
                "allowed_token_ids": (None,), "logits_processors": (None,),
                "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-               "guided_grammar": (None,), "structured_outputs": (None,)}
+               "guided_grammar": (None,), "structured_outputs": (None,),
+               # the output keeps no special token (the detokenizer skips them)
+               "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True)}
 
 
 def _is_neutral(value, neutral: tuple) -> bool:
@@ -189,7 +191,29 @@ def _number(body: dict, key: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadRequest(f"'{key}' must be a number, got {value!r}", key)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # a JSON integer past a double (a 500 and a traceback before)
+        raise BadRequest(f"'{key}' is out of range: a {len(str(value))}-digit integer",
+                         key) from None
+
+
+def special_tokens_from(body: dict, chat: bool) -> bool:
+    """vLLM's add_special_tokens: whether a text prompt gets the tokenizer's special tokens
+    (BOS). /v1/completions: true unless false (a client that writes its own BOS asks false,
+    and got a second one); chat: the template writes them, so only false (vLLM's default) is
+    served."""
+    value = body.get("add_special_tokens")
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"'add_special_tokens' must be a boolean, got {value!r}",
+                         "add_special_tokens")
+    if chat:
+        if value:
+            raise BadRequest("'add_special_tokens' true is not supported on chat completions: "
+                             "the chat template writes the special tokens",
+                             "add_special_tokens")
+        return True  # (a chat prompt's special tokens are the template's alone)
+    return value is not False  # (token ids are sent as they are either way)
 
 
 # /v1/completions' max_tokens when the request leaves it out (OpenAI's documented default, and
@@ -210,7 +234,7 @@ def sampling_from(body: dict, chat: bool) -> Sampling:
     _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and isinstance(
-            options.get("include_usage", False), bool)):
+            options.get("include_usage") or False, bool)):  # (null: the default, false)
         raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'",
                          "stream_options")
     stop = body.get("stop")
@@ -419,6 +443,7 @@ def make_app(target: str, served_model_names: list[str] | None = None,
                 raise BadRequest("the body must be a JSON object")
             prompt, sampling = _prompt(body, chat), sampling_from(body, chat)
             cache_salt = cache_salt_from(body)
+            adds_special_tokens = special_tokens_from(body, chat)
             model = body.get("model") or ""
             if not isinstance(model, str) or not _encodable(model):
                 # (a lone surrogate, "\ud800", was echoed in the response's own `model`:
@@ -443,7 +468,8 @@ def make_app(target: str, served_model_names: list[str] | None = None,
         try:  # (what the SDK's request builder refuses; a session header gRPC cannot carry)
             worker, client = await client_for(request)
             model = model or await served_name(client)
-            stream = client.stream(prompt, sampling, cache_salt=cache_salt)
+            stream = client.stream(prompt, sampling, cache_salt=cache_salt,
+                                   skip_special_tokens_in_prompt=not adds_special_tokens)
         except BlinkError as e:
             return _blink_error(web, e)
         except (TypeError, ValueError) as e:

@@ -160,9 +160,15 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
                 {"chat_template_kwargs": {"enable_thinking": False}},
                 {"continue_final_message": True}, {"add_generation_prompt": False},
                 {"repetition_penalty": 1.1}, {"ignore_eos": "yes"}, {"stop_token_ids": [-1]},
-                {"cache_salt": ""}, {"cache_salt": 5}):
+                {"cache_salt": ""}, {"cache_salt": 5},
+                # a JSON integer past a double (a text/plain 500 and a traceback before)
+                {"temperature": 10 ** 400}, {"top_p": 10 ** 400},
+                # the detokenizer always skips special tokens (these were silently ignored)
+                {"skip_special_tokens": False}, {"spaces_between_special_tokens": False},
+                {"add_special_tokens": "no"}):
         status, body = post(client, "/completions", {**base, **bad})
         assert (status, body["error"]["type"]) == (400, "invalid_request_error"), (bad, body)
+        assert body["error"]["param"] == next(iter(bad)), (bad, body)
     status, body = post(client, "/chat/completions", {
         "model": "llama", "max_tokens": 3,
         "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})
@@ -173,6 +179,17 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
     assert status == 400 and "text content" in body["error"]["message"], body
     status, body = post(client, "/completions", {**base, "model": "gpt-4-nope"})
     assert (status, body["error"]["code"]) == (404, "model_not_found"), body
+    # vLLM's add_special_tokens: false leaves the BOS out of a text prompt (it was ignored:
+    # a client that writes its own BOS got two); on chat the template writes them
+    counts = [post(client, "/completions", {**base, **extra})[1]["usage"]["prompt_tokens"]
+              for extra in ({}, {"add_special_tokens": True}, {"add_special_tokens": False})]
+    assert counts[0] == counts[1] == counts[2] + 1, counts
+    chat = {"model": "llama", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    status, body = post(client, "/chat/completions", {**chat, "add_special_tokens": True})
+    assert (status, body["error"]["param"]) == (400, "add_special_tokens"), body
+    status, body = post(client, "/chat/completions", {**chat, "add_special_tokens": False,
+                                                      "stream_options": {"include_usage": None}})
+    assert status == 200, body
     # bodies that cannot be read as JSON: bytes that are not UTF-8, a charset Python does not
     # know, nesting deeper than the parser goes (each a 500 and a traceback before)
     for raw, content_type in ((b'{"prompt": "\xff\xfe"}', "application/json"),
