@@ -119,16 +119,27 @@ def _error(web, status: int, message: str, code: str | None = None, param: str |
     return web.json_response(_error_body(status, message, code, param), status=status)
 
 
+# The server's refusals that name a request field (nic_service/server.py's checks), as the
+# `param` of OpenAI's error: "temperature must be >= 0", "at most 16 stop strings", ...
+SERVER_PARAM = re.compile(r"^(?:at most \d+ )?(max_tokens|temperature|top_p|top_k|"
+                          r"stop_token_ids|stop token id|stop strings|prompt)\b")
+SERVER_PARAM_NAMES = {"stop token id": "stop_token_ids", "stop strings": "stop"}
+
+
 def _blink_error_body(e: BlinkError, chat: bool | None = None) -> tuple[int, dict]:
     """(HTTP status, OpenAI's error body) for a Blink call's error; chat: which endpoint's
-    prompt (messages or prompt) a context-length error names, None where neither."""
+    prompt (messages or prompt) a context-length or prompt error names, None where neither."""
     status = HTTP_STATUS.get(e.code, 500)
     if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and GRPC_TOO_LARGE in e.details:
         status = 413  # (not the 429 that clients retry: no retry makes the request smaller)
+    prompt = None if chat is None else "messages" if chat else "prompt"
     if e.code == grpc.StatusCode.INVALID_ARGUMENT and CONTEXT_LENGTH_EXCEEDED.match(e.details):
-        return status, _error_body(status, e.details, "context_length_exceeded",
-                                   None if chat is None else "messages" if chat else "prompt")
-    return status, _error_body(status, e.details, e.code.name.lower())
+        return status, _error_body(status, e.details, "context_length_exceeded", prompt)
+    named = (SERVER_PARAM.match(e.details) if e.code == grpc.StatusCode.INVALID_ARGUMENT
+             else None)
+    param = named and SERVER_PARAM_NAMES.get(named.group(1), named.group(1))
+    return status, _error_body(status, e.details, e.code.name.lower(),
+                               prompt if param == "prompt" else param)
 
 
 def _blink_error(web, e: BlinkError, chat: bool | None = None):
@@ -180,6 +191,8 @@ def _int(body: dict, key: str, lo: int, hi: int) -> int | None:
     value = body.get(key)
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():  # 2.0: an integer, as vLLM takes it
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise BadRequest(f"'{key}' must be an integer in [{lo}, {hi}], got {value!r}", key)
     return value

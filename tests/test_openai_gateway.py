@@ -184,6 +184,16 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
     counts = [post(client, "/completions", {**base, **extra})[1]["usage"]["prompt_tokens"]
               for extra in ({}, {"add_special_tokens": True}, {"add_special_tokens": False})]
     assert counts[0] == counts[1] == counts[2] + 1, counts
+    # the server's own refusals name the field too (param was null); an integer written as a
+    # float is an integer, as vLLM takes it (a 400 before)
+    for bad, param in (({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                       ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"),
+                       ({"stop": ["x"] * 17}, "stop"), ({"prompt": ""}, "prompt")):
+        status, body = post(client, "/completions", {**base, **bad})
+        assert (status, body["error"]["param"]) == (400, param), (bad, body)
+    status, body = post(client, "/completions", {**base, "max_tokens": 2.0,
+                                                 "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
     chat = {"model": "llama", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
     status, body = post(client, "/chat/completions", {**chat, "add_special_tokens": True})
     assert (status, body["error"]["param"]) == (400, "add_special_tokens"), body
