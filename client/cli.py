@@ -957,12 +957,16 @@ async def _supervise_engine(argv: list[str], stop: asyncio.Event, link,
             _remove_ring_of(link.ring_name, proc.pid)
             return 0
         stopper.cancel()
+        # its ring at once: a stop during the backoff below returned with the file left behind
+        _remove_ring_of(link.ring_name, proc.pid)
         if not ready:
-            _remove_ring_of(link.ring_name, proc.pid)
             return proc.returncode or 1
         log.warning("engine exited with %s; restarting", proc.returncode)
         backoff = 0.5 if time.monotonic() - started > 30 else min(backoff * 2, 10)
-        await asyncio.sleep(backoff)
+        try:  # (a stop meanwhile ends the wait: serve stopped up to 10 s late)
+            await asyncio.wait_for(stop.wait(), backoff)
+        except asyncio.TimeoutError:
+            pass
     return 0
 
 

@@ -213,9 +213,23 @@ class ReferenceEngine:
                      if weights.kv_scales is not None else "calibrated")
         return num_blocks
 
+    # a Type=notify unit's watchdog (serve_forever's; None outside it)
+    systemd: SystemdNotify | None = None
+
+    def _progress(self) -> None:
+        """A forward pass's progress, layer by layer: the ring's heartbeat, and the systemd
+        watchdog's ping with it (pinged once a step, a prefill of seconds went unpinged while
+        its heartbeat moved: WatchdogSec= would kill an engine making progress)."""
+        self.ring.beat()
+        if self.systemd is not None:
+            self.systemd.keepalive(self._heartbeat)
+
+    def _heartbeat(self) -> int:
+        return int(self.ring.header["heartbeat"])
+
     def _forward_sample(self, batch: ForwardBatch, samplers: list[Sequence]) -> list[int]:
         """One forward pass over the batch; the token sampled for each of its logit rows."""
-        logits = self.model.forward(batch, on_progress=self.ring.beat)
+        logits = self.model.forward(batch, on_progress=self._progress)
         return [sample_token(row, seq.params, len(seq.output))
                 for row, seq in zip(logits, samplers)]
 
@@ -344,7 +358,7 @@ class ReferenceEngine:
     def serve_forever(self) -> None:
         self.ring.set_state(EngineState.SERVING)
         log.info("engine serving")
-        systemd = SystemdNotify()
+        systemd = self.systemd = SystemdNotify()
         systemd.ready()
         sleep = self.config.idle_sleep_s
         try:
@@ -354,7 +368,7 @@ class ReferenceEngine:
                 else:  # idle: back off, so waiting costs little CPU and a new request <= 5 ms
                     time.sleep(sleep)
                     sleep = min(2 * sleep, self.config.idle_sleep_max_s)
-                systemd.keepalive(lambda: int(self.ring.header["heartbeat"]))
+                systemd.keepalive(self._heartbeat)
         finally:
             systemd.stopping()
             self.close()

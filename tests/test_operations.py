@@ -242,6 +242,25 @@ def test_serve_restarts_a_stuck_engine(checkpoints, tmp_path):
         assert serve.stop() == 0
 
 
+def test_serve_stopped_while_it_waits_to_restart_a_killed_engine(checkpoints, tmp_path):
+    """serve stopped in the wait before it restarts a killed engine: it stops at once and the
+    killed engine's ring is gone from /dev/shm (the wait watched no stop, and the return after
+    it left the ring behind)."""
+    from blink.ring.shm import shm_path
+    ring = f"blink-test-backoff-{os.getpid()}"
+    serve = Serve(checkpoints["llama"], tmp_path, "--engine", "synthetic", "--ring-name", ring)
+    try:
+        os.kill(serve.engine_pid(), signal.SIGKILL)
+        wait_for(lambda: "restarting" in serve.log_path.read_text(), 10, "the restart's wait")
+        serve.proc.send_signal(signal.SIGTERM)
+        serve.proc.wait(5)
+        assert serve.proc.returncode == 0
+        assert not shm_path(ring).exists(), serve.log_path.read_text()
+    finally:
+        assert serve.stop() == 0
+        shm_path(ring).unlink(missing_ok=True)
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -1745,6 +1764,39 @@ def test_systemd_watchdog_pings_only_while_the_heartbeat_moves(tmp_path):
         assert SystemdNotify({"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000",
                               "WATCHDOG_PID": "1"}).watchdog_s is None
         SystemdNotify({}).ready()  # nothing to send to: nothing happens
+    finally:
+        notify.close()
+
+
+def test_a_long_cpu_step_keeps_pinging_the_watchdog_while_it_beats(tmp_path):
+    """A CPU engine's forward pass beats the ring's heartbeat layer by layer; the watchdog is
+    pinged with it (it was pinged once a step: a prefill of seconds under WatchdogSec= went
+    unpinged while its heartbeat moved, and systemd would kill an engine making progress)."""
+    import types
+
+    import numpy as np
+
+    from blink.gpu_engine.reference_engine import ReferenceEngine
+    from blink.ring.lifecycle import SystemdNotify
+    notify = NotifySocket(tmp_path / "notify")
+    try:
+        ring = types.SimpleNamespace(header={"heartbeat": 0})
+        ring.beat = lambda: ring.header.update(heartbeat=ring.header["heartbeat"] + 1)
+
+        def forward(batch, on_progress):  # a 0.8-s pass over 16 layers
+            for _ in range(16):
+                time.sleep(0.05)
+                on_progress()
+            return np.zeros((0, 8), np.float32)
+        engine = ReferenceEngine.__new__(ReferenceEngine)
+        engine.ring, engine.model = ring, types.SimpleNamespace(forward=forward)
+        # (at most one ping a 0.1 s: the socket's queue, unread meanwhile, holds them all)
+        engine.systemd = SystemdNotify({"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"})
+        assert engine._forward_sample(None, []) == []
+        for _ in range(12):
+            notify.receive()
+        assert ring.header["heartbeat"] == 16
+        assert notify.got.count("WATCHDOG=1") >= 4, notify.got
     finally:
         notify.close()
 
