@@ -345,7 +345,9 @@ def served_formats(flags: list[str]) -> ServedFormats:
     from blink.client.cli import build_parser
     args = build_parser().parse_args(["engine", *flags])
     fp8 = args.quantization == "fp8"
-    return ServedFormats(fp8, fp8 and args.fp8_lm_head, args.kv_cache_dtype == "fp8")
+    # (the shapes' dummy weights are converted: their LM head is FP8 unless told otherwise)
+    return ServedFormats(fp8, fp8 and args.fp8_lm_head is not False,
+                         args.kv_cache_dtype == "fp8")
 
 
 def decode_floor_bytes(shape: str, w: Workload, formats: ServedFormats):

@@ -213,10 +213,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Hopper GPUs; the cpu engine emulates the rounding). none: an FP8 "
                         "checkpoint's values in bf16 (the default for one on a GPU without "
                         "FP8 GEMMs)")
-    p.add_argument("--no-fp8-lm-head", dest="fp8_lm_head", action="store_false",
-                   help="with FP8 weights, keep the LM head in bf16: by default it is E4M3 "
-                        "with a scale per vocabulary row too, which halves its reads (8B "
-                        "shape: 1 GB a decode step) and adds its rounding to the logits")
+    p.add_argument("--fp8-lm-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="with FP8 weights, the LM head as E4M3 with a scale per vocabulary row "
+                        "too, which halves its reads (8B shape: 1 GB a decode step) and adds "
+                        "its rounding to the logits; --no-fp8-lm-head: bf16. By default as the "
+                        "weights come: FP8 where --quantization fp8 converts them, as an FP8 "
+                        "checkpoint stores it (most keep it bf16)")
     p.add_argument("--no-fp8-fast-accum", dest="fp8_fast_accum", action="store_false",
                    help="with FP8 weights, have cuBLASLt's FP8 GEMMs (prefill-sized steps, "
                         "batches past 16 rows) promote their sums to fp32 as they go: by "
@@ -271,6 +273,15 @@ def _fine_buckets_from(text: str) -> int:
     """The token count from which the forward graphs' buckets go four an octave: at least 4
     (engine_layout.default_buckets)."""
     return _whole(text, 4, "a token count of at least 4")
+
+
+def _ring_name(text: str) -> str:
+    """A name the ring's file in /dev/shm and its claim can take (lifecycle.check_ring_name)."""
+    from blink.ring.lifecycle import check_ring_name
+    try:
+        return check_ring_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _seconds(text: str) -> float:
@@ -885,8 +896,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
         argv.append("--no-decode-weight-copy")
     if args.quantization:
         argv += ["--quantization", args.quantization]
-    if not args.fp8_lm_head:
-        argv.append("--no-fp8-lm-head")
+    if args.fp8_lm_head is not None:
+        argv.append("--fp8-lm-head" if args.fp8_lm_head else "--no-fp8-lm-head")
     if not args.fp8_fast_accum:
         argv.append("--no-fp8-fast-accum")
     if args.kv_cache_dtype != "auto":
@@ -1216,7 +1227,7 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(p, ring_default):
         p.add_argument("--model", default=None,
                        help="Hugging Face checkpoint folder (default: the built-in demo model)")
-        p.add_argument("--ring-name", default=ring_default,
+        p.add_argument("--ring-name", type=_ring_name, default=ring_default,
                        help="name of the shared-memory ring under /dev/shm "
                             f"(default: {ring_default or default_ring_name() + '-PORT'})")
 

@@ -86,6 +86,12 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+def _json_error(e: Exception) -> str:
+    # (json's decoder recurses a level an array or object: a file nested deeper than Python's
+    # stack, which no writer makes, would be a RecursionError's traceback)
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path.name} not found in checkpoint directory {path.parent}")
@@ -93,8 +99,8 @@ def _read_json(path: Path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:  # unreadable (permissions): still one line, not a traceback
         raise CheckpointError(f"{path} cannot be read: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {_json_error(e)}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object")
     return data
@@ -558,8 +564,8 @@ def _read_safetensors_header(path: Path) -> dict[str, _TensorRef]:
         raise CheckpointError(f"{path} cannot be read: {e.strerror}") from None
     try:
         header = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header: {_json_error(e)}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     refs = {}
@@ -608,7 +614,11 @@ def _read_tensor(ref: _TensorRef, mm: np.memmap, name: str) -> np.ndarray:
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
+    """The checkpoint's weight files, as transformers picks them: model.safetensors where it
+    exists (beside an index too), else the shards its index lists, else every *.safetensors."""
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -814,6 +824,20 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, *,
                     " is" if len(unused) == 1 else "s are", model_dir.name, cfg.architecture,
                     ", ".join(unused[:5]), ", ..." if len(unused) > 5 else "")
     return weights
+
+
+def unquantized_linear_weights(model_dir: str | Path, cfg: ModelConfig) -> list[str]:
+    """The projection weights and LM head an FP8 checkpoint stores wider than E4M3, from its
+    headers: the modules its quantizer left out (modules_to_not_convert, ignore,
+    exclude_modules): the LM head in nearly every release ("lm_head.weight" here where it is
+    tied to the embedding), every self_attn projection in Meta's Llama-3.1 FP8 ones. Empty for
+    a checkpoint that is not FP8."""
+    if cfg.quantization != "fp8":
+        return []
+    refs = _tensor_refs(Path(model_dir))
+    names = [f"model.layers.{i}.{tensor}.weight" for i in range(cfg.num_layers)
+             for tensor in PROJECTION_TENSORS.values()] + ["lm_head.weight"]
+    return [name for name in names if name not in refs or refs[name].dtype != "F8_E4M3"]
 
 
 def _layer_tensors(cfg: ModelConfig, i: int, get) -> LayerWeights:

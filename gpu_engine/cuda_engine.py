@@ -116,7 +116,7 @@ class CudaEngine:
             held_sms=1, sm_count_target=config.sm_count_target,  # the scheduler's CTA
             decode_weight_copy=config.decode_weight_copy, gemm_split_k=config.gemm_split_k,
             fine_buckets_from=config.fine_buckets_from,
-            quantization=config.quantization_for(cfg), fp8_lm_head=config.fp8_lm_head,
+            quantization=config.quantization_for(cfg), fp8_lm_head=config.lm_head_fp8_for(cfg),
             fp8_fast_accum=config.fp8_fast_accum, kv_cache_dtype=config.kv_cache_dtype,
             kv_scales=weights.kv_scales if weights is not None else None)
         num_blocks = self.forward.num_blocks

@@ -42,7 +42,7 @@ class HostDrivenCudaEngine(ReferenceEngine):
             held_sms=0, sm_count_target=config.sm_count_target,  # the host launches the graphs
             decode_weight_copy=config.decode_weight_copy, gemm_split_k=config.gemm_split_k,
             fine_buckets_from=config.fine_buckets_from,
-            quantization=config.quantization_for(cfg), fp8_lm_head=config.fp8_lm_head,
+            quantization=config.quantization_for(cfg), fp8_lm_head=config.lm_head_fp8_for(cfg),
             fp8_fast_accum=config.fp8_fast_accum, kv_cache_dtype=config.kv_cache_dtype,
             kv_scales=weights.kv_scales if weights is not None else None)
         log.info("host-driven CUDA engine: weights, KV cache (%d blocks) and %d forward graphs "

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from blink.gpu_engine.block_manager import KvBlockPool
-from blink.gpu_engine.checkpoint import ModelConfig, load_config, load_weights
+from blink.gpu_engine.checkpoint import (ModelConfig, load_config, load_weights,
+                                         unquantized_linear_weights)
 from blink.gpu_engine.engine_layout import KvCacheTooLarge
 from blink.gpu_engine.forward_batch import ForwardBatch
 from blink.gpu_engine.fp8 import (calibration_count, calibration_tokens, fp8_weights,
@@ -71,8 +72,9 @@ class EngineConfig:
     # checkpoint's config asks for); the CPU engine emulates their rounding (gpu_engine/fp8.py);
     # "none": an FP8 checkpoint's values served in bf16 (float32 on the CPU engine)
     quantization: str | None = None
-    # with FP8 weights: the LM head as E4M3 with a scale per vocabulary row too (False: bf16)
-    fp8_lm_head: bool = True
+    # with FP8 weights: the LM head as E4M3 with a scale per vocabulary row too (False: bf16);
+    # None: as the weights come (lm_head_fp8_for)
+    fp8_lm_head: bool | None = None
     # with FP8 weights: cuBLASLt's FP8 GEMMs (prefill-sized steps) accumulate in the tensor
     # cores' own precision, not promoted to fp32 as they go (False: promoted; CUDA engines)
     fp8_fast_accum: bool = True
@@ -103,6 +105,29 @@ class EngineConfig:
         if self.quantization == "none":
             return None
         return self.quantization or cfg.quantization
+
+    def lm_head_fp8_for(self, cfg: ModelConfig) -> bool:
+        """Whether the LM head is served as E4M3 with FP8 weights: --fp8-lm-head or
+        --no-fp8-lm-head, else as the weights come: FP8 where they are converted (from a wider
+        checkpoint, or --load-format dummy), as an FP8 checkpoint stores it otherwise (nearly
+        every release keeps it bf16, as transformers and vLLM then serve it). An FP8
+        checkpoint's projections stored wider are rounded to E4M3 like the rest, with a
+        warning: a layer's projections share one format in every engine."""
+        if self.quantization_for(cfg) != "fp8":
+            return False
+        if cfg.quantization != "fp8" or self.load_format == "dummy":
+            return self.fp8_lm_head is not False
+        wider = unquantized_linear_weights(self.model_dir, cfg)
+        layers = [name for name in wider if name != "lm_head.weight"]
+        if layers:
+            log.warning("%d of the %d projection weights of this FP8 checkpoint are stored "
+                        "wider than E4M3 (the modules its quantizer left out: %s%s); they are "
+                        "served as E4M3 with a scale per row like the others (--quantization "
+                        "none serves every weight in bf16)", len(layers), 7 * cfg.num_layers,
+                        ", ".join(layers[:3]), ", ..." if len(layers) > 3 else "")
+        if self.fp8_lm_head is not None:
+            return self.fp8_lm_head
+        return "lm_head.weight" not in wider
 
 
 def served_context_length(config: EngineConfig, cfg: ModelConfig) -> int:
@@ -200,7 +225,7 @@ class ReferenceEngine:
         check_host_kv_cache(num_blocks, block_bytes)
         weights = load_weights(config.model_dir, cfg)
         if config.quantization_for(cfg) == "fp8":
-            weights = fp8_weights(weights, lm_head=config.fp8_lm_head)
+            weights = fp8_weights(weights, lm_head=config.lm_head_fp8_for(cfg))
         self.model = ReferenceModel(cfg, weights, num_blocks, config.block_size)
         if config.kv_cache_dtype == "fp8":
             if weights.kv_scales is not None:

@@ -125,7 +125,9 @@ class PromptCodec:
                 from None
         config_path = Path(model_dir) / "config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.architecture = (config.get("architectures") or ["unknown"])[0]
+        # `architectures`: a list of names, or one name, which load_config takes too
+        archs = config.get("architectures") or ["unknown"]
+        self.architecture = archs if isinstance(archs, str) else archs[0]
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # encode_batch, not encode: tokenizers' encode holds the GIL for the whole text (2.7 s

@@ -560,3 +560,17 @@ def test_the_front_end_refuses_a_huge_operation_at_once_and_serves_on(tmp_path, 
         assert time.monotonic() - start < 4  # (a round trip on a busy host: the render is instant)
         done = client.generate([{"role": "user", "content": "hi"}], Sampling(max_tokens=1))
         assert done.completion_tokens == 1
+
+
+def test_the_model_s_architecture_is_named_whole(tmp_path):
+    """config.json's `architectures` as one name rather than a list, which the engine takes: the
+    front end's GetModelInfo said "L", the name's first letter."""
+    from blink.gpu_engine.demo_model import write_random_checkpoint
+    from blink.nic_service.server import PromptCodec
+    folder = write_random_checkpoint(tmp_path / "m", seed=5, hidden_size=32, intermediate_size=64,
+                                     num_layers=1, num_heads=2, num_kv_heads=1)
+    assert PromptCodec(folder).architecture == "LlamaForCausalLM"
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config,
+                                                    "architectures": "LlamaForCausalLM"}))
+    assert PromptCodec(folder).architecture == "LlamaForCausalLM"

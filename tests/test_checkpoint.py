@@ -375,6 +375,12 @@ def _dangling_weights(path):
     (path / "model.safetensors").symlink_to(path / "blobs" / "never-downloaded")
 
 
+def _weights_beside_a_folder_named_like_them(path):
+    # (no model.safetensors, which would be taken alone, as transformers takes it)
+    (path / "model.safetensors").rename(path / "weights.safetensors")
+    (path / "extra.safetensors").mkdir()
+
+
 def _sharded_with_a_null_shard(path):
     (path / "model.safetensors").unlink()
     write_random_checkpoint(path, dtype="float32", max_shard_bytes=40_000, **TINY)
@@ -397,7 +403,7 @@ def _config(**changes):
 # case -> (how the folder is broken, what its one line says)
 UNSERVABLE = {
     "weights a dangling link": (_dangling_weights, r"model.safetensors is not a file"),
-    "a folder named like weights": (lambda p: (p / "extra.safetensors").mkdir(),
+    "a folder named like weights": (_weights_beside_a_folder_named_like_them,
                                     r"extra.safetensors is not a file"),
     "header dtype not a string": (lambda p: _edit_header(p, _entry(NORM, dtype=["F32"])),
                                   r"corrupt safetensors header entry for model.norm.weight"),
@@ -547,3 +553,38 @@ def test_layers_on_demand_hold_one_layer_at_a_time(tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"down_proj\.weight has shape \[128, 500\]"):
         load_weights(path, cfg, layers_on_demand=True)  # the headers, all before anything
+
+
+def test_a_folder_with_both_weight_forms_loads_what_transformers_loads(tmp_path, f32_ckpt):
+    """model.safetensors beside a shard index (a re-saved checkpoint's leftovers): transformers
+    loads model.safetensors; Blink took the shards, and served other weights without a word."""
+    path = shutil.copytree(f32_ckpt, tmp_path / "m")
+    shards = write_random_checkpoint(tmp_path / "shards", dtype="float32", seed=7,
+                                     max_shard_bytes=40_000, **TINY)
+    for f in shards.glob("model*.safetensors*"):
+        shutil.copy(f, path / f.name)
+    cfg = load_config(path)
+    ours = load_weights(path, cfg)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    want = model.model.embed_tokens.weight.detach().numpy()
+    np.testing.assert_array_equal(ours.embed, want)
+    assert not np.array_equal(load_weights(shards, cfg).embed, want)  # the two sets differ
+
+
+@pytest.mark.parametrize("where", ["config.json", "safetensors header"])
+def test_json_nested_past_the_parser_s_depth_is_one_error(tmp_path, f32_ckpt, where):
+    """JSON nested deeper than Python's recursion limit (no writer makes it; a corrupt or
+    hostile file) was a RecursionError's traceback; the safetensors library refuses such a
+    header too."""
+    path = shutil.copytree(f32_ckpt, tmp_path / "m")
+    deep = "[" * 100_000 + "]" * 100_000
+    if where == "config.json":
+        (path / "config.json").write_text(deep)
+        with pytest.raises(CheckpointError, match="config.json is not valid JSON: nested too "
+                                                  "deeply"):
+            load_config(path)
+        return
+    raw = deep.encode()
+    (path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    with pytest.raises(CheckpointError, match="corrupt safetensors header: nested too deeply"):
+        load_weights(path, load_config(f32_ckpt))

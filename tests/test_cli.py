@@ -17,6 +17,7 @@ from conftest import children
 from test_serving_behaviour import wait_for
 
 from blink.client.sdk import BlinkClient
+from blink.ring.lifecycle import RING_NAME_MAX_BYTES, claim_ring
 
 pytestmark = pytest.mark.slow
 
@@ -190,6 +191,20 @@ def test_flags_that_cannot_serve_are_refused_at_start(tmp_path):
         out = blink("serve", *flags, "--model", str(tmp_path))
         assert out.returncode != 0 and says in out.stderr, (flags, out.stderr)
         assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_ring_name_that_cannot_be_a_ring_is_refused_in_one_line(tmp_path):
+    """A ring name with a '/' (a path under /dev/shm) or one too long for the claim's socket
+    address (92 bytes) was a traceback from deep in the start-up, after the model had loaded."""
+    longest = "r" * RING_NAME_MAX_BYTES
+    claim_ring(longest, "frontend").close()  # the limit is the socket's own
+    for command in ("serve", "engine", "frontend"):
+        for name, says in (("a/b", "not a ring name"), (".hidden", "not a ring name"),
+                           (longest + "r", "a ring name has at most 92")):
+            out = blink(command, "--ring-name", name, "--model", str(tmp_path))
+            assert out.returncode == 2, (command, name, out.stderr)
+            assert "error: argument --ring-name: " in out.stderr and says in out.stderr
+            assert "Traceback" not in out.stderr, out.stderr
 
 
 def test_dummy_weights_need_the_cuda_engine(checkpoints):
@@ -372,11 +387,11 @@ def test_gemm_split_k_flag_reaches_the_engine(tmp_path):
     """--gemm-split-k (off by default) travels from `blink serve` to the engine's config."""
     from blink.client.cli import _engine_argv, _engine_config, build_parser
     parser = build_parser()
-    off = parser.parse_args(["serve", "--model", str(tmp_path)])
+    off = parser.parse_args(["serve", "--ring-name", "r", "--model", str(tmp_path)])
     assert _engine_config(off, tmp_path).gemm_split_k is False
     assert "--gemm-split-k" not in _engine_argv(off, tmp_path)
-    argv = _engine_argv(parser.parse_args(["serve", "--model", str(tmp_path), "--gemm-split-k"]),
-                        tmp_path)
+    argv = _engine_argv(parser.parse_args(["serve", "--ring-name", "r", "--model",
+                                           str(tmp_path), "--gemm-split-k"]), tmp_path)
     engine = parser.parse_args(argv[argv.index("engine"):])
     assert _engine_config(engine, tmp_path).gemm_split_k is True
 
@@ -386,9 +401,9 @@ def test_fine_buckets_flag_reaches_the_engine(tmp_path, capsys):
     a count below 4 is refused by the parser."""
     from blink.client.cli import _engine_argv, _engine_config, build_parser
     parser = build_parser()
-    default = parser.parse_args(["serve", "--model", str(tmp_path)])
+    default = parser.parse_args(["serve", "--ring-name", "r", "--model", str(tmp_path)])
     assert _engine_config(default, tmp_path).fine_buckets_from == 128
-    argv = _engine_argv(parser.parse_args(["serve", "--model", str(tmp_path),
+    argv = _engine_argv(parser.parse_args(["serve", "--ring-name", "r", "--model", str(tmp_path),
                                            "--fine-buckets-from", "64"]), tmp_path)
     engine = parser.parse_args(argv[argv.index("engine"):])
     assert _engine_config(engine, tmp_path).fine_buckets_from == 64
@@ -398,21 +413,23 @@ def test_fine_buckets_flag_reaches_the_engine(tmp_path, capsys):
         assert "is not a token count of at least 4" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag,field", [("--no-gemm-tuning", "gemm_tuning"),
-                                        ("--no-decode-weight-copy", "decode_weight_copy"),
-                                        ("--no-fp8-lm-head", "fp8_lm_head"),
-                                        ("--no-fp8-fast-accum", "fp8_fast_accum")])
-def test_engine_off_flags_reach_the_engine(tmp_path, flag, field):
-    """--no-gemm-tuning, --no-decode-weight-copy, --no-fp8-lm-head, --no-fp8-fast-accum:
-    `blink serve` passes each to the engine process it starts, and the engine's config turns
-    that feature off (on by default)."""
+@pytest.mark.parametrize("flag,field,value,default", [
+    ("--no-gemm-tuning", "gemm_tuning", False, True),
+    ("--no-decode-weight-copy", "decode_weight_copy", False, True),
+    ("--no-fp8-lm-head", "fp8_lm_head", False, None),  # None: as the weights come
+    ("--fp8-lm-head", "fp8_lm_head", True, None),
+    ("--no-fp8-fast-accum", "fp8_fast_accum", False, True)])
+def test_engine_on_off_flags_reach_the_engine(tmp_path, flag, field, value, default):
+    """--no-gemm-tuning, --no-decode-weight-copy, --[no-]fp8-lm-head, --no-fp8-fast-accum:
+    `blink serve` passes each to the engine process it starts, and the engine's config takes
+    it; without the flag, neither passes it nor changes the engine's default."""
     from blink.client.cli import _engine_argv, _engine_config, build_parser
     parser = build_parser()
-    on = parser.parse_args(["serve", "--model", str(tmp_path)])
-    off = parser.parse_args(["serve", "--model", str(tmp_path), flag])
-    assert getattr(_engine_config(on, tmp_path), field) is True
-    assert flag not in _engine_argv(on, tmp_path)
-    argv = _engine_argv(off, tmp_path)
+    unset = parser.parse_args(["serve", "--ring-name", "r", "--model", str(tmp_path)])
+    given = parser.parse_args(["serve", "--ring-name", "r", "--model", str(tmp_path), flag])
+    assert getattr(_engine_config(unset, tmp_path), field) is default
+    assert not {"--fp8-lm-head", "--no-fp8-lm-head", flag} & set(_engine_argv(unset, tmp_path))
+    argv = _engine_argv(given, tmp_path)
     assert flag in argv
     engine = parser.parse_args(argv[argv.index("engine"):])
-    assert getattr(_engine_config(engine, tmp_path), field) is False
+    assert getattr(_engine_config(engine, tmp_path), field) is value

@@ -430,3 +430,62 @@ def test_blocks_as_wide_as_a_row_are_one_scale_a_row(bf16_checkpoint, tmp_path):
                                           np.repeat(grid[:, 0], 32)[:grid.shape[0] * 32][
                                               :getattr(lw, attr).shape[0]])
             np.testing.assert_array_equal(getattr(fw, attr), getattr(lw, attr), attr)
+
+
+def test_an_fp8_checkpoint_s_lm_head_is_served_as_stored(bf16_checkpoint, tmp_path, caplog):
+    """An FP8 checkpoint's LM head stored bf16 (in modules_to_not_convert, as nearly every
+    release has it) is served bf16, as transformers and vLLM serve it; it was rounded to E4M3
+    with a scale per row, silently. One stored FP8 is served FP8, and --quantization fp8 on a
+    bf16 checkpoint converts it too; --fp8-lm-head / --no-fp8-lm-head decide over both.
+    Projections the checkpoint keeps wider are rounded like the rest (a layer's projections
+    share one format), which the engine now says."""
+    from blink.gpu_engine.checkpoint import unquantized_linear_weights
+    from blink.gpu_engine.fp8 import fp8_rounded_rows
+    from blink.gpu_engine.reference_engine import EngineConfig, ReferenceEngine
+
+    def keep_k_bf16(base, out):
+        if base.endswith("self_attn.k_proj."):
+            out[base + "weight"] = (out[base + "weight"].float()
+                                    * out.pop(base + "weight_scale").float()).bfloat16()
+
+    dst = tmp_path / "fbgemm"
+    kept = [f"model.layers.{i}.self_attn.k_proj" for i in range(NUM_LAYERS)]
+    _write(bf16_checkpoint, dst, {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                  "modules_to_not_convert": ["lm_head", *kept]}, "channel",
+           extra=keep_k_bf16)
+    cfg = load_config(dst)
+    assert unquantized_linear_weights(dst, cfg) == [k + ".weight" for k in kept] + [
+        "lm_head.weight"]
+    with caplog.at_level(logging.WARNING, logger="blink.engine"):
+        assert EngineConfig(dst, "ring").lm_head_fp8_for(cfg) is False
+    assert ("2 of the 14 projection weights of this FP8 checkpoint are stored wider than E4M3 "
+            "(the modules its quantizer left out: model.layers.0.self_attn.k_proj.weight, "
+            "model.layers.1.self_attn.k_proj.weight)") in caplog.text
+    assert EngineConfig(dst, "ring", fp8_lm_head=True).lm_head_fp8_for(cfg) is True
+    assert EngineConfig(dst, "ring", quantization="none").lm_head_fp8_for(cfg) is False
+    bf16_cfg = load_config(bf16_checkpoint)
+    assert unquantized_linear_weights(bf16_checkpoint, bf16_cfg) == []
+    for flag, served in ((None, True), (False, False)):
+        assert EngineConfig(bf16_checkpoint, "ring", quantization="fp8",
+                            fp8_lm_head=flag).lm_head_fp8_for(bf16_cfg) is served
+
+    head_fp8 = tmp_path / "head-fp8"  # the same with its LM head stored as E4M3 too
+    head_fp8.mkdir()
+    for f in dst.iterdir():
+        (head_fp8 / f.name).write_bytes(f.read_bytes())
+    tensors = safetensors_torch.load_file(str(dst / "model.safetensors"))
+    head = tensors["lm_head.weight"].float()
+    scale = head.abs().amax(1, keepdim=True) / 448
+    tensors["lm_head.weight"] = (head / scale).to(torch.float8_e4m3fn)
+    tensors["lm_head.weight_scale"] = scale
+    safetensors_torch.save_file(tensors, str(head_fp8 / "model.safetensors"))
+    assert EngineConfig(head_fp8, "ring").lm_head_fp8_for(load_config(head_fp8)) is True
+
+    # the CPU engine serves the stored head's values, not their E4M3 rounding
+    stored_head = load_weights(dst, cfg).lm_head
+    assert not np.array_equal(fp8_rounded_rows(stored_head), stored_head)
+    engine = ReferenceEngine(EngineConfig(dst, f"blink-test-head-{id(dst)}", num_kv_blocks=8))
+    try:
+        np.testing.assert_array_equal(engine.model.w.lm_head, stored_head)
+    finally:
+        engine.close()

@@ -105,12 +105,37 @@ class RingClaimed(RuntimeError):
     """Another live process holds the ring in this role."""
 
 
+CLAIM_ROLES = ("engine", "frontend")
+
+
+def _claim_address(ring_name: str, role: str) -> str:
+    return f"\0blink-{role}:{ring_name}"
+
+
+# A Unix socket's address holds 108 bytes, an abstract name's leading NUL among them.
+RING_NAME_MAX_BYTES = 108 - max(len(_claim_address("", role).encode()) for role in CLAIM_ROLES)
+
+
+def check_ring_name(name: str) -> str:
+    """name if it can name a ring, else ValueError saying why in one line: it is a file name in
+    /dev/shm (the ring and its front end's counters beside it) and part of the claim's socket
+    address (claim_ring)."""
+    if not name or "/" in name or name.startswith(".") or "\0" in name:
+        raise ValueError(f"{name!r} is not a ring name: a file name in /dev/shm, without '/', "
+                         f"not starting with '.'")
+    if len(name.encode()) > RING_NAME_MAX_BYTES:
+        raise ValueError(f"the ring name {name[:20]!r}... is {len(name.encode())} bytes long; "
+                         f"a ring name has at most {RING_NAME_MAX_BYTES}")
+    return name
+
+
 def claim_ring(ring_name: str, role: str) -> socket.socket:
-    """Claims ring_name for role ("engine", "frontend"); keep the socket open for as long as the
+    """Claims ring_name for role (one of CLAIM_ROLES); keep the socket open for as long as the
     claim must hold (closing it releases it). RingClaimed when another process holds it."""
+    check_ring_name(ring_name)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(f"\0blink-{role}:{ring_name}")
+        sock.bind(_claim_address(ring_name, role))
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
