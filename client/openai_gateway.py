@@ -17,8 +17,8 @@ Blink does not serve (logprobs, echo, penalties, tools, audio output, reasoning_
 guided decoding, chat_template_kwargs and continue_final_message, ...) set to anything but its
 neutral value is a 400 whose `param` names it, as is a message that carries tool calls;
 parameters that change no output (user, metadata, store, ...) are accepted. With
---served-model-name, a model not among its names is a 404 (model_not_found), else `model` is
-not checked (clients send Hub ids or paths); a response names the served model where the
+--served-model-name, a model not among its names is a 404 (model_not_found) and /v1/models
+lists each, else `model` is not checked (clients send Hub ids or paths); a response names the served model where the
 request named none. A body may be MAX_BODY_BYTES, and may not stop arriving for
 BODY_READ_TIMEOUT_S (a 408); a path or method not served, or a larger body, is OpenAI's error
 body too. An `Authorization: Bearer KEY` header is passed on as the
@@ -244,11 +244,14 @@ def sampling_from(body: dict, chat: bool) -> Sampling:
             raise BadRequest(f"'{key}' is not supported by this server", key)
     if body.get("response_format") not in (None, {"type": "text"}):
         raise BadRequest("only the text response_format is supported", "response_format")
-    _bool(body, "stream")
+    stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and isinstance(
             options.get("include_usage") or False, bool)):  # (null: the default, false)
         raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'",
+                         "stream_options")
+    if options and not stream:  # (as OpenAI and vLLM refuse it; {} and null pass)
+        raise BadRequest("'stream_options' can only be set when 'stream' is true",
                          "stream_options")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
@@ -406,7 +409,7 @@ class WorkerConnections:
 def make_app(target: str, served_model_names: list[str] | None = None,
              shutdown_timeout: float | None = None, tls: Tls | None = None):
     """tls: the channel's to the server at target (None: plain). served_model_names: the
-    names `model` may be (any other: 404), the first listed by /v1/models; None: `model` is
+    names `model` may be (any other: 404), each listed by /v1/models; None: `model` is
     not checked, /v1/models lists the server's own name.
     shutdown_timeout: on shutdown, the requests in flight get this long (or until a second
     stop signal), then end with a "server shutting down" error (a stream: an error event, then
@@ -444,10 +447,9 @@ def make_app(target: str, served_model_names: list[str] | None = None,
             return _blink_error(web, e)
         except ValueError as e:  # a session header gRPC cannot carry
             return _error(web, 400, str(e))
-        if served_model_names:
-            name = served_model_names[0]
         return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "blink"}]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "blink"}
+            for name in served_model_names or [name]]})
 
     async def generate(request, chat: bool):
         try:

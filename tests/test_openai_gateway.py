@@ -64,9 +64,11 @@ def serving_gateway(target: str, tmp_path, gateway_args=(), api_key="unused", na
 
 @pytest.fixture
 def gateway(checkpoints, make_stack, tmp_path):
-    """A gateway that serves the model as `llama` alone (--served-model-name)."""
+    """A gateway that serves the model as `llama` and `llama-alias` alone
+    (--served-model-name)."""
     client, stack, proc = start_gateway(checkpoints["llama"], make_stack, tmp_path,
-                                        gateway_args=["--served-model-name", "llama"])
+                                        gateway_args=["--served-model-name", "llama",
+                                                      "llama-alias"])
     yield client, stack
     proc.terminate()
     proc.wait(10)
@@ -84,7 +86,8 @@ def slow_gateway(long_checkpoint, make_stack, tmp_path):
 
 def test_openai_sdk_through_the_gateway(gateway):
     client, stack = gateway
-    assert [m.id for m in client.models.list().data] == ["llama"]
+    # every served name is listed, as vLLM lists them (the first alone before)
+    assert [m.id for m in client.models.list().data] == ["llama", "llama-alias"]
     greedy = Sampling(max_tokens=10, temperature=0.0)
     with BlinkClient(stack.target) as blink:
         want_text = blink.generate("Once upon a time", greedy)
@@ -148,7 +151,7 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
     """Values the gateway cannot serve are a 400 in OpenAI's error body (they were a 500 and a
     traceback, or silently ignored), a model other than the served one a 404; null is the
     default; stream_options.include_usage streams a usage chunk before [DONE]. (This gateway
-    serves `llama` alone: --served-model-name.)"""
+    serves `llama` and `llama-alias` alone: --served-model-name.)"""
     client, _ = gateway
     base = {"model": "llama", "prompt": "hi", "max_tokens": 3}
     for bad in ({"stop": 5}, {"stop": [None]}, {"max_tokens": -1}, {"max_tokens": 1e30},
@@ -157,6 +160,8 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
                 {"presence_penalty": 1.0}, {"logit_bias": {"5": 10}}, {"suffix": "x"},
                 {"response_format": {"type": "json_object"}}, {"stream_options": True},
                 {"stream_options": {"include_usage": "yes"}},
+                # a stream's option on a request that does not stream (taken before)
+                {"stream_options": {"include_usage": True}},
                 {"chat_template_kwargs": {"enable_thinking": False}},
                 {"continue_final_message": True}, {"add_generation_prompt": False},
                 {"repetition_penalty": 1.1}, {"ignore_eos": "yes"}, {"stop_token_ids": [-1]},
@@ -198,8 +203,8 @@ def test_bad_and_unsupported_parameters_are_openai_errors(gateway):
     status, body = post(client, "/chat/completions", {**chat, "add_special_tokens": True})
     assert (status, body["error"]["param"]) == (400, "add_special_tokens"), body
     status, body = post(client, "/chat/completions", {**chat, "add_special_tokens": False,
-                                                      "stream_options": {"include_usage": None}})
-    assert status == 200, body
+                                                      "model": "llama-alias"})
+    assert status == 200 and body["model"] == "llama-alias", body
     # bodies that cannot be read as JSON: bytes that are not UTF-8, a charset Python does not
     # know, nesting deeper than the parser goes (each a 500 and a traceback before)
     for raw, content_type in ((b'{"prompt": "\xff\xfe"}', "application/json"),
