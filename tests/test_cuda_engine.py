@@ -201,19 +201,34 @@ def test_cuda_64_concurrent_streams_staggered(checkpoints, cuda_stacks):
         assert_all_blocks_back(client)
 
 
-def test_cuda_fp8_engine_on_an_odd_vocabulary_continues_every_period(tmp_path_factory,
-                                                                    cuda_stacks):
-    """FP8 weights and LM head on a 2,049-token vocabulary, served through the ring by the
-    scheduler kernel's device-launched graphs. No vocabulary but a multiple of 16 has an FP8
-    GEMM of cuBLASLt's (Llama-2 fine-tunes' 32,001 neither): steps of more than 16 logit rows
-    write padded rows, which a memcpy node of the graph copies in. On the periodic model
-    (decisive greedy choices, tests/periodic_model.py), 24 concurrent prompts (their prefill and
-    decode steps past 16 rows: the GEMM; the stragglers': the skinny kernel) each continue their
-    period, every token."""
-    from periodic_model import continue_period, periodic_prompt, write_periodic_checkpoint
-    path = write_periodic_checkpoint(tmp_path_factory.mktemp("periodic-odd") / "m",
+@pytest.fixture(scope="module")
+def periodic_odd_vocab(tmp_path_factory):
+    from periodic_model import write_periodic_checkpoint
+    return write_periodic_checkpoint(tmp_path_factory.mktemp("periodic-odd") / "m",
                                      vocab_size=2049)
-    stack = cuda_stacks("periodic-odd-vocab-fp8", path, ["--quantization", "fp8"])
+
+
+@pytest.mark.parametrize("weights", ["converted", "fp8 checkpoint"])
+def test_cuda_fp8_engine_on_an_odd_vocabulary_continues_every_period(
+        tmp_path_factory, cuda_stacks, periodic_odd_vocab, weights):
+    """FP8 weights on a 2,049-token vocabulary, served through the ring by the scheduler
+    kernel's device-launched graphs. converted: --quantization fp8 on the bf16 checkpoint, the
+    LM head FP8 too. No vocabulary but a multiple of 16 has an FP8 GEMM of cuBLASLt's (Llama-2
+    fine-tunes' 32,001 neither): steps of more than 16 logit rows write padded rows, which a
+    memcpy node of the graph copies in. fp8 checkpoint: the same model stored as FP8 (a scale
+    a row) with its LM head bf16, as releases store it: served with no flag, the head bf16 as
+    stored. On the periodic model (decisive greedy choices, tests/periodic_model.py), 24
+    concurrent prompts (their prefill and decode steps past 16 rows: the GEMM; the
+    stragglers': the skinny kernel) each continue their period, every token."""
+    from periodic_model import continue_period, periodic_prompt
+    from test_fp8 import fp8_checkpoint
+    path, flags = periodic_odd_vocab, ["--quantization", "fp8"]
+    if weights == "fp8 checkpoint":
+        path, flags = tmp_path_factory.mktemp("periodic-odd-fp8") / "m", []
+        fp8_checkpoint(periodic_odd_vocab, path, "row")
+    stack = cuda_stacks(f"periodic-odd-vocab-{weights}", path, flags)
+    head = "LM head bf16" if weights == "fp8 checkpoint" else "LM head FP8"
+    assert f"weights (FP8, {head})" in stack.logs(), stack.logs()
     rng = np.random.default_rng(6)
     prompts = [periodic_prompt(rng, int(rng.integers(24, 64))) for _ in range(24)]
 
@@ -225,7 +240,8 @@ def test_cuda_fp8_engine_on_an_odd_vocabulary_continues_every_period(tmp_path_fa
 
     done = asyncio.run(run_all())
     exact = sum(list(d.token_ids) == continue_period(p, 48) for p, d in zip(prompts, done))
-    print(f"engine fp8 odd vocabulary: {exact} of 24 periodic streams of 48 tokens exact")
+    print(f"engine fp8 odd vocabulary, {weights}: {exact} of 24 periodic streams of 48 tokens "
+          f"exact")
     assert exact == 24
 
 
