@@ -1082,7 +1082,8 @@ class CudaForward:
                  attention_spread_max_bucket: int | None = None,
                  attention_roomy_max_bucket: int | None = None,
                  fine_buckets_from: int = 128, qkv_release_early: bool | None = None,
-                 fp8_x_f16: bool | None = None, fp8_x_sumsq: bool | None = None):
+                 fp8_x_f16: bool | None = None, fp8_x_sumsq: bool | None = None,
+                 final_norm_release: bool = False):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -1108,7 +1109,9 @@ class CudaForward:
         keys while it runs (None: where a layer's weights come to at most
         ForwardKernels.QKV_RELEASE_EARLY_MAX_LAYER_BYTES; timed in docs/performance.md rounds
         38 and 41: 1.2-2% off the 1B FP8 batch-1 step, 0.4-0.7% onto the 8B one;
-        bench_decode --options makes the comparison).
+        bench_decode --options makes the comparison). final_norm_release: the final RMSNorm
+        lets the LM head launch once its CTAs have started, so the head's first CTAs load their
+        weights while it runs (off: the comparison bench_decode --options makes).
         fp8_x_f16 (quantization "fp8"; None: on with it, off without): in buckets of up to
         ForwardKernels.SKINNY_X_F16_MAX_ROWS rows, the kernels that write the residual stream's
         shadow (the embedding, the o and down projections), SiLU * up and the final RMSNorm
@@ -1247,6 +1250,7 @@ class CudaForward:
             layer_projection_weights(cfg) * (1 if self.fp8 else 2)
             <= ForwardKernels.QKV_RELEASE_EARLY_MAX_LAYER_BYTES
             if qkv_release_early is None else qkv_release_early)
+        self.final_norm_release = final_norm_release
         self.fp8_x_f16 = fp8_x_f16
         # the buckets whose normalizing FP8 kernels take x's sums of squares (0: none)
         self.x_sumsq_max_rows = x_sumsq_rows if fp8_x_sumsq else 0
@@ -1922,7 +1926,7 @@ class CudaForward:
         head_f16 = x_f16 if self.lm_head_fp8 and skinny_head else 0
         op("final rmsnorm", k.rms_norm, s, logit_rows, d, self.x.ptr, self.final_norm.ptr,
            self.h_logits.ptr, H, eps, gather=self.logit_token.ptr, max_rows=rows,
-           x_f16=head_f16)
+           x_f16=head_f16, release_next=self.final_norm_release and in_order and skinny_head)
         if skinny_head:
             lm_argmax = self.lm_argmax.ptr if self.lm_head_argmax else 0
             head = self.lm_head_tiled if lm_head_tiled else head

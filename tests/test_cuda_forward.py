@@ -2038,6 +2038,42 @@ def test_forward_qkv_release_early_is_bit_identical(cf, models, monkeypatch, qua
             engine.close()
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_forward_final_norm_release_is_bit_identical(cf, models, monkeypatch, quantization):
+    """final_norm_release (the final RMSNorm lets the skinny LM head launch at its start)
+    changes when the head's CTAs launch, not what any kernel computes: bit-identical logits
+    and samples with it on and off, on bf16 and FP8 weights; the norm releases only where the
+    skinny head follows it (a cuBLAS head does not wait for it), never with it off."""
+    cfg, w, _ = models["llama"]
+    options = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK, max_num_batched_tokens=MAX_TOKENS,
+                   max_num_seqs=48)  # logit rows past the skinny head's too
+    if quantization:
+        options.update(quantization=quantization, kv_cache_dtype=quantization)
+    engines = [cf.CudaForward(cfg, w, **options, final_norm_release=on) for on in (False, True)]
+    try:
+        assert_same_steps(cfg, *engines, seed=14, chunks=(20, 13, 7))
+        for engine in engines:
+            k, events = engine.kernels, []
+            for name in ("rms_norm", "skinny_linear"):
+                def recorded(*args, name=name, launch=getattr(k, name), **kwargs):
+                    events.append((name, kwargs.get("release_next", False)))
+                    return launch(*args, **kwargs)
+                monkeypatch.setattr(k, name, recorded)
+            heads = set()
+            for seqs in (1, 40):  # one logit row: the skinny head; 40: cuBLAS's
+                events.clear()
+                engine.run(make_batch([(prompt(cfg, 1, seed=15 + i), 0, np.array([i]))
+                                       for i in range(seqs)]), eager=True)
+                final = max(i for i, (name, _) in enumerate(events) if name == "rms_norm")
+                skinny_head = final + 1 < len(events) and events[final + 1][0] == "skinny_linear"
+                heads.add(skinny_head)
+                assert events[final][1] is (engine.final_norm_release and skinny_head), events
+            assert heads == {True, False}  # both heads were seen
+    finally:
+        for engine in engines:
+            engine.close()
+
+
 def launched_entries(engine, monkeypatch, cfg, token_counts, infix, seed):
     """{n: the names containing infix of the entries that a step of n prompt tokens launches},
     for each n of token_counts (eager, so that ops() runs again and its launches are recorded)."""
