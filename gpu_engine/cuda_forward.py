@@ -1379,7 +1379,8 @@ class CudaForward:
                 raise CudaError(f"--quantization fp8: {reason}")
         # Split-key attention workspace, for the buckets that split (attention_splits), and
         # one arrival counter per (token, kv head): zero now, left zero by every launch.
-        part_rows = max(b * self.attention_split_stride(b) for b in self.buckets)
+        part_rows = self.attn_partial_rows = max(b * self.attention_split_stride(b)
+                                                 for b in self.buckets)
         self.attn_partial_out = self._alloc(part_rows * cfg.num_heads * D, np.float32)
         self.attn_partial_stats = self._alloc(part_rows * cfg.num_heads * 2, np.float32)
         self.attn_tile_sems = self._alloc(T * cfg.num_kv_heads, np.uint32)
@@ -1836,6 +1837,12 @@ class CudaForward:
                    cfg.num_kv_heads, *cache_args, **kv_write)
 
             def attend(release_next, k_layer=k_layer, v_layer=v_layer, kv_write=kv_write):
+                # (the workspace is sized for the choices made at construction: one changed
+                # since, as a test may, would write past it)
+                if rows * self.attention_split_stride(rows) > self.attn_partial_rows:
+                    raise RuntimeError(f"attention's split workspace holds "
+                                       f"{self.attn_partial_rows} rows, a {rows}-token step "
+                                       f"needs {rows * self.attention_split_stride(rows)}")
                 op("attention", k.attention, s, rows, d, self.positions.ptr,
                    self.token_seq.ptr, self.block_tables.ptr, self.max_blocks_per_seq,
                    self.q.ptr, k_layer, v_layer, self.block_size, cfg.num_heads,
@@ -2072,8 +2079,13 @@ class CudaForward:
         (the grid's z), at most the kernel's attention_max_splits (64, what its split merge is
         sized for): when every token of the bucket decodes, the count up to about two waves
         whose CTAs fill the GPU's attention slots (CTAs per SM x SMs) in whole waves best, the
-        larger of equally good ones. A partial last wave costs a whole CTA's time for a few
-        CTAs. A decode token may use fewer: the kernel weighs waves against keys per CTA for its
+        smaller of equally good ones. A partial last wave costs a whole CTA's time for a few
+        CTAs. Of two counts that fill their waves equally, the larger takes more waves, which
+        the kernel's cost model never uses (DecodeChunksPerSplit: twice the waves for half the
+        keys a split costs more), so its extra CTAs only launch and exit: at batch 1, 64
+        splits (512 CTAs, 1B and 8B) against 32 (one wave), 1B's step 0.7-1.0% shorter (bf16
+        0.973 -> 0.966 ms at 512 keys, 1.013 -> 1.003 at 2,048; FP8 0.673 -> 0.668 at 2,048),
+        8B's within 0.2% (docs/performance.md round 47). A decode token may use fewer: the kernel weighs waves against keys per CTA for its
         context (attention_decode.cuh DecodeChunksPerSplit; batch 32 at 512 keys takes one split).
         Measured on the H200 (bench_decode, Llama-3.1-8B shape, with the previous, CUDA-core
         decode path): batch 1 at 8,192 keys, 49 splits (392 CTAs in 396 slots) 5.03 ms a step
@@ -2091,7 +2103,7 @@ class CudaForward:
             return ctas * splits / (-(-ctas * splits // slots) * slots)
         cap = min(k.attention_max_splits, self.max_attention_splits or k.attention_max_splits)
         most = max(1, min(cap, -(-2 * slots // ctas)))
-        return max(range(1, most + 1), key=lambda s: (fill(s), s))
+        return max(range(1, most + 1), key=lambda s: (fill(s), -s))
 
     # Buckets of at most this many tokens let a query tile's keys split over its other tokens'
     # CTAs (attention_split_stride): there a chunk of a few hundred tokens deep into its context

@@ -1771,22 +1771,28 @@ def test_forward_chunked_prefill_then_decode(models, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_forward_prefill_on_the_wgmma_attention_kernel(models, arch, monkeypatch):
+def test_forward_prefill_on_the_wgmma_attention_kernel(cf, models, arch):
     """Prefill chunks past the decode-sized buckets with the wgmma attention kernel taking them
-    (eager launches; its default line, ATTENTION_WGMMA_MIN_BUCKET, is past this engine's
-    buckets): a 99-token prompt, then its next 70 tokens over those keys beside another
-    sequence's one-token prompt (the decode path, in the wgmma kernel's 8-warp CTAs), against
-    the reference."""
-    pair = Pair(models, arch)
-    if not pair.engine.kernels.attention_wgmma_available:
-        pytest.skip(f"no wgmma attention in this module (sm_{pair.engine.kernels.arch}; "
+    (its default line, ATTENTION_WGMMA_MIN_BUCKET, is past these engines' buckets): a 99-token
+    prompt, then its next 70 tokens over those keys beside another sequence's one-token prompt
+    (the decode path, in the wgmma kernel's 8-warp CTAs), against the reference. An engine of
+    its own, built so: its attention workspace is sized for its own choices (the shared one's,
+    changed after it was built, was too small once fewer splits tied, and NaNs came back)."""
+    cfg, w, shared = models[arch]
+    if not shared.kernels.attention_wgmma_available:
+        pytest.skip(f"no wgmma attention in this module (sm_{shared.kernels.arch}; "
                     "it needs sm_90a)")
-    monkeypatch.setattr(pair.engine, "attention_wgmma_min_bucket", 1)
     # one split, so that each CTA walks the keys' tiles through both stages
-    monkeypatch.setattr(pair.engine, "max_attention_splits", 1)
-    assert pair.engine.attention_wgmma(MAX_TOKENS) and not pair.engine.attention_wgmma(64)
-    prefill_beside_a_new_prompt(pair, eager=True)
-    pair.record("prefill on the wgmma attention kernel")
+    engine = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                            max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
+                            attention_wgmma_min_bucket=1, max_attention_splits=1)
+    try:
+        pair = Pair({arch: (cfg, w, engine)}, arch)
+        assert engine.attention_wgmma(MAX_TOKENS) and not engine.attention_wgmma(64)
+        prefill_beside_a_new_prompt(pair)
+        pair.record("prefill on the wgmma attention kernel")
+    finally:
+        engine.close()
 
 
 def prefill_beside_a_new_prompt(pair, eager=False) -> None:
