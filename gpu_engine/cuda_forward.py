@@ -2082,11 +2082,11 @@ class CudaForward:
         smaller of equally good ones. A partial last wave costs a whole CTA's time for a few
         CTAs. Of two counts that fill their waves equally, the larger takes more waves, which
         the kernel's cost model never uses (DecodeChunksPerSplit: twice the waves for half the
-        keys a split costs more), so its extra CTAs only launch and exit: at batch 1, 64
-        splits (512 CTAs, 1B and 8B) against 32 (one wave), 1B's step 0.7-1.0% shorter (bf16
-        0.973 -> 0.966 ms at 512 keys, 1.013 -> 1.003 at 2,048; FP8 0.673 -> 0.668 at 2,048),
-        8B's within 0.2% (docs/performance.md round 47). A decode token may use fewer: the kernel weighs waves against keys per CTA for its
-        context (attention_decode.cuh DecodeChunksPerSplit; batch 32 at 512 keys takes one split).
+        keys a split costs more), so its extra CTAs only launch and exit: at batch 1, 32
+        splits (one wave) instead of 64 (512 CTAs, 1B and 8B), 1B's step up to 1.5% shorter,
+        8B's within -0.5 to +0.1% (H100, docs/performance.md round 47). A decode token may use
+        fewer: the kernel weighs waves against keys per CTA for its context
+        (attention_decode.cuh DecodeChunksPerSplit; batch 32 at 512 keys takes one split).
         Measured on the H200 (bench_decode, Llama-3.1-8B shape, with the previous, CUDA-core
         decode path): batch 1 at 8,192 keys, 49 splits (392 CTAs in 396 slots) 5.03 ms a step
         against 5.20 with 64 (1.3 waves); batch 32 at 4,096 keys, 3 splits (768 CTAs, 1.94
