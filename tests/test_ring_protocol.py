@@ -86,6 +86,23 @@ def test_a_cache_salt_crosses_the_ring_as_its_word(ring):
     assert [(r.slot, r.cache_salt) for r in new] == [(0, words[0]), (1, 0)]
 
 
+def test_every_geometry_leaves_room_for_a_whole_prompt_and_output():
+    """For every prompt and output length up to 80 tokens (every residue of the 64-byte
+    alignment): a full-length prompt, as encode_slot writes it, ends before the slot's seq_end
+    word, and a full record's last token before the next record; the slots end before the
+    records and the records before the segment's end. (A geometry one word short shows only
+    where the lengths land on the alignment: context lengths of 15 or 8 modulo 16.)"""
+    for n in range(1, 81):
+        geom = RingGeometry(num_slots=3, max_prompt_tokens=n, max_output_tokens=n)
+        prompt = np.arange(n, dtype=np.int32)
+        _, end = encode_slot(geom, 1, SlotRequest(request_id=1, prompt=prompt, max_tokens=1))
+        assert end <= geom.seq_end_offset and geom.seq_end_offset + 4 <= geom.slot_bytes, n
+        assert geom.slot_offset(2) + geom.slot_bytes <= geom.records_offset, n
+        assert (geom.record_offset(0) + layout.RECORD_DTYPE.itemsize + 4 * n
+                <= geom.record_offset(1)), n
+        assert geom.record_offset(2) + geom.record_bytes <= geom.total_bytes, n
+
+
 def test_generation_zero_is_never_a_request(ring):
     """No front end writes generation 0 (EngineLink wraps 0xFFFFFFFF to 1): a slot showing it
     after another generation (a zeroed slot, a stray write) is not consumed (it was admitted
@@ -311,6 +328,24 @@ class LinkedRing:
         self.link._detach(RuntimeError("test over"))
         self.server.close()
         assert not shm_path(self.name).exists()
+
+
+def test_a_slot_s_generation_wraps_past_zero():
+    """After generation 2^32 - 1 a slot's next request is generation 1: 0 means an empty slot,
+    which the engine never consumes, so a request written as generation 0 would wait forever."""
+    ring = LinkedRing()
+    server = ring.server
+    try:
+        ring.link._next_gen[0] = 0xFFFF_FFFF
+        for want in (0xFFFF_FFFF, 1):
+            handle = ring.submit(max_tokens=1)
+            request = ring.admit()
+            assert request.gen == handle.gen == want
+            server.append_token(request.slot, 0, 7)
+            server.finish(request.slot, request.gen, layout.FinishReason.LENGTH)
+            ring.link._poll_once()
+    finally:
+        ring.close()
 
 
 @pytest.mark.parametrize("ended", ["stopped", "killed"])

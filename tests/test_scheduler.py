@@ -386,6 +386,15 @@ def test_ties_at_a_cut_off_are_kept_and_nan_never_wins():
     assert draws[1] == 0 and 0.2 < draws[0] / 2000 < 0.34  # softmax([0, 1]): 0.269 and 0.731
 
 
+def test_top_k_1_is_greedy_with_the_lowest_id_on_ties():
+    """top_k 1 is the argmax, the lowest id among tied logits, as the GPU kernel takes it
+    (sampling.cuh: greedy where top_k == 1): the sampler's tie rule would draw among the tied
+    top logits instead, whatever the seed."""
+    logits = np.array([0.0, 5.0, 5.0, 1.0], np.float32)
+    assert {sample_token(logits, SamplingParams(1, top_k=1, seed=seed), step)
+            for seed in range(64) for step in range(4)} == {1}
+
+
 def test_uniform_is_uniform():
     u = np.array([uniform(77, i) for i in range(20000)])
     assert 0 <= u.min() and u.max() < 1

@@ -134,6 +134,38 @@ def test_same_seed_same_text_and_top_k_1_is_greedy(client):
     assert nucleus.completion_tokens == 24
 
 
+def test_a_seeded_stream_draws_each_token_with_its_own_step_s_number(stack, checkpoints,
+                                                                     engine):
+    """The n-th generated token's random number is uniform(seed, n) (README: a seeded stream
+    depends only on the seed and the step, the contract the GPU kernel shares): each token of a
+    seeded stream is sample_token over transformers' logits for the prefix before it with that
+    step's number. An engine that drew step n + 1's number (every seeded text changes, and the
+    CPU and GPU engines' stop agreeing) passed every test before. Steps whose number lies within
+    1e-4 of an edge of the distribution's cumulative sums are not judged (float32 against the
+    engine's own sums)."""
+    from oracle import hf_next_logits
+
+    from blink.gpu_engine.sampling import uniform
+    if engine != "cpu":
+        pytest.skip("bf16 logits move the distribution's edges by about 1%: the CPU engine's "
+                    "float32 ones are the ones to hold to 1e-4")
+    prompt, seed = [17, 300, 42, 99, 1000, 3, 640], 1234
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_k=16, seed=seed)
+    with BlinkClient(stack.target) as client:
+        done = client.generate(prompt, Sampling(max_tokens=12, temperature=1.0, top_k=16,
+                                                seed=seed, ignore_eos=True),
+                               return_token_ids=True)
+    logits = hf_next_logits(checkpoints["llama"], prompt + list(done.token_ids))
+    judged = 0
+    for step, token in enumerate(done.token_ids):
+        order, probs = sampling_distribution(logits[len(prompt) - 1 + step], params)
+        if np.abs(np.cumsum(probs) - uniform(seed, step)).min() < 1e-4:
+            continue
+        assert token == sample_token(logits[len(prompt) - 1 + step], params, step), step
+        judged += 1
+    assert judged >= 10, judged
+
+
 def within_sigmas(counts: dict[int, int], order, probs, n: int, sigmas: float = 5.0) -> bool:
     """Every drawn token is in the distribution's support and every token's count is within
     `sigmas` binomial standard deviations (+1) of n * its probability."""
@@ -277,6 +309,39 @@ def test_sampled_streams_are_the_tokenizers_decode_of_their_tokens(client, check
             assert done.text == (want[:want.find(stop)] if stop in want else want)
             assert done.matched_stop == (stop if stop in want else "")
     assert replaced  # some stream did end inside a character or hold an invalid byte
+
+
+def test_text_held_back_for_a_stop_string_comes_out_when_none_matches(client):
+    """The output's last characters, held back because a stop string begins with them, are
+    delivered when the stream ends another way (here by length), whole and in the stream too:
+    the oracle is the same request without the stop string (they were lost without a test
+    that would have seen it)."""
+    prompt = "stop string test, a longer prompt"
+    sampling = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    full = client.generate(prompt, Sampling(**sampling))
+    assert len(full.text.strip()) >= 2
+    stop = (full.text[-2:] + "\x07never",)  # begins with the text's end, never matches
+    done = client.generate(prompt, Sampling(**sampling, stop=stop))
+    assert (done.text, done.finish_reason, done.matched_stop) == (full.text, "length", "")
+    deltas = list(client.stream(prompt, Sampling(**sampling, stop=stop)))
+    assert "".join(d.text for d in deltas) == full.text
+
+
+def test_top_k_and_stop_token_ids_at_the_vocabulary_s_bounds(client):
+    """top_k up to the vocabulary size and stop ids up to its last id are served; one past
+    either is INVALID_ARGUMENT in the front end's own words (before a slot is taken)."""
+    vocab = client.model_info().vocab_size
+    done = client.generate("hi", Sampling(max_tokens=3, temperature=1.0, seed=1, top_k=vocab,
+                                          stop_token_ids=(vocab - 1,), ignore_eos=True))
+    assert done.completion_tokens >= 1
+    for sampling, says in ((dict(top_k=vocab + 1), f"top_k must be at most the vocabulary size "
+                                                   f"{vocab}"),
+                           (dict(stop_token_ids=(vocab,)), f"stop token id {vocab} is outside "
+                                                          f"the vocabulary")):
+        with pytest.raises(BlinkError) as err:
+            client.generate("hi", Sampling(max_tokens=3, **sampling))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, sampling
+        assert says in err.value.details, (sampling, err.value.details)
 
 
 def test_stop_strings_at_their_limits(client):
