@@ -88,16 +88,31 @@ def _check_engine_args(args) -> None:
 
 
 def _rdma_addr(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
+    """IP:PORT, [IPv6]:PORT or NAME:PORT -> (the numeric address, the port). A name is resolved
+    here, once (rdma_getaddrinfo would resolve it on the front end's event loop at every try).
+    An IPv6 address needs its brackets: fe80::1 was read as the address "fe80:" and port 1."""
+    import ipaddress
+    import socket
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    elif text.count(":") > 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: an IPv6 address is written [ADDRESS]:PORT")
+    else:
+        host, sep, port = text.rpartition(":")
     if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
         raise argparse.ArgumentTypeError(f"{text!r} is not IP:PORT")
-    import ipaddress
     try:
-        wildcard = ipaddress.ip_address(host).is_unspecified
-    except ValueError:  # a host name: resolved where it is used
-        wildcard = False
-    if wildcard:  # librdmacm binds no device to it, and pyverbs then crashes the process
+        address = ipaddress.ip_address(host.split("%")[0])  # (a link-local address's %scope)
+    except ValueError:  # a name (or "0", which the resolver reads as 0.0.0.0)
+        try:
+            host = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+        except (OSError, UnicodeError) as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: cannot resolve {host!r}: {e}") \
+                from None
+        address = ipaddress.ip_address(host.split("%")[0])
+    mapped = getattr(address, "ipv4_mapped", None)
+    if address.is_unspecified or (mapped is not None and mapped.is_unspecified):
+        # librdmacm binds no device to it, and pyverbs then crashes the process
         raise argparse.ArgumentTypeError(f"{text!r}: the IP must be an RDMA device's interface "
                                          f"address, not a wildcard")
     return host, int(port)

@@ -24,6 +24,7 @@ from blink.ring.layout import (
     FinishReason, RingGeometry, SlotRequest, encode_slot, u32_bytes,
 )
 from blink.nic_service.record_watch import RecordWatch, WatchedRecords
+from blink.ring.rdma import RdmaError
 from blink.ring.shm import RingTransport, ShmSegment, ShmTransport, shm_path
 
 log = logging.getLogger("blink.frontend")
@@ -91,7 +92,6 @@ def _open_ring(ring_name: str, dialer=None) -> tuple[RingTransport, EngineInfo]:
         except (FileNotFoundError, PermissionError) as e:
             raise EngineUnavailable(f"no engine ring at {where}: {e}") from None
     else:
-        from blink.ring.rdma import RdmaError
         where = f"rdma://{dialer.where}"
         try:
             transport = dialer.step()
@@ -119,8 +119,10 @@ def _open_ring(ring_name: str, dialer=None) -> tuple[RingTransport, EngineInfo]:
             geometry=geom, engine_kind=EngineKind(int(h["engine_kind"])),
             kv_capacity_tokens=int(h["kv_blocks_total"]) * int(h["kv_block_size"]))
         return transport, info
-    except BaseException:
+    except BaseException as e:
         transport.close()
+        if isinstance(e, RdmaError):  # the engine gone between its handshake and this read
+            raise EngineUnavailable(str(e)) from None
         raise
 
 
@@ -259,6 +261,7 @@ class EngineLink:
         # why the ring in sight cannot be attached (too few slots for the workers), for the
         # requests refused meanwhile; logged once an engine instance, not every attach interval
         self._refusal: tuple[int, str] | None = None
+        self._attach_failure: str | None = None  # the last try's reason (_try_attach)
         # engine counters (ring header) of the instances before the current one: totals that
         # survive engine restarts (counter_totals)
         self._carried = dict.fromkeys(ENGINE_COUNTERS, 0)
@@ -435,8 +438,14 @@ class EngineLink:
 
     def _write_cancel(self, slot: int, gen: int) -> None:
         """The slot's cancel word: the engine stops generation `gen` of the slot when it reads
-        it (at once if running, as it admits it otherwise)."""
-        self._transport.write(self.info.geometry.slot_offset(slot) + 4, u32_bytes(gen))
+        it (at once if running, as it admits it otherwise). An RDMA write that fails (the
+        engine gone) is the next poll's to report, which detaches; the re-attach cancels the
+        request as an orphan."""
+        try:
+            self._transport.write(self.info.geometry.slot_offset(slot) + 4, u32_bytes(gen))
+        except RdmaError as e:
+            log.debug("cancel of slot %d generation %d not written: %s", slot, gen, e)
+            self._wake()
 
     async def _acquire_slot(self) -> int:
         if self._free and not self._waiters:
@@ -487,7 +496,10 @@ class EngineLink:
     async def _run(self) -> None:
         while True:
             if self._transport is None:
-                self._try_attach()
+                try:
+                    self._try_attach()
+                except Exception:  # (never expected) the link's task outlives any one try
+                    log.exception("attaching to the engine ring failed")
                 if self._transport is None:
                     await asyncio.sleep(self.attach_interval_s)
                     continue
@@ -500,7 +512,10 @@ class EngineLink:
         try:
             how()
         except Exception as e:
-            log.exception("ring poll failed")
+            if isinstance(e, RdmaError):  # the engine or the network gone: rdma.py has
+                log.debug("ring poll failed: %s", e)  # said why in a line; no traceback
+            else:
+                log.exception("ring poll failed")
             self._detach(EngineUnavailable(f"ring poll failed: {e}"))
         self._watch.polled()
 
@@ -549,9 +564,14 @@ class EngineLink:
         try:
             transport, info = _open_ring(self.ring_name, self._dialer)
         except EngineUnavailable as e:
-            log.debug("attach: %s", e)
+            # each new reason once where an operator sees it (a wrong --rdma-addr said
+            # nothing at the default level), then at debug level while it stays
+            log.log(logging.DEBUG if str(e) == self._attach_failure else logging.INFO,
+                    "engine not attached: %s", e)
+            self._attach_failure = str(e)
             self._refusal = None  # no ring: nothing refused
             return
+        self._attach_failure = None
         try:
             self._attach(transport, info)
         except Exception:  # a read or write that failed (RDMA): the next try starts afresh
@@ -861,7 +881,10 @@ class EngineLink:
             return handle.finished.preemptions, handle.finished.cached_tokens
         if handle.done:
             return 0, 0
-        rec = self._record(handle.slot)
+        try:
+            rec = self._record(handle.slot)
+        except RdmaError:  # the engine gone (the next poll detaches)
+            return 0, 0
         return int(rec["preemptions"]), int(rec["cached_tokens"])
 
     def _finish(self, handle: RequestHandle, reason: FinishReason) -> None:

@@ -674,7 +674,10 @@ class RdmaTransport:
             self._fail(f"posting to the engine at {self.where} failed: {e}")
         left, deadline = len(wrs), time.monotonic() + OP_TIMEOUT_S
         while left:
-            polled, wcs = self.cq.poll(left)
+            try:
+                polled, wcs = self.cq.poll(left)
+            except self.v.Error as e:
+                self._fail(f"polling the completions of the engine at {self.where} failed: {e}")
             for wc in wcs:
                 if wc.status != self.v.WC_SUCCESS:
                     self._fail(f"an RDMA operation on the engine at {self.where} failed: "
