@@ -587,7 +587,8 @@ class EngineLink:
             transport.close()  # declared dead and still silent: wait for it or a new engine
             return
         self._dead_beats.pop(info.instance, None)
-        if info.instance != self._instance:
+        same_engine = info.instance == self._instance
+        if not same_engine:
             self._instance, self._instance_was_alive = info.instance, False
             if self._header_stats is not None:  # a new engine: fold in the old one's totals
                 self._carry(self._header_stats)
@@ -596,8 +597,14 @@ class EngineLink:
         self._transport, self.info = transport, info
         begins = np.frombuffer(transport.read_strided(geom.slots_offset, geom.slot_bytes,
                                                       geom.num_slots, 4), "<u4")
-        # continue each slot's generation so it never repeats one the engine consumed
-        self._next_gen = [int(b) % 0xFFFF_FFFF + 1 for b in begins]
+        # continue each slot's generation so it never repeats one the engine consumed; back on
+        # the same engine, never below this process's own: a doorbell whose write failed (the
+        # detach) may still land late, and its generation is then the engine's
+        fresh = [int(b) % 0xFFFF_FFFF + 1 for b in begins]
+        if same_engine and len(self._next_gen) == len(fresh):
+            fresh = [own if (own - read) % 0xFFFF_FFFF < 1 << 31 else read
+                     for own, read in zip(self._next_gen, fresh)]
+        self._next_gen = fresh
         share = self.slot_share(geom.num_slots)
         if not share:
             transport.close()

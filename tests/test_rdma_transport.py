@@ -366,6 +366,46 @@ def test_a_cancel_after_the_engine_vanished_raises_nothing(rdma_ip):
         ring.close()
 
 
+def test_a_doorbell_that_lands_after_its_write_failed_spends_its_generation(rdma_ip):
+    """A doorbell WRITE whose completion failed (the NIC's retries ran out) may still land,
+    after the front end has re-attached and read the slot's last generation: the next request
+    in that slot took the same generation, the engine ran the first, and the second read the
+    first's record, another client's tokens. Back on the same engine, the link's own count of
+    a slot's generations now stands over what it reads."""
+    ring = RdmaRing(rdma_ip, slots=1)
+    try:
+        ring.attach()
+        link, transport = ring.link, ring.link._transport
+        real_write, late = transport.write, []
+
+        def doorbell_lost_in_the_fabric(offset, data):
+            if offset == link.info.geometry.slot_offset(0):  # the doorbell: on the wire
+                late.append((offset, bytes(data)))
+                transport._fail("an RDMA operation failed: IBV_WC_RETRY_EXC_ERR")
+            real_write(offset, data)
+
+        transport.write = doorbell_lost_in_the_fabric
+        with pytest.raises(EngineUnavailable):
+            ring.submit([11, 12, 13], max_tokens=4)  # request A: its client is told
+        ring.attach()
+        offset, data = late[0]  # A's doorbell lands now
+        ring.server.segment.array()[offset:offset + 4] = np.frombuffer(data, np.uint8)
+        (a,) = ring.admitted()  # the engine runs A
+        b = ring.submit([77], max_tokens=4)  # request B, the same slot
+        assert b.gen != a.gen
+        (admitted,) = ring.admitted()  # B replaces A in the engine (A's client has gone)
+        assert (admitted.gen, list(admitted.prompt)) == (b.gen, [77])
+        for r in (a, admitted):  # each answers its prompt + 100; A's record first, then B's
+            ring.server.open_record(r.slot, r.gen, len(r.prompt))
+            for i, token in enumerate(r.prompt):
+                ring.server.append_token(r.slot, i, int(token) + 100)
+            ring.server.finish(r.slot, r.gen, FinishReason.LENGTH)
+        tokens = [t for e in ring.events(b) if isinstance(e, Tokens) for t in e.ids]
+        assert tokens == [177]
+    finally:
+        ring.close()
+
+
 def test_many_slots_in_bounded_batches(rdma_ip):
     """More slots than work requests in flight: each strided read is several chained batches
     (the stand-in refuses a chain longer than the send queue, or a completion queue overrun)."""
