@@ -420,8 +420,13 @@ class RingExport:
         token, refusal = _read_hello(hello)
         if refusal is not None:
             log.warning("RDMA: refused a front end: %s", refusal)
-            conn.reject(REFUSAL + refusal.encode()[:100])
-            conn.close()
+            # a failure here is this connection's, not the export's (whose end stops the
+            # engine: on_fatal)
+            try:
+                conn.reject(REFUSAL + refusal.encode()[:100])
+            except v.Error as e:
+                log.warning("RDMA: could not refuse it: %s", e)
+            _close(conn)
             return
         try:
             conn.create_qp(v.qp.QPInitAttr(qp_type=v.QPT_RC, scq=self.cq, rcq=self.cq,
@@ -437,7 +442,7 @@ class RingExport:
         earlier = self.connections.pop(token, None)
         self.connections[token] = conn
         if earlier is not None:  # the same front end reconnected: its old connection is dead
-            earlier.close()
+            _close(earlier)
         log.info("RDMA: accepted front end %x (%d connections)", token, len(self.connections))
 
 
