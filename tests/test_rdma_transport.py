@@ -479,6 +479,31 @@ def test_refusals_are_said(monkeypatch):
     assert rdma._read_hello(hello.tobytes().ljust(56, b"\0")) == (5, None)
 
 
+def test_a_refusal_that_fails_leaves_the_export_serving(monkeypatch):
+    """Refusing a front end's connection (here every hello refused) with a reject that
+    itself fails: the error ended the export's thread, whose end stops the engine (on_fatal).
+    Now it is that connection's alone, and the next front end attaches."""
+    import pyverbs_standin
+    pyverbs_standin.install(monkeypatch)
+    from blink.ring import rdma
+    ring = RdmaRing("127.0.0.1")
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(rdma, "_read_hello", lambda data: (0, "refused by the test"))
+
+            def failing_reject(self, private_data=None):
+                raise pyverbs_standin.PyverbsError("reject failed")
+            m.setattr(pyverbs_standin.CMID, "reject", failing_reject)
+            dialer = rdma.RdmaDialer(*ring.addr, timeout_s=0.5)
+            with pytest.raises(rdma.RdmaError):
+                while dialer.step() is None:
+                    pass
+        ring.attach()
+        assert ring.fatal == []
+    finally:
+        ring.close()
+
+
 @pytest.mark.slow
 def test_engine_and_frontend_processes_over_rdma(checkpoints, make_stack):
     """`blink engine` and `blink frontend` with --transport rdma, as on a host and its DPU: the
