@@ -127,6 +127,14 @@ def _add_transport_args(p: argparse.ArgumentParser, addr_help: str) -> None:
                    help=addr_help)
 
 
+def _name_frontend(args) -> None:
+    """The group that names this front end and its workers (args go to them) to an RDMA
+    engine, which keeps one front end's connections (RingExport)."""
+    import secrets
+    if args.frontend_group is None:
+        args.frontend_group = secrets.randbits(63) | 1
+
+
 def _check_transport(args) -> None:
     """--transport rdma: its address, pyverbs and an RDMA device, checked before anything
     starts (no ring, no port, no engine process); any lack ends the command with one line."""
@@ -401,6 +409,8 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="front-end processes sharing the port (SO_REUSEPORT) and the ring, "
                         "each with its share of the slots")
     p.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+    # names this front end and its workers to an RDMA engine (RingExport keeps one front end)
+    p.add_argument("--frontend-group", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="on SIGTERM, SIGINT, SIGHUP or SIGQUIT: seconds in-flight streams may "
                         "take to finish (new requests get UNAVAILABLE meanwhile)")
@@ -494,7 +504,8 @@ def _frontend_config(args, model_dir: Path):
                           max_connection_age_s=args.max_connection_age,
                           max_connection_age_grace_s=args.max_connection_age_grace,
                           worker=(args.worker_index, args.workers),
-                          rdma_engine=args.rdma_addr if args.transport == "rdma" else None)
+                          rdma_engine=args.rdma_addr if args.transport == "rdma" else None,
+                          rdma_group=args.frontend_group or 0)
 
 
 def choose_engine(requested: str) -> str:
@@ -629,6 +640,7 @@ def cmd_engine(args) -> None:
 def cmd_frontend(args) -> None:
     from blink.nic_service.server import serve
     _check_transport(args)
+    _name_frontend(args)
     model_dir = _model_dir(args.model, need_weights=False)
     _claim_port(args)
     workers = FrontendWorkers(args, model_dir)
@@ -1022,6 +1034,7 @@ def default_ring_name() -> str:
 
 def cmd_serve(args) -> None:
     _check_transport(args)
+    _name_frontend(args)
     _check_engine_args(args)
     if args.workers > args.slots:  # (a worker with no share of the slots never attaches)
         sys.exit(f"blink: --workers {args.workers} needs --slots >= {args.workers}: each "

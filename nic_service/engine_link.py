@@ -194,11 +194,13 @@ class EngineLink:
                  poll_interval_s: float = 0.0002, idle_poll_interval_s: float = 0.02,
                  stream_interval_s: float = 0.0, attach_interval_s: float = 0.2,
                  on_alive_change: Callable[[bool], None] | None = None,
-                 worker: tuple[int, int] = (0, 1), rdma_engine: tuple[str, int] | None = None):
+                 worker: tuple[int, int] = (0, 1), rdma_engine: tuple[str, int] | None = None,
+                 rdma_group: int = 0):
         """worker: (index, count) of the front-end processes sharing this ring; this one uses
         its contiguous share of the slots, and request ids that order all of theirs in time.
         rdma_engine: (IP, port) of the engine's RDMA CM listener, to reach its ring over RDMA
-        (blink.ring.rdma) instead of in /dev/shm/ring_name.
+        (blink.ring.rdma) instead of in /dev/shm/ring_name; rdma_group: the same for every
+        worker of one front end (the engine keeps one group's connections: RingExport).
         poll_interval_s: how often live requests' records are looked at: in shared memory by
         RecordWatch's thread, which has the loop poll them when one moved; over RDMA by the
         loop's own timer, which asyncio rounds up to whole milliseconds.
@@ -211,7 +213,7 @@ class EngineLink:
         self.ring_where = f"/dev/shm/{ring_name}"
         if rdma_engine is not None:
             from blink.ring.rdma import RdmaDialer
-            self._dialer = RdmaDialer(*rdma_engine)
+            self._dialer = RdmaDialer(*rdma_engine, group=rdma_group)
             self.ring_where = f"rdma://{self._dialer.where}"
         self.worker_index, self.workers = worker
         if not (poll_interval_s > 0 and idle_poll_interval_s > 0):

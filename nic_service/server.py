@@ -82,6 +82,7 @@ class FrontendConfig:
     stream_interval_s: float = 0.0
     poll_interval_s: float = 0.0002    # live records checked this often (EngineLink)
     rdma_engine: tuple[str, int] | None = None  # the engine's RDMA CM (IP, port): its ring by RDMA
+    rdma_group: int = 0  # the same for every worker of one front end (EngineLink)
 
 
 class InvalidRequest(ValueError):
@@ -737,7 +738,8 @@ class Frontend:
                                stream_interval_s=config.stream_interval_s,
                                poll_interval_s=config.poll_interval_s,
                                on_alive_change=self._on_alive_change,
-                               worker=config.worker, rdma_engine=config.rdma_engine)
+                               worker=config.worker, rdma_engine=config.rdma_engine,
+                               rdma_group=config.rdma_group)
         # the engine's own gauges and counters from the first worker only
         self.metrics = FrontendMetrics(self.link, engine_wide=config.worker[0] == 0) \
             if config.metrics_port is not None else None

@@ -406,6 +406,44 @@ def test_a_doorbell_that_lands_after_its_write_failed_spends_its_generation(rdma
         ring.close()
 
 
+def test_one_front_end_per_engine_over_rdma(rdma_ip):
+    """Two workers of one front end (one group) share the engine; a connection of another
+    front end's group closes theirs, and their next poll says so (the second front end took
+    the engine: no two front ends write into the same slots and read each other's tokens, as
+    two DPUs dialing one engine did). A front end that does not say its group (0) is kept."""
+    ring = RdmaRing(rdma_ip, slots=4)
+    links = [EngineLink(ring.name, rdma_engine=ring.addr, engine_timeout_s=1e9, worker=w,
+                        rdma_group=group)
+             for w, group in (((0, 2), 11), ((1, 2), 11), ((0, 1), 22))]
+
+    def attach(link):
+        deadline = time.monotonic() + 20
+        while link._transport is None:
+            assert time.monotonic() < deadline
+            link._try_attach()
+            time.sleep(0.01)
+        ring.server.beat()
+        link._poll_once()
+        return link.alive
+
+    try:
+        assert attach(links[0]) and attach(links[1]) and attach(ring.link)  # (group 0)
+        assert sorted(ring.export.groups.values()) == [0, 11, 11]
+        assert attach(links[2])
+        assert sorted(ring.export.groups.values()) == [0, 22]
+        for link in links[:2]:
+            ring.server.beat()
+            link._poll_once()
+            assert link._transport is None and not link.alive
+        ring.server.beat()
+        ring.link._poll_once()
+        assert ring.link.alive
+    finally:
+        for link in links:
+            ring.loop.run_until_complete(link.stop())
+        ring.close()
+
+
 def test_many_slots_in_bounded_batches(rdma_ip):
     """More slots than work requests in flight: each strided read is several chained batches
     (the stand-in refuses a chain longer than the send queue, or a completion queue overrun)."""
@@ -474,9 +512,9 @@ def test_refusals_are_said(monkeypatch):
     hello = np.zeros((), rdma.HELLO_DTYPE)
     hello["magic"], hello["layout_version"], hello["token"] = rdma.RING_MAGIC, 1, 5
     assert rdma._read_hello(hello.tobytes()) == (
-        0, f"ring layout version {rdma.LAYOUT_VERSION} here, 1 in the front end")
-    hello["layout_version"] = rdma.LAYOUT_VERSION
-    assert rdma._read_hello(hello.tobytes().ljust(56, b"\0")) == (5, None)
+        0, 0, f"ring layout version {rdma.LAYOUT_VERSION} here, 1 in the front end")
+    hello["layout_version"], hello["group"] = rdma.LAYOUT_VERSION, 9
+    assert rdma._read_hello(hello.tobytes().ljust(56, b"\0")) == (5, 9, None)
 
 
 def test_a_refusal_that_fails_leaves_the_export_serving(monkeypatch):
@@ -488,18 +526,24 @@ def test_a_refusal_that_fails_leaves_the_export_serving(monkeypatch):
     from blink.ring import rdma
     ring = RdmaRing("127.0.0.1")
     try:
+        ring.attach()  # the export listens
+        refused = []
         with monkeypatch.context() as m:
-            m.setattr(rdma, "_read_hello", lambda data: (0, "refused by the test"))
+            def refuse(data):
+                refused.append(data)
+                return 0, 0, "refused by the test"
 
             def failing_reject(self, private_data=None):
                 raise pyverbs_standin.PyverbsError("reject failed")
+            m.setattr(rdma, "_read_hello", refuse)
             m.setattr(pyverbs_standin.CMID, "reject", failing_reject)
             dialer = rdma.RdmaDialer(*ring.addr, timeout_s=0.5)
-            with pytest.raises(rdma.RdmaError):
+            with pytest.raises(rdma.RdmaError, match="within 0.5 s"):  # never answered
                 while dialer.step() is None:
                     pass
+        assert refused and ring.fatal == []
+        ring.link._detach(RuntimeError("again"))
         ring.attach()
-        assert ring.fatal == []
     finally:
         ring.close()
 

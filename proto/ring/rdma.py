@@ -45,8 +45,11 @@ pyverbs limits this module works around:
     (the /dev/infiniband/rdma_cm file the channel opened) and polled;
   - a CMEvent does not say which connection it is about, so the engine cannot tell whose
     DISCONNECTED it got: a front end names its earlier connection by the token in its Hello when
-    it reconnects and the engine closes that one; a front end that restarts leaves one idle queue
-    pair behind on the engine until the engine restarts;
+    it reconnects and the engine closes that one; and the group in its Hello names the front end
+    (its workers share it): one engine serves one front end, so a connection of another group
+    closes the earlier group's (a restarted front end's idle queue pairs; or a second front end
+    still running, which the engine cannot tell apart, and which then takes the engine back:
+    both say so, rather than two front ends writing into the same slots);
   - a connection's CMID shares the listener's context and protection domain objects and clears
     them when closed: everything registered on them is made before the first connection.
 """
@@ -90,6 +93,7 @@ HELLO_DTYPE = np.dtype([
     ("layout_version", "<u4"),  # LAYOUT_VERSION of the front end
     ("pad", "<u4"),
     ("token", "<u8"),           # the same for every connection of one front-end process
+    ("group", "<u8"),           # the same for a front end and its workers; 0: not said
 ])
 # Engine -> front end, the accept's private data (RDMA_PS_TCP: at most 196 bytes).
 OFFER_DTYPE = np.dtype([
@@ -259,6 +263,7 @@ class RingExport:
         self.ring_name = ring_name
         self.on_fatal = on_fatal
         self.connections: dict[int, object] = {}   # a front end's token -> its CMID
+        self.groups: dict[int, int] = {}           # a front end's token -> its group
         self.segment: ShmSegment | None = None     # this process's ring, mapped again here
         self._device_ring: tuple[int, RingGeometry] | None = None  # (dma-buf fd, geometry)
         self.memory = ""                           # what was registered, said for the log
@@ -417,7 +422,7 @@ class RingExport:
         hello = event.private_data
         conn = v.cmid.CMID(creator=event, listen_id=self.listen_id)
         event.ack_cm_event()   # before anything that could close conn (destroy waits for acks)
-        token, refusal = _read_hello(hello)
+        token, group, refusal = _read_hello(hello)
         if refusal is not None:
             log.warning("RDMA: refused a front end: %s", refusal)
             # a failure here is this connection's, not the export's (whose end stops the
@@ -440,23 +445,32 @@ class RingExport:
             conn.close()
             return
         earlier = self.connections.pop(token, None)
-        self.connections[token] = conn
         if earlier is not None:  # the same front end reconnected: its old connection is dead
             _close(earlier)
+        others = [t for t, g in self.groups.items() if group and g and g != group]
+        for other in others:  # one front end per engine: the earlier one's connections go
+            _close(self.connections.pop(other))
+            del self.groups[other]
+        if others:
+            log.warning("RDMA: front end %x is another front end than the one this engine "
+                        "served: its %d connections are closed. One front end (with its "
+                        "workers) per engine: if the other still runs, the two take the "
+                        "engine from each other", group, len(others))
+        self.connections[token], self.groups[token] = conn, group
         log.info("RDMA: accepted front end %x (%d connections)", token, len(self.connections))
 
 
-def _read_hello(data: bytes) -> tuple[int, str | None]:
-    """(token, None), or (0, why the front end is refused)."""
+def _read_hello(data: bytes) -> tuple[int, int, str | None]:
+    """(token, group, None), or (0, 0, why the front end is refused)."""
     if len(data) < HELLO_DTYPE.itemsize:
-        return 0, "not a Blink front end (no hello)"
+        return 0, 0, "not a Blink front end (no hello)"
     hello = np.frombuffer(data[:HELLO_DTYPE.itemsize], HELLO_DTYPE)[0]
     if int(hello["magic"]) != RING_MAGIC:
-        return 0, "not a Blink front end"
+        return 0, 0, "not a Blink front end"
     if int(hello["layout_version"]) != LAYOUT_VERSION:
-        return 0, (f"ring layout version {LAYOUT_VERSION} here, "
-                   f"{int(hello['layout_version'])} in the front end")
-    return int(hello["token"]), None
+        return 0, 0, (f"ring layout version {LAYOUT_VERSION} here, "
+                      f"{int(hello['layout_version'])} in the front end")
+    return int(hello["token"]), int(hello["group"]), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,10 +481,12 @@ class RdmaDialer:
     step_budget_s: it returns the transport once connected, None while the handshake is under
     way, and raises RdmaError when an attempt failed (the next step starts a new one)."""
 
-    def __init__(self, host: str, port: int, *, timeout_s: float = 5.0,
+    def __init__(self, host: str, port: int, *, group: int = 0, timeout_s: float = 5.0,
                  step_budget_s: float = 0.01):
+        """group: the same for a front end and its workers (RingExport keeps one group's
+        connections); 0: not said."""
         self.v = _Verbs()
-        self.host, self.port, self.where = host, port, f"{host}:{port}"
+        self.host, self.port, self.where, self.group = host, port, f"{host}:{port}", group
         self.timeout_s, self.step_budget_s = timeout_s, step_budget_s
         self.token = secrets.randbits(63) | 1  # names this process's connection to the engine
         self._pending: RdmaTransport | None = None
@@ -502,7 +518,8 @@ class RdmaTransport:
     mapped = False  # nothing is read from an engine that is gone
 
     def __init__(self, dialer: RdmaDialer):
-        self.v, self.where, self.token = dialer.v, dialer.where, dialer.token
+        self.v, self.where, self.token, self.group = (dialer.v, dialer.where, dialer.token,
+                                                      dialer.group)
         self.started = time.monotonic()
         self.connected = False
         self.size = 0
@@ -559,8 +576,8 @@ class RdmaTransport:
             qp_type=v.QPT_RC, scq=self.cq, rcq=self.cq, sq_sig_all=0,
             cap=v.qp.QPCap(max_send_wr=MAX_OUTSTANDING, max_recv_wr=1)))
         hello = np.zeros((), HELLO_DTYPE)
-        hello["magic"], hello["layout_version"], hello["token"] = \
-            RING_MAGIC, LAYOUT_VERSION, self.token
+        hello["magic"], hello["layout_version"], hello["token"], hello["group"] = \
+            RING_MAGIC, LAYOUT_VERSION, self.token, self.group
         # no READs from the engine; as many outstanding READs to it as both devices allow
         param = v.cmid.ConnParam(resources=0, depth=RDMA_MAX_DEPTH, retry=RETRY_COUNT,
                                  qp_num=self.qp.qp_num, data_len=HELLO_DTYPE.itemsize)
