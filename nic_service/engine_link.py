@@ -566,10 +566,11 @@ class EngineLink:
         try:
             transport, info = _open_ring(self.ring_name, self._dialer)
         except EngineUnavailable as e:
-            # each new reason once where an operator sees it (a wrong --rdma-addr said
-            # nothing at the default level), then at debug level while it stays
-            log.log(logging.DEBUG if str(e) == self._attach_failure else logging.INFO,
-                    "engine not attached: %s", e)
+            # until the first attach, each new reason once where an operator sees it (a wrong
+            # --rdma-addr said nothing at the default level); after a detach, which said so,
+            # and while a reason stays, at debug level
+            first = self._instance is None and str(e) != self._attach_failure
+            log.log(logging.INFO if first else logging.DEBUG, "engine not attached: %s", e)
             self._attach_failure = str(e)
             self._refusal = None  # no ring: nothing refused
             return

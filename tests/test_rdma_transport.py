@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from blink.gpu_engine.ring_server import ModelLimits, RingServer
-from blink.nic_service.engine_link import EngineLink, EngineUnavailable, Finished, Tokens
+from blink.nic_service.engine_link import (EngineLink, EngineUnavailable, Finished, Tokens,
+                                           WorkerCounts)
 from blink.ring.layout import EngineState, FinishReason, RingGeometry
 from blink.ring.rdma import rdma_unavailable_reason
 from blink.ring.shm import shm_path
@@ -442,6 +443,7 @@ def test_one_front_end_per_engine_over_rdma(rdma_ip):
         for link in links:
             ring.loop.run_until_complete(link.stop())
         ring.close()
+        WorkerCounts.reset(ring.name)  # (the two workers' shared counts, in /dev/shm)
 
 
 def test_many_slots_in_bounded_batches(rdma_ip):
