@@ -330,6 +330,22 @@ class LinkedRing:
         assert not shm_path(self.name).exists()
 
 
+def test_a_front_end_that_cannot_attach_says_why_once(caplog):
+    """A front end that never reaches its engine (a wrong ring name, a wrong --rdma-addr) said
+    nothing at the default level: it sat NOT_SERVING with no line. Each new reason is one INFO
+    line until the first attach; the same reason again, at debug level."""
+    import logging
+
+    from blink.nic_service.engine_link import EngineLink
+    link = EngineLink(f"blink-test-{secrets.token_hex(6)}", engine_timeout_s=1e9)
+    with caplog.at_level(logging.INFO, logger="blink.frontend"):
+        for _ in range(3):
+            link._try_attach()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"engine not attached: no engine ring at /dev/shm/{link.ring_name}"), lines
+
+
 def test_a_slot_s_generation_wraps_past_zero():
     """After generation 2^32 - 1 a slot's next request is generation 1: 0 means an empty slot,
     which the engine never consumes, so a request written as generation 0 would wait forever."""
