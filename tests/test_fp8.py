@@ -417,6 +417,7 @@ def periodic_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # (its fixture trains the periodic model: 200 s on a busy 2-core VM)
 def test_emulated_fp8_greedy_streams_are_exact_on_a_decisive_model(periodic_checkpoint):
     """Where greedy choices are decisive, FP8 changes no token. The checkpoint
     (tests/periodic_model.py) is trained to continue a periodic sequence; transformers (float32)
