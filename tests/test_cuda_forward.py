@@ -304,16 +304,6 @@ def test_gemm_tuner_times_caches_and_installs(cf, stream, tmp_path, monkeypatch,
     again.close()
 
 
-def test_interleave_gate_up_layout(cf):
-    gate = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
-    up = -gate
-    w = cf.interleave_gate_up(gate, up)
-    np.testing.assert_array_equal(w[:16], gate[:16])
-    np.testing.assert_array_equal(w[16:32], up[:16])
-    np.testing.assert_array_equal(w[32:48], gate[16:])
-    np.testing.assert_array_equal(w[48:], up[16:])
-
-
 def tiled(cf, w_bits: np.ndarray) -> np.ndarray:
     """The skinny kernels' tiled weight layout, from its definition (gemv.cuh), flat: rows
     padded with zeros to whole 16-row tiles, each tile's 1 KB steps one after another (32
@@ -1064,17 +1054,6 @@ def _ref_rope(x, positions, inv_freq):
     half = x.shape[-1] // 2
     rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
     return x * np.cos(emb)[:, None] + rot * np.sin(emb)[:, None]
-
-
-def test_rope_pair_order(cf):
-    """q and k heads: pair j's rows 8 apart inside one 16-row tile; v heads unchanged."""
-    order = cf.rope_pair_order(2, 1, 32)
-    assert sorted(order) == list(range(4 * 32))
-    head = order[:32]
-    assert list(head[:16]) == list(range(8)) + list(range(16, 24))
-    assert list(head[16:]) == list(range(8, 16)) + list(range(24, 32))
-    assert list(order[64:96]) == [64 + i for i in head]          # the k head likewise
-    assert list(order[96:]) == list(range(96, 128))               # v as it was
 
 
 class RopeCase:

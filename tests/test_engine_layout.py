@@ -249,3 +249,31 @@ def test_cuda_engine_refusal_says_what_the_kernels_cannot_serve():
     # the host-driven engine has no scheduler kernel: its step and slot limits are not these
     assert el.cuda_engine_refusal(llama, **dict(ok, kind="host-cuda", max_num_seqs=512,
                                                 slots=2048)) is None
+
+
+# The weights' layouts the GPU kernels read, from their definitions: pure NumPy, so on every
+# CPU run (under test_cuda_forward.py's GPU mark they had no check without a GPU, and the CPU
+# test of stored_fp8 builds its expectation with these same functions: a review's mutants of
+# either survived)
+
+def test_interleave_gate_up_layout():
+    from blink.gpu_engine.weight_layout import interleave_gate_up
+    gate = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
+    up = -gate
+    w = interleave_gate_up(gate, up)
+    np.testing.assert_array_equal(w[:16], gate[:16])
+    np.testing.assert_array_equal(w[16:32], up[:16])
+    np.testing.assert_array_equal(w[32:48], gate[16:])
+    np.testing.assert_array_equal(w[48:], up[16:])
+
+
+def test_rope_pair_order():
+    """q and k heads: pair j's rows 8 apart inside one 16-row tile; v heads unchanged."""
+    from blink.gpu_engine.weight_layout import rope_pair_order
+    order = rope_pair_order(2, 1, 32)
+    assert sorted(order) == list(range(4 * 32))
+    head = order[:32]
+    assert list(head[:16]) == list(range(8)) + list(range(16, 24))
+    assert list(head[16:]) == list(range(8, 16)) + list(range(24, 32))
+    assert list(order[64:96]) == [64 + i for i in head]          # the k head likewise
+    assert list(order[96:]) == list(range(96, 128))               # v as it was

@@ -103,6 +103,58 @@ def test_every_geometry_leaves_room_for_a_whole_prompt_and_output():
         assert geom.record_offset(2) + geom.record_bytes <= geom.total_bytes, n
 
 
+def _poll_one(server, t, req, limits, gen, slot=0):
+    for w in slot_writes(server.geom, slot, gen, req):
+        t.write(*w)
+    new, rejected = server.poll(limits)
+    return new, [r.reason for r in rejected]
+
+
+def test_the_engine_s_checks_at_their_exact_bounds(ring):
+    """A request that exactly fills the context or the KV cache is served (the rule: prompt +
+    max_tokens must not exceed either); the last id of the vocabulary is a stop id, and every
+    listed id is checked; ignore_eos crosses the ring. Each was a surviving mutant of a review:
+    no test sat on these bounds."""
+    server, t = ring
+    new, rejected = _poll_one(server, t, request(max_tokens=61),  # 3 + 61 == 64, the context
+                              ModelLimits(VOCAB, context_length=64, kv_capacity_tokens=1000), 1)
+    assert rejected == [] and len(new) == 1
+    new, rejected = _poll_one(server, t, request(max_tokens=45), LIMITS, 2)  # 3 + 45 == 48
+    assert rejected == [] and len(new) == 1
+    new, rejected = _poll_one(server, t, request(stop_ids=(VOCAB - 1,)), LIMITS, 3)
+    assert rejected == [] and new[0].params.stop_ids == {VOCAB - 1}
+    for gen, ids in ((4, (VOCAB,)), (5, (7, VOCAB)), (6, (7, 8, -1))):
+        assert _poll_one(server, t, request(stop_ids=ids), LIMITS, gen)[1] == \
+            [RejectReason.BAD_STOP_IDS], ids
+    new, _ = _poll_one(server, t, request(ignore_eos=True), LIMITS, 7)
+    assert new[0].params.ignore_eos is True
+
+
+def test_a_new_generation_s_record_starts_from_zero(ring):
+    """A slot's next request reports its own cached tokens and preemptions, not the last
+    one's."""
+    server, t = ring
+    server.open_record(1, 5, 3)
+    server.set_cached_tokens(1, 16)
+    server.set_preemptions(1, 2)
+    server.finish(1, 5, FinishReason.LENGTH)
+    server.open_record(1, 6, 4)
+    rec = np.frombuffer(t.read(server.geom.record_offset(1), layout.RECORD_DTYPE.itemsize),
+                        layout.RECORD_DTYPE)[0]
+    assert (rec["gen"], rec["num_tokens"], rec["finish_reason"], rec["prompt_len"],
+            rec["cached_tokens"], rec["preemptions"]) == (6, 0, FinishReason.NONE, 4, 0, 0)
+
+
+def test_new_requests_come_first_come_first_served(ring):
+    """poll's contract: first come first served by request id, whatever slots they landed in."""
+    server, t = ring
+    for slot, rid in ((0, 9), (1, 4), (3, 6)):
+        for w in slot_writes(server.geom, slot, 1, request(request_id=rid)):
+            t.write(*w)
+    new, _ = server.poll(LIMITS)
+    assert [r.request_id for r in new] == [4, 6, 9]
+
+
 def test_generation_zero_is_never_a_request(ring):
     """No front end writes generation 0 (EngineLink wraps 0xFFFFFFFF to 1): a slot showing it
     after another generation (a zeroed slot, a stray write) is not consumed (it was admitted
