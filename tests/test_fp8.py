@@ -487,3 +487,55 @@ def test_fp8_options_are_checked_against_the_gpu(bf16_checkpoint, tmp_path):
         assert not np.array_equal(fp8.fp8_rounded_rows(values[name]), values[name])
     finally:
         engine.close()
+
+
+# --- from a mutation review: contracts no test held (each test fails on its mutant) -----------
+
+@pytest.mark.parametrize("value", [0.0, -0.5])
+def test_a_kv_scale_that_is_not_positive_is_refused(bf16_checkpoint, tmp_path, value):
+    """The cache stores v * (1 / scale): a zero k_scale is an infinite inverse, every key NaN."""
+    fp8_checkpoint(bf16_checkpoint, tmp_path / "fp8", "row", kv_scales=True)
+    name = "model.layers.1.self_attn.k_scale"
+    _edit_tensors(tmp_path / "fp8", lambda t: t.__setitem__(name, torch.tensor(value)))
+    with pytest.raises(CheckpointError, match=f"{name} must be a positive scale"):
+        load_weights(tmp_path / "fp8", load_config(tmp_path / "fp8"))
+
+
+def test_calibration_never_asks_more_tokens_than_the_kv_cache_holds():
+    """calibration_count: fewer than 512 where one step, the context or the KV cache holds
+    fewer (the calibration prefill must fit the cache it calibrates)."""
+    assert fp8.calibration_count(2048, 4096, 100) == 100
+    assert fp8.calibration_count(64, 4096, 8192) == 64
+    assert fp8.calibration_count(2048, 300, 8192) == 300
+
+
+def test_fp8_weights_round_the_lm_head_unless_told_not_to(bf16_checkpoint):
+    w = load_weights(bf16_checkpoint, load_config(bf16_checkpoint))
+    np.testing.assert_array_equal(fp8.fp8_weights(w).lm_head, fp8.fp8_rounded_rows(w.lm_head))
+    assert fp8.fp8_weights(w, lm_head=False).lm_head is w.lm_head
+
+
+def test_the_cpu_engine_s_fp8_cache_takes_each_layer_s_k_and_v_scales(bf16_checkpoint,
+                                                                        tmp_path):
+    """The checkpoint's k_scale and v_scale (fp8_checkpoint writes 0.05 + i and 0.02 + i)
+    scale layer i's keys and values, one per KV head (values took the keys' scale in a
+    mutant no test saw)."""
+    from blink.gpu_engine.reference_engine import EngineConfig, ReferenceEngine
+    fp8_checkpoint(bf16_checkpoint, tmp_path / "fp8", "row", kv_scales=True)
+    engine = ReferenceEngine(EngineConfig(tmp_path / "fp8", f"blink-test-kv-{id(tmp_path)}",
+                                          kv_cache_dtype="fp8", num_kv_blocks=8))
+    try:
+        want = np.array([[[0.05] * 2, [0.02] * 2], [[1.05] * 2, [1.02] * 2]], np.float32)
+        np.testing.assert_array_equal(engine.model.kv_scales, want)  # [layer, k|v, kv head]
+    finally:
+        engine.close()
+
+
+def test_fp8_rounded_kv_uses_the_float32_inverse_as_torch_and_the_kernels():
+    """A value where v * fl32(1 / s) and v * (1 / s) round to different E4M3 codes (about 1 in
+    2 million): the cache's rounding is torch's float32 arithmetic, as the kernels'."""
+    v = np.full((1, 1, 1), -1.1315999031066895, np.float32)
+    s = np.array([0.0123], np.float32)
+    want = ((torch.from_numpy(v) * (1 / torch.from_numpy(s))[:, None])
+            .to(torch.float8_e4m3fn).float() * torch.from_numpy(s)[:, None]).numpy()
+    np.testing.assert_array_equal(fp8.fp8_rounded_kv(v, s), want)
