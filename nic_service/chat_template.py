@@ -147,14 +147,16 @@ def load_special_tokens(model_dir: str | os.PathLike) -> dict:
 
 def _named_tokens(config: dict) -> dict:
     """The model's own special tokens transformers hands a template too (a multimodal model's
-    image_token, ...): every other `*_token` entry, then the names of an `extra_special_tokens`
-    object over them."""
-    named = {key: _token_text(value) for key, value in config.items()
+    image_token, ...): every other `*_token` entry that is a token (a string or an AddedToken
+    object: "" too, as transformers hands it; not a flag such as add_bos_token), then the names
+    of an `extra_special_tokens` object over them."""
+    named = {key: value for key, value in config.items()
              if key.endswith("_token") and key not in SPECIAL_TOKEN_KEYS}
     extra = config.get("extra_special_tokens")
     if isinstance(extra, dict):
-        named.update((key, _token_text(value)) for key, value in extra.items())
-    return {key: text for key, text in named.items() if text}
+        named.update(extra)
+    return {key: _token_text(value) for key, value in named.items()
+            if isinstance(value, (str, dict))}
 
 
 def _read_json(path: str) -> dict:

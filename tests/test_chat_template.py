@@ -574,3 +574,49 @@ def test_the_model_s_architecture_is_named_whole(tmp_path):
     (folder / "config.json").write_text(json.dumps({**config,
                                                     "architectures": "LlamaForCausalLM"}))
     assert PromptCodec(folder).architecture == "LlamaForCausalLM"
+
+
+# What a template sees of the special tokens, as transformers hands them (None where absent).
+SPECIAL_TOKENS_PROBE = (
+    "{{ bos_token }}|{{ eos_token }}|{% if tools is not none %}tools{% endif %}|"
+    "{% if documents is not none %}docs{% endif %}|"
+    "{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def test_the_template_sees_the_tokens_tools_and_documents_transformers_hands_it(tmp_path):
+    codec, hf = _codec_and_transformers(_tiny_model(tmp_path / "m",
+                                                    chat_template=SPECIAL_TOKENS_PROBE))
+    messages = [{"role": "user", "content": "hi"}]
+    assert codec.render(messages) == hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_a_folder_with_added_tokens_decoder_ignores_the_legacy_map(tmp_path):
+    """Where tokenizer_config.json has `added_tokens_decoder`, transformers does not read
+    special_tokens_map.json over it."""
+    folder = _tiny_model(tmp_path / "m", chat_template=SPECIAL_TOKENS_PROBE)
+    vocab = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"}
+                                      for t in vocab}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<|eot|>", "eos_token": "<|eot|>"}))
+    codec, hf = _codec_and_transformers(folder)
+    messages = [{"role": "user", "content": "hi"}]
+    assert codec.render(messages) == hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_an_empty_model_token_is_defined_as_in_transformers(tmp_path):
+    """A model's own token written as "" is handed to the template as "" (it was left out, so
+    `image_token is defined` was false here and true in transformers); a flag whose name ends
+    in _token (add_bos_token) is not a token."""
+    folder = _tiny_model(tmp_path / "m", image_token="", add_bos_token=True, chat_template=(
+        "[{{ image_token is defined }}|{{ add_bos_token is defined }}]"
+        "{{ messages[0].content }}"))
+    codec, hf = _codec_and_transformers(folder)
+    messages = [{"role": "user", "content": "hi"}]
+    assert codec.render(messages) == hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False) == "[True|False]hi"
+

@@ -588,3 +588,57 @@ def test_json_nested_past_the_parser_s_depth_is_one_error(tmp_path, f32_ckpt, wh
     (path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
     with pytest.raises(CheckpointError, match="corrupt safetensors header: nested too deeply"):
         load_weights(path, load_config(f32_ckpt))
+
+
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_defaults_of_absent_config_keys_are_transformers(tmp_path, arch):
+    """A config.json without the optional keys: the values Blink takes are AutoConfig's on the
+    same folder. (Qwen2's and Qwen3's num_key_value_heads default is 32 in transformers, not
+    the heads; Blink takes the heads, whose weights the checkpoint then has, so it is left
+    out there.)"""
+    transformers = pytest.importorskip("transformers")
+    path = write_random_checkpoint(tmp_path / arch, architecture=arch, dtype="float32",
+                                   **TINY_SHAPE)
+    raw = json.loads((path / "config.json").read_text())
+    for key in (("num_key_value_heads",) if arch == "llama" else ()) + (
+            "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
+            "rope_parameters"):
+        raw.pop(key, None)
+    (path / "config.json").write_text(json.dumps(raw))
+    ours, hf = load_config(path), transformers.AutoConfig.from_pretrained(path)
+    theta = ((getattr(hf, "rope_parameters", None) or {}).get("rope_theta")
+             or getattr(hf, "rope_theta", None))
+    assert (ours.num_kv_heads, ours.max_position_embeddings, ours.rms_norm_eps,
+            ours.rope_theta) == (hf.num_key_value_heads, hf.max_position_embeddings,
+                                 hf.rms_norm_eps, theta)
+
+
+def test_legacy_rope_scaling_type_key_is_read(tmp_path):
+    """Older hub configs write rope_scaling {"type": ...} (not rope_type): transformers reads
+    the same scaling from either, and so does Blink."""
+    transformers = pytest.importorskip("transformers")
+    path = write_random_checkpoint(tmp_path / "m", dtype="float32", **TINY_SHAPE)
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("rope_parameters", None)
+    raw["rope_scaling"] = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    (path / "config.json").write_text(json.dumps(raw))
+    ours, hf = load_config(path), transformers.AutoConfig.from_pretrained(path)
+    params = getattr(hf, "rope_parameters", None) or hf.rope_scaling
+    assert params.get("rope_type", params.get("type")) == "llama3"
+    assert ours.rope_scaling is not None and ours.rope_scaling["factor"] == 8.0
+
+
+def test_a_special_token_id_equal_to_the_vocabulary_size_is_refused(tmp_path):
+    """Ids run 0 .. vocab_size - 1: an eos id of vocab_size names no token."""
+    path = write_random_checkpoint(tmp_path / "m", dtype="float32", **TINY_SHAPE)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "generation_config.json").unlink(missing_ok=True)
+    raw["eos_token_id"] = raw["vocab_size"]
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="outside the vocabulary"):
+        load_config(path)
+

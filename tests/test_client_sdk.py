@@ -873,3 +873,41 @@ def test_a_restarted_server_is_reached_again(long_checkpoint, tmp_path):
         loop.run_until_complete(aclient.close())
         loop.close()
         stack.stop()
+
+
+def test_wait_ready_gives_up_after_its_timeout_not_later():
+    """wait_ready's documented bound: BlinkError(DEADLINE_EXCEEDED) after `timeout` seconds of
+    NOT_SERVING, on the wall clock."""
+    servicer = health.HealthServicer()
+    servicer.set(HEALTH_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    with serve_fake(FakeBlink(), servicer) as (_, target), BlinkClient(target) as c:
+        c.health()  # connected
+        for timeout in (0.0, 0.3):
+            start = time.monotonic()
+            with pytest.raises(BlinkError, match="NOT_SERVING") as err:
+                c.wait_ready(timeout)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - start < timeout + 0.3, timeout
+
+
+def test_wait_ready_against_a_server_that_never_answers_still_ends():
+    """A peer that accepts TCP and never speaks HTTP/2 (a hung process, a wrong port): each
+    poll's health call carries the remaining time as its deadline, so wait_ready ends."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        outcome = []
+
+        def wait():
+            with BlinkClient(f"127.0.0.1:{port}") as c:
+                try:
+                    c.wait_ready(0.5)
+                except BlinkError as e:
+                    outcome.append(e.code)
+        start = time.monotonic()
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        waiter.join(5)
+        assert outcome == [grpc.StatusCode.DEADLINE_EXCEEDED] and time.monotonic() - start < 2
+

@@ -3,6 +3,7 @@ SDK gets from the same server, in the shapes the OpenAI SDK parses, streaming in
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import secrets
 import socket
@@ -843,3 +844,91 @@ def test_a_slow_body_that_keeps_arriving_is_read(monkeypatch):
     assert response.startswith(b"HTTP/1.1 413"), response[:300]
     assert json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]["type"] == \
         "invalid_request_error"
+
+
+# A fake Blink server scripted by its prompt, for what the gateway makes of each kind of final
+# (oracle: OpenAI's API reference for finish_reason, usage, max_completion_tokens and the status
+# codes; vLLM's for top_k = -1).
+def _scripted_blink():
+    import grpc
+    from test_client_sdk import CHUNKS, FINAL, FakeBlink, _chunk
+    from blink.v1 import blink_pb2
+    reasons = {"eos": blink_pb2.FINISH_REASON_EOS, "length": blink_pb2.FINISH_REASON_LENGTH,
+               "stop": blink_pb2.FINISH_REASON_STOP}
+
+    class Scripted(FakeBlink):
+        """The prompt (or the last message's content) names the final's finish reason, or is
+        'deadline': the call fails DEADLINE_EXCEEDED."""
+
+        def Generate(self, request, context):
+            self.requests.append(request)
+            kind = request.WhichOneof("prompt")
+            script = request.text if kind == "text" else (
+                request.messages.messages[-1].content if kind == "messages" else "")
+            if script == "deadline":
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
+            for text, _ in CHUNKS:
+                yield _chunk(text, [])
+            final = blink_pb2.Final()
+            final.CopyFrom(FINAL)
+            final.finish_reason = reasons.get(script, blink_pb2.FINISH_REASON_STOP)
+            yield blink_pb2.GenerateResponse(final=final)
+    return Scripted()
+
+
+def _events(client, path: str, body: dict) -> list[dict]:
+    """A streamed response's data events, parsed (the [DONE] line left out)."""
+    req = urllib.request.Request(f"{client.base_url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                if line.startswith("data: {")]
+
+
+def test_finish_reasons_usage_limits_and_codes_as_openai_documents(tmp_path):
+    """Each engine finish as OpenAI names it, streamed or not, on both endpoints; usage's
+    total; the token limits each endpoint sends (max_completion_tokens over max_tokens);
+    vLLM's top_k -1 as "off"; a deadline as 504; a request naming no model where the server
+    has a served name as 404."""
+    from test_client_sdk import serve_fake
+    with serve_fake(_scripted_blink()) as (fake, target), \
+            serving_gateway(target, tmp_path, ["--served-model-name", "m"]) as (client, _):
+        for reason, want in (("eos", "stop"), ("stop", "stop"), ("length", "length")):
+            _, body = post(client, "/completions", {"model": "m", "prompt": reason})
+            assert body["choices"][0]["finish_reason"] == want, (reason, body)
+            events = _events(client, "completions", {"model": "m", "prompt": reason,
+                                                     "stream": True})
+            assert events[-1]["choices"][0]["finish_reason"] == want, events
+            events = _events(client, "chat/completions", {
+                "model": "m", "stream": True,
+                "messages": [{"role": "user", "content": reason}]})
+            assert events[-1]["choices"][0]["finish_reason"] == want, events
+        _, body = post(client, "/completions", {"model": "m", "prompt": "x"})
+        assert body["usage"]["total_tokens"] == 8 == sum(  # the fake's final: 3 + 5
+            body["usage"][k] for k in ("prompt_tokens", "completion_tokens"))
+        chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        post(client, "/chat/completions", chat)
+        assert not fake.requests[-1].sampling.HasField("max_tokens")  # the rest of the context
+        post(client, "/completions", {"model": "m", "prompt": "x"})
+        assert fake.requests[-1].sampling.max_tokens == 16
+        post(client, "/chat/completions", {**chat, "max_completion_tokens": 7})
+        assert fake.requests[-1].sampling.max_tokens == 7
+        post(client, "/chat/completions", {**chat, "max_completion_tokens": 7, "max_tokens": 9})
+        assert fake.requests[-1].sampling.max_tokens == 7
+        post(client, "/completions", {"model": "m", "prompt": "x", "top_k": -1})
+        assert fake.requests[-1].sampling.top_k == 0  # off, not greedy (1)
+        status, body = post(client, "/completions", {"model": "m", "prompt": "deadline"})
+        assert status == 504 and body["error"]["code"] == "deadline_exceeded", body
+        status, body = post(client, "/completions", {"prompt": "x"})
+        assert (status, body["error"]["code"]) == (404, "model_not_found"), body
+
+
+def test_a_batch_of_one_prompt_is_that_prompt(tmp_path):
+    """OpenAI's prompt may be a list: ["text"] and [[ids]] are one prompt each."""
+    from test_client_sdk import serve_fake
+    with serve_fake(_scripted_blink()) as (fake, target), \
+            serving_gateway(target, tmp_path) as (client, _):
+        status, body = post(client, "/completions", {"prompt": ["once"]})
+        assert status == 200 and fake.requests[-1].text == "once", body
+        status, body = post(client, "/completions", {"prompt": [[5, 6, 7]]})
+        assert status == 200 and list(fake.requests[-1].token_ids.ids) == [5, 6, 7], body

@@ -993,6 +993,59 @@ def test_request_clock_observes_as_vllm_does():
     assert value("blink:request_failure_total", code="CANCELLED") == 1
 
 
+def test_request_latencies_are_the_intervals_vllm_defines(monkeypatch):
+    """On a clock the test moves: time to first token from the request's receipt, a chunk of n
+    tokens n inter-token gaps of its interval / n, end to end from receipt to the finish."""
+    import types
+
+    from blink.nic_service import metrics as m
+    now = [100.0]
+    monkeypatch.setattr(m.time, "monotonic", lambda: now[0])
+    link = types.SimpleNamespace(alive=False, heartbeat_age=lambda: None, attachments=0,
+                                 slots_in_use=0, waiting_for_slot=0)
+    metrics = m.FrontendMetrics(link, engine_wide=False)
+    value = lambda name: metrics.registry.get_sample_value(name, {})  # noqa: E731
+    clock = m.RequestClock(metrics, received=100.0)
+    now[0] = 101.0
+    clock.tokens(3)  # the first chunk: TTFT 1 s, no gaps
+    now[0] = 102.0
+    clock.tokens(2)  # a chunk of 2 tokens 1 s later: two gaps of 0.5 s
+    now[0] = 105.0
+    clock.finished("length")
+    assert value("blink:time_to_first_token_seconds_sum") == 1.0
+    assert value("blink:inter_token_latency_seconds_count") == 2
+    assert value("blink:inter_token_latency_seconds_sum") == 1.0
+    assert value("blink:e2e_request_latency_seconds_sum") == 5.0
+
+
+def test_engine_gauges_and_counters_are_the_ring_header_s_fields():
+    """Each engine-wide metric is the header field or counter it names, in its unit."""
+    import types
+
+    from blink.nic_service.engine_link import ENGINE_COUNTERS
+    from blink.nic_service.metrics import FrontendMetrics
+    from blink.ring.layout import HEADER_DTYPE
+    header = np.zeros((), HEADER_DTYPE)
+    for field, v in dict(sequences_running=3, sequences_waiting=5, kv_blocks_total=40,
+                         kv_blocks_free=30, kv_blocks_cached=7).items():
+        header[field] = v
+    totals = {name: 1000 + i for i, name in enumerate(ENGINE_COUNTERS)}
+    link = types.SimpleNamespace(alive=True, heartbeat_age=lambda: 0.25, attachments=2,
+                                 slots_in_use=4, waiting_for_slot=9, info=object(),
+                                 header_snapshot=lambda: header, counter_totals=lambda: totals)
+    metrics = FrontendMetrics(link, engine_wide=True)
+    value = lambda name: metrics.registry.get_sample_value(name, {})  # noqa: E731
+    assert value("blink:num_requests_running") == 3
+    assert value("blink:num_requests_waiting") == 5
+    assert value("blink:kv_cache_usage_perc") == 0.25  # (40 - 30) / 40
+    assert value("blink:ring_slots_in_use") == 4
+    assert value("blink:num_requests_queued") == 9
+    assert value("blink:engine_heartbeat_age_seconds") == 0.25
+    assert value("blink:num_preemptions_total") == totals["preemptions"]
+    assert value("blink:engine_busy_seconds_total") == totals["busy_ns"] / 1e9
+    assert value("blink:requests_rejected_by_engine_total") == totals["requests_rejected"]
+
+
 def test_requests_that_end_waiting_for_a_slot_are_counted_and_logged(long_checkpoint,
                                                                      tmp_path):
     """--slots 1, held by a long stream: a request whose deadline passes in the queue for the
