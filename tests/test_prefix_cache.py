@@ -19,7 +19,7 @@ from test_serving_behaviour import wait_for
 from blink.client.sdk import AsyncBlinkClient, BlinkClient, Sampling
 from blink.gpu_engine.block_manager import KvBlockPool
 from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig
-from blink.gpu_engine.sequence import SamplingParams, Sequence
+from blink.gpu_engine.sequence import SamplingParams, SeqStatus, Sequence
 
 BS = 4  # block size of the pool tests
 
@@ -418,3 +418,56 @@ def test_kv_pressure_with_shared_blocks(engine, checkpoints, make_stack):
           f"blocks evicted, {ties} near-tie steps, blocks free "
           f"{s['kv_blocks_free']}/{s['kv_blocks_total']}")
     assert s["kv_blocks_total"] == blocks and s["prefix_evicted_blocks"] > 0
+
+
+def _run_step(sched: Scheduler, token: int = 99):
+    """A step as the engines make it (StepCore.commit): counts, then the prefix cache, then a
+    token for each sequence that reached its end."""
+    plan = sched.schedule_step()
+    for s, n in plan.scheduled:
+        s.num_computed += n
+    sched.register(plan)
+    for s, _ in plan.scheduled:
+        if s.num_computed == s.num_tokens:
+            s.output.append(token)
+    return plan
+
+
+def test_a_sequence_preempted_this_step_is_not_readmitted_in_it():
+    """No admission in a step that preempted (scheduler.cuh's schedule_step says so), also
+    where the prefix cache would let the preempted sequence fit again at once. Two requests of
+    one 12-token prompt in a 6-block pool (blocks of 4), budget 14: the first is prefilled whole,
+    the second admitted on a 2-token chunk (all 12 of its tokens fit then). Next step the
+    first's decode takes a block and the second cannot grow: it preempts itself.
+    The first's 3 prompt blocks are cached by now, so the second would fit again at once (2 of
+    its blocks cached, 1 to take, 2 free): the rule says it waits for the next step all the
+    same, and is admitted then on its cache hit."""
+    pool = KvBlockPool(6, BS, prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=14,
+                                      max_model_len=32), pool)
+    prompt = list(range(12))
+    a = Sequence(0, 1, 0, list(prompt), SamplingParams(max_tokens=8))
+    b = Sequence(1, 1, 1, list(prompt), SamplingParams(max_tokens=8))
+    sched.add(a)
+    sched.add(b)
+
+    plan = _run_step(sched)
+    assert [(s.slot, n) for s, n in plan.scheduled] == [(0, 12), (1, 2)]
+    assert pool.num_cached == 3 and pool.num_free == 2
+
+    plan = _run_step(sched)
+    # b could not grow (it needs 2 blocks, 1 is left after a's): the newest, itself, preempted
+    assert plan.preempted == [b] and b.preemptions == 1
+    # ... and no one is admitted in this step, b included, though b would fit now
+    assert [(s.slot, n) for s, n in plan.scheduled] == [(0, 1)]
+    assert plan.num_admitted == 0
+    assert b.status is SeqStatus.WAITING and list(sched.waiting) == [b]
+    assert not b.block_table and b.num_computed == 0
+    assert sched.running == [a]
+    assert not any(s is b for s, _ in plan.scheduled)  # never both preempted and scheduled
+
+    # the next step admits it on its hit: 2 cached blocks (8 tokens), 4 left to compute
+    plan = _run_step(sched)
+    assert [(s.slot, n) for s, n in plan.scheduled] == [(0, 1), (1, 4)]
+    assert plan.num_admitted == 1 and not plan.preempted
+    assert list(b.block_table[:2]) == list(a.block_table[:2])

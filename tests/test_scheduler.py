@@ -400,3 +400,33 @@ def test_uniform_is_uniform():
     assert 0 <= u.min() and u.max() < 1
     hist, _ = np.histogram(u, bins=10, range=(0, 1))
     assert np.abs(hist / 20000 - 0.1).max() < 0.01
+
+# The scheduler's and the KV pool's constructors refuse exactly what `blink serve` refuses
+# (cli.py's _check_engine_args: --block-size, --max-num-seqs, --max-batched-tokens and
+# --num-kv-blocks >= 1, --max-model-len >= 2) and take its smallest values: the CLI checks first,
+# so only an engine built as a library (EngineConfig checks nothing itself) meets these bounds.
+
+def test_scheduler_config_takes_the_smallest_values_the_cli_allows():
+    c = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, max_model_len=2)
+    assert (c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len) == (1, 1, 2)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(max_num_seqs=0, max_num_batched_tokens=1, max_model_len=2),
+    dict(max_num_seqs=1, max_num_batched_tokens=0, max_model_len=2),
+    dict(max_num_seqs=1, max_num_batched_tokens=1, max_model_len=1),
+], ids=["max_num_seqs=0", "max_num_batched_tokens=0", "max_model_len=1"])
+def test_scheduler_config_refuses_one_below(fields):
+    with pytest.raises(ValueError, match="invalid scheduler config"):
+        SchedulerConfig(**fields)
+
+
+def test_kv_pool_takes_one_block_of_one_token():
+    pool = KvBlockPool(1, 1)
+    assert pool.num_free == 1 and pool.block_size == 1
+
+
+@pytest.mark.parametrize("num_blocks, block_size", [(0, 1), (1, 0)])
+def test_kv_pool_refuses_no_blocks_or_empty_blocks(num_blocks, block_size):
+    with pytest.raises(ValueError, match="KV pool needs blocks"):
+        KvBlockPool(num_blocks, block_size)

@@ -799,3 +799,21 @@ def test_the_cpu_engine_retires_one_iteration_s_cancels_in_slot_order():
     engine._retire = lambda seq, reason, detail: retired.append(seq.slot)
     engine._honour_cancels()
     assert retired == [0, 5, 7] and engine.counters["requests_cancelled"] == 3
+
+
+def test_the_gpu_scheduler_makes_the_same_no_readmission_decision(replay):
+    """test_prefix_cache's test_a_sequence_preempted_this_step_is_not_readmitted_in_it through
+    the parity replay: csrc/scheduler.cuh (built with g++) and the
+    Python step core print the same plans, and step 2's is a's decode alone beside b's
+    preemption."""
+    prompt = list(range(12))
+    events = ["config 4 32 4 6 4 14 1 32 0",
+              add_line(0, 1, 0, prompt, 8), add_line(1, 1, 1, prompt, 8),
+              "step", "sample 0 99", "step", "sample 0 99", "step", "sample 0 99",
+              "sample 1 99", "step"]
+    pairs = expected(events)
+    assert_same(pairs, replay([e for e, _ in pairs]))
+    steps = [lines[0] for e, lines in pairs if e == "step"]
+    assert " sched=0:12,1:2 " in steps[0]
+    assert " sched=0:1 pre=1:1 " in steps[1] and " adm= " in steps[1], steps[1]
+    assert " sched=0:1,1:4 pre= " in steps[2] and " adm=1:0 " in steps[2], steps[2]
