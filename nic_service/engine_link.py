@@ -716,10 +716,8 @@ class EngineLink:
         cancelled in it; waiters for a slot fail; the mapping goes."""
         self._set_alive(False)
         for handle in self._live.values():
-            if handle.stop_pending:  # its record is not read: the engine's end, if it counts
-                # the cancel or dies (_carry counts its admitted requests), is this finish
-                self._stop_string_finishes.add()
-                self._stop_read(handle)
+            if handle.stop_pending:
+                self._end_pending_stop(handle)
             if not handle.done:
                 handle.done = True
                 handle.events.put_nowait(why)
@@ -735,6 +733,26 @@ class EngineLink:
         if self._transport is not None:
             self._transport.close()
         self._transport, self.info = None, None
+
+    def _end_pending_stop(self, handle: RequestHandle) -> None:
+        """A stop-string cancel whose record no poll read, as the link gives the engine up: the
+        stop-string finish it is (the engine counts the cancel when it reads it, or _carry counts
+        the request cancelled if the engine died), unless the record already says the engine
+        ended the generation otherwise first (its length, EOS, a stop id), which the engine's
+        own counters have as finished. Read as _poll_records reads it: gen, then the finish."""
+        ended = FinishReason.NONE
+        try:
+            offset = self.info.geometry.record_offset(handle.slot)
+            if self._read_u32(offset + _GEN) == handle.gen:
+                ended = FinishReason(self._read_u32(offset + _FINISH))
+        except Exception as e:  # (RDMA: the engine gone) counted as the engine's cancel
+            log.debug("reading a stopped request's record on detach: %s", e)
+        if ended in (FinishReason.NONE, FinishReason.CANCELLED):
+            self._stop_string_finishes.add()
+        self._stop_read(handle)
+
+    def _read_u32(self, offset: int) -> int:
+        return int(np.frombuffer(self._transport.read(offset, 4), "<u4")[0])
 
     def give_up_live(self, why: Exception) -> None:
         """Ends every live request's stream with `why` and cancels it in the engine (a drain

@@ -460,6 +460,47 @@ def test_an_engine_s_last_counters_are_carried_over_its_restart(ended):
         ring.close()
 
 
+@pytest.mark.parametrize("engine_ended", ["cancelled", "length"])
+def test_a_pending_stop_string_finish_counts_once_when_the_link_detaches(engine_ended):
+    """The front end matched a stop string and wrote the cancel; the link then gave the engine
+    up (a stall) before any poll read the record. Where the engine took the cancel, the request
+    is a stop-string finish (the engine's cancel moves to the finished); where it had ended the
+    request by its length first, the engine's own count has it as finished, and nothing moves.
+    It was counted as a stop-string finish either way, so later a client's cancel was reported
+    as a finished request."""
+    ring = LinkedRing()
+    server, link = ring.server, ring.link
+    try:
+        handle = ring.submit(max_tokens=3)
+        r = ring.admit()
+        server.append_token(r.slot, 0, 7)
+        link.cancel(handle, stop_matched=True)
+        reason = (layout.FinishReason.CANCELLED if engine_ended == "cancelled"
+                  else layout.FinishReason.LENGTH)
+        server.finish(r.slot, r.gen, reason)
+        server.header["requests_admitted"] = 1
+        server.header["requests_" + ("cancelled" if engine_ended == "cancelled"
+                                     else "finished")] = 1
+        link._detach(RuntimeError("the engine stalled"))  # before a poll read the record
+        server.beat()
+        link._try_attach()
+        server.beat()
+        link._poll_once()
+        assert link.alive
+        handle = ring.submit(max_tokens=3)  # then a client cancels a request
+        r = ring.admit()
+        link.cancel(handle)
+        server.finish(r.slot, r.gen, layout.FinishReason.CANCELLED)
+        server.header["requests_admitted"] = 2
+        server.header["requests_cancelled"] += 1
+        server.beat()
+        link._poll_once()
+        totals = link.counter_totals()
+        assert (totals["requests_finished"], totals["requests_cancelled"]) == (1, 1)
+    finally:
+        ring.close()
+
+
 def test_a_transport_that_fails_as_a_request_is_written_is_unavailable_and_keeps_the_slot():
     """The engine goes away while submit writes a slot (RDMA: the transport's write raises):
     the request is UNAVAILABLE, as a failed poll detaches, and the slot is not lost (the error
