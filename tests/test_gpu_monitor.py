@@ -75,3 +75,46 @@ def test_it_reads_the_gpu_while_it_works():
     # about a second of copies: joules between a tenth of the limit's and all of it
     assert got.energy_j is None or 0.05 * monitor.power_limit_w < got.energy_j \
         < 1.5 * monitor.power_limit_w
+
+
+# nvml.h: nvmlClocksEventReason*
+NVML_GPU_IDLE = 0x0000000000000001
+NVML_SW_POWER_CAP = 0x0000000000000004
+NVML_SW_THERMAL = 0x0000000000000020
+NVML_HW_THERMAL = 0x0000000000000040
+NVML_HW_POWER_BRAKE = 0x0000000000000080
+
+
+def test_the_reason_bits_are_nvmls():
+    """The summaries' power-capped and thermal shares from NVML's clock event reasons, with
+    the bit values written as nvml.h defines them (not taken from the module)."""
+    samples = [GpuSample(0.0, 1980, 400, 0, None),
+               GpuSample(0.1, 1400, 710, NVML_HW_POWER_BRAKE, None),   # brake: capped
+               GpuSample(0.15, 1450, 705, NVML_HW_POWER_BRAKE, None),  # brake: capped
+               GpuSample(0.2, 1500, 690, NVML_SW_POWER_CAP, None),     # capped
+               GpuSample(0.3, 1300, 500, NVML_HW_THERMAL, None),       # thermal
+               GpuSample(0.4, 1350, 500, NVML_SW_THERMAL, None),       # thermal
+               GpuSample(0.5, 210, 70, NVML_GPU_IDLE, None)]           # idle: left out
+    got = summarize(samples, power_limit_w=700)
+    assert got.samples == 6
+    assert got.power_capped_share == pytest.approx(3 / 6)
+    assert got.thermal_share == pytest.approx(2 / 6)
+    assert got.sm_mhz_median == statistics.median([1980, 1400, 1450, 1500, 1300, 1350]) == 1425
+    assert got.sm_mhz_min == 1300
+
+
+def test_a_summary_is_of_the_samples_since_its_mark():
+    """A workload's summary (summary(since=)) leaves out the samples taken before its mark."""
+    monitor = GpuMonitor(None, unavailable="no GPU in this test")
+    monitor.power_limit_w = 700.0
+    # as the sampling thread appends them: an earlier workload's, then this one's
+    monitor._samples = [GpuSample(1.0, 1200, 700, NVML_SW_POWER_CAP, 100.0),
+                        GpuSample(2.0, 1200, 700, NVML_SW_POWER_CAP, 800.0),
+                        GpuSample(10.0, 1900, 300, 0, 900.0),
+                        GpuSample(11.0, 1800, 350, 0, 1230.0)]
+    got = monitor.summary(since=10.0)
+    assert got.samples == 2
+    assert got.sm_mhz_median == 1850 and got.power_w_median == 325
+    assert got.power_capped_share == 0.0
+    assert got.energy_j == pytest.approx(330.0)
+    assert got.power_limit_w == 700.0

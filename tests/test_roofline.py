@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from blink.gpu_engine.bench_decode import SHAPES
 from blink.gpu_engine.checkpoint import load_config
 from blink.gpu_engine.demo_model import write_random_checkpoint
 from blink.gpu_engine.roofline import decode_step_bytes, kv_bytes_per_token, \
@@ -86,3 +87,48 @@ def test_step_flops_match_the_checkpoint(tmp_path):
     assert got.projections == 2 * (len(positions) * layer_weights + lm_head)
     assert got.attention == 2 * 2 * int(mask.sum()) * cfg.head_dim * cfg.num_heads * 3
     assert got.total == got.projections + got.attention
+
+
+# Llama-3.2-1B from its published config (hidden 2048, intermediate 8192, 16 layers, 32 heads of
+# 64, 8 KV heads, vocabulary 128,256, tied embeddings: 1,235,814,400 parameters), counted by hand.
+H, I, L, HEADS, KV_HEADS, D, V = 2048, 8192, 16, 32, 8, 64, 128256
+
+
+def llama_1b_parameters() -> int:
+    per_layer = (H * HEADS * D            # q_proj
+                 + 2 * H * KV_HEADS * D   # k_proj, v_proj
+                 + HEADS * D * H          # o_proj
+                 + 3 * H * I              # gate, up, down
+                 + 2 * H)                 # input and post-attention RMSNorm
+    return V * H + L * per_layer + H      # embedding (= LM head, tied), layers, final norm
+
+
+def test_llama_1b_bf16_step_reads_every_parameter_once_and_its_kv():
+    assert llama_1b_parameters() == 1_235_814_400  # the model card's 1.24B
+    batch, context = 32, 512
+    need = decode_step_bytes(SHAPES["llama-3.2-1b"], [context] * batch)
+    # tied: the table is the LM head and is read whole (its embedding rows on top)
+    assert need.weights == 2 * llama_1b_parameters()
+    assert need.embedding == batch * H * 2
+    kv_per_token = 2 * L * KV_HEADS * D * 2  # K and V, every layer, bf16: 32 KiB
+    assert kv_per_token == 32 * 1024
+    assert need.kv == batch * context * kv_per_token
+    # FP8 weights and cache: one byte a projection weight (LM head's too) and a float32 scale
+    # a projection output row; norms stay bf16; the KV cache one byte an element
+    rows = L * (HEADS * D + 2 * KV_HEADS * D + H + 2 * I + H) + V
+    norms = L * 2 * H + H
+    projections = llama_1b_parameters() - norms
+    fp8 = decode_step_bytes(SHAPES["llama-3.2-1b"], [context] * batch, weights_fp8=True,
+                            kv_fp8=True)
+    assert fp8.weights == projections + 4 * rows + 2 * norms
+    assert fp8.kv == batch * context * kv_per_token // 2
+
+
+def test_a_floor_is_described_in_gigabytes_and_megabytes():
+    need = decode_step_bytes(SHAPES["llama-3.2-1b"], [512] * 32)
+    weights_gb = 2 * llama_1b_parameters() / 1e9          # 2.47
+    kv_gb = 32 * 512 * 2 * L * KV_HEADS * D * 2 / 1e9      # 0.54
+    embedding_mb = 32 * H * 2 / 1e6                        # 0.13
+    assert need.describe() == (f"{weights_gb:.2f} GB weights + {kv_gb:.2f} GB KV + "
+                               f"{embedding_mb:.1f} MB embedding rows")
+    assert need.describe() == "2.47 GB weights + 0.54 GB KV + 0.1 MB embedding rows"
