@@ -125,8 +125,8 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 
 def load_special_tokens(model_dir: str | os.PathLike) -> dict:
     """The special tokens a chat template sees, as transformers passes them: each of
-    SPECIAL_TOKEN_KEYS (and additional_special_tokens, a list, and the model's own: _named_tokens)
-    from tokenizer_config.json, then from special_tokens_map.json over them in a folder saved
+    SPECIAL_TOKEN_KEYS (and the model's own: _named_tokens; not additional_special_tokens, which
+    transformers 4 handed a template and 5, the oracle, does not) from tokenizer_config.json, then from special_tokens_map.json over them in a folder saved
     without `added_tokens_decoder` (older ones, Blink's demo model), as transformers reads such a
     folder."""
     config, legacy = (_read_json(os.path.join(model_dir, name))
@@ -138,9 +138,6 @@ def load_special_tokens(model_dir: str | os.PathLike) -> dict:
             # was an undefined name here)
             if isinstance(source.get(key), (str, dict)):
                 out[key] = _token_text(source[key])
-        extra = source.get("additional_special_tokens")
-        if isinstance(extra, list) and extra:
-            out["additional_special_tokens"] = [_token_text(t) for t in extra]
         out.update(_named_tokens(source))
     return out
 

@@ -620,3 +620,17 @@ def test_an_empty_model_token_is_defined_as_in_transformers(tmp_path):
     assert codec.render(messages) == hf.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False) == "[True|False]hi"
 
+
+def test_additional_special_tokens_are_not_handed_as_in_transformers(tmp_path):
+    """transformers 4 handed a template `additional_special_tokens` (its special_tokens_map);
+    5, the pinned oracle, does not, nor `extra_special_tokens`: Blink follows it."""
+    template = ("[{{ additional_special_tokens is defined }}|{{ extra_special_tokens is defined }}]"
+                "{{ messages[0].content }}")
+    for i, extra in enumerate(({"additional_special_tokens": ["<|eot|>"]},
+                               {"extra_special_tokens": ["<|eot|>"]})):
+        folder = _tiny_model(tmp_path / f"m{i}", chat_template=template, **extra)
+        codec, hf = _codec_and_transformers(folder)
+        messages = [{"role": "user", "content": "hi"}]
+        assert codec.render(messages) == hf.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False) == "[False|False]hi", extra
+
