@@ -36,15 +36,24 @@ def layer_projection_weights(cfg: ModelConfig) -> int:
     return w["qkv"] + w["o"] + w["gate_up"] + w["down"]
 
 
+def layer_vector_weights(cfg: ModelConfig) -> int:
+    """Weights (elements) of one layer's vectors, bf16 in every format: the two RMSNorms', the
+    q/k/v biases (Qwen2, attention_bias), the o projection's bias and Qwen3's q and k norms."""
+    return (2 * cfg.hidden_size
+            + (cfg.q_size + 2 * cfg.kv_size if cfg.attention_bias else 0)
+            + (cfg.hidden_size if cfg.o_proj_bias else 0)
+            + (2 * cfg.head_dim if cfg.qk_norm else 0))
+
+
 def linear_weight_bytes(cfg: ModelConfig, fp8: bool = False,
                         lm_head_fp8: bool | None = None) -> int:
-    """Every projection of every layer, the LM head and the norm weights, in bf16; fp8: the
-    projections as E4M3 codes and a float32 scale per output row, and the LM head too unless
-    lm_head_fp8 is False (CudaForward's fp8_lm_head)."""
+    """Every projection of every layer, the LM head and the vector weights (norms, biases), in
+    bf16; fp8: the projections as E4M3 codes and a float32 scale per output row, and the LM head
+    too unless lm_head_fp8 is False (CudaForward's fp8_lm_head)."""
     w = projection_weights(cfg)
     projections = layer_projection_weights(cfg)
     per_layer = (projections + 4 * projection_rows(cfg) if fp8
-                 else BF16_BYTES * projections) + BF16_BYTES * 2 * cfg.hidden_size
+                 else BF16_BYTES * projections) + BF16_BYTES * layer_vector_weights(cfg)
     lm_head = (w["lm_head"] + 4 * cfg.vocab_size if fp8 and lm_head_fp8 is not False
                else BF16_BYTES * w["lm_head"])
     return cfg.num_layers * per_layer + lm_head + BF16_BYTES * cfg.hidden_size

@@ -23,11 +23,13 @@ def tensor_bytes(model_dir) -> dict[str, int]:
             for name, e in header.items() if name != "__metadata__"}
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_step_bytes_match_the_checkpoint(tmp_path, tied):
+@pytest.mark.parametrize("tied, arch", [(False, "llama"), (True, "llama"), (False, "qwen2"),
+                                         (False, "qwen3")])
+def test_step_bytes_match_the_checkpoint(tmp_path, tied, arch):
+    """Qwen2's qkv biases and Qwen3's q and k norms are read every step too."""
     model = write_random_checkpoint(tmp_path / "m", hidden_size=64, intermediate_size=160,
                                     num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=2304,
-                                    tie_word_embeddings=tied)
+                                    tie_word_embeddings=tied, architecture=arch)
     cfg = load_config(model)
     sizes = tensor_bytes(model)
     embed = sizes["model.embed_tokens.weight"]
