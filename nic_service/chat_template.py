@@ -126,9 +126,9 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 def load_special_tokens(model_dir: str | os.PathLike) -> dict:
     """The special tokens a chat template sees, as transformers passes them: each of
     SPECIAL_TOKEN_KEYS (and the model's own: _named_tokens; not additional_special_tokens, which
-    transformers 4 handed a template and 5, the oracle, does not) from tokenizer_config.json, then from special_tokens_map.json over them in a folder saved
-    without `added_tokens_decoder` (older ones, Blink's demo model), as transformers reads such a
-    folder."""
+    transformers 4 handed a template and 5, the oracle, does not) from tokenizer_config.json,
+    then from special_tokens_map.json over them in a folder saved without `added_tokens_decoder`
+    (older ones, Blink's demo model), as transformers reads such a folder."""
     config, legacy = (_read_json(os.path.join(model_dir, name))
                       for name in ("tokenizer_config.json", "special_tokens_map.json"))
     out: dict = {}

@@ -752,6 +752,7 @@ class EngineLink:
         self._stop_read(handle)
 
     def _read_u32(self, offset: int) -> int:
+        """One word of the attached ring, a read of its own (no transport reorders it)."""
         return int(np.frombuffer(self._transport.read(offset, 4), "<u4")[0])
 
     def give_up_live(self, why: Exception) -> None:
