@@ -375,8 +375,9 @@ def _fbgemm_fp8_block(qc: dict) -> None:
     return None
 
 
-# tensors beside FP8 weights that scale (or bound) their inputs' quantization
-_ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".input_scale_ub")
+# tensors beside FP8 weights that scale (or bound) their inputs' quantization (transformers'
+# static FP8 stores activation_scale)
+_ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".input_scale_ub", ".activation_scale")
 
 # compressed-tensors' formats whose FP8 weights are stored as E4M3 codes beside their scales
 _COMPRESSED_TENSORS_FP8_FORMATS = ("float-quantized", "naive-quantized")
@@ -416,9 +417,12 @@ def _compressed_tensors_fp8_block(qc: dict) -> tuple[int, int] | None:
         if not weights.get("symmetric", True) or weights.get("dynamic", False):
             refuse(f"group {name!r} weights must be symmetric with static scales")
         strategy = _strategy(weights)
-        if strategy == "group" and weights.get("actorder") == "group":
-            refuse(f"group {name!r} weights: activation-ordered groups (actorder 'group', a "
-                   f"weight_g_idx) are not supported")
+        actorder = weights.get("actorder")
+        # (True and "dynamic" were compressed-tensors' other spellings of "group")
+        if strategy == "group" and (actorder is True or str(actorder).lower() in
+                                    ("group", "dynamic")):
+            refuse(f"group {name!r} weights: activation-ordered groups (actorder "
+                   f"{actorder!r}, a weight_g_idx) are not supported")
         if strategy == "block":
             structure = weights.get("block_structure")
             if isinstance(structure, str):  # its earlier form, "128x128"

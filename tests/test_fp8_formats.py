@@ -184,6 +184,11 @@ REFUSED = [
     ("a quant_method not a string", lambda c: c.update(quant_method=["fp8"]), "quant_method"),
     ("activation-ordered groups", lambda c: _group(c)["weights"].update(
         strategy="group", group_size=32, actorder="group"), "actorder"),
+    # compressed-tensors' other spellings of "group" (its validator maps both to GROUP)
+    ("activation-ordered groups, actorder true", lambda c: _group(c)["weights"].update(
+        strategy="group", group_size=32, actorder=True), "actorder"),
+    ("activation-ordered groups, actorder 'dynamic'", lambda c: _group(c)["weights"].update(
+        strategy="group", group_size=32, actorder="dynamic"), "actorder"),
     ("a group's own format", lambda c: _group(c).update(format="int-quantized"),
      "int-quantized"),
     ("2:4 sparsity", lambda c: c.update(sparsity_config={"format": "sparse-24-bitmask"}),
