@@ -131,6 +131,11 @@ def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + rounding) >> 16).astype(np.uint16)
 
 
+def bf16_rounded(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to the nearest bf16 (ties to even), as float32: what a bf16 copy holds."""
+    return (float32_to_bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
+
+
 _ST_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
 
 

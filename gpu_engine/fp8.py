@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 
+from .demo_model import bf16_rounded
 from .weight_layout import FUSED_PROJECTIONS, served_as_stored
 
 E4M3_MAX = 448.0
@@ -135,19 +136,25 @@ def calibration_tokens(vocab_size: int, count: int = CALIBRATION_TOKENS,
 
 
 def fp8_weights(weights, lm_head: bool = True):
-    """ModelWeights with every layer's projections as FP8 weights hold them (fp8_rounded_rows:
-    a scale per output row; an FP8 checkpoint's projections stored with a scale a row keep
-    their codes and scales, LayerWeights.fp8_codes, whose values the loader gave), and the LM
-    head too (lm_head: CudaForward's fp8_lm_head); the embedding and the norms unchanged (they
-    stay bf16 on the GPU; a tied embedding's table keeps its values, the LM head's copy is
-    rounded). The CPU engine's emulation of --quantization fp8, and the GPU tests' reference."""
+    """ModelWeights with every layer's projections as FP8 weights hold them (fp8_rounded_rows
+    of their bf16 values: the GPU quantizes its bf16 copies, a scale per output row; an FP8
+    checkpoint's projections stored with a scale a row keep their codes and scales,
+    LayerWeights.fp8_codes, whose values the loader gave), and the LM head too (lm_head:
+    CudaForward's fp8_lm_head); the embedding and the norms unchanged (they stay bf16 on the
+    GPU; a tied embedding's table keeps its values, the LM head's copy is rounded). The CPU
+    engine's emulation of --quantization fp8, and the GPU tests' reference. (The bf16 step
+    matters where the values are not bf16 already: a float32 or float16 checkpoint's, and a
+    block-scaled FP8 checkpoint's codes times its scales.)"""
+    def quantized(x):
+        return fp8_rounded_rows(bf16_rounded(x))
+
     def rounded(lw):
         kept = {part for name in served_as_stored(lw) for part in FUSED_PROJECTIONS[name]}
-        return {part: fp8_rounded_rows(getattr(lw, part))
+        return {part: quantized(getattr(lw, part))
                 for parts in FUSED_PROJECTIONS.values() for part in parts if part not in kept}
 
     layers = [dataclasses.replace(lw, **rounded(lw)) for lw in weights.layers]
-    head = fp8_rounded_rows(weights.lm_head) if lm_head else weights.lm_head
+    head = quantized(weights.lm_head) if lm_head else weights.lm_head
     return dataclasses.replace(weights, layers=layers, lm_head=head)
 
 

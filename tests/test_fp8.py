@@ -515,6 +515,31 @@ def test_fp8_weights_round_the_lm_head_unless_told_not_to(bf16_checkpoint):
     assert fp8.fp8_weights(w, lm_head=False).lm_head is w.lm_head
 
 
+def test_fp8_weights_quantize_the_bf16_copies_the_gpu_quantizes(tmp_path):
+    """The GPU quantizes its bf16 copies of the weights (CudaForward._upload_weights), so the
+    CPU emulation rounds a float32 checkpoint's values to bf16 first (it quantized the float32
+    values, a code off where the bf16 rounding crosses an E4M3 step). Oracle: torch's bf16 and
+    E4M3 conversions with the GPU's per-row scale (amax / 448, x * (448 / amax))."""
+    path = write_random_checkpoint(tmp_path / "f32", hidden_size=64, intermediate_size=128,
+                                   num_layers=1, num_heads=4, num_kv_heads=2, dtype="float32",
+                                   seed=11)
+    w = load_weights(path, load_config(path))
+
+    def gpu_rows(x):
+        t = torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16).float()
+        amax = t.abs().amax(1, keepdim=True)
+        inverse = torch.tensor(448.0) / amax  # one float32 division, as the kernel's
+        return ((t * inverse).to(torch.float8_e4m3fn).float() * (amax / 448)).numpy()
+
+    served = fp8.fp8_weights(w)
+    for part in ("q_proj", "gate_proj", "down_proj"):
+        values = getattr(w.layers[0], part)
+        np.testing.assert_array_equal(getattr(served.layers[0], part), gpu_rows(values))
+    np.testing.assert_array_equal(served.lm_head, gpu_rows(w.lm_head))
+    # the float32 values quantized directly give other codes (the test has something to see)
+    assert (fp8.fp8_rounded_rows(w.layers[0].gate_proj) != served.layers[0].gate_proj).any()
+
+
 def test_the_cpu_engine_s_fp8_cache_takes_each_layer_s_k_and_v_scales(bf16_checkpoint,
                                                                         tmp_path):
     """The checkpoint's k_scale and v_scale (fp8_checkpoint writes 0.05 + i and 0.02 + i)

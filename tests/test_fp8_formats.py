@@ -390,9 +390,10 @@ def test_fp8_checkpoints_with_a_scale_a_row_are_served_as_stored(bf16_checkpoint
 def test_a_fused_projection_served_as_stored_only_when_every_part_is(bf16_checkpoint,
                                                                       tmp_path):
     """With k_proj left bf16 (an ignore entry), q|k|v cannot be one stored matrix: the GPU
-    quantizes the fused matrix again per row, so the CPU engine must round q, k and v again
-    too (the two served different weights before the review caught it); o, gate|up and down
-    stay as stored."""
+    quantizes the fused matrix's bf16 copy again per row, so the CPU engine must round q, k and
+    v again too (the two served different weights before the review caught it); o, gate|up
+    and down stay as stored."""
+    from blink.gpu_engine.demo_model import bf16_rounded
     from blink.gpu_engine.fp8 import fp8_rounded_rows, fp8_weights
     from blink.gpu_engine.weight_layout import rope_pair_order, served_as_stored, stored_fp8
 
@@ -412,8 +413,8 @@ def test_a_fused_projection_served_as_stored_only_when_every_part_is(bf16_checkp
         assert served_as_stored(lw) == ["wo", "wgu", "wdown"]
         assert sorted(stored_fp8(lw, order)) == ["wdown", "wgu", "wo"]
         for attr in ("q_proj", "k_proj", "v_proj"):
-            np.testing.assert_array_equal(getattr(fw, attr),
-                                          fp8_rounded_rows(getattr(lw, attr)), attr)
+            np.testing.assert_array_equal(
+                getattr(fw, attr), fp8_rounded_rows(bf16_rounded(getattr(lw, attr))), attr)
         for attr in ("o_proj", "gate_proj", "up_proj", "down_proj"):
             np.testing.assert_array_equal(getattr(fw, attr), getattr(lw, attr), attr)
 
