@@ -179,7 +179,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Hugging Face transformers' generate (needs torch and transformers); "
                         "synthetic: no model, tokens every --synthetic-step-ms (measures the "
                         "front end alone)")
-    p.add_argument("--synthetic-step-ms", type=float, default=0.0,
+    p.add_argument("--synthetic-step-ms", type=_step_ms, default=0.0,
                    help="synthetic engine: milliseconds per step")
     p.add_argument("--hf-static-cache", action="store_true",
                    help="hf engine: one request at a time through a static KV cache sized for "
@@ -330,6 +330,12 @@ def _finite(text: str, what: str, positive: bool, most: float = math.inf) -> flo
     if not (0 < value if positive else 0 <= value) or not value <= most or value == math.inf:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
+
+
+def _step_ms(text: str) -> float:
+    """The synthetic engine's step, a finite number of milliseconds >= 0 (-1, nan and inf were
+    taken, and the engine's first step raised in time.sleep and crashed it, every restart)."""
+    return _finite(text, "a number of milliseconds >= 0", positive=False)
 
 
 def _stream_interval_ms(text: str) -> float:
@@ -901,7 +907,8 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
             "--block-size", str(args.block_size), "--kv-cache-mb", str(args.kv_cache_mb),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-batched-tokens", str(args.max_batched_tokens),
-            "--load-format", args.load_format, "--log-level", args.log_level,
+            "--load-format", args.load_format,
+            "--log-level", "debug" if args.verbose else args.log_level,
             "--log-format", args.log_format, "--synthetic-step-ms", str(args.synthetic_step_ms),
             "--exit-with-parent", str(os.getpid())]
     if args.num_kv_blocks:

@@ -2,6 +2,7 @@
 whitespace handling, and templates that fail or misbehave."""
 
 import json
+import time
 
 import pytest
 
@@ -634,3 +635,47 @@ def test_additional_special_tokens_are_not_handed_as_in_transformers(tmp_path):
         assert codec.render(messages) == hf.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False) == "[False|False]hi", extra
 
+
+# render_chat's budget at its exact limits, and the wording of a refusal.
+ASSISTANT_FIRST = [{"role": "assistant", "content": "I speak first"}]
+
+
+def test_a_value_of_exactly_the_prompt_limit_may_be_built_and_one_more_may_not():
+    # the same bound as the output's (wrote: more than max_chars is refused, max_chars is not)
+    assert render_chat("{{ ('x' * 1000)|length }}", ASSISTANT_FIRST, max_chars=1000) == "1000"
+    assert render_chat("{{ ('x' * 500 + 'y' * 500)|length }}", ASSISTANT_FIRST,
+                       max_chars=1000) == "1000"
+    with pytest.raises(ValueError, match="built a value of 1,001 items, more than 1,000"):
+        render_chat("{{ ('x' * 1001)|length }}", ASSISTANT_FIRST, max_chars=1000)
+
+
+def test_raise_exception_is_the_template_refusing_the_conversation():
+    """The server hands the message on as INVALID_ARGUMENT's details: the template's own words,
+    said to be its refusal (not a failure of the template)."""
+    template = "{{ raise_exception('Conversation roles must alternate') }}"
+    with pytest.raises(ValueError) as e:
+        render_chat(template, ASSISTANT_FIRST)
+    assert str(e.value) == ("the chat template rejected the conversation: Conversation roles "
+                            "must alternate")
+
+
+def test_the_cpu_budget_is_the_one_asked_for():
+    start = time.thread_time()
+    with pytest.raises(ValueError, match=r"did not finish within 0\.3 s of CPU"):
+        render_chat("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                    "{% endfor %}", ASSISTANT_FIRST, cpu_seconds=0.3)
+    assert time.thread_time() - start < 1.5
+
+
+def test_the_documented_render_budget_by_default():
+    """README: a render gets 5 s of its thread's CPU and writes at most 64 Mi characters, and no
+    one operation may build a string longer than that."""
+    assert render_chat("{{ ('x' * 67108864)|length }}", ASSISTANT_FIRST) == str(64 << 20)
+    with pytest.raises(ValueError, match="built a value of 67,108,865 items, more than "
+                                         "67,108,864"):
+        render_chat("{{ ('x' * 67108865)|length }}", ASSISTANT_FIRST)
+    start = time.thread_time()
+    with pytest.raises(ValueError, match=r"did not finish within 5 s of CPU"):
+        render_chat("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                    "{% endfor %}", ASSISTANT_FIRST)
+    assert time.thread_time() - start < 8

@@ -453,3 +453,92 @@ def test_random_chunking_matches_find_oracle():
                                                                               chunks)
         if len(stops) == 1:  # one stop: where the stream is cut does not matter
             assert "".join(emitted) == (full[: full.find(stops[0])] if stops[0] in full else full)
+
+
+# StopStringMatcher holds back exactly the text that could still start a stop string, after
+# every feed (a brute-force oracle over the whole text so far); the stream ends once.
+def _held_from(full: str, stops: list[str]) -> int:
+    """Where the held-back tail starts: the smallest i such that full[i:] is a proper prefix of
+    some stop (len(full) when none is)."""
+    for i in range(len(full)):
+        tail = full[i:]
+        if any(len(s) > len(tail) and s.startswith(tail) for s in stops):
+            return i
+    return len(full)
+
+
+def test_after_every_feed_exactly_the_possible_start_of_a_stop_is_held_back():
+    rng = random.Random(8)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 5)))
+                 for _ in range(rng.randint(1, 3))]
+        matcher, full, emitted = StopStringMatcher(stops), "", ""
+        for _ in range(rng.randint(1, 8)):
+            chunk = "".join(rng.choice("aab cx") for _ in range(rng.randint(0, 4)))
+            full += chunk
+            text, stop = matcher.feed(chunk)
+            emitted += text
+            if stop is not None:
+                break
+            assert emitted == full[:_held_from(full, stops)], (stops, full, emitted)
+        else:
+            emitted += matcher.flush()
+            assert emitted == full
+
+
+def test_the_longest_proper_prefix_of_a_stop_is_held_back_and_nothing_else():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("go STO") == ("go ", None)  # 3 of 4 characters: all held
+    assert matcher.feed("x") == ("STOx", None)
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("SX") == ("SX", None)  # "S" then "X" cannot start "STOP"
+    matcher = StopStringMatcher(["<|end|>", "\n\n"])
+    assert matcher.feed("a<|end") == ("a", None)
+    assert matcher.feed("|") == ("", None)
+    assert matcher.feed("!") == ("<|end|!", None)
+
+
+@pytest.mark.parametrize("family", sorted(TOKENIZERS))
+def test_the_stream_ends_once_and_adds_up_to_the_decode(family):
+    """flush() ends the stream: a second flush() adds nothing, so the concatenation of every
+    delta and every flush() is still tokenizer.decode(ids) (here two of the three bytes of "中",
+    which decode() keeps as U+FFFD, held back until the end)."""
+    tok = TOKENIZERS[family]()
+    ids = (tok.encode("Hi ", add_special_tokens=False).ids
+           + [_byte_id(tok, 0xE4), _byte_id(tok, 0xB8)])
+    detok = IncrementalDetokenizer(tok)
+    text = "".join(detok.push([i]) for i in ids)
+    text += detok.flush()
+    text += detok.flush()
+    assert text == tok.decode(ids) and text.endswith("\ufffd")
+
+
+class _Counting:
+    """A tokenizer whose decode() records how many ids it was given."""
+
+    def __init__(self, tok):
+        self._tok, self.lengths = tok, []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.lengths.append(len(ids))
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+@pytest.mark.parametrize("family", sorted(TOKENIZERS))
+def test_an_invalid_byte_mid_stream_settles_and_the_window_stays_short(family):
+    """A lone continuation byte decodes to U+FFFD for good (invalid UTF-8, not a character still
+    arriving): once text follows it the window settles as usual, so each token still costs a
+    decode of a few ids, not of everything since the bad byte; the stream is still exactly
+    tokenizer.decode(ids)."""
+    tok = TOKENIZERS[family]()
+    text_ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 20,
+                          add_special_tokens=False).ids
+    ids = text_ids[:3] + [_byte_id(tok, 0x80)] + text_ids[3:]
+    counting = _Counting(tok)
+    detok = IncrementalDetokenizer(counting)
+    streamed = "".join(detok.push([i]) for i in ids) + detok.flush()
+    assert streamed == tok.decode(ids) and "\ufffd" in streamed
+    assert len(ids) > 100 and max(counting.lengths) <= 12
