@@ -13,6 +13,7 @@ holds, at most a few times its size.
 """
 
 import json
+import math
 import os
 import re
 import string
@@ -444,7 +445,14 @@ def _int_bits(operator: str, left, right) -> int:
     if operator == "*":
         return left.bit_length() + right.bit_length()
     if operator == "**" and right > 0:
-        return (left.bit_length() - (abs(left) == 1)) * right  # (1 and -1 stay small)
+        magnitude = abs(left)
+        if magnitude <= 1:  # 0, 1 and -1 stay small
+            return 0
+        if right.bit_length() > 64:  # past what a float holds, and far past any limit
+            return right
+        # the result's bits, floor(right log2 |left|) + 1 (bit_length times right counted
+        # 2 ** n as 2n bits: 2 ** 40000, 40,001 bits, was refused)
+        return int(right * math.log2(magnitude)) + 1
     return 0
 
 

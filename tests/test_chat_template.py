@@ -679,3 +679,25 @@ def test_the_documented_render_budget_by_default():
         render_chat("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
                     "{% endfor %}", ASSISTANT_FIRST)
     assert time.thread_time() - start < 8
+
+
+def test_a_power_is_sized_by_its_result_s_bits():
+    """An integer power may take as many bits as MAX_INT_BITS, by its exact size (Python's
+    bit_length of the result is the oracle), and one more is refused: 2 ** n has n + 1 bits
+    (it was counted as 2n, so 2 ** 40000 was refused)."""
+    import math
+
+    from blink.nic_service.chat_template import MAX_INT_BITS
+    for base in (2, 3, 10, -7):
+        def fits(e):
+            return (abs(base) ** e).bit_length() <= MAX_INT_BITS
+        largest = int(MAX_INT_BITS / math.log2(abs(base)))  # near it, then exactly
+        while not fits(largest):
+            largest -= 1
+        while fits(largest + 1):
+            largest += 1
+        assert render_chat(f"{{{{ (({base}) ** {largest}) % 1000 }}}}", ASSISTANT_FIRST) == \
+            str((base ** largest) % 1000), base
+        with pytest.raises(ValueError, match="computed an integer of more than"):
+            render_chat(f"{{{{ (({base}) ** {largest + 1}) % 1000 }}}}", ASSISTANT_FIRST)
+
