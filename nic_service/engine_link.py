@@ -743,17 +743,13 @@ class EngineLink:
         ended = FinishReason.NONE
         try:
             offset = self.info.geometry.record_offset(handle.slot)
-            if self._read_u32(offset + _GEN) == handle.gen:
-                ended = FinishReason(self._read_u32(offset + _FINISH))
+            if _word(self._transport, offset + _GEN) == handle.gen:
+                ended = FinishReason(_word(self._transport, offset + _FINISH))
         except Exception as e:  # (RDMA: the engine gone) counted as the engine's cancel
             log.debug("reading a stopped request's record on detach: %s", e)
         if ended in (FinishReason.NONE, FinishReason.CANCELLED):
             self._stop_string_finishes.add()
         self._stop_read(handle)
-
-    def _read_u32(self, offset: int) -> int:
-        """One word of the attached ring, a read of its own (no transport reorders it)."""
-        return int(np.frombuffer(self._transport.read(offset, 4), "<u4")[0])
 
     def give_up_live(self, why: Exception) -> None:
         """Ends every live request's stream with `why` and cancels it in the engine (a drain
