@@ -1058,8 +1058,8 @@ class CudaForward:
       bucket_for(num_tokens) -> the smallest bucket holding them.
     A launch of graph_execs[b] computes the batch described in device memory (num_tokens <= b),
     writes logits[:num_logits] and sampled[:num_logits], then the last CTA of its last kernel
-    (sampling) increments BatchDesc.done_counter (atomicAdd between system fences): a launcher
-    that read the counter before the launch spins until it moves.
+    (sampling) increments BatchDesc.done_counter (a release add at GPU scope): a launcher that
+    read the counter before the launch spins until it moves (an acquiring load).
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, num_blocks: int | None = None,

@@ -18,6 +18,8 @@
 #pragma once
 #include <stdint.h>
 
+#include "utils.cuh"
+
 namespace blink {
 
 struct BatchDesc {
@@ -30,12 +32,12 @@ static_assert(sizeof(BatchDesc) == 16, "BatchDesc layout is shared with Python")
 
 // The graph's end, one thread: publishes completion once everything the graph writes is written
 // (the sampling kernel's last CTA: every other CTA of it has arrived, and each earlier kernel of
-// the graph had finished before it began); the fences make those writes visible system-wide
-// before the count moves.
+// the graph had finished before it began). A release add at GPU scope: it carries those writes,
+// the other CTAs' through LastCtaToArrive's acquire, to the launcher that acquires the count (the
+// scheduler kernel's WaitCounter on the same GPU; a host reads the results only after the
+// stream's completion). It replaced an add between two system-scope fences (docs/performance.md round 49).
 __device__ __forceinline__ void SignalDone(BatchDesc* desc) {
-  __threadfence_system();
-  atomicAdd(&desc->done_counter, 1);
-  __threadfence_system();
+  RedAddReleaseGpu(reinterpret_cast<uint32_t*>(&desc->done_counter), 1u);
 }
 
 }  // namespace blink

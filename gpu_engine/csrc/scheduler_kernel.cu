@@ -466,13 +466,14 @@ __device__ int BucketFor(const ForwardPtrs& f, int num_tokens) {
 // distinct, and they touch only their own), except commit_step's prefix_register, which shares
 // the prefix cache: each entry's thread says whether it filled a block (a ballot bit) and thread
 // 0 registers those entries in plan order (a decode step fills a block in one entry of
-// block_size, so it walks a few entries, not all); all threads then publish the step's tokens, then
-// their counts, each phase behind one system fence per thread (rather than one fence per token:
-// at 256 sequences a step those dominated); then thread 0 retires, in row order as the serial
-// loop did (the rows whose history is full first, then the stops), since finish_seq's order is
-// the KV blocks' order on the free list. A reader that sees a count sees its token; one that
-// sees a finish reason sees the final count. (Thread 0 consuming row after row took 390 us a
-// step at 256 sequences: --step-log's finish time.)
+// block_size, so it walks a few entries, not all); each row's thread then stores its token and
+// releases its count at system scope (a release store: no fence in the threads that store
+// nothing, none between the phases; round 49 in docs/performance.md); then, after a barrier,
+// thread 0 retires, in row order as the serial loop did (the rows whose history is full first,
+// then the stops), since finish_seq's order is the KV blocks' order on the free list. A reader
+// that sees a count sees its token; one that sees a finish reason sees the final count, which
+// the barrier orders before FinishRecord's system fence (cumulative through it). (Thread 0
+// consuming row after row took 390 us a step at 256 sequences: --step-log's finish time.)
 __device__ void ConsumeSamples(EngineDevice& e) {
   static_assert(sched::kMaxStepSeqs <= kThreads, "a thread per logits row");
   __shared__ int32_t s_index[sched::kMaxStepSeqs];
@@ -508,17 +509,14 @@ __device__ void ConsumeSamples(EngineDevice& e) {
     s_taken[l] = taken;
   }
   const int generated = __syncthreads_count(taken);
-  if (taken) {
+  if (taken) {  // the token, then its count released after it
     vstore32(record_ptr(e, slot) + sizeof(ring::OutputRecordFixed) +
                  4 * static_cast<uint64_t>(s_index[l]), token);
+    StoreReleaseSys(reinterpret_cast<uint32_t*>(
+                        FIELD(ring::OutputRecordFixed, record_ptr(e, slot), num_tokens)),
+                    s_index[l] + 1);
   }
-  __threadfence_system();  // tokens before their counts
-  __syncthreads();
-  if (taken) {
-    vstore32(FIELD(ring::OutputRecordFixed, record_ptr(e, slot), num_tokens), s_index[l] + 1);
-  }
-  __threadfence_system();  // counts before finish reasons
-  __syncthreads();
+  __syncthreads();  // the counts before thread 0's finish reasons (FinishRecord's fence)
   if (threadIdx.x == 0) {
     e.counters.tokens_generated += generated;
     for (int i = 0; i < rows; ++i) {  // its row is full (stop_check prevents it): end it

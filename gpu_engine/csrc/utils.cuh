@@ -86,6 +86,13 @@ __device__ __forceinline__ uint32_t LoadAcquireGpu(const uint32_t* p) {
   return v;
 }
 
+// *p = v at system scope, a release: this thread's earlier writes (and those ordered before
+// them, as by a barrier) are visible to whoever sees v, the host included (the output records'
+// token counts, read by the front end over PCIe or RDMA).
+__device__ __forceinline__ void StoreReleaseSys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // p += v at GPU scope, a release: this thread's earlier writes (and those ordered before them,
 // as by a barrier) are visible to whoever acquires the sum (LoadAcquireGpu). One instruction,
 // where a fence and a plain atomic wait for the fence (__threadfence is a sequentially
@@ -98,19 +105,16 @@ __device__ __forceinline__ void RedAddReleaseGpu(uint32_t* p, uint32_t v) {
 // to arrive at the counter `sem`, whose reads of the others' results are then ordered after
 // their writes. That CTA resets *sem for the next launch once it is done with it (the split
 // attention partials' merge, the sampling kernel's completion signal).
-// BLINK_LAST_CTA_ACQ_REL=1 (through $BLINK_NVCC_DEFINES; not the default until the GPU tests have
-// run on it): the CTA barrier orders every thread's writes before thread 0's count, an
-// acquire-release add at GPU scope; its release publishes them with the count (cumulative
-// through the barrier, as the chain's epilogue count after __syncwarp and CUTLASS's semaphore
-// rely on), its acquire orders the last CTA after every other CTA's release, and the second
-// barrier hands that order to the CTA's threads. Measured on an H100, one pair of runs
-// (docs/performance.md round 48): 1B batch 1 0.980 -> 0.970 ms, FP8 0.635 -> 0.626, 8B 5.166 ->
-// 5.150, FP8 2.899 -> 2.882. The default is the threadFenceReduction sample's pattern: a
-// sequentially consistent fence in every thread before the count, and again in the last CTA,
-// stronger than message passing needs.
+// The CTA barrier orders every thread's writes before thread 0's count, an acquire-release add
+// at GPU scope: its release publishes them with the count (cumulative through the barrier, as
+// the chain's epilogue count after __syncwarp and CUTLASS's semaphore rely on), its acquire
+// orders the last CTA after every other CTA's release (the adds continue one release sequence),
+// and the second barrier hands that order to the CTA's threads. The CUDA sample's
+// threadFenceReduction pattern it replaced (a sequentially consistent fence in every thread
+// before a relaxed count, and again in the last CTA) is stronger than message passing needs and
+// cost 9-23 us a step (docs/performance.md rounds 48 and 49).
 __device__ __forceinline__ bool LastCtaToArrive(uint32_t* sem, int ctas) {
   __shared__ int s_last;
-#if defined(BLINK_LAST_CTA_ACQ_REL) && BLINK_LAST_CTA_ACQ_REL
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t before;
@@ -119,13 +123,6 @@ __device__ __forceinline__ bool LastCtaToArrive(uint32_t* sem, int ctas) {
     s_last = before == static_cast<uint32_t>(ctas - 1);
   }
   __syncthreads();
-#else
-  __threadfence();  // this thread's results are visible device-wide before the count moves
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(sem, 1u) == static_cast<uint32_t>(ctas - 1);
-  __syncthreads();
-  if (s_last) __threadfence();
-#endif
   return s_last;
 }
 
