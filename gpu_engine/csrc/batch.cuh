@@ -35,7 +35,8 @@ static_assert(sizeof(BatchDesc) == 16, "BatchDesc layout is shared with Python")
 // the graph had finished before it began). A release add at GPU scope: it carries those writes,
 // the other CTAs' through LastCtaToArrive's acquire, to the launcher that acquires the count (the
 // scheduler kernel's WaitCounter on the same GPU; a host reads the results only after the
-// stream's completion). It replaced an add between two system-scope fences (docs/performance.md round 49).
+// stream's completion). It replaced an add between two system-scope fences
+// (docs/performance.md round 49).
 __device__ __forceinline__ void SignalDone(BatchDesc* desc) {
   RedAddReleaseGpu(reinterpret_cast<uint32_t*>(&desc->done_counter), 1u);
 }
