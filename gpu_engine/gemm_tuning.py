@@ -74,7 +74,7 @@ def choose(default_us: float, candidate_us: list[float], margin: float | None = 
     if not candidate_us:
         return None
     best = min(range(len(candidate_us)), key=candidate_us.__getitem__)
-    return best if candidate_us[best] < default_us * (1 - margin) else None
+    return best if candidate_us[best] <= default_us * (1 - margin) else None
 
 
 class ChoiceCache:
@@ -106,6 +106,7 @@ class ChoiceCache:
         if self.path is None:
             return
         merged = {**self.load(), **choices}
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name,
@@ -118,6 +119,9 @@ class ChoiceCache:
             os.replace(tmp, self.path)
         except OSError as e:
             log.warning("GEMM choices not cached (%s): the next start-up times them again", e)
+            if tmp is not None:  # (a full disk, the name taken by a folder): no stray file
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     @contextlib.contextmanager
     def locked(self):

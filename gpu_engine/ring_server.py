@@ -119,8 +119,12 @@ class RingServer:
             self.claim = claim_ring(name, "engine")
         except RingClaimed as e:
             raise RingInUse(str(e)) from None
-        _refuse_live_engine(name)  # an engine of another network namespace, or an older Blink
-        self.segment = ShmSegment.create(name, geom.total_bytes)
+        try:  # refused or failed: the claim goes now, not when the collector finds it
+            _refuse_live_engine(name)  # an engine of another network namespace, or older Blink
+            self.segment = ShmSegment.create(name, geom.total_bytes)
+        except BaseException:
+            self.claim.close()
+            raise
         mem = self.segment.array()
         self.header = mem[:HEADER_DTYPE.itemsize].view(HEADER_DTYPE)[0]
         # slots: [num_slots, slot_bytes] u8; records: [num_slots, record_bytes] u8

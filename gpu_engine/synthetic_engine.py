@@ -38,6 +38,9 @@ class SyntheticEngine(ReferenceEngine):
     def _load_model(self, cfg: ModelConfig) -> int:
         self.vocab = cfg.vocab_size
         self.avoid = set(cfg.eos_token_ids)
+        if set(range(self.vocab // 4, self.vocab // 4 + self.vocab // 2)) <= self.avoid:
+            raise ValueError(f"a vocabulary of {self.vocab} has no id in its middle half that "
+                             "is not EOS: the synthetic engine has no token to send")
         # KV blocks only bound admission here: room for every slot's whole context
         return self.config.num_kv_blocks or (
             self.config.num_slots * -(-self.context_length // self.config.block_size))
@@ -54,5 +57,7 @@ class SyntheticEngine(ReferenceEngine):
         out = []
         for seq in samplers:
             token = lo + (seq.slot * 7919 + len(seq.output) * 104729) % span
-            out.append(token + 1 if token in self.avoid else token)
+            while token in self.avoid:  # the next id that is none (EOS ids may sit side by side)
+                token = lo + (token + 1 - lo) % span
+            out.append(token)
         return out

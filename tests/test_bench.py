@@ -428,6 +428,60 @@ def test_front_end_capacity_with_the_synthetic_engine(bench_checkpoint, tmp_path
     assert 0 < run["server"]["frontend_cpu_us_per_token"] < 10_000
 
 
+def synthetic_engine(tmp_path, eos_ids=None, **config):
+    """A SyntheticEngine on a config-only checkpoint of vocabulary 2048 (context 100) and a ring
+    of its own; eos_ids replaces the checkpoint's."""
+    import secrets
+
+    from blink.gpu_engine.demo_model import write_random_checkpoint
+    from blink.gpu_engine.reference_engine import EngineConfig, build_engine
+    from blink.gpu_engine.synthetic_engine import SyntheticEngine
+    model = write_random_checkpoint(tmp_path / "model", vocab_size=2048, write_weights=False,
+                                    max_position_embeddings=100)
+    if eos_ids is not None:
+        for name in ("config.json", "generation_config.json"):
+            cfg = json.loads((model / name).read_text())
+            cfg["eos_token_id"] = list(eos_ids)
+            (model / name).write_text(json.dumps(cfg))
+    step_ms = config.pop("step_ms", 0.0)
+    config = EngineConfig(model, f"blink-test-{secrets.token_hex(6)}", **config)
+    return build_engine(lambda: SyntheticEngine(config, step_ms=step_ms))
+
+
+def test_the_synthetic_engine_s_tokens_come_from_the_middle_and_are_never_eos(tmp_path):
+    """Its tokens are ids of the vocabulary's middle half, never an EOS id, even where EOS ids
+    sit side by side in it (the id after an EOS id is another); a step takes step_ms."""
+    from blink.gpu_engine.sequence import SamplingParams, Sequence
+    from blink.gpu_engine.synthetic_engine import StepTokens
+    eos = (700, 701, 702, 1100, 1535)  # (1535: the range's last id, the next its first)
+    engine = synthetic_engine(tmp_path, eos_ids=eos, num_slots=4, step_ms=30)
+    try:
+        assert engine.avoid == set(eos)
+        seqs = [Sequence(slot, 1, 0, [5], SamplingParams(max_tokens=100), output=[9] * n)
+                for slot in range(128) for n in range(40)]
+        started = time.monotonic()
+        tokens = engine._forward_sample(StepTokens(len(seqs)), seqs)
+        assert time.monotonic() - started >= 0.03
+        assert len(tokens) == len(seqs) and tokens == engine._forward_sample(
+            StepTokens(len(seqs)), seqs)  # a function of the sequence and its position
+        assert all(512 <= t < 1536 and t not in eos for t in tokens)
+        assert len(set(tokens)) > 500  # spread over the range, not a constant
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("num_kv_blocks, tokens", [(None, 4 * 7 * 16), (5, 5 * 16)])
+def test_the_synthetic_engine_s_kv_cache_holds_every_slot_s_whole_context(tmp_path,
+                                                                           num_kv_blocks, tokens):
+    """KV blocks only bound admission: room for every slot's whole context of 100 tokens, a
+    partial block rounded up (4 slots x 7 blocks of 16), unless --num-kv-blocks says."""
+    engine = synthetic_engine(tmp_path, num_slots=4, block_size=16, num_kv_blocks=num_kv_blocks)
+    try:
+        assert engine.context_length == 100 and engine.limits.kv_capacity_tokens == tokens
+    finally:
+        engine.close()
+
+
 def test_server_nice_starts_both_processes_at_that_niceness(bench_checkpoint, tmp_path):
     """--server-nice N starts the engine and the front end as `nice -n N blink serve` would:
     both processes run at N above this one's niceness."""

@@ -35,6 +35,14 @@ def test_choose_takes_the_fastest_only_past_the_margin():
     assert choose(100.0, [90.0, 90.0]) == 0                            # ties: the heuristic's order
 
 
+def test_choose_takes_a_candidate_exactly_the_margin_faster():
+    """'At least margin faster' (choose's contract; the README's 'at least 3% faster'): a
+    candidate exactly that much faster replaces the default, one a hair slower does not."""
+    assert choose(100.0, [75.0], margin=0.25) == 0
+    assert choose(100.0, [75.000001], margin=0.25) is None
+    assert choose(200.0, [250.0, 200 * (1 - MARGIN)]) == 1
+
+
 def test_lt_algo_is_64_bytes_and_round_trips_through_hex():
     assert ctypes.sizeof(LtAlgo) == 64
     a = algo(3)
@@ -116,6 +124,27 @@ def test_the_lock_keeps_a_second_tuner_out(tmp_path):
         pass
 
 
+def test_the_lock_admits_no_second_holder_at_all(tmp_path):
+    """The tuners' lock is exclusive: while one holds it another process cannot take even a
+    shared lock (two tuners holding shared locks would both time the same shapes)."""
+    cache = ChoiceCache(tmp_path / "choices.json")
+    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+             "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)")
+    with cache.locked():
+        held = subprocess.run([sys.executable, "-c", probe, str(cache.path) + ".lock"],
+                              capture_output=True)
+    assert held.returncode != 0 and b"BlockingIOError" in held.stderr
+
+
+def test_a_cache_that_cannot_be_replaced_leaves_no_temporary_file(tmp_path, caplog):
+    """A store whose last step fails (here the cache's name is a folder's) only warns, and
+    leaves nothing beside the cache: each start-up's try left a .tmp file behind."""
+    path = tmp_path / "gemm" / "choices.json"
+    path.mkdir(parents=True)
+    ChoiceCache(path).store({"a": Choice(None, 1.0, 1.0)})
+    assert "not cached" in caplog.text and list(path.parent.iterdir()) == [path]
+
+
 def test_an_unwritable_cache_only_warns(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -137,6 +166,10 @@ class FakeGpu:
         self.launched = []              # graphs replayed, in order
         self.memsets = []               # (value, ptr, count)
         self.destroyed = 0
+        self.events = 0                 # created and not destroyed
+        # extra µs of a graph's replay by how many times it ran before (its first: a clock
+        # still rising; another process's kernel in the way)
+        self.extra_us = {}
         self._recording = None
 
     # cuda_runtime
@@ -156,14 +189,18 @@ class FakeGpu:
     def cuMemsetD8Async(self, ptr, value, count, stream):
         self.memsets.append((value, ptr, count))
 
+    def cuMemsetD32Async(self, ptr, value, count, stream):
+        self.memsets.append((value, ptr, count))
+
     def cuStreamSynchronize(self, stream):
         pass
 
     def cuEventCreate(self, flags):
+        self.events += 1
         return types.SimpleNamespace(at=None)
 
     def cuEventDestroy(self, event):
-        pass
+        self.events -= 1
 
     def cuEventRecord(self, event, stream):
         event.at = len(self.launched)
@@ -172,7 +209,9 @@ class FakeGpu:
         pass
 
     def cuEventElapsedTime(self, start, end):  # ms: the graphs launched between the two
-        return sum(self.per_call_us[a] for g in self.launched[start.at:end.at] for a in g) / 1e3
+        return sum(sum(self.per_call_us[a] for a in g)
+                   + self.extra_us.get(self.launched[:i].count(g), 0.0)
+                   for i, g in enumerate(self.launched[start.at:end.at], start.at)) / 1e3
 
     def cuGraphLaunch(self, graph, stream):
         self.launched.append(graph)
@@ -308,6 +347,12 @@ class FakeBlas:
     def lt_describe(self, algo):
         return f"id {algo_name(algo)}"
 
+    fp8_fast_accum = False
+
+    def linear_fp8(self, x, x_scale, w, w_scale, out, rows, in_f, out_f, out_type, accumulate,
+                   algo):
+        self.linear(x, w, out, rows, in_f, out_f, out_type, accumulate, algo)
+
     def linear(self, x, w, out, rows, in_f, out_f, out_type, accumulate, algo):
         name = None if algo is None else algo_name(algo)
         if name in self.broken:
@@ -394,3 +439,72 @@ def test_the_tuner_keeps_cublas_within_the_margin(fake_gpu, tmp_path):
     assert "0 on a cuBLASLt algorithm" in tuner.summary()
     tuner.tune(recorded(160))  # known in this process: nothing timed, nothing read
     assert tuner.timed == 1
+
+
+def test_each_algorithm_keeps_its_own_fastest_replay(fake_gpu, tmp_path):
+    """A candidate that cannot run, ahead of the others, moves no time onto another algorithm;
+    each algorithm's fastest replay counts (not its first, 100 µs slower, nor its last, hit by
+    1 ms); a call's time is its graph's over the layers (two here); cuBLAS's own graph warms
+    the clock for WARMUP_S first; a bf16 output is zeroed after at 2 bytes an element; the
+    events go."""
+    from blink.gpu_engine.gemm_tuning import ROUNDS, WARMUP_S, GemmTuner
+    fake_gpu.extra_us = {0: 100.0, ROUNDS - 1: 1000.0}
+    blas = FakeBlas(fake_gpu, ["broken", "slow", "fast", "close"], broken={"broken"})
+    tuner = GemmTuner(blas, None, ChoiceCache(tmp_path / "c.json"))
+    shape = GemmShape(24, 64, 32, R_16BF, False)
+    tuner.tune([GemmCall(shape, x=1000, w=2000 + i, out=3000) for i in range(2)])
+    choice = tuner.choices[shape.key]
+    assert algo_name(blas.algos[shape]) == "fast" and choice.described == "id fast"
+    assert (choice.default_us, choice.best_us) == (100.0, 80.0)
+    warmup = int(WARMUP_S * 1e6 / (2 * 100 + 100))  # after a first replay of 300 µs
+    default, slow, fast, close = ((a, a) for a in (None, "slow", "fast", "close"))
+    assert fake_gpu.launched == [default] * (1 + warmup) + [default, slow, fast, close] * ROUNDS
+    assert fake_gpu.memsets[0] == (0x3C00, 1000, 24 * 64)
+    assert sorted(fake_gpu.memsets[1:]) == [(0, 1000, 24 * 64 * 2), (0, 3000, 24 * 32 * 2)]
+    assert fake_gpu.events == 0 and fake_gpu.destroyed == 4 and tuner.seconds > 0
+
+
+def fp8_calls(layers: int = 2) -> list[GemmCall]:
+    shape = GemmShape(24, 64, 32, R_16BF, False, fp8=True)
+    return [GemmCall(shape, x=1000, w=2000 + i, out=3000, x_scale=5000, w_scale=6000 + i)
+            for i in range(layers)]
+
+
+def test_an_fp8_shape_s_default_is_the_heuristic_s_first(fake_gpu, tmp_path):
+    """FP8 GEMMs have no cuBLAS default: the heuristic's first candidate is the one to beat by
+    the margin, timed among the candidates (no GemmEx graph); its inputs are E4M3 codes (0x30
+    a byte) with f32 row scales, all zero again after. Where the heuristic's first cannot
+    run, the fastest that can is taken; where none can, the tuning fails and still cleans
+    up."""
+    from blink.gpu_engine.gemm_tuning import ROUNDS, GemmTuner
+    blas = FakeBlas(fake_gpu, ["close", "slow", "fast"])
+    tuner = GemmTuner(blas, None, ChoiceCache(tmp_path / "c.json"))
+    calls = fp8_calls()
+    shape = calls[0].shape
+    tuner.tune(calls)
+    choice = tuner.choices[shape.key]
+    assert algo_name(blas.algos[shape]) == "fast"
+    assert (choice.default_us, choice.best_us) == (98.5, 80.0)
+    assert None not in {a for g in fake_gpu.launched for a in g}
+    assert fake_gpu.launched[-3 * ROUNDS:] == [("close",) * 2, ("slow",) * 2, ("fast",) * 2] * \
+        ROUNDS
+    assert fake_gpu.memsets[:2] == [(0x30, 1000, 24 * 64), (0x3C000000, 5000, 24)]
+    assert sorted(fake_gpu.memsets[2:]) == [(0, 1000, 24 * 64), (0, 3000, 24 * 32 * 2),
+                                            (0, 5000, 4 * 24)]
+    # within the margin of the heuristic's first: it stays
+    blas = FakeBlas(fake_gpu, ["fast", "close"])
+    GemmTuner(blas, None, ChoiceCache(None)).tune(calls)
+    assert blas.algos == {}
+    # the heuristic's first cannot run
+    blas = FakeBlas(fake_gpu, ["broken", "slow", "close"], broken={"broken"})
+    tuner = GemmTuner(blas, None, ChoiceCache(None))
+    tuner.tune(calls)
+    assert algo_name(blas.algos[shape]) == "close" and tuner.choices[shape.key].best_us == 98.5
+    # none can
+    fake_gpu.memsets.clear()
+    blas = FakeBlas(fake_gpu, ["broken"], broken={"broken"})
+    with pytest.raises(RuntimeError, match="no GEMM algorithm"):
+        GemmTuner(blas, None, ChoiceCache(None)).tune(calls)
+    assert sorted(fake_gpu.memsets[2:]) == [(0, 1000, 24 * 64), (0, 3000, 24 * 32 * 2),
+                                            (0, 5000, 4 * 24)]
+    assert fake_gpu.events == 0

@@ -2,6 +2,7 @@
 validation, torn and reordered writes, corrupt slots, field validation, record publication."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import secrets
@@ -296,9 +297,9 @@ def test_cancel_word(ring):
     assert server.cancel_requested(2, 4) and not server.cancel_requested(2, 5)
 
 
-def test_live_engine_ring_is_not_replaced(ring):
-    from blink.gpu_engine.ring_server import RingInUse
-    server, _ = ring
+@contextlib.contextmanager
+def serving_and_beating(server):
+    """The ring's engine SERVING, its heartbeat moving every millisecond while inside."""
     server.set_state(layout.EngineState.SERVING)
     beating = threading.Event()
 
@@ -310,12 +311,18 @@ def test_live_engine_ring_is_not_replaced(ring):
     t = threading.Thread(target=beat)
     t.start()
     try:
-        with pytest.raises(RingInUse, match="another engine"):
-            RingServer(server.segment.path.name, server.geom, model_name="b", vocab_size=VOCAB,
-                       context_length=64, eos_ids=())
+        yield
     finally:
         beating.set()
         t.join()
+
+
+def test_live_engine_ring_is_not_replaced(ring):
+    from blink.gpu_engine.ring_server import RingInUse
+    server, _ = ring
+    with serving_and_beating(server), pytest.raises(RingInUse, match="another engine"):
+        RingServer(server.segment.path.name, server.geom, model_name="b", vocab_size=VOCAB,
+                   context_length=64, eos_ids=())
 
 
 def test_engine_replacing_segment_is_detected(ring):
@@ -328,6 +335,127 @@ def test_engine_replacing_segment_is_detected(ring):
         assert not t.is_current()
     finally:
         other.close()
+
+
+def test_the_header_describes_the_ring_and_its_engine():
+    """Every field the front end reads (EngineLink._open_ring) is the engine's: the geometry's
+    sizes and offsets, the model's limits, the first MAX_EOS_IDS of its EOS ids, its kind and
+    pid; each engine start has its own odd instance; a closed engine's ring says STOPPED to a
+    front end that still maps it."""
+    import os
+
+    from blink.gpu_engine.reference_engine import build_engine
+    from blink.ring.layout import MAX_EOS_IDS, EngineKind, EngineState
+    name = f"blink-test-{secrets.token_hex(6)}"
+    geom = RingGeometry(3, max_prompt_tokens=20, max_output_tokens=100)
+    eos = tuple(range(100, 100 + MAX_EOS_IDS + 2))
+    instances = []
+    for _ in range(2):
+        server = build_engine(lambda: RingServer(  # (failing, its ring file goes)
+            name, geom, model_name="unit-model", vocab_size=VOCAB, context_length=120,
+            eos_ids=eos, engine_kind=EngineKind.SYNTHETIC))
+        transport = ShmTransport(ShmSegment.attach(name))
+        try:
+            h = np.frombuffer(transport.read(0, layout.HEADER_DTYPE.itemsize),
+                              layout.HEADER_DTYPE)[0]
+            assert (h["magic"], h["layout_version"]) == (layout.RING_MAGIC, layout.LAYOUT_VERSION)
+            assert (h["num_slots"], h["max_prompt_tokens"], h["max_output_tokens"]) == (3, 20, 100)
+            assert (h["slot_bytes"], h["record_bytes"], h["total_bytes"]) == \
+                (geom.slot_bytes, geom.record_bytes, geom.total_bytes)
+            assert (h["header_bytes"], h["slots_offset"], h["records_offset"]) == \
+                (geom.slots_offset, geom.slots_offset, geom.records_offset)
+            assert (h["vocab_size"], h["context_length"], h["engine_pid"]) == \
+                (VOCAB, 120, os.getpid())
+            assert h["eos_ids"][:h["num_eos_ids"]].tolist() == list(eos[:MAX_EOS_IDS])
+            assert bytes(h["model_name"]).rstrip(b"\0") == b"unit-model"
+            assert (h["engine_kind"], h["engine_state"]) == \
+                (EngineKind.SYNTHETIC, EngineState.STARTING)
+            instances.append(int(h["engine_instance"]))
+            server.close()
+            h = np.frombuffer(transport.read(0, layout.HEADER_DTYPE.itemsize),
+                              layout.HEADER_DTYPE)[0]
+            assert h["engine_state"] == EngineState.STOPPED
+        finally:
+            transport.close()
+            if server.header is not None:
+                server.close()
+    assert instances[0] != instances[1] and all(i % 2 == 1 for i in instances)
+
+
+def test_a_live_engine_that_holds_no_claim_here_keeps_its_ring(ring):
+    """An engine whose claim this process cannot see (another network namespace, an older
+    Blink) but whose heartbeat moves keeps its ring: a second engine is refused, naming its
+    pid, and lets go of its own claim (a later engine, once the first is gone, may start
+    while the refusal is still referenced); once the first engine is stopped its ring is
+    replaced at once, without the wait for a heartbeat, and nothing opened for the look is
+    left open."""
+    import os
+
+    from blink.gpu_engine.ring_server import RingInUse, _refuse_live_engine
+    from blink.ring.lifecycle import claim_ring
+    server, t = ring
+    name = server.segment.path.name
+    server.claim.close()  # (as the other namespace's: not seen here)
+    with serving_and_beating(server):
+        try:
+            RingServer(name, server.geom, model_name="b", vocab_size=VOCAB, context_length=64,
+                       eos_ids=()).close()
+        except RingInUse as e:
+            refused = e
+        else:
+            pytest.fail("a live engine's ring was replaced")
+    assert f"pid {os.getpid()}" in str(refused) and t.is_current()  # not replaced
+    claim_ring(name, "engine").close()  # the refused engine holds no claim
+    del refused
+    server.set_state(layout.EngineState.STOPPED)
+    fds = len(os.listdir("/proc/self/fd"))
+    started = time.monotonic()
+    _refuse_live_engine(name, wait_s=30)
+    assert time.monotonic() - started < 5
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_slot_s_grace_for_a_corrupt_write_starts_with_that_write(ring, monkeypatch):
+    """A slot whose write was still landing (its CRC off) and was then consumed: the slot's
+    next generation whose bytes are still landing gets its own grace, not the one its slot's
+    earlier write started (rejected as corrupt at once, seconds later)."""
+    import blink.gpu_engine.ring_server as rs
+    server, t = ring
+    real, offset = rs.time.monotonic, [0.0]
+    monkeypatch.setattr(rs.time, "monotonic", lambda: real() + offset[0])
+
+    def landing(gen):
+        payload, seq_end, doorbell = slot_writes(server.geom, 3, gen, request(request_id=gen))
+        off, body = payload
+        torn = bytearray(body)
+        torn[-1] ^= 0x40  # the last prompt token not landed yet
+        for w in ((off, bytes(torn)), seq_end, doorbell):
+            t.write(*w)
+        return payload
+
+    payload = landing(1)
+    assert server.poll(LIMITS) == ([], [])
+    t.write(*payload)  # landed
+    assert [r.gen for r in server.poll(LIMITS)[0]] == [1]
+    offset[0] = 5.0
+    payload = landing(2)
+    assert server.poll(LIMITS) == ([], [])  # its own grace
+    offset[0] += CORRUPT_GRACE_S + 0.1
+    new, rejected = server.poll(LIMITS)
+    assert new == [] and [(r.slot, r.gen, r.reason) for r in rejected] == \
+        [(3, 2, RejectReason.CORRUPT)]
+
+
+def test_every_sampling_parameter_crosses_the_ring(ring):
+    """A request's sampling parameters, none at its default, reach the engine as written."""
+    from blink.gpu_engine.sequence import SamplingParams
+    server, t = ring
+    new, rejected = _poll_one(server, t, request(max_tokens=5, temperature=0.5, top_p=0.75,
+                                                 top_k=7, seed=11, ignore_eos=True,
+                                                 stop_ids=(3, 9)), LIMITS, 1)
+    assert rejected == [] and new[0].params == SamplingParams(
+        max_tokens=5, temperature=0.5, top_p=0.75, top_k=7, seed=11, ignore_eos=True,
+        stop_ids=frozenset({3, 9}))
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to compile the C view")
@@ -901,6 +1029,76 @@ def test_the_record_watch_wakes_once_held_tokens_are_due():
         asyncio.run(scenario())
     finally:
         server.close()
+
+
+def _until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def test_the_record_watch_wakes_the_loop_once_until_it_polls(caplog):
+    """RecordWatch and its loop: a live record that moved wakes the loop once, and again only
+    after the loop's poll (`polled`), however many ticks it stays moved; a look at the records
+    that fails wakes it too (a watch that gave up would stall the streams); records unwatched
+    (their ring about to close) wake nothing more, and the thread disarms."""
+    import asyncio
+
+    from blink.nic_service.record_watch import RecordWatch, WatchedRecords
+    loop = asyncio.new_event_loop()  # never run: the wakes queue on it
+    gen, finish, count = (np.zeros(2, np.uint32) for _ in range(3))
+    want_gen, seen, due = np.array([5, -1]), np.zeros(2, np.int64), np.zeros(2)
+    gen[0], count[0] = 5, 1  # slot 0's live generation: a token not read yet
+    live = {0: "handle"}
+    watch = RecordWatch(loop, lambda: None, interval_s=0.001)
+    try:
+        watch.watch(WatchedRecords(gen, finish, count, want_gen, seen, due, live))
+        watch.arm()
+        assert _until(lambda: watch.wakes == 1)
+        time.sleep(0.05)  # some 50 ticks, the record moved all along, the loop not polled
+        assert watch.wakes == 1
+        watch.polled()
+        assert _until(lambda: watch.wakes == 2)
+        # views whose shapes disagree: the look raises
+        watch.watch(WatchedRecords(gen, finish, count, np.array([5, -1, -1]), seen, due, live))
+        watch.polled()
+        assert _until(lambda: watch.wakes == 3) and "ring record watch failed" in caplog.text
+        watch.unwatch()
+        watch.polled()
+        assert _until(lambda: not watch._armed.is_set())
+        time.sleep(0.02)
+        assert watch.wakes == 3
+    finally:
+        watch.stop()
+        loop.close()
+    assert not watch.running
+
+
+def test_the_record_watch_thread_sleeps_with_a_microsecond_of_timer_slack():
+    """The watch thread's ticks end when asked: its timer slack (how late Linux may end a
+    sleep) is 1 us, not the default 50, and the thread that started it keeps its own."""
+    import asyncio
+    from pathlib import Path
+
+    from blink.nic_service.record_watch import RecordWatch
+    if not Path("/proc/self/timerslack_ns").exists():
+        pytest.skip("no timer slack in /proc: not Linux")
+
+    def slack(task: str) -> int:
+        return int(Path(f"/proc/{task}/timerslack_ns").read_text())
+
+    before = slack("self")
+    loop = asyncio.new_event_loop()
+    watch = RecordWatch(loop, lambda: None, interval_s=0.001)
+    try:
+        assert _until(lambda: slack(str(watch._thread.native_id)) == 1000)
+        assert slack("self") == before
+    finally:
+        watch.stop()
+        loop.close()
 
 
 def test_a_rejected_generation_drops_the_sequence_its_slot_held(checkpoints):

@@ -112,3 +112,49 @@ def test_bench_serving_prints_each_workloads_steps(tmp_path, capsys):
     assert "2048" not in first and "| 2048 | 6 |" in second
     print_step_log(tmp_path / "absent.npy", "tiny", results)
     assert "no step log" in capsys.readouterr().out
+
+
+def test_every_column_of_the_summary_is_its_fields_mean_and_the_gap_a_median():
+    """Each field in its own column (no two alike, so a column showing another's field shows),
+    the gap to the next step the median (a skewed set, where the mean differs) of the gaps
+    there are, a gap of 0 among them (back to back) and the last step's missing one not; the
+    table's rows in the header's columns. Hand-computed from the records below."""
+    #        start build forward finish schedule (µs)  bucket tokens seqs rows retries
+    steps = [(1000, 10, 100, 20, 5, 64, 10, 2, 3, 0),     # ends 1130: gap 70
+             (1200, 30, 300, 40, 7, 64, 30, 4, 5, 2),     # ends 1570: gap 0
+             (1570, 50, 500, 60, 11, 256, 200, 8, 9, 1),  # ends 2180: gap 820
+             (3000, 20, 200, 30, 9, 64, 20, 6, 7, 1)]     # ends 3250: the last, no gap
+    r = np.zeros(len(steps), STEP_RECORD_DTYPE)
+    for i, (start, build, forward, finish, schedule, *counts) in enumerate(steps):
+        r[i]["start_ns"], r[i]["build_ns"], r[i]["forward_ns"] = start * 1000, build * 1000, \
+            forward * 1000
+        r[i]["finish_ns"], r[i]["schedule_ns"] = finish * 1000, schedule * 1000
+        for name, value in zip(("bucket", "tokens", "seqs", "rows", "launch_retries"), counts):
+            r[i][name] = value
+    span = 3250 - 1000
+    want = [dict(bucket=64, steps=3, share=(130 + 370 + 250) / span, tokens=20, seqs=4,
+                 rows=5, schedule_us=7, build_us=20, forward_ms=0.2, finish_us=30,
+                 gap_us=35, retries=1),
+            dict(bucket=256, steps=1, share=610 / span, tokens=200, seqs=8, rows=9,
+                 schedule_us=11, build_us=50, forward_ms=0.5, finish_us=60, gap_us=820,
+                 retries=1),
+            dict(bucket="all", steps=4, share=1360 / span, tokens=65, seqs=5, rows=6,
+                 schedule_us=8, build_us=27.5, forward_ms=0.275, finish_us=37.5, gap_us=70,
+                 retries=1)]
+    rows = summarize(r)
+    assert rows == [pytest.approx(row) for row in want]
+    lines = format_table(rows).splitlines()
+    assert len({line.count("|") for line in lines}) == 1  # every row in the header's columns
+    assert lines[2] == "| 64 | 3 | 33.3% | 20.0 | 4.0 | 7.0 | 20.0 | 0.200 | 30.0 | 35.0 | 1.0 |"
+    assert lines[4] == "| all | 4 | 60.4% | 65.0 | 5.0 | 8.0 | 27.5 | 0.275 | 37.5 | 70.0 | 1.0 |"
+
+
+def test_a_workload_that_ended_before_the_wrapped_log_begins_has_no_steps_in_it():
+    """Steps 85 .. 87 of 100, from a log holding the last 10 (90 .. 99): none (the range's end,
+    2 before the log's first step, was read as 2 before the log's end: its first 8 steps); a
+    range that straddles the log's first step has the steps from there."""
+    from blink.gpu_engine.step_log import select_steps
+    wrapped = records(10, first=90)
+    assert len(select_steps(wrapped, 100, 85, 88)) == 0
+    assert len(select_steps(wrapped, 100, 85, 90)) == 0
+    np.testing.assert_array_equal(select_steps(wrapped, 100, 85, 92), records(2, first=90))
