@@ -298,11 +298,11 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
             requests, offsets, share, ready, go, start, results, k, processes, counter)))
     for worker in workers:
         worker.start()
+    shares = {}
     try:
         ready.wait(timeout=120)        # every process has connected and is waiting
         start.value = time.perf_counter() + 0.05  # CLOCK_MONOTONIC: one clock for all
         go.set()
-        shares = {}
         while len(shares) < processes:
             try:
                 index, records, load = results.get(timeout=1.0)
@@ -320,11 +320,12 @@ def run_in_processes(processes: int, target: str, requests: list[BenchRequest], 
         except queue.Empty:
             raise RuntimeError("the client processes did not start within 120 s") from None
         raise RuntimeError(f"client process {index}: {why}") from None
-    finally:
+    finally:  # after an error or a signal, no process still sending is waited for
         for worker in workers:
-            worker.join(timeout=5)
+            worker.join(timeout=5 if len(shares) == processes else 0)
             if worker.is_alive():
                 worker.kill()
+                worker.join()
     records: list[RequestRecord | None] = [None] * len(requests)
     for pairs, _ in shares.values():
         for i, record in pairs:

@@ -72,6 +72,17 @@ def test_metrics_arithmetic():
     from blink.client.bench_report import completed_values, request_rows
     assert completed_values(request_rows(records), "ttft_ms") == pytest.approx([100, 300, 50])
     assert completed_values(request_rows(records), "tpot_ms") == pytest.approx([15, 100 / 3])
+    assert [q["e2e_ms"] for q in request_rows(records)] == pytest.approx(
+        [130, 400, 50, None, 200])
+    # the table's row: TTFT p50 / p99 of 50, 100, 300 ms; TPOT of 15, 33.3; ITL p99 of 10, 20,
+    # 40, 60 (TPOT p99 33.15, in binary just below); E2E p99 of 50, 130, 400; the streamed
+    # throughput beside the completed one
+    from blink.client.bench_report import document, summary_table
+    run = {"system": "blink", "interference": "idle", "rate": "inf", "repeat": 0, "metrics": m,
+           "client": {"saturated": False}}
+    assert summary_table(document({}, [run])).splitlines()[2] == (
+        "| blink | idle | inf | 1 | 1.50 | 4 (streamed 5) | 100.0 / 296.0 | 24.2 / 33.1 | "
+        "59.4 | 394.6 | 1.00 | 2 |")
 
 
 def test_full_batch_gaps_are_those_while_every_stream_decodes():
@@ -137,6 +148,9 @@ def test_random_requests():
     reqs = random_requests(50, 40, 20, vocab_size=2048, range_ratio=0.5, seed=4)
     assert all(20 <= len(r.prompt) <= 60 and 10 <= r.output_len <= 30 for r in reqs)
     assert all(256 <= t < 2047 for r in reqs for t in r.prompt)
+    lengths = [len(r.prompt) for r in reqs]
+    assert min(lengths) <= 24 and max(lengths) >= 56  # drawn over the whole range
+    assert {(len(r.prompt), r.output_len) for r in random_requests(9, 40, 20, 2048)} == {(40, 20)}
     assert reqs == random_requests(50, 40, 20, vocab_size=2048, range_ratio=0.5, seed=4)
     with pytest.raises(BenchError, match="range"):
         random_requests(1, 4, 4, 2048, range_ratio=1.5)
@@ -486,11 +500,14 @@ def test_server_nice_starts_both_processes_at_that_niceness(bench_checkpoint, tm
     """--server-nice N starts the engine and the front end as `nice -n N blink serve` would:
     both processes run at N above this one's niceness."""
     from blink.client.bench_server import Server
-    server = Server(bench_checkpoint, tmp_path, ["--engine", "cpu"], nice=3)
+    core = sorted(os.sched_getaffinity(0))[-1]
+    server = Server(bench_checkpoint, tmp_path, ["--engine", "cpu"], nice=3, cores={core})
     try:
         base = os.getpriority(os.PRIO_PROCESS, 0)
         assert [os.getpriority(os.PRIO_PROCESS, p.pid) for p in (server.engine, server.frontend)] \
             == [min(19, base + 3)] * 2
+        assert [os.sched_getaffinity(p.pid) for p in (server.engine, server.frontend)] == \
+            [{core}] * 2  # the cores given, as --server-cores gives them
         with BlinkClient(server.target) as client:
             assert client.generate([1, 2, 3], Sampling(max_tokens=2, temperature=0.0,
                                                              ignore_eos=True)) \
@@ -675,11 +692,12 @@ class ScriptedBlink(BlinkServicer):
     is UNIMPLEMENTED."""
 
     def __init__(self, reply):
-        self.reply, self.requests = reply, []
+        self.reply, self.requests, self.peers = reply, [], []
 
     def Generate(self, request, context):
         from blink.v1 import blink_pb2 as pb
         self.requests.append(request)
+        self.peers.append(context.peer())  # the connection it came over
         ids, usage, abort = self.reply(request)
         for token in ids:
             yield pb.GenerateResponse(chunk=pb.Chunk(text="x", token_ids=[token]))
@@ -859,15 +877,17 @@ def test_busy_idle_latency_ratios_need_whole_runs():
     ratios are null; the streamed throughput's stays."""
     from blink.client.bench_report import interference_ratios
 
-    def run(interference, failed, ttft):
+    def run(interference, failed, ttft, streamed=10.0):
         return {"system": "hf", "rate": "inf", "repeat": 0, "interference": interference,
                 "metrics": {"failed": failed, "ttft_ms": {"p99": ttft}, "tpot_ms": {"p99": 5.0},
-                            "streamed_throughput": 10.0, "output_throughput": 10.0}}
+                            "streamed_throughput": streamed, "output_throughput": 10.0}}
     (cut,) = interference_ratios([run("idle", 46, 2935.6), run("busy", 47, 425.6)])
     assert cut["ttft_p99"] is None and cut["tpot_p99"] is None
     assert cut["output_throughput"] == 1.0
     (whole,) = interference_ratios([run("idle", 0, 100.0), run("busy", 0, 250.0)])
     assert whole["ttft_p99"] == 2.5 and whole["tpot_p99"] == 1.0
+    (one,) = interference_ratios([run("idle", 0, 100.0), run("busy", 3, 250.0, streamed=4.0)])
+    assert (one["ttft_p99"], one["tpot_p99"], one["output_throughput"]) == (None, None, 0.4)
 
 
 def test_decode_floor_counts_the_formats_the_engine_serves():
@@ -910,3 +930,182 @@ def test_serving_suite_warms_the_server_before_its_workloads(bench_checkpoint, t
     (result,) = run_server("tiny", bench_checkpoint, tmp_path, ["--engine", "cpu"], [w], 1e12,
                            GpuMonitor(None, unavailable="no GPU in this test"), args)
     assert result.step_range[0] > 0 and result.generated_tokens == 8
+
+
+def test_requests_keep_the_schedule_round_robin_over_the_connections():
+    """Open loop: request i is sent at its arrival offset (the seed's and the burstiness's
+    schedule, not all at once), over connection i % 2; the wall time runs from the clock's start
+    (at or before the first send) to the last token."""
+    import asyncio
+
+    from blink.client.bench_load import run_requests
+    requests = [BenchRequest((300 + i, 301), 2) for i in range(6)]
+    with scripted_server(as_asked) as (target, servicer):
+        records, wall, _ = asyncio.run(run_requests(target, requests, rate=5.0, burstiness=0.5,
+                                                    seed=5, connections=2))
+    assert [(r.error, r.tokens) for r in records] == [(None, 2)] * 6
+    peer = {tuple(r.token_ids.ids): p for r, p in zip(servicer.requests, servicer.peers)}
+    peers = [peer[r.prompt] for r in requests]
+    assert peers[0::2] == [peers[0]] * 3 and peers[1::2] == [peers[1]] * 3
+    assert peers[0] != peers[1]
+    sent = np.array([r.sent for r in records]) - records[0].sent
+    want = arrival_offsets(6, 5.0, burstiness=0.5, seed=5)
+    assert (sent >= want - 0.005).all() and (sent <= want + 0.15).all(), (sent, want)
+    assert wall >= max(r.token_times[-1] for r in records) - records[0].sent
+
+
+def test_concurrency_caps_the_requests_in_flight():
+    """--concurrency 2 with every request sent at once: two in flight at a time, never more."""
+    import asyncio
+
+    from blink.client.bench_load import run_requests
+
+    def slow(request):
+        time.sleep(0.15)
+        return as_asked(request)
+    with scripted_server(slow) as (target, _):
+        records, _, _ = asyncio.run(run_requests(target, [BenchRequest((300, 301), 2)] * 6,
+                                                 concurrency=2))
+    assert [(r.error, r.tokens) for r in records] == [(None, 2)] * 6
+    in_flight = [sum(q.sent <= r.sent < q.token_times[-1] for q in records) for r in records]
+    assert max(in_flight) == 2
+
+
+@pytest.fixture
+def started_processes(monkeypatch):
+    """Every subprocess.Popen started while the test runs, in order."""
+    started = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    return started
+
+
+def test_a_server_that_does_not_come_up_leaves_nothing_running(bench_checkpoint, tmp_path,
+                                                                started_processes):
+    """An engine that fails at start: Server raises with its log, and stops the front end it
+    had started too."""
+    from blink.client.bench_server import Server
+    with pytest.raises(RuntimeError, match="did not come up"):
+        Server(bench_checkpoint, tmp_path, ["--no-such-flag"])
+    assert len(started_processes) == 2
+    assert all(p.poll() is not None for p in started_processes)
+    assert not list(tmp_path.glob("ready-*"))
+
+
+def test_the_grpc_floor_server_answers_one_token_and_stops(started_processes):
+    """The floor server: the prompt's first token and a final whose TTFT is at least its wait;
+    gone after its with-block."""
+    import asyncio
+
+    from blink.client.bench_grpc_floor import floor_server
+    from blink.client.bench_load import run_requests
+    with floor_server(0.05) as target:
+        (record,), _, _ = asyncio.run(run_requests(target, [BenchRequest((7, 8, 9), 4)]))
+    (proc,) = started_processes
+    assert proc.poll() is not None
+    assert (record.tokens, record.finish_reason, record.error) == (1, "length", None)
+    assert 0.05 <= record.server_ttft_s < record.token_times[0] - record.sent
+
+
+def test_cpu_hogs_take_the_cores_in_turn_and_memory_hogs_copy_memory():
+    """Hog i on cores[i % len(cores)] (the cores sorted); a memory hog holds its two 64 MiB
+    buffers, a spinning one none."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        pytest.skip("one usable core")
+    with CpuHog(3, cores[::-1]) as hog:
+        assert [os.sched_getaffinity(p.pid) for p in hog.procs] == [{cores[0]}, {cores[1]},
+                                                                     {cores[0]}]
+
+    def rss_mib(pid: int) -> float:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(status.split("VmRSS:")[1].split()[0]) / 1024
+    with CpuHog(1, cores[:1], memory=True) as memory, CpuHog(1, cores[1:]) as spin:
+        deadline = time.monotonic() + 20
+        while rss_mib(memory.procs[0].pid) < 128:
+            assert time.monotonic() < deadline, "the memory hog's buffers"
+            time.sleep(0.1)
+        assert rss_mib(spin.procs[0].pid) < 64
+
+
+def test_hogs_die_with_the_benchmark_and_count_in_its_cpu_time():
+    """A process that started a hog: its tree's CPU time counts the hog's (at most one core's
+    worth over the wall time), and the hog dies with it, even when it is SIGKILLed."""
+    import signal
+    core = sorted(os.sched_getaffinity(0))[0]
+    t0 = time.monotonic()
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import time\nfrom blink.client.bench_hog import CpuHog\n"
+        f"hog = CpuHog(1, [{core}])\nhog.start()\nprint(hog.procs[0].pid, flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        hog = int(parent.stdout.readline())
+        deadline = time.monotonic() + 10  # (its core may be shared with other tests)
+        while (cpu := process_tree_cpu(parent.pid)) < 0.2:
+            assert time.monotonic() < deadline, "the hog's CPU time"
+            time.sleep(0.05)
+        assert cpu <= time.monotonic() - t0 + 0.05
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{hog}").exists() and \
+            Path(f"/proc/{hog}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        if time.monotonic() > deadline:
+            os.kill(hog, signal.SIGKILL)  # a failing test leaves no spinner behind either
+            pytest.fail("the hog outlived the process that started it")
+        time.sleep(0.05)
+
+
+def test_sharegpt_bounds_are_inclusive_and_the_order_is_the_seed_s(tmp_path):
+    """The convention's bounds, at them and one past: at least 4 prompt and output tokens, a
+    prompt of at most 1,024, at most 2,048 together, within the model's context; the kept pairs
+    shuffled by the seed."""
+    from blink.gpu_engine.demo_model import ensure_demo_model
+    path = ensure_demo_model() / "tokenizer.json"
+
+    def text(tokens: int) -> str:  # "a a ... a" is one token a word, after the BOS
+        return " ".join(["a"] * (tokens - 1))
+
+    def conv(prompt: int, reply: int) -> dict:
+        return {"conversations": [{"value": text(prompt)}, {"value": text(reply)}]}
+    kept = [(4, 4), (1024, 4), (1000, 1048), (5, 6), (6, 7)]
+    dropped = [(3, 8), (8, 3), (1025, 4), (1000, 1049)]
+    convs = [conv(*pair) for pair in kept + dropped]
+    reqs = sharegpt_requests(5, path, context_length=4096, conversations=convs, seed=0)
+    assert sorted((len(r.prompt), r.output_len) for r in reqs) == sorted(kept)
+    assert reqs != sharegpt_requests(5, path, context_length=4096, conversations=convs, seed=1)
+    with pytest.raises(BenchError, match="fewer than"):  # none of those dropped
+        sharegpt_requests(6, path, context_length=4096, conversations=convs)
+    short = sharegpt_requests(3, path, context_length=13, conversations=convs, seed=0)
+    assert sorted((len(r.prompt), r.output_len) for r in short) == [(4, 4), (5, 6), (6, 7)]
+    with pytest.raises(BenchError, match="fewer than"):
+        sharegpt_requests(3, path, context_length=12, conversations=convs)
+
+
+def test_client_processes_keep_the_schedule_and_stop_at_once_when_one_fails(tmp_path):
+    """Two client processes send on the one arrival schedule; when one fails, the other,
+    mid-stream, is stopped at once rather than waited for (5 s each)."""
+    from blink.client.bench_load import run_in_processes
+    from blink.client.bench_server import Server
+    server = Server(tiny_llama(tmp_path, max_position_embeddings=4096), tmp_path,
+                    ["--engine", "synthetic", "--synthetic-step-ms", "10"])
+    try:
+        t0 = time.monotonic()
+        records, _, _ = run_in_processes(2, server.target, [BenchRequest((300, 301), 2)] * 4,
+                                         rate=5.0, seed=5)
+        started = time.monotonic() - t0  # two processes' start, and a run of 0.6 s
+        sent = np.array([r.sent for r in records]) - records[0].sent
+        want = arrival_offsets(4, 5.0, seed=5)
+        assert (sent >= want - 0.005).all() and (sent <= want + 0.15).all(), (sent, want)
+        failing = [BenchRequest((-1,), 2), BenchRequest((300, 301), 3000)]  # 30 s
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="client process 0: ValueError"):
+            run_in_processes(2, server.target, failing)
+        assert time.monotonic() - t0 < started + 3
+    finally:
+        server.stop()
