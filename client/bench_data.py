@@ -40,7 +40,9 @@ class BenchRequest:
 
 def random_requests(n: int, input_len: int, output_len: int, vocab_size: int, *,
                     range_ratio: float = 0.0, seed: int | str = 0) -> list[BenchRequest]:
-    """n prompts of random ordinary token ids (the middle of the vocabulary, no special ones);
+    """n prompts of random token ids from [min(256, vocab / 4), vocab - 1): past the byte-level
+    ids at the start, but not clear of a tokenizer's special ids (Llama 3's sit at 128000 and up,
+    inside the range: to the engine they are ids like any other, as in vLLM's random dataset);
     lengths drawn uniformly from [len * (1 - range_ratio), len * (1 + range_ratio)]."""
     if not 0 <= range_ratio < 1:
         raise BenchError(f"--random-range-ratio {range_ratio} must be in [0, 1)")
