@@ -57,7 +57,11 @@ class CpuHog:
         self.procs.clear()
 
     def __enter__(self) -> CpuHog:
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # (a core not ours, no process left): the started ones go now
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1032,6 +1032,16 @@ def test_cpu_hogs_take_the_cores_in_turn_and_memory_hogs_copy_memory():
         assert rss_mib(spin.procs[0].pid) < 64
 
 
+def test_hogs_started_before_one_that_cannot_start_are_stopped(started_processes):
+    """A hog whose core is not this machine's fails at its start (its affinity refused in the
+    child): the with-block raises, and the hogs already started are gone, not left spinning."""
+    core = sorted(os.sched_getaffinity(0))[0]
+    with pytest.raises(subprocess.SubprocessError):
+        with CpuHog(2, [core, 1 << 20]):
+            pass
+    assert len(started_processes) == 1 and started_processes[0].poll() is not None
+
+
 def test_hogs_die_with_the_benchmark_and_count_in_its_cpu_time():
     """A process that started a hog: its tree's CPU time counts the hog's (at most one core's
     worth over the wall time), and the hog dies with it, even when it is SIGKILLed."""
