@@ -43,7 +43,7 @@ class HfTransformersEngine(ReferenceEngine):
 
     def _load_model(self, cfg: ModelConfig) -> int:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
         self.torch = torch
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -56,7 +56,11 @@ class HfTransformersEngine(ReferenceEngine):
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
         model.eval()
-        model.generation_config.eos_token_id = None  # eos_finish decides, per request
+        # The request's settings alone: generate takes the checkpoint's generation_config.json
+        # as its defaults, and applied what it sets beside them to every request (Qwen2.5's
+        # instruct models ship repetition_penalty 1.05: greedy tokens were not the argmax);
+        # no EOS either, eos_finish decides, per request
+        model.generation_config = GenerationConfig(eos_token_id=None)
         self.model = model
         if self.static_cache:
             from transformers import StaticCache
@@ -115,7 +119,10 @@ class HfTransformersEngine(ReferenceEngine):
         max_new = max(min(seq.params.max_tokens, self.context_length - len(seq.prompt))
                       for seq in batch)
         params = batch[0].params
-        sample = params.temperature > 0
+        # Greedy also where logits / temperature may overflow float32 (a temperature of 1e-40
+        # passes the ring's checks; generate's softmax of inf was NaN and its draw raised,
+        # stopping the engine): below 1e-30 the distribution is the argmax, as Blink samples it
+        sample = params.temperature > 1e-30
         options = dict(min_new_tokens=0, do_sample=sample)
         if sample:
             options.update(temperature=params.temperature, top_p=params.top_p,

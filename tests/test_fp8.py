@@ -564,3 +564,72 @@ def test_fp8_rounded_kv_uses_the_float32_inverse_as_torch_and_the_kernels():
     want = ((torch.from_numpy(v) * (1 / torch.from_numpy(s))[:, None])
             .to(torch.float8_e4m3fn).float() * torch.from_numpy(s)[:, None]).numpy()
     np.testing.assert_array_equal(fp8.fp8_rounded_kv(v, s), want)
+
+
+def torch_rows(x: np.ndarray) -> np.ndarray:
+    """x [N, K] through an FP8 GEMM's input: E4M3 by torch with a scale per row, amax / 448,
+    and x * (448 / amax) the value converted (a row of zeros stays zeros)."""
+    t = torch.from_numpy(np.asarray(x, np.float32))
+    amax = t.abs().amax(-1, keepdim=True)
+    live = amax > 0
+    scale = torch.where(live, amax / 448, torch.ones_like(amax))
+    inverse = torch.where(live, torch.tensor(448.0) / amax, torch.ones_like(amax))
+    return ((t * inverse).to(torch.float8_e4m3fn).float() * scale).numpy()
+
+
+def test_fp8_activations_round_each_projection_s_input_and_the_head_s(bf16_checkpoint):
+    """fp8_activations rounds the input rows of all seven projections of every layer, and
+    fp8_head_input the LM head's, as torch's float8_e4m3fn with a scale per row. Six one-token
+    sequences at position 0 make attention each token's own value (one key, weight exactly 1),
+    so the layers written out below, with torch rounding where each FP8 GEMM takes its input,
+    are the same arithmetic exactly: any rounding left out or added moves logits by about 1%.
+    (Against transformers with rounding hooks, float32 order differences flip E4M3 codes, and
+    the flips alone move the logits that far.)"""
+    from blink.gpu_engine.reference_model import rms_norm, silu
+    cfg = load_config(bf16_checkpoint)
+    w = load_weights(bf16_checkpoint, cfg)
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, 6).astype(np.int32)
+    x = w.embed[ids]
+    group = cfg.num_heads // cfg.num_kv_heads
+    for lw in w.layers:
+        h = torch_rows(rms_norm(x, lw.input_norm, cfg.rms_norm_eps))
+        v = (h @ lw.v_proj.T).reshape(len(ids), cfg.num_kv_heads, 1, cfg.head_dim)
+        attn = np.repeat(v, group, axis=2).reshape(len(ids), cfg.q_size)  # head i: kv head i // g
+        x = x + torch_rows(attn) @ lw.o_proj.T
+        h = torch_rows(rms_norm(x, lw.post_attention_norm, cfg.rms_norm_eps))
+        x = x + torch_rows(silu(h @ lw.gate_proj.T) * (h @ lw.up_proj.T)) @ lw.down_proj.T
+    want = torch_rows(rms_norm(x, w.final_norm, cfg.rms_norm_eps)) @ w.lm_head.T
+    model = ReferenceModel(cfg, w, len(ids), 16, fp8_activations=True)
+    model.fp8_head_input = True
+    batch = ForwardBatch.of_chunks([(ids[i:i + 1], 0, [i]) for i in range(len(ids))])
+    np.testing.assert_allclose(model.forward(batch), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())
+
+
+def test_kv_scales_calibrate_to_transformers_keys_and_values(bf16_checkpoint):
+    """calibrate_kv_scales: the scale of each (layer, keys | values, KV head) puts the largest
+    |key| (after RoPE) or |value| that transformers' cache holds for the calibration prompt at
+    448 / 2, whatever scales the model had before (its cache is unrounded while calibrating).
+    A cache with those scales then stores layer 0's keys and values (their inputs do not read
+    the cache) as torch's float8_e4m3fn rounds them at their own scales, x * (1 / scale)."""
+    from transformers import AutoModelForCausalLM
+    cfg = load_config(bf16_checkpoint)
+    w = load_weights(bf16_checkpoint, cfg)
+    tokens = fp8.calibration_tokens(cfg.vocab_size, 48)
+    hf = AutoModelForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = hf(torch.tensor(tokens[None].astype(np.int64)), use_cache=True).past_key_values
+    kv = [(layer.keys[0].numpy(), layer.values[0].numpy()) for layer in cache.layers]
+    amax = np.array([[np.abs(k).max((1, 2)), np.abs(v).max((1, 2))] for k, v in kv])
+    model = ReferenceModel(cfg, w, 12, 4, kv_scales=np.full((2, 2, 2), 0.05, np.float32))
+    scales = model.calibrate_kv_scales(tokens)
+    np.testing.assert_allclose(scales, amax * 2 / 448, rtol=1e-5)
+    assert (scales[0, 0] != scales[0, 1]).all()
+
+    model.forward(ForwardBatch.of_chunks([(tokens, 0, np.arange(12))]))
+    for cached, theirs, scale in ((model.k_cache, kv[0][0], scales[0, 0]),
+                                  (model.v_cache, kv[0][1], scales[0, 1])):
+        s = torch.from_numpy(scale)[:, None, None]
+        want = (torch.from_numpy(theirs) * (1 / s)).to(torch.float8_e4m3fn).float() * s
+        ours = cached[0].reshape(48, cfg.num_kv_heads, cfg.head_dim).transpose(1, 0, 2)
+        assert (ours == want.numpy()).mean() > 0.999

@@ -2,13 +2,15 @@
 chunking and batching; plus the checkpoint's tokenizer against transformers' view of it."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from blink.gpu_engine.checkpoint import load_config, load_weights
 from blink.gpu_engine.demo_model import write_random_checkpoint
 from blink.gpu_engine.forward_batch import ForwardBatch
-from blink.gpu_engine.reference_model import ReferenceModel
+from blink.gpu_engine.reference_model import ReferenceModel, rms_norm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -197,6 +199,126 @@ def test_bad_batches_raise(tiny):
     bad.context_lens[0] = 7
     with pytest.raises(ValueError, match="context_lens"):
         model.forward(bad)
+
+
+def good_batch(cfg):
+    """Two sequences, 6 prompt tokens and a 3-token chunk at position 4, blocks of their own."""
+    return make_batch([(prompt(cfg, 6), 0, np.array([0, 1])),
+                       (prompt(cfg, 3, 1), 4, np.array([2, 3]))])
+
+
+def _set(field, index, value):
+    def edit(b):
+        getattr(b, field)[index] = value
+    return edit
+
+
+def _replace(field, value):
+    def edit(b):
+        setattr(b, field, np.asarray(value, np.int32))
+    return edit
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_replace("seq_starts", [1, 6, 9]), "must rise strictly from 0"),
+    (_replace("seq_starts", [0, 6, 6, 9]), "must rise strictly from 0"),  # an empty sequence
+    (_replace("seq_starts", [0, 6, 8]), "must rise strictly from 0 to 9"),
+    (_replace("positions", np.arange(10)), "wrong shape"),
+    (_replace("context_lens", [6, 7, 7]), "wrong shape"),
+    (_set("token_ids", 0, -1), "vocabulary"),
+    (_replace("logit_seqs", [0, 2]), "logit_seqs"),
+    (_replace("logit_seqs", [-1]), "logit_seqs"),
+    (_set("positions", 1, 2), "consecutive"),
+], ids=["starts not from 0", "empty sequence", "starts not to T", "positions shape",
+        "context_lens shape", "negative token", "logit_seqs past S", "negative logit_seqs",
+        "positions skip"])
+def test_every_malformed_batch_is_refused(tiny, edit, match):
+    """Each of _check's rules on its own: a batch that breaks one is a ValueError naming it, not
+    a NumPy wrap-around read (a negative token id, sequence or block index) or a silent result."""
+    _, cfg, w, _ = tiny["llama"]
+    model = ReferenceModel(cfg, w, num_blocks=4, block_size=BLOCK)
+    assert model.forward(good_batch(cfg)).shape == (2, cfg.vocab_size)
+    bad = good_batch(cfg)
+    edit(bad)
+    with pytest.raises(ValueError, match=match):
+        model.forward(bad)
+
+
+def test_negative_positions_an_empty_batch_and_an_empty_cache_are_refused(tiny):
+    _, cfg, w, _ = tiny["llama"]
+    model = ReferenceModel(cfg, w, num_blocks=4, block_size=BLOCK)
+    bad = make_batch([(prompt(cfg, 3), 0, np.array([0]))])
+    bad.positions -= 1
+    bad.context_lens -= 1
+    with pytest.raises(ValueError, match="consecutive from >= 0"):
+        model.forward(bad)
+    empty = ForwardBatch(*(np.zeros(0, np.int32),) * 2, np.zeros(1, np.int32),
+                         np.zeros(0, np.int32), np.zeros((0, 1), np.int32), np.zeros(0, np.int32))
+    with pytest.raises(ValueError, match="must rise strictly"):
+        model.forward(empty)
+    for blocks, size in ((0, BLOCK), (4, 0)):
+        with pytest.raises(ValueError, match="must be > 0"):
+            ReferenceModel(cfg, w, num_blocks=blocks, block_size=size)
+
+
+def test_rms_norm_is_transformers_on_small_and_zero_rows():
+    """eps inside the square root, as LlamaRMSNorm (and Qwen's, and Qwen3's q/k norms over a
+    head) adds it: rows whose mean square is near eps (small activations, a q or k head near
+    zero), and a row of zeros (zeros, not NaN). The random models' activations are far above
+    eps, so the model tests cannot tell eps left out or added outside the root."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((4, 64)) * np.array([[1e-3], [3e-4], [1.0], [0.0]])).astype(
+        np.float32)
+    weight = rng.uniform(0.5, 1.5, 64).astype(np.float32)
+    norm = LlamaRMSNorm(64, eps=1e-6)
+    norm.weight.data = torch.from_numpy(weight)
+    with torch.no_grad():
+        want = norm(torch.from_numpy(x)).numpy()
+    got = rms_norm(x, weight, 1e-6)
+    assert got.dtype == np.float32 and not got[3].any()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+
+
+def test_prefills_longer_than_a_query_block_match_transformers(tiny):
+    """A chunk of more than QUERY_BLOCK (64) queries attends block by block: sequences of 150
+    and 129 tokens in one step (blocks end at 64 and 128; the last ones hold 22 and 1 queries),
+    each last token's logits against transformers. Every other test's chunks fit one block."""
+    _, cfg, w, hf = tiny["llama"]
+    assert ReferenceModel.QUERY_BLOCK == 64
+    ids = prompt(cfg, 150, seed=5)
+    a, b = blocks_for(150), blocks_for(129)
+    model = poisoned_model(cfg, w, a + b)
+    ours = model.forward(make_batch([(ids, 0, np.arange(a)), (ids[:129], 0, np.arange(a, a + b))]))
+    theirs = hf_logits(hf, ids)[[149, 128]]
+    assert np.isfinite(ours).all()
+    assert np.abs(ours - theirs).max() <= HF_REL_TOL * np.abs(theirs).max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_attention_biases_match_transformers(tmp_path, arch):
+    """attention_bias true on Llama and Qwen3: transformers gives q, k, v and o_proj biases
+    (Qwen2 has no o_proj bias); no checkpoint the other tests run has an o_proj bias."""
+    from safetensors.numpy import load_file, save_file
+    path = write_random_checkpoint(tmp_path / arch, architecture=arch, dtype="float32",
+                                   hidden_size=128, intermediate_size=256, num_layers=2,
+                                   num_heads=4, num_kv_heads=2, seed=8)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, attention_bias=True)))
+    tensors = load_file(path / "model.safetensors")
+    rng = np.random.default_rng(9)
+    for i in range(2):
+        for name, size in (("q_proj", 128), ("k_proj", 64), ("v_proj", 64), ("o_proj", 128)):
+            tensors[f"model.layers.{i}.self_attn.{name}.bias"] = rng.normal(0, 1, size).astype(
+                np.float32)
+    save_file(tensors, path / "model.safetensors")
+    cfg = load_config(path)
+    assert cfg.attention_bias and cfg.o_proj_bias
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = prompt(cfg, 24)
+    ours = logits_at_every_position(cfg, load_weights(path, cfg), ids)
+    theirs = hf_logits(hf, ids)
+    assert np.abs(ours - theirs).max() <= HF_REL_TOL * np.abs(theirs).max()
 
 
 TEXTS = [

@@ -1128,6 +1128,8 @@ def test_a_rejected_generation_drops_the_sequence_its_slot_held(checkpoints):
             2, 0, FinishReason.REJECTED)
         assert not engine.core.active
         assert engine.pool.num_free == 32
+        assert (int(engine.ring.header["requests_admitted"]),
+                int(engine.ring.header["requests_rejected"])) == (1, 1)
     finally:
         t.close()
         engine.close()

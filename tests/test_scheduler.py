@@ -395,6 +395,72 @@ def test_top_k_1_is_greedy_with_the_lowest_id_on_ties():
             for seed in range(64) for step in range(4)} == {1}
 
 
+def test_the_n_th_token_is_drawn_with_uniform_of_seed_and_n():
+    """The draw for step n is uniform(seed, n) through the inverse CDF (the first token whose
+    cumulative probability exceeds it; the GPU kernel's rule): over two tokens of softmax
+    probabilities p and 1 - p (torch's), token 0 exactly when uniform(seed, n) < p. The serving
+    test of the step's number judges the engine with sample_token itself, so a sampler that
+    drew step n + 1's number would pass it."""
+    torch = pytest.importorskip("torch")
+    logits = np.array([0.25, 0.0], np.float32)
+    p = float(torch.softmax(torch.tensor(logits, dtype=torch.float64), -1)[0])
+    for seed in (0, 1, 2 ** 63 + 5):
+        params = SamplingParams(1, seed=seed)
+        got = [sample_token(logits, params, n) for n in range(40)]
+        assert got == [0 if uniform(seed, n) < p else 1 for n in range(40)], seed
+
+
+def test_a_low_temperature_draws_from_the_softmax_of_logits_whose_exp_overflows():
+    """temperature 1/16 over logits 75 and 74.875: logits / T are 1,200 and 1,198, whose exp
+    overflows float64; the distribution is still torch's softmax(logits / T), 0.881 and 0.119
+    (exp without the top logit subtracted would make every probability NaN, and every draw
+    the top token), and the draws follow it."""
+    from blink.gpu_engine.sampling import sampling_distribution
+    torch = pytest.importorskip("torch")
+    logits = np.array([75.0, 74.875, 0.0], np.float32)
+    params = SamplingParams(1, temperature=0.0625)
+    want = torch.softmax(torch.tensor(logits, dtype=torch.float64) / 0.0625, -1).numpy()
+    order, probs = sampling_distribution(logits, params)
+    got = np.zeros(3)
+    got[order] = probs
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+    n = 4000
+    draws = Counter(sample_token(logits, SamplingParams(1, temperature=0.0625, seed=s), 0)
+                    for s in range(n))
+    assert draws[2] == 0
+    assert abs(draws[1] / n - want[1]) < 4 * np.sqrt(want[1] * want[0] / n)
+
+
+def test_top_p_1_keeps_every_token_even_past_float64_s_cumulative_sum():
+    """top_p 1.0 is off (as in transformers and the GPU kernel, which skip the cut): every token
+    stays drawable with its softmax probability, also those whose mass no longer moves the
+    float64 cumulative sum (e^-40 next to 1), which a cut at the first sum reaching 1.0 drops."""
+    from blink.gpu_engine.sampling import sampling_distribution
+    torch = pytest.importorskip("torch")
+    logits = np.array([0.0, -40.0, -50.0], np.float32)
+    order, probs = sampling_distribution(logits, SamplingParams(1, top_p=1.0))
+    assert sorted(order.tolist()) == [0, 1, 2]
+    got = np.zeros(3)
+    got[order] = probs
+    want = torch.softmax(torch.tensor(logits, dtype=torch.float64), -1).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+
+
+def test_a_draw_past_the_last_cumulative_sum_takes_the_last_token(monkeypatch):
+    """uniform() reaches 1 - 2^-53, above a float64 cumulative sum that rounding left at
+    1 - 2^-52: the draw is the last token of the draw order (the GPU kernel clamps its target
+    the same way), not an IndexError that would stop the engine."""
+    from blink.gpu_engine import sampling
+    logits = np.array([-1.9, -3.0, 1.2], np.float32)
+    params = SamplingParams(1, seed=5)
+    order, probs = sampling.sampling_distribution(logits, params)
+    top = 1 - 2.0 ** -53
+    if np.cumsum(probs)[-1] >= top:  # the premise, on this platform's exp and sums
+        pytest.skip(f"the cumulative sum reached {np.cumsum(probs)[-1]!r} here")
+    monkeypatch.setattr(sampling, "uniform", lambda seed, step: top)
+    assert sampling.sample_token(logits, params, 0) == int(order[-1]) == 1
+
+
 def test_uniform_is_uniform():
     u = np.array([uniform(77, i) for i in range(20000)])
     assert 0 <= u.min() and u.max() < 1
