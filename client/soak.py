@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import sys
 import tempfile
@@ -228,9 +229,13 @@ def check_arguments(args) -> None:
                  "--max-model-len, --engine-arg, --quantization and --kv-cache-dtype")
     if args.model and args.shape:
         sys.exit("blink soak: give --model or --shape, not both")
-    if args.duration <= 0 or args.concurrency < 1 or args.max_prompt < 1 or args.max_output < 1:
+    # (not x > 0: nan, which ran no request at all and passed)
+    if not args.duration > 0 or args.concurrency < 1 or args.max_prompt < 1 \
+            or args.max_output < 1:
         sys.exit("blink soak: --duration, --concurrency, --max-prompt and --max-output must be "
                  "positive")
+    if not 0 <= args.idle_timeout < math.inf:  # (nan or inf: a leak waited for for ever)
+        sys.exit("blink soak: --idle-timeout must be a finite number of seconds >= 0")
     if not (0 <= args.cancel_fraction and 0 <= args.deadline_fraction
             and args.cancel_fraction + args.deadline_fraction <= 1):
         sys.exit("blink soak: --cancel-fraction and --deadline-fraction must be >= 0 and sum "

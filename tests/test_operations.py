@@ -381,6 +381,88 @@ def test_a_ring_being_created_as_the_stop_comes_is_removed(monkeypatch):
         segment.close()
 
 
+def test_a_ring_file_is_its_owners_and_a_failed_one_leaves_nothing():
+    """The ring's file is owner-only (0600, as under its temporary name: another user's process
+    must not write requests into it or read other clients' tokens); a creation that fails once
+    its file exists (an empty ring, which mmap refuses) removes that file and closes it; an
+    empty file is no ring to attach (FileNotFoundError: what a front end waits on, not mmap's
+    ValueError), and its descriptor is closed."""
+    import secrets
+    import stat
+
+    from blink.ring import shm
+    name = f"blink-test-{secrets.token_hex(6)}"
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError):
+        shm.ShmSegment.create(name, 0)
+    assert [p.name for p in shm.SHM_DIR.iterdir() if name in p.name] == []
+    assert len(os.listdir("/proc/self/fd")) == fds
+    segment = shm.ShmSegment.create(name, 4096)
+    try:
+        assert stat.S_IMODE(os.stat(segment._tmp_path).st_mode) == 0o600
+        segment.publish()
+        assert stat.S_IMODE(os.stat(shm.shm_path(name)).st_mode) == 0o600
+    finally:
+        segment.unlink()
+        segment.close()
+    try:
+        shm.shm_path(name).touch(0o600)
+        with pytest.raises(FileNotFoundError, match="is empty"):
+            shm.ShmSegment.attach(name)
+        assert len(os.listdir("/proc/self/fd")) == fds
+    finally:
+        shm.shm_path(name).unlink()
+
+
+def test_a_replaced_ring_s_removal_leaves_the_new_engine_s_ring():
+    """An engine that removes its ring after another engine has replaced it (a new inode under
+    the same name) leaves the new one's file, which front ends attach to."""
+    import secrets
+
+    from blink.ring import shm
+    name = f"blink-test-{secrets.token_hex(6)}"
+    old = shm.ShmSegment.create(name, 4096)
+    old.publish()
+    new = shm.ShmSegment.create(name, 4096)
+    try:
+        new.publish()
+        assert not old.is_current() and new.is_current()
+        old.unlink()
+        assert shm.shm_path(name).exists() and new.is_current()
+    finally:
+        for segment in (old, new):
+            segment.unlink()
+            segment.close()
+    assert not shm.shm_path(name).exists()
+
+
+def test_no_ring_is_created_after_the_stop_s_removal(monkeypatch):
+    """unlink_created_segments(for_good=True), the stop of an engine still starting, keeps
+    creations out until the process ends: a ring created after it would stay in /dev/shm."""
+    import secrets
+
+    from blink.ring import shm
+    lock = threading.Lock()
+    monkeypatch.setattr(shm, "_CREATION_LOCK", lock)  # (this test's, released at its end)
+    monkeypatch.setattr(shm, "_CREATED", set())  # (no other test's ring removed)
+    name = f"blink-test-{secrets.token_hex(6)}"
+    shm.unlink_created_segments(for_good=True)
+    made = []
+    creator = threading.Thread(target=lambda: made.append(shm.ShmSegment.create(name, 4096)),
+                               daemon=True)
+    creator.start()
+    creator.join(0.3)
+    try:
+        assert creator.is_alive()
+        assert [p.name for p in shm.SHM_DIR.iterdir() if name in p.name] == []
+    finally:
+        lock.release()
+        creator.join(5)
+        for segment in made:
+            segment.unlink()
+            segment.close()
+
+
 def test_engine_stops_when_serve_is_killed(checkpoints, tmp_path):
     """serve's engine runs in its own session (a terminal's Ctrl-C goes to serve, which drains
     first), so nothing but its parent-death signal (`blink engine --exit-with-parent`, set by
@@ -657,6 +739,37 @@ def test_one_front_end_and_one_engine_a_ring(checkpoints, tmp_path):
     finally:
         engine.close()
     RingServer(ring, geom, model_name="c", vocab_size=64, context_length=32, eos_ids=()).close()
+
+
+def test_a_refused_claim_says_whose_and_leaves_nothing_open():
+    """A second claim on a ring in one role is RingClaimed naming the role, and its socket is
+    closed (each refused try left a descriptor open); the other role's claim is separate; the
+    first one's close frees the ring at once. A name that cannot be a ring's is a ValueError
+    before any socket: empty, with '/', a leading '.', a NUL, or over 92 bytes (UTF-8: 47
+    characters of two bytes each are 94)."""
+    import secrets
+
+    from blink.ring.lifecycle import RING_NAME_MAX_BYTES, RingClaimed, claim_ring
+    ring = f"blink-test-claim-{secrets.token_hex(4)}"
+    first = claim_ring(ring, "engine")
+    try:
+        claim_ring(ring, "frontend").close()
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            with pytest.raises(RingClaimed) as refused:
+                claim_ring(ring, "engine")
+        assert str(refused.value) == (f"another engine is running on the ring /dev/shm/{ring}; "
+                                      f"stop it or pick another --ring-name")
+        assert len(os.listdir("/proc/self/fd")) == fds
+    finally:
+        first.close()
+    claim_ring(ring, "engine").close()
+    assert RING_NAME_MAX_BYTES == 92
+    for name in ("", "a/b", ".a", "a\0b"):
+        with pytest.raises(ValueError, match="is not a ring name"):
+            claim_ring(name, "engine")
+    with pytest.raises(ValueError, match="is 94 bytes long; a ring name has at most 92"):
+        claim_ring("\u00e9" * 47, "engine")
 
 
 def test_lifecycle_flags_are_checked_before_anything_starts(checkpoints, tmp_path):
@@ -1819,6 +1932,42 @@ def test_systemd_watchdog_pings_only_while_the_heartbeat_moves(tmp_path):
         SystemdNotify({}).ready()  # nothing to send to: nothing happens
     finally:
         notify.close()
+
+
+def test_a_heartbeat_that_stands_still_gets_no_watchdog_ping(tmp_path):
+    """A hung scheduler's heartbeat stays: after the first look, each look due (every 10 ms
+    under a 40 ms watchdog) reads it unmoved and pings nothing, so systemd restarts the engine
+    (a ping for each look due kept a hung engine alive)."""
+    from blink.ring.lifecycle import SystemdNotify
+    notify = NotifySocket(tmp_path / "notify")
+    try:
+        systemd = SystemdNotify({"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "40000"})
+        for _ in range(8):
+            systemd.keepalive(lambda: 7)
+            time.sleep(0.015)
+        systemd.stopping()
+        notify.wait("STOPPING=1", 5)
+        assert notify.got == ["WATCHDOG=1", "STOPPING=1"]
+    finally:
+        notify.close()
+
+
+def test_systemd_notify_reaches_an_abstract_socket_and_outlives_a_gone_one(tmp_path, caplog):
+    """NOTIFY_SOCKET=@name is the abstract socket "\\0name" (sd_notify(3)); a socket that is
+    gone (systemd restarted) is a warning, and the engine serves on."""
+    import secrets
+
+    from blink.ring.lifecycle import SystemdNotify
+    name = f"blink-test-notify-{secrets.token_hex(4)}"
+    notify = NotifySocket("\0" + name)
+    try:
+        SystemdNotify({"NOTIFY_SOCKET": "@" + name}).ready()
+        notify.wait("READY=1", 5)
+    finally:
+        notify.close()
+    with caplog.at_level("WARNING", logger="blink.engine"):
+        SystemdNotify({"NOTIFY_SOCKET": str(tmp_path / "gone")}).stopping()
+    assert f"systemd notification STOPPING=1 not sent to {tmp_path / 'gone'}" in caplog.text
 
 
 def test_a_long_cpu_step_keeps_pinging_the_watchdog_while_it_beats(tmp_path):

@@ -76,6 +76,17 @@ def refused_start(command: str, tmp_path: Path, env: dict | None = None) -> str:
     return out.stderr
 
 
+def fake_pyverbs(tmp_path: Path, devices: list[str]) -> dict:
+    """The environment of a process in which `pyverbs` is a package of one module, device, whose
+    get_device_list() returns `devices`."""
+    fake = tmp_path / "fake" / "pyverbs"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "device.py").write_text(f"def get_device_list():\n    return {devices!r}\n")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(fake.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
 @pytest.mark.parametrize("command", ROLES)
 def test_rdma_without_pyverbs_refuses_to_start(command, tmp_path):
     if importlib.util.find_spec("pyverbs") is not None:
@@ -89,15 +100,19 @@ def test_rdma_without_pyverbs_refuses_to_start(command, tmp_path):
 def test_rdma_without_a_device_refuses_to_start(command, tmp_path):
     """pyverbs imports (a stand-in package on PYTHONPATH whose device list is empty, as on a
     machine with rdma-core but no RDMA NIC and no soft-RoCE)."""
-    fake = tmp_path / "fake" / "pyverbs"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("")
-    (fake / "device.py").write_text("def get_device_list():\n    return []\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(fake.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    err = refused_start(command, tmp_path, env)
+    err = refused_start(command, tmp_path, fake_pyverbs(tmp_path, []))
     assert err.startswith("blink: --transport rdma found no RDMA device (ibv_devices lists none")
     assert "rdma link add rxe0 type rxe netdev" in err
+
+
+@pytest.mark.parametrize("command", ROLES)
+def test_rdma_with_a_pyverbs_that_lacks_a_module_refuses_to_start(command, tmp_path):
+    """pyverbs imports and lists a device, but lacks a module the transport takes (an older or
+    partial build): one line at start-up, not a traceback once the front end dials."""
+    err = refused_start(command, tmp_path, fake_pyverbs(tmp_path, ["rxe0"]))
+    assert err.startswith("blink: --transport rdma needs a pyverbs with what Blink uses, which "
+                          "this one lacks (cannot import name 'cmid' from 'pyverbs'")
+    assert "pip install -e '.[rdma]'" in err
 
 
 def test_rdma_transport_flags(tmp_path):
@@ -167,7 +182,7 @@ class RdmaRing:
     a dma-buf file descriptor (serve_device_ring, as the CUDA engine hands its GPU-memory ring;
     here the /dev/shm segment's own descriptor, which only the stand-in can register)."""
 
-    def __init__(self, ip: str, slots: int = 4, dmabuf: bool = False):
+    def __init__(self, ip: str, slots: int = 4, dmabuf: bool = False, serving: bool = True):
         from blink.ring.rdma import RingExport
         self.name = f"blink-test-rdma-{secrets.token_hex(4)}"
         self.addr = (ip, 20000 + secrets.randbelow(20000))
@@ -176,7 +191,8 @@ class RdmaRing:
                                  context_length=64, eos_ids=(1,))
         self.fatal: list[str] = []
         self.export = RingExport(*self.addr, self.name, on_fatal=self.fatal.append)
-        self.server.set_state(EngineState.SERVING)
+        if serving:  # (else the test says when)
+            self.server.set_state(EngineState.SERVING)
         if dmabuf:
             self.export.serve_device_ring(os.open(shm_path(self.name), os.O_RDWR), geom)
         self.export.start()
@@ -488,14 +504,24 @@ def test_front_end_reconnect_replaces_its_connection(rdma_ip):
     """The front end drops its connection (as on a queue pair error) and dials again: the
     engine closes the earlier one (the same token), so it keeps one per front end."""
     ring = RdmaRing(rdma_ip)
+
+    def connections(n: int) -> list:  # (the export's thread files a connection after accepting)
+        deadline = time.monotonic() + 5
+        while len(ring.export.connections) != n:
+            assert time.monotonic() < deadline, ring.export.connections
+            time.sleep(0.01)
+        return list(ring.export.connections.values())
     try:
         ring.attach()
+        (first,) = connections(1)
         ring.link._detach(EngineUnavailable("dropped by the test"))
         ring.attach()
         deadline = time.monotonic() + 5
-        while len(ring.export.connections) != 1:
-            assert time.monotonic() < deadline, ring.export.connections
+        while connections(1) == [first]:
+            assert time.monotonic() < deadline, "the new connection was never filed"
             time.sleep(0.01)
+        if rdma_ip == "127.0.0.1":  # (the stand-in's ids say whether they were closed)
+            assert first.closed
         ring.submit([7])
         assert [r.prompt for r in ring.admitted()] == [[7]]
     finally:
@@ -503,28 +529,42 @@ def test_front_end_reconnect_replaces_its_connection(rdma_ip):
 
 
 def test_refusals_are_said(monkeypatch):
-    """Against the stand-in: nothing listening, an address without an RDMA device, a write
-    the engine's memory regions do not allow (the front end's own check bypassed), a Hello of
-    another layout version."""
+    """Against the stand-in: nothing listening (each failed try closes what it opened: a front
+    end dials again and again while its engine is away), an address without an RDMA device
+    (nothing left open either), a read past the ring, a write the engine's memory regions do
+    not allow (the front end's own check bypassed: then every operation says the connection is
+    gone, a strided read already made too), a Hello of another layout version."""
     import pyverbs_standin
     pyverbs_standin.install(monkeypatch)
     from blink.ring import rdma
     dialer = rdma.RdmaDialer("127.0.0.1", 7471)
-    with pytest.raises(rdma.RdmaError, match=r"nothing accepts RDMA connections at "
-                                             r"127.0.0.1:7471 \(is the engine up"):
-        while dialer.step() is None:
-            pass
+    fds = None
+    for _ in range(3):
+        with pytest.raises(rdma.RdmaError, match=r"nothing accepts RDMA connections at "
+                                                 r"127.0.0.1:7471 \(is the engine up"):
+            while dialer.step() is None:
+                pass
+        fds = fds or len(os.listdir("/proc/self/fd"))
     with pytest.raises(rdma.RdmaUnavailable, match="cannot take RDMA CM address 203.0.113.9"):
         rdma.RingExport("203.0.113.9", 7471, "x", on_fatal=print)
+    assert len(os.listdir("/proc/self/fd")) == fds
     ring = RdmaRing("127.0.0.1")
     try:
         ring.attach()
-        t = ring.link._transport
+        t, cmid = ring.link._transport, ring.link._transport.cmid
+        with pytest.raises(ValueError, match=rf"ring bytes \[{t.size - 4}, {t.size + 1}\) are "
+                                             rf"past its {t.size} bytes"):
+            t.read(t.size - 4, 5)
+        strided = t.read_strided(0, 8, 2, 4)
         with pytest.raises(rdma.RdmaPeerGone, match="IBV_WC_REM_ACCESS_ERR"):
             t._run([t._wr(t.v.WR_WRITE, 0, 8)])
         assert not t.is_current()
+        with pytest.raises(rdma.RdmaPeerGone, match="IBV_WC_REM_ACCESS_ERR"):
+            t.read_strided(0, 8, 2, 4)
+        assert len(strided) == 8
     finally:
         ring.close()
+    assert cmid.closed  # (its destruction disconnects: the engine hears of it)
     hello = np.zeros((), rdma.HELLO_DTYPE)
     hello["magic"], hello["layout_version"], hello["token"] = rdma.RING_MAGIC, 1, 5
     assert rdma._read_hello(hello.tobytes()) == (
@@ -562,6 +602,139 @@ def test_a_refusal_that_fails_leaves_the_export_serving(monkeypatch):
         ring.attach()
     finally:
         ring.close()
+
+
+def test_a_connection_that_cannot_be_accepted_leaves_the_export_serving(monkeypatch):
+    """A front end's connection the export cannot accept, and whose close then fails too: that
+    close's error ended the export's thread, whose end stops the engine (on_fatal). Now it is
+    that connection's alone, and the next front end attaches."""
+    import pyverbs_standin
+    pyverbs_standin.install(monkeypatch)
+    from blink.ring import rdma
+    ring = RdmaRing("127.0.0.1")
+    try:
+        ring.attach()  # the export listens
+        with monkeypatch.context() as m:
+            def fail(self, *args):
+                raise pyverbs_standin.PyverbsError("failed by the test")
+            m.setattr(pyverbs_standin.CMID, "accept", fail)
+            m.setattr(pyverbs_standin.CMID, "close", fail)
+            dialer = rdma.RdmaDialer(*ring.addr, timeout_s=0.5)
+            started = time.monotonic()
+            with pytest.raises(rdma.RdmaError, match="within 0.5 s"):  # never answered
+                while dialer.step() is None:
+                    pass
+            assert time.monotonic() - started < 5
+        assert ring.fatal == []
+        ring.link._detach(RuntimeError("again"))
+        ring.attach()
+    finally:
+        ring.close()
+
+
+def test_a_removed_device_stops_the_export(monkeypatch):
+    """RDMA_CM_EVENT_DEVICE_REMOVAL on the export's channel: no front end can reach the ring
+    any more, and the export stops the engine saying so (on_fatal; it served on, unreachable)."""
+    import pyverbs_standin
+    pyverbs_standin.install(monkeypatch)
+    ring = RdmaRing("127.0.0.1")
+    try:
+        ring.attach()
+        ring.export.events.channel.post(pyverbs_standin.E.RDMA_CM_EVENT_DEVICE_REMOVAL)
+        deadline = time.monotonic() + 10
+        while not ring.fatal:
+            assert time.monotonic() < deadline, "the export served on"
+            time.sleep(0.01)
+    finally:
+        ring.close()
+    assert ring.fatal == [f"the RDMA ring export on 127.0.0.1:{ring.addr[1]} failed: the RDMA "
+                          f"device was removed"]
+
+
+def test_the_export_listens_once_this_engine_serves_its_ring(monkeypatch):
+    """Until this process's engine serves its ring nothing accepts a front end's connection;
+    then it does. A ring of another engine (a dead one's, its pid not ours) is not exported,
+    and each look at it closes it again (the export looks every 50 ms while it waits)."""
+    import pyverbs_standin
+    pyverbs_standin.install(monkeypatch)
+    from blink.ring import rdma
+    ring = RdmaRing("127.0.0.1", serving=False)
+    try:
+        dialer = rdma.RdmaDialer(*ring.addr)
+        with pytest.raises(rdma.RdmaError, match="nothing accepts RDMA connections"):
+            while dialer.step() is None:
+                pass
+        ring.server.header["engine_pid"] = os.getpid() + 1  # (no pid of this process's)
+        fds = len(os.listdir("/proc/self/fd"))
+        assert [ring.export._own_ring() for _ in range(10)] == [None] * 10
+        assert len(os.listdir("/proc/self/fd")) == fds
+        ring.server.header["engine_pid"] = os.getpid()
+        ring.server.set_state(EngineState.SERVING)
+        ring.attach()
+    finally:
+        ring.close()
+    assert not ring.fatal
+
+
+@pytest.mark.parametrize("field", ["layout_version", "num_slots"])
+def test_a_ring_the_export_cannot_serve_stops_it_with_the_reason(monkeypatch, field):
+    """A ring whose header says another layout version, or more slots than its file holds: the
+    export does not register it and says why (on_fatal, which stops the engine)."""
+    import pyverbs_standin
+    pyverbs_standin.install(monkeypatch)
+    from blink.ring.layout import LAYOUT_VERSION
+    ring = RdmaRing("127.0.0.1", slots=4, serving=False)
+    try:
+        ring.server.header[field] = LAYOUT_VERSION + 1 if field == "layout_version" else 400
+        ring.server.set_state(EngineState.SERVING)
+        deadline = time.monotonic() + 10
+        while not ring.fatal:
+            assert time.monotonic() < deadline, "the export took the ring"
+            time.sleep(0.01)
+        assert ring.export._regions == []
+    finally:
+        ring.close()
+    where = f"the RDMA ring export on 127.0.0.1:{ring.addr[1]} failed: "
+    assert ring.fatal == [where + (
+        f"the ring's layout version is {LAYOUT_VERSION + 1}, this code's {LAYOUT_VERSION}"
+        if field == "layout_version" else "the ring segment is shorter than its header says")]
+
+
+def test_the_export_lets_go_of_what_it_holds(monkeypatch):
+    """The dma-buf descriptor the engine hands over is closed once registered (the regions keep
+    the memory); closed, the export has closed its front ends' connections and the ring
+    segment it mapped; one closed before it registered its dma-buf (the engine stopped first)
+    has closed that descriptor. Each was left open."""
+    import pyverbs_standin
+    pyverbs_standin.install(monkeypatch)
+    from blink.ring.rdma import RingExport
+
+    def is_open(fd: int, path: Path) -> bool:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}") == str(path)
+        except FileNotFoundError:
+            return False
+    ring = RdmaRing("127.0.0.1", serving=False)
+    try:
+        deadline = time.monotonic() + 10
+        while ring.export.segment is None:  # (it maps the ring, STARTING, and waits)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        dmabuf = os.open(shm_path(ring.name), os.O_RDWR)
+        ring.export.serve_device_ring(dmabuf, ring.server.geom)
+        ring.server.set_state(EngineState.SERVING)
+        ring.attach()
+        assert ring.link._transport._remote == 0  # (the dma-buf registered)
+        assert not is_open(dmabuf, shm_path(ring.name))
+        segment, (connection,) = ring.export.segment, ring.export.connections.values()
+    finally:
+        ring.close()
+    assert segment.mmap.closed and connection.closed and ring.export.connections == {}
+    export = RingExport("127.0.0.1", ring.addr[1], "never-served", on_fatal=print)
+    never = os.open("/dev/null", os.O_RDWR)
+    export.serve_device_ring(never, ring.server.geom)
+    export.close()
+    assert not is_open(never, Path("/dev/null"))
 
 
 @pytest.mark.slow

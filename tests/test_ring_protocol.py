@@ -415,6 +415,19 @@ def test_a_live_engine_that_holds_no_claim_here_keeps_its_ring(ring):
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
+def test_strided_reads_reach_the_ring_s_end_and_no_further(ring):
+    """A strided read or live u32 view ending at the ring's last byte is the ring's bytes; one
+    byte more is a ValueError that says so (not numpy's error about a buffer too small)."""
+    _, t = ring
+    t.write(t.size - 12, bytes(range(1, 13)))  # (the last record's last tokens)
+    assert t.read_strided(t.size - 12, 8, 2, 4) == bytes([1, 2, 3, 4, 9, 10, 11, 12])
+    assert t.strided_u32(t.size - 12, 8, 2).tolist() == [0x04030201, 0x0C0B0A09]
+    with pytest.raises(ValueError, match="strided read past the end of the ring"):
+        t.read_strided(t.size - 12, 8, 2, 5)
+    with pytest.raises(ValueError, match="strided view past the end of the ring"):
+        t.strided_u32(t.size - 11, 8, 2)
+
+
 def test_a_slot_s_grace_for_a_corrupt_write_starts_with_that_write(ring, monkeypatch):
     """A slot whose write was still landing (its CRC off) and was then consumed: the slot's
     next generation whose bytes are still landing gets its own grace, not the one its slot's

@@ -134,6 +134,10 @@ def rdma_unavailable_reason() -> str | None:
         return f"cannot list RDMA devices ({e}): {DEVICE_HINT}"
     if not devices:
         return f"found no RDMA device ({DEVICE_HINT})"
+    try:  # every module and constant the transport takes (an older or partial pyverbs)
+        _Verbs()
+    except (ImportError, AttributeError) as e:
+        return f"needs a pyverbs with what Blink uses, which this one lacks ({e}): {PYVERBS_HINT}"
     return None
 
 
@@ -442,7 +446,7 @@ class RingExport:
             conn.accept(param)
         except v.Error as e:
             log.warning("RDMA: could not accept a front end: %s", e)
-            conn.close()
+            _close(conn)  # (as a refusal's: this connection's failure, not the export's)
             return
         earlier = self.connections.pop(token, None)
         if earlier is not None:  # the same front end reconnected: its old connection is dead
