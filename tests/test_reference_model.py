@@ -66,6 +66,20 @@ def blocks_for(n_tokens: int) -> int:
     return -(-n_tokens // BLOCK)
 
 
+def test_of_chunks_lays_out_the_step_contract():
+    """Hand-computed: each run's positions continue from its start, context_lens is one past its
+    last position, tables are -1 padded (a 0 would name a real block), every array int32."""
+    b = make_batch([([5, 6, 7], 0, [2]), ([9], 5, np.array([0, 3])), ([1, 2], 2, [1])])
+    want = dict(token_ids=[5, 6, 7, 9, 1, 2], positions=[0, 1, 2, 5, 2, 3],
+                seq_starts=[0, 3, 4, 6], context_lens=[3, 6, 4],
+                block_tables=[[2, -1], [0, 3], [1, -1]], logit_seqs=[0, 1, 2])
+    for name, value in want.items():
+        got = getattr(b, name)
+        assert got.dtype == np.int32 and got.tolist() == value, name
+    assert (b.num_tokens, b.num_seqs) == (6, 3)
+    assert make_batch([([4], 3, [0]), ([8], 0, [1])], logit_seqs=[1]).logit_seqs.tolist() == [1]
+
+
 def logits_at_every_position(cfg, weights, ids) -> np.ndarray:
     """[len(ids), V]: one step whose sequence s is the prefix ids[:s+1], each in its own blocks."""
     total = sum(blocks_for(n) for n in range(1, len(ids) + 1))
