@@ -127,12 +127,53 @@ def test_sharded_equals_single(tmp_path, f32_ckpt):
     # transformers reads our index and shards too.
     model = transformers.AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32)
     np.testing.assert_array_equal(model.model.embed_tokens.weight.detach().numpy(), a.embed)
+    # the index, against the shards as the safetensors library reads them: every shard holds
+    # tensors, names each of its own, and total_size is their bytes
+    from safetensors.numpy import load_file
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(sharded.glob("model-*.safetensors"))
+    held = {f.name: load_file(f) for f in files}
+    assert [f.name for f in files] == [f"model-{k:05d}-of-{len(files):05d}.safetensors"
+                                       for k in range(1, len(files) + 1)]
+    assert all(held.values())
+    assert index["weight_map"] == {n: f for f, ts in held.items() for n in ts}
+    assert index["metadata"]["total_size"] == sum(t.nbytes for ts in held.values()
+                                                  for t in ts.values())
+
+
+def test_writer_float16_and_data_alignment(tmp_path, f32_ckpt):
+    """write_random_checkpoint(dtype="float16") holds the float32 checkpoint's values rounded
+    to float16, as the safetensors library reads them; each file's data starts 8-byte aligned
+    (the header padded, as the writer says)."""
+    from safetensors.numpy import load_file
+    f16 = write_random_checkpoint(tmp_path / "f16", dtype="float16", **TINY)
+    got, want = load_file(f16 / "model.safetensors"), load_file(f32_ckpt / "model.safetensors")
+    assert list(got) == list(want)
+    for name, x in want.items():
+        assert got[name].dtype == np.float16, name
+        np.testing.assert_array_equal(got[name], x.astype(np.float16), name)
+    for f in (f16 / "model.safetensors", f32_ckpt / "model.safetensors"):
+        with open(f, "rb") as fh:
+            assert (8 + int.from_bytes(fh.read(8), "little")) % 8 == 0, f
+
+
+def test_writer_refuses_what_it_cannot_write(tmp_path):
+    with pytest.raises(ValueError, match="qwen2 has no head_dim"):
+        write_random_checkpoint(tmp_path / "q", architecture="qwen2", **dict(TINY, head_dim=32))
+    with pytest.raises(ValueError, match="architecture must be"):
+        write_random_checkpoint(tmp_path / "g", architecture="gpt2", **TINY)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        write_random_checkpoint(tmp_path / "h", **dict(TINY, num_kv_heads=3))
+    with pytest.raises(ValueError, match="smaller than the tokenizer"):
+        write_random_checkpoint(tmp_path / "v", vocab_size=100, **TINY)
 
 
 def test_tied_embeddings_share_the_array(tmp_path):
     path = write_random_checkpoint(tmp_path / "t", tie_word_embeddings=True, **TINY)
     w = load_weights(path, load_config(path))
     assert w.lm_head is w.embed
+    # the embedding is the LM head, so it has the LM head's scale: 4 / sqrt(hidden_size)
+    assert w.embed.std() == pytest.approx(4 / TINY["hidden_size"] ** 0.5, rel=0.02)
 
 
 def test_errors_are_clear(tmp_path, f32_ckpt):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
 
@@ -62,6 +63,21 @@ def test_reused_and_replaced_when_stale(tmp_path, monkeypatch):
     assert ensure_demo_model() == first
     assert not (first / "stale-file").exists() and demo_model._is_current(first)
     assert [p.name for p in tmp_path.iterdir()] == ["demo-llama"]
+
+
+def test_cache_dir_then_env_then_home(tmp_path, demo, monkeypatch):
+    """cache_dir, else $BLINK_CACHE_DIR, else ~/.cache/blink: a current model where the first
+    that is set points is reused, and nothing is written anywhere else."""
+    monkeypatch.setenv("BLINK_CACHE_DIR", str(tmp_path / "env"))
+    assert ensure_demo_model(demo.parent) == demo
+    assert not (tmp_path / "env").exists()
+    shutil.copytree(demo, tmp_path / "env" / "demo-llama")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert ensure_demo_model() == tmp_path / "env" / "demo-llama"
+    monkeypatch.delenv("BLINK_CACHE_DIR")
+    shutil.copytree(demo, tmp_path / "home" / ".cache" / "blink" / "demo-llama")
+    assert ensure_demo_model() == tmp_path / "home" / ".cache" / "blink" / "demo-llama"
+    assert sorted(p.name for p in (tmp_path / "env").iterdir()) == ["demo-llama"]
 
 
 def test_transformers_loads_it_with_decisive_logits(demo):

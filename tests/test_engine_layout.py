@@ -100,7 +100,8 @@ def sample_init() -> tuple[np.ndarray, dict]:
         corrupt_grace_ns=2_500_000_000, idle_sleep_ns=2000,
         forward_pointers={n: 0x7100_0000_0000 + 0x1000 * i
                           for i, n in enumerate(el.FORWARD_POINTERS)},
-        max_blocks_per_seq=7, graph_execs={64: 0xA64, 1: 0xA01, 8: 0xA08, 2: 0xA02})
+        max_blocks_per_seq=7, graph_execs={64: 0xA64, 1: 0xA01, 8: 0xA08, 2: 0xA02},
+        step_log=0x7200_0000_0500, step_log_capacity=4096)
     return el.engine_init_record(**args), args
 
 
@@ -120,7 +121,7 @@ def test_init_record_holds_what_was_set():
     assert fwd["graph_execs"].tolist() == [0xA01, 0xA02, 0xA08, 0xA64] + [0] * (el.MAX_BUCKETS - 4)
     for name in ("control", "consumed_gen", "corrupt_since", "scratch_slot", "staged_prompts",
                  "vocab_size", "context_length", "kv_capacity_tokens", "corrupt_grace_ns",
-                 "idle_sleep_ns"):
+                 "idle_sleep_ns", "step_log", "step_log_capacity"):
         assert int(rec[name]) == a[name], name
     assert int(rec["num_eos"]) == 3
     assert rec["eos_ids"].tolist() == a["eos_ids"] + [0] * (MAX_EOS_IDS - 3)
@@ -188,6 +189,20 @@ def test_init_record_refuses_what_the_kernel_cannot_hold():
         el.engine_init_record(**dict(a, forward_pointers=missing))
     with pytest.raises(ValueError, match="SchedConfig"):
         el.sched_config(num_slots=1)
+    with pytest.raises(ValueError, match="buckets"):
+        el.engine_init_record(**dict(a, graph_execs={}))
+    for step_log, capacity in ((0, 4096), (0x7200_0000_0500, 0)):
+        with pytest.raises(ValueError, match="step log"):
+            el.engine_init_record(**dict(a, step_log=step_log, step_log_capacity=capacity))
+    # the limits themselves are held
+    most = el.engine_init_record(**dict(a, graph_execs={b + 1: b for b in range(el.MAX_BUCKETS)},
+                                        eos_ids=list(range(MAX_EOS_IDS))))
+    assert int(most["fwd"]["num_buckets"]) == el.MAX_BUCKETS
+    assert most["fwd"]["bucket_tokens"].tolist() == list(range(1, el.MAX_BUCKETS + 1))
+    assert int(most["num_eos"]) == MAX_EOS_IDS
+    assert most["eos_ids"].tolist() == list(range(MAX_EOS_IDS))
+    none = el.engine_init_record(**dict(a, step_log=0, step_log_capacity=0))
+    assert int(none["step_log"]) == int(none["step_log_capacity"]) == 0
 
 
 def test_default_buckets():
@@ -203,6 +218,11 @@ def test_default_buckets():
     assert el.default_buckets(1 << 16)[-3:] == [32768, 49152, 65536]  # two an octave
     with pytest.raises(ValueError):
         el.default_buckets(256, fine_from=2)
+    # four an octave while they and the cap fit MAX_BUCKETS: 1 to 128 are 8, 160 to 7168 are 23,
+    # and the cap 8192 the 32nd; a cap one token more needs a 33rd, so two an octave
+    assert len(el.default_buckets(8192)) == el.MAX_BUCKETS
+    assert el.default_buckets(8192)[-3:] == [6144, 7168, 8192]
+    assert el.default_buckets(8193)[-3:] == [6144, 8192, 8193]
 
 
 def test_kernel_limits_are_the_sources_own():
@@ -244,8 +264,22 @@ def test_cuda_engine_refusal_says_what_the_kernels_cannot_serve():
              "multiples of 64"),
             (llama, dict(max_num_seqs=512), "at most 256"),
             (llama, dict(slots=2048), "at most 1024"),
-            (llama, dict(sm_count_target=133), "this GPU has 132 SMs")):
+            (llama, dict(sm_count_target=133), "this GPU has 132 SMs"),
+            (llama, dict(sm_count_target=-1), "this GPU has 132 SMs"),
+            (shape(llama, hidden_size=4104, intermediate_size=14344), {}, "multiples of 8 and 16"),
+            (shape(llama, num_heads=10, num_kv_heads=2, head_dim=80), dict(quantization="fp8"),
+             "q (800)")):
         assert said in el.cuda_engine_refusal(cfg, **dict(ok, **flags)), (cfg, flags)
+    # and what they can, at each limit: a flag's check only where that flag asks for it
+    for cfg, flags in (
+            (shape(llama, num_heads=64, num_kv_heads=1), {}),
+            (shape(llama, hidden_size=4104), {}),
+            (shape(llama, head_dim=96), {}),
+            (shape(llama, intermediate_size=14352), {}),
+            (llama, dict(slots=el.MAX_SLOTS)),
+            (llama, dict(sm_count_target=132)),
+            (llama, dict(sm_count_target=0))):  # 0: the device's own
+        assert el.cuda_engine_refusal(cfg, **dict(ok, **flags)) is None, (cfg, flags)
     # the host-driven engine has no scheduler kernel: its step and slot limits are not these
     assert el.cuda_engine_refusal(llama, **dict(ok, kind="host-cuda", max_num_seqs=512,
                                                 slots=2048)) is None
