@@ -667,7 +667,9 @@ def test_the_export_listens_once_this_engine_serves_its_ring(monkeypatch):
         ring.server.header["engine_pid"] = os.getpid() + 1  # (no pid of this process's)
         fds = len(os.listdir("/proc/self/fd"))
         assert [ring.export._own_ring() for _ in range(10)] == [None] * 10
-        assert len(os.listdir("/proc/self/fd")) == fds
+        # ten looks that each left the ring open would leave ten descriptors; the export's own
+        # look (its thread's, every 50 ms) may hold one at either count
+        assert len(os.listdir("/proc/self/fd")) <= fds + 1
         ring.server.header["engine_pid"] = os.getpid()
         ring.server.set_state(EngineState.SERVING)
         ring.attach()
