@@ -38,7 +38,8 @@ class SyntheticEngine(ReferenceEngine):
     def _load_model(self, cfg: ModelConfig) -> int:
         self.vocab = cfg.vocab_size
         self.avoid = set(cfg.eos_token_ids)
-        if set(range(self.vocab // 4, self.vocab // 4 + self.vocab // 2)) <= self.avoid:
+        self.lo, self.span = self.vocab // 4, self.vocab // 2  # its tokens: the middle half
+        if all(t in self.avoid for t in range(self.lo, self.lo + self.span)):
             raise ValueError(f"a vocabulary of {self.vocab} has no id in its middle half that "
                              "is not EOS: the synthetic engine has no token to send")
         # KV blocks only bound admission here: room for every slot's whole context
@@ -53,7 +54,7 @@ class SyntheticEngine(ReferenceEngine):
     def _forward_sample(self, batch: StepTokens, samplers: list[Sequence]) -> list[int]:
         if self.step_s:
             time.sleep(self.step_s)
-        lo, span = self.vocab // 4, self.vocab // 2
+        lo, span = self.lo, self.span
         out = []
         for seq in samplers:
             token = lo + (seq.slot * 7919 + len(seq.output) * 104729) % span
