@@ -934,8 +934,8 @@ def test_serving_suite_warms_the_server_before_its_workloads(bench_checkpoint, t
 
 def test_requests_keep_the_schedule_round_robin_over_the_connections():
     """Open loop: request i is sent at its arrival offset (the seed's and the burstiness's
-    schedule, not all at once), over connection i % 2; the wall time runs from the clock's start
-    (at or before the first send) to the last token."""
+    schedule, not all at once), over client i % 2's connection; the wall time runs from the
+    clock's start (at or before the first send) to the last token."""
     import asyncio
 
     from blink.client.bench_load import run_requests
@@ -946,8 +946,9 @@ def test_requests_keep_the_schedule_round_robin_over_the_connections():
     assert [(r.error, r.tokens) for r in records] == [(None, 2)] * 6
     peer = {tuple(r.token_ids.ids): p for r, p in zip(servicer.requests, servicer.peers)}
     peers = [peer[r.prompt] for r in requests]
-    assert peers[0::2] == [peers[0]] * 3 and peers[1::2] == [peers[1]] * 3
-    assert peers[0] != peers[1]
+    # the two clients' connections: none carries an even request and an odd one (gRPC may
+    # open a client's connection again mid-run, so one client's requests may come over two)
+    assert not set(peers[0::2]) & set(peers[1::2])
     sent = np.array([r.sent for r in records]) - records[0].sent
     want = arrival_offsets(6, 5.0, burstiness=0.5, seed=5)
     assert (sent >= want - 0.005).all() and (sent <= want + 0.15).all(), (sent, want)
