@@ -895,7 +895,8 @@ class FrontendWorkers:
             proc.join(timeout_s + 10)
             if proc.is_alive():
                 proc.kill()
-        if self.procs:
+        if self.args.workers > 1:  # (also when serve failed before a worker process started:
+            # worker 0, this process, may have made the files)
             from blink.nic_service.engine_link import WorkerCounts
             WorkerCounts.reset(self.args.ring_name)
 

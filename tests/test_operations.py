@@ -480,6 +480,26 @@ def test_engine_stops_when_serve_is_killed(checkpoints, tmp_path):
             os.kill(engine, signal.SIGKILL)
 
 
+def test_workers_counts_are_cleared_when_serve_fails_before_a_worker_starts():
+    """serve --workers 2 that fails before it starts worker 2 (its metrics port taken between
+    the check and the bind, say): worker 0, serve's own process, made the shared counts' files,
+    and serve's end removes them (it removed them only after a worker process had run)."""
+    import argparse
+    import secrets
+    from pathlib import Path
+
+    from blink.client.cli import FrontendWorkers
+    from blink.nic_service.engine_link import WorkerCounts
+    ring = f"blink-test-{secrets.token_hex(6)}"
+    try:
+        for kind in WorkerCounts.KINDS:
+            WorkerCounts(ring, 0, 2, kind).add()
+        FrontendWorkers(argparse.Namespace(ring_name=ring, workers=2), Path(".")).join(0)
+        assert not any(WorkerCounts.path(ring, kind).exists() for kind in WorkerCounts.KINDS)
+    finally:
+        WorkerCounts.reset(ring)
+
+
 def test_front_end_workers_stop_when_serve_is_killed(checkpoints, tmp_path):
     """serve --workers 2 killed with SIGKILL: its second front-end worker exits too (its own
     parent-death signal) and the port is free for the next serve; it used to go on holding
