@@ -664,7 +664,9 @@ def cmd_frontend(args) -> None:
 
 # --- front-end workers: processes sharing one port (SO_REUSEPORT) and one ring -------------------
 
-_HELD_CLAIMS = []  # this process's claims on its ring (blink.ring.lifecycle): held until exit
+# what this process holds until it exits: its claim on its ring (blink.ring.lifecycle), the
+# sockets that keep its workers' metrics ports for them (_check_metrics_ports)
+_HELD_UNTIL_EXIT = []
 
 
 def _claim_port(args) -> None:
@@ -675,12 +677,12 @@ def _claim_port(args) -> None:
     previous front end's on the same ring)."""
     from blink.ring.lifecycle import RingClaimed, claim_ring
     try:
-        _HELD_CLAIMS.append(claim_ring(args.ring_name, "frontend"))
+        _HELD_UNTIL_EXIT.append(claim_ring(args.ring_name, "frontend"))
     except RingClaimed as e:
         sys.exit(f"blink: {e}")
     if args.workers < 1:
         sys.exit("blink: --workers must be >= 1")
-    _check_metrics_ports(args)
+    _HELD_UNTIL_EXIT.extend(_check_metrics_ports(args))
     if args.workers == 1:
         return  # one process: gRPC's own bind (without port reuse) says if the port is taken
     import socket
@@ -697,7 +699,7 @@ def _claim_port(args) -> None:
     WorkerCounts.reset(args.ring_name)  # the port is ours: so is the ring
 
 
-def _check_metrics_ports(args) -> None:
+def _check_metrics_ports(args) -> list:
     """Worker i serves its metrics on --metrics-port + i: each port there and free, checked
     before any worker starts (a worker whose port was taken, or past 65535, failed at start and
     was restarted for ever, its share of the slots unused). With several workers, port 0 is
@@ -705,65 +707,101 @@ def _check_metrics_ports(args) -> None:
     as it started, so one restarted after a crash moved to another, and a scrape configuration
     naming its old one lost it. An unset --metrics-host becomes --host (the endpoint has no
     authentication: it listened on every interface while the gRPC port was on loopback), with
-    0.0.0.0's both families as gRPC takes them (server.metrics_address)."""
+    0.0.0.0's both families as gRPC takes them (server.metrics_address).
+
+    Returns the sockets that reserve the ports while they stay open: bound with SO_REUSEPORT,
+    not listening (they take no connections), so that each worker's metrics server binds its
+    port beside them (metrics.MetricsServer) while any other program's bind is refused, a
+    connection's ephemeral port too. Checked and closed, the ports were free until each worker
+    bound its own, and another program took one now and then: that worker failed, "Address
+    already in use". Held for the process's life, they keep a restarted worker's port too.
+    Empty where no port is checked, or where the system has no SO_REUSEPORT (then a worker
+    binds a port that was free at start, as before)."""
     if args.metrics_host is None:
         from blink.nic_service.server import metrics_address, unbracketed
         args.metrics_host = metrics_address(unbracketed(args.host))
     if args.metrics_port is None or (args.metrics_port == 0 and args.workers == 1):
-        return  # off, or one process: prometheus_client takes a free port as it binds
+        return []  # off, or one process: its metrics server takes a free port as it binds
     import socket
-    try:  # the address as prometheus_client binds it
-        family, _, _, _, address = socket.getaddrinfo(
-            args.metrics_host, args.metrics_port, type=socket.SOCK_STREAM,
-            flags=socket.AI_PASSIVE)[0]
+
+    from blink.nic_service.metrics import metrics_socket_address
+    try:  # the address as the metrics server binds it
+        family, address = metrics_socket_address(args.metrics_host, args.metrics_port)
     except OSError as e:
         sys.exit(f"blink: --metrics-host {args.metrics_host}: {e}")
+    reserve = hasattr(socket, "SO_REUSEPORT")
 
-    def bind(port: int) -> socket.socket:
-        """A socket on the metrics address and `port` (0: a free one); raises OSError."""
-        probe = socket.socket(family)
+    def bind(port: int, *options: int) -> socket.socket:
+        """A socket on the metrics address and `port` (0: a free one), with the SOL_SOCKET
+        `options` set before the bind; raises OSError."""
+        sock = socket.socket(family)
         try:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((address[0], port, *address[2:]))
+            for option in options:
+                sock.setsockopt(socket.SOL_SOCKET, option, 1)
+            sock.bind((address[0], port, *address[2:]))
         except BaseException:
-            probe.close()
+            sock.close()
             raise
-        return probe
+        return sock
+
+    def bind_alone(port: int) -> socket.socket:
+        """bind(port) on a port that nothing else holds (no option: refused beside any other
+        socket, a connection in TIME_WAIT too, which a run can do without), then open to the
+        worker's SO_REUSEPORT (set after the bind: set before, the bind would have joined a
+        listener of this user's with SO_REUSEPORT, another serve's worker say)."""
+        sock = bind(port)
+        if reserve:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        return sock
     if args.metrics_port == 0:
-        try:  # (free now: a program that takes one before its worker does fails that worker)
-            args.metrics_port = _free_port_run(bind, args.workers)
+        try:
+            held = _free_port_run(bind_alone, args.workers)
         except OSError as e:
             sys.exit(f"blink: cannot serve metrics on {args.metrics_host}: {e}")
-        return
+        args.metrics_port = held[0].getsockname()[1]
+        return held if reserve else _closed(held)
     last = args.metrics_port + args.workers - 1
     if last > 65535:
         sys.exit(f"blink: --metrics-port {args.metrics_port} with --workers {args.workers} "
                  f"needs the ports up to {last}: past 65535")
+    held = []
     for port in range(args.metrics_port, last + 1):
         try:
-            bind(port).close()
+            # the check: with SO_REUSEADDR, the previous server's connections in TIME_WAIT let
+            # it bind; a listener, or another serve's reservation (no SO_REUSEADDR), does not
+            bind(port, socket.SO_REUSEADDR).close()
+            if reserve:  # SO_REUSEPORT before the bind: beside those connections (a worker's
+                # server sets it too). No SO_REUSEADDR: Linux lets sockets with it share a port
+                # while none listens, so another program's bind with it would have been let in
+                held.append(bind(port, socket.SO_REUSEPORT))
         except OSError as e:
+            _closed(held)
             sys.exit(f"blink: cannot serve metrics on {args.metrics_host}:{port} (--metrics-"
                      f"port {args.metrics_port}, worker {port - args.metrics_port + 1}): "
                      f"{e.strerror}")
+    return held
 
 
-def _free_port_run(bind, n: int) -> int:
-    """The first of n consecutive ports that bind(port) takes, held together while they are
-    tried: the kernel picks the first, and a run whose next ports are taken (or past 65535)
-    makes way for another pick."""
+def _closed(sockets: list) -> list:
+    """[] once each of `sockets` is closed."""
+    for sock in sockets:
+        sock.close()
+    return []
+
+
+def _free_port_run(bind, n: int) -> list:
+    """n sockets that bind(port) gave on consecutive ports, the first picked by the kernel,
+    each kept while the next are tried: a run whose next ports are taken (or past 65535) makes
+    way for another pick."""
     for _ in range(64):
         held = [bind(0)]
         first = held[0].getsockname()[1]
         try:
             for port in range(first + 1, first + n):
                 held.append(bind(port))
-            return first
+            return held
         except (OSError, OverflowError):  # (OverflowError: a port past 65535)
-            continue
-        finally:
-            for probe in held:
-                probe.close()
+            _closed(held)
     raise OSError(f"found no {n} consecutive free ports")
 
 

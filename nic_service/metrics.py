@@ -13,10 +13,14 @@ restarts (EngineLink.counter_totals), so they never go down.
 """
 from __future__ import annotations
 
+import socket
+import threading
 import time
+from wsgiref.simple_server import WSGIRequestHandler
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from blink.nic_service.engine_link import EngineLink
 
@@ -27,6 +31,43 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.6
 FINISHED_LABELS = {"eos": "stop", "stop": "stop", "length": "length"}
 ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
                0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+def metrics_socket_address(host: str, port: int) -> tuple[int, tuple]:
+    """The family and socket address that the metrics endpoint binds for `host` and `port`:
+    getaddrinfo's first, as prometheus_client picks them. Raises OSError (a name unknown)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+    return family, address
+
+
+class QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):
+        """Nothing: wsgiref writes a line to stderr per request (a scrape every few seconds)."""
+
+
+class MetricsServer(ThreadingWSGIServer):
+    """prometheus_client's metrics server (start_http_server's: a thread per scrape), bound
+    with SO_REUSEPORT where the system has it, which start_http_server leaves unset: so that
+    it binds beside the socket by which serve holds a worker's port for as long as serve runs
+    (client.cli._check_metrics_ports; it does not listen, so it takes no connections)."""
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry):
+        self.address_family, address = metrics_socket_address(host, port)
+        super().__init__(address, QuietHandler)
+        self.set_app(make_wsgi_app(registry))
+
+    def server_bind(self):
+        if hasattr(socket, "SO_REUSEPORT"):  # (allow_reuse_port does it from Python 3.11 only)
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
+
+
+def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> MetricsServer:
+    """A MetricsServer serving `registry` from a daemon thread; raises OSError."""
+    server = MetricsServer(host, port, registry)
+    threading.Thread(target=server.serve_forever, name="blink-metrics", daemon=True).start()
+    return server
 
 
 class EngineCollector:
@@ -121,8 +162,7 @@ class FrontendMetrics:
         self.registry.register(EngineCollector(link, engine_wide))
 
     def serve(self, port: int, host: str) -> int:
-        server, _ = start_http_server(port, host, registry=self.registry)
-        return server.server_port
+        return start_metrics_server(port, host, self.registry).server_port
 
 
 class RequestClock:

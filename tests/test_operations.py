@@ -1381,8 +1381,70 @@ def test_metrics_follow_a_bracketed_ipv6_host():
     for port in ("0", str(free)):
         args = build_parser().parse_args(["frontend", "--host", "[::1]", "--metrics-port", port,
                                           "--workers", "2"])
-        _check_metrics_ports(args)  # exits on a failure
+        for reservation in _check_metrics_ports(args):  # exits on a failure
+            reservation.close()
         assert args.metrics_host == "::1"
+
+
+def test_metrics_ports_stay_reserved_for_their_workers():
+    """The metrics ports of --workers 2 stay held by serve's own sockets while it runs, picked
+    (--metrics-port 0) or given: another program's bind of one, with SO_REUSEADDR as servers
+    bind, is refused (checked and closed, they were free until each worker bound its own, and
+    a test's bind(0) took one now and then: that worker failed, "Address already in use"), as
+    is another serve's check of them, while each worker's metrics server binds its port beside
+    them and serves, and again after a restart (its scrapes' connections in TIME_WAIT)."""
+    import errno
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from blink.client.cli import _check_metrics_ports, build_parser
+    if not hasattr(socket, "SO_REUSEPORT"):
+        pytest.skip("no SO_REUSEPORT here: the ports are checked at start, not held")
+
+    def resolve(metrics_port: int) -> tuple[list, list[int]]:
+        args = build_parser().parse_args(["frontend", "--metrics-port", str(metrics_port),
+                                          "--workers", "2"])
+        held = _check_metrics_ports(args)  # exits on a failure
+        return held, [args.metrics_port, args.metrics_port + 1]
+
+    def refused_to_others(ports: list[int]) -> None:
+        for port in ports:
+            with socket.socket() as other:
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                with pytest.raises(OSError) as err:
+                    other.bind(("127.0.0.1", port))
+                assert err.value.errno == errno.EADDRINUSE, port
+        with pytest.raises(SystemExit, match=f"cannot serve metrics on 127.0.0.1:{ports[0]} "):
+            resolve(ports[0])
+
+    def served(ports: list[int]) -> None:
+        from blink.nic_service.metrics import start_metrics_server
+        registry = CollectorRegistry()
+        Counter("reserved_port_scrapes", "a sample to find", registry=registry).inc()
+        for port in ports:
+            server = start_metrics_server(port, "127.0.0.1", registry)
+            try:
+                assert ("reserved_port_scrapes_total", ()) in scrape(port)
+            finally:
+                server.shutdown()
+                server.server_close()
+
+    held, ports = resolve(0)
+    try:
+        refused_to_others(ports)
+        served(ports)
+        refused_to_others(ports)  # (the reservation outlives a worker's server)
+    finally:
+        for reservation in held:
+            reservation.close()
+    held, again = resolve(ports[0])  # a serve started again on the ports the last one took
+    try:
+        assert again == ports
+        refused_to_others(ports)
+        served(ports)
+    finally:
+        for reservation in held:
+            reservation.close()
 
 
 def test_every_worker_s_stats_count_every_worker_s_slots(checkpoints, tmp_path):
