@@ -503,6 +503,8 @@ def _frontend_config(args, model_dir: Path):
                           stream_interval_s=args.stream_interval_ms / 1e3,
                           poll_interval_s=args.poll_interval_us / 1e6,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                          metrics_port_held=args.metrics_port in getattr(
+                              args, "metrics_ports_held", ()),
                           tls_cert=args.tls_cert, tls_key=args.tls_key,
                           tls_client_ca=args.tls_client_ca,
                           auth_token=_auth_token(args.auth_token_file),
@@ -682,7 +684,10 @@ def _claim_port(args) -> None:
         sys.exit(f"blink: {e}")
     if args.workers < 1:
         sys.exit("blink: --workers must be >= 1")
-    _HELD_UNTIL_EXIT.extend(_check_metrics_ports(args))
+    held = _check_metrics_ports(args)
+    _HELD_UNTIL_EXIT.extend(held)
+    # (each worker's metrics server binds beside its port's reservation, where there is one)
+    args.metrics_ports_held = [sock.getsockname()[1] for sock in held]
     if args.workers == 1:
         return  # one process: gRPC's own bind (without port reuse) says if the port is taken
     import socket
@@ -751,7 +756,11 @@ def _check_metrics_ports(args) -> list:
         listener of this user's with SO_REUSEPORT, another serve's worker say)."""
         sock = bind(port)
         if reserve:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            except BaseException:
+                sock.close()
+                raise
         return sock
     if args.metrics_port == 0:
         try:
@@ -770,15 +779,18 @@ def _check_metrics_ports(args) -> list:
             # the check: with SO_REUSEADDR, the previous server's connections in TIME_WAIT let
             # it bind; a listener, or another serve's reservation (no SO_REUSEADDR), does not
             bind(port, socket.SO_REUSEADDR).close()
-            if reserve:  # SO_REUSEPORT before the bind: beside those connections (a worker's
-                # server sets it too). No SO_REUSEADDR: Linux lets sockets with it share a port
-                # while none listens, so another program's bind with it would have been let in
-                held.append(bind(port, socket.SO_REUSEPORT))
         except OSError as e:
             _closed(held)
             sys.exit(f"blink: cannot serve metrics on {args.metrics_host}:{port} (--metrics-"
                      f"port {args.metrics_port}, worker {port - args.metrics_port + 1}): "
                      f"{e.strerror}")
+        if reserve:  # SO_REUSEPORT before the bind: beside those connections (a worker's
+            # server sets it too). No SO_REUSEADDR: Linux lets sockets with it share a port
+            # while none listens, so another program's bind with it would have been let in
+            try:
+                held.append(bind(port, socket.SO_REUSEPORT))
+            except OSError:  # connections in TIME_WAIT of a server without SO_REUSEPORT (an
+                pass  # older version's, another program's): free, as checked, but not held
     return held
 
 

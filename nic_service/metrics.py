@@ -47,25 +47,29 @@ class QuietHandler(WSGIRequestHandler):
 
 
 class MetricsServer(ThreadingWSGIServer):
-    """prometheus_client's metrics server (start_http_server's: a thread per scrape), bound
-    with SO_REUSEPORT where the system has it, which start_http_server leaves unset: so that
-    it binds beside the socket by which serve holds a worker's port for as long as serve runs
-    (client.cli._check_metrics_ports; it does not listen, so it takes no connections)."""
+    """prometheus_client's metrics server (start_http_server's: a thread per scrape). With
+    reuse_port, bound with SO_REUSEPORT where the system has it (start_http_server leaves it
+    unset): so that it binds beside the socket by which serve holds a worker's port for as long
+    as serve runs (client.cli._check_metrics_ports; it does not listen, so it takes no
+    connections). Without, a port another listener holds is refused, as it should be."""
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry):
+    def __init__(self, host: str, port: int, registry: CollectorRegistry,
+                 reuse_port: bool = False):
         self.address_family, address = metrics_socket_address(host, port)
+        self.reuse_port = reuse_port
         super().__init__(address, QuietHandler)
         self.set_app(make_wsgi_app(registry))
 
     def server_bind(self):
-        if hasattr(socket, "SO_REUSEPORT"):  # (allow_reuse_port does it from Python 3.11 only)
+        if self.reuse_port and hasattr(socket, "SO_REUSEPORT"):  # (allow_reuse_port: 3.11+)
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         super().server_bind()
 
 
-def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> MetricsServer:
+def start_metrics_server(port: int, host: str, registry: CollectorRegistry,
+                         reuse_port: bool = False) -> MetricsServer:
     """A MetricsServer serving `registry` from a daemon thread; raises OSError."""
-    server = MetricsServer(host, port, registry)
+    server = MetricsServer(host, port, registry, reuse_port)
     threading.Thread(target=server.serve_forever, name="blink-metrics", daemon=True).start()
     return server
 
@@ -161,8 +165,8 @@ class FrontendMetrics:
                                      registry=self.registry)
         self.registry.register(EngineCollector(link, engine_wide))
 
-    def serve(self, port: int, host: str) -> int:
-        return start_metrics_server(port, host, self.registry).server_port
+    def serve(self, port: int, host: str, reuse_port: bool = False) -> int:
+        return start_metrics_server(port, host, self.registry, reuse_port).server_port
 
 
 class RequestClock:

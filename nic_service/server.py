@@ -67,6 +67,9 @@ class FrontendConfig:
     engine_timeout_s: float = 3.0      # no heartbeat for this long: the engine is dead
     max_request_bytes: int = 4 << 20   # larger requests get INVALID_ARGUMENT
     metrics_port: int | None = None    # Prometheus /metrics on this port (0: any free); None: off
+    # the port is held for this worker by `blink serve` (cli._check_metrics_ports): its metrics
+    # server binds beside that socket with SO_REUSEPORT; otherwise alone, so a port in use fails
+    metrics_port_held: bool = False
     # its address; None: host's (unauthenticated: no more exposed than the gRPC port)
     metrics_host: str | None = None
     tls_cert: Path | None = None       # PEM certificate chain and key: TLS on the gRPC port
@@ -797,7 +800,8 @@ class Frontend:
         if self.metrics is not None:
             host = (metrics_address(unbracketed(cfg.host)) if cfg.metrics_host is None
                     else unbracketed(cfg.metrics_host))
-            self.metrics_port = self.metrics.serve(cfg.metrics_port, host)
+            self.metrics_port = self.metrics.serve(cfg.metrics_port, host,
+                                                   reuse_port=cfg.metrics_port_held)
             log.info("Prometheus metrics on http://%s:%d/metrics",
                      f"[{host}]" if ":" in host else host, self.metrics_port)
         await self.link.start()

@@ -2,6 +2,7 @@
 loudly, a taken port, and the drain on SIGTERM. Real processes, real ports, real rings."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -1393,8 +1394,6 @@ def test_metrics_ports_stay_reserved_for_their_workers():
     a test's bind(0) took one now and then: that worker failed, "Address already in use"), as
     is another serve's check of them, while each worker's metrics server binds its port beside
     them and serves, and again after a restart (its scrapes' connections in TIME_WAIT)."""
-    import errno
-
     from prometheus_client import CollectorRegistry, Counter
 
     from blink.client.cli import _check_metrics_ports, build_parser
@@ -1422,7 +1421,7 @@ def test_metrics_ports_stay_reserved_for_their_workers():
         registry = CollectorRegistry()
         Counter("reserved_port_scrapes", "a sample to find", registry=registry).inc()
         for port in ports:
-            server = start_metrics_server(port, "127.0.0.1", registry)
+            server = start_metrics_server(port, "127.0.0.1", registry, reuse_port=True)
             try:
                 assert ("reserved_port_scrapes_total", ()) in scrape(port)
             finally:
@@ -1445,6 +1444,209 @@ def test_metrics_ports_stay_reserved_for_their_workers():
     finally:
         for reservation in held:
             reservation.close()
+
+
+def test_a_metrics_port_just_left_by_another_server_is_taken():
+    """--metrics-port P where another server (without SO_REUSEPORT: an older serve's, another
+    program's) closed its side of a connection moments ago: serve starts, and its worker's
+    metrics server binds P (the reservation, SO_REUSEPORT without SO_REUSEADDR, is refused
+    beside that connection in TIME_WAIT, and serve exited "Address already in use" although
+    the check had passed)."""
+    from prometheus_client import CollectorRegistry
+
+    from blink.client.cli import _check_metrics_ports, build_parser
+    from blink.nic_service.metrics import start_metrics_server
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: TIME_WAIT on `port`
+            client.recv(1)
+    args = build_parser().parse_args(["frontend", "--metrics-port", str(port)])
+    held = _check_metrics_ports(args)  # exits on a failure
+    try:
+        server = start_metrics_server(port, "127.0.0.1", CollectorRegistry())
+        server.shutdown()
+        server.server_close()
+    finally:
+        for reservation in held:
+            reservation.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_holds_its_metrics_ports_until_it_exits(workers):
+    """`_claim_port` (serve's start) keeps the reservations of the metrics ports it was given,
+    with one worker as with several: another program's bind of one is refused from the check
+    to serve's exit (dropped, they were closed at once, and the port was free again before the
+    metrics server bound it), while the metrics server binds beside them."""
+    from prometheus_client import CollectorRegistry
+
+    from blink.client import cli
+    from blink.nic_service.metrics import start_metrics_server
+    if not hasattr(socket, "SO_REUSEPORT"):
+        pytest.skip("no SO_REUSEPORT here: the ports are checked at start, not held")
+    picked = cli.build_parser().parse_args(["frontend", "--metrics-port", "0",
+                                            "--workers", "2"])
+    for reservation in cli._check_metrics_ports(picked):  # two free ports
+        reservation.close()
+    args = cli.build_parser().parse_args([
+        "frontend", "--port", "0", "--ring-name", f"blink-test-hold-{os.getpid()}-{workers}",
+        "--metrics-port", str(picked.metrics_port), "--workers", str(workers)])
+    before = len(cli._HELD_UNTIL_EXIT)
+    cli._claim_port(args)
+    held = cli._HELD_UNTIL_EXIT[before:]
+    try:
+        for port in range(args.metrics_port, args.metrics_port + workers):
+            assert port in args.metrics_ports_held  # (its worker binds beside the reservation)
+            with socket.socket() as other:
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                with pytest.raises(OSError, match="in use"):
+                    other.bind(("127.0.0.1", port))
+            server = start_metrics_server(port, "127.0.0.1", CollectorRegistry(),
+                                          reuse_port=True)
+            server.shutdown()
+            server.server_close()
+    finally:
+        del cli._HELD_UNTIL_EXIT[before:]
+        for sock in held:
+            sock.close()
+
+
+def test_metrics_ports_may_end_at_65535():
+    """--metrics-port 65534 --workers 2: worker 2 on 65535, the last port, is let through
+    (only a run past it is refused at start)."""
+    from blink.client.cli import _check_metrics_ports, build_parser
+    args = build_parser().parse_args(["frontend", "--metrics-port", "65534", "--workers", "2"])
+    try:
+        held = _check_metrics_ports(args)
+    except SystemExit as e:  # (one taken on this host: said so, as for any port)
+        assert "past 65535" not in str(e.code) and "cannot serve metrics" in str(e.code)
+    else:
+        for reservation in held:
+            reservation.close()
+
+
+def test_a_refused_metrics_port_check_leaves_no_port_held():
+    """--metrics-port P --workers 3 with P + 2 taken: serve exits, and the ports it had already
+    reserved (P, P + 1) are free again at once (each held until the process's exit, they kept
+    the ports of a check that had failed)."""
+    from blink.client.cli import _check_metrics_ports, build_parser
+
+    def args(port: int):
+        return build_parser().parse_args(["frontend", "--metrics-port", str(port),
+                                          "--workers", "3"])
+    picked = args(0)
+    for reservation in _check_metrics_ports(picked):  # a run of three free ports
+        reservation.close()
+    first = picked.metrics_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first + 2))
+        taken.listen()
+        with pytest.raises(SystemExit, match=f"127.0.0.1:{first + 2} .*worker 3") as err:
+            _check_metrics_ports(args(first))
+        for port in (first, first + 1):  # (err keeps the check's frame, and its sockets, alive)
+            with socket.socket() as other:  # (no option: refused beside any socket on the port)
+                other.bind(("127.0.0.1", port))
+        assert err.value.code
+
+
+def test_a_free_port_run_closes_the_runs_it_gives_up():
+    """_free_port_run: a run whose next port is taken is closed, all of it, before the next
+    pick (a run given up stayed open until serve's exit, its ports held for nothing), and
+    the run it returns is n sockets on consecutive ports."""
+    from blink.client.cli import _free_port_run
+    opened, blockers = [], []
+
+    def bind(port: int) -> socket.socket:
+        sock = socket.socket()
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            sock.close()
+            raise
+        opened.append(sock)
+        if port == 0 and not blockers:  # the first pick's next port taken: a run given up
+            blocker = socket.socket()
+            blockers.append(blocker)
+            try:
+                blocker.bind(("127.0.0.1", sock.getsockname()[1] + 1))
+            except OSError:
+                pass  # (taken already)
+        return sock
+    try:
+        run = _free_port_run(bind, 3)
+        ports = [sock.getsockname()[1] for sock in run]
+        assert ports == list(range(ports[0], ports[0] + 3))
+        given_up = [sock for sock in opened if sock not in run]
+        assert given_up and all(sock.fileno() == -1 for sock in given_up)
+    finally:
+        for sock in opened + blockers:
+            sock.close()
+
+
+def test_a_picked_metrics_port_run_joins_no_listener_of_this_user(monkeypatch):
+    """--metrics-port 0 --workers 2: a run's next port, where a server of this user listens
+    with SO_REUSEPORT (another serve's worker), is no port of the run (with SO_REUSEPORT set
+    before its bind, the reservation joined it, and the worker's metrics server would have
+    shared that port with the other serve's: a scrape reached either)."""
+    import blink.client.cli as cli
+    if not hasattr(socket, "SO_REUSEPORT"):
+        pytest.skip("no SO_REUSEPORT here")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        first = probe.getsockname()[1]
+    with socket.socket() as other:  # another serve's worker on the port after `first`
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", first + 1))
+        other.listen()
+        real = cli._free_port_run
+        # the kernel's pick made `first`, every time: the run can only be first, first + 1
+        monkeypatch.setattr(cli, "_free_port_run",
+                            lambda bind, n: real(lambda port: bind(port or first), n))
+        args = cli.build_parser().parse_args(["frontend", "--metrics-port", "0",
+                                              "--workers", "2"])
+        with pytest.raises(SystemExit, match="found no 2 consecutive free ports"):
+            for reservation in cli._check_metrics_ports(args):
+                reservation.close()
+
+
+def test_a_metrics_server_not_held_for_takes_no_port_in_use():
+    """A metrics server whose port serve does not hold for it (a Frontend built in-process,
+    `blink serve --metrics-port 0` with one worker) binds without SO_REUSEPORT: on a port
+    another one listens on it fails, "Address already in use" (with the option, set on every
+    server, the two shared the port and the scrapes were split between them)."""
+    from prometheus_client import CollectorRegistry
+
+    from blink.nic_service.metrics import start_metrics_server
+    first = start_metrics_server(0, "127.0.0.1", CollectorRegistry())
+    try:
+        with pytest.raises(OSError) as err:
+            second = start_metrics_server(first.server_port, "127.0.0.1", CollectorRegistry())
+            second.shutdown()
+            second.server_close()
+        assert err.value.errno == errno.EADDRINUSE
+    finally:
+        first.shutdown()
+        first.server_close()
+
+
+def test_metrics_requests_are_not_logged(capfd):
+    """The metrics endpoint writes nothing per request (wsgiref's line on stderr for each
+    scrape, every few seconds, filled the front end's log)."""
+    from prometheus_client import CollectorRegistry
+
+    from blink.nic_service.metrics import start_metrics_server
+    server = start_metrics_server(0, "127.0.0.1", CollectorRegistry())
+    try:
+        scrape(server.server_port)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "GET /metrics" not in capfd.readouterr().err
 
 
 def test_every_worker_s_stats_count_every_worker_s_slots(checkpoints, tmp_path):
