@@ -1595,13 +1595,19 @@ def test_a_picked_metrics_port_run_joins_no_listener_of_this_user(monkeypatch):
     import blink.client.cli as cli
     if not hasattr(socket, "SO_REUSEPORT"):
         pytest.skip("no SO_REUSEPORT here")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        first = probe.getsockname()[1]
-    with socket.socket() as other:  # another serve's worker on the port after `first`
+    for _ in range(64):  # a free port whose next one is free too (to be `other`'s)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        other = socket.socket()  # another serve's worker on the port after `first`
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        other.bind(("127.0.0.1", first + 1))
+        try:
+            other.bind(("127.0.0.1", first + 1))
+            break
+        except OSError:
+            other.close()
+    with other:
         other.listen()
         real = cli._free_port_run
         # the kernel's pick made `first`, every time: the run can only be first, first + 1
