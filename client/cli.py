@@ -736,14 +736,16 @@ def _check_metrics_ports(args) -> list:
         sys.exit(f"blink: --metrics-host {args.metrics_host}: {e}")
     reserve = hasattr(socket, "SO_REUSEPORT")
 
-    def bind(port: int, *options: int) -> socket.socket:
+    def bind(port: int, *options: int, after: tuple[int, ...] = ()) -> socket.socket:
         """A socket on the metrics address and `port` (0: a free one), with the SOL_SOCKET
-        `options` set before the bind; raises OSError."""
+        `options` set before the bind and `after` it; raises OSError."""
         sock = socket.socket(family)
         try:
             for option in options:
                 sock.setsockopt(socket.SOL_SOCKET, option, 1)
             sock.bind((address[0], port, *address[2:]))
+            for option in after:
+                sock.setsockopt(socket.SOL_SOCKET, option, 1)
         except BaseException:
             sock.close()
             raise
@@ -754,14 +756,7 @@ def _check_metrics_ports(args) -> list:
         socket, a connection in TIME_WAIT too, which a run can do without), then open to the
         worker's SO_REUSEPORT (set after the bind: set before, the bind would have joined a
         listener of this user's with SO_REUSEPORT, another serve's worker say)."""
-        sock = bind(port)
-        if reserve:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            except BaseException:
-                sock.close()
-                raise
-        return sock
+        return bind(port, after=(socket.SO_REUSEPORT,) if reserve else ())
     if args.metrics_port == 0:
         try:
             held = _free_port_run(bind_alone, args.workers)
