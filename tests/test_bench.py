@@ -692,12 +692,17 @@ class ScriptedBlink(BlinkServicer):
     is UNIMPLEMENTED."""
 
     def __init__(self, reply):
+        import threading
         self.reply, self.requests, self.peers = reply, [], []
+        # requests[i] came over peers[i]: the two appends under one lock, as the server's
+        # threads run handlers side by side (apart, two handlers' appends could interleave)
+        self.lock = threading.Lock()
 
     def Generate(self, request, context):
         from blink.v1 import blink_pb2 as pb
-        self.requests.append(request)
-        self.peers.append(context.peer())  # the connection it came over
+        with self.lock:
+            self.requests.append(request)
+            self.peers.append(context.peer())  # the connection it came over
         ids, usage, abort = self.reply(request)
         for token in ids:
             yield pb.GenerateResponse(chunk=pb.Chunk(text="x", token_ids=[token]))
