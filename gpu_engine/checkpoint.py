@@ -665,6 +665,11 @@ class LayerWeights:
     # the arrays above hold; an FP8 engine serves these codes as they are (fp8.fp8_weights,
     # CudaForward), since quantizing the values again per row would round them twice
     fp8_codes: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # an FP8 checkpoint's projections stored wider than E4M3 (bf16, f16 or f32: the modules its
+    # quantizer left out, such as the self_attn projections of Meta's Llama-3.1 FP8 releases),
+    # by the names above; an FP8 engine serves them in bf16 where a fused projection's every
+    # part is one (weight_layout.served_bf16)
+    stored_wide: frozenset[str] = frozenset()
 
 
 # a layer's projections (LayerWeights' names) and their tensors' names in the layer
@@ -806,6 +811,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, *,
         lw.fp8_codes = {attr: codes.pop(f"model.layers.{i}.{tensor}.weight")
                         for attr, tensor in PROJECTION_TENSORS.items()
                         if f"model.layers.{i}.{tensor}.weight" in codes}
+        if cfg.quantization == "fp8":
+            lw.stored_wide = frozenset(
+                attr for attr, tensor in PROJECTION_TENSORS.items()
+                if refs[f"model.layers.{i}.{tensor}.weight"].dtype != "F8_E4M3")
         return lw
 
     layers = LayersOnDemand(cfg.num_layers, read_layer)

@@ -121,9 +121,12 @@ class CudaEngine:
             kv_scales=weights.kv_scales if weights is not None else None)
         num_blocks = self.forward.num_blocks
         warn_if_kv_cache_short(num_blocks, config.block_size, self.context_length)
+        kept = sum(len(layer.bf16) for layer in self.forward.layers)  # (served_bf16)
         log.info("weights (%s), KV cache (%s, %d blocks of %d tokens) and %d forward graphs "
-                 "ready in %.1f s", ("FP8, LM head FP8" if self.forward.lm_head_fp8 else
-                                     "FP8, LM head bf16") if self.forward.fp8 else "bf16",
+                 "ready in %.1f s", ("FP8" + (f", {kept} of {4 * cfg.num_layers} fused "
+                                              f"projections bf16 as stored" if kept else "")
+                                     + (", LM head FP8" if self.forward.lm_head_fp8 else
+                                        ", LM head bf16")) if self.forward.fp8 else "bf16",
                  "E4M3" if self.forward.kv_fp8 else "bf16", num_blocks, config.block_size,
                  len(self.forward.graph_execs), time.monotonic() - t0)
 

@@ -33,7 +33,7 @@ from .gemm_tuning import ChoiceCache, GemmTuner, cache_file
 from .roofline import layer_projection_weights
 from .demo_model import float32_to_bf16_bits
 from .forward_batch import ForwardBatch
-from .weight_layout import interleave_gate_up, rope_pair_order, stored_fp8
+from .weight_layout import interleave_gate_up, rope_pair_order, served_bf16, stored_fp8
 from .fp8 import (calibration_count, calibration_tokens, fp8_refusal, kv_scales_from_amax,
                   per_head_kv_scales)
 
@@ -1041,6 +1041,9 @@ class _Layer:
     scales: dict[str, DeviceArray] = field(default_factory=dict)  # [rows] float32, by name
     input_norm: DeviceArray | None = None  # [H] bf16
     post_norm: DeviceArray | None = None   # [H] bf16
+    # with FP8 weights, those of the four an FP8 checkpoint keeps wider than E4M3
+    # (weight_layout.served_bf16): bf16, the RMSNorm folded in, as on bf16 weights
+    bf16: frozenset[str] = frozenset()
 
 
 def _rows16(rows: int) -> int:
@@ -1177,6 +1180,8 @@ class CudaForward:
         apart, not folded in): decode-sized steps run the FP8 skinny kernels (dequantizing in
         registers, activations in f16), larger ones cuBLASLt's FP8 GEMMs on activations
         quantized per token row; the embedding stays bf16 (see docs/performance.md, *FP8*).
+        The projections an FP8 checkpoint keeps in bf16 (weight_layout.served_bf16) stay bf16,
+        folded as on bf16 weights, and run the bf16 kernels (_Layer.bf16).
         fp8_lm_head (with quantization "fp8"): the LM head too, as a copy of E4M3 codes with
         a scale per vocabulary row (lm_head_fp8: the FP8 skinny kernel in decode-sized steps,
         cuBLASLt's FP8 GEMM on the final RMSNorm's rows quantized per row in larger ones);
@@ -1509,8 +1514,10 @@ class CudaForward:
         fit). An FP8 checkpoint's projections stored with a scale a tensor or a row are uploaded
         as stored (weight_layout.stored_fp8: quantizing a per-tensor checkpoint's values again
         per row would round them twice); block- and group-scaled ones pass through bf16 on
-        their way to the quantizer, a scale per row. w.layers may be read as they are asked for
-        (checkpoint.LayersOnDemand): a layer is uploaded and dropped before the next is read."""
+        their way to the quantizer, a scale per row; those it stores wider stay bf16, folded as
+        on bf16 weights (weight_layout.served_bf16, _Layer.bf16). w.layers may be read as they
+        are asked for (checkpoint.LayersOnDemand): a layer is uploaded and dropped before the
+        next is read."""
         cfg = self.cfg
         self.embed = self._bf16(w.embed)
         self.lm_head = self.embed if w.lm_head is w.embed else self._bf16(w.lm_head)
@@ -1523,18 +1530,20 @@ class CudaForward:
         self.layers = []
         for lw in w.layers:
             stored = stored_fp8(lw, order) if self.fp8 else {}
+            bf16 = frozenset(served_bf16(lw.stored_wide)) if self.fp8 else frozenset()
 
             def projection(name, values):
                 """The stored codes of fused projection `name`, else values() in bf16."""
                 return self._device(stored[name][0]) if name in stored else self._bf16(values())
 
-            def wqkv():
+            def wqkv():  # (the RMSNorm is folded into bf16 weights)
                 fused = np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj])[order]
-                return fused if self.fp8 else fused * lw.input_norm[None, :]
+                return fused * lw.input_norm[None, :] if self.is_bf16(bf16, "wqkv") else fused
 
             def wgu():
                 fused = interleave_gate_up(lw.gate_proj, lw.up_proj)
-                return fused if self.fp8 else fused * lw.post_attention_norm[None, :]
+                return (fused * lw.post_attention_norm[None, :] if self.is_bf16(bf16, "wgu")
+                        else fused)
 
             self.layers.append(_Layer(
                 wqkv=projection("wqkv", wqkv),
@@ -1549,6 +1558,7 @@ class CudaForward:
                 input_norm=self._bf16(lw.input_norm) if self.fp8 else None,
                 post_norm=self._bf16(lw.post_attention_norm) if self.fp8 else None,
                 scales={name: self._device(scale) for name, (_, scale) in stored.items()},
+                bf16=bf16,
             ))
             if self.fp8:
                 self._quantize_projections(self.layers[-1:])
@@ -1560,7 +1570,7 @@ class CudaForward:
         (stored_fp8, _upload_weights)."""
         for lw in layers:
             for name, rows, cols in self._projections():
-                if name not in lw.scales:
+                if name not in lw.scales and name not in lw.bf16:
                     codes, lw.scales[name] = self._quantized(getattr(lw, name), rows, cols)
                     setattr(lw, name, codes)
 
@@ -1604,6 +1614,11 @@ class CudaForward:
         copy.WidthInBytes, copy.Height = 4 * V, rows
         check(driver.cuMemcpy2DAsync(copy, stream), "cuMemcpy2DAsync(logits)")
 
+    def is_bf16(self, bf16: frozenset[str], name: str) -> bool:
+        """Whether a layer's projection `name` is served in bf16: every one without FP8
+        weights, and those of the layer's `bf16` (_Layer.bf16) with them."""
+        return not self.fp8 or name in bf16
+
     def _projections(self) -> list[tuple[str, int, int]]:
         """(weight, rows, columns) of a layer's projections, which the skinny kernels take in
         decode-sized buckets."""
@@ -1627,7 +1642,8 @@ class CudaForward:
             return copy
         for lw in self.layers:
             for name, rows, cols in self._projections():
-                copy = tiled_copy(getattr(lw, name), rows, cols, self.fp8)
+                copy = tiled_copy(getattr(lw, name), rows, cols,
+                                  not self.is_bf16(lw.bf16, name))
                 if copy is not None:
                     lw.tiled[name] = copy
         self.lm_head_tiled = (
@@ -1697,10 +1713,13 @@ class CudaForward:
         fuse = (self.fuse_norm_rope and self.skinny and rows <= k.SKINNY_NORM_MAX_ROWS
                 and k.skinny_fits(rows, H, Q + 2 * KV) and k.skinny_fits(rows, H, 2 * I)
                 and skinny(Q, H, True) and skinny(I, H, True))
-        if self.fp8:  # FP8 weights: the same fusion on the FP8 skinny kernels (fp8_layer)
+        if self.fp8:  # FP8 weights: the same fusion on the FP8 skinny kernels (fp8_layer),
+            # and on the bf16 ones for the projections a checkpoint keeps in bf16
+            projections = self._projections()
             fuse = (self.fuse_norm_rope and not cfg.o_proj_bias
-                    and all(k.skinny_fits(rows, kin, kout, fp8=True)
-                            for kin, kout in ((H, Q + 2 * KV), (Q, H), (H, 2 * I), (I, H))))
+                    and rows <= k.SKINNY_NORM_MAX_ROWS
+                    and all(k.skinny_fits(rows, kin, kout, fp8=not self.is_bf16(lw.bf16, name))
+                            for lw in self.layers for name, kout, kin in projections))
         shadow = self.x_shadow.ptr if fuse else 0
         # 17 to 32 rows: the split-K projections write no shadow, so the RMSNorm stays a kernel,
         # but the qkv projection runs the skinny kernel on its tiled copy, RoPE + KV write in
@@ -1722,7 +1741,7 @@ class CudaForward:
             (batch 1, the norms fused, no o bias, the tiled copies), whose CTAs stream the three
             projections' weights through shared memory without a drain between them."""
             return (self.projection_chain and rows == 1 and fuse and lw.bo is None
-                    and all(n in lw.tiled for n in ("wo", "wgu", "wdown"))
+                    and not lw.bf16 and all(n in lw.tiled for n in ("wo", "wgu", "wdown"))
                     and k.chain_fits(H, I, Q, self.fp8))
 
         def chain(li, lw):
@@ -1752,76 +1771,120 @@ class CudaForward:
                getattr(lw, name).ptr, lw.scales[name].ptr, dst, _rows16(rows), in_f, out_f,
                R_32F if accumulate else R_16BF, accumulate)
 
-        def fp8_skinny(label, x, lw, name, dst, in_f, out_f, mode, **kwargs):
+        def layer_skinny(label, x, lw, name, dst, in_f, out_f, mode, fp8=True, norm_w=0,
+                         **kwargs):
             """dst = x @ lw.<name>^T on the FP8 skinny kernel (its tiled copy where there is
-            one), in `mode` (with the RMSNorm's weight given as norm_w: folded in)."""
+            one), in `mode` (with the RMSNorm's weight given as norm_w: folded in); fp8 False:
+            on the bf16 one (a projection the checkpoint keeps in bf16: its RMSNorm's weight is
+            in it, x's f16 forms are FP8 kernels' only)."""
             w, tiled = skinny_weight(lw, name)
             splits = (1 if "norm_eps" in kwargs else
                       k.skinny_splits("linear", rows, in_f, out_f, self.skinny_split_blocks,
-                                      fp8=True))
+                                      fp8=fp8))
+            scaled = {"w_scale": lw.scales[name].ptr, "norm_w": norm_w} if fp8 else {}
             op(label, k.skinny_linear, s, x, w, dst, rows, in_f, out_f, mode, w_tiled=tiled,
-               k_splits=splits, w_scale=lw.scales[name].ptr, **kwargs)
+               k_splits=splits, **scaled, **kwargs)
 
         def fp8_layer(li, lw, rope_args, cache_args, kv_write, rope, attend):
             """One layer on FP8 weights: decode-sized buckets (fuse) on the FP8 skinny kernels,
             with the RMSNorms and RoPE + KV write folded in as on bf16 weights (the norms'
             weights given, not folded); others on cuBLASLt's FP8 GEMMs, each input quantized
             per token row first (by the RMSNorm and SiLU * up kernels themselves, attention's
-            output by a kernel of its own)."""
+            output by a kernel of its own). A projection the checkpoint keeps in bf16
+            (_Layer.bf16) runs the bf16 path's kernel in its place, its input as that kernel
+            takes it (the RMSNorm before it folded, or a bf16 kernel's)."""
+            fp8 = {name: not self.is_bf16(lw.bf16, name) for name in ("wqkv", "wo", "wgu",
+                                                                      "wdown")}
+            previous = self.layers[li - 1] if li else None
+            following = self.layers[li + 1] if li + 1 < len(self.layers) else None
+            # x's f16 form (and sums of squares) goes from one FP8 skinny kernel to the next
+            # FP8 one only: the embedding or the layer before's down to qkv, o to gate|up,
+            # gate|up (given its own) to down, down to the next layer's qkv
+            qkv_f16 = x_f16 if fp8["wqkv"] and (
+                previous is None or not self.is_bf16(previous.bf16, "wdown")) else 0
+            gu_f16 = x_f16 if fp8["wo"] and fp8["wgu"] else 0
+            down_f16 = act_f16 if gu_f16 and fp8["wdown"] else 0
+            next_f16 = (x_f16 if following and fp8["wdown"]
+                        and not self.is_bf16(following.bf16, "wqkv") else 0)
             if fuse and lw.q_norm is None:
                 wqkv, tiled = skinny_weight(lw, "wqkv")
+                norm = ({"w_scale": lw.scales["wqkv"].ptr, "norm_w": lw.input_norm.ptr,
+                         "x_f16": qkv_f16, "x_sumsq": x_sumsq if qkv_f16 else 0}
+                        if fp8["wqkv"] else {})
                 op("rmsnorm + qkv proj + rope + kv write", k.skinny_qkv_rope, s, rows, d,
                    self.x_shadow.ptr, wqkv, H, eps, *rope_args, lw.bqkv.ptr if lw.bqkv else 0,
                    self.inv_freq.ptr, cfg.num_heads, cfg.num_kv_heads, *cache_args,
                    w_tiled=tiled, k_splits=k.skinny_splits("qkv_rope_norm", rows, H, Q + 2 * KV,
-                                                           self.skinny_split_blocks, fp8=True),
-                   w_scale=lw.scales["wqkv"].ptr, norm_w=lw.input_norm.ptr,
-                   release_next=qkv_release, x_f16=x_f16, x_sumsq=x_sumsq, **kv_write)
+                                                           self.skinny_split_blocks,
+                                                           fp8=fp8["wqkv"]),
+                   release_next=qkv_release, **norm, **kv_write)
             else:
                 if fuse:  # Qwen3: its per-head q/k norms keep RoPE a kernel
-                    fp8_skinny("rmsnorm + qkv proj", self.x_shadow.ptr, lw, "wqkv",
-                               self.qkv.ptr, H, Q + 2 * KV, SKINNY_BF16, norm_eps=eps,
-                               norm_w=lw.input_norm.ptr, x_f16=x_f16, x_sumsq=x_sumsq)
-                else:
+                    layer_skinny("rmsnorm + qkv proj", self.x_shadow.ptr, lw, "wqkv",
+                                 self.qkv.ptr, H, Q + 2 * KV, SKINNY_BF16, norm_eps=eps,
+                                 fp8=fp8["wqkv"], norm_w=lw.input_norm.ptr, x_f16=qkv_f16,
+                                 x_sumsq=x_sumsq if qkv_f16 else 0)
+                elif fp8["wqkv"]:
                     op("input rmsnorm", k.rms_norm_fp8, s, rows, d, self.x.ptr,
                        lw.input_norm.ptr, self.act_q.ptr, self.act_q_scale.ptr, H, eps)
                     fp8_linear("qkv proj", lw, "wqkv", self.qkv.ptr, H, Q + 2 * KV)
+                else:
+                    op("input rmsnorm", k.rms_norm, s, rows, d, self.x.ptr, self.unit_norm.ptr,
+                       self.h.ptr, H, eps)
+                    linear("qkv proj", self.h.ptr, lw, "wqkv", self.qkv.ptr, H, Q + 2 * KV)
                 rope()
             attend(release_next=in_order and fuse)
             if chained(lw):
                 return chain(li, lw)
             if fuse:
-                # (hand_x_f16: each writes the f16 form of x that the next one takes, o and down
+                # (x_f16: each writes the f16 form of x that the next one takes, o and down
                 # times the next RMSNorm's weight; the last layer's down writes none)
-                following = self.layers[li + 1] if li + 1 < len(self.layers) else None
-                next_f16 = x_f16 if following else 0
-                fp8_skinny("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
-                           SKINNY_F32_ADD, shadow=self.x_shadow.ptr, x_f16_out=x_f16,
-                           x_f16_norm_w=lw.post_norm.ptr if x_f16 else 0, x_sumsq_out=x_sumsq)
-                fp8_skinny("rmsnorm + gate|up proj + silu*mul", self.x_shadow.ptr, lw, "wgu",
-                           self.act.ptr, H, 2 * I, SKINNY_SILU_MUL, norm_eps=eps,
-                           norm_w=lw.post_norm.ptr, x_f16=x_f16, x_f16_out=act_f16,
-                           x_sumsq=x_sumsq)
-                fp8_skinny("down proj + residual", self.act.ptr, lw, "wdown", self.x.ptr, I, H,
-                           SKINNY_F32_ADD, shadow=self.x_shadow.ptr, x_f16=act_f16,
-                           x_f16_out=next_f16,
-                           x_f16_norm_w=following.input_norm.ptr if next_f16 else 0,
-                           x_sumsq_out=x_sumsq if next_f16 else 0)
+                layer_skinny("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
+                             SKINNY_F32_ADD, fp8=fp8["wo"], shadow=self.x_shadow.ptr,
+                             x_f16_out=gu_f16, x_f16_norm_w=lw.post_norm.ptr if gu_f16 else 0,
+                             x_sumsq_out=x_sumsq if gu_f16 else 0)
+                layer_skinny("rmsnorm + gate|up proj + silu*mul", self.x_shadow.ptr, lw, "wgu",
+                             self.act.ptr, H, 2 * I, SKINNY_SILU_MUL, fp8=fp8["wgu"],
+                             norm_eps=eps, norm_w=lw.post_norm.ptr, x_f16=gu_f16,
+                             x_f16_out=down_f16, x_sumsq=x_sumsq if gu_f16 else 0)
+                layer_skinny("down proj + residual", self.act.ptr, lw, "wdown", self.x.ptr, I, H,
+                             SKINNY_F32_ADD, fp8=fp8["wdown"], shadow=self.x_shadow.ptr,
+                             x_f16=down_f16, x_f16_out=next_f16,
+                             x_f16_norm_w=following.input_norm.ptr if next_f16 else 0,
+                             x_sumsq_out=x_sumsq if next_f16 else 0)
                 return
-            op("attention quantize", k.quantize_rows, s, rows, d, self.attn.ptr, Q,
-               self.act_q.ptr, Q, self.act_q_scale.ptr, Q)
-            fp8_linear("o proj + residual", lw, "wo", self.x.ptr, Q, H, accumulate=True)
-            op("post-attention rmsnorm", k.rms_norm_fp8, s, rows, d, self.x.ptr,
-               lw.post_norm.ptr, self.act_q.ptr, self.act_q_scale.ptr, H, eps,
-               bias=lw.bo.ptr if lw.bo else 0)
-            fp8_linear("gate|up proj", lw, "wgu", self.gate_up.ptr, H, 2 * I)
-            op("silu*mul", k.silu_mul_fp8, s, rows, d, self.gate_up.ptr, self.act_q.ptr,
-               self.act_q_scale.ptr, I)
-            fp8_linear("down proj + residual", lw, "wdown", self.x.ptr, I, H, accumulate=True)
+            if fp8["wo"]:
+                op("attention quantize", k.quantize_rows, s, rows, d, self.attn.ptr, Q,
+                   self.act_q.ptr, Q, self.act_q_scale.ptr, Q)
+                fp8_linear("o proj + residual", lw, "wo", self.x.ptr, Q, H, accumulate=True)
+            else:
+                linear("o proj + residual", self.attn.ptr, lw, "wo", self.x.ptr, Q, H,
+                       accumulate=True)
+            if fp8["wgu"]:
+                op("post-attention rmsnorm", k.rms_norm_fp8, s, rows, d, self.x.ptr,
+                   lw.post_norm.ptr, self.act_q.ptr, self.act_q_scale.ptr, H, eps,
+                   bias=lw.bo.ptr if lw.bo else 0)
+                fp8_linear("gate|up proj", lw, "wgu", self.gate_up.ptr, H, 2 * I)
+            else:
+                op("post-attention rmsnorm", k.rms_norm, s, rows, d, self.x.ptr,
+                   self.unit_norm.ptr, self.h.ptr, H, eps, bias=lw.bo.ptr if lw.bo else 0)
+                linear("gate|up proj", self.h.ptr, lw, "wgu", self.gate_up.ptr, H, 2 * I)
+            if fp8["wdown"]:
+                op("silu*mul", k.silu_mul_fp8, s, rows, d, self.gate_up.ptr, self.act_q.ptr,
+                   self.act_q_scale.ptr, I)
+                fp8_linear("down proj + residual", lw, "wdown", self.x.ptr, I, H,
+                           accumulate=True)
+            else:
+                op("silu*mul", k.silu_mul, s, rows, d, self.gate_up.ptr, self.act.ptr, I)
+                linear("down proj + residual", self.act.ptr, lw, "wdown", self.x.ptr, I, H,
+                       accumulate=True)
 
+        # (x's f16 form for the first qkv projection where it is an FP8 one)
+        first_f16 = x_f16 if not self.is_bf16(self.layers[0].bf16, "wqkv") else 0
         op("embedding", k.embedding, s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr,
-           H, V, x_shadow=shadow, x_f16=x_f16,
-           norm_w=self.layers[0].input_norm.ptr if x_f16 else 0, x_sumsq=x_sumsq)
+           H, V, x_shadow=shadow, x_f16=first_f16,
+           norm_w=self.layers[0].input_norm.ptr if first_f16 else 0,
+           x_sumsq=x_sumsq if first_f16 else 0)
         for li, lw in enumerate(self.layers):
             k_layer = self.k_cache.ptr + li * self._layer_kv_bytes
             v_layer = self.v_cache.ptr + li * self._layer_kv_bytes

@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from .demo_model import bf16_rounded
-from .weight_layout import FUSED_PROJECTIONS, served_as_stored
+from .weight_layout import FUSED_PROJECTIONS, served_as_stored, served_bf16
 
 E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
@@ -139,7 +139,8 @@ def fp8_weights(weights, lm_head: bool = True):
     """ModelWeights with every layer's projections as FP8 weights hold them (fp8_rounded_rows
     of their bf16 values: the GPU quantizes its bf16 copies, a scale per output row; an FP8
     checkpoint's projections stored with a scale a row keep their codes and scales,
-    LayerWeights.fp8_codes, whose values the loader gave), and the LM head too (lm_head:
+    LayerWeights.fp8_codes, whose values the loader gave, and those it stores wider are served
+    in bf16, weight_layout.served_bf16), and the LM head too (lm_head:
     CudaForward's fp8_lm_head); the embedding and the norms unchanged (they stay bf16 on the
     GPU; a tied embedding's table keeps its values, the LM head's copy is rounded). The CPU
     engine's emulation of --quantization fp8, and the GPU tests' reference. (The bf16 step
@@ -150,7 +151,10 @@ def fp8_weights(weights, lm_head: bool = True):
 
     def rounded(lw):
         kept = {part for name in served_as_stored(lw) for part in FUSED_PROJECTIONS[name]}
-        return {part: quantized(getattr(lw, part))
+        wide = {part for name in served_bf16(lw.stored_wide)
+                for part in FUSED_PROJECTIONS[name]}
+        return {part: bf16_rounded(getattr(lw, part)) if part in wide
+                else quantized(getattr(lw, part))
                 for parts in FUSED_PROJECTIONS.values() for part in parts if part not in kept}
 
     layers = [dataclasses.replace(lw, **rounded(lw)) for lw in weights.layers]

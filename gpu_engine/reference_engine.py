@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from blink.gpu_engine.block_manager import KvBlockPool
-from blink.gpu_engine.checkpoint import (ModelConfig, load_config, load_weights,
-                                         unquantized_linear_weights)
+from blink.gpu_engine.checkpoint import (PROJECTION_TENSORS, ModelConfig, load_config,
+                                         load_weights, unquantized_linear_weights)
 from blink.gpu_engine.engine_layout import KvCacheTooLarge
 from blink.gpu_engine.forward_batch import ForwardBatch
 from blink.gpu_engine.fp8 import (calibration_count, calibration_tokens, fp8_weights,
@@ -27,6 +27,7 @@ from blink.gpu_engine.ring_server import ModelLimits, RingServer
 from blink.gpu_engine.sampling import sample_token
 from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from blink.gpu_engine.sequence import Sequence
+from blink.gpu_engine.weight_layout import rounded_wide
 from blink.gpu_engine.step_core import StepCore, samples_now
 from blink.ring.layout import EngineKind, EngineState, FinishReason, RingGeometry
 from blink.ring.lifecycle import EngineStopSignals, SystemdNotify
@@ -110,24 +111,45 @@ class EngineConfig:
         """Whether the LM head is served as E4M3 with FP8 weights: --fp8-lm-head or
         --no-fp8-lm-head, else as the weights come: FP8 where they are converted (from a wider
         checkpoint, or --load-format dummy), as an FP8 checkpoint stores it otherwise (nearly
-        every release keeps it bf16, as transformers and vLLM then serve it). An FP8
-        checkpoint's projections stored wider are rounded to E4M3 like the rest, with a
-        warning: a layer's projections share one format in every engine."""
+        every release keeps it bf16, as transformers and vLLM then serve it). Says how the
+        checkpoint's projections stored wider are served (report_wide_projections)."""
         if self.quantization_for(cfg) != "fp8":
             return False
         if cfg.quantization != "fp8" or self.load_format == "dummy":
             return self.fp8_lm_head is not False
         wider = unquantized_linear_weights(self.model_dir, cfg)
-        layers = [name for name in wider if name != "lm_head.weight"]
-        if layers:
-            log.warning("%d of the %d projection weights of this FP8 checkpoint are stored "
-                        "wider than E4M3 (the modules its quantizer left out: %s%s); they are "
-                        "served as E4M3 with a scale per row like the others (--quantization "
-                        "none serves every weight in bf16)", len(layers), 7 * cfg.num_layers,
-                        ", ".join(layers[:3]), ", ..." if len(layers) > 3 else "")
+        report_wide_projections(cfg, wider)
         if self.fp8_lm_head is not None:
             return self.fp8_lm_head
         return "lm_head.weight" not in wider
+
+
+def report_wide_projections(cfg: ModelConfig, wider: list[str]) -> None:
+    """Says at start-up how an FP8 engine serves the projections an FP8 checkpoint stores
+    wider than E4M3 (`wider`, unquantized_linear_weights'): in bf16 as stored where a fused
+    projection (q|k|v, o, gate|up, down) is wide whole, else rounded to E4M3 with the fused
+    projection's E4M3 parts, with a warning (a fused projection has one format)."""
+    served, rounded, wider = [], [], set(wider)
+    for i in range(cfg.num_layers):
+        names = {attr: f"model.layers.{i}.{tensor}.weight"
+                 for attr, tensor in PROJECTION_TENSORS.items()}
+        wide = {attr for attr, name in names.items() if name in wider}
+        kept = [attr for attr in names if attr in wide and attr not in rounded_wide(wide)]
+        rounded += [names[attr] for attr in rounded_wide(wide)]
+        served += [names[attr] for attr in kept]
+
+    def listed(names):
+        return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    if served:
+        log.info("%d of the %d projection weights of this FP8 checkpoint are stored wider than "
+                 "E4M3 (the modules its quantizer left out: %s): served in bf16, as stored",
+                 len(served), 7 * cfg.num_layers, listed(served))
+    if rounded:
+        log.warning("%d of the %d projection weights of this FP8 checkpoint are stored wider "
+                    "than E4M3 beside E4M3 parts of the same fused projection (q|k|v or "
+                    "gate|up, which has one format: %s); they are served as E4M3 with a scale "
+                    "per row like those (--quantization none serves every weight in bf16)",
+                    len(rounded), 7 * cfg.num_layers, listed(rounded))
 
 
 def served_context_length(config: EngineConfig, cfg: ModelConfig) -> int:

@@ -7,8 +7,9 @@ one sequence at a time.
 FP8 emulation (gpu_engine/fp8.py has the rules): FP8 weights are weights passed through
 fp8.fp8_weights; kv_scales [num_layers, 2, num_kv_heads] stores every key and value as an E4M3
 cache with those scales does (fp8_rounded_kv); fp8_activations rounds each projection's input
-rows as the FP8 GEMMs of prefill-sized steps take them (a scale per token row), and
-fp8_head_input the LM head's as its FP8 GEMM takes them (more than 16 logit rows).
+rows as the FP8 GEMMs of prefill-sized steps take them (a scale per token row; not those of the
+projections an FP8 checkpoint keeps in bf16, weight_layout.served_bf16), and fp8_head_input
+the LM head's as its FP8 GEMM takes them (more than 16 logit rows).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .checkpoint import ModelConfig, ModelWeights, rope_inv_freq
 from .forward_batch import ForwardBatch
 from .fp8 import (calibration_count, calibration_tokens, fp8_rounded_kv, fp8_rounded_rows,
                   kv_scales_from_amax)
+from .weight_layout import served_bf16
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -117,7 +119,12 @@ class ReferenceModel:
         x = w.embed[batch.token_ids]  # [T, H]
         for li, lw in enumerate(w.layers):
             on_progress()
-            h = gemm_input(rms_norm(x, lw.input_norm, cfg.rms_norm_eps))
+            wide = served_bf16(lw.stored_wide)  # an FP8 checkpoint's projections kept in bf16
+
+            def into(name, a, wide=wide):
+                """Fused projection `name`'s input as its GEMM takes it."""
+                return a if name in wide else gemm_input(a)
+            h = into("wqkv", rms_norm(x, lw.input_norm, cfg.rms_norm_eps))
             q, k, v = h @ lw.q_proj.T, h @ lw.k_proj.T, h @ lw.v_proj.T
             if lw.q_bias is not None:
                 q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
@@ -147,11 +154,11 @@ class ReferenceModel:
                     attn[a:b] = self._attend(li, q[a:b], batch.positions[a:b],
                                              batch.block_tables[s], keys)
                     on_progress()
-            o = gemm_input(attn.reshape(T, cfg.q_size)) @ lw.o_proj.T
+            o = into("wo", attn.reshape(T, cfg.q_size)) @ lw.o_proj.T
             x = x + (o + lw.o_bias if lw.o_bias is not None else o)
 
-            h = gemm_input(rms_norm(x, lw.post_attention_norm, cfg.rms_norm_eps))
-            x = x + gemm_input(silu(h @ lw.gate_proj.T) * (h @ lw.up_proj.T)) @ lw.down_proj.T
+            h = into("wgu", rms_norm(x, lw.post_attention_norm, cfg.rms_norm_eps))
+            x = x + into("wdown", silu(h @ lw.gate_proj.T) * (h @ lw.up_proj.T)) @ lw.down_proj.T
 
         last = starts[batch.logit_seqs + 1] - 1  # [L] each wanted sequence's last token
         h = rms_norm(x[last], w.final_norm, cfg.rms_norm_eps)

@@ -1,8 +1,11 @@
 """How the GPU engine lays a layer's weights out, from a checkpoint's projections: the fused
-q|k|v rows in the RoPE pair layout, gate|up interleaved for the fused SiLU, and an FP8
-checkpoint's own codes fused the same way. Host-side NumPy (CudaForward uploads the results), so
+q|k|v rows in the RoPE pair layout, gate|up interleaved for the fused SiLU, an FP8
+checkpoint's own codes fused the same way, and which projections such a checkpoint keeps wider
+than E4M3. Host-side NumPy (CudaForward uploads the results), so
 the CPU tests check the layouts against the CPU engine's weights."""
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import numpy as np
 
@@ -29,9 +32,29 @@ def served_as_stored(lw: LayerWeights) -> list[str]:
     """The fused projections (FUSED_PROJECTIONS) an FP8 engine serves with the checkpoint's
     own codes and scales: those all of whose parts were stored with a scale a row
     (LayerWeights.fp8_codes). A fused projection with one part stored otherwise (a block
-    scale, or bf16) is quantized again per row whole, on the GPU as on the CPU."""
+    scale, or bf16 beside E4M3 parts) is quantized again per row whole, on the GPU as on the
+    CPU."""
     return [name for name, parts in FUSED_PROJECTIONS.items()
             if all(part in lw.fp8_codes for part in parts)]
+
+
+def served_bf16(stored_wide: Collection[str]) -> list[str]:
+    """The fused projections (FUSED_PROJECTIONS) an FP8 engine serves in bf16, as an FP8
+    checkpoint stores them: those all of whose parts are among `stored_wide`, a layer's
+    projections stored wider than E4M3 (LayerWeights.stored_wide; Meta's Llama-3.1 FP8
+    releases keep every self_attn projection in bf16). Their inputs are not rounded to E4M3
+    either, on the GPU as on the CPU."""
+    return [name for name, parts in FUSED_PROJECTIONS.items()
+            if all(part in stored_wide for part in parts)]
+
+
+def rounded_wide(stored_wide: Collection[str]) -> list[str]:
+    """The projections among `stored_wide` that an FP8 engine rounds to E4M3 all the same:
+    parts of a fused projection whose other parts are E4M3 (a fused projection has one
+    format)."""
+    bf16 = served_bf16(stored_wide)
+    return [part for name, parts in FUSED_PROJECTIONS.items() if name not in bf16
+            for part in parts if part in stored_wide]
 
 
 def stored_fp8(lw: LayerWeights, qkv_order: np.ndarray) -> dict[str, tuple[np.ndarray,

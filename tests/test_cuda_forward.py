@@ -2278,9 +2278,12 @@ def test_kv_cache_too_large_is_one_line_and_frees_the_weights(cf, models, monkey
         init(self, *args, **kwargs)
         made.append(self)
     monkeypatch.setattr(cf.DeviceArray, "__init__", recording_init)
-    free_before = check(cf.driver.cuMemGetInfo(), "cuMemGetInfo")[0]
+    free_before, total = check(cf.driver.cuMemGetInfo(), "cuMemGetInfo")
     block_bytes = 2 * cfg.num_layers * BLOCK * cfg.num_kv_heads * cfg.head_dim * 2
-    too_many = free_before // block_bytes + 1
+    # more than the whole GPU holds: one more than the free memory fitted once another worker
+    # had freed some in between, and the cache took the GPU from the other three (H100,
+    # 2026-12-06: this test did not raise, two others found 177 MiB free)
+    too_many = total // block_bytes + 1
     with pytest.raises(KvCacheTooLarge, match=rf"^{too_many} KV blocks need \d+ MiB; \d+ MiB "
                        r"of GPU memory is free after the weights, room for \d+ blocks$"):
         cf.CudaForward(cfg, w, num_blocks=too_many, block_size=BLOCK,

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gpu import free_device_arrays_after_each_test, requires_gpu  # noqa: F401 (autouse)
-from test_cuda_forward import (BLOCK, FORWARD_SHAPES, MAX_SEQS, MAX_TOKENS, NUM_BLOCKS,
-                               REPORT, Pair, _blas, bf16_to_f32, cf, dev, desc,
+from test_cuda_forward import (BLOCK, FORWARD_SHAPES, LOGITS_TOL, MAX_SEQS, MAX_TOKENS,
+                               NUM_BLOCKS, REPORT, Pair, _blas, bf16_to_f32, cf, dev, desc,
                                kernels, make_batch, prompt, rb, rel_err, stream)
 
 from blink.gpu_engine import fp8
@@ -193,24 +193,34 @@ def test_cublas_linear_fp8(cf, stream, rows, fast_accum):
 # the llama model's checkpoint stored as FP8 with one scale a tensor, which the engine serves
 # as stored (the checkpoint's codes uploaded, weight_layout.stored_fp8), not quantized again
 STORED_FP8 = "llama, FP8 checkpoint with a scale a tensor"
+# three layers, some projections kept in bf16 (test_fp8.KEPT_WIDE: q|k|v, o and down of layer
+# 0, gate|up of layer 1, down of layer 2), so that every kind of neighbour an FP8 skinny kernel
+# can have, FP8 or bf16, is in the step
+MIXED_FP8 = "llama, FP8 checkpoint keeping some projections in bf16"
 
 
 @pytest.fixture(scope="module")
 def fp8_models(cf, tmp_path_factory):
     """Per architecture: (config, bf16 weights, the FP8 engine with FP8 weights and an E4M3
-    cache), the checkpoints test_cuda_forward's models use; and STORED_FP8's."""
-    from test_fp8 import fp8_checkpoint
+    cache), the checkpoints test_cuda_forward's models use; and STORED_FP8's and MIXED_FP8's."""
+    from test_fp8 import KEPT_WIDE, PROJECTIONS, fp8_checkpoint
 
     root = tmp_path_factory.mktemp("fp8_ckpt")
     paths = {arch: write_random_checkpoint(root / arch, architecture=arch, seed=20 + i, **shape)
              for i, (arch, shape) in enumerate(FORWARD_SHAPES.items())}
     paths[STORED_FP8] = root / "llama-fp8-tensor"
     fp8_checkpoint(paths["llama"], paths[STORED_FP8], "tensor")
+    paths[MIXED_FP8] = root / "llama-fp8-mixed"
+    three = write_random_checkpoint(root / "llama-3", architecture="llama", seed=23,
+                                    **{**FORWARD_SHAPES["llama"], "num_layers": len(KEPT_WIDE)})
+    fp8_checkpoint(three, paths[MIXED_FP8], "row",
+                   keep=[f"model.layers.{i}.{p}" for i, wide in enumerate(KEPT_WIDE)
+                         for p in PROJECTIONS if p.split(".")[1] in wide])
     out = {}
     for arch, path in paths.items():
         cfg = load_config(path)
         w = load_weights(path, cfg)
-        assert bool(w.layers[0].fp8_codes) == (arch == STORED_FP8)
+        assert bool(w.layers[0].fp8_codes) == (arch in (STORED_FP8, MIXED_FP8))
         engine = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
                                 max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
                                 quantization="fp8", kv_cache_dtype="fp8")
@@ -224,7 +234,9 @@ class Fp8Pair(Pair):
     """Pair's step-by-step comparison for the FP8 engine, against the reference on the same
     FP8 weights (fp8.fp8_weights) and E4M3 cache scales (the engine's calibrated ones), the
     FP8 GEMMs' input rounding emulated in the steps that run them (buckets past the skinny
-    kernels')."""
+    kernels'), each step's logits within `tol`."""
+
+    tol = FP8_LOGITS_TOL
 
     def __init__(self, models, arch):
         self.arch = arch
@@ -245,19 +257,22 @@ class Fp8Pair(Pair):
         # an FP8 LM head of more than 16 logit rows: the FP8 GEMM on the rows quantized
         self.ref.fp8_head_input = (self.engine.lm_head_fp8
                                    and min(bucket, self.engine.max_num_seqs) > skinny_rows)
-        return super().step(chunks, want, eager, tol=FP8_LOGITS_TOL)
+        return super().step(chunks, want, eager, tol=self.tol)
 
 
 ARCHS = list(FORWARD_SHAPES)
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, STORED_FP8])
+@pytest.mark.parametrize("arch", [*ARCHS, STORED_FP8, MIXED_FP8])
 def test_fp8_forward_prefill_chunks_and_decode(fp8_models, arch):
     """A 99-token prefill (FP8 GEMMs), chunked prefill (both paths) and decode steps (the FP8
     skinny kernels) of several sequences, the GPU's greedy token fed back: every step's logits
     within FP8_LOGITS_TOL of the emulation, top-1 equal except at near-ties. STORED_FP8: the
     emulation's weights are the checkpoint's values (fp8.fp8_weights keeps them), so the GPU
-    must hold its codes and scales, not a second rounding of them."""
+    must hold its codes and scales, not a second rounding of them. MIXED_FP8: the projections
+    kept in bf16 run bf16 kernels on bf16 weights and inputs beside the FP8 ones, x's f16 form
+    handed over only between FP8 ones (a rounding to E4M3 too many or too few, or an f16 form
+    read where none was written, is off by far more than the tolerance)."""
     pair = Fp8Pair(fp8_models, arch)
     pool = np.random.default_rng(1).permutation(NUM_BLOCKS)
     seqs = [list(prompt(pair.cfg, 99, seed=2)), list(prompt(pair.cfg, 70, seed=4))]
@@ -292,6 +307,77 @@ def test_fp8_checkpoint_codes_are_uploaded_as_stored(fp8_models):
         for name, (codes, scales) in fused.items():
             np.testing.assert_array_equal(getattr(layer, name).download(), codes, name)
             np.testing.assert_array_equal(layer.scales[name].download(), scales, name)
+
+
+def test_fp8_checkpoint_s_bf16_projections_are_uploaded_as_stored(fp8_models):
+    """MIXED_FP8's engine serves the fused projections whose every part the checkpoint keeps
+    in bf16 (weight_layout.served_bf16) as bf16 weights with no scales, bit for bit the stored
+    values fused as on bf16 weights (q|k|v in the RoPE pair order times the input RMSNorm's
+    weight, gate|up interleaved times the post-attention one's: the forward test's tolerance
+    would not see a weight folded twice or not at all), and the others as the checkpoint's
+    codes and row scales."""
+    from test_fp8 import KEPT_WIDE
+
+    from blink.gpu_engine.weight_layout import (interleave_gate_up, rope_pair_order,
+                                                served_bf16, stored_fp8)
+
+    cfg, w, engine = fp8_models[MIXED_FP8]
+    order = rope_pair_order(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    assert len(engine.layers) == len(KEPT_WIDE)
+    for lw, layer, wide in zip(w.layers, engine.layers, KEPT_WIDE):
+        assert sorted(layer.bf16) == sorted(served_bf16(wide)) != []
+        codes = stored_fp8(lw, order)
+        assert sorted(layer.bf16 | set(codes)) == ["wdown", "wgu", "wo", "wqkv"]
+        assert sorted(layer.scales) == sorted(codes)
+        folded = {"wqkv": np.concatenate([lw.q_proj, lw.k_proj, lw.v_proj])[order]
+                  * lw.input_norm[None, :], "wo": lw.o_proj,
+                  "wgu": interleave_gate_up(lw.gate_proj, lw.up_proj)
+                  * lw.post_attention_norm[None, :], "wdown": lw.down_proj}
+        for name in layer.bf16:
+            np.testing.assert_array_equal(getattr(layer, name).download(),
+                                          float32_to_bf16_bits(folded[name]), name)
+        for name, (stored, scales) in codes.items():
+            np.testing.assert_array_equal(getattr(layer, name).download(), stored, name)
+            np.testing.assert_array_equal(layer.scales[name].download(), scales, name)
+
+
+@pytest.fixture
+def mixed_on_a_bf16_cache(cf, fp8_models):
+    """MIXED_FP8's checkpoint on an FP8 engine with a bf16 KV cache."""
+    cfg, w, _ = fp8_models[MIXED_FP8]
+    engine = cf.CudaForward(cfg, w, num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                            max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS,
+                            quantization="fp8")
+    yield {MIXED_FP8: (cfg, w, engine)}
+    engine.close()
+
+
+def test_fp8_mixed_skinny_steps_are_as_close_as_bf16_ones(mixed_on_a_bf16_cache):
+    """MIXED_FP8 in steps of at most 8 token rows only (two prompts in chunks, then decode),
+    on a bf16 KV cache: the FP8 and bf16 skinny kernels side by side, x's f16 form handed over
+    between the FP8 ones, no activation rounded to E4M3 on either side, so every step is
+    within the bf16 engine's LOGITS_TOL of the emulation. What this catches that the FP8
+    tolerance would not: on the CPU (the emulation against itself, these steps), the kept
+    projections rounded to E4M3 as before move the logits 3.6-4.1%, q|k|v's and gate|up's
+    RMSNorm weight folded twice 4.5-6.1%."""
+    pair = Fp8Pair(mixed_on_a_bf16_cache, MIXED_FP8)
+    pair.tol = LOGITS_TOL
+    assert not pair.engine.kv_fp8
+    seqs = [list(prompt(pair.cfg, 20, seed=6)), list(prompt(pair.cfg, 13, seed=7))]
+    tables, pos = [np.arange(8), np.arange(8, 16)], [0, 0]
+    for chunk in ((8, 6), (8, 7), (4, 0)):  # (seq 1's prompt is in after the second)
+        logits = pair.step([(np.array(s[p:p + n]), p, t)
+                            for s, p, t, n in zip(seqs, pos, tables, chunk) if n])
+        if chunk[1] and pos[1] + chunk[1] == 13:
+            seqs[1].append(int(np.argmax(logits[1])))
+        pos = [p + n for p, n in zip(pos, chunk)]
+    seqs[0].append(int(np.argmax(logits[0])))
+    for _ in range(6):
+        logits = pair.step([(np.array(s[p:p + 1]), p, t) for s, p, t in zip(seqs, pos, tables)])
+        for s, row in zip(seqs, logits):
+            s.append(int(np.argmax(row)))
+        pos = [p + 1 for p in pos]
+    pair.record("fp8 mixed, skinny steps on a bf16 cache")
 
 
 def test_fp8_kv_calibration_leaves_capture_an_empty_batch(cf, tmp_path_factory):

@@ -7,6 +7,7 @@ writer) for FP8 checkpoints; transformers in float32 for the accuracy of the emu
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -105,12 +106,14 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 FP8_BLOCK = 48
 
 
-def fp8_checkpoint(src, dst, scheme: str, kv_scales: bool = False):
+def fp8_checkpoint(src, dst, scheme: str, kv_scales: bool = False, keep=()):
     """dst: src's checkpoint with every projection stored as F8_E4M3 by torch, in `scheme`:
     "row" (weight_scale [N, 1]), "tensor" (weight_scale_inv, one) or "block" (weight_scale_inv
     [ceil(N / 48), ceil(K / 48)], transformers' fine-grained format; 48 leaves the last blocks
-    of every projection partial); config.json says quant_method fp8. Returns {tensor name: its
-    values, torch's codes times the scales}."""
+    of every projection partial); config.json says quant_method fp8. keep: the modules
+    ("model.layers.0.self_attn.q_proj") left as src stores them, as its quantizer's
+    modules_to_not_convert. Returns {tensor name: its values, torch's codes times the scales,
+    or the kept ones'}."""
     from safetensors.torch import load_file, save_file
     dst.mkdir()
     for f in src.iterdir():
@@ -120,8 +123,10 @@ def fp8_checkpoint(src, dst, scheme: str, kv_scales: bool = False):
     out, values = {}, {}
     for name, t in tensors.items():
         base = name[:-len("weight")]
-        if not any(base.endswith(p + ".") for p in PROJECTIONS):
+        if not any(base.endswith(p + ".") for p in PROJECTIONS) or base[:-1] in keep:
             out[name] = t
+            if base[:-1] in keep:
+                values[name] = t.float().numpy()
             continue
         w = t.float()
         n, k = w.shape
@@ -152,6 +157,8 @@ def fp8_checkpoint(src, dst, scheme: str, kv_scales: bool = False):
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                      **({"weight_block_size": [FP8_BLOCK] * 2}
                                         if scheme == "block"
+                                        else {}),
+                                     **({"modules_to_not_convert": sorted(keep)} if keep
                                         else {})}
     (dst / "config.json").write_text(json.dumps(config))
     return values
@@ -577,27 +584,45 @@ def torch_rows(x: np.ndarray) -> np.ndarray:
     return ((t * inverse).to(torch.float8_e4m3fn).float() * scale).numpy()
 
 
-def test_fp8_activations_round_each_projection_s_input_and_the_head_s(bf16_checkpoint):
+# what the mixed-format tests keep wider than E4M3, layer by layer: layer 0's self_attn
+# projections (as Meta's Llama-3.1 FP8 releases keep them) and down; layer 1's gate and up;
+# layer 2's down (where there is one). On the GPU every hand-over of x's f16 form between FP8
+# skinny kernels happens in some layer, and every FP8 kernel beside a bf16 one takes or writes
+# none: layer 1's FP8 down writes one without taking one, layer 2's FP8 gate|up takes one and
+# writes none.
+KEPT_WIDE = ({"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"}, {"gate_proj", "up_proj"},
+             {"down_proj"})
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["all-fp8", "some-kept-bf16"])
+def test_fp8_activations_round_each_projection_s_input_and_the_head_s(bf16_checkpoint, kept):
     """fp8_activations rounds the input rows of all seven projections of every layer, and
-    fp8_head_input the LM head's, as torch's float8_e4m3fn with a scale per row. Six one-token
-    sequences at position 0 make attention each token's own value (one key, weight exactly 1),
-    so the layers written out below, with torch rounding where each FP8 GEMM takes its input,
-    are the same arithmetic exactly: any rounding left out or added moves logits by about 1%.
-    (Against transformers with rounding hooks, float32 order differences flip E4M3 codes, and
-    the flips alone move the logits that far.)"""
+    fp8_head_input the LM head's, as torch's float8_e4m3fn with a scale per row; kept: not
+    those of the fused projections an FP8 checkpoint keeps wider than E4M3 (KEPT_WIDE: q|k|v, o
+    and down of layer 0, gate|up of layer 1), which run bf16 GEMMs. Six one-token sequences at
+    position 0 make attention each token's own value (one key, weight exactly 1), so the layers
+    written out below, with torch rounding where each FP8 GEMM takes its input, are the same
+    arithmetic exactly: any rounding left out or added moves logits by about 1%. (Against
+    transformers with rounding hooks, float32 order differences flip E4M3 codes, and the flips
+    alone move the logits that far.)"""
     from blink.gpu_engine.reference_model import rms_norm, silu
     cfg = load_config(bf16_checkpoint)
     w = load_weights(bf16_checkpoint, cfg)
+    if kept:
+        w.layers = [dataclasses.replace(lw, stored_wide=frozenset(wide))
+                    for lw, wide in zip(w.layers, KEPT_WIDE)]
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, 6).astype(np.int32)
     x = w.embed[ids]
     group = cfg.num_heads // cfg.num_kv_heads
     for lw in w.layers:
-        h = torch_rows(rms_norm(x, lw.input_norm, cfg.rms_norm_eps))
+        def into(part, a, lw=lw):
+            return a if part in lw.stored_wide else torch_rows(a)
+        h = into("q_proj", rms_norm(x, lw.input_norm, cfg.rms_norm_eps))
         v = (h @ lw.v_proj.T).reshape(len(ids), cfg.num_kv_heads, 1, cfg.head_dim)
         attn = np.repeat(v, group, axis=2).reshape(len(ids), cfg.q_size)  # head i: kv head i // g
-        x = x + torch_rows(attn) @ lw.o_proj.T
-        h = torch_rows(rms_norm(x, lw.post_attention_norm, cfg.rms_norm_eps))
-        x = x + torch_rows(silu(h @ lw.gate_proj.T) * (h @ lw.up_proj.T)) @ lw.down_proj.T
+        x = x + into("o_proj", attn) @ lw.o_proj.T
+        h = into("gate_proj", rms_norm(x, lw.post_attention_norm, cfg.rms_norm_eps))
+        x = x + into("down_proj", silu(h @ lw.gate_proj.T) * (h @ lw.up_proj.T)) @ lw.down_proj.T
     want = torch_rows(rms_norm(x, w.final_norm, cfg.rms_norm_eps)) @ w.lm_head.T
     model = ReferenceModel(cfg, w, len(ids), 16, fp8_activations=True)
     model.fp8_head_input = True

@@ -438,13 +438,67 @@ def test_blocks_as_wide_as_a_row_are_one_scale_a_row(bf16_checkpoint, tmp_path):
             np.testing.assert_array_equal(getattr(fw, attr), getattr(lw, attr), attr)
 
 
+def test_projections_an_fp8_checkpoint_keeps_in_bf16_are_served_in_bf16(bf16_checkpoint,
+                                                                         tmp_path, caplog):
+    """Meta's Llama-3.1 FP8 releases (FBGEMM) keep every self_attn projection in bf16: the FP8
+    engines serve q|k|v and o in bf16, their stored values exactly (E4M3 rounded them, with a
+    warning), and the MLP's as the stored codes and row scales; start-up says so in one line,
+    not a warning. (The GPU's side: test_cuda_fp8.py's MIXED_FP8.)"""
+    from blink.gpu_engine.fp8 import fp8_rounded_rows, fp8_weights
+    from blink.gpu_engine.reference_engine import EngineConfig, ReferenceEngine
+    from blink.gpu_engine.weight_layout import served_as_stored, served_bf16
+
+    src = safetensors_torch.load_file(str(bf16_checkpoint / "model.safetensors"))
+
+    def keep_attention(base, out):
+        if ".self_attn." in base:  # as stored in bf16, no scales
+            out[base + "weight"] = src[base + "weight"]
+            del out[base + "weight_scale"]
+        else:
+            out[base + "input_scale_ub"] = torch.tensor([1200.0])
+
+    dst = tmp_path / "meta-fp8"
+    kept = [f"model.layers.{i}.self_attn.{p}" for i in range(NUM_LAYERS)
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    _write(bf16_checkpoint, dst, {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                  "modules_to_not_convert": ["lm_head", *kept]}, "channel",
+           extra=keep_attention)
+    cfg = load_config(dst)
+    loaded = load_weights(dst, cfg)
+    served = fp8_weights(loaded, lm_head=False)
+    for i, (lw, fw) in enumerate(zip(loaded.layers, served.layers)):
+        assert lw.stored_wide == {"q_proj", "k_proj", "v_proj", "o_proj"}
+        assert (served_bf16(lw.stored_wide), served_as_stored(lw)) == (["wqkv", "wo"],
+                                                                       ["wgu", "wdown"])
+        for tensor, attr in PROJECTIONS.items():
+            np.testing.assert_array_equal(getattr(fw, attr), getattr(lw, attr), attr)
+            if tensor.startswith("self_attn."):
+                stored = src[f"model.layers.{i}.{tensor}.weight"].float().numpy()
+                np.testing.assert_array_equal(getattr(lw, attr), stored, attr)
+                assert not np.array_equal(fp8_rounded_rows(stored), stored)  # E4M3 would move it
+    with caplog.at_level(logging.INFO, logger="blink.engine"):
+        assert EngineConfig(dst, "ring").lm_head_fp8_for(cfg) is False
+    assert [r.levelname for r in caplog.records] == ["INFO"], caplog.text
+    assert ("8 of the 14 projection weights of this FP8 checkpoint are stored wider than E4M3 "
+            "(the modules its quantizer left out: model.layers.0.self_attn.q_proj.weight, "
+            "model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.v_proj.weight, "
+            "...): served in bf16, as stored") in caplog.text
+    engine = ReferenceEngine(EngineConfig(dst, f"blink-test-kept-{id(dst)}", num_kv_blocks=8))
+    try:
+        for lw, kept in zip(engine.model.w.layers, loaded.layers):
+            np.testing.assert_array_equal(lw.q_proj, kept.q_proj)
+            np.testing.assert_array_equal(lw.gate_proj, kept.gate_proj)
+    finally:
+        engine.close()
+
+
 def test_an_fp8_checkpoint_s_lm_head_is_served_as_stored(bf16_checkpoint, tmp_path, caplog):
     """An FP8 checkpoint's LM head stored bf16 (in modules_to_not_convert, as nearly every
     release has it) is served bf16, as transformers and vLLM serve it; it was rounded to E4M3
     with a scale per row, silently. One stored FP8 is served FP8, and --quantization fp8 on a
     bf16 checkpoint converts it too; --fp8-lm-head / --no-fp8-lm-head decide over both.
-    Projections the checkpoint keeps wider are rounded like the rest (a layer's projections
-    share one format), which the engine now says."""
+    A projection kept wider beside E4M3 parts of the same fused projection (k beside q and v)
+    is rounded with them (a fused projection has one format), which the engine says."""
     from blink.gpu_engine.checkpoint import unquantized_linear_weights
     from blink.gpu_engine.fp8 import fp8_rounded_rows
     from blink.gpu_engine.reference_engine import EngineConfig, ReferenceEngine
@@ -465,7 +519,8 @@ def test_an_fp8_checkpoint_s_lm_head_is_served_as_stored(bf16_checkpoint, tmp_pa
     with caplog.at_level(logging.WARNING, logger="blink.engine"):
         assert EngineConfig(dst, "ring").lm_head_fp8_for(cfg) is False
     assert ("2 of the 14 projection weights of this FP8 checkpoint are stored wider than E4M3 "
-            "(the modules its quantizer left out: model.layers.0.self_attn.k_proj.weight, "
+            "beside E4M3 parts of the same fused projection (q|k|v or gate|up, which has one "
+            "format: model.layers.0.self_attn.k_proj.weight, "
             "model.layers.1.self_attn.k_proj.weight)") in caplog.text
     assert EngineConfig(dst, "ring", fp8_lm_head=True).lm_head_fp8_for(cfg) is True
     assert EngineConfig(dst, "ring", quantization="none").lm_head_fp8_for(cfg) is False
