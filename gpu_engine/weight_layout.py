@@ -1,8 +1,8 @@
 """How the GPU engine lays a layer's weights out, from a checkpoint's projections: the fused
-q|k|v rows in the RoPE pair layout, gate|up interleaved for the fused SiLU, an FP8
-checkpoint's own codes fused the same way, and which projections such a checkpoint keeps wider
-than E4M3. Host-side NumPy (CudaForward uploads the results), so
-the CPU tests check the layouts against the CPU engine's weights."""
+q|k|v rows in the RoPE pair layout, gate|up interleaved for the fused SiLU, an FP8 checkpoint's
+own codes fused the same way, and which projections such a checkpoint keeps wider than E4M3.
+Host-side NumPy (CudaForward uploads the results), so the CPU tests check the layouts against
+the CPU engine's weights."""
 from __future__ import annotations
 
 from collections.abc import Collection
