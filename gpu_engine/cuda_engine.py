@@ -121,14 +121,16 @@ class CudaEngine:
             kv_scales=weights.kv_scales if weights is not None else None)
         num_blocks = self.forward.num_blocks
         warn_if_kv_cache_short(num_blocks, config.block_size, self.context_length)
-        kept = sum(len(layer.bf16) for layer in self.forward.layers)  # (served_bf16)
+        formats = "bf16"
+        if self.forward.fp8:
+            kept = sum(len(layer.bf16) for layer in self.forward.layers)  # (served_bf16)
+            formats = ("FP8" + (f", {kept} of {4 * cfg.num_layers} fused projections bf16 as "
+                                f"stored" if kept else "")
+                       + (", LM head FP8" if self.forward.lm_head_fp8 else ", LM head bf16"))
         log.info("weights (%s), KV cache (%s, %d blocks of %d tokens) and %d forward graphs "
-                 "ready in %.1f s", ("FP8" + (f", {kept} of {4 * cfg.num_layers} fused "
-                                              f"projections bf16 as stored" if kept else "")
-                                     + (", LM head FP8" if self.forward.lm_head_fp8 else
-                                        ", LM head bf16")) if self.forward.fp8 else "bf16",
-                 "E4M3" if self.forward.kv_fp8 else "bf16", num_blocks, config.block_size,
-                 len(self.forward.graph_execs), time.monotonic() - t0)
+                 "ready in %.1f s", formats, "E4M3" if self.forward.kv_fp8 else "bf16",
+                 num_blocks, config.block_size, len(self.forward.graph_execs),
+                 time.monotonic() - t0)
 
         geom = RingGeometry(config.num_slots, max_prompt_tokens=self.context_length - 1,
                             max_output_tokens=self.context_length)

@@ -27,8 +27,8 @@ from blink.gpu_engine.ring_server import ModelLimits, RingServer
 from blink.gpu_engine.sampling import sample_token
 from blink.gpu_engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from blink.gpu_engine.sequence import Sequence
-from blink.gpu_engine.weight_layout import rounded_wide
 from blink.gpu_engine.step_core import StepCore, samples_now
+from blink.gpu_engine.weight_layout import rounded_wide
 from blink.ring.layout import EngineKind, EngineState, FinishReason, RingGeometry
 from blink.ring.lifecycle import EngineStopSignals, SystemdNotify
 from blink.ring.shm import unlink_created_segments
@@ -134,9 +134,9 @@ def report_wide_projections(cfg: ModelConfig, wider: list[str]) -> None:
         names = {attr: f"model.layers.{i}.{tensor}.weight"
                  for attr, tensor in PROJECTION_TENSORS.items()}
         wide = {attr for attr, name in names.items() if name in wider}
-        kept = [attr for attr in names if attr in wide and attr not in rounded_wide(wide)]
-        rounded += [names[attr] for attr in rounded_wide(wide)]
-        served += [names[attr] for attr in kept]
+        rounded_here = rounded_wide(wide)
+        rounded += [names[attr] for attr in rounded_here]
+        served += [names[attr] for attr in names if attr in wide and attr not in rounded_here]
 
     def listed(names):
         return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
