@@ -186,6 +186,10 @@ class ForwardKernels:
                                         ("linear_norm", ""), ("qkv_rope_norm", ""))
                       for sq in ("", "sq") for a in (1, 2) for split in ("", "_k2")
                       if not (split and (a == 2 or kind == "linear_norm"))),
+                    # bf16 weights writing the next FP8 projection's f16 form (out only)
+                    *(f"blink_skinny_linear_xf16{sq}out_{a}x1{split}" for sq in ("", "sq")
+                      for a in (1, 2) for split in ("", "_k2") if not (split and a == 2)),
+                    "blink_skinny_linear_norm_xf16out_2x1",
                     "blink_quantize_rows", "blink_rms_norm_fp8", "blink_silu_mul_fp8",
                     "blink_tile_weights_fp8")
     # FP8 skinny kernels: decode-sized steps only (the FP8 GEMMs take larger ones), and whole
@@ -647,7 +651,9 @@ class ForwardKernels:
         in_features / 16] f32 (with norm_eps and x_f16): x's sums of squares in parts
         (csrc/gemv.cuh GemvSquareParts), written by the kernel before, so x is not read at all;
         x_sumsq_out [rows, out_features / 16] (F32_ADD with x_f16_out): the shadow's. (The
-        _xf16sq entries: CudaForward's fp8_x_sumsq.)"""
+        _xf16sq entries: CudaForward's fp8_x_sumsq.) bf16 weights take no x_f16 but write
+        x_f16_out (and x_sumsq_out) alike, for an FP8 projection after them (the bf16
+        _xf16out entries: a projection an FP8 checkpoint keeps in bf16)."""
         silu = mode == SKINNY_SILU_MUL
         fp8 = bool(w_scale)
         given = bool(x_f16 or x_f16_out)
@@ -659,10 +665,11 @@ class ForwardKernels:
                    "the shadow's sums of squares come with its f16 form (F32_ADD)")
         self._need(not x_sumsq or in_features // 16 <= self.SKINNY_SQUARE_PARTS_MAX,
                    f"x's sums of squares: in_features up to {16 * self.SKINNY_SQUARE_PARTS_MAX}")
-        self._need(not given or (fp8 and rows <= self.SKINNY_X_F16_MAX_ROWS),
-                   f"x's f16 form: FP8 weights, rows <= {self.SKINNY_X_F16_MAX_ROWS}")
-        self._need(norm_eps is None or bool(x_f16) == given,
-                   "a normalizing projection hands x's f16 form over only where it takes it")
+        self._need(not given or ((fp8 or not x_f16) and rows <= self.SKINNY_X_F16_MAX_ROWS),
+                   f"x's f16 form: into FP8 weights (bf16 ones only write it), rows <= "
+                   f"{self.SKINNY_X_F16_MAX_ROWS}")
+        self._need(norm_eps is None or not fp8 or bool(x_f16) == given,
+                   "an FP8 normalizing projection hands x's f16 form over only where it takes it")
         self._need(not x_f16_out or (mode == SKINNY_F32_ADD and shadow and x_f16_norm_w)
                    or (silu and not x_f16_norm_w),
                    "the next projection's f16 form comes from the shadow (F32_ADD, times the "
@@ -1776,7 +1783,7 @@ class CudaForward:
             """dst = x @ lw.<name>^T on the FP8 skinny kernel (its tiled copy where there is
             one), in `mode` (with the RMSNorm's weight given as norm_w: folded in); fp8 False:
             on the bf16 one (a projection the checkpoint keeps in bf16: its RMSNorm's weight is
-            in it, x's f16 forms are FP8 kernels' only)."""
+            in it; it takes no f16 form of x, and writes one only for an FP8 kernel after it)."""
             w, tiled = skinny_weight(lw, name)
             splits = (1 if "norm_eps" in kwargs else
                       k.skinny_splits("linear", rows, in_f, out_f, self.skinny_split_blocks,
@@ -1795,17 +1802,14 @@ class CudaForward:
             takes it (the RMSNorm before it folded, or a bf16 kernel's)."""
             fp8 = {name: not self.is_bf16(lw.bf16, name) for name in ("wqkv", "wo", "wgu",
                                                                       "wdown")}
-            previous = self.layers[li - 1] if li else None
             following = self.layers[li + 1] if li + 1 < len(self.layers) else None
-            # x's f16 form (and sums of squares) goes from one FP8 skinny kernel to the next
-            # FP8 one only: the embedding or the layer before's down to qkv, o to gate|up,
-            # gate|up (given its own) to down, down to the next layer's qkv
-            qkv_f16 = x_f16 if fp8["wqkv"] and (
-                previous is None or not self.is_bf16(previous.bf16, "wdown")) else 0
-            gu_f16 = x_f16 if fp8["wo"] and fp8["wgu"] else 0
-            down_f16 = act_f16 if gu_f16 and fp8["wdown"] else 0
-            next_f16 = (x_f16 if following and fp8["wdown"]
-                        and not self.is_bf16(following.bf16, "wqkv") else 0)
+            # x's f16 form (and sums of squares) goes to each FP8 skinny kernel from the
+            # kernel before, whatever that one's weights: the embedding or the layer before's
+            # down to qkv, o to gate|up, gate|up to down, down to the next layer's qkv
+            qkv_f16 = x_f16 if fp8["wqkv"] else 0
+            gu_f16 = x_f16 if fp8["wgu"] else 0
+            down_f16 = act_f16 if fp8["wdown"] else 0
+            next_f16 = x_f16 if following and not self.is_bf16(following.bf16, "wqkv") else 0
             if fuse and lw.q_norm is None:
                 wqkv, tiled = skinny_weight(lw, "wqkv")
                 norm = ({"w_scale": lw.scales["wqkv"].ptr, "norm_w": lw.input_norm.ptr,

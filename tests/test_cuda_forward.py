@@ -584,6 +584,73 @@ def test_skinny_fp8_x_sumsq(cf, stream, rows, k_in, n_out, kind, k_splits):
                         shadow=shadow.ptr, x_sumsq_out=parts.ptr, **common)
 
 
+# (132 * 64 + 48 outputs: two row tiles a CTA, on 132 SMs)
+@pytest.mark.parametrize("rows,k_in,n_out", [(1, 256, 208), (3, 128, 48), (8, 576, 1008),
+                                             (4, 256, 132 * 64 + 48), (1, 8192, 2048),
+                                             (5, 2048 + 128, 80)])
+@pytest.mark.parametrize("kind", ["o", "o_squares", "gate_up"])
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_skinny_bf16_writes_x_f16_for_an_fp8_projection(cf, stream, rows, k_in, n_out, kind,
+                                                         k_splits):
+    """A projection an FP8 checkpoint keeps in bf16 hands the FP8 one after it x's f16 form
+    (the bf16 _xf16out entries, CudaForward's fp8_x_f16 beside bf16 projections): o and down
+    write the same outputs and shadow as the plain entries, bit for bit, plus the shadow's f16
+    form times the next RMSNorm's weight exactly (and its sums of squares against float64);
+    gate|up (its RMSNorm folded in) the same SiLU * up plus its f16 form. Nothing past `rows`."""
+    k = kernels(cf)
+    silu = kind == "gate_up"
+    if k_splits == 2 and (silu or k.skinny_splits("linear", rows, k_in, n_out, 10 ** 6) != 2):
+        pytest.skip("no K split for this shape or kind")
+    rng = np.random.default_rng(rows * 17 + k_in + n_out)
+    cap, eps = 12, 1e-5
+    n_w = 2 * (-(-n_out // 32) * 16) if silu else n_out
+    x = rb(rng.standard_normal((cap, k_in)) * (7 if silu else 1))
+    w = rb(rng.standard_normal((n_w, k_in)) * k_in ** -0.5)
+    next_norm_w = rb(1 + 0.3 * rng.standard_normal(n_out))
+    dx, dw = dev(cf, float32_to_bf16_bits(x)), dev(cf, tiled(cf, float32_to_bf16_bits(w)))
+    d_next = dev(cf, float32_to_bf16_bits(next_norm_w))
+    resid = rng.standard_normal((cap, n_out)).astype(np.float32)
+    width = n_w // 2 if silu else n_out
+    outputs = []
+    for handed in (False, True):
+        form = dev(cf, np.zeros((cap, width), np.uint16), poison=True)
+        parts = dev(cf, np.zeros((cap, n_out // 16), np.float32), poison=True)
+        if silu:
+            out, shadow = dev(cf, np.zeros((cap, width), np.uint16), poison=True), None
+            k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_w,
+                            cf.SKINNY_SILU_MUL, norm_eps=eps, w_tiled=True,
+                            **(dict(x_f16_out=form.ptr) if handed else {}))
+        else:
+            out = dev(cf, resid)
+            shadow = dev(cf, np.zeros((cap, n_out), np.uint16), poison=True)
+            given = dict(x_f16_out=form.ptr, x_f16_norm_w=d_next.ptr,
+                         x_sumsq_out=parts.ptr if kind == "o_squares" else 0)
+            k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out,
+                            cf.SKINNY_F32_ADD, shadow=shadow.ptr, w_tiled=True,
+                            k_splits=k_splits, **(given if handed else {}))
+        cf.synchronize(stream)
+        outputs.append([None if a is None else a.download() for a in (out, shadow, form, parts)])
+    (plain, plain_shadow, _, _), (got, got_shadow, got_form, got_parts) = outputs
+    np.testing.assert_array_equal(got, plain)
+    if silu:
+        assert (got[:rows] != POISON_BF16).all()
+        np.testing.assert_array_equal(got_form[:rows], f16_form(bf16_to_f32(got[:rows])))
+    else:
+        np.testing.assert_array_equal(got_shadow, plain_shadow)
+        np.testing.assert_array_equal(got_form[:rows],
+                                      f16_form(bf16_to_f32(got_shadow[:rows]), next_norm_w))
+    assert (got_form[rows:] == POISON_BF16).all()
+    if kind == "o_squares":
+        want = square_parts(bf16_to_f32(got_shadow[:rows]))
+        np.testing.assert_allclose(got_parts[:rows], want, rtol=1e-5)
+        assert (got_parts[rows:].view(np.uint32) == POISON_F32).all()
+    else:
+        assert (got_parts.view(np.uint32) == POISON_F32).all()
+    with pytest.raises(ValueError, match="f16 form"):  # bf16 weights take none in
+        k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, rows, k_in, n_out, cf.SKINNY_F32_ADD,
+                        shadow=dx.ptr, w_tiled=True, x_f16=form.ptr)
+
+
 def check_skinny_linear(cf, stream, rows, k_in, n_out, mode, layout, k_splits, fp8=False):
     k = kernels(cf)
     if k_splits > 1:

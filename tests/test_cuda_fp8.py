@@ -354,8 +354,9 @@ def mixed_on_a_bf16_cache(cf, fp8_models):
 
 def test_fp8_mixed_skinny_steps_are_as_close_as_bf16_ones(mixed_on_a_bf16_cache):
     """MIXED_FP8 in steps of at most 8 token rows only (two prompts in chunks, then decode),
-    on a bf16 KV cache: the FP8 and bf16 skinny kernels side by side, x's f16 form handed over
-    between the FP8 ones, no activation rounded to E4M3 on either side, so every step is
+    on a bf16 KV cache: the FP8 and bf16 skinny kernels side by side, x's f16 form handed to
+    each FP8 one by the kernel before, of either kind (a bf16 one writes it through its _xf16out
+    entry), no activation rounded to E4M3 on either side, so every step is
     within the bf16 engine's LOGITS_TOL of the emulation. What this catches that the FP8
     tolerance would not: on the CPU (the emulation against itself, these steps), the kept
     projections rounded to E4M3 as before move the logits 3.6-4.1%, q|k|v's and gate|up's

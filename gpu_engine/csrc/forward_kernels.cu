@@ -289,6 +289,28 @@ BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16sqout_2x1, 2, 1, 1, fal
 BLINK_SKINNY_LINEAR_FP8_XF16(blink_skinny_linear_fp8_xf16sqout_1x1_k2, 1, 1, 2, false, true)
 #undef BLINK_SKINNY_LINEAR_FP8_XF16
 
+// bf16 weights (a projection an FP8 checkpoint keeps in bf16, beside FP8 ones) writing the next
+// FP8 projection's f16 form of x (x_f16_out: the shadow's times x_f16_norm_w with the residual
+// add, and its sums of squares with _xf16sqout) as the FP8 entries do; x_f16 is unused (null).
+#define BLINK_SKINNY_LINEAR_XF16OUT(NAME, A, C, SPLITS, SQ)                                  \
+  __global__ void BLINK_CLUSTER_OF_##SPLITS                                                  \
+  __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                                \
+      NAME(const bf16* x, int ldx, int M, const bf16* w, uint32_t w_tile_stride, int N,      \
+           int K, void* out, int ldo, int mode, bf16* shadow, unsigned long long* argmax,    \
+           const __half* x_f16, __half* x_f16_out, const bf16* x_f16_norm_w,                 \
+           float* x_sumsq_out) {                                                             \
+    blink::SkinnyLinearCta<A, C, false, SPLITS, blink::Bf16Weights, false, true, SQ>(        \
+        x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode, shadow, 0.f, argmax, nullptr,     \
+        nullptr, nullptr, x_f16_out, x_f16_norm_w, nullptr, x_sumsq_out);                    \
+  }
+BLINK_SKINNY_LINEAR_XF16OUT(blink_skinny_linear_xf16out_1x1, 1, 1, 1, false)
+BLINK_SKINNY_LINEAR_XF16OUT(blink_skinny_linear_xf16out_2x1, 2, 1, 1, false)
+BLINK_SKINNY_LINEAR_XF16OUT(blink_skinny_linear_xf16out_1x1_k2, 1, 1, 2, false)
+BLINK_SKINNY_LINEAR_XF16OUT(blink_skinny_linear_xf16sqout_1x1, 1, 1, 1, true)
+BLINK_SKINNY_LINEAR_XF16OUT(blink_skinny_linear_xf16sqout_2x1, 2, 1, 1, true)
+BLINK_SKINNY_LINEAR_XF16OUT(blink_skinny_linear_xf16sqout_1x1_k2, 1, 1, 2, true)
+#undef BLINK_SKINNY_LINEAR_XF16OUT
+
 #define BLINK_SKINNY_NORM_LINEAR(A, C)                                                       \
   __global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)                \
       blink_skinny_linear_norm_##A##x##C(const bf16* x, int ldx, int M, const bf16* w,       \
@@ -329,6 +351,18 @@ BLINK_SKINNY_NORM_LINEAR_FP8_XF16(xf16, 2, 1, false)
 BLINK_SKINNY_NORM_LINEAR_FP8_XF16(xf16sq, 1, 1, true)
 BLINK_SKINNY_NORM_LINEAR_FP8_XF16(xf16sq, 2, 1, true)
 #undef BLINK_SKINNY_NORM_LINEAR_FP8_XF16
+
+// bf16 gate|up (its RMSNorm's weight folded in) writing SiLU * up's f16 form for an FP8 down
+// projection (x_f16_out); x_f16 and x_sumsq are unused (null).
+__global__ void __launch_bounds__(blink::kGemvThreads, blink::kGemvMinCtas)
+    blink_skinny_linear_norm_xf16out_2x1(const bf16* x, int ldx, int M, const bf16* w,
+                                         uint32_t w_tile_stride, int N, int K, void* out, int ldo,
+                                         int mode, float eps, const __half* x_f16,
+                                         __half* x_f16_out, const float* x_sumsq) {
+  blink::SkinnyLinearCta<2, 1, true, 1, blink::Bf16Weights, false, true>(
+      x, ldx, M, w, w_tile_stride, N, K, out, ldo, mode, nullptr, eps, nullptr, nullptr, nullptr,
+      nullptr, x_f16_out);
+}
 
 // W: blink::Bf16Weights (w_scale and norm_w unused: null) or blink::Fp8Weights (_fp8 entries).
 // release_next: attention, the kernel after this one, may launch once every CTA of this grid
