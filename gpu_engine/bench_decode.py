@@ -53,7 +53,9 @@ launches (no programmatic dependent launch: each kernel starts after the previou
 --no-fuse: also with RMSNorm and RoPE + KV write as kernels of their own in the decode buckets
 (CudaForward(fuse_norm_rope=False)), not inside the projections. --options NAME:KEY=VALUE,...:
 also with CudaForward(KEY=VALUE, ...), e.g. s1:max_attention_splits=1 (at most one CTA a decode
-token's keys), or bf16head:quantization=fp8,fp8_lm_head=0 (FP8 weights, the LM head in bf16).
+token's keys), bf16head:quantization=fp8,fp8_lm_head=0 (FP8 weights, the LM head in bf16), or
+meta:quantization=fp8,random_bf16=wqkv+wo (FP8 weights but q|k|v and o in bf16, as Meta's
+Llama-3.1 FP8 releases are served; the floor counts their bf16 bytes).
 """
 from __future__ import annotations
 
@@ -331,6 +333,10 @@ LABEL_PROJECTIONS = {"qkv proj": ("qkv",), "rmsnorm + qkv proj": ("qkv",),
                      "residual": ("o", "gate_up", "down"), "lm head": ("lm_head",)}
 
 
+# CudaForward's fused projections by roofline.projection_weights' keys
+ROOFLINE_PROJECTIONS = {"wqkv": "qkv", "wo": "o", "wgu": "gate_up", "wdown": "down"}
+
+
 def label_weights(cfg: ModelConfig, label: str) -> int | None:
     """Weights (elements) a labelled op's projections hold, None for an op without any."""
     projections = LABEL_PROJECTIONS.get(label)
@@ -341,22 +347,31 @@ def label_weights(cfg: ModelConfig, label: str) -> int | None:
 
 
 def op_bytes(cfg: ModelConfig, label: str, point: Point, weights_fp8: bool = False,
-             kv_fp8: bool = False, lm_head_fp8: bool = False) -> int | None:
+             kv_fp8: bool = False, lm_head_fp8: bool = False,
+             kept_bf16: frozenset[str] = frozenset()) -> int | None:
     """Bytes one launch of a labelled op must read (weights: bf16, or E4M3 codes with
-    weights_fp8, and for the LM head with lm_head_fp8; or keys and values), if known."""
+    weights_fp8 but for the projections of kept_bf16, and for the LM head with lm_head_fp8; or
+    keys and values), if known."""
     weights = label_weights(cfg, label)
     if weights is not None:
-        fp8 = lm_head_fp8 if label == "lm head" else weights_fp8
+        fp8 = (lm_head_fp8 if label == "lm head"
+               else weights_fp8 and not kept_bf16 & set(LABEL_PROJECTIONS[label]))
         return weights * (1 if fp8 else BF16_BYTES)
     if label == "attention":
         return int(point.context_lens.sum()) * kv_bytes_per_token(cfg, kv_fp8) // cfg.num_layers
     return None
 
 
+def kept_bf16(fwd) -> frozenset[str]:
+    """The projections (roofline.projection_weights' keys) the forward pass timed keeps in
+    bf16 beside FP8 ones (CudaForward's random_bf16)."""
+    return frozenset(ROOFLINE_PROJECTIONS[name] for name in fwd.random_bf16)
+
+
 def fwd_op_bytes(fwd):
     """op_bytes for the forward pass timed: its FP8 weights, cache and LM head count."""
     return functools.partial(op_bytes, weights_fp8=fwd.fp8, kv_fp8=fwd.kv_fp8,
-                             lm_head_fp8=fwd.lm_head_fp8)
+                             lm_head_fp8=fwd.lm_head_fp8, kept_bf16=kept_bf16(fwd))
 
 
 def op_flops(cfg: ModelConfig, label: str, point: Point) -> int | None:
@@ -606,7 +621,7 @@ def run_points(args, bw: float, monitor: GpuMonitor) -> tuple[list, list]:
                     continue
                 seconds, clocks = timed_step(fwd, point, blocks_per_seq, monitor)
                 need = decode_step_bytes(cfg, [point.context] * point.batch, fwd.fp8,
-                                         fwd.kv_fp8, fwd.lm_head_fp8)
+                                         fwd.kv_fp8, fwd.lm_head_fp8, kept_bf16(fwd))
                 floor = need.total / bw
                 table.append((name, point, impl, seconds, floor))
                 print(f"bench decode {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step "

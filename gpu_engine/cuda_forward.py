@@ -33,7 +33,8 @@ from .gemm_tuning import ChoiceCache, GemmTuner, cache_file
 from .roofline import layer_projection_weights
 from .demo_model import float32_to_bf16_bits
 from .forward_batch import ForwardBatch
-from .weight_layout import interleave_gate_up, rope_pair_order, served_bf16, stored_fp8
+from .weight_layout import FUSED_PROJECTIONS, interleave_gate_up, rope_pair_order, \
+    served_bf16, stored_fp8
 from .fp8 import (calibration_count, calibration_tokens, fp8_refusal, kv_scales_from_amax,
                   per_head_kv_scales)
 
@@ -1093,7 +1094,7 @@ class CudaForward:
                  attention_roomy_max_bucket: int | None = None,
                  fine_buckets_from: int = 128, qkv_release_early: bool | None = None,
                  fp8_x_f16: bool | None = None, fp8_x_sumsq: bool | None = None,
-                 final_norm_release: bool = False):
+                 final_norm_release: bool = False, random_bf16: str | tuple[str, ...] = ()):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -1122,6 +1123,10 @@ class CudaForward:
         bench_decode --options makes the comparison). final_norm_release: the final RMSNorm
         lets the LM head launch once its CTAs have started, so the head's first CTAs load their
         weights while it runs (off: the comparison bench_decode --options makes).
+        random_bf16 (random weights, quantization "fp8"): the fused projections (wqkv, wo, wgu,
+        wdown; a tuple, or joined by "+" as bench_decode --options gives it) every layer keeps
+        in bf16 beside the FP8 ones, as an FP8 checkpoint that stores them in bf16 is served
+        (_Layer.bf16; Meta's Llama-3.1 FP8 releases: wqkv+wo), for timing such a layout.
         fp8_x_f16 (quantization "fp8"; None: on with it, off without): in buckets of up to
         ForwardKernels.SKINNY_X_F16_MAX_ROWS rows, the kernels that write the residual stream's
         shadow (the embedding, the o and down projections), SiLU * up and the final RMSNorm
@@ -1208,6 +1213,15 @@ class CudaForward:
         if kv_cache_dtype not in ("auto", "bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: 'auto', 'bf16' or 'fp8'")
         self.fp8 = quantization == "fp8"
+        kept = random_bf16.split("+") if isinstance(random_bf16, str) else random_bf16
+        self.random_bf16 = frozenset(name for name in kept if name)
+        if self.random_bf16 - FUSED_PROJECTIONS.keys():
+            raise ValueError(f"random_bf16 {sorted(self.random_bf16)}: among "
+                             f"{'+'.join(FUSED_PROJECTIONS)}")
+        if self.random_bf16 and (weights is not None or not self.fp8):
+            raise ValueError("random_bf16 keeps random weights' projections in bf16 beside FP8 "
+                             "ones: it needs random weights and quantization 'fp8' (a "
+                             "checkpoint's own formats say which it keeps)")
         if fp8_x_f16 is None:
             fp8_x_f16 = self.fp8
         if fp8_x_f16 and not self.fp8:
@@ -1510,7 +1524,7 @@ class CudaForward:
             wgu=tensor(2 * I, H, fan_in=H),
             wdown=tensor(H, I, fan_in=I),
             input_norm=tensor(H, const=1.0) if self.fp8 else None,
-            post_norm=tensor(H, const=1.0) if self.fp8 else None)
+            post_norm=tensor(H, const=1.0) if self.fp8 else None, bf16=self.random_bf16)
             for _ in range(cfg.num_layers)]
         synchronize(self.stream)
 

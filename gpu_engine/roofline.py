@@ -9,6 +9,7 @@ kilobytes per layer, and they stay in L2.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .checkpoint import ModelConfig
@@ -24,10 +25,10 @@ def projection_weights(cfg: ModelConfig) -> dict[str, int]:
             "gate_up": 2 * H * I, "down": I * H, "lm_head": cfg.vocab_size * H}
 
 
-def projection_rows(cfg: ModelConfig) -> int:
-    """Output rows of one layer's projections (the FP8 weights' float32 scales)."""
+def projection_rows(cfg: ModelConfig) -> dict[str, int]:
+    """Output rows of each projection of one layer (the FP8 weights' float32 scales)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
-    return (cfg.q_size + 2 * cfg.kv_size) + H + 2 * I + H
+    return {"qkv": cfg.q_size + 2 * cfg.kv_size, "o": H, "gate_up": 2 * I, "down": H}
 
 
 def layer_projection_weights(cfg: ModelConfig) -> int:
@@ -46,14 +47,15 @@ def layer_vector_weights(cfg: ModelConfig) -> int:
 
 
 def linear_weight_bytes(cfg: ModelConfig, fp8: bool = False,
-                        lm_head_fp8: bool | None = None) -> int:
+                        lm_head_fp8: bool | None = None,
+                        kept_bf16: Collection[str] = ()) -> int:
     """Every projection of every layer, the LM head and the vector weights (norms, biases), in
-    bf16; fp8: the projections as E4M3 codes and a float32 scale per output row, and the LM head
-    too unless lm_head_fp8 is False (CudaForward's fp8_lm_head)."""
-    w = projection_weights(cfg)
-    projections = layer_projection_weights(cfg)
-    per_layer = (projections + 4 * projection_rows(cfg) if fp8
-                 else BF16_BYTES * projections) + BF16_BYTES * layer_vector_weights(cfg)
+    bf16; fp8: the projections as E4M3 codes and a float32 scale per output row, but those of
+    kept_bf16 (projection_weights' keys: an FP8 checkpoint's projections kept in bf16, every
+    layer's), and the LM head too unless lm_head_fp8 is False (CudaForward's fp8_lm_head)."""
+    w, rows = projection_weights(cfg), projection_rows(cfg)
+    per_layer = sum(w[p] + 4 * rows[p] if fp8 and p not in kept_bf16 else BF16_BYTES * w[p]
+                    for p in rows) + BF16_BYTES * layer_vector_weights(cfg)
     lm_head = (w["lm_head"] + 4 * cfg.vocab_size if fp8 and lm_head_fp8 is not False
                else BF16_BYTES * w["lm_head"])
     return cfg.num_layers * per_layer + lm_head + BF16_BYTES * cfg.hidden_size
@@ -81,11 +83,13 @@ class StepBytes:
 
 
 def decode_step_bytes(cfg: ModelConfig, context_lens: list[int], weights_fp8: bool = False,
-                      kv_fp8: bool = False, lm_head_fp8: bool | None = None) -> StepBytes:
+                      kv_fp8: bool = False, lm_head_fp8: bool | None = None,
+                      kept_bf16: Collection[str] = ()) -> StepBytes:
     """One decode step of len(context_lens) sequences, each attending to its context_lens[i]
     keys (the new token's included); FP8 weights (the LM head's too unless lm_head_fp8 is
-    False) and an E4M3 KV cache counted at the bytes their kernels read."""
-    return StepBytes(weights=linear_weight_bytes(cfg, weights_fp8, lm_head_fp8),
+    False, the projections of kept_bf16 excepted) and an E4M3 KV cache counted at the bytes
+    their kernels read."""
+    return StepBytes(weights=linear_weight_bytes(cfg, weights_fp8, lm_head_fp8, kept_bf16),
                      embedding=len(context_lens) * cfg.hidden_size * BF16_BYTES,
                      kv=sum(context_lens) * kv_bytes_per_token(cfg, kv_fp8))
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blink.gpu_engine.bench_decode import LABEL_PROJECTIONS, SHAPES, MixedPoint, Point, \
-    empty_kernels, op_bytes, parse_options, read_stream, step_batch
+from blink.gpu_engine.bench_decode import LABEL_PROJECTIONS, ROOFLINE_PROJECTIONS, SHAPES, \
+    MixedPoint, Point, empty_kernels, op_bytes, parse_options, read_stream, step_batch
 from blink.gpu_engine.roofline import BF16_BYTES, projection_weights
+from blink.gpu_engine.weight_layout import FUSED_PROJECTIONS
 from gpu import requires_gpu
 
 
@@ -111,12 +112,25 @@ def test_breakdown_labels_are_the_forward_pass_labels_and_count_their_weights():
     assert op_bytes(cfg, "lm head", point, weights_fp8=True) == BF16_BYTES * head
     assert op_bytes(cfg, "lm head", point, weights_fp8=True, lm_head_fp8=True) == head
     assert op_bytes(cfg, "down proj + residual", point, weights_fp8=True) == weights["down"]
+    # projections kept in bf16 beside FP8 ones (CudaForward's random_bf16, by
+    # ROOFLINE_PROJECTIONS: its fused names, every one of them) count two bytes a weight
+    assert ROOFLINE_PROJECTIONS.keys() == FUSED_PROJECTIONS.keys()
+    assert set(ROOFLINE_PROJECTIONS.values()) == weights.keys() - {"lm_head"}
+    meta = frozenset({"qkv", "o"})
+    assert op_bytes(cfg, "o proj + residual", point, weights_fp8=True,
+                    kept_bf16=meta) == BF16_BYTES * weights["o"]
+    assert op_bytes(cfg, "rmsnorm + qkv proj + rope + kv write", point, weights_fp8=True,
+                    kept_bf16=meta) == BF16_BYTES * weights["qkv"]
+    assert op_bytes(cfg, "rmsnorm + gate|up proj + silu*mul", point, weights_fp8=True,
+                    kept_bf16=meta) == weights["gate_up"]
 
 
 def test_options_take_ints_and_words():
     assert parse_options("bf16head:quantization=fp8,fp8_lm_head=0,max_attention_splits=-1") == (
         "bf16head", {"quantization": "fp8", "fp8_lm_head": 0, "max_attention_splits": -1})
     assert parse_options("plain") == ("plain", {})
+    assert parse_options("meta:quantization=fp8,random_bf16=wqkv+wo") == (
+        "meta", {"quantization": "fp8", "random_bf16": "wqkv+wo"})
 
 
 class _Kernels:

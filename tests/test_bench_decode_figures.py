@@ -23,10 +23,15 @@ NORMS = L * 2 * H + H
 KV_TOKEN = 2 * L * KV_HEADS * D  # elements of K and V a token over all layers
 
 
-def step_bytes(batch, context, weights_fp8=False, lm_head_fp8=False, kv_fp8=False) -> int:
-    """One decode step's bytes for the 1B, by hand."""
+def step_bytes(batch, context, weights_fp8=False, lm_head_fp8=False, kv_fp8=False,
+               attention_bf16=False) -> int:
+    """One decode step's bytes for the 1B, by hand (attention_bf16: FP8 weights but q|k|v and
+    o in bf16, Meta's Llama-3.1 FP8 layout)."""
     if weights_fp8:
         layers = L * (LAYER_PROJECTIONS + 4 * LAYER_ROWS)
+        if attention_bf16:  # q|k|v and o: a byte more a weight, no scale a row
+            attention = H * HEADS * D + 2 * H * KV_HEADS * D + HEADS * D * H
+            layers += L * (attention - 4 * (HEADS * D + 2 * KV_HEADS * D + H))
     else:
         layers = L * LAYER_PROJECTIONS * 2
     head = V * H + 4 * V if lm_head_fp8 else 2 * V * H
@@ -39,9 +44,10 @@ class FakeForward:
     gemm_tuner = None
 
     def __init__(self, cfg, quantization=None, kv_cache_dtype="auto", fp8_lm_head=True,
-                 **_):
+                 random_bf16="", **_):
         self.cfg = cfg
         self.fp8 = quantization == "fp8"
+        self.random_bf16 = frozenset(name for name in random_bf16.split("+") if name)
         self.lm_head_fp8 = self.fp8 and bool(fp8_lm_head)
         self.kv_fp8 = kv_cache_dtype == "fp8"
 
@@ -59,13 +65,15 @@ def test_summary_table_floors_count_each_variants_formats(monkeypatch, capsys):
                         lambda cfg, points, **options: (FakeForward(cfg, **options), 33))
     monkeypatch.setattr(bench_decode, "time_step", lambda fwd, point, blocks: seconds)
     bench_decode.main(["--shapes", "llama-3.2-1b", "--points", "32x512", "--fp8",
-                       "--options", "bf16head:quantization=fp8,fp8_lm_head=0"])
+                       "--options", "bf16head:quantization=fp8,fp8_lm_head=0",
+                       "meta:quantization=fp8,random_bf16=wqkv+wo"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
             if line.startswith("| llama-3.2-1b | 32 | 512 |")]
     want = {"default": step_bytes(32, 512),
             "fp8": step_bytes(32, 512, weights_fp8=True, lm_head_fp8=True),
             "fp8+kv": step_bytes(32, 512, weights_fp8=True, lm_head_fp8=True, kv_fp8=True),
-            "bf16head": step_bytes(32, 512, weights_fp8=True)}
+            "bf16head": step_bytes(32, 512, weights_fp8=True),
+            "meta": step_bytes(32, 512, weights_fp8=True, lm_head_fp8=True, attention_bf16=True)}
     assert [row[3] for row in rows] == list(want)
     for row in rows:
         floor_s = want[row[3]] / bw

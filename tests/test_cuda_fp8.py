@@ -341,6 +341,33 @@ def test_fp8_checkpoint_s_bf16_projections_are_uploaded_as_stored(fp8_models):
             np.testing.assert_array_equal(layer.scales[name].download(), scales, name)
 
 
+def test_random_weights_keep_the_projections_they_are_told_in_bf16(cf, tmp_path):
+    """bench_decode's mixed layouts (CudaForward's random_bf16; Meta's Llama-3.1 FP8 layout:
+    wqkv+wo): random weights whose kept projections stay bf16 (two bytes a weight, no scales,
+    bf16 tiled copies) beside E4M3 ones, every bucket's graph captured; a name that is not a
+    fused projection, or a kept projection without FP8 weights, refused."""
+    model = write_random_checkpoint(tmp_path / "shape", write_weights=False,
+                                    **FORWARD_SHAPES["llama"])
+    cfg = load_config(model)
+    options = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK, max_num_batched_tokens=MAX_TOKENS,
+                   max_num_seqs=MAX_SEQS, quantization="fp8")
+    engine = cf.CudaForward.random_weights(cfg, random_bf16="wqkv+wo", **options)
+    try:
+        assert engine.graph_execs  # (the captures ran every bucket's kernels)
+        for layer in engine.layers:
+            assert layer.bf16 == {"wqkv", "wo"} and sorted(layer.scales) == ["wdown", "wgu"]
+            for name, rows, cols in engine._projections():
+                assert getattr(layer, name).nbytes == rows * cols * (2 if name in layer.bf16
+                                                                    else 1), name
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="among"):
+        cf.CudaForward.random_weights(cfg, random_bf16="wqkv+w_o", **options)
+    with pytest.raises(ValueError, match="quantization 'fp8'"):
+        cf.CudaForward.random_weights(cfg, random_bf16="wo",
+                                      **{**options, "quantization": None})
+
+
 @pytest.fixture
 def mixed_on_a_bf16_cache(cf, fp8_models):
     """MIXED_FP8's checkpoint on an FP8 engine with a bf16 KV cache."""

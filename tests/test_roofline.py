@@ -55,6 +55,13 @@ def test_step_bytes_match_the_checkpoint(tmp_path, tied, arch):
         fp8_matrices + fp8_head + norms
     assert decode_step_bytes(cfg, contexts, weights_fp8=True, lm_head_fp8=False).weights == \
         fp8_matrices + head + norms
+    # q|k|v and o kept in bf16 beside FP8 ones (Meta's Llama-3.1 FP8 layout): as stored
+    attention = {n: b for n, b in matrices.items() if ".self_attn." in n}
+    kept = sum(attention.values()) - sum(b // 2 for b in attention.values()) - 4 * sum(
+        b // 2 // cfg.hidden_size for b in attention.values())
+    assert len(attention) == 4 * cfg.num_layers
+    assert decode_step_bytes(cfg, contexts, weights_fp8=True, kept_bf16={"qkv", "o"}).weights \
+        == fp8_matrices + kept + fp8_head + norms
 
 
 def test_a_weightless_folder_for_dummy_weights(tmp_path):
