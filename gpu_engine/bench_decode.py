@@ -333,7 +333,7 @@ LABEL_PROJECTIONS = {"qkv proj": ("qkv",), "rmsnorm + qkv proj": ("qkv",),
                      "residual": ("o", "gate_up", "down"), "lm head": ("lm_head",)}
 
 
-# CudaForward's fused projections by roofline.projection_weights' keys
+# CudaForward's fused projection names -> roofline.projection_weights' keys
 ROOFLINE_PROJECTIONS = {"wqkv": "qkv", "wo": "o", "wgu": "gate_up", "wdown": "down"}
 
 
@@ -352,17 +352,18 @@ def op_bytes(cfg: ModelConfig, label: str, point: Point, weights_fp8: bool = Fal
     """Bytes one launch of a labelled op must read (weights: bf16, or E4M3 codes with
     weights_fp8 but for the projections of kept_bf16, and for the LM head with lm_head_fp8; or
     keys and values), if known."""
-    weights = label_weights(cfg, label)
-    if weights is not None:
-        fp8 = (lm_head_fp8 if label == "lm head"
-               else weights_fp8 and not kept_bf16 & set(LABEL_PROJECTIONS[label]))
-        return weights * (1 if fp8 else BF16_BYTES)
+    if label == "lm head":
+        return label_weights(cfg, label) * (1 if lm_head_fp8 else BF16_BYTES)
+    if label in LABEL_PROJECTIONS:
+        weights = projection_weights(cfg)
+        return sum(weights[p] * (1 if weights_fp8 and p not in kept_bf16 else BF16_BYTES)
+                   for p in LABEL_PROJECTIONS[label])
     if label == "attention":
         return int(point.context_lens.sum()) * kv_bytes_per_token(cfg, kv_fp8) // cfg.num_layers
     return None
 
 
-def kept_bf16(fwd) -> frozenset[str]:
+def projections_kept_bf16(fwd) -> frozenset[str]:
     """The projections (roofline.projection_weights' keys) the forward pass timed keeps in
     bf16 beside FP8 ones (CudaForward's random_bf16)."""
     return frozenset(ROOFLINE_PROJECTIONS[name] for name in fwd.random_bf16)
@@ -371,7 +372,8 @@ def kept_bf16(fwd) -> frozenset[str]:
 def fwd_op_bytes(fwd):
     """op_bytes for the forward pass timed: its FP8 weights, cache and LM head count."""
     return functools.partial(op_bytes, weights_fp8=fwd.fp8, kv_fp8=fwd.kv_fp8,
-                             lm_head_fp8=fwd.lm_head_fp8, kept_bf16=kept_bf16(fwd))
+                             lm_head_fp8=fwd.lm_head_fp8,
+                             kept_bf16=projections_kept_bf16(fwd))
 
 
 def op_flops(cfg: ModelConfig, label: str, point: Point) -> int | None:
@@ -621,7 +623,8 @@ def run_points(args, bw: float, monitor: GpuMonitor) -> tuple[list, list]:
                     continue
                 seconds, clocks = timed_step(fwd, point, blocks_per_seq, monitor)
                 need = decode_step_bytes(cfg, [point.context] * point.batch, fwd.fp8,
-                                         fwd.kv_fp8, fwd.lm_head_fp8, kept_bf16(fwd))
+                                         fwd.kv_fp8, fwd.lm_head_fp8,
+                                         projections_kept_bf16(fwd))
                 floor = need.total / bw
                 table.append((name, point, impl, seconds, floor))
                 print(f"bench decode {name} {point} ({impl}): {seconds * 1e3:.3f} ms/step "

@@ -1050,7 +1050,8 @@ class _Layer:
     input_norm: DeviceArray | None = None  # [H] bf16
     post_norm: DeviceArray | None = None   # [H] bf16
     # with FP8 weights, those of the four an FP8 checkpoint keeps wider than E4M3
-    # (weight_layout.served_bf16): bf16, the RMSNorm folded in, as on bf16 weights
+    # (weight_layout.served_bf16), or random weights' random_bf16: bf16, the RMSNorm folded
+    # in, as on bf16 weights
     bf16: frozenset[str] = frozenset()
 
 
@@ -1215,8 +1216,8 @@ class CudaForward:
         self.fp8 = quantization == "fp8"
         kept = random_bf16.split("+") if isinstance(random_bf16, str) else random_bf16
         self.random_bf16 = frozenset(name for name in kept if name)
-        if self.random_bf16 - FUSED_PROJECTIONS.keys():
-            raise ValueError(f"random_bf16 {sorted(self.random_bf16)}: among "
+        if unknown := self.random_bf16 - FUSED_PROJECTIONS.keys():
+            raise ValueError(f"random_bf16 {'+'.join(sorted(unknown))}: not among "
                              f"{'+'.join(FUSED_PROJECTIONS)}")
         if self.random_bf16 and (weights is not None or not self.fp8):
             raise ValueError("random_bf16 keeps random weights' projections in bf16 beside FP8 "
@@ -1272,6 +1273,8 @@ class CudaForward:
         self.fuse_norm_rope = fuse_norm_rope
         self.splitk_residual = splitk_residual
         self.skinny_qkv_rope = skinny_qkv_rope
+        # (a layer counted as all FP8 where some projections stay bf16: with Meta's layout,
+        # q|k|v and o bf16, the 1B and 8B shapes' layers stay on the same side of the line)
         self.qkv_release_early = (
             layer_projection_weights(cfg) * (1 if self.fp8 else 2)
             <= ForwardKernels.QKV_RELEASE_EARLY_MAX_LAYER_BYTES

@@ -121,6 +121,18 @@ def test_breakdown_rates_are_all_launches_bytes_over_their_time(capsys):
     attention_gbs = 16 * 32 * 512 * 2 * KV_HEADS * D * 2 / 100e-6 / 1e9  # 5,369 GB/s
     assert float(out["| down proj + residual"][5].strip(" |")) == pytest.approx(down_gbs, abs=1)
     assert float(out["| attention"][5].strip(" |")) == pytest.approx(attention_gbs, abs=1)
+    # FP8 weights but o kept in bf16 (random_bf16): o's launches count two bytes a weight,
+    # down's one
+    rows = [("o proj + residual", 16, 100e-6), ("down proj + residual", 16, 200e-6),
+            ("whole step", 120, 1000e-6)]
+    bench_decode.print_breakdown("llama-3.2-1b", CFG, point, rows, 4e12, "meta",
+                                 fwd_formats(quantization="fp8", random_bf16="wqkv+wo"))
+    out = {line.split(" | ")[0]: line.split(" | ")
+           for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    o_gbs = 16 * HEADS * D * H * 2 / 100e-6 / 1e9
+    assert float(out["| o proj + residual"][5].strip(" |")) == pytest.approx(o_gbs, abs=1)
+    assert float(out["| down proj + residual"][5].strip(" |")) == pytest.approx(down_gbs / 2,
+                                                                                 abs=1)
 
 
 def test_marginal_rows_are_the_steps_differences(capsys):

@@ -344,8 +344,9 @@ def test_fp8_checkpoint_s_bf16_projections_are_uploaded_as_stored(fp8_models):
 def test_random_weights_keep_the_projections_they_are_told_in_bf16(cf, tmp_path):
     """bench_decode's mixed layouts (CudaForward's random_bf16; Meta's Llama-3.1 FP8 layout:
     wqkv+wo): random weights whose kept projections stay bf16 (two bytes a weight, no scales,
-    bf16 tiled copies) beside E4M3 ones, every bucket's graph captured; a name that is not a
-    fused projection, or a kept projection without FP8 weights, refused."""
+    bf16 tiled copies) beside E4M3 ones, every bucket's graph captured, and a prefill and
+    decode steps (skinny and cuBLAS, both formats side by side) give finite logits; a name that
+    is not a fused projection, or a kept projection without FP8 weights, refused."""
     model = write_random_checkpoint(tmp_path / "shape", write_weights=False,
                                     **FORWARD_SHAPES["llama"])
     cfg = load_config(model)
@@ -353,15 +354,26 @@ def test_random_weights_keep_the_projections_they_are_told_in_bf16(cf, tmp_path)
                    max_num_seqs=MAX_SEQS, quantization="fp8")
     engine = cf.CudaForward.random_weights(cfg, random_bf16="wqkv+wo", **options)
     try:
-        assert engine.graph_execs  # (the captures ran every bucket's kernels)
+        assert set(engine.graph_execs) == set(engine.buckets)
         for layer in engine.layers:
             assert layer.bf16 == {"wqkv", "wo"} and sorted(layer.scales) == ["wdown", "wgu"]
             for name, rows, cols in engine._projections():
-                assert getattr(layer, name).nbytes == rows * cols * (2 if name in layer.bf16
-                                                                    else 1), name
+                size = 2 if name in layer.bf16 else 1
+                assert getattr(layer, name).nbytes == rows * cols * size, name
+                assert layer.tiled[name].nbytes == size * engine.kernels.tiled_elements(
+                    rows, cols, size), name
+        seqs = [list(prompt(cfg, n, seed=50 + i)) for i, n in enumerate((40, 9))]
+        tables = [np.arange(8), np.arange(8, 16)]
+        chunks = [(np.array(s), 0, t) for s, t in zip(seqs, tables)]
+        for _ in range(3):  # a 49-token prefill, then decode steps of two rows
+            logits = engine.run(make_batch(chunks))[0]
+            assert np.isfinite(logits).all()
+            for s, row in zip(seqs, logits):
+                s.append(int(np.argmax(row)))
+            chunks = [(np.array(s[-1:]), len(s) - 1, t) for s, t in zip(seqs, tables)]
     finally:
         engine.close()
-    with pytest.raises(ValueError, match="among"):
+    with pytest.raises(ValueError, match="w_o: not among"):
         cf.CudaForward.random_weights(cfg, random_bf16="wqkv+w_o", **options)
     with pytest.raises(ValueError, match="quantization 'fp8'"):
         cf.CudaForward.random_weights(cfg, random_bf16="wo",

@@ -15,40 +15,48 @@ from blink.gpu_engine.roofline import decode_step_bytes, kv_bytes_per_token, \
     layer_projection_weights, step_flops
 
 
-def tensor_bytes(model_dir) -> dict[str, int]:
-    """name -> bytes, read from the safetensors header (the checkpoint, not our arithmetic)."""
+def tensor_header(model_dir) -> dict[str, dict]:
+    """name -> its safetensors header entry (the checkpoint, not our arithmetic)."""
     raw = (model_dir / "model.safetensors").read_bytes()
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    return {name: e for name, e in header.items() if name != "__metadata__"}
+
+
+def tensor_bytes(model_dir) -> dict[str, int]:
+    """name -> bytes, read from the safetensors header."""
     return {name: e["data_offsets"][1] - e["data_offsets"][0]
-            for name, e in header.items() if name != "__metadata__"}
+            for name, e in tensor_header(model_dir).items()}
 
 
-@pytest.mark.parametrize("tied, arch", [(False, "llama"), (True, "llama"), (False, "qwen2"),
-                                         (False, "qwen3")])
-def test_step_bytes_match_the_checkpoint(tmp_path, tied, arch):
+# (head dim 32: 4 heads of q make 128 rows against a hidden size of 64, o's input and output)
+@pytest.mark.parametrize("tied, arch, head_dim", [(False, "llama", None), (True, "llama", None),
+                                                   (False, "qwen2", None), (False, "qwen3", None),
+                                                   (False, "llama", 32)])
+def test_step_bytes_match_the_checkpoint(tmp_path, tied, arch, head_dim):
     """Qwen2's qkv biases and Qwen3's q and k norms are read every step too."""
     model = write_random_checkpoint(tmp_path / "m", hidden_size=64, intermediate_size=160,
                                     num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=2304,
-                                    tie_word_embeddings=tied, architecture=arch)
+                                    tie_word_embeddings=tied, architecture=arch,
+                                    **({"head_dim": head_dim} if head_dim else {}))
     cfg = load_config(model)
+    assert head_dim is None or cfg.q_size != cfg.hidden_size
     sizes = tensor_bytes(model)
+    rows = {name: e["shape"][0] for name, e in tensor_header(model).items()}
     embed = sizes["model.embed_tokens.weight"]
     read_whole = sum(sizes.values()) - (0 if tied else embed)
     contexts = [1, 17, 300]
     need = decode_step_bytes(cfg, contexts)
     assert need.weights == read_whole
     assert need.embedding == len(contexts) * embed // cfg.vocab_size
-    # K and V: layers x kv heads x head dim, bf16, per token of context
-    assert need.kv == sum(contexts) * 3 * 2 * 2 * (64 // 4) * 2 == \
+    # K and V: layers x kv heads x head dim (64 / 4 heads unless given), bf16, per token
+    assert need.kv == sum(contexts) * 3 * 2 * 2 * (head_dim or 64 // 4) * 2 == \
         sum(contexts) * kv_bytes_per_token(cfg)
     assert need.total == need.weights + need.embedding + need.kv
     # FP8 weights: every 2-D projection (the LM head's too, unless kept bf16) as one byte an
     # element and a float32 scale a row; the norm weights stay bf16
     matrices = {n: b for n, b in sizes.items() if n.endswith("proj.weight")}
     head = sizes["lm_head.weight" if not tied else "model.embed_tokens.weight"]
-    fp8_matrices = sum(b // 2 for b in matrices.values()) + 4 * sum(
-        b // 2 // (cfg.intermediate_size if "down_proj" in n else cfg.hidden_size)
-        for n, b in matrices.items())
+    fp8_matrices = sum(b // 2 for b in matrices.values()) + 4 * sum(rows[n] for n in matrices)
     norms = read_whole - sum(matrices.values()) - head
     fp8_head = head // 2 + 4 * cfg.vocab_size
     assert decode_step_bytes(cfg, contexts, weights_fp8=True).weights == \
@@ -57,8 +65,7 @@ def test_step_bytes_match_the_checkpoint(tmp_path, tied, arch):
         fp8_matrices + head + norms
     # q|k|v and o kept in bf16 beside FP8 ones (Meta's Llama-3.1 FP8 layout): as stored
     attention = {n: b for n, b in matrices.items() if ".self_attn." in n}
-    kept = sum(attention.values()) - sum(b // 2 for b in attention.values()) - 4 * sum(
-        b // 2 // cfg.hidden_size for b in attention.values())
+    kept = sum(b - b // 2 - 4 * rows[n] for n, b in attention.items())
     assert len(attention) == 4 * cfg.num_layers
     assert decode_step_bytes(cfg, contexts, weights_fp8=True, kept_bf16={"qkv", "o"}).weights \
         == fp8_matrices + kept + fp8_head + norms
