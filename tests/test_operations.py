@@ -654,10 +654,16 @@ def slots_in_use(ring: str, workers: int) -> list[int]:
     return [int(n) for n in np.fromfile(WorkerCounts.path(ring, "slots"), np.uint64)[:workers]]
 
 
-def streams_on_every_worker(target: str, ring: str, workers: int, tokens: int, results: list):
+def streams_on_every_worker(target: str, ring: str, workers: int, tokens: int, results: list,
+                            log_text):
     """Long streams, a connection each (gRPC shares one between a process's channels to one
     target), started one at a time until every worker has one (at most 16); each thread
-    appends its result or its BlinkError to `results`."""
+    appends its result or its BlinkError to `results`. First, every worker listening, as the
+    front end's log (log_text()) says: worker 1 answers health, and so readiness, before the
+    others bind the port (on a loaded 2-core VM all 16 streams once went to it)."""
+    wait_for(lambda: all(f"worker {i}/{workers} listening" in log_text()
+                         for i in range(1, workers + 1)), 60, "every front-end worker")
+
     def stream():
         with BlinkClient(target, options=[("grpc.use_local_subchannel_pool", 1)]) as client:
             try:
@@ -687,7 +693,7 @@ def test_a_second_stop_signal_cuts_the_drain_short(long_checkpoint, tmp_path):
     results = []
     try:
         streamers = streams_on_every_worker(serve.target, os.path.basename(ring), 2, 5000,
-                                            results)
+                                            results, serve.log_path.read_text)
         engine = serve.engine_pid()
         os.killpg(serve.proc.pid, signal.SIGINT)
         with BlinkClient(serve.target) as client:
@@ -718,7 +724,9 @@ def test_one_sigterm_lets_every_front_end_worker_finish_its_streams(long_checkpo
         "--engine", "synthetic", "--synthetic-step-ms", "5", "--slots", "32"],
         frontend_args=["--workers", "2", "--shutdown-timeout", "60"])
     results = []
-    streamers = streams_on_every_worker(stack.target, stack.ring_name, 2, 2000, results)
+    streamers = streams_on_every_worker(  # (stack.logs() keeps each log's tail only)
+        stack.target, stack.ring_name, 2, 2000, results,
+        lambda: "".join(f.read_text() for f in stack.workdir.glob("frontend-*.log")))
     stack.frontend.send_signal(signal.SIGTERM)
     assert stack.frontend.wait(60) == 0
     for streamer in streamers:
