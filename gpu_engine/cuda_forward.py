@@ -1786,6 +1786,11 @@ class CudaForward:
         act_f16 = self.act_f16.ptr if hand_x_f16 else 0
         x_sumsq = self.x_sumsq.ptr if hand_x_f16 and rows <= self.x_sumsq_max_rows else 0
 
+        def f16_into(lw, name, form=x_f16):
+            """x's f16 form (form) for layer lw's projection `name` where it is an FP8 one,
+            which takes it from the kernel before, whatever that one's weights; 0 for bf16."""
+            return 0 if self.is_bf16(lw.bf16, name) else form
+
         def fp8_linear(label, lw, name, dst, in_f, out_f, accumulate=False):
             """dst (+)= act_q @ lw.<name>^T on cuBLASLt's FP8 GEMM (E4M3 act_q with its rows'
             scales, the weight's codes with theirs): bf16 out, or fp32 added into dst. The
@@ -1817,16 +1822,13 @@ class CudaForward:
             output by a kernel of its own). A projection the checkpoint keeps in bf16
             (_Layer.bf16) runs the bf16 path's kernel in its place, its input as that kernel
             takes it (the RMSNorm before it folded, or a bf16 kernel's)."""
-            fp8 = {name: not self.is_bf16(lw.bf16, name) for name in ("wqkv", "wo", "wgu",
-                                                                      "wdown")}
+            fp8 = {name: not self.is_bf16(lw.bf16, name) for name in FUSED_PROJECTIONS}
             following = self.layers[li + 1] if li + 1 < len(self.layers) else None
-            # x's f16 form (and sums of squares) goes to each FP8 skinny kernel from the
-            # kernel before, whatever that one's weights: the embedding or the layer before's
-            # down to qkv, o to gate|up, gate|up to down, down to the next layer's qkv
-            qkv_f16 = x_f16 if fp8["wqkv"] else 0
-            gu_f16 = x_f16 if fp8["wgu"] else 0
-            down_f16 = act_f16 if fp8["wdown"] else 0
-            next_f16 = x_f16 if following and not self.is_bf16(following.bf16, "wqkv") else 0
+            # x's f16 form (and sums of squares): the embedding or the layer before's down to
+            # qkv, o to gate|up, gate|up to down, down to the next layer's qkv
+            qkv_f16, gu_f16 = f16_into(lw, "wqkv"), f16_into(lw, "wgu")
+            down_f16 = f16_into(lw, "wdown", act_f16)
+            next_f16 = f16_into(following, "wqkv") if following else 0
             if fuse and lw.q_norm is None:
                 wqkv, tiled = skinny_weight(lw, "wqkv")
                 norm = ({"w_scale": lw.scales["wqkv"].ptr, "norm_w": lw.input_norm.ptr,
@@ -1901,7 +1903,7 @@ class CudaForward:
                        accumulate=True)
 
         # (x's f16 form for the first qkv projection where it is an FP8 one)
-        first_f16 = x_f16 if not self.is_bf16(self.layers[0].bf16, "wqkv") else 0
+        first_f16 = f16_into(self.layers[0], "wqkv")
         op("embedding", k.embedding, s, rows, d, self.token_ids.ptr, self.embed.ptr, self.x.ptr,
            H, V, x_shadow=shadow, x_f16=first_f16,
            norm_w=self.layers[0].input_norm.ptr if first_f16 else 0,
