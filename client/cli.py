@@ -815,9 +815,8 @@ def _free_port_run(bind, n: int) -> list:
 def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None:
     """One extra front-end worker process (multiprocessing target). It stops with its parent,
     however that ends (a kill -9 of serve used to leave it serving NOT_SERVING on the port)."""
-    _exit_with_parent(parent_pid, f"blink front-end worker {index + 1}")
-    import signal
-
+    signal.signal(PARENT_DIED_SIGNAL, _stop_as_parent_died)
+    _exit_with_parent(parent_pid, f"blink front-end worker {index + 1}", PARENT_DIED_SIGNAL)
     from blink.nic_service.server import serve
     from blink.ring.lifecycle import HURRY_SIGNAL
     signal.signal(HURRY_SIGNAL, signal.SIG_IGN)  # (its default ends a worker still starting)
@@ -830,30 +829,28 @@ def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None
         asyncio.run(serve(_frontend_config(args, model_dir), None,
                           shutdown_timeout_s=args.shutdown_timeout, repeats_hurry=False))
     finally:
-        if _parent_died(parent_pid):  # (SIGKILL): nobody else clears them
+        if _parent_died:  # (SIGKILL): nobody else clears them
             from blink.nic_service.engine_link import WorkerCounts
             WorkerCounts.reset(args.ring_name)
 
 
-def _parent_died(parent_pid: int, wait_s: float = 0.25) -> bool:
-    """Whether serve (parent_pid), which clears the workers' shared counts once they have
-    stopped, has died instead. The parent-death signal comes as the thread that started this
-    process exits: in a SIGKILL, before the rest of serve's threads, and until the last of them
-    has gone getppid() still names serve (so a worker that drained fast left the counts in
-    /dev/shm, one run in eight on a loaded 2-core VM). So: serve's main thread has exited (a
-    zombie, or gone), or this process has another parent, within wait_s (a worker restarted by
-    serve's watcher thread may get the signal before the main thread is hit)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        if os.getppid() != parent_pid:
-            return True
-        try:  # the state, after the command's parenthesized name
-            state = Path(f"/proc/{parent_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return True
-        if state in ("Z", "X") or time.monotonic() > deadline:
-            return state in ("Z", "X")
-        time.sleep(0.01)
+# A front-end worker's parent-death signal, apart from the SIGTERM of a normal stop, so that
+# the worker knows which it got. (Polling serve's state instead, as this once did, raced: the
+# signal comes as the thread that started the worker exits, and getppid() names serve until
+# its last thread has gone, which took longer than any fixed wait on a loaded 2-core VM.)
+PARENT_DIED_SIGNAL = signal.SIGUSR2
+_parent_died = False  # in a worker: its PARENT_DIED_SIGNAL has come
+
+
+def _stop_as_parent_died(*_) -> None:
+    """The worker's PARENT_DIED_SIGNAL handler: noted, then the stop a SIGTERM asks for (the
+    signal may come again, once for each of serve's threads the worker was handed to as they
+    died: a worker stops once). Serve's watcher thread ends in a normal stop too, and the
+    workers it restarted get this signal then: they clear the counts early, which the others,
+    holding them mapped, do not notice, and serve's own clearing tolerates."""
+    global _parent_died
+    _parent_died = True
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class FrontendWorkers:
@@ -993,14 +990,14 @@ def _engine_argv(args, model_dir: Path) -> list[str]:
     return argv
 
 
-def _exit_with_parent(parent_pid: int, who: str) -> None:
-    """SIGTERM to this process when its parent exits (Linux prctl PR_SET_PDEATHSIG), set by the
+def _exit_with_parent(parent_pid: int, who: str, sig: int = signal.SIGTERM) -> None:
+    """`sig` to this process when its parent exits (Linux prctl PR_SET_PDEATHSIG), set by the
     child itself (the engine after exec, a front-end worker as it starts): a preexec_fn would
     run Python in a child forked from serve's threads (gRPC's), which can crash before the exec
     (a restarted engine exited with SIGSEGV so). A parent already gone by then has left this
     process to another: exit."""
     import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    ctypes.CDLL(None, use_errno=True).prctl(1, sig)
     if os.getppid() != parent_pid:
         sys.exit(f"{who}: its parent {parent_pid} has exited")
 
