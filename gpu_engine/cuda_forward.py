@@ -406,9 +406,10 @@ class ForwardKernels:
     def rope_kv_write(self, stream, rows, desc, positions, token_seq, block_tables,
                       max_blocks_per_seq, qkv, qkv_bias, q_norm, k_norm, eps, inv_freq,
                       num_heads, num_kv_heads, q_out, k_cache, v_cache, block_size, num_blocks,
-                      kv_scales=0, kv_amax=0):
+                      kv_scales=0, kv_amax=0, release_next=False):
         """kv_scales: an E4M3 cache's (the layer's [2, num_kv_heads] float32: keys', values');
-        kv_amax: as those, where the calibration pass notes each head's largest |value|."""
+        kv_amax: as those, where the calibration pass notes each head's largest |value|.
+        release_next: attention, the next kernel, launches once this one's CTAs have started."""
         self._need(bool(q_norm) == bool(k_norm), "q_norm and k_norm come together")
         self._kv_checks(kv_scales, kv_amax)
         warps = self.rope_threads // 32
@@ -418,8 +419,8 @@ class ForwardKernels:
                      _i32(max_blocks_per_seq), _ptr(qkv), _ptr(qkv_bias), _ptr(q_norm),
                      _ptr(k_norm), _f32(eps), _ptr(inv_freq), _i32(num_heads),
                      _i32(num_kv_heads), _ptr(q_out), _ptr(k_cache), _ptr(v_cache),
-                     _i32(block_size), _i32(num_blocks), _ptr(kv_scales), _ptr(kv_amax)],
-                    stream)
+                     _i32(block_size), _i32(num_blocks), _ptr(kv_scales), _ptr(kv_amax),
+                     _i32(int(release_next))], stream)
 
     def attention(self, stream, rows, desc, positions, token_seq, block_tables,
                   max_blocks_per_seq, q, k_cache, v_cache, block_size, num_heads, num_kv_heads,
@@ -1095,7 +1096,8 @@ class CudaForward:
                  attention_roomy_max_bucket: int | None = None,
                  fine_buckets_from: int = 128, qkv_release_early: bool | None = None,
                  fp8_x_f16: bool | None = None, fp8_x_sumsq: bool | None = None,
-                 final_norm_release: bool = False, random_bf16: str | tuple[str, ...] = ()):
+                 final_norm_release: bool = False, rope_release: bool = True,
+                 random_bf16: str | tuple[str, ...] = ()):
         """num_blocks: KV-cache blocks; None sizes the cache to fill gpu_memory_utilization of
         the device's memory once weights and activations are in. max_model_len (default: the
         model's max_position_embeddings) sets the block-table width. skinny: projections of
@@ -1124,6 +1126,12 @@ class CudaForward:
         bench_decode --options makes the comparison). final_norm_release: the final RMSNorm
         lets the LM head launch once its CTAs have started, so the head's first CTAs load their
         weights while it runs (off: the comparison bench_decode --options makes).
+        rope_release: RoPE + KV write, where it is a kernel of its own (the steps past the
+        fused buckets, such as a warm prefix request's chunk; every step of Qwen3, whose q/k
+        norms keep it a kernel: not timed there), lets attention launch once its CTAs have
+        started, so attention's launch and its query tiles' search run beside it (on by
+        default: docs/performance.md round 54, 1.0-2.7% off a short chunk's step; off: the
+        comparison bench_decode --options makes).
         random_bf16 (random weights, quantization "fp8"): the fused projections (wqkv, wo, wgu,
         wdown; a tuple, or joined by "+" as bench_decode --options gives it) every layer keeps
         in bf16 beside the FP8 ones, as an FP8 checkpoint that stores them in bf16 is served
@@ -1280,6 +1288,7 @@ class CudaForward:
             <= ForwardKernels.QKV_RELEASE_EARLY_MAX_LAYER_BYTES
             if qkv_release_early is None else qkv_release_early)
         self.final_norm_release = final_norm_release
+        self.rope_release = rope_release
         self.fp8_x_f16 = fp8_x_f16
         # the buckets whose normalizing FP8 kernels take x's sums of squares (0: none)
         self.x_sumsq_max_rows = x_sumsq_rows if fp8_x_sumsq else 0
@@ -1920,7 +1929,8 @@ class CudaForward:
                 op("rope + kv write", k.rope_kv_write, s, rows, d, *rope_args, self.qkv.ptr,
                    lw.bqkv.ptr if lw.bqkv else 0, lw.q_norm.ptr if lw.q_norm else 0,
                    lw.k_norm.ptr if lw.k_norm else 0, eps, self.inv_freq.ptr, cfg.num_heads,
-                   cfg.num_kv_heads, *cache_args, **kv_write)
+                   cfg.num_kv_heads, *cache_args, release_next=in_order and self.rope_release,
+                   **kv_write)
 
             def attend(release_next, k_layer=k_layer, v_layer=v_layer, kv_write=kv_write):
                 # (the workspace is sized for the choices made at construction: one changed

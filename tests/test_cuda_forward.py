@@ -2056,6 +2056,18 @@ def test_qkv_release_early_is_the_default_where_layers_are_small(cf, models):
     assert all(engine.qkv_release_early for _, _, engine in models.values())
 
 
+def recorded_releases(engine, monkeypatch, name) -> list[bool]:
+    """The release_next of each later launch of engine.kernels.<name>, in order."""
+    releases, launch = [], getattr(engine.kernels, name)
+
+    def recorded(*args, release_next=False, **kwargs):
+        releases.append(release_next)
+        return launch(*args, release_next=release_next, **kwargs)
+
+    monkeypatch.setattr(engine.kernels, name, recorded)
+    return releases
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_forward_qkv_release_early_is_bit_identical(cf, models, monkeypatch, quantization):
     """qkv_release_early (the skinny qkv projection lets attention launch at its start) changes
@@ -2074,13 +2086,7 @@ def test_forward_qkv_release_early_is_bit_identical(cf, models, monkeypatch, qua
     try:
         assert_same_steps(cfg, *engines, seed=12, chunks=(20, 13, 7))
         for engine in engines:
-            releases, launch = [], engine.kernels.skinny_qkv_rope
-
-            def counted(*args, release_next=False, launch=launch, releases=releases, **kwargs):
-                releases.append(release_next)
-                return launch(*args, release_next=release_next, **kwargs)
-
-            monkeypatch.setattr(engine.kernels, "skinny_qkv_rope", counted)
+            releases = recorded_releases(engine, monkeypatch, "skinny_qkv_rope")
             sizes = (20, 13, 1) if quantization is None else (13, 1)  # steps on the skinny qkv
             for n in sizes:  # ops() runs again when eager: counted
                 engine.run(make_batch([(prompt(cfg, n, seed=13), 0, np.arange(2))]), eager=True)
@@ -2121,6 +2127,30 @@ def test_forward_final_norm_release_is_bit_identical(cf, models, monkeypatch, qu
                 heads.add(skinny_head)
                 assert events[final][1] is (engine.final_norm_release and skinny_head), events
             assert heads == {True, False}  # both heads were seen
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_forward_rope_release_is_bit_identical(cf, models, monkeypatch, quantization):
+    """rope_release (the RoPE + KV write kernel lets attention launch at its start) changes
+    when attention's CTAs launch, not what any kernel computes: a 40-token chunk (past the
+    fused buckets: RoPE a kernel of its own), then 13 and 7 and decode steps, bit-identical
+    with it on and off, on bf16 and FP8 weights (with the FP8 cache); with it on every layer's
+    RoPE kernel releases, with it off none."""
+    cfg, w, _ = models["llama"]
+    options = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK, max_num_batched_tokens=MAX_TOKENS,
+                   max_num_seqs=MAX_SEQS)
+    if quantization:
+        options.update(quantization=quantization, kv_cache_dtype=quantization)
+    engines = [cf.CudaForward(cfg, w, **options, rope_release=on) for on in (False, True)]
+    try:
+        assert_same_steps(cfg, *engines, seed=16, chunks=(40, 13, 7))
+        for engine in engines:
+            releases = recorded_releases(engine, monkeypatch, "rope_kv_write")
+            engine.run(make_batch([(prompt(cfg, 40, seed=17), 0, np.arange(3))]), eager=True)
+            assert releases == [engine.rope_release] * cfg.num_layers
     finally:
         for engine in engines:
             engine.close()

@@ -70,17 +70,25 @@ __device__ __noinline__ void CombineTileCta(int t0, int m, int kv_head, int grou
     const float2* stats =
         reinterpret_cast<const float2*>(partial_stats) + head_of(r) * split_stride;
     float* weight = s_weight + r * kAttnMaxSplits;
-    // M and sum_z 2^(m_z - M) l_z in one pass, rescaled as M grows (split 0's m_z is finite)
+    // M and sum_z 2^(m_z - M) l_z in one pass, rescaled as M grows (split 0's m_z is finite).
+    // kMergeBatch splits' loads at once, ahead of their sums: weight is a generic pointer,
+    // whose stores the compiler would otherwise keep the next split's load behind (a round
+    // trip a split)
     float max_all = -INFINITY, total = 0.f;
-#pragma unroll 8
-    for (int z = 0; z < active_splits; ++z) {
-      const float2 st = __ldcg(stats + z);
-      weight[z] = st.x;
-      if (st.x > max_all) {
-        total *= exp2f(max_all - st.x);
-        max_all = st.x;
+    for (int z0 = 0; z0 < active_splits; z0 += kMergeBatch) {
+      float2 st[kMergeBatch];
+#pragma unroll
+      for (int b = 0; b < kMergeBatch; ++b)
+        if (z0 + b < active_splits) st[b] = __ldcg(stats + z0 + b);
+#pragma unroll
+      for (int b = 0; b < kMergeBatch && z0 + b < active_splits; ++b) {
+        weight[z0 + b] = st[b].x;
+        if (st[b].x > max_all) {
+          total *= exp2f(max_all - st[b].x);
+          max_all = st[b].x;
+        }
+        total += exp2f(st[b].x - max_all) * st[b].y;  // 0 at -inf
       }
-      total += exp2f(st.x - max_all) * st.y;  // 0 at -inf
     }
     const float inv_total = 1.f / total;
     for (int z = 0; z < active_splits; ++z) weight[z] = exp2f(weight[z] - max_all) * inv_total;

@@ -148,14 +148,18 @@ __global__ void __launch_bounds__(256)
 }
 
 // kv_scales: the layer's (an E4M3 cache), kv_amax: its calibration's maxima, or null.
+// release_next: attention, the kernel after this one, may launch once every CTA of this grid has
+// started (so once the whole grid is placed: attention's CTAs take only the SMs' room left),
+// and run its prologue (the batch arrays, its query tile's search) before its own wait.
 __global__ void __launch_bounds__(blink::kRopeThreads)
     blink_rope_kv_write(const BatchDesc* desc, const int32_t* positions, const int32_t* token_seq,
                         const int32_t* block_tables, int max_blocks_per_seq, const bf16* qkv,
                         const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, float eps,
                         const float* inv_freq, int num_heads, int num_kv_heads, bf16* q_out,
                         KvElement* k_cache, KvElement* v_cache, int block_size, int num_blocks,
-                        const float* kv_scales, float* kv_amax) {
+                        const float* kv_scales, float* kv_amax, int release_next) {
   blink::AwaitPriorKernel();
+  if (release_next) blink::ReleaseNextKernel();
   blink::RopeKvWriteCta<kHeadDim, Kv>(desc, positions, token_seq, block_tables,
                                       max_blocks_per_seq, qkv, qkv_bias, q_norm, k_norm, eps,
                                       inv_freq, num_heads, num_kv_heads, q_out, k_cache,
