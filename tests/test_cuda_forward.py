@@ -111,6 +111,19 @@ def f16_form(x, norm_w=None) -> np.ndarray:
     return (v * np.float32(1 / 16)).astype(np.float16).view(np.uint16)
 
 
+def assert_f16_form_written(form, rows, out, shadow, from_out, next_norm_w) -> None:
+    """The next FP8 projection's f16 form of x as a skinny kernel wrote it (poisoned first):
+    from its bf16 output (from_out: SiLU * up, every row written) or from the residual
+    stream's shadow times the next RMSNorm's weight, exactly, and nothing past `rows`."""
+    if from_out:
+        assert (out[:rows] != POISON_BF16).all()
+        np.testing.assert_array_equal(form[:rows], f16_form(bf16_to_f32(out[:rows])))
+    else:
+        np.testing.assert_array_equal(form[:rows],
+                                      f16_form(bf16_to_f32(shadow[:rows]), next_norm_w))
+    assert (form[rows:] == POISON_BF16).all()
+
+
 def fp8_weight(w) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(codes, scales, their float64 values) of w quantized per row (gpu_engine/fp8.py)."""
     codes, scale = quantize_rows(w)
@@ -477,14 +490,9 @@ def test_skinny_fp8_x_f16(cf, stream, rows, k_in, n_out, kind, k_splits):
         outputs.append((out.download(), shadow.download() if shadow else None, form.download()))
     (plain, plain_shadow, _), (got, got_shadow, form) = outputs
     np.testing.assert_array_equal(got, plain)
-    if norm:
-        assert (got[:rows] != POISON_BF16).all()
-        np.testing.assert_array_equal(form[:rows], f16_form(bf16_to_f32(got[:rows])))
-    else:
+    if not norm:
         np.testing.assert_array_equal(got_shadow, plain_shadow)
-        np.testing.assert_array_equal(form[:rows],
-                                      f16_form(bf16_to_f32(got_shadow[:rows]), next_norm_w))
-    assert (form[rows:] == POISON_BF16).all()
+    assert_f16_form_written(form, rows, got, got_shadow, norm, next_norm_w)
     with pytest.raises(ValueError, match="f16 form"):
         k.skinny_linear(stream, dx.ptr, dw.ptr, out.ptr, 9, k_in, n_out, cf.SKINNY_F32_ADD,
                         shadow=dx.ptr, x_f16=x_f16.ptr, **common)
@@ -632,14 +640,9 @@ def test_skinny_bf16_writes_x_f16_for_an_fp8_projection(cf, stream, rows, k_in, 
         outputs.append([None if a is None else a.download() for a in (out, shadow, form, parts)])
     (plain, plain_shadow, _, _), (got, got_shadow, got_form, got_parts) = outputs
     np.testing.assert_array_equal(got, plain)
-    if silu:
-        assert (got[:rows] != POISON_BF16).all()
-        np.testing.assert_array_equal(got_form[:rows], f16_form(bf16_to_f32(got[:rows])))
-    else:
+    if not silu:
         np.testing.assert_array_equal(got_shadow, plain_shadow)
-        np.testing.assert_array_equal(got_form[:rows],
-                                      f16_form(bf16_to_f32(got_shadow[:rows]), next_norm_w))
-    assert (got_form[rows:] == POISON_BF16).all()
+    assert_f16_form_written(got_form, rows, got, got_shadow, silu, next_norm_w)
     if kind == "o_squares":
         want = square_parts(bf16_to_f32(got_shadow[:rows]))
         np.testing.assert_allclose(got_parts[:rows], want, rtol=1e-5)
