@@ -815,7 +815,11 @@ def _free_port_run(bind, n: int) -> list:
 def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None:
     """One extra front-end worker process (multiprocessing target). It stops with its parent,
     however that ends (a kill -9 of serve used to leave it serving NOT_SERVING on the port)."""
-    signal.signal(PARENT_DIED_SIGNAL, _stop_as_parent_died)
+    import functools
+
+    from blink.nic_service.engine_link import WorkerCounts  # (before a signal can come)
+    signal.signal(PARENT_DIED_SIGNAL, functools.partial(
+        _stop_as_parent_died, functools.partial(WorkerCounts.reset, args.ring_name)))
     _exit_with_parent(parent_pid, f"blink front-end worker {index + 1}", PARENT_DIED_SIGNAL)
     from blink.nic_service.server import serve
     from blink.ring.lifecycle import HURRY_SIGNAL
@@ -825,13 +829,8 @@ def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None
     args.worker_index, args.ready_file = index, None
     if args.metrics_port:
         args.metrics_port += index  # worker i: metrics port + i
-    try:
-        asyncio.run(serve(_frontend_config(args, model_dir), None,
-                          shutdown_timeout_s=args.shutdown_timeout, repeats_hurry=False))
-    finally:
-        if _parent_died:  # (SIGKILL): nobody else clears them
-            from blink.nic_service.engine_link import WorkerCounts
-            WorkerCounts.reset(args.ring_name)
+    asyncio.run(serve(_frontend_config(args, model_dir), None,
+                      shutdown_timeout_s=args.shutdown_timeout, repeats_hurry=False))
 
 
 # A front-end worker's parent-death signal, apart from the SIGTERM of a normal stop, so that
@@ -842,14 +841,22 @@ PARENT_DIED_SIGNAL = signal.SIGUSR2
 _parent_died = False  # in a worker: its PARENT_DIED_SIGNAL has come
 
 
-def _stop_as_parent_died(*_) -> None:
-    """The worker's PARENT_DIED_SIGNAL handler: noted, then the stop a SIGTERM asks for (the
-    signal may come again, once for each of serve's threads the worker was handed to as they
-    died: a worker stops once). Serve's watcher thread ends in a normal stop too, and the
-    workers it restarted get this signal then: they clear the counts early, which the others,
-    holding them mapped, do not notice, and serve's own clearing tolerates."""
+def _stop_as_parent_died(clear_counts, *_) -> None:
+    """The worker's PARENT_DIED_SIGNAL handler, for its first such signal: clear_counts()
+    removes the counts the workers share at once (serve, which does it as it stops, is gone),
+    then the worker stops as a SIGTERM asks. The signal comes again, once for each of serve's
+    threads the worker was handed to as they died, which on a loaded VM can be after the worker
+    has drained: a second SIGTERM then, its event loop closed, meets the default action and
+    ends the worker at once (the clean-up that ran as the worker ended was skipped so, and the
+    counts were left in /dev/shm: seen on CI, now and then). Serve's
+    watcher thread ends in a normal stop too, and the workers it restarted get this signal
+    then: they clear the counts early, which the others, holding them mapped, do not notice,
+    and serve's own clearing tolerates."""
     global _parent_died
+    if _parent_died:
+        return
     _parent_died = True
+    clear_counts()
     os.kill(os.getpid(), signal.SIGTERM)
 
 
