@@ -818,8 +818,8 @@ def _frontend_worker(args, model_dir: Path, index: int, parent_pid: int) -> None
     import functools
 
     from blink.nic_service.engine_link import WorkerCounts  # (before a signal can come)
-    signal.signal(PARENT_DIED_SIGNAL, functools.partial(
-        _stop_as_parent_died, functools.partial(WorkerCounts.reset, args.ring_name)))
+    clear_counts = functools.partial(WorkerCounts.reset, args.ring_name)
+    signal.signal(PARENT_DIED_SIGNAL, lambda *_: _stop_as_parent_died(clear_counts))
     _exit_with_parent(parent_pid, f"blink front-end worker {index + 1}", PARENT_DIED_SIGNAL)
     from blink.nic_service.server import serve
     from blink.ring.lifecycle import HURRY_SIGNAL
@@ -841,17 +841,17 @@ PARENT_DIED_SIGNAL = signal.SIGUSR2
 _parent_died = False  # in a worker: its PARENT_DIED_SIGNAL has come
 
 
-def _stop_as_parent_died(clear_counts, *_) -> None:
+def _stop_as_parent_died(clear_counts) -> None:
     """The worker's PARENT_DIED_SIGNAL handler, for its first such signal: clear_counts()
     removes the counts the workers share at once (serve, which does it as it stops, is gone),
     then the worker stops as a SIGTERM asks. The signal comes again, once for each of serve's
     threads the worker was handed to as they died, which on a loaded VM can be after the worker
     has drained: a second SIGTERM then, its event loop closed, meets the default action and
     ends the worker at once (the clean-up that ran as the worker ended was skipped so, and the
-    counts were left in /dev/shm: seen on CI, now and then). Serve's
-    watcher thread ends in a normal stop too, and the workers it restarted get this signal
-    then: they clear the counts early, which the others, holding them mapped, do not notice,
-    and serve's own clearing tolerates."""
+    counts were left in /dev/shm: seen on CI, now and then). Serve's watcher thread ends in a
+    normal stop too, and the workers it restarted get this signal then: they clear the counts
+    early, which the others, holding them mapped, do not notice, and serve's own clearing
+    tolerates."""
     global _parent_died
     if _parent_died:
         return
